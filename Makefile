@@ -1,0 +1,39 @@
+# perflab: the two commands are `make report` and `make test` (see README.md).
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.perflab-installed
+SUITE   ?= smoke
+PARAMS  ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup report test lab ceilings clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned: a bare or open-range torch would pull a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (perflab)" >/dev/null
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+## Run the smoke suite headless on CPU and print the report's index.html.
+report: $(STAMP)
+	$(BIN)/perflab run $(SUITE) $(PARAMS)
+
+## Every test: unit tests, runner, browser tests (skipped without Chromium), nbval over labs/.
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## JupyterLab on labs/.
+lab: $(STAMP)
+	$(BIN)/jupyter lab --notebook-dir=labs
+
+ceilings: $(STAMP)
+	$(BIN)/perflab ceilings --force
+
+clean:
+	rm -rf $(VENV) reports .perflab

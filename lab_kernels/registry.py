@@ -1,0 +1,131 @@
+"""Registry of op variants with capability checks.
+
+Every op module (``lab_kernels/<op>.py``) registers its variants at import time:
+the float64-valid reference, eager torch, ``torch.compile``, hand-written Triton,
+and library implementations when installed.  A notebook asks
+``variants("rms_norm", device="cpu", dtype=torch.bfloat16)`` for every variant that
+can run there; ``why_not`` says in words why one cannot.
+
+Op names equal module names, so asking for an op imports its module lazily.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+KINDS = ("reference", "eager", "compile", "triton", "library")
+
+_REGISTRY: dict[str, dict[str, "Variant"]] = {}
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One implementation of an op.
+
+    ``check(device=..., dtype=..., **problem)`` may return a reason string when the
+    variant cannot handle a particular problem (shape limits, head dims, masks).
+    """
+
+    op: str
+    name: str
+    fn: Callable[..., Any]
+    kind: str
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    dtypes: tuple[torch.dtype, ...] | None = None
+    check: Callable[..., str | None] | None = None
+    description: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def why_not(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                **problem: Any) -> str | None:
+        """None when the variant can run this problem, else the reason in words."""
+        dev = torch.device(device).type if device is not None else None
+        if dev is not None and dev not in self.devices:
+            return f"{self.op}/{self.name} runs on {', '.join(self.devices)}, not {dev}"
+        if self.kind == "triton" and dev == "cpu" and not _interpreted():
+            return (f"{self.op}/{self.name} is a Triton kernel; on CPU it needs "
+                    "TRITON_INTERPRET=1 set before lab_kernels is imported")
+        if self.kind == "triton" and dev == "cuda" and _interpreted():
+            return f"{self.op}/{self.name}: TRITON_INTERPRET=1 is set, kernels would not run on the GPU"
+        if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
+            allowed = ", ".join(str(d).replace("torch.", "") for d in self.dtypes)
+            return f"{self.op}/{self.name} takes dtypes {allowed}, not {str(dtype).replace('torch.', '')}"
+        if self.check is not None:
+            return self.check(device=dev, dtype=dtype, **problem)
+        return None
+
+    def can_run(self, device=None, dtype=None, **problem) -> bool:
+        return self.why_not(device, dtype, **problem) is None
+
+    def timeable(self, device: str | torch.device) -> bool:
+        """False where timings would be meaningless (Triton's CPU interpreter)."""
+        return not (self.kind == "triton" and torch.device(device).type == "cpu")
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def register(op: str, name: str, fn: Callable | None = None, *, kind: str,
+             devices: tuple[str, ...] = ("cpu", "cuda"), dtypes=None, check=None,
+             description: str = "", **extra):
+    """Register a variant; usable as ``register(op, name, fn, kind=...)`` or as a decorator."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is not one of {KINDS}")
+
+    def _do(f):
+        _REGISTRY.setdefault(op, {})[name] = Variant(
+            op=op, name=name, fn=f, kind=kind, devices=tuple(devices),
+            dtypes=tuple(dtypes) if dtypes is not None else None, check=check,
+            description=description, extra=extra)
+        return f
+
+    return _do(fn) if fn is not None else _do
+
+
+def _ensure(op: str) -> None:
+    if op not in _REGISTRY:
+        try:
+            importlib.import_module(f"lab_kernels.{op}")
+        except ModuleNotFoundError as e:
+            if e.name != f"lab_kernels.{op}":
+                raise
+    if op not in _REGISTRY:
+        raise KeyError(f"op={op!r} is not registered; known ops: {', '.join(list_ops()) or 'none'}")
+
+
+def list_ops() -> list[str]:
+    """Ops registered so far plus op modules present in the package."""
+    here = os.path.dirname(__file__)
+    mods = {f[:-3] for f in os.listdir(here)
+            if f.endswith(".py") and not f.startswith("_") and f not in ("registry.py",)}
+    return sorted(set(_REGISTRY) | mods)
+
+
+def get_variant(op: str, name: str) -> Variant:
+    _ensure(op)
+    try:
+        return _REGISTRY[op][name]
+    except KeyError:
+        raise KeyError(f"variant={name!r} is not a variant of {op}; known: "
+                       f"{', '.join(_REGISTRY[op])}") from None
+
+
+def variants(op: str, device=None, dtype=None, *, include_unavailable: bool = False,
+             kinds: tuple[str, ...] | None = None, **problem) -> list[Variant]:
+    """All variants of ``op`` that can run on ``device``/``dtype`` for this problem."""
+    _ensure(op)
+    out = []
+    for v in _REGISTRY[op].values():
+        if kinds is not None and v.kind not in kinds:
+            continue
+        if include_unavailable or v.why_not(device, dtype, **problem) is None:
+            out.append(v)
+    return out

@@ -1,0 +1,97 @@
+"""Validated, frozen configs.
+
+One parameter has one name from a notebook's ``parameters`` cell through the YAML
+sets in ``parameterized/``, the config dataclass and ``perflab run --param``.  A
+config validates itself in ``__post_init__`` and refuses a bad value with a
+:class:`ConfigError` naming the parameter, the value and what is allowed, before
+any heavy work starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Mapping
+
+
+class ConfigError(ValueError):
+    """A parameter value that is not allowed.  The message names parameter, value and rule."""
+
+    def __init__(self, param: str, value: Any, allowed: str):
+        self.param, self.value, self.allowed = param, value, allowed
+        super().__init__(f"parameter {param!r} = {value!r} is not allowed: expected {allowed}")
+
+
+def check_choice(param: str, value: Any, allowed: Iterable[Any]) -> None:
+    allowed = list(allowed)
+    if value not in allowed:
+        raise ConfigError(param, value, "one of " + ", ".join(repr(a) for a in allowed))
+
+
+def check_choices(param: str, values: Any, allowed: Iterable[Any]) -> None:
+    allowed = list(allowed)
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+        raise ConfigError(param, values, "a list drawn from " + ", ".join(repr(a) for a in allowed))
+    if not values:
+        raise ConfigError(param, values, "a non-empty list drawn from " + ", ".join(repr(a) for a in allowed))
+    for v in values:
+        if v not in allowed:
+            raise ConfigError(param, values, f"every item one of {', '.join(repr(a) for a in allowed)} "
+                                             f"({v!r} is not)")
+
+
+def check_int(param: str, value: Any, *, min: int | None = None, max: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(param, value, "an integer")
+    if min is not None and value < min:
+        raise ConfigError(param, value, f"an integer >= {min}")
+    if max is not None and value > max:
+        raise ConfigError(param, value, f"an integer <= {max}")
+
+
+def check_float(param: str, value: Any, *, min: float | None = None, max: float | None = None,
+                min_exclusive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(param, value, "a number")
+    if min is not None and (value <= min if min_exclusive else value < min):
+        raise ConfigError(param, value, f"a number {'>' if min_exclusive else '>='} {min}")
+    if max is not None and value > max:
+        raise ConfigError(param, value, f"a number <= {max}")
+
+
+def check_int_list(param: str, value: Any, *, min: int | None = None, nonempty: bool = True) -> None:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ConfigError(param, value, "a list of integers")
+    if nonempty and not value:
+        raise ConfigError(param, value, "a non-empty list of integers")
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, int) or (min is not None and v < min):
+            raise ConfigError(param, value, f"a list of integers{f' >= {min}' if min is not None else ''}"
+                                            f" ({v!r} is not)")
+
+
+def check_bool(param: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(param, value, "True or False")
+
+
+@dataclasses.dataclass(frozen=True)
+class LabConfig:
+    """Base for a lab's parameters.  Subclasses are frozen dataclasses whose field
+    names are exactly the notebook's parameter names; they validate in ``__post_init__``."""
+
+    @classmethod
+    def param_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any], *, strict: bool = False):
+        """Build from a mapping (a notebook's ``globals()``, a YAML set); extra keys are
+        ignored unless ``strict``, in which case an unknown key is a ConfigError."""
+        names = set(cls.param_names())
+        if strict:
+            for k in params:
+                if k not in names:
+                    raise ConfigError(k, params[k], f"a parameter of {cls.__name__}: {', '.join(sorted(names))}")
+        return cls(**{k: v for k, v in params.items() if k in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

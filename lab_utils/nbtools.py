@@ -1,0 +1,93 @@
+"""Build lab notebooks from code, and keep only the outputs nbval should check.
+
+Labs are committed with outputs stripped, except the cells marked
+``# NBVAL_CHECK_OUTPUT`` whose deterministic text output (correctness verdicts,
+shapes, counts, fixed-seed error figures) nbval compares on every ``make test``.
+``refresh(path)`` executes a notebook at its default parameters and rewrites it that
+way; run it after changing a lab on purpose (``perflab nb refresh labs/NN_x.ipynb``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import nbformat
+
+CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
+
+
+def make_notebook(cells: Sequence[tuple], *, config: str | None = None, title: str | None = None) -> nbformat.NotebookNode:
+    """``cells``: ("md", text) | ("code", source) | ("params", source) | ("code", source, [tags]).
+
+    ``config`` is "module:Class", the LabConfig the runner builds from the parameters to
+    validate them before the notebook runs."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    if config:
+        nb.metadata["perflab"] = {"config": config}
+    if title:
+        nb.metadata["title"] = title
+    for c in cells:
+        kind, src = c[0], c[1].strip("\n")
+        tags = list(c[2]) if len(c) > 2 else []
+        if kind == "md":
+            nb.cells.append(nbformat.v4.new_markdown_cell(src))
+        elif kind == "params":
+            nb.cells.append(nbformat.v4.new_code_cell(src, metadata={"tags": ["parameters", *tags]}))
+        elif kind == "code":
+            nb.cells.append(nbformat.v4.new_code_cell(src, metadata={"tags": tags} if tags else {}))
+        else:
+            raise ValueError(f"cell kind {kind!r} is not 'md', 'code' or 'params'")
+    return nb
+
+
+def strip_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Keep text outputs of NBVAL_CHECK_OUTPUT cells only; drop everything else."""
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        if CHECK_MARK in cell.source:
+            kept = []
+            for out in cell.get("outputs", []):
+                if out.output_type == "stream" and out.name == "stdout":
+                    kept.append(out)
+                elif out.output_type in ("execute_result", "display_data") and "text/plain" in out.get("data", {}):
+                    out = nbformat.from_dict({**out, "data": {"text/plain": out["data"]["text/plain"]}})
+                    out.setdefault("metadata", {})
+                    kept.append(out)
+                elif out.output_type == "error":
+                    raise RuntimeError(f"checked cell raised: {out.get('ename')}: {out.get('evalue')}")
+            cell.outputs = kept
+        else:
+            cell.outputs = []
+            cell.execution_count = None
+    nb.metadata.pop("papermill", None)
+    for cell in nb.cells:
+        cell.metadata.pop("papermill", None)
+        cell.metadata.pop("execution", None)
+    return nb
+
+
+def execute(nb: nbformat.NotebookNode, cwd: str | Path, timeout: int = 1200) -> nbformat.NotebookNode:
+    from nbclient import NotebookClient
+
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    return nb
+
+
+def write(nb: nbformat.NotebookNode, path: str | Path, *, run: bool = True) -> Path:
+    """Write a lab; with ``run`` execute it first so its checked cells carry outputs."""
+    path = Path(path)
+    if run:
+        execute(nb, path.parent)
+    strip_outputs(nb)
+    nbformat.validate(nb)
+    path.write_text(nbformat.writes(nb) + "\n")
+    return path
+
+
+def refresh(path: str | Path) -> Path:
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    return write(nb, path, run=True)

@@ -1,0 +1,189 @@
+"""The one recording API: tidy rows plus the run's context.
+
+A row is one number: (lab, experiment, variant, shape, dtype, metric, value, unit,
+statistic), optionally the raw ``samples`` it summarises and ``extra`` keys (JSON).
+The context (device, ceilings, versions, commit, timestamp, parameters) is stored
+once per notebook run and merged onto every row when a report gathers records.
+
+In a headless run the runner sets ``PERFLAB_RECORDS_DIR``; ``Recorder.save()``
+writes there.  Interactively it writes under ``.perflab/records/``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+import torch
+
+from .timing import BenchFailure, Timing
+
+ROW_COLUMNS = ["lab", "experiment", "variant", "shape", "dtype", "metric", "value", "unit", "statistic",
+               "samples", "extra"]
+CONTEXT_COLUMNS = ["device", "device_kind", "torch_version", "triton_version", "cuda_version", "commit",
+                   "timestamp"]
+RECORDS_FILE = "records.json"
+
+
+def fmt_shape(shape: Any) -> str:
+    if shape is None:
+        return ""
+    if isinstance(shape, str):
+        return shape
+    if isinstance(shape, torch.Size) or isinstance(shape, (tuple, list)):
+        return "x".join(str(int(s)) if not isinstance(s, str) else s for s in shape)
+    return str(shape)
+
+
+def fmt_dtype(dtype: Any) -> str:
+    if dtype is None:
+        return ""
+    return str(dtype).replace("torch.", "")
+
+
+def git_commit(root: str | Path | None = None) -> str:
+    root = Path(root or Path(__file__).resolve().parents[1])
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (sha or "unknown") + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_context(params: dict | None = None, device=None, *, ceilings=None) -> dict:
+    """Everything needed to reproduce and compare a run's numbers."""
+    from .device import device_info
+
+    info = device_info(device)
+    ctx = {
+        "device": info.name, "device_kind": info.kind, "device_info": info.as_dict(),
+        "torch_version": info.torch_version, "triton_version": info.triton_version,
+        "cuda_version": info.cuda_version, "python_version": info.python_version,
+        "commit": git_commit(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(), "params": _jsonable(params or {}),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
+    }
+    if ceilings is not None:
+        ctx["ceilings"] = ceilings.as_dict()
+    return ctx
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, bool)) or x is None:
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else str(x)
+    if isinstance(x, (torch.dtype, torch.device)):
+        return str(x)
+    if hasattr(x, "item") and callable(x.item):
+        try:
+            return _jsonable(x.item())
+        except (ValueError, RuntimeError):
+            pass
+    return str(x)
+
+
+@dataclass
+class Recorder:
+    lab: str
+    params: dict = field(default_factory=dict)
+    device: Any = None
+    ceilings: Any = None
+    rows: list[dict] = field(default_factory=list)
+
+    def add(self, experiment: str, variant: str, metric: str, value: float, unit: str = "", *,
+            shape: Any = "", dtype: Any = "", statistic: str = "value", samples: Iterable[float] | None = None,
+            **extra: Any) -> dict:
+        row = dict(lab=self.lab, experiment=experiment, variant=str(variant), shape=fmt_shape(shape),
+                   dtype=fmt_dtype(dtype), metric=metric, value=float(value) if value is not None else math.nan,
+                   unit=unit, statistic=statistic,
+                   samples=[float(s) for s in samples] if samples is not None else None,
+                   extra=json.dumps(_jsonable(extra), sort_keys=True) if extra else "")
+        self.rows.append(row)
+        return row
+
+    def add_timing(self, experiment: str, variant: str, timing: Timing | BenchFailure, *, shape: Any = "",
+                   dtype: Any = "", bytes: float | None = None, flops: float | None = None, ceilings=None,
+                   metric_prefix: str = "", **extra: Any):
+        """Rows for one timing: time median (samples kept) / p20 / p80, and GB/s, TFLOP/s and
+        % of the measured ceiling when bytes / flops are given.  A failure becomes one
+        ``failed`` row carrying its reason."""
+        p = metric_prefix
+        if not getattr(timing, "ok", False):
+            return self.add(experiment, variant, p + "time", math.nan, "ms", shape=shape, dtype=dtype,
+                            statistic="failed", failure_kind=timing.kind, reason=timing.reason, **extra)
+        kw = dict(shape=shape, dtype=dtype, **extra)
+        self.add(experiment, variant, p + "time", timing.median_ms, "ms", statistic="median",
+                 samples=timing.samples_ms, method=timing.method, **kw)
+        self.add(experiment, variant, p + "time", timing.p20_ms, "ms", statistic="p20", **kw)
+        self.add(experiment, variant, p + "time", timing.p80_ms, "ms", statistic="p80", **kw)
+        if bytes:
+            self.add(experiment, variant, p + "bandwidth", bytes / (timing.median_ms * 1e-3) / 1e9, "GB/s",
+                     statistic="median", formula="bytes / time", bytes=bytes, **kw)
+        if flops:
+            self.add(experiment, variant, p + "throughput", flops / (timing.median_ms * 1e-3) / 1e12, "TFLOP/s",
+                     statistic="median", formula="flops / time", flops=flops, **kw)
+        c = ceilings or self.ceilings
+        if c is not None and (bytes or flops):
+            from .roofline import roofline
+
+            pt = roofline(timing, bytes=bytes or 0, flops=flops or 0, ceilings=c, dtype=dtype or "fp32")
+            self.add(experiment, variant, p + "pct_of_ceiling", pt.pct_of_ceiling, "%", statistic="median",
+                     bound=pt.bound, **kw)
+        return timing
+
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.rows, columns=ROW_COLUMNS) if self.rows else pd.DataFrame(columns=ROW_COLUMNS)
+
+    def context(self) -> dict:
+        return run_context(self.params, self.device, ceilings=self.ceilings)
+
+    def save(self, path: str | Path | None = None) -> Path:
+        """Write rows + context as JSON (atomically).  Returns the file written."""
+        if path is None:
+            d = os.environ.get("PERFLAB_RECORDS_DIR")
+            if d:
+                path = Path(d) / RECORDS_FILE
+            else:
+                path = Path(".perflab") / "records" / f"{self.lab}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"context": self.context(), "rows": _jsonable(self.rows)}, indent=1))
+        tmp.replace(path)
+        return path
+
+
+def load_records(path: str | Path) -> pd.DataFrame:
+    """Rows of a records JSON (one notebook) or of a report's gathered records
+    (``records.json`` / ``records.parquet`` / a report folder), context merged in."""
+    path = Path(path)
+    if path.is_dir():
+        for name in ("records.parquet", "records.json"):
+            if (path / name).exists():
+                return load_records(path / name)
+        raise FileNotFoundError(f"no records.parquet or records.json in {path}")
+    if path.suffix == ".parquet":
+        return pd.read_parquet(path)
+    data = json.loads(path.read_text())
+    if isinstance(data, dict) and "rows" in data:
+        df = pd.DataFrame(data["rows"], columns=ROW_COLUMNS)
+        ctx = data.get("context", {})
+        for c in CONTEXT_COLUMNS:
+            df[c] = ctx.get(c, "")
+        return df
+    return pd.DataFrame(data)
