@@ -1,0 +1,111 @@
+"""The ``perflab`` command.
+
+  perflab run SUITE [--param key=value ...] [--only NOTEBOOK ...] [--out DIR]
+  perflab run --list
+  perflab ceilings [--force] [--quick]
+  perflab nb refresh LAB.ipynb ...
+  perflab compare BASE CANDIDATE [...]      (lab_utils.compare)
+  perflab baseline refresh|check [...]      (lab_utils.compare)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_run(a) -> int:
+    from .config import ConfigError
+    from .runner import SuiteError, list_suites, load_suite, parse_overrides, run_suite
+
+    if a.list:
+        for name in list_suites():
+            try:
+                s = load_suite(name)
+            except SuiteError as e:
+                print(f"{name}: BROKEN: {e}")
+                continue
+            print(f"{name}: {s.description}")
+            for e in s.entries:
+                extra = f" {e.params}" if e.params else ""
+                print(f"  - {e.stem} (set {e.set or 'defaults'}){extra}")
+        return 0
+    if not a.suite:
+        print("perflab run: give a SUITE (see `perflab run --list`)", file=sys.stderr)
+        return 2
+    try:
+        res = run_suite(a.suite, overrides=parse_overrides(a.param), out_dir=a.out, only=a.only,
+                        progress=not a.no_progress)
+    except (SuiteError, ConfigError) as e:
+        print(f"perflab run: {e}", file=sys.stderr)
+        return 2
+    for s in res.statuses:
+        line = f"  {s.status:6s} {s.notebook} ({s.seconds:.1f} s, {s.rows} records)"
+        if s.error:
+            line += f"\n         {s.error.splitlines()[0][:300]}"
+        print(line)
+    print(f"report: {res.index}")
+    if not res.ok:
+        print(f"perflab run: {sum(s.status != 'ok' for s in res.statuses)} notebook(s) failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_ceilings(a) -> int:
+    from .ceilings import get_ceilings
+
+    c = get_ceilings(a.device, force=a.force, quick=a.quick, progress=True)
+    print(f"{c.device_name} (measured {c.measured_at}{', quick' if c.quick else ''})")
+    for r in c.summary_rows():
+        ds = f"{r['datasheet']:.4g}" if r["datasheet"] else "—"
+        me = f"{r['measured']:.4g}" if r["measured"] else "—"
+        print(f"  {r['quantity']:16s} measured {me:>10s}  datasheet {ds:>8s} {r['unit']}  {r['note']}")
+    return 0
+
+
+def _cmd_nb(a) -> int:
+    from .nbtools import refresh
+
+    for p in a.paths:
+        refresh(p)
+        print(f"refreshed {p}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "compare":
+        from .compare import main as compare_main
+
+        return compare_main(argv[1:])
+    if argv and argv[0] == "baseline":
+        from .compare import baseline_main
+
+        return baseline_main(argv[1:])
+    ap = argparse.ArgumentParser(prog="perflab", description="perflab: a performance lab for diffusion-transformer training")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run a suite of notebooks headless into reports/<run-id>/")
+    r.add_argument("suite", nargs="?")
+    r.add_argument("--list", action="store_true", help="list suites and their notebooks")
+    r.add_argument("--param", action="append", metavar="KEY=VALUE", help="override a parameter (YAML value)")
+    r.add_argument("--only", action="append", metavar="NOTEBOOK", help="run only this notebook of the suite")
+    r.add_argument("--out", default=None, help="reports folder (default: reports/)")
+    r.add_argument("--no-progress", action="store_true")
+    r.set_defaults(fn=_cmd_run)
+    c = sub.add_parser("ceilings", help="measure (or show cached) copy and matmul ceilings")
+    c.add_argument("--force", action="store_true", help="re-measure even if cached")
+    c.add_argument("--quick", action="store_true", help="smaller sizes (what CPU smoke runs use)")
+    c.add_argument("--device", default=None)
+    c.set_defaults(fn=_cmd_ceilings)
+    n = sub.add_parser("nb", help="notebook maintenance")
+    nsub = n.add_subparsers(dest="nbcmd", required=True)
+    rf = nsub.add_parser("refresh", help="execute a lab at its defaults and keep only checked outputs")
+    rf.add_argument("paths", nargs="+")
+    rf.set_defaults(fn=_cmd_nb)
+    sub.add_parser("compare", help="compare two reports (see `perflab compare --help`)")
+    sub.add_parser("baseline", help="stored baselines (see `perflab baseline --help`)")
+    a = ap.parse_args(argv)
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Reference ops for the ceilings lab: copy, elementwise ops and matmul, placed on the roofline.
+
+Bytes and FLOPs are counted, never inferred from time:
+
+| op     | bytes (fewest that must move)          | FLOPs          |
+|--------|----------------------------------------|----------------|
+| copy   | 2·N·s   (read N, write N)              | 0              |
+| add    | 3·N·s   (read 2N, write N)             | N              |
+| gelu   | 2·N·s                                  | 8·N (tanh form, counted as 8 ops/elt) |
+| matmul | 3·n²·s  (read A and B, write C)        | 2·n³           |
+
+N elements, s bytes per element, n×n matrices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from .ceilings import Ceilings, get_ceilings
+from .config import LabConfig, check_bool, check_choice, check_choices, check_int, check_int_list
+from .device import pick_device
+from .records import Recorder
+from .roofline import roofline
+from .timing import try_bench
+
+OPS = ("copy", "add", "gelu", "matmul")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GELU_FLOPS_PER_ELT = 8
+
+
+@dataclass(frozen=True)
+class CeilingsLabConfig(LabConfig):
+    device: str = "auto"
+    ops: tuple = ("copy", "add", "gelu", "matmul")
+    dtypes: tuple = ("float32", "bfloat16")
+    elementwise_sizes: tuple = (1 << 16, 1 << 18, 1 << 20, 1 << 22)
+    matmul_sizes: tuple = (64, 128, 256, 512)
+    reps: int = 15
+    quick_ceilings: bool = True
+    force_ceilings: bool = False
+
+    def __post_init__(self):
+        check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        check_choices("ops", list(self.ops), OPS)
+        check_choices("dtypes", list(self.dtypes), list(DTYPES))
+        check_int_list("elementwise_sizes", list(self.elementwise_sizes), min=1)
+        check_int_list("matmul_sizes", list(self.matmul_sizes), min=1)
+        check_int("reps", self.reps, min=3, max=10_000)
+        check_bool("quick_ceilings", self.quick_ceilings)
+        check_bool("force_ceilings", self.force_ceilings)
+        if self.device == "cuda" and not torch.cuda.is_available():
+            from .config import ConfigError
+
+            raise ConfigError("device", self.device, "'auto' or 'cpu' (no CUDA device is visible here)")
+
+
+def op_cost(op: str, size: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes, flops) an op must move / do; see the module table."""
+    s = torch.empty((), dtype=dtype).element_size()
+    if op == "copy":
+        return 2 * size * s, 0
+    if op == "add":
+        return 3 * size * s, size
+    if op == "gelu":
+        return 2 * size * s, GELU_FLOPS_PER_ELT * size
+    if op == "matmul":
+        return 3 * size * size * s, 2 * size ** 3
+    raise ValueError(f"op={op!r} is not one of {OPS}")
+
+
+def make_op(op: str, size: int, dtype: torch.dtype, device: torch.device, generator: torch.Generator | None = None):
+    """A zero-argument callable running one op on fresh random inputs (never zeros)."""
+    kw = dict(device=device, dtype=dtype)
+    if op == "matmul":
+        a = torch.randn(size, size, generator=generator, device="cpu").to(**kw)
+        b = torch.randn(size, size, generator=generator, device="cpu").to(**kw)
+        return lambda: torch.mm(a, b)
+    x = torch.randn(size, generator=generator, device="cpu").to(**kw)
+    if op == "copy":
+        y = torch.empty_like(x)
+        return lambda: y.copy_(x)
+    if op == "add":
+        z = torch.randn(size, generator=generator, device="cpu").to(**kw)
+        return lambda: torch.add(x, z)
+    if op == "gelu":
+        return lambda: torch.nn.functional.gelu(x, approximate="tanh")
+    raise ValueError(f"op={op!r} is not one of {OPS}")
+
+
+def sweep_plan(cfg: CeilingsLabConfig) -> list[tuple[str, str, int]]:
+    plan = []
+    for op in cfg.ops:
+        for dt in cfg.dtypes:
+            sizes = cfg.matmul_sizes if op == "matmul" else cfg.elementwise_sizes
+            for n in sizes:
+                plan.append((op, dt, int(n)))
+    return plan
+
+
+def run_sweep(cfg: CeilingsLabConfig, rec: Recorder, ceilings: Ceilings, progress: bool = True) -> pd.DataFrame:
+    """Time every (op, dtype, size); record rows; return one roofline point per measurement."""
+    from tqdm.auto import tqdm
+
+    dev = pick_device(cfg.device)
+    gen = torch.Generator().manual_seed(0)
+    pts = []
+    for op, dt, n in tqdm(sweep_plan(cfg), desc="reference ops", disable=not progress):
+        dtype = DTYPES[dt]
+        nbytes, flops = op_cost(op, n, dtype)
+        shape = (n, n) if op == "matmul" else (n,)
+        t = try_bench(make_op(op, n, dtype, dev, gen), name=f"{op}-{dt}-{n}", device=dev, reps=cfg.reps,
+                      budget_s=30, check_finite=True)
+        rec.add_timing("reference_ops", op, t, shape=shape, dtype=dtype, bytes=nbytes, flops=flops,
+                       ceilings=ceilings)
+        if not t.ok:
+            pts.append(dict(op=op, dtype=dt, size=n, shape="x".join(map(str, shape)), ok=False, error=t.reason))
+            continue
+        p = roofline(t, bytes=nbytes, flops=flops, ceilings=ceilings, dtype=dtype)
+        pts.append(dict(op=op, dtype=dt, size=n, shape="x".join(map(str, shape)), ok=True, error="",
+                        time_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, bytes=nbytes, flops=flops,
+                        intensity=p.intensity, tflops=p.tflops, gbs=p.gbs,
+                        pct_of_ceiling=p.pct_of_ceiling, bound=p.bound, floor_ms=p.floor_ms))
+    return pd.DataFrame(pts)
+
+
+def ceilings_table(ceilings: Ceilings) -> pd.DataFrame:
+    return pd.DataFrame(ceilings.summary_rows())
+
+
+def datasheet_table() -> pd.DataFrame:
+    from .device import DATASHEET
+
+    return pd.DataFrame([dict(gpu=p.name, bf16_tflops=p.bf16_tflops, fp8_tflops=p.fp8_tflops,
+                              fp4_tflops=p.fp4_tflops, tf32_tflops=p.tf32_tflops, hbm_gbs=p.hbm_gbs,
+                              memory_gib=p.memory_gib, source=p.source) for p in DATASHEET.values()])
+
+
+def load_ceilings(cfg: CeilingsLabConfig) -> Ceilings:
+    return get_ceilings(cfg.device, force=cfg.force_ceilings, quick=cfg.quick_ceilings
+                        and pick_device(cfg.device).type == "cpu", progress=True)
+
+
+def roofline_map(points: pd.DataFrame, ceilings: Ceilings):
+    """HoloMap over dtype: the roofline with every op's points (interactive in exported HTML).
+    Ops that do no arithmetic (copy) have no place on a FLOP roofline: see ``bandwidth_map``."""
+    from .plots import init, roofline_plot
+
+    hv = init()
+    frames = {}
+    for dt, g in points[points.ok & (points.flops > 0)].groupby("dtype", sort=False):
+        frames[dt] = roofline_plot(g, ceilings, dtype=DTYPES[dt], label_col="op",
+                                   title=f"Roofline · {ceilings.device_name} · {dt}")
+    return hv.HoloMap(frames, kdims=["dtype"])
+
+
+def bandwidth_map(points: pd.DataFrame, ceilings: Ceilings):
+    """HoloMap over dtype: achieved GB/s vs size per memory-bound op, the copy ceiling drawn."""
+    from .plots import init
+
+    hv = init()
+    frames = {}
+    ok = points[points.ok & (points.op != "matmul")]
+    for dt, g in ok.groupby("dtype", sort=False):
+        curves = [hv.Curve(gg.sort_values("size"), "size", ["gbs", "time_ms", "p20_ms", "p80_ms"], label=op)
+                  .opts(logx=True, tools=["hover"]) * hv.Scatter(gg, "size", "gbs").opts(size=6)
+                  for op, gg in g.groupby("op", sort=False)]
+        ceil = hv.HLine(ceilings.copy_gbs).opts(color="black", line_dash="dashed")
+        frames[dt] = hv.Overlay([*curves, ceil]).opts(
+            title=f"Achieved bandwidth · {dt} (dashed: measured copy ceiling {ceilings.copy_gbs:.0f} GB/s)",
+            xlabel="elements", ylabel="GB/s", logx=True, legend_position="bottom_right")
+    return hv.HoloMap(frames, kdims=["dtype"])

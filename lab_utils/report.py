@@ -1,0 +1,171 @@
+"""Report pieces: self-contained HTML of executed notebooks, gathered records, index page.
+
+Self-contained means it renders in a browser with no network: nbconvert's ``lab``
+template already inlines its CSS; holoviews/bokeh outputs carry BokehJS inline
+(``plots.init``); what remains external (require.js and MathJax from a CDN, the
+widget manager) is dropped, since the labs' outputs need neither.
+"""
+from __future__ import annotations
+
+import html
+import json
+import re
+from pathlib import Path
+
+import pandas as pd
+
+EXTERNAL_SCRIPT = re.compile(r"<script[^>]*\bsrc=[\"'](?:https?:)?//[^\"']*[\"'][^>]*>\s*</script>", re.I)
+EXTERNAL_LINK = re.compile(r"<link[^>]*\bhref=[\"'](?:https?:)?//[^\"']*[\"'][^>]*/?>", re.I)
+
+
+PANEL_CDN = re.compile(r"https://cdn\.holoviz\.org/panel/[^/\"']+/dist/([A-Za-z0-9_./-]+\.css)")
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def _panel_css_data_uri(m: re.Match) -> str:
+    """Panel's widgets reference their stylesheets on a CDN; inline the installed copy."""
+    import base64
+
+    import panel
+
+    f = Path(panel.__file__).parent / "dist" / m.group(1)
+    if not f.is_file():
+        return m.group(0)
+    return "data:text/css;base64," + base64.b64encode(f.read_bytes()).decode()
+
+
+def make_self_contained(text: str) -> str:
+    text = EXTERNAL_SCRIPT.sub("", text)
+    text = EXTERNAL_LINK.sub("", text)
+    return PANEL_CDN.sub(_panel_css_data_uri, text)
+
+
+def _drop_widget_views(nb) -> None:
+    """ipywidget outputs (tqdm bars) need a widget manager from a CDN: keep their text form."""
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data")
+            if data and WIDGET_VIEW in data:
+                data.pop(WIDGET_VIEW)
+
+
+def export_html(ipynb: Path, out: Path, *, title: str | None = None) -> Path:
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.read(ipynb, as_version=4)
+    if title:
+        nb.metadata["title"] = title
+    _drop_widget_views(nb)
+    exp = HTMLExporter(template_name="lab", embed_images=True)
+    exp.mathjax_url = ""
+    exp.require_js_url = ""
+    body, _ = exp.from_notebook_node(nb)
+    body = make_self_contained(body)
+    # An empty src would still fire an error event; drop such tags too.
+    body = re.sub(r"<script[^>]*\bsrc=[\"']{2}[^>]*>\s*</script>", "", body)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(body, encoding="utf-8")
+    return out
+
+
+def gather_records(run_dir: Path, statuses, run_id: str) -> pd.DataFrame:
+    """Merge every successful notebook's records (context columns on each row)."""
+    from .records import CONTEXT_COLUMNS, ROW_COLUMNS, load_records
+
+    frames = []
+    for st in statuses:
+        f = run_dir / "records" / st.notebook / "records.json"
+        if st.status != "ok" or not f.exists():
+            continue
+        df = load_records(f)
+        df["notebook"] = st.notebook
+        df["run_id"] = run_id
+        st.rows = len(df)
+        frames.append(df)
+    cols = ROW_COLUMNS + CONTEXT_COLUMNS + ["notebook", "run_id"]
+    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=cols)
+    df = df.reindex(columns=cols)
+    df.to_parquet(run_dir / "records.parquet", index=False)
+    (run_dir / "records.json").write_text(df.to_json(orient="records", indent=1))
+    (run_dir / "status.json").write_text(json.dumps([{k: v for k, v in vars(s).items() if k != "params"}
+                                                     for s in statuses], indent=1))
+    return df
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em;color:#222;max-width:1200px}
+table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top}
+th{background:#f3f3f3}.ok{color:#0a7d28;font-weight:600}.failed{color:#b00020;font-weight:600}
+code,pre{font-family:ui-monospace,Menlo,monospace;font-size:90%}pre{white-space:pre-wrap;margin:0}
+.muted{color:#666}
+"""
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return html.escape(str(v))
+
+
+def write_index(run_dir: Path, suite, statuses, run_id: str, overrides: dict) -> Path:
+    from .ceilings import Ceilings, get_ceilings
+    from .records import run_context
+
+    ctx = run_context({"suite": suite.name, "overrides": overrides})
+    ceil: Ceilings | None = None
+    try:
+        ceil = get_ceilings(quick=ctx["device_kind"] == "cpu")  # cached: the labs measured it already
+        ctx["ceilings"] = ceil.as_dict()
+    except Exception as e:  # noqa: BLE001 - the index is still useful without ceilings
+        ctx["ceilings_error"] = str(e)
+    ctx.update(suite=suite.name, suite_description=suite.description, run_id=run_id, overrides=overrides,
+               notebooks=[{"notebook": s.notebook, "status": s.status, "params": s.params} for s in statuses])
+    (run_dir / "context.json").write_text(json.dumps(ctx, indent=1, default=str))
+
+    n_ok = sum(s.status == "ok" for s in statuses)
+    rows = []
+    for s in statuses:
+        link = f'<a href="{html.escape(s.html)}">{html.escape(s.notebook)}</a>' if s.html else html.escape(s.notebook)
+        nb = f'<a href="{html.escape(s.ipynb)}">ipynb</a>' if s.ipynb else ""
+        err = f"<pre>{html.escape(s.error)}</pre>" if s.error else ""
+        params = ", ".join(f"{k}={v!r}" for k, v in s.params.items())
+        rows.append(f'<tr><td>{link} <span class="muted">{nb}</span></td><td class="{s.status}">{s.status}</td>'
+                    f"<td>{s.seconds:.1f} s</td><td>{s.rows}</td><td><code>{html.escape(params)}</code>{err}</td></tr>")
+    ceil_rows = ""
+    if ceil is not None:
+        for r in ceil.summary_rows():
+            ceil_rows += (f"<tr><td>{html.escape(r['quantity'])}</td><td>{_fmt(r['measured'])}</td>"
+                          f"<td>{_fmt(r['datasheet'])}</td><td>{html.escape(r['unit'])}</td>"
+                          f"<td>{html.escape(r.get('note', ''))}</td></tr>")
+    dev = ctx["device_info"]
+    info = [("run", run_id), ("suite", f"{suite.name}: {suite.description}"),
+            ("device", f"{dev['name']} ({dev['kind']}, {dev['units']} {dev['units_name']}, "
+                       f"{dev['memory_bytes'] / 2**30:.0f} GiB)"),
+            ("torch / triton / CUDA", f"{ctx['torch_version']} / {ctx['triton_version']} / {ctx['cuda_version']}"),
+            ("python", ctx["python_version"]), ("commit", ctx["commit"]), ("finished", ctx["timestamp"]),
+            ("overrides", ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "none"),
+            ("records", '<a href="records.parquet">records.parquet</a> · <a href="records.json">records.json</a> · '
+                        '<a href="context.json">context.json</a>')]
+    info_html = "".join(f"<tr><th>{html.escape(k)}</th><td>{v if k == 'records' else html.escape(str(v))}</td></tr>"
+                        for k, v in info)
+    verdict = "all notebooks ran" if n_ok == len(statuses) else f"{len(statuses) - n_ok} of {len(statuses)} FAILED"
+    page = f"""<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>perflab {html.escape(run_id)}</title>
+<style>{_CSS}</style></head><body>
+<h1>perflab report · {html.escape(suite.name)}</h1>
+<p class="{'ok' if n_ok == len(statuses) else 'failed'}">{verdict}</p>
+<h2>Context</h2><table>{info_html}</table>
+<h2>Notebooks</h2>
+<table><tr><th>notebook</th><th>status</th><th>time</th><th>records</th><th>parameters / error</th></tr>
+{''.join(rows)}</table>
+<h2>Ceilings</h2>
+<p class="muted">Measured on this machine (copy: bytes read + written over time; matmul: 2n³ FLOPs over time),
+beside the vendor datasheet's dense peaks, which are references, not measurements.</p>
+<table><tr><th>quantity</th><th>measured</th><th>datasheet</th><th>unit</th><th>note</th></tr>{ceil_rows}</table>
+</body></html>"""
+    out = run_dir / "index.html"
+    out.write_text(page, encoding="utf-8")
+    return out
