@@ -1,0 +1,850 @@
+"""Low-precision formats: FP8 (e4m3fn, e5m2), MXFP8, MXFP4 and NVFP4, emulated exactly.
+
+Design note
+-----------
+Every quantizer is split the same way so that the plain-torch reference and the
+Triton kernel share one definition of the numerics:
+
+1. *Layout* (host, torch, shared): move the quantized ``axis`` last, pad it with
+   zeros to a multiple of the block (zeros never change a block's amax, and the
+   padding is cropped again), and view the tensor as ``(n_groups, G)`` rows, one
+   scaling group per row (``block2d`` tiles are rearranged into rows first).
+2. *Quantize a group* (reference: :func:`reference_quantize_groups`; Triton:
+   ``_quant_groups_kernel``): amax -> scale -> scaled values -> element rounding ->
+   codes and the dequantized values.  Both use only exact operations (power-of-two
+   products, IEEE division, floor, compare), so they agree bit for bit.
+3. *Pack* (host): fp8 codes viewed as ``torch.float8_*``; fp4 codes two per byte,
+   first element in the low nibble (torchao's ``pack_uint4`` layout).
+
+Element rounding (``_round_elem``) works on |v| in fp32: ``e = max(floor(log2|v|),
+emin)`` from the exponent bits, ``y = |v| * 2^(m-e)`` (exact), then
+round-to-nearest-even on ``y``'s fraction, or stochastic rounding (round up when
+the fraction exceeds ``u``, a 24-bit uniform drawn from a caller-visible tensor of
+random bits, so reference and kernel consume the same draws).  Values are clamped
+to ``±max`` *before* rounding: every format saturates (PTX ``satfinite``
+semantics): finite overflow and ±Inf become ±max, NaN stays NaN.
+
+Scales
+------
+* FP8 ``tensor`` / ``row`` / ``block`` (1 x block_size along ``axis``, default 128,
+  for activations) / ``block2d`` (block_size x block_size tiles over ``axis`` and
+  the flattened other dims, default 128 x 128, for weights): torchao's float8
+  convention ``scale = fp32(fmax / fp64(max(amax, 1e-12)))``, ``data =
+  sat(x * scale)``, ``x ≈ data / scale``.  ``granularity="none"`` is the unscaled
+  saturating cast.
+* MX (OCP MX v1.0): one E8M0 exponent per 32 elements.  ``"floor"``: ``2^(floor(
+  log2 amax) - emax_elem)`` (the OCP rule; torchao ``ScaleCalculationMode.FLOOR``);
+  ``"rceil"``: ``2^ceil(log2(amax / max_elem))`` (NVIDIA's cuBLAS/TE rule, what the
+  Blackwell ``cvt.rp.satfinite.ue8m0`` instruction computes). ``x ≈ data * 2^(e-127)``.
+* NVFP4: e2m1 elements, one e4m3 scale per 16 elements and one fp32 per-tensor
+  scale ``amax / (448 * 6)``; ``x ≈ data * (s_e4m3 * s_tensor)`` (torchao's
+  ``nvfp4_quantize`` with a per-tensor scale).
+
+Non-finite inputs (explicit policy)
+-----------------------------------
+* Scaled formats: a NaN or ±Inf anywhere in a scaling group makes that group's
+  scale NaN (E8M0 0xFF for MX, the OCP NaN scale; NaN fp32 scale otherwise) and the
+  whole group dequantizes to NaN.  (torchao agrees for NaN; for Inf its MX path
+  saturates the Inf and flushes the rest of the block, which we consider a silent
+  corruption.)  ``nonfinite="raise"`` refuses such inputs with a ValueError naming
+  ``x``.
+* The unscaled cast (``granularity="none"``) saturates ±Inf to ±max, keeps NaN.
+* Codes of NaN elements: e4m3 0x7F, e5m2 0x7F (with the sign), e2m1 has no NaN and
+  writes 0x7 (±6): the group scale carries the NaN.
+* NVFP4 of an all-zero tensor uses a per-tensor scale of 1 (torchao divides by
+  zero there).
+
+Padding
+-------
+``fake_quantize`` pads a blocked axis that the block size does not divide with
+zeros and crops the result (``pad=True``, the default); ``pad=False`` refuses
+with a ValueError naming ``block_size``.  The packed ``quantize`` returns padded
+data and records the original shape.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+import triton
+import triton.language as tl
+
+from .registry import register
+
+# --------------------------------------------------------------------------- formats
+
+
+@dataclass(frozen=True)
+class ElemFormat:
+    name: str
+    ebits: int
+    mbits: int
+    emin: int          # exponent of the smallest normal
+    max: float         # largest finite magnitude
+    emax: int          # floor(log2(max)), torchao's *_MAX_POW2
+    torch_dtype: torch.dtype | None
+    nan_code: int
+
+    @property
+    def bias(self) -> int:
+        return 1 - self.emin
+
+    @property
+    def n_codes(self) -> int:
+        return 1 << (1 + self.ebits + self.mbits)
+
+
+ELEM_FORMATS = {
+    "e4m3": ElemFormat("e4m3", 4, 3, -6, 448.0, 8, torch.float8_e4m3fn, 0x7F),
+    "e5m2": ElemFormat("e5m2", 5, 2, -14, 57344.0, 15, torch.float8_e5m2, 0x7F),
+    "e2m1": ElemFormat("e2m1", 2, 1, 0, 6.0, 2, None, 0x7),
+}
+_ELEM_ID = {"e4m3": 0, "e5m2": 1, "e2m1": 2}
+
+
+@dataclass(frozen=True)
+class Format:
+    """A quantization format: element type plus how it is scaled."""
+
+    name: str
+    elem: str
+    family: str                # "fp8" | "mx" | "nvfp4"
+    block_size: int | None     # default block (fp8: for granularity block/block2d)
+    bits_per_elem: float       # storage incl. scales amortised over the block
+
+    @property
+    def elem_format(self) -> ElemFormat:
+        return ELEM_FORMATS[self.elem]
+
+
+FORMATS: dict[str, Format] = {
+    "fp8_e4m3": Format("fp8_e4m3", "e4m3", "fp8", 128, 8.0),
+    "fp8_e5m2": Format("fp8_e5m2", "e5m2", "fp8", 128, 8.0),
+    "mxfp8_e4m3": Format("mxfp8_e4m3", "e4m3", "mx", 32, 8.25),
+    "mxfp8_e5m2": Format("mxfp8_e5m2", "e5m2", "mx", 32, 8.25),
+    "mxfp4": Format("mxfp4", "e2m1", "mx", 32, 4.25),
+    "nvfp4": Format("nvfp4", "e2m1", "nvfp4", 16, 4.5),
+}
+GRANULARITIES = ("tensor", "row", "block", "block2d", "none")
+SCALE_RULES = ("floor", "rceil")
+ROUNDINGS = ("nearest", "stochastic")
+NONFINITE = ("propagate", "raise")
+
+FP8_EPS = 1e-12                              # torchao float8_utils.EPS
+E4M3_TINY = 2.0 ** -6                        # torch.finfo(float8_e4m3fn).tiny, NVFP4 scale floor
+F32_MIN_NORMAL = 2.0 ** -126
+NVFP4_TENSOR_DIV = 448.0 * 6.0
+
+# kernel switches
+_SC_NONE, _SC_AMAX, _SC_GIVEN, _SC_MX_FLOOR, _SC_MX_RCEIL, _SC_NVFP4 = range(6)
+
+
+def _err(param: str, value, allowed: str) -> ValueError:
+    return ValueError(f"parameter {param!r} = {value!r} is not allowed: expected {allowed}")
+
+
+def check_format(fmt: str) -> Format:
+    if fmt not in FORMATS:
+        raise _err("fmt", fmt, "one of " + ", ".join(repr(f) for f in FORMATS))
+    return FORMATS[fmt]
+
+
+# ------------------------------------------------------------------ element grid helpers
+
+
+def representable_values(elem: str, *, positive_only: bool = False) -> torch.Tensor:
+    """Every finite value of an element format, sorted (float64), +0 once."""
+    codes = torch.arange(ELEM_FORMATS[elem].n_codes, dtype=torch.int32)
+    v = decode_codes(codes.to(torch.uint8), elem).double()
+    v = v[torch.isfinite(v)]
+    v = torch.unique(v)                      # merges ±0
+    return v[v >= 0] if positive_only else v
+
+
+def decode_codes(codes: torch.Tensor, elem: str) -> torch.Tensor:
+    """uint8 element codes (unpacked, one per byte) -> float32 values (NaN/Inf as the format defines)."""
+    f = ELEM_FORMATS[elem]
+    c = codes.to(torch.int32)
+    nb = f.ebits + f.mbits
+    sign = (c >> nb) & 1
+    ex = (c >> f.mbits) & ((1 << f.ebits) - 1)
+    man = (c & ((1 << f.mbits) - 1)).double()
+    mag = torch.where(ex == 0, man * 2.0 ** (f.emin - f.mbits),
+                      (1 + man / (1 << f.mbits)) * torch.exp2((ex - f.bias).double()))
+    if elem == "e4m3":
+        mag = torch.where((ex == 15) & (man == 7), float("nan"), mag)
+    elif elem == "e5m2":
+        mag = torch.where((ex == 31) & (man == 0), float("inf"), mag)
+        mag = torch.where((ex == 31) & (man != 0), float("nan"), mag)
+    return torch.where(sign == 1, -mag, mag).float()
+
+
+# ------------------------------------------------------------------ torch reference numerics
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
+
+
+def _from_bits(b: torch.Tensor) -> torch.Tensor:
+    return b.to(torch.int32).contiguous().view(torch.float32)
+
+
+_CANON_NAN = 0x7FC00000
+
+
+def _round_elem_ref(v: torch.Tensor, f: ElemFormat, stochastic: bool, rbits: torch.Tensor | None):
+    """fp32 v (already scaled) -> (rounded fp32 value, uint8 code).  See module note."""
+    a = v.abs()
+    a = torch.where(a > f.max, torch.full_like(a, f.max), a)        # saturate; NaN stays
+    e = ((_bits(a) >> 23) & 0xFF) - 127
+    e = torch.clamp(e, min=f.emin)
+    inv_ulp = _from_bits((127 + f.mbits - e) << 23)
+    ulp = _from_bits((127 - f.mbits + e) << 23)
+    y = a * inv_ulp
+    fl = torch.floor(y)
+    frac = y - fl
+    if stochastic:
+        u = (rbits & 0xFFFFFF).to(torch.float32) * (2.0 ** -24)
+        up = frac > u
+    else:
+        odd = (fl - 2.0 * torch.floor(fl * 0.5)) == 1.0
+        up = (frac > 0.5) | ((frac == 0.5) & odd)
+    q = (fl + up.to(torch.float32)) * ulp
+    nan = torch.isnan(q)
+    sign = (_bits(v) >> 31) & 1
+    # code: subnormal (q < 2^emin) -> mantissa only, else biased exponent | mantissa bits
+    qb = _bits(torch.where(nan, torch.zeros_like(q), q))
+    qe = ((qb >> 23) & 0xFF) - 127
+    normal = q >= 2.0 ** f.emin
+    code_n = ((qe + f.bias) << f.mbits) | ((qb >> (23 - f.mbits)) & ((1 << f.mbits) - 1))
+    code_s = (q * 2.0 ** (f.mbits - f.emin)).to(torch.int32)
+    code = torch.where(normal, code_n, torch.where(nan, torch.zeros_like(code_s), code_s))
+    code = torch.where(nan, torch.full_like(code, f.nan_code), code)
+    code = code | (sign << (f.ebits + f.mbits))
+    qs = _from_bits(_bits(torch.where(nan, torch.zeros_like(q), q)) | (sign << 31))
+    qs = torch.where(nan, _from_bits(torch.full_like(sign, _CANON_NAN)), qs)
+    return qs, code.to(torch.uint8)
+
+
+def _ceil_log2_bits(d: torch.Tensor) -> torch.Tensor:
+    """Exact ceil(log2(d)) for finite d > 0 in fp32, from its bits (subnormals -> <= -127)."""
+    b = _bits(d)
+    ex = (b >> 23) & 0xFF
+    man = b & 0x7FFFFF
+    return torch.where(ex == 0, torch.full_like(ex, -127), ex - 127 + (man != 0).to(torch.int32))
+
+
+def _e8m0_to_f32(biased: torch.Tensor) -> torch.Tensor:
+    b = biased.to(torch.int32)
+    s = _from_bits(torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23))
+    return torch.where(b == 255, _from_bits(torch.full_like(b, _CANON_NAN)), s)
+
+
+def reference_quantize_groups(g: torch.Tensor, elem: str, scaling: int, *, stochastic: bool = False,
+                              rbits: torch.Tensor | None = None, tensor_scale: torch.Tensor | None = None):
+    """Quantize rows of ``g`` (n_groups, G) fp32, one scaling group per row.
+
+    Returns (dequantized fp32 (n_groups, G), codes uint8 (n_groups, G), group scale fp32 (n_groups,)):
+    the scale is fp8's multiplier, MX's biased E8M0 exponent (as a float), NVFP4's e4m3 block scale.
+    """
+    f = ELEM_FORMATS[elem]
+    n = g.shape[0]
+    amax = g.abs().amax(dim=1) if g.shape[1] else torch.zeros(n)
+    bad = ~torch.isfinite(amax)
+    nanv = torch.full_like(amax, float("nan"))
+    if scaling == _SC_NONE:
+        q, code = _round_elem_ref(g, f, stochastic, rbits)
+        return q, code, torch.ones(n)
+    if scaling in (_SC_AMAX, _SC_GIVEN):
+        if scaling == _SC_AMAX:
+            scale = (f.max / torch.clamp(amax.double(), min=FP8_EPS)).float()
+            scale = torch.where(bad, nanv, scale)
+        else:
+            scale = tensor_scale.float().expand(n)
+        v = g * scale[:, None]
+        q, code = _round_elem_ref(v, f, stochastic, rbits)
+        return q / scale[:, None], code, scale
+    if scaling == _SC_MX_FLOOR:
+        ex = ((_bits(amax) >> 23) & 0xFF) - 127
+        biased = torch.clamp(ex - f.emax, -127, 128) + 127
+        biased = torch.where(bad, torch.full_like(biased, 255), biased)
+        sc = torch.clamp(_from_bits(biased << 23), min=F32_MIN_NORMAL)    # 255 -> inf
+        rcp = 1.0 / sc                       # exact: power of two (or 0 for inf)
+        v = g * rcp[:, None]
+        v = torch.where(bad[:, None], nanv[:, None].expand_as(v), v)
+    elif scaling == _SC_MX_RCEIL:
+        descale = amax / f.max
+        biased = torch.clamp(_ceil_log2_bits(descale), -127, 127) + 127
+        biased = torch.where(bad, torch.full_like(biased, 255), biased)
+        rcp = torch.where(biased == 0, torch.ones_like(descale), torch.where(
+            biased >= 254, torch.full_like(descale, 2.0 ** -127), _from_bits((254 - biased).clamp(min=0) << 23)))
+        v = g * rcp[:, None]
+        v = torch.where(bad[:, None], nanv[:, None].expand_as(v), v)
+    elif scaling == _SC_NVFP4:
+        pts = tensor_scale.float()
+        bs = amax / 6.0
+        sc = torch.clamp(bs / pts, min=E4M3_TINY, max=448.0)
+        sc, _ = _round_elem_ref(sc, ELEM_FORMATS["e4m3"], False, None)
+        recip = (1.0 / pts) / sc
+        v = g * recip[:, None]
+        v = torch.where(bad[:, None], nanv[:, None].expand_as(v), v)
+        q, code = _round_elem_ref(v, f, stochastic, rbits)
+        deq = q * (sc * pts)[:, None]
+        sc = torch.where(bad, nanv, sc)
+        return deq, code, sc
+    else:
+        raise ValueError(f"unknown scaling mode {scaling}")
+    q, code = _round_elem_ref(v, f, stochastic, rbits)
+    deq = q * _e8m0_to_f32(biased)[:, None]
+    return deq, code, biased.to(torch.float32)
+
+
+# ------------------------------------------------------------------ Triton kernel
+
+
+@triton.jit
+def _round_elem_tl(v, rbits, MBITS: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr,
+                   EBITS: tl.constexpr, NAN_CODE: tl.constexpr, STOCHASTIC: tl.constexpr):
+    a = tl.abs(v)
+    a = tl.where(a > MAXV, MAXV, a)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, EMIN)
+    inv_ulp = ((127 + MBITS - e) << 23).to(tl.float32, bitcast=True)
+    ulp = ((127 - MBITS + e) << 23).to(tl.float32, bitcast=True)
+    y = a * inv_ulp
+    fl = tl.floor(y)
+    frac = y - fl
+    if STOCHASTIC:
+        u = (rbits & 0xFFFFFF).to(tl.float32) * (2.0 ** -24)
+        up = frac > u
+    else:
+        odd = (fl - 2.0 * tl.floor(fl * 0.5)) == 1.0
+        up = (frac > 0.5) | ((frac == 0.5) & odd)
+    q = (fl + up.to(tl.float32)) * ulp
+    nan = q != q
+    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+    q0 = tl.where(nan, 0.0, q)
+    qb = q0.to(tl.int32, bitcast=True)
+    qe = ((qb >> 23) & 0xFF) - 127
+    normal = q0 >= 2.0 ** EMIN
+    code_n = ((qe + 1 - EMIN) << MBITS) | ((qb >> (23 - MBITS)) & ((1 << MBITS) - 1))
+    code_s = (q0 * 2.0 ** (MBITS - EMIN)).to(tl.int32)
+    code = tl.where(normal, code_n, code_s)
+    code = tl.where(nan, NAN_CODE, code)
+    code = code | (sign << (EBITS + MBITS))
+    qs = (qb | (sign << 31)).to(tl.float32, bitcast=True)
+    qs = tl.where(nan, float("nan"), qs)
+    return qs, code
+
+
+@triton.jit
+def _quant_groups_kernel(x_ptr, r_ptr, deq_ptr, code_ptr, scale_ptr, ts_ptr, n_rows, G,
+                         MBITS: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr, EBITS: tl.constexpr,
+                         EMAX: tl.constexpr, NAN_CODE: tl.constexpr, SCALING: tl.constexpr,
+                         STOCHASTIC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """One program quantizes ROWS scaling groups (rows of G elements; G may exceed BLOCK,
+    then ROWS == 1 and the row is walked in chunks).
+
+    Traffic: reads G fp32 per group (+G int32 random bits when stochastic; twice when
+    G > BLOCK: amax pass, then quantize pass), writes G fp32 + G uint8 + one scale.
+    """
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < n_rows
+    base = rows * G
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    anynan = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
+    if SCALING != 0:
+        if SCALING != 2:
+            for start in range(0, G, BLOCK):
+                m = rmask[:, None] & (start + offs < G)[None, :]
+                x = tl.load(x_ptr + base[:, None] + start + offs[None, :], mask=m, other=0.0)
+                ax = tl.abs(x)
+                anynan = anynan | ((ax != ax) | (ax == float("inf"))).to(tl.int32)
+                amax = tl.maximum(amax, tl.where(ax != ax, 0.0, ax))
+    gmax = tl.max(amax, axis=1)
+    bad = tl.max(anynan, axis=1) > 0
+    # ---- group scale, all [ROWS]
+    scale = tl.full([ROWS], 1.0, tl.float32)
+    rcp = scale
+    mult = scale
+    biased = tl.zeros([ROWS], dtype=tl.int32)
+    if SCALING == 1:
+        scale = (MAXV / tl.maximum(gmax.to(tl.float64), 1e-12)).to(tl.float32)
+        scale = tl.where(bad, float("nan"), scale)
+        rcp = scale
+    elif SCALING == 2:
+        scale = tl.zeros([ROWS], dtype=tl.float32) + tl.load(ts_ptr)
+        rcp = scale
+    elif SCALING == 3:
+        ex = ((gmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        biased = tl.minimum(tl.maximum(ex - EMAX, -127), 128) + 127
+        biased = tl.where(bad, 255, biased)
+        sc = tl.maximum((biased << 23).to(tl.float32, bitcast=True), 2.0 ** -126)
+        rcp = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sc)
+    elif SCALING == 4:
+        descale = tl.math.div_rn(gmax, tl.full([ROWS], MAXV, tl.float32))
+        db = descale.to(tl.int32, bitcast=True)
+        dex = (db >> 23) & 0xFF
+        cl = tl.where(dex == 0, -127, dex - 127 + ((db & 0x7FFFFF) != 0).to(tl.int32))
+        biased = tl.minimum(tl.maximum(cl, -127), 127) + 127
+        biased = tl.where(bad, 255, biased)
+        rcp = tl.where(biased == 0, 1.0, tl.where(biased >= 254, 2.0 ** -127,
+                       (tl.maximum(254 - biased, 0) << 23).to(tl.float32, bitcast=True)))
+    elif SCALING == 5:
+        pts = tl.zeros([ROWS], dtype=tl.float32) + tl.load(ts_ptr)
+        bs = tl.math.div_rn(gmax, tl.full([ROWS], 6.0, tl.float32))
+        sc = tl.minimum(tl.maximum(tl.math.div_rn(bs, pts), 2.0 ** -6), 448.0)
+        sc, _unused = _round_elem_tl(sc, 0, 3, -6, 448.0, 4, 0x7F, False)
+        rcp = tl.math.div_rn(tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), pts), sc)
+        mult = sc * pts
+        scale = tl.where(bad, float("nan"), sc)
+    if SCALING == 3 or SCALING == 4:
+        mult = tl.where(biased == 0, 2.0 ** -127, (biased << 23).to(tl.float32, bitcast=True))
+        mult = tl.where(biased == 255, float("nan"), mult)
+        scale = biased.to(tl.float32)
+    # ---- quantize pass
+    for start in range(0, G, BLOCK):
+        m = rmask[:, None] & (start + offs < G)[None, :]
+        ptrs = base[:, None] + start + offs[None, :]
+        x = tl.load(x_ptr + ptrs, mask=m, other=0.0)
+        r = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
+        if STOCHASTIC:
+            r = tl.load(r_ptr + ptrs, mask=m, other=0)
+        if SCALING == 0:
+            v = x
+        else:
+            v = x * rcp[:, None]
+        if SCALING >= 3:
+            v = tl.where(bad[:, None], float("nan"), v)
+        q, code = _round_elem_tl(v, r, MBITS, EMIN, MAXV, EBITS, NAN_CODE, STOCHASTIC)
+        if SCALING == 1 or SCALING == 2:
+            d = tl.math.div_rn(q, tl.zeros([ROWS, BLOCK], dtype=tl.float32) + scale[:, None])
+        elif SCALING == 0:
+            d = q
+        else:
+            d = q * mult[:, None]
+        d = tl.where(d != d, float("nan"), d)
+        tl.store(deq_ptr + ptrs, d, mask=m)
+        tl.store(code_ptr + ptrs, code.to(tl.uint8), mask=m)
+    tl.store(scale_ptr + rows, scale, mask=rmask)
+
+
+def triton_quantize_groups(g: torch.Tensor, elem: str, scaling: int, *, stochastic: bool = False,
+                           rbits: torch.Tensor | None = None, tensor_scale: torch.Tensor | None = None):
+    """Triton twin of :func:`reference_quantize_groups` (same arguments and results)."""
+    f = ELEM_FORMATS[elem]
+    g = g.contiguous().float()
+    n, G = g.shape
+    deq = torch.empty_like(g)
+    code = torch.empty(g.shape, dtype=torch.uint8, device=g.device)
+    scale = torch.empty(n, dtype=torch.float32, device=g.device)
+    ts = (tensor_scale.float().reshape(1) if tensor_scale is not None
+          else torch.ones(1, dtype=torch.float32, device=g.device))
+    r = rbits.contiguous() if stochastic else torch.zeros(1, dtype=torch.int32, device=g.device)
+    block = min(max(triton.next_power_of_2(max(G, 1)), 16), 1024)
+    rows = max(1, min(64, 4096 // block)) if G <= block else 1
+    if n and G:
+        _quant_groups_kernel[(triton.cdiv(n, rows),)](
+            g, r, deq, code, scale, ts, n, G, MBITS=f.mbits, EMIN=f.emin, MAXV=f.max, EBITS=f.ebits,
+            EMAX=f.emax, NAN_CODE=f.nan_code, SCALING=scaling, STOCHASTIC=bool(stochastic), ROWS=rows,
+            BLOCK=block)
+    return deq, code, scale
+
+
+_BACKENDS = {"reference": reference_quantize_groups, "triton": triton_quantize_groups}
+
+# ------------------------------------------------------------------ layout
+
+
+@dataclass
+class _Layout:
+    shape: tuple                 # original shape
+    axis: int
+    moved_shape: tuple           # axis moved last, padded
+    group: int
+    pad_k: int
+    block2d: tuple | None = None  # (M, K, Mp, Kp, B)
+
+
+def _rand_bits(shape, generator, device) -> torch.Tensor:
+    return torch.randint(-(2 ** 31), 2 ** 31 - 1, shape, generator=generator, dtype=torch.int32).to(device)
+
+
+def _to_groups(x: torch.Tensor, axis: int, group: int | None, pad: bool, block2d: bool = False):
+    """x -> (groups (n, G) fp32, layout).  group=None: the whole (moved) axis is one group."""
+    xf = x.float()
+    xm = xf.movedim(axis, -1)
+    K = xm.shape[-1]
+    if group is None:
+        g = xm.reshape(-1, K) if xm.dim() else xm.reshape(1, 1)
+        return g.contiguous(), _Layout(tuple(x.shape), axis, tuple(xm.shape), K, 0)
+    pad_k = (-K) % group
+    if pad_k and not pad:
+        raise _err("block_size", group, f"a divisor of the quantized axis (size {K}), or pad=True "
+                                        "(pads with zeros, then crops)")
+    if block2d:
+        xm2 = xm.reshape(-1, K)
+        M = xm2.shape[0]
+        pad_m = (-M) % group
+        xp = torch.nn.functional.pad(xm2, (0, pad_k, 0, pad_m))
+        Mp, Kp = xp.shape
+        g = xp.reshape(Mp // group, group, Kp // group, group).permute(0, 2, 1, 3).reshape(-1, group * group)
+        return g.contiguous(), _Layout(tuple(x.shape), axis, tuple(xm.shape), group * group, pad_k,
+                                       (M, K, Mp, Kp, group))
+    xp = torch.nn.functional.pad(xm, (0, pad_k)) if pad_k else xm
+    return xp.reshape(-1, group).contiguous(), _Layout(tuple(x.shape), axis, tuple(xp.shape), group, pad_k)
+
+
+def _from_groups(g: torch.Tensor, lay: _Layout, crop: bool = True) -> torch.Tensor:
+    if lay.block2d is not None:
+        M, K, Mp, Kp, B = lay.block2d
+        xp = g.reshape(Mp // B, Kp // B, B, B).permute(0, 2, 1, 3).reshape(Mp, Kp)
+        if not crop:
+            return xp
+        xm = xp[:M, :K].reshape(lay.moved_shape)
+        return xm.movedim(-1, lay.axis)
+    xp = g.reshape(lay.moved_shape)
+    if not crop:
+        return xp
+    if lay.pad_k:
+        xp = xp[..., : xp.shape[-1] - lay.pad_k]
+    return xp.movedim(-1, lay.axis) if xp.dim() else xp.reshape(lay.shape)
+
+
+# ------------------------------------------------------------------ public API
+
+
+@dataclass
+class QuantizedTensor:
+    """Packed result of :func:`quantize`.
+
+    ``data``: fp8 formats: a ``torch.float8_*`` tensor; fp4 formats: uint8, two codes
+    per byte (first in the low nibble), in the *moved* layout (``axis`` last, padded
+    to the block; block2d: a 2-D (M, K) padded matrix).
+    ``scale``: fp8: fp32 multiplier (x ≈ data / scale), shape per granularity;
+    MX: ``torch.float8_e8m0fnu`` (biased exponent), (..., K/32); NVFP4:
+    ``torch.float8_e4m3fn`` block scales (..., K/16) and ``tensor_scale`` fp32.
+    """
+
+    fmt: str
+    granularity: str
+    data: torch.Tensor
+    scale: torch.Tensor
+    tensor_scale: torch.Tensor | None
+    shape: tuple
+    axis: int
+    block_size: int | None
+    dtype: torch.dtype
+    _layout: _Layout = field(repr=False, default=None)
+    _codes: torch.Tensor = field(repr=False, default=None)
+
+    def codes(self) -> torch.Tensor:
+        """Unpacked element codes (uint8, one per element, moved+padded layout)."""
+        return _from_groups(self._codes, self._layout, crop=False)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        F = FORMATS[self.fmt]
+        vals = decode_codes(self._codes, F.elem)
+        lay = self._layout
+        if self.granularity == "none":
+            g = vals
+        elif F.family == "fp8":
+            s = self.scale.float()
+            g = _groups_like(vals, lay) / s.reshape(-1, 1)
+        elif F.family == "mx":
+            g = _groups_like(vals, lay) * _e8m0_to_f32(self.scale.view(torch.uint8)).reshape(-1, 1)
+        else:
+            mult = self.scale.float() * self.tensor_scale.float()
+            g = _groups_like(vals, lay) * mult.reshape(-1, 1)
+        return _from_groups(g.reshape(-1, lay.group), lay).to(dtype or self.dtype)
+
+
+def _groups_like(vals: torch.Tensor, lay: _Layout) -> torch.Tensor:
+    return vals.reshape(-1, lay.group)          # _codes are kept in the group layout
+
+
+def hadamard_matrix(n: int, seed: int | None = 0, dtype=torch.float32) -> torch.Tensor:
+    """Orthonormal (random) Hadamard: ``H_n @ diag(±1) / sqrt(n)``; n a power of two.
+    ``seed=None`` gives the plain Sylvester matrix."""
+    if n < 1 or n & (n - 1):
+        raise _err("hadamard", n, "a power of two")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    if seed is not None:
+        gen = torch.Generator().manual_seed(int(seed))
+        signs = torch.randint(0, 2, (n,), generator=gen).double() * 2 - 1
+        h = signs[:, None] * h
+    return (h / math.sqrt(n)).to(dtype)
+
+
+def hadamard_transform(x: torch.Tensor, n: int, *, axis: int = -1, seed: int | None = 0,
+                       inverse: bool = False) -> torch.Tensor:
+    """Rotate ``x`` along ``axis`` in blocks of ``n`` by the random Hadamard matrix (orthonormal,
+    so the inverse is the transpose and (xH)(wH)^T = x w^T along a shared K axis)."""
+    K = x.shape[axis]
+    if K % n:
+        raise _err("hadamard", n, f"a divisor of the quantized axis (size {K})")
+    H = hadamard_matrix(n, seed, torch.float32).to(x.device)
+    if inverse:
+        H = H.T
+    xm = x.float().movedim(axis, -1)
+    y = (xm.reshape(*xm.shape[:-1], K // n, n) @ H).reshape(xm.shape)
+    return y.movedim(-1, axis).to(x.dtype)
+
+
+def _plan(fmt: str, granularity: str | None, block_size, scale_rule: str, rounding: str):
+    F = check_format(fmt)
+    if scale_rule not in SCALE_RULES:
+        raise _err("scale_rule", scale_rule, "one of " + ", ".join(map(repr, SCALE_RULES)))
+    if rounding not in ROUNDINGS:
+        raise _err("rounding", rounding, "one of " + ", ".join(map(repr, ROUNDINGS)))
+    if F.family == "fp8":
+        gran = granularity or "tensor"
+        if gran not in GRANULARITIES:
+            raise _err("granularity", gran, "one of " + ", ".join(map(repr, GRANULARITIES)))
+        bs = block_size if gran in ("block", "block2d") else None
+        if gran in ("block", "block2d") and bs is None:
+            bs = F.block_size
+    else:
+        if granularity not in (None, "block"):
+            raise _err("granularity", granularity, f"'block' (or None) for {fmt}: its scaling is per block")
+        gran = "block"
+        bs = F.block_size if block_size is None else block_size
+        if F.family == "mx" and bs != 32:
+            raise _err("block_size", bs, f"32 for {fmt} (the OCP MX block)")
+        if F.family == "nvfp4" and bs != 16:
+            raise _err("block_size", bs, "16 for nvfp4")
+    if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs < 1):
+        raise _err("block_size", bs, "a positive integer")
+    return F, gran, bs
+
+
+def quantize(x: torch.Tensor, fmt: str, *, axis: int = -1, block_size: int | None = None,
+             scale_rule: str = "floor", rounding: str = "nearest", granularity: str | None = None,
+             pad: bool = False, seed: int | None = None, generator: torch.Generator | None = None,
+             backend: str = "reference", nonfinite: str = "propagate",
+             tensor_scale: torch.Tensor | None = None) -> QuantizedTensor:
+    """Quantize ``x`` to ``fmt``; returns packed data + scales (:class:`QuantizedTensor`).
+
+    See the module note for formats, scales, the non-finite policy and padding.
+    ``backend``: "reference" (plain torch) or "triton" (bit-identical).
+    Stochastic rounding draws its bits from ``generator`` (or ``seed``; default 0).
+    ``tensor_scale`` overrides the per-tensor scale (fp8 tensor / NVFP4 amax-derived).
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise _err("x", type(x).__name__ if not isinstance(x, torch.Tensor) else x.dtype,
+                   "a floating-point torch.Tensor")
+    if backend not in _BACKENDS:
+        raise _err("backend", backend, "one of " + ", ".join(map(repr, _BACKENDS)))
+    if nonfinite not in NONFINITE:
+        raise _err("nonfinite", nonfinite, "one of " + ", ".join(map(repr, NONFINITE)))
+    if not isinstance(axis, int) or not -max(x.dim(), 1) <= axis < max(x.dim(), 1):
+        raise _err("axis", axis, f"an integer in [-{max(x.dim(), 1)}, {max(x.dim(), 1)})")
+    F, gran, bs = _plan(fmt, granularity, block_size, scale_rule, rounding)
+    if nonfinite == "raise" and not bool(torch.isfinite(x).all()):
+        raise _err("x", f"tensor with {int((~torch.isfinite(x)).sum())} NaN/Inf elements",
+                   "finite values (nonfinite='raise')")
+    axis = axis % max(x.dim(), 1)
+    if x.dim() == 0:
+        x = x.reshape(1)
+    fn = _BACKENDS[backend]
+    stochastic = rounding == "stochastic"
+    ts = None
+    if F.family == "fp8":
+        if gran == "none":
+            g, lay = _to_groups(x, axis, None, pad)
+            scaling = _SC_NONE
+        elif gran == "tensor":
+            g, lay = _to_groups(x, axis, None, pad)
+            scaling = _SC_GIVEN
+            if tensor_scale is None:
+                amax = g.abs().amax() if g.numel() else torch.zeros(())
+                ts = (F.elem_format.max / torch.clamp(amax.double(), min=FP8_EPS)).float()
+                if not bool(torch.isfinite(amax)):
+                    ts = torch.tensor(float("nan"))
+            else:
+                ts = tensor_scale.float().reshape(())
+        elif gran == "row":
+            g, lay = _to_groups(x, axis, None, pad)
+            scaling = _SC_AMAX
+        else:
+            g, lay = _to_groups(x, axis, bs, pad, block2d=(gran == "block2d"))
+            scaling = _SC_AMAX
+    elif F.family == "mx":
+        g, lay = _to_groups(x, axis, bs, pad)
+        scaling = _SC_MX_FLOOR if scale_rule == "floor" else _SC_MX_RCEIL
+    else:
+        g, lay = _to_groups(x, axis, bs, pad)
+        scaling = _SC_NVFP4
+        if tensor_scale is None:
+            amax = g.abs().amax() if g.numel() else torch.zeros(())
+            ts = amax.float() / NVFP4_TENSOR_DIV
+            if float(ts) == 0.0:
+                ts = torch.ones(())
+            # a non-finite amax poisons only its own blocks (NaN scale), not the tensor scale
+            if not bool(torch.isfinite(ts)):
+                fin = g[torch.isfinite(g)]
+                ts = (fin.abs().amax().float() / NVFP4_TENSOR_DIV) if fin.numel() else torch.ones(())
+                ts = ts if float(ts) > 0 else torch.ones(())
+        else:
+            ts = tensor_scale.float().reshape(())
+    rb = None
+    if stochastic:
+        gen = generator if generator is not None else torch.Generator().manual_seed(0 if seed is None else seed)
+        rb = _rand_bits(tuple(g.shape), gen, g.device)
+    if ts is not None:
+        ts = ts.to(g.device)
+    deq, codes, gscale = fn(g, F.elem, scaling, stochastic=stochastic, rbits=rb, tensor_scale=ts)
+    # packing
+    if F.family == "fp8":
+        data = _from_groups(codes, lay, crop=False).contiguous().view(F.elem_format.torch_dtype)
+    else:
+        c = _from_groups(codes, lay, crop=False).contiguous()
+        data = c if c.shape[-1] % 2 else (c.reshape(-1)[0::2] | (c.reshape(-1)[1::2] << 4)).reshape(
+            *c.shape[:-1], c.shape[-1] // 2)
+    lead = lay.moved_shape[:-1]
+    if F.family == "fp8":
+        if gran in ("tensor", "none"):
+            scale = (ts if ts is not None else torch.ones(())).float().reshape(())
+        elif gran == "row":
+            scale = gscale.reshape(*lead, 1)
+        elif gran == "block":
+            scale = gscale.reshape(*lead, -1)
+        else:
+            M, K, Mp, Kp, B = lay.block2d
+            scale = gscale.reshape(Mp // B, Kp // B)
+    elif F.family == "mx":
+        scale = gscale.to(torch.uint8).reshape(*lead, -1).view(torch.float8_e8m0fnu)
+    else:
+        scale = gscale.reshape(*lead, -1).to(torch.float8_e4m3fn)
+    qt = QuantizedTensor(fmt, gran, data, scale, ts if F.family == "nvfp4" else None, tuple(x.shape), axis,
+                         bs, x.dtype, lay, codes)
+    qt._deq = _from_groups(deq, lay)                     # kernel's own dequantized output
+    return qt
+
+
+def fake_quantize(x: torch.Tensor, fmt: str, *, axis: int = -1, block_size: int | None = None,
+                  scale_rule: str = "floor", rounding: str = "nearest", granularity: str | None = None,
+                  pad: bool = True, hadamard: int | None = None, hadamard_seed: int = 0,
+                  seed: int | None = None, generator: torch.Generator | None = None,
+                  backend: str = "reference", nonfinite: str = "propagate") -> torch.Tensor:
+    """Quantize then dequantize: the value ``x`` takes in ``fmt``, in ``x``'s dtype.
+
+    ``fmt``: fp8_e4m3, fp8_e5m2 (``granularity`` "tensor" (default) | "row" | "block"
+    (1 x block_size along ``axis``, default 128) | "block2d" (block_size², default 128²)
+    | "none" (unscaled saturating cast)), mxfp8_e4m3, mxfp8_e5m2, mxfp4 (block 32,
+    ``scale_rule`` "floor" | "rceil"), nvfp4 (block 16).  ``rounding``: "nearest"
+    (ties to even) | "stochastic".  ``hadamard=n`` rotates ``axis`` in blocks of n by a
+    random Hadamard matrix before quantizing and rotates back after (error in the
+    original basis).  The dequantized value is computed in fp32 and cast to x.dtype.
+    """
+    if hadamard is not None:
+        xr = hadamard_transform(x.float(), hadamard, axis=axis, seed=hadamard_seed)
+        q = quantize(xr, fmt, axis=axis, block_size=block_size, scale_rule=scale_rule, rounding=rounding,
+                     granularity=granularity, pad=pad, seed=seed, generator=generator, backend=backend,
+                     nonfinite=nonfinite)._deq
+        return hadamard_transform(q, hadamard, axis=axis, seed=hadamard_seed, inverse=True).to(x.dtype)
+    qt = quantize(x, fmt, axis=axis, block_size=block_size, scale_rule=scale_rule, rounding=rounding,
+                  granularity=granularity, pad=pad, seed=seed, generator=generator, backend=backend,
+                  nonfinite=nonfinite)
+    return qt._deq.reshape(x.shape).to(x.dtype)
+
+
+class _FakeQuantSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, kw):
+        return fake_quantize(x, **kw)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def fake_quantize_ste(x: torch.Tensor, fmt: str, **kw) -> torch.Tensor:
+    """fake_quantize with a straight-through gradient (identity), for training recipes."""
+    return _FakeQuantSTE.apply(x, dict(fmt=fmt, **kw))
+
+
+def cast_elements(x: torch.Tensor, elem: str, *, rounding: str = "nearest", seed: int = 0,
+                  backend: str = "reference"):
+    """Unscaled element cast of fp32 values: (rounded values fp32, codes uint8). Saturating."""
+    if elem not in ELEM_FORMATS:
+        raise _err("elem", elem, "one of " + ", ".join(map(repr, ELEM_FORMATS)))
+    if rounding not in ROUNDINGS:
+        raise _err("rounding", rounding, "one of " + ", ".join(map(repr, ROUNDINGS)))
+    g = x.float().reshape(1, -1).contiguous()
+    rb = _rand_bits(tuple(g.shape), torch.Generator().manual_seed(seed), g.device) \
+        if rounding == "stochastic" else None
+    q, c, _ = _BACKENDS[backend](g, elem, _SC_NONE, stochastic=rounding == "stochastic", rbits=rb)
+    return q.reshape(x.shape), c.reshape(x.shape)
+
+
+# ------------------------------------------------------------------ registry
+
+def _fq_variant(backend):
+    def fn(x, fmt, **kw):
+        return fake_quantize(x, fmt, backend=backend, **kw)
+    return fn
+
+
+register("quant", "reference", _fq_variant("reference"), kind="reference",
+         description="plain-torch fake quantization (exact; the spec)")
+register("quant", "triton", _fq_variant("triton"), kind="triton",
+         description="Triton group quantizer, bit-identical to the reference")
+
+
+def _torchao_check(device=None, dtype=None, fmt=None, **_):
+    try:
+        import torchao  # noqa: F401
+    except Exception as e:  # pragma: no cover
+        return f"torchao is not importable: {e}"
+    if fmt is not None and fmt not in TORCHAO_FORMATS:
+        return f"torchao has no reference for {fmt} here"
+    return None
+
+
+TORCHAO_FORMATS = ("fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
+
+
+def torchao_fake_quantize(x: torch.Tensor, fmt: str, *, granularity: str | None = None,
+                          scale_rule: str = "floor", axis: int = -1, **_):
+    """torchao's own quantize + dequantize of the same format (last axis, 2-D, divisible shapes)."""
+    F = check_format(fmt)
+    x2 = x.movedim(axis, -1).contiguous()
+    if F.family == "fp8":
+        from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+        from torchao.float8.float8_utils import ScalingGranularity
+        gran = granularity or "tensor"
+        if gran == "tensor":
+            s = tensor_to_scale(x2, F.elem_format.torch_dtype)
+        elif gran == "row":
+            s = tensor_to_scale(x2, F.elem_format.torch_dtype, scaling_granularity=ScalingGranularity.AXISWISE,
+                                axiswise_dim=-1)
+        else:
+            raise _err("granularity", gran, "'tensor' or 'row' for the torchao float8 reference")
+        d = to_fp8_saturated(x2.float() * s, F.elem_format.torch_dtype)
+        out = d.float() / s
+    elif F.family == "mx":
+        from torchao.prototype.mx_formats.mx_tensor import to_mx, to_dtype
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        ed = F.elem_format.torch_dtype if F.elem != "e2m1" else torch.float4_e2m1fn_x2
+        mode = ScaleCalculationMode.FLOOR if scale_rule == "floor" else ScaleCalculationMode.RCEIL
+        s, d = to_mx(x2.float(), ed, 32, mode)
+        out = to_dtype(d, s, ed, 32, torch.float32)
+    else:
+        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+        from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+        x2d = x2.float().reshape(-1, x2.shape[-1])
+        pts = per_tensor_amax_to_scale(x2d.abs().amax())
+        s, d = nvfp4_quantize(x2d, 16, pts)
+        vals = f4_unpacked_to_f32(unpack_uint4(d)).reshape(x2d.shape[0], -1, 16)
+        out = (vals * (pts * s.float()).reshape(x2d.shape[0], -1, 1)).reshape(x2.shape)
+    return out.reshape(x2.shape).movedim(-1, axis).to(x.dtype)
+
+
+register("quant", "torchao", torchao_fake_quantize, kind="library", check=_torchao_check,
+         description="torchao 0.18 float8 / MX / NVFP4 references")
