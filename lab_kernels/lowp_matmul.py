@@ -1,0 +1,315 @@
+"""Low-precision matmuls: emulated, real ``torch._scaled_mm``, and a Triton FP8 kernel.
+
+Design note
+-----------
+All paths compute ``y = a @ b.T`` with ``a`` (M, K) activations and ``b`` (N, K)
+weights (``F.linear`` layout), both quantized along K.
+
+* :func:`emulated_matmul` quantize -> dequantize (``lab_kernels.quant``) -> matmul,
+  any format of the lab, on any device; the accumulation is modelled by
+  :func:`accumulate_matmul`.
+* :func:`scaled_mm` quantizes to FP8 (per-tensor or per-row scales, torchao
+  convention ``x ≈ data / scale``) and calls ``torch._scaled_mm`` with the inverse
+  scales.  Runs on CPU here (e4m3, e5m2, mixed; per tensor and per row), on CUDA
+  sm_89+.  MX (E8M0 per 32, swizzled) scales need sm_100 (Blackwell); that path is
+  written against torchao's ``to_blocked`` layout and gated by capability.
+* :func:`triton_fp8_matmul` a tiled FP8 GEMM with an fp32 accumulator and per-tensor
+  or per-row dequant scales applied in the epilogue (sm_89+ on GPU; the interpreter
+  on CPU, for correctness only).
+
+Accumulation model (:func:`accumulate_matmul`)
+----------------------------------------------
+K is walked in steps of ``inner`` products (an MMA instruction's K); each step's
+partial sum is formed exactly (float64) then rounded to fp32 and added to a running
+accumulator that keeps ``acc_bits`` explicit mantissa bits, rounded to nearest-even
+or truncated.  ``promote_every`` adds the limited accumulator into an fp32 one every
+that many K elements (DeepSeek-V3's "promotion to CUDA cores" every 128);
+``split_k`` computes S independent K-slices and sums them in fp32.  Named presets in
+:data:`ACCUMULATIONS`:
+
+* ``fp32``: one fp32 matmul (the library's own order).
+* ``bf16``: the accumulator rounded to bf16 (7 bits, RNE) after every 16 products.
+* ``fp8_fast``: a model of Hopper FP8 "fast accumulation": ~14 significant bits
+  (13 explicit), truncated, updated every 32 products, never promoted.  This is the
+  behaviour reported in the DeepSeek-V3 technical report, *not* a measurement here.
+* ``fp8_fast_promote128``: the same with promotion to fp32 every 128 elements.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import triton
+import triton.language as tl
+
+from . import quant as Q
+from .registry import register
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    name: str
+    acc_bits: int | None = None          # explicit mantissa bits kept; None = plain fp32 matmul
+    rounding: str = "nearest"            # "nearest" | "truncate"
+    inner: int = 16
+    promote_every: int | None = None
+    split_k: int = 1
+
+
+ACCUMULATIONS: dict[str, Accumulation] = {
+    "fp32": Accumulation("fp32"),
+    "bf16": Accumulation("bf16", 7, "nearest", 16),
+    "fp8_fast": Accumulation("fp8_fast", 13, "truncate", 32),
+    "fp8_fast_promote128": Accumulation("fp8_fast_promote128", 13, "truncate", 32, promote_every=128),
+}
+
+
+def _err(param, value, allowed):
+    return ValueError(f"parameter {param!r} = {value!r} is not allowed: expected {allowed}")
+
+
+def round_mantissa(x: torch.Tensor, bits: int, rounding: str = "nearest") -> torch.Tensor:
+    """Round fp32 ``x`` to ``bits`` explicit mantissa bits (8-bit exponent kept)."""
+    if not 0 <= bits <= 23:
+        raise _err("acc_bits", bits, "an integer in [0, 23]")
+    if bits == 23:
+        return x.float()
+    b = x.float().contiguous().view(torch.int32)
+    drop = 23 - bits
+    mask = ~((1 << drop) - 1)
+    if rounding == "truncate":
+        r = b & mask
+    elif rounding == "nearest":
+        lsb = (b >> drop) & 1
+        r = (b + ((1 << (drop - 1)) - 1) + lsb) & mask
+    else:
+        raise _err("rounding", rounding, "'nearest' or 'truncate'")
+    out = r.view(torch.float32)
+    return torch.where(torch.isfinite(x), out, x.float())
+
+
+def accumulate_matmul(a: torch.Tensor, b: torch.Tensor, accum: str | Accumulation = "fp32", *,
+                      split_k: int | None = None) -> torch.Tensor:
+    """``a @ b.T`` (fp32 result) with the accumulation model of the module note."""
+    acc = ACCUMULATIONS.get(accum) if isinstance(accum, str) else accum
+    if acc is None:
+        raise _err("accum", accum, "one of " + ", ".join(map(repr, ACCUMULATIONS)))
+    S = split_k or acc.split_k
+    if not isinstance(S, int) or S < 1:
+        raise _err("split_k", S, "a positive integer")
+    a = a.float()
+    b = b.float()
+    K = a.shape[-1]
+    if S > 1:
+        bounds = [round(i * K / S) for i in range(S + 1)]
+        out = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)
+        for s in range(S):
+            lo, hi = bounds[s], bounds[s + 1]
+            out = out + accumulate_matmul(a[:, lo:hi], b[:, lo:hi], Accumulation(**{**acc.__dict__, "split_k": 1}))
+        return out
+    if acc.acc_bits is None:
+        return a @ b.T
+    outer = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)
+    run = torch.zeros_like(outer)
+    since = 0
+    for lo in range(0, K, acc.inner):
+        hi = min(K, lo + acc.inner)
+        part = (a[:, lo:hi].double() @ b[:, lo:hi].double().T).float()
+        run = round_mantissa(run + part, acc.acc_bits, acc.rounding)
+        since += hi - lo
+        if acc.promote_every and since >= acc.promote_every:
+            outer = outer + run
+            run = torch.zeros_like(run)
+            since = 0
+    return outer + run
+
+
+def reference_matmul(a: torch.Tensor, b: torch.Tensor, **_) -> torch.Tensor:
+    """float64 ``a @ b.T``: the yardstick."""
+    return a.double() @ b.double().T
+
+
+def emulated_matmul(a: torch.Tensor, b: torch.Tensor, fmt: str = "fp8_e4m3", *, fmt_b: str | None = None,
+                    granularity: str | None = None, scale_rule: str = "floor", rounding: str = "nearest",
+                    accum: str = "fp32", split_k: int | None = None, hadamard: int | None = None,
+                    out_dtype: torch.dtype | None = None, backend: str = "reference") -> torch.Tensor:
+    """Quantize a (M, K) and b (N, K) along K, dequantize, multiply with ``accum``.
+
+    ``granularity`` applies to FP8 formats ("tensor", "row", "block" = 1x128 for a and
+    128x128 tiles for b, as in DeepSeek-V3 / torchao blockwise).  ``hadamard=n`` rotates
+    both operands along K first (the rotation cancels in the product).
+    """
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise _err("b", tuple(b.shape), f"a 2-D (N, K) tensor with K = a.shape[1] = {a.shape[-1]}")
+    fmt_b = fmt_b or fmt
+    gb = granularity
+    if granularity == "block":
+        gb = "block2d"
+    if hadamard:
+        a = Q.hadamard_transform(a.float(), hadamard, axis=-1)
+        b = Q.hadamard_transform(b.float(), hadamard, axis=-1)
+    kw = dict(scale_rule=scale_rule, rounding=rounding, backend=backend)
+    qa = Q.fake_quantize(a.float(), fmt, axis=-1, granularity=granularity if Q.FORMATS[fmt].family == "fp8" else None,
+                         **kw)
+    qb = Q.fake_quantize(b.float(), fmt_b, axis=-1,
+                         granularity=gb if Q.FORMATS[fmt_b].family == "fp8" else None, **kw)
+    y = accumulate_matmul(qa, qb, accum, split_k=split_k)
+    return y.to(out_dtype or a.dtype)
+
+
+# ------------------------------------------------------------------ torch._scaled_mm
+
+
+def _cuda_cap(device) -> tuple[int, int] | None:
+    d = torch.device(device)
+    if d.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(d)
+
+
+def scaled_mm_why_not(device=None, dtype=None, granularity="tensor", fmt="fp8_e4m3", **_) -> str | None:
+    dev = torch.device(device or "cpu")
+    if not hasattr(torch, "_scaled_mm"):
+        return "this torch has no torch._scaled_mm"
+    fam = Q.FORMATS[fmt].family if fmt in Q.FORMATS else None
+    if fam == "nvfp4":
+        return "nvfp4 _scaled_mm needs sm_100 and swizzled e4m3 scales; not wired here"
+    if dev.type == "cpu":
+        if fam != "fp8" or granularity not in ("tensor", "row"):
+            return f"torch._scaled_mm on CPU takes fp8 per-tensor/per-row scales, not {fmt}/{granularity}"
+        return None
+    cap = _cuda_cap(dev)
+    if cap is None:
+        return "no CUDA device"
+    if fam == "mx":
+        return None if cap >= (10, 0) else f"MX scaled_mm needs sm_100+ (Blackwell); this GPU is sm_{cap[0]}{cap[1]}"
+    if cap < (8, 9):
+        return f"FP8 scaled_mm needs sm_89+ (Ada/Hopper); this GPU is sm_{cap[0]}{cap[1]}"
+    if granularity not in ("tensor", "row"):
+        return "blockwise (1x128 / 128x128) scaled_mm is not wired here; use the emulated path"
+    return None
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, fmt: str = "fp8_e4m3", *, fmt_b: str | None = None,
+              granularity: str = "tensor", out_dtype: torch.dtype = torch.bfloat16, use_fast_accum: bool = False,
+              prepared: tuple | None = None) -> torch.Tensor:
+    """Real ``torch._scaled_mm``: quantize a (M, K), b (N, K) along K and multiply.
+
+    ``prepared`` = the result of :func:`prepare_scaled_mm` (to time the GEMM alone)."""
+    p = prepared or prepare_scaled_mm(a, b, fmt, fmt_b=fmt_b, granularity=granularity)
+    return _run_scaled_mm(p, out_dtype, use_fast_accum)
+
+
+def prepare_scaled_mm(a, b, fmt="fp8_e4m3", *, fmt_b=None, granularity="tensor"):
+    fmt_b = fmt_b or fmt
+    why = scaled_mm_why_not(a.device, granularity=granularity, fmt=fmt)
+    if why:
+        raise RuntimeError(why)
+    fam = Q.FORMATS[fmt].family
+    if fam == "mx":
+        from torchao.prototype.mx_formats.utils import to_blocked
+        qa = Q.quantize(a, fmt, axis=-1)
+        qb = Q.quantize(b, fmt_b, axis=-1)
+        return ("mx", qa.data, qb.data, to_blocked(qa.scale), to_blocked(qb.scale))
+    qa = Q.quantize(a, fmt, axis=-1, granularity=granularity)
+    qb = Q.quantize(b, fmt_b, axis=-1, granularity=granularity)
+    if granularity == "tensor":
+        sa, sb = (1.0 / qa.scale).float(), (1.0 / qb.scale).float()
+    else:
+        sa = (1.0 / qa.scale).float().reshape(-1, 1)
+        sb = (1.0 / qb.scale).float().reshape(1, -1)
+    return ("fp8", qa.data, qb.data, sa, sb)
+
+
+def _run_scaled_mm(p, out_dtype, use_fast_accum=False):
+    kind, da, db, sa, sb = p
+    kw = {"use_fast_accum": use_fast_accum} if da.is_cuda else {}
+    return torch._scaled_mm(da, db.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, **kw)
+
+
+# ------------------------------------------------------------------ Triton FP8 GEMM
+
+
+@triton.jit
+def _fp8_matmul_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
+                       stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+                       ROW_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """C[M, N] = (A[M, K] @ B[N, K]^T) * sa * sb with fp8 A, B and an fp32 accumulator.
+
+    sa, sb: dequant multipliers, per tensor (scalars) or per row of A / row of B.
+    Traffic: M*K + N*K bytes of fp8 in (once per tile row/column with reuse), M*N*4 out.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ka = k0 + rk
+        a = tl.load(a_ptr + rm[:, None] * stride_am + ka[None, :] * stride_ak,
+                    mask=(rm[:, None] < M) & (ka[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + rn[None, :] * stride_bn + ka[:, None] * stride_bk,
+                    mask=(rn[None, :] < N) & (ka[:, None] < K), other=0.0)
+        acc = tl.dot(a, b, acc)
+    if ROW_SCALES:
+        sa = tl.load(sa_ptr + rm, mask=rm < M, other=0.0)
+        sb = tl.load(sb_ptr + rn, mask=rn < N, other=0.0)
+        acc = acc * sa[:, None] * sb[None, :]
+    else:
+        acc = acc * tl.load(sa_ptr) * tl.load(sb_ptr)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc,
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def triton_fp8_matmul(a_fp8: torch.Tensor, b_fp8: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, *,
+                      out_dtype: torch.dtype = torch.float32, block=(32, 32, 32)) -> torch.Tensor:
+    """FP8 GEMM: a_fp8 (M, K), b_fp8 (N, K) ``torch.float8_*``; sa/sb dequant multipliers
+    (0-dim per tensor, or (M,)/(N,) per row)."""
+    M, K = a_fp8.shape
+    N = b_fp8.shape[0]
+    c = torch.empty(M, N, dtype=torch.float32, device=a_fp8.device)
+    row = sa.numel() > 1 or sb.numel() > 1
+    sa_ = sa.float().reshape(-1).contiguous()
+    sb_ = sb.float().reshape(-1).contiguous()
+    if row:
+        sa_ = sa_.expand(M).contiguous() if sa_.numel() == 1 else sa_
+        sb_ = sb_.expand(N).contiguous() if sb_.numel() == 1 else sb_
+    BM, BN, BK = block
+    _fp8_matmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+        a_fp8, b_fp8, c, sa_, sb_, M, N, K, a_fp8.stride(0), a_fp8.stride(1), b_fp8.stride(0), b_fp8.stride(1),
+        c.stride(0), c.stride(1), ROW_SCALES=row, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
+    return c.to(out_dtype)
+
+
+def triton_fp8_linear(a, b, fmt="fp8_e4m3", *, granularity="tensor", out_dtype=torch.float32, **_):
+    p = prepare_scaled_mm_any(a, b, fmt, granularity=granularity)
+    return triton_fp8_matmul(p[1], p[2], p[3], p[4], out_dtype=out_dtype)
+
+
+def prepare_scaled_mm_any(a, b, fmt="fp8_e4m3", *, fmt_b=None, granularity="tensor"):
+    """FP8 operands + dequant multipliers without the capability gate (for the Triton path)."""
+    fmt_b = fmt_b or fmt
+    qa = Q.quantize(a, fmt, axis=-1, granularity=granularity)
+    qb = Q.quantize(b, fmt_b, axis=-1, granularity=granularity)
+    return ("fp8", qa.data, qb.data, (1.0 / qa.scale).float().reshape(-1), (1.0 / qb.scale).float().reshape(-1))
+
+
+def _triton_fp8_why_not(device=None, dtype=None, fmt="fp8_e4m3", granularity="tensor", **_):
+    if fmt not in ("fp8_e4m3", "fp8_e5m2") or granularity not in ("tensor", "row"):
+        return f"the Triton FP8 GEMM takes fp8 per-tensor/per-row scales, not {fmt}/{granularity}"
+    cap = _cuda_cap(device) if device is not None and torch.device(device).type == "cuda" else None
+    if cap is not None and cap < (8, 9):
+        return f"FP8 tl.dot needs sm_89+; this GPU is sm_{cap[0]}{cap[1]}"
+    return None
+
+
+register("lowp_matmul", "reference", reference_matmul, kind="reference", description="float64 a @ b.T")
+register("lowp_matmul", "emulated", emulated_matmul, kind="eager",
+         description="quantize -> dequantize -> fp32 matmul (any format, accumulation model)")
+register("lowp_matmul", "scaled_mm", scaled_mm, kind="library", check=scaled_mm_why_not,
+         description="torch._scaled_mm, FP8 per-tensor / per-row (MX on sm_100)")
+register("lowp_matmul", "triton", triton_fp8_linear, kind="triton", check=_triton_fp8_why_not,
+         description="Triton FP8 GEMM, fp32 accumulator, per-tensor / per-row scales")

@@ -1,0 +1,215 @@
+"""Error analysis of low-precision formats: metrics, test distributions, real tensors, grids.
+
+* :func:`error_stats` quantizes a tensor (``lab_kernels.quant``) and returns SQNR (dB),
+  relative Frobenius error, max abs / max rel error, the fraction of non-zero
+  elements flushed to zero and the fraction saturated (clipped at the format's largest
+  magnitude by more than a quarter of its last step).
+* :func:`make_tensor` draws the synthetic distributions (Gaussian, Laplace,
+  Student-t, outlier channels); :func:`capture_linear_tensors` records the real
+  weights, activations (inputs of ``nn.Linear``) and gradients (of their outputs)
+  of a model during one forward/backward pass (the MMDiT of the training-step lab).
+* :func:`sqnr_table` sweeps formats x tensors into tidy rows;
+  :func:`format_grid_histogram` says which of a format's representable values a
+  tensor's (scaled) elements land on: the format explorer.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Mapping
+
+import pandas as pd
+import torch
+from torch import nn
+
+from lab_kernels import quant as Q
+
+from .checks import rel_error, sqnr_db
+
+DISTRIBUTIONS = ("gaussian", "laplace", "student_t", "outlier_channels")
+
+#: (name, kwargs for fake_quantize): the format variants the lab compares by default.
+FORMAT_VARIANTS: dict[str, dict] = {
+    "fp8_e4m3/tensor": dict(fmt="fp8_e4m3", granularity="tensor"),
+    "fp8_e4m3/row": dict(fmt="fp8_e4m3", granularity="row"),
+    "fp8_e4m3/block128": dict(fmt="fp8_e4m3", granularity="block"),
+    "fp8_e5m2/tensor": dict(fmt="fp8_e5m2", granularity="tensor"),
+    "mxfp8_e4m3/floor": dict(fmt="mxfp8_e4m3", scale_rule="floor"),
+    "mxfp8_e4m3/rceil": dict(fmt="mxfp8_e4m3", scale_rule="rceil"),
+    "mxfp8_e5m2/floor": dict(fmt="mxfp8_e5m2", scale_rule="floor"),
+    "mxfp4/floor": dict(fmt="mxfp4", scale_rule="floor"),
+    "mxfp4/rceil": dict(fmt="mxfp4", scale_rule="rceil"),
+    "mxfp4/floor+hadamard32": dict(fmt="mxfp4", scale_rule="floor", hadamard=32),
+    "nvfp4": dict(fmt="nvfp4"),
+    "nvfp4+hadamard16": dict(fmt="nvfp4", hadamard=16),
+}
+
+
+@dataclass(frozen=True)
+class ErrorStats:
+    sqnr_db: float
+    rel_fro: float
+    max_abs: float
+    max_rel: float
+    flushed_frac: float
+    saturated_frac: float
+    numel: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+_MAX_CODE = {"e4m3": 0x7E, "e5m2": 0x7B, "e2m1": 0x7}
+
+
+def error_metrics(q: torch.Tensor, x: torch.Tensor) -> dict:
+    """SQNR, relative Frobenius, max abs and max relative (over non-zero x) error of q vs x."""
+    xd, qd = x.detach().double(), q.detach().double()
+    d = (qd - xd).abs()
+    nz = xd != 0
+    return dict(sqnr_db=sqnr_db(qd, xd), rel_fro=rel_error(qd, xd), max_abs=float(d.max()) if d.numel() else 0.0,
+                max_rel=float((d[nz] / xd[nz].abs()).max()) if bool(nz.any()) else 0.0)
+
+
+def error_stats(x: torch.Tensor, fmt: str, **kw) -> ErrorStats:
+    """Quantize ``x`` (``fake_quantize`` keywords) and measure the error; NaN/Inf inputs refused."""
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("parameter 'x' has NaN/Inf elements: error statistics need finite input")
+    had = kw.pop("hadamard", None)
+    q = Q.fake_quantize(x.float(), fmt, hadamard=had, **kw)
+    m = error_metrics(q, x)
+    xd = x.detach().float()
+    flushed = float(((xd != 0) & (q == 0)).sum()) / max(1, xd.numel())
+    if had is None:
+        qt = Q.quantize(x.float(), fmt, pad=True, **kw)
+        F = Q.FORMATS[fmt]
+        at_max = (qt._codes & ((1 << (F.elem_format.ebits + F.elem_format.mbits)) - 1)) == _MAX_CODE[F.elem]
+        at_max = Q._from_groups(at_max.to(torch.uint8), qt._layout).bool().reshape(x.shape)
+        step = 2.0 ** -(F.elem_format.mbits + 2)
+        sat = at_max & (xd.abs() > q.abs() * (1 + step))
+        saturated = float(sat.sum()) / max(1, xd.numel())
+    else:
+        saturated = float("nan")        # clipping happens in the rotated basis; not attributed per element
+    return ErrorStats(m["sqnr_db"], m["rel_fro"], m["max_abs"], m["max_rel"], flushed, saturated, x.numel())
+
+
+def make_tensor(dist: str, shape=(256, 512), *, seed: int = 0, scale: float = 1.0, df: int = 3,
+                n_outliers: int = 4, outlier_scale: float = 50.0) -> torch.Tensor:
+    """A fixed-seed fp32 test tensor.  ``outlier_channels``: Gaussian with ``n_outliers``
+    columns (features along the last, quantized axis) scaled by ``outlier_scale``, the
+    pattern of transformer activations."""
+    if dist not in DISTRIBUTIONS:
+        raise ValueError(f"parameter 'dist' = {dist!r} is not allowed: expected one of "
+                         + ", ".join(map(repr, DISTRIBUTIONS)))
+    g = torch.Generator().manual_seed(seed)
+    if dist == "gaussian":
+        x = torch.randn(shape, generator=g)
+    elif dist == "laplace":
+        u = torch.rand(shape, generator=g) - 0.5
+        x = -torch.sign(u) * torch.log1p(-2 * u.abs()) / math.sqrt(2)
+    elif dist == "student_t":
+        z = torch.randn(shape, generator=g)
+        chi2 = (torch.randn((*shape, int(df)), generator=g) ** 2).sum(-1)    # integer df
+        x = z / torch.sqrt(chi2 / df)
+    else:
+        x = torch.randn(shape, generator=g)
+        cols = torch.randperm(shape[-1], generator=g)[:n_outliers]
+        x[..., cols] *= outlier_scale
+    return (x * scale).float()
+
+
+@dataclass
+class CapturedTensors:
+    """Real tensors of one training step, keyed ``"<kind>:<module name>"`` with kind in
+    weight | activation | gradient."""
+
+    tensors: dict[str, torch.Tensor]
+
+    def by_kind(self, kind: str) -> dict[str, torch.Tensor]:
+        return {k.split(":", 1)[1]: v for k, v in self.tensors.items() if k.startswith(kind + ":")}
+
+    def summary(self) -> pd.DataFrame:
+        rows = []
+        for k, v in self.tensors.items():
+            kind, name = k.split(":", 1)
+            rows.append(dict(kind=kind, module=name, shape="x".join(map(str, v.shape)),
+                             absmax=float(v.abs().max()), rms=float(v.float().pow(2).mean().sqrt())))
+        return pd.DataFrame(rows)
+
+
+def capture_linear_tensors(model: nn.Module, loss_fn: Callable[[], torch.Tensor], *,
+                           names: Iterable[str] | None = None, max_modules: int | None = None,
+                           max_rows: int = 1024) -> CapturedTensors:
+    """Run ``loss_fn()`` forward + backward once and record, for every ``nn.Linear`` (or
+    those in ``names``): its weight, its input (activation, flattened to (tokens, K)) and
+    the gradient of its output (flattened to (tokens, N)), first ``max_rows`` rows."""
+    want = set(names) if names is not None else None
+    out: dict[str, torch.Tensor] = {}
+    handles = []
+    count = 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear) or (want is not None and name not in want):
+            continue
+        if max_modules is not None and count >= max_modules:
+            break
+        count += 1
+        out[f"weight:{name}"] = mod.weight.detach().float().clone()
+
+        def fwd_hook(m, inp, outp, name=name):
+            out[f"activation:{name}"] = inp[0].detach().reshape(-1, inp[0].shape[-1])[:max_rows].float().clone()
+
+        def bwd_hook(m, gin, gout, name=name):
+            if gout[0] is not None:
+                out[f"gradient:{name}"] = gout[0].detach().reshape(-1, gout[0].shape[-1])[:max_rows].float().clone()
+
+        handles.append(mod.register_forward_hook(fwd_hook))
+        handles.append(mod.register_full_backward_hook(bwd_hook))
+    try:
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn()
+        loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    return CapturedTensors(out)
+
+
+def sqnr_table(tensors: Mapping[str, torch.Tensor], variants: Mapping[str, dict] | Iterable[str] | None = None
+               ) -> pd.DataFrame:
+    """Tidy rows (tensor, variant, fmt, metric columns) for every tensor x format variant."""
+    if variants is None:
+        variants = FORMAT_VARIANTS
+    elif not isinstance(variants, Mapping):
+        variants = {v: FORMAT_VARIANTS[v] for v in variants}
+    rows = []
+    for tname, x in tensors.items():
+        for vname, kw in variants.items():
+            kw = dict(kw)
+            fmt = kw.pop("fmt")
+            s = error_stats(x, fmt, **kw)
+            rows.append(dict(tensor=tname, variant=vname, fmt=fmt, bits=Q.FORMATS[fmt].bits_per_elem, **s.as_dict()))
+    return pd.DataFrame(rows)
+
+
+def format_grid_histogram(x: torch.Tensor, fmt: str, **kw) -> pd.DataFrame:
+    """How a tensor's scaled elements fill the format's grid.
+
+    One row per representable magnitude (the element grid, in units of the group
+    scale) with ``count`` / ``frac`` of elements that round to it; ``value`` 0 gathers
+    the zeros (flushed or exact), the largest value the saturated ones.  Sign merged."""
+    qt = Q.quantize(x.float(), fmt, pad=True, **kw)
+    F = Q.FORMATS[fmt].elem_format
+    nb = F.ebits + F.mbits
+    codes = qt._codes.reshape(-1).to(torch.int64) & ((1 << nb) - 1)
+    n_real = x.numel()            # padding slots hold zeros that are not part of x: drop them below
+    counts = torch.bincount(codes, minlength=1 << nb).double()
+    counts[0] -= codes.numel() - n_real
+    vals = Q.decode_codes(torch.arange(1 << nb, dtype=torch.uint8), F.name).double()
+    keep = torch.isfinite(vals)
+    df = pd.DataFrame(dict(code=torch.arange(1 << nb)[keep].tolist(), value=vals[keep].tolist(),
+                           count=counts[keep].tolist()))
+    df["frac"] = df["count"] / max(1, n_real)
+    df["log2_value"] = [math.log2(v) if v > 0 else float("nan") for v in df["value"]]
+    df["subnormal"] = df["value"] < 2.0 ** F.emin
+    return df
