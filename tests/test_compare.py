@@ -1,0 +1,349 @@
+"""perflab compare / baseline on synthetic records: real regressions are caught, noise is
+not, one-sided rows and device mismatches are flagged, exit codes gate, the HTML page is
+self-contained."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from lab_utils import compare as C
+from lab_utils.config import ConfigError
+from lab_utils.records import CONTEXT_COLUMNS, ROW_COLUMNS
+
+CPU = {"device": "Test CPU 9000", "device_kind": "cpu", "torch_version": "2.13.0", "triton_version": "3.9.0",
+       "cuda_version": None, "python_version": "3.12.1", "commit": "aaaa", "timestamp": "2026-12-02T12:00:00+0000"}
+GPU = {**CPU, "device": "NVIDIA H200", "device_kind": "cuda", "cuda_version": "12.8"}
+
+
+def timing_rows(lab, exp, variant, median_ms, *, rng, n=25, noise=0.03, shape="1823x781", dtype="bfloat16",
+                bytes=None):
+    """Rows like Recorder.add_timing writes: median with samples, p20, p80, and GB/s."""
+    s = median_ms * np.exp(rng.normal(0, noise, n))
+    med = float(np.median(s))
+    base = dict(lab=lab, experiment=exp, variant=variant, shape=shape, dtype=dtype, unit="ms", extra="")
+    rows = [dict(base, metric="time", value=med, statistic="median", samples=s.tolist()),
+            dict(base, metric="time", value=float(np.quantile(s, .2)), statistic="p20", samples=None),
+            dict(base, metric="time", value=float(np.quantile(s, .8)), statistic="p80", samples=None)]
+    if bytes:
+        rows.append(dict(base, metric="bandwidth", unit="GB/s", value=bytes / (med * 1e-3) / 1e9,
+                         statistic="median", samples=None))
+    return rows
+
+
+def value_row(lab, exp, variant, metric, value, unit="", dtype="bfloat16", shape="64x96", statistic="value"):
+    return dict(lab=lab, experiment=exp, variant=variant, shape=shape, dtype=dtype, metric=metric, value=value,
+                unit=unit, statistic=statistic, samples=None, extra="")
+
+
+def write_report(folder: Path, rows: list[dict], ctx: dict, *, status=None, parquet=False) -> Path:
+    """A folder shaped like a report (records + context + status)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    df = pd.DataFrame(rows).reindex(columns=ROW_COLUMNS)
+    for c in CONTEXT_COLUMNS:
+        df[c] = ctx.get(c, "")
+    df["notebook"] = df["lab"]
+    df["run_id"] = folder.name
+    if parquet:
+        df.to_parquet(folder / "records.parquet", index=False)
+    else:
+        (folder / "records.json").write_text(df.to_json(orient="records"))
+    (folder / "context.json").write_text(json.dumps({**ctx, "run_id": folder.name}))
+    labs = sorted(set(df["lab"]))
+    st = status or [{"notebook": lab, "status": "ok", "error": None} for lab in labs]
+    (folder / "status.json").write_text(json.dumps(st))
+    return folder
+
+
+def base_rows(seed=1):
+    rng = np.random.default_rng(seed)
+    rows = []
+    rows += timing_rows("01_norms", "fwd", "triton", 2.0, rng=rng, bytes=4e8)
+    rows += timing_rows("01_norms", "fwd", "eager", 5.0, rng=rng, bytes=4e8)
+    rows += timing_rows("03_attention", "fwd", "sdpa", 10.0, rng=rng, shape="2x24x4096x128")
+    rows += [value_row("01_norms", "check", "triton", "max_abs_err", 1.0e-3),
+             value_row("04_quant", "recipe", "fp8_rowwise", "sqnr", 31.0, unit="dB"),
+             value_row("04_quant", "recipe", "mxfp8", "sqnr", 28.0, unit="dB"),
+             value_row("02_blocks", "count", "double_block", "params", 12345.0)]
+    return rows
+
+
+def find(cmp, **kw) -> pd.Series:
+    df = cmp.rows
+    for k, v in kw.items():
+        df = df[df[k] == v]
+    assert len(df) == 1, f"expected one row for {kw}, got {len(df)}:\n{cmp.rows}"
+    return df.iloc[0]
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """A base and a candidate: triton 30% slower, eager only noise, sdpa faster, error doubled,
+    one SQNR slightly lower (within 0.5 dB), the other 3 dB better."""
+    base = write_report(tmp_path / "base", base_rows(1), CPU)
+    rng = np.random.default_rng(2)
+    rows = []
+    rows += timing_rows("01_norms", "fwd", "triton", 2.6, rng=rng, bytes=4e8)
+    rows += timing_rows("01_norms", "fwd", "eager", 5.0, rng=rng, bytes=4e8)
+    rows += timing_rows("03_attention", "fwd", "sdpa", 7.0, rng=rng, shape="2x24x4096x128")
+    rows += [value_row("01_norms", "check", "triton", "max_abs_err", 2.0e-3),
+             value_row("04_quant", "recipe", "fp8_rowwise", "sqnr", 30.8, unit="dB"),
+             value_row("04_quant", "recipe", "mxfp8", "sqnr", 31.0, unit="dB"),
+             value_row("02_blocks", "count", "double_block", "params", 12345.0)]
+    cand = write_report(tmp_path / "cand", rows, {**CPU, "commit": "bbbb"})
+    return base, cand
+
+
+def test_direction_table():
+    assert C.direction("time", "ms") == C.LOWER_TIME
+    assert C.direction("bandwidth", "GB/s").better == "higher"
+    assert C.direction("throughput", "TFLOP/s").better == "higher"
+    assert C.direction("pct_of_ceiling", "%").better == "higher"
+    assert C.direction("max_abs_err", "") == C.LOWER_ERROR
+    assert C.direction("rel_error", "") == C.LOWER_ERROR
+    assert C.direction("mismatch_pct", "%") == C.LOWER_ERROR   # the name wins over a higher-is-better unit
+    assert C.direction("sqnr", "dB") == C.HIGHER_DB
+    assert C.direction("peak_memory", "GiB") == C.LOWER_MEMORY
+    assert C.direction("params", "") == C.NEUTRAL
+    assert C.direction("inference_tokens", "") == C.NEUTRAL      # 'inf' only as a whole word
+    assert {r["kind"] for r in C.direction_table()} >= {"performance", "accuracy", "memory", "other"}
+
+
+def test_verdicts_regression_noise_improvement(runs):
+    base, cand = runs
+    cmp = C.compare(base, cand)
+    t = find(cmp, variant="triton", metric="time")
+    assert t["verdict"] == "slower" and t["regression"]
+    assert 1.2 < t["ratio"] < 1.4
+    # the interval of the gain (base/cand) lies below 1 and contains the point estimate
+    assert t["lo"] <= t["gain"] <= t["hi"] < 1
+    assert find(cmp, variant="triton", metric="bandwidth")["verdict"] == "slower"     # borrows the time's noise
+    assert find(cmp, variant="triton", metric="bandwidth")["noise"] == "from the time row's samples"
+    e = find(cmp, variant="eager", metric="time")
+    assert e["verdict"] == "same" and not e["regression"], e
+    assert e["lo"] < 1 < e["hi"]
+    assert find(cmp, variant="sdpa", metric="time")["verdict"] == "faster"
+    assert find(cmp, metric="max_abs_err")["verdict"] == "less accurate"
+    assert find(cmp, variant="fp8_rowwise")["verdict"] == "same"          # -0.2 dB < 0.5 dB
+    assert find(cmp, variant="mxfp8")["verdict"] == "more accurate"       # +3 dB
+    assert find(cmp, metric="params")["verdict"] == "same"
+    assert not (cmp.rows["statistic"].isin(["p20", "p80"])).any()         # summaries of the same samples
+    assert cmp.exit_code == C.EXIT_REGRESSION
+    assert set(cmp.regressions["variant"]) == {"triton"}
+    assert any("commit differs" in f for f in cmp.flags)
+    txt = cmp.summary_text()
+    assert "REGRESSIONS beyond threshold (3)" in txt and "FAIL" in txt
+    assert re.search(r"01_norms/fwd/triton 1823x781 bfloat16 time\[median\].*SLOWER", txt)
+
+
+def test_noise_only_differences_are_same(tmp_path):
+    """Two draws of the same distributions, fairly noisy: nothing is a verdict."""
+    for seed in range(3):
+        rb, rc = np.random.default_rng(100 + seed), np.random.default_rng(200 + seed)
+        b = sum((timing_rows("l", "e", f"v{i}", 1.0 + i, rng=rb, noise=0.08, n=15, bytes=1e8) for i in range(6)), [])
+        c = sum((timing_rows("l", "e", f"v{i}", 1.0 + i, rng=rc, noise=0.08, n=15, bytes=1e8) for i in range(6)), [])
+        cmp = C.compare(write_report(tmp_path / f"b{seed}", b, CPU), write_report(tmp_path / f"c{seed}", c, CPU))
+        assert set(cmp.rows["verdict"]) == {"same"}, cmp.summary_text()
+        assert cmp.exit_code == C.EXIT_OK
+    # the same small shift with and without enough samples: significance needs samples
+    rng = np.random.default_rng(5)
+    tiny_b = timing_rows("l", "e", "v", 1.0, rng=rng, noise=0.2, n=5)
+    tiny_c = timing_rows("l", "e", "v", 1.08, rng=rng, noise=0.2, n=5)
+    cmp = C.compare(write_report(tmp_path / "tb", tiny_b, CPU), write_report(tmp_path / "tc", tiny_c, CPU))
+    assert find(cmp, metric="time")["verdict"] == "same"
+
+
+def test_threshold_is_settable(runs):
+    base, cand = runs
+    cmp = C.compare(base, cand, threshold=0.5, accuracy_threshold=1.5)
+    assert find(cmp, variant="triton", metric="time")["note"] == "significant but within threshold"
+    assert cmp.exit_code == C.EXIT_OK
+    assert C.compare(base, cand, db_threshold=5.0).rows.query("variant == 'mxfp8'").iloc[0]["verdict"] == "same"
+
+
+def test_rank_method_agrees(runs):
+    base, cand = runs
+    cmp = C.compare(base, cand, method="rank")
+    t = find(cmp, variant="triton", metric="time")
+    assert t["verdict"] == "slower" and t["p_value"] < 0.01
+    e = find(cmp, variant="eager", metric="time")
+    assert e["verdict"] == "same" and e["p_value"] > 0.05
+
+
+def test_bootstrap_is_reproducible_and_covers():
+    rng = np.random.default_rng(0)
+    b, c = rng.lognormal(0, 0.05, 30), 1.25 * rng.lognormal(0, 0.05, 30)
+    assert C.bootstrap_ratio(b, c) == C.bootstrap_ratio(b, c)
+    lo, hi = C.bootstrap_ratio(b, c)
+    assert lo < np.median(c) / np.median(b) < hi and lo > 1.1 and hi < 1.4
+
+
+def test_one_sided_and_failed_rows(tmp_path):
+    rng = np.random.default_rng(3)
+    b = timing_rows("l", "e", "kept", 1.0, rng=rng) + timing_rows("l", "e", "dropped", 1.0, rng=rng) \
+        + timing_rows("l", "e", "breaks", 1.0, rng=rng)
+    c = timing_rows("l", "e", "kept", 1.0, rng=rng) + timing_rows("l", "e", "added", 1.0, rng=rng) \
+        + [dict(lab="l", experiment="e", variant="breaks", shape="1823x781", dtype="bfloat16", metric="time",
+                value=math.nan, unit="ms", statistic="failed", samples=None, extra='{"reason": "OOM"}')]
+    cmp = C.compare(write_report(tmp_path / "b", b, CPU), write_report(tmp_path / "c", c, CPU))
+    assert find(cmp, variant="dropped")["verdict"] == "only in base"
+    assert find(cmp, variant="added")["verdict"] == "only in candidate"
+    br = find(cmp, variant="breaks")
+    assert br["verdict"] == "failed" and br["regression"]
+    assert any("1 row(s) only in base, 1 only in candidate" in f for f in cmp.flags)
+    assert cmp.exit_code == C.EXIT_REGRESSION
+    txt = cmp.summary_text()
+    assert "only in base (1):" in txt and "only in candidate (1):" in txt
+    page = cmp.to_html()
+    assert page.count('<tr data-verdict="only in base">') == 1 and page.count('<tr data-verdict="failed">') == 1
+
+
+def test_duplicate_keys_are_numbered_not_mixed(tmp_path):
+    rows = [value_row("l", "e", "v", "max_abs_err", 1e-3), value_row("l", "e", "v", "max_abs_err", 5e-3)]
+    cmp = C.compare(write_report(tmp_path / "b", rows, CPU), write_report(tmp_path / "c", rows[::-1], CPU))
+    assert sorted(cmp.rows["occurrence"]) == [1, 2]
+    assert set(cmp.rows["verdict"]) == {"less accurate", "more accurate"}
+    assert any("repeat a key" in f for f in cmp.flags)
+
+
+def test_zero_errors(tmp_path):
+    b = [value_row("l", "bits", "a", "max_abs_err", 0.0), value_row("l", "bits", "b", "max_abs_err", 0.0)]
+    c = [value_row("l", "bits", "a", "max_abs_err", 0.0), value_row("l", "bits", "b", "max_abs_err", 1e-6)]
+    cmp = C.compare(write_report(tmp_path / "b", b, CPU), write_report(tmp_path / "c", c, CPU))
+    assert find(cmp, variant="a")["verdict"] == "same"
+    assert find(cmp, variant="b")["verdict"] == "less accurate"
+
+
+def test_device_mismatch_is_flagged_not_mixed(tmp_path, runs):
+    base, _ = runs
+    rng = np.random.default_rng(9)
+    rows = timing_rows("01_norms", "fwd", "triton", 0.01, rng=rng, bytes=4e8) \
+        + [value_row("01_norms", "check", "triton", "max_abs_err", 1.0e-3)]
+    gpu = write_report(tmp_path / "gpu", rows, GPU)
+    cmp = C.compare(base, gpu)
+    assert cmp.device_mismatch and any(f.startswith("DEVICE DIFFERS") for f in cmp.flags)
+    assert find(cmp, variant="triton", metric="time")["verdict"] == "device differs"
+    assert find(cmp, metric="max_abs_err")["verdict"] == "same"          # accuracy rows still compared
+    assert any("software differs: cuda" in f for f in cmp.flags)
+    assert cmp.exit_code == C.EXIT_INCOMPARABLE
+    assert "NOT COMPARABLE" in cmp.summary_text()
+    allowed = C.compare(base, gpu, allow_device_mismatch=True)
+    assert find(allowed, variant="triton", metric="time")["verdict"] == "faster"
+    assert allowed.exit_code == C.EXIT_OK
+
+
+def test_mixed_devices_in_one_side_are_refused(tmp_path, runs):
+    base, _ = runs
+    folder = tmp_path / "mixed"
+    write_report(folder, [value_row("l", "e", "v", "max_abs_err", 1e-3)], CPU)
+    df = pd.read_json(folder / "records.json")
+    other = df.copy()
+    other["device"] = "NVIDIA H200"
+    pd.concat([df, other]).to_json(folder / "records.json", orient="records", date_format="iso")
+    (folder / "context.json").unlink()
+    with pytest.raises(C.CompareError, match="2 devices"):
+        C.compare(base, folder)
+    assert C.main([str(base), str(folder), "--out", str(tmp_path / "o")]) == C.EXIT_USAGE
+
+
+def test_main_exit_codes_and_outputs(tmp_path, runs, capsys):
+    base, cand = runs
+    out = tmp_path / "out"
+    assert C.main([str(base), str(cand), "--out", str(out)]) == C.EXIT_REGRESSION
+    printed = capsys.readouterr().out
+    assert "FAIL" in printed and "compare.html" in printed
+    assert {p.name for p in out.iterdir()} == {"compare.html", "summary.txt", "compare.json"}
+    data = json.loads((out / "compare.json").read_text())
+    assert data["exit_code"] == 1 and data["counts"]["slower"] == 2
+    # the same run against itself: no regression; records files work as well as folders (parquet too)
+    assert C.main([str(base), str(base / "records.json"), "--out", str(out), "--quiet"]) == C.EXIT_OK
+    pq = write_report(tmp_path / "pq", base_rows(1), CPU, parquet=True)
+    assert C.main([str(base), str(pq), "--out", str(out), "--quiet"]) == C.EXIT_OK
+    assert C.main([str(base), str(cand), "--gate", "none", "--out", str(out), "--quiet"]) == C.EXIT_OK
+    assert C.main([str(base), str(cand), "--gate", "accuracy", "--out", str(out), "--quiet"]) == C.EXIT_REGRESSION
+    assert C.main([str(base), str(cand), "--only", "performance", "--gate", "accuracy", "--out", str(out),
+                   "--quiet"]) == C.EXIT_OK
+    assert C.main([str(base), str(tmp_path / "nope"), "--out", str(out)]) == C.EXIT_USAGE
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        C.main([str(base)])
+    assert e.value.code == 2
+
+
+@pytest.mark.parametrize("kw,param", [({"threshold": -0.1}, "threshold"), ({"confidence": 1.5}, "confidence"),
+                                      ({"method": "ttest"}, "method"), ({"bootstrap": 10}, "bootstrap"),
+                                      ({"gate": "some"}, "gate"), ({"db_threshold": math.nan}, "db_threshold")])
+def test_bad_options_name_the_parameter(kw, param):
+    with pytest.raises(ConfigError) as e:
+        C.Options(**kw)
+    assert param in str(e.value)
+
+
+def test_cli_bad_option_value_exits_2(runs, tmp_path, capsys):
+    base, cand = runs
+    assert C.main([str(base), str(cand), "--threshold", "-1", "--out", str(tmp_path)]) == C.EXIT_USAGE
+    assert "threshold" in capsys.readouterr().err
+
+
+def test_failed_notebook_in_candidate_gates(tmp_path, runs):
+    base, _ = runs
+    rows = [r for r in base_rows(1) if r["lab"] != "03_attention"]
+    st = [{"notebook": n, "status": "ok"} for n in ("01_norms", "02_blocks", "04_quant")] + \
+         [{"notebook": "03_attention", "status": "failed", "error": "RuntimeError: boom"}]
+    cand = write_report(tmp_path / "c", rows, CPU, status=st)
+    cmp = C.compare(base, cand)
+    assert cmp.failed_notebooks == ["03_attention"]
+    assert cmp.exit_code == C.EXIT_REGRESSION and "03_attention" in cmp.result_line()
+    assert any("candidate: notebook(s) failed" in f for f in cmp.flags)
+
+
+def test_html_is_self_contained(tmp_path, runs):
+    base, cand = runs
+    page = C.compare(base, cand).to_html()
+    assert "<table id=\"rows\" class=\"sortable\"" in page and "Bokeh" in page
+    assert "embed_items" in page or "embed.embed_items" in page
+    # no tag loads anything from a URL (BokehJS itself only names a MathJax CDN in code that math text
+    # would use; the browser test checks that no request leaves the file)
+    assert not re.search(r"""<(script|link|img|iframe|source)\b[^>]*\b(src|href)\s*=\s*["'](https?:)?//""", page, re.I)
+    assert "@import" not in page
+    assert len(page) < 3_000_000
+    # every row is in the table
+    rows = C.compare(base, cand).rows
+    assert page.count("<tr data-verdict=") == len(rows)
+    assert page.count('<tr data-verdict="slower">') == (rows["verdict"] == "slower").sum() == 2
+
+
+def test_baseline_refresh_check_show(tmp_path, runs, monkeypatch, capsys):
+    base, cand = runs
+    monkeypatch.setattr(C, "baselines_root", lambda: tmp_path / "baselines")
+    assert C.baseline_kind(CPU) == "cpu" and C.baseline_kind(GPU) == "cuda-nvidia-h200"
+    assert C.baseline_main(["refresh", "--report", str(base)]) == 0
+    stored = tmp_path / "baselines" / "cpu"
+    meta = json.loads((stored / "baseline.json").read_text())
+    assert meta["kind"] == "cpu" and meta["rows"] == len(base_rows(1)) and not meta["timing_free"]
+    assert C.baseline_main(["check", "--report", str(base), "--out", str(tmp_path / "o1")]) == C.EXIT_OK
+    assert C.baseline_main(["check", "--report", str(cand), "--out", str(tmp_path / "o2")]) == C.EXIT_REGRESSION
+    assert (tmp_path / "o2" / "compare.html").exists()
+    # timing-free: only load-independent rows are stored, and the check compares only those
+    assert C.baseline_main(["refresh", "--report", str(base), "--timing-free", "--kind", "cpu-tf"]) == 0
+    tf = json.loads((tmp_path / "baselines" / "cpu-tf" / "records.json").read_text())
+    assert {r["metric"] for r in tf} == {"max_abs_err", "sqnr", "params"}
+    capsys.readouterr()
+    rc = C.baseline_main(["check", "--report", str(cand), "--kind", "cpu-tf", "--out", str(tmp_path / "o3")])
+    out = capsys.readouterr().out
+    assert "timing-free" in out and rc == C.EXIT_REGRESSION        # max_abs_err doubled
+    assert "time[median]" not in out
+    assert C.baseline_main(["show"]) == 0
+    assert "cpu-tf:" in capsys.readouterr().out
+    assert C.baseline_main(["check", "--report", str(cand), "--kind", "cuda-none", "--out", str(tmp_path)]) == 2
+    # a report with a failed notebook is not stored without --allow-failed
+    st = json.loads((cand / "status.json").read_text())
+    st[0]["status"] = "failed"
+    (cand / "status.json").write_text(json.dumps(st))
+    assert C.baseline_main(["refresh", "--report", str(cand), "--kind", "x"]) == 2
+    assert C.baseline_main(["refresh", "--report", str(cand), "--kind", "x", "--allow-failed"]) == 0
