@@ -1,0 +1,650 @@
+"""Attention paths behind one calling convention, and the registry of what each supports.
+
+Design note
+-----------
+``attend(q, k, v, path=..., mask=..., cu_seqlens=...)`` runs the same problem on any
+path:
+
+* layout "bhld": q (B, H, Lq, Dh), k/v (B, H, Lk, Dh)  -> (B, H, Lq, Dh)
+* layout "packed": q/k/v (T, H, Dh) with ``cu_seqlens`` (n+1,), 0 .. T  -> (T, H, Dh);
+  every sequence attends only inside itself, and ``mask`` applies to positions *inside*
+  each sequence (``b`` of a mask_mod is the sequence index there).
+
+``mask``: None (full), "full" / "causal", a :class:`lab_utils.masks.Mask`, or a boolean
+tensor broadcastable to (B, H, Lq, Lk) with True = may attend (SDPA's convention; the
+model passes its key-padding mask this way).
+
+Paths (``PATHS``): "reference" (dense, computed in float64, cast back), "sdpa"
+(torch's own backend choice), "math" / "flash" / "efficient" / "cudnn" (SDPA with that
+backend forced), "flex" (compiled FlexAttention), "flex_eager" (uncompiled debug path:
+materialises the scores), "triton" (lab_kernels.attention), "flash_attn" (the
+flash-attn library when installed).  Which path honours which mask, layout, dtype,
+device and backward is in :data:`REGISTRY` (``path_table()`` shows it); SDPA backends
+are probed once per (device, dtype, head dim) on a tiny problem, so the table lists
+what *this* device has.  A problem a path cannot run raises :class:`AttentionError`
+naming the parameter — never a silently different computation.
+
+Mask preprocessing (the dense boolean mask for SDPA, the BlockMask for flex) is cached
+per Mask object and shape, so timings after the first call measure attention only;
+``lab_utils.masks.flex_block_mask`` is timed separately as the block-mask build cost.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+import lab_kernels  # noqa: F401  (sets TRITON_INTERPRET before kernels are defined)
+from lab_kernels import attention as _ka
+
+from .checks import compare, tolerance
+from .config import ConfigError
+from .masks import Mask, causal, dense_mask, full
+
+PATHS = ("reference", "sdpa", "math", "flash", "efficient", "cudnn", "flex", "flex_eager", "triton", "flash_attn")
+MASK_KINDS = ("full", "causal", "custom")
+LAYOUTS = ("bhld", "packed")
+
+
+class AttentionError(ConfigError):
+    """A problem a path cannot run, or malformed input; names the parameter."""
+
+
+# --------------------------------------------------------------------------- input checks
+@dataclass(frozen=True)
+class Problem:
+    layout: str                  # "bhld" | "packed"
+    B: int                       # batch (packed: number of sequences)
+    H: int
+    Lq: int                      # packed: longest sequence
+    Lk: int
+    head_dim: int
+    dtype: torch.dtype
+    device: str
+    mask_kind: str               # "full" | "causal" | "custom"
+    requires_grad: bool
+    lengths: tuple[int, ...] = ()    # packed only
+
+    def as_check(self) -> dict:
+        return dict(device=self.device, dtype=self.dtype, head_dim=self.head_dim, mask=self.mask_kind,
+                    layout=self.layout, lq=self.Lq, lk=self.Lk, backward=self.requires_grad)
+
+
+def _mask_kind(mask) -> str:
+    if mask is None:
+        return "full"
+    if isinstance(mask, str):
+        return mask
+    if isinstance(mask, Mask):
+        return mask.kind
+    return "custom"
+
+
+def _normalize_mask(mask):
+    if mask is None or isinstance(mask, Mask):
+        return mask
+    if isinstance(mask, str):
+        if mask == "full":
+            return None
+        if mask == "causal":
+            return causal()
+        raise AttentionError("mask", mask, "None, 'full', 'causal', a lab_utils.masks.Mask or a boolean tensor")
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype != torch.bool:
+            raise AttentionError("mask", f"tensor of dtype {mask.dtype}", "a boolean tensor (True = may attend); "
+                                 "additive float masks are not accepted")
+        return mask
+    raise AttentionError("mask", type(mask).__name__, "None, 'full', 'causal', a lab_utils.masks.Mask or a "
+                                                      "boolean tensor")
+
+
+def check_inputs(q, k, v, *, mask=None, cu_seqlens=None, max_seqlen=None) -> Problem:
+    """Validate shapes, dtypes, devices, cu_seqlens and the mask; describe the problem."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise AttentionError(name, type(t).__name__, "a tensor")
+        if not t.is_floating_point():
+            raise AttentionError(name, f"dtype {t.dtype}", "a floating-point tensor")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise AttentionError(name, f"dtype {t.dtype}", f"the dtype of q ({q.dtype})")
+        if t.device != q.device:
+            raise AttentionError(name, f"device {t.device}", f"the device of q ({q.device})")
+    packed = cu_seqlens is not None
+    if packed:
+        if q.dim() != 3:
+            raise AttentionError("q", f"shape {tuple(q.shape)}", "(T, H, Dh) when cu_seqlens is given")
+        for name, t in (("k", k), ("v", v)):
+            if t.shape != q.shape:
+                raise AttentionError(name, f"shape {tuple(t.shape)}", f"the shape of q {tuple(q.shape)} "
+                                     "(packed attention is self-attention)")
+        try:
+            _ka._check_cu_seqlens(cu_seqlens, q.shape[0])
+        except ValueError as e:
+            raise AttentionError("cu_seqlens", cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor)
+                                 else cu_seqlens, str(e).split(" must ", 1)[-1]) from None
+        lengths = tuple(int(x) for x in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
+        if max_seqlen is not None and max_seqlen < max(lengths):
+            raise AttentionError("max_seqlen", max_seqlen, f">= the longest sequence ({max(lengths)})")
+        if isinstance(mask, torch.Tensor):
+            raise AttentionError("mask", "a dense tensor", "a Mask (mask_mod) or 'causal'/'full' in the packed "
+                                 "layout (positions inside each sequence)")
+        if isinstance(mask, Mask) and mask.length is not None and any(n != mask.length for n in lengths):
+            raise AttentionError("mask", mask.name, f"a mask valid for every packed sequence; it was built for "
+                                 f"{mask.length} tokens, the sequences have {list(lengths)}")
+        B, H, L = len(lengths), q.shape[1], max(lengths)
+        return Problem("packed", B, H, L, L, q.shape[2], q.dtype, q.device.type, _mask_kind(mask),
+                       any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled(), lengths)
+    if q.dim() != 4:
+        raise AttentionError("q", f"shape {tuple(q.shape)}", "(B, H, L, Dh), or (T, H, Dh) with cu_seqlens")
+    if k.dim() != 4 or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise AttentionError("k", f"shape {tuple(k.shape)}", f"(B, H, Lk, Dh) = ({q.shape[0]}, {q.shape[1]}, Lk, "
+                             f"{q.shape[3]}) to match q {tuple(q.shape)}")
+    if v.dim() != 4 or v.shape[:3] != k.shape[:3]:
+        raise AttentionError("v", f"shape {tuple(v.shape)}", f"(B, H, Lk, Dv) with (B, H, Lk) = {tuple(k.shape[:3])} "
+                             "from k")
+    if v.shape[3] != q.shape[3]:
+        raise AttentionError("v", f"shape {tuple(v.shape)}", f"head dim {q.shape[3]} like q (paths here share Dh)")
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    kind = _mask_kind(mask)
+    if isinstance(mask, torch.Tensor):
+        try:
+            torch.broadcast_shapes(mask.shape, (B, H, Lq, Lk))
+            ok = mask.dim() <= 4 and torch.broadcast_shapes(mask.shape, (B, H, Lq, Lk)) == (B, H, Lq, Lk)
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise AttentionError("mask", f"tensor of shape {tuple(mask.shape)}", f"broadcastable to (B, H, Lq, Lk) = "
+                                 f"{(B, H, Lq, Lk)}")
+        if mask.device != q.device:
+            raise AttentionError("mask", f"device {mask.device}", f"the device of q ({q.device})")
+    elif isinstance(mask, Mask):
+        if mask.length is not None and (Lq != mask.length or Lk != mask.length):
+            raise AttentionError("mask", mask.name, f"a mask for Lq = Lk = {Lq if Lq == Lk else (Lq, Lk)}; it was "
+                                 f"built for {mask.length} tokens")
+    if kind == "causal" and Lq != Lk:
+        raise AttentionError("mask", "causal", f"full or a custom mask when Lq != Lk ({Lq} != {Lk}): causal "
+                             "alignment would be ambiguous")
+    return Problem("bhld", B, H, Lq, Lk, D, q.dtype, q.device.type, kind,
+                   any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled())
+
+
+# --------------------------------------------------------------------------- registry
+@dataclass(frozen=True)
+class AttentionPath:
+    name: str
+    kind: str                                    # reference | eager | compile | triton | library
+    masks: tuple[str, ...]                       # subset of MASK_KINDS
+    layouts: tuple[str, ...]
+    devices: tuple[str, ...]
+    description: str
+    fn: Callable[..., torch.Tensor] = field(repr=False, default=None)
+    dtypes: tuple[torch.dtype, ...] | None = None
+    head_dims: tuple[int, ...] | None = None
+    backward_devices: tuple[str, ...] = ("cpu", "cuda")
+    probe: Callable[..., str | None] | None = field(repr=False, default=None)   # device-specific check
+    available: Callable[[], str | None] | None = field(repr=False, default=None)
+
+    def why_not(self, *, device="cpu", dtype=None, mask="full", layout="bhld", head_dim=None, lq=None, lk=None,
+                backward=False, **_) -> str | None:
+        device = torch.device(device).type
+        if self.available is not None:
+            r = self.available()
+            if r:
+                return r
+        if device not in self.devices:
+            return f"path {self.name!r} runs on {', '.join(self.devices)}, not {device}"
+        if self.kind == "triton":
+            r = lab_kernels.get_variant("attention", "triton").why_not(device, dtype)
+            if r:
+                return r
+        if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
+            return (f"path {self.name!r} takes dtypes {', '.join(_dt(d) for d in self.dtypes)}, not {_dt(dtype)}")
+        if layout not in self.layouts:
+            return f"path {self.name!r} supports layouts {', '.join(self.layouts)}, not {layout!r}"
+        if mask not in self.masks:
+            return f"path {self.name!r} honours masks {', '.join(self.masks)}, not a {mask!r} mask"
+        if head_dim is not None and self.head_dims is not None and head_dim not in self.head_dims:
+            return f"path {self.name!r} supports head dims {self.head_dims}, not {head_dim}"
+        if self.kind == "triton" and lq is not None and lk is not None and lq != lk:
+            return f"path {self.name!r} does self-attention only (Lq == Lk)"
+        if backward and device not in self.backward_devices:
+            return f"path {self.name!r} has no backward on {device}"
+        if self.probe is not None:
+            return self.probe(device=device, dtype=dtype, mask=mask, head_dim=head_dim, backward=backward,
+                              layout=layout)
+        return None
+
+
+def _dt(d) -> str:
+    return str(d).replace("torch.", "")
+
+
+REGISTRY: dict[str, AttentionPath] = {}
+
+
+def _register(p: AttentionPath) -> None:
+    REGISTRY[p.name] = p
+
+
+def get_path(name: str) -> AttentionPath:
+    if name not in REGISTRY:
+        raise AttentionError("path", name, "one of " + ", ".join(REGISTRY))
+    return REGISTRY[name]
+
+
+def available_paths(device="cpu", dtype=torch.float32, *, mask="full", layout="bhld", head_dim=64,
+                    backward=False, include_reference: bool = True) -> list[str]:
+    """Paths that can run this problem here."""
+    out = []
+    for name, p in REGISTRY.items():
+        if not include_reference and p.kind == "reference":
+            continue
+        if p.why_not(device=device, dtype=dtype, mask=mask, layout=layout, head_dim=head_dim, backward=backward) is None:
+            out.append(name)
+    return out
+
+
+def path_table(device="cpu", dtype=torch.float32, head_dim: int = 64):
+    """One row per path x mask kind x layout x direction: supported here, or why not."""
+    import pandas as pd
+
+    rows = []
+    for name, p in REGISTRY.items():
+        for layout in LAYOUTS:
+            for mk in MASK_KINDS:
+                for bwd in (False, True):
+                    r = p.why_not(device=device, dtype=dtype, mask=mk, layout=layout, head_dim=head_dim, backward=bwd)
+                    rows.append(dict(path=name, kind=p.kind, layout=layout, mask=mk,
+                                     direction="fwd+bwd" if bwd else "fwd", supported=r is None, why_not=r or ""))
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------- caches
+_CACHE: dict[tuple, tuple[Any, Any]] = {}
+_CACHE_MAX = 64
+
+
+def _cached(key: tuple, keep: Any, build: Callable[[], Any]):
+    """Small cache; ``keep`` (the Mask) is held so its id() cannot be reused."""
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit[1]
+    val = build()
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[key] = (keep, val)
+    return val
+
+
+def clear_caches() -> None:
+    _CACHE.clear()
+
+
+def _dense_for(mask: Mask, B, Lq, Lk, device) -> torch.Tensor:
+    return _cached(("dense", id(mask), B, Lq, Lk, str(device)), mask,
+                   lambda: dense_mask(mask, B, 1, Lq, Lk, device=device))
+
+
+# --------------------------------------------------------------------------- path implementations
+def _scale(q, scale):
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
+def _packed_loop(fn, q, k, v, mask, scale, cu_seqlens):
+    """Run ``fn`` per sequence of a packed batch (sequence i gets Mask b-index i)."""
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        qi, ki, vi = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))      # 1 H l Dh
+        m = mask
+        if isinstance(mask, Mask) and mask.kind == "custom" and i:
+            m = _cached(("shift", id(mask), i), mask, lambda: _shift_batch(mask, i))
+        outs.append(fn(qi, ki, vi, m, scale)[0].transpose(0, 1))
+    return torch.cat(outs, 0)
+
+
+def _shift_batch(mask: Mask, i: int) -> Mask:
+    mod = mask.mask_mod
+    return Mask(mask.name, lambda b, h, q, k: mod(b + i, h, q, k), mask.kind, mask.params)
+
+
+def _reference(q, k, v, mask, scale):
+    dt = q.dtype
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    B, _, Lq, _ = q.shape
+    Lk = k.shape[2]
+    dm = None
+    if isinstance(mask, torch.Tensor):
+        dm = mask
+    elif isinstance(mask, Mask) and mask.kind != "full":
+        dm = dense_mask(mask, B, 1, Lq, Lk, device=q.device)
+    return _ka.reference_attention(q64, k64, v64, scale=_scale(q, scale), mask=dm).to(dt)
+
+
+_SDPA_BACKENDS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                  "cudnn": "CUDNN_ATTENTION"}
+
+
+def _sdpa_call(q, k, v, mask, scale, backend: str | None):
+    kw: dict[str, Any] = dict(scale=scale)
+    if isinstance(mask, torch.Tensor):
+        kw["attn_mask"] = mask
+    elif isinstance(mask, Mask):
+        if mask.kind == "causal":
+            kw["is_causal"] = True
+        elif mask.kind == "custom":
+            kw["attn_mask"] = _dense_for(mask, q.shape[0], q.shape[2], k.shape[2], q.device)
+    if backend is None:
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(getattr(SDPBackend, _SDPA_BACKENDS[backend])):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_sdpa(backend: str, device: str, dtype: torch.dtype, head_dim: int, custom_mask: bool,
+                is_causal: bool, backward: bool) -> str | None:
+    """Does this SDPA backend run this kind of problem on this device?  A tiny real call."""
+    if device == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 64, head_dim, device=device, dtype=dtype, generator=g).requires_grad_(backward)
+                   for _ in range(3))
+        m = torch.ones(64, 64, dtype=torch.bool, device=device).tril() if custom_mask else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            o = _sdpa_call(q, k, v, m if custom_mask else (causal() if is_causal else None), None, backend)
+            if backward:
+                o.sum().backward()
+        return None
+    except Exception as e:  # noqa: BLE001 - the reason is the answer
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"SDPA backend {backend!r} cannot run this on {device} ({_dt(dtype)}, Dh {head_dim}" \
+               f"{', mask' if custom_mask else ''}{', causal' if is_causal else ''}{', backward' if backward else ''}): " \
+               f"{msg[:160]}"
+
+
+def _sdpa_probe(backend):
+    def probe(*, device, dtype, mask, head_dim, backward, layout):
+        return _probe_sdpa(backend, device, dtype or torch.float32, head_dim or 64, mask == "custom",
+                           mask == "causal", bool(backward))
+    return probe
+
+
+def _make_sdpa(backend: str | None):
+    def run(q, k, v, mask, scale, cu_seqlens=None, max_seqlen=None):
+        if cu_seqlens is not None:
+            return _packed_loop(lambda a, b_, c, m, s: _sdpa_call(a, b_, c, m, s, backend), q, k, v, mask, scale,
+                                cu_seqlens)
+        return _sdpa_call(q, k, v, mask, scale, backend)
+    return run
+
+
+def _run_reference(q, k, v, mask, scale, cu_seqlens=None, max_seqlen=None):
+    if cu_seqlens is not None:
+        return _packed_loop(_reference, q, k, v, mask, scale, cu_seqlens)
+    return _reference(q, k, v, mask, scale)
+
+
+# flex ---------------------------------------------------------------------------------
+_FLEX_COMPILED = None
+
+
+def _flex_fn(compiled: bool):
+    global _FLEX_COMPILED
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compiled:
+        return flex_attention
+    if _FLEX_COMPILED is None:
+        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+    return _FLEX_COMPILED
+
+
+def _packed_mask(mask: Mask | None, lengths: tuple[int, ...]) -> Mask:
+    """Packed positions -> (sequence index, position inside it); same document AND mask."""
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()])
+    inner = mask.mask_mod if mask is not None else None
+
+    def mod(b, h, q, k):
+        d, s = ids.to(q.device), starts.to(q.device)
+        same = d[q] == d[k]
+        if inner is None:
+            return same
+        return same & inner(d[q], h, q - s[d[q]], k - s[d[k]])
+
+    name = f"packed({len(lengths)} seqs{', ' + mask.name if mask is not None else ''})"
+    return Mask(name, mod, "custom", {"lengths": list(lengths)}, length=int(sum(lengths)))
+
+
+def _flex_block_mask(mask: Mask, B, Lq, Lk, device, compiled: bool, key_extra=()):
+    from .masks import flex_block_mask
+
+    return _cached(("block", id(mask), B, Lq, Lk, str(device), *key_extra), mask,
+                   lambda: flex_block_mask(mask, B, None, Lq, Lk, device=device,
+                                           compile=compiled and torch.device(device).type == "cuda"))
+
+
+def _make_flex(compiled: bool):
+    def run(q, k, v, mask, scale, cu_seqlens=None, max_seqlen=None):
+        fn = _flex_fn(compiled)
+        if cu_seqlens is not None:
+            lengths = tuple(int(x) for x in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
+            pm = _cached(("packedmask", id(mask), lengths), mask, lambda: _packed_mask(mask, lengths))
+            T = q.shape[0]
+            bm = _flex_block_mask(pm, 1, T, T, q.device, compiled)
+            qq, kk, vv = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))       # 1 H T Dh
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = fn(qq, kk, vv, block_mask=bm, scale=scale)
+            return out[0].transpose(0, 1)
+        B, _, Lq, _ = q.shape
+        Lk = k.shape[2]
+        if isinstance(mask, torch.Tensor):
+            # a tensor mask is keyed by its storage: the same tensor object -> the same block mask
+            t = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(B, q.shape[1], Lq, Lk)
+            mm = Mask("tensor", lambda b, h, qi, ki: t[b, h, qi, ki], "custom")
+            bm = _cached(("tblock", mask.data_ptr(), tuple(mask.shape), B, Lq, Lk, str(q.device)), mask,
+                         lambda: _flex_block_mask(mm, B, Lq, Lk, q.device, compiled))
+        elif mask is None or mask.kind == "full":
+            bm = None
+        else:
+            bm = _flex_block_mask(mask, B, Lq, Lk, q.device, compiled)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # the uncompiled path warns on every call, by design
+            return fn(q, k, v, block_mask=bm, scale=scale)
+    return run
+
+
+def _flex_available() -> str | None:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError as e:  # pragma: no cover - torch >= 2.5 has it
+        return f"FlexAttention is not in this torch: {e}"
+    return None
+
+
+# triton -------------------------------------------------------------------------------
+def _run_triton(q, k, v, mask, scale, cu_seqlens=None, max_seqlen=None):
+    is_causal = isinstance(mask, Mask) and mask.kind == "causal"
+    return _ka.attention(q, k, v, causal=is_causal, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+
+
+# flash-attn ---------------------------------------------------------------------------
+def _flash_attn_available() -> str | None:
+    if importlib.util.find_spec("flash_attn") is None:
+        return "the flash-attn package is not installed"
+    return None
+
+
+def _run_flash_attn(q, k, v, mask, scale, cu_seqlens=None, max_seqlen=None):
+    import flash_attn
+
+    is_causal = isinstance(mask, Mask) and mask.kind == "causal"
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        ml = max_seqlen or int((cu[1:] - cu[:-1]).max())
+        return flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, ml, ml, softmax_scale=scale, causal=is_causal)
+    o = flash_attn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+                                   causal=is_causal)                                # B L H Dh
+    return o.transpose(1, 2)
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_register(AttentionPath("reference", "reference", MASK_KINDS, LAYOUTS, ("cpu", "cuda"),
+                        "dense scores in float64 (cast back to the input dtype): the ground truth",
+                        _run_reference, dtypes=(*_FLOATS, torch.float64)))
+_register(AttentionPath("sdpa", "eager", MASK_KINDS, LAYOUTS, ("cpu", "cuda"),
+                        "F.scaled_dot_product_attention, torch picks the backend; packed: one call per sequence",
+                        _make_sdpa(None), dtypes=(*_FLOATS, torch.float64)))
+for _b, _desc in (("math", "SDPA math backend (materialises the scores; any mask)"),
+                  ("flash", "SDPA FlashAttention backend (CUDA: no custom masks; CPU: its own flash kernel)"),
+                  ("efficient", "SDPA memory-efficient backend (xFormers kernel; CUDA)"),
+                  ("cudnn", "SDPA cuDNN backend (CUDA, Hopper+)")):
+    _register(AttentionPath(_b, "eager", MASK_KINDS, LAYOUTS, ("cpu", "cuda") if _b in ("math", "flash") else ("cuda",),
+                            _desc + "; packed: one call per sequence", _make_sdpa(_b),
+                            dtypes=(*_FLOATS, torch.float64), probe=_sdpa_probe(_b)))
+_register(AttentionPath("flex", "compile", MASK_KINDS, LAYOUTS, ("cpu", "cuda"),
+                        "torch.compile(flex_attention) with a BlockMask (packed: document mask over the packed "
+                        "sequence); CPU: forward only, first call compiles (~10-30 s)",
+                        _make_flex(True), dtypes=_FLOATS, backward_devices=("cuda",), available=_flex_available))
+_register(AttentionPath("flex_eager", "eager", MASK_KINDS, LAYOUTS, ("cpu", "cuda"),
+                        "flex_attention uncompiled: the debug path, materialises the scores; CPU: forward only",
+                        _make_flex(False), dtypes=(*_FLOATS, torch.float64), backward_devices=("cuda",),
+                        available=_flex_available))
+_register(AttentionPath("triton", "triton", ("full", "causal"), LAYOUTS, ("cpu", "cuda"),
+                        "lab_kernels.attention: hand-written FlashAttention-2 fwd+bwd (CPU: interpreter, "
+                        "correctness only)", _run_triton, dtypes=_ka.TRITON_DTYPES, head_dims=_ka.HEAD_DIMS))
+_register(AttentionPath("flash_attn", "library", ("full", "causal"), LAYOUTS, ("cuda",),
+                        "flash-attn library (flash_attn_func / flash_attn_varlen_func)", _run_flash_attn,
+                        dtypes=(torch.float16, torch.bfloat16), available=_flash_attn_available))
+assert tuple(REGISTRY) == PATHS
+
+
+# --------------------------------------------------------------------------- the entry point
+def attend(q, k, v, *, path: str = "sdpa", mask=None, scale: float | None = None,
+           cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+    """Attention on ``path``; see the module docstring for layouts and masks.
+    Raises :class:`AttentionError` naming the parameter when the input is malformed or
+    the path cannot honour the problem."""
+    p = get_path(path)
+    mask = _normalize_mask(mask)
+    prob = check_inputs(q, k, v, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    reason = p.why_not(**prob.as_check())
+    if reason:
+        param = ("mask" if prob.mask_kind not in p.masks else
+                 "cu_seqlens" if prob.layout not in p.layouts else
+                 "q" if (p.dtypes is not None and prob.dtype not in p.dtypes) or
+                        (p.head_dims is not None and prob.head_dim not in p.head_dims) else "path")
+        raise AttentionError(param, _describe(param, mask, q, path),
+                             f"a problem path {path!r} can run: {reason}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+        raise AttentionError("scale", scale, "None or a positive number")
+    return p.fn(q, k, v, mask, scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+
+
+def _describe(param, mask, q, path):
+    if param == "mask":
+        return mask.name if isinstance(mask, Mask) else "a dense boolean tensor" if isinstance(mask, torch.Tensor) \
+            else mask
+    if param == "q":
+        return f"{_dt(q.dtype)} (B,H,L,Dh)={tuple(q.shape)}"
+    if param == "cu_seqlens":
+        return "packed layout"
+    return path
+
+
+# --------------------------------------------------------------------------- correctness
+def random_qkv(B: int, H: int, L: int, head_dim: int, *, dtype=torch.float32, device="cpu", seed: int | None = None,
+               lengths: list[int] | None = None, requires_grad: bool = True):
+    """Fresh random q, k, v (and dO): (B, H, L, Dh), or packed (sum(lengths), H, Dh) +
+    cu_seqlens when ``lengths`` is given.  Returns dict(q, k, v, do, cu_seqlens)."""
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    shape = (sum(lengths), H, head_dim) if lengths else (B, H, L, head_dim)
+    ts = [torch.randn(shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype) for _ in range(4)]
+    for t in ts[:3]:
+        t.requires_grad_(requires_grad)
+    cu = None
+    if lengths:
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return dict(q=ts[0], k=ts[1], v=ts[2], do=ts[3], cu_seqlens=cu)
+
+
+#: gradients accumulate L products rounded to the dtype; allow this multiple of the
+#: dtype's forward tolerance for dq/dk/dv (float32/float64 keep 1x... see GRAD_SCALE).
+GRAD_SCALE = {torch.float64: 1.0, torch.float32: 2.0, torch.float16: 4.0, torch.bfloat16: 4.0}
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    path: str
+    tensor: str           # out | dq | dk | dv
+    ok: bool | None       # None = skipped
+    max_abs: float
+    max_rel: float
+    atol: float
+    rtol: float
+    note: str = ""
+
+
+def check_path(path: str, inputs: dict, *, mask=None, backward: bool = True, scale=None) -> list[CheckResult]:
+    """Run ``path`` and the float64 reference on the same inputs; compare output and
+    (with ``backward``) dq/dk/dv at the dtype's tolerance.  Inputs are poisoned-free
+    fresh tensors (see ``random_qkv``); gradients are computed with torch.autograd.grad."""
+    q, k, v, do, cu = (inputs[n] for n in ("q", "k", "v", "do", "cu_seqlens"))
+    dtype = q.dtype
+    p = get_path(path)
+    prob = check_inputs(q, k, v, mask=_normalize_mask(mask), cu_seqlens=cu)
+    chk = prob.as_check()
+    names = ["out", "dq", "dk", "dv"] if backward else ["out"]
+    why = p.why_not(**{**chk, "backward": False})
+    if why:
+        return [CheckResult(path, n, None, math.nan, math.nan, math.nan, math.nan, why) for n in names]
+    why_bwd = p.why_not(**{**chk, "backward": True}) if backward else None
+    skipped = []
+    if why_bwd:            # forward checked, gradients listed as skipped with the reason
+        skipped = [CheckResult(path, n, None, math.nan, math.nan, math.nan, math.nan, why_bwd) for n in names[1:]]
+        names, backward = ["out"], False
+    q64, k64, v64 = (t.detach().double().requires_grad_(backward) for t in (q, k, v))
+    with torch.enable_grad() if backward else torch.no_grad():
+        ref = attend(q64, k64, v64, path="reference", mask=mask, scale=scale, cu_seqlens=cu)
+        qq, kk, vv = (t.detach().clone().requires_grad_(backward) for t in (q, k, v))
+        out = attend(qq, kk, vv, path=path, mask=mask, scale=scale, cu_seqlens=cu)
+        got = [out]
+        want = [ref]
+        if backward:
+            got += list(torch.autograd.grad(out, (qq, kk, vv), do))
+            want += list(torch.autograd.grad(ref, (q64, k64, v64), do.double()))
+    res = []
+    for n, a, e in zip(names, got, want):
+        atol, rtol = tolerance(dtype, 1.0 if n == "out" else GRAD_SCALE.get(dtype, 1.0))
+        r = compare(a, e, atol=atol, rtol=rtol, name=f"{path}:{n}")
+        res.append(CheckResult(path, n, r.ok, r.max_abs, r.max_rel, atol, rtol, "" if r.ok else r.message))
+    return res + skipped
+
+
+def correctness_table(paths, *, mask=None, B=1, H=2, L=97, head_dim=64, dtype=torch.float32, device="cpu",
+                      lengths=None, backward=True, seed=0):
+    """DataFrame: each path vs the float64 reference (out, dq, dk, dv) on one fixed-seed problem."""
+    import pandas as pd
+
+    inputs = random_qkv(B, H, L, head_dim, dtype=dtype, device=device, seed=seed, lengths=lengths)
+    rows = []
+    for path in paths:
+        for r in check_path(path, inputs, mask=mask, backward=backward):
+            rows.append(dict(path=r.path, tensor=r.tensor,
+                             verdict="skipped" if r.ok is None else ("ok" if r.ok else "FAIL"),
+                             max_abs_err=r.max_abs, atol=r.atol, rtol=r.rtol,
+                             note=(r.note.splitlines()[0] if r.note else "")))
+    return pd.DataFrame(rows)
