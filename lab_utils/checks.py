@@ -59,10 +59,10 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: 
     a_inf, e_inf = torch.isinf(a), torch.isinf(e)
     diff = (a - e).abs()
     finite = torch.isfinite(a) & torch.isfinite(e)
-    bad = ~(diff <= atol + rtol * e.abs())
-    # Non-finite elements agree only when both sides are the same special value.
+    # Finite elements compare by tolerance; non-finite ones agree only when both sides
+    # hold the same special value (NaN == NaN only with equal_nan).
     same_special = (a_inf & e_inf & (a == e)) | (a_nan & e_nan & equal_nan)
-    bad = bad & ~same_special
+    bad = torch.where(finite, ~(diff <= atol + rtol * e.abs()), ~same_special)
     n_bad = int(bad.sum())
     max_abs = float(diff[finite].max()) if bool(finite.any()) else 0.0
     rel = diff / e.abs().clamp_min(1e-30)

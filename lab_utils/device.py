@@ -76,7 +76,10 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
     """``None``/"auto" picks CUDA when present, else CPU; "cuda" without a GPU is an error."""
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"parameter 'device' = {device!r} is not allowed: expected 'auto', 'cpu' or 'cuda'") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("parameter 'device' = 'cuda' but no CUDA device is visible here; use 'cpu' or 'auto'")
     if dev.type not in ("cuda", "cpu"):

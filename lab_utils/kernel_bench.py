@@ -314,6 +314,16 @@ def check_variant(op: str, variant: str, dtype, problem: Problem, *, device="cpu
     return rows
 
 
+def assert_variant_ok(op: str, variant: str, dtype, problem: Problem, **kw) -> list[CheckRow]:
+    """:func:`check_variant`, raising an AssertionError that lists every failing tensor
+    (how many elements mismatch, where, and the seed to reproduce)."""
+    rows = check_variant(op, variant, dtype, problem, **kw)
+    bad = [r for r in rows if not r.ok]
+    if bad:
+        raise AssertionError("\n".join(r.message for r in bad))
+    return rows
+
+
 def correctness_table(op: str, dtypes: Sequence, problem: Problem, *, device="cpu", seed: int | None = 0,
                       variant_names: Sequence[str] | None = None, grads: bool = True):
     """A DataFrame: one row per (variant, dtype) with the worst error over outputs and
@@ -468,5 +478,5 @@ def ops_sizes_note() -> str:
 
 
 __all__ = ["OPS", "OP_NAMES", "DIRECTIONS", "DTYPES", "Problem", "OpSpec", "CheckRow", "bytes_moved", "check_variant",
-           "correctness_table", "bench_variant", "sweep", "make_inputs", "problems_for", "preset_dims",
+           "correctness_table", "assert_variant_ok", "bench_variant", "sweep", "make_inputs", "problems_for", "preset_dims",
            "peak_memory_bytes", "lab_kernels"]

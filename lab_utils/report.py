@@ -44,10 +44,13 @@ def _drop_widget_views(nb) -> None:
     """ipywidget outputs (tqdm bars) need a widget manager from a CDN: keep their text form."""
     nb.metadata.pop("widgets", None)
     for cell in nb.cells:
-        for out in cell.get("outputs", []):
+        if "outputs" not in cell:
+            continue
+        for out in cell.outputs:
             data = out.get("data")
             if data and WIDGET_VIEW in data:
                 data.pop(WIDGET_VIEW)
+        cell.outputs = [o for o in cell.outputs if "data" not in o or o["data"]]
 
 
 def export_html(ipynb: Path, out: Path, *, title: str | None = None) -> Path:

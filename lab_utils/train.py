@@ -1,0 +1,439 @@
+"""A rectified-flow training step for the MMDiT, usable by every lab.
+
+Design note
+-----------
+Objective (FLUX / SD3 rectified flow): for clean latent tokens x0 and noise ε,
+sample t = sigmoid(n), n ~ N(logit_mean, logit_std) (logit-normal), form
+x_t = (1 - t)·x0 + t·ε and regress the model's output on the velocity ε - x0 with an
+MSE.  :func:`rf_loss` is that, on a :class:`Batch` (no encoders needed);
+:func:`synthetic_batch` makes one from random tensors.
+
+:class:`Trainer` is the full step the profiler lab measures: a real DataLoader with
+aspect-ratio buckets, frozen T5/CLIP/VAE encoders (or cached latents and embeddings),
+the loss under optional bf16 autocast, backward, gradient clipping, AdamW, optional
+``torch.compile`` per block, and a checkpoint every N steps with ``torch.save`` or
+``torch.distributed.checkpoint`` (synchronous or async).  Each phase runs inside
+``torch.profiler.record_function(PHASE)`` so the profiler attributes time to it; on
+CUDA the step synchronises at phase ends (``sync_phases``) so that CPU-side phase
+ranges cover the GPU work they launched (this removes overlap between phases, which
+is the honest price of a per-phase attribution).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from .config import (ConfigError, LabConfig, check_bool, check_choice, check_float, check_int)
+from .mmdit import MMDiT, MMDiTConfig, PRESETS, build_model, image_ids, patchify, resolve_config, text_ids
+
+PHASES = ("data_loading", "text_encoding", "image_encoding", "forward", "backward", "optimizer", "checkpoint")
+CKPT_FORMATS = ("torch", "dcp", "dcp_async")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# --------------------------------------------------------------------------------------
+# The objective
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class Batch:
+    """What the model consumes: clean packed latent tokens and conditioning."""
+
+    img: torch.Tensor                  # B L_img in_channels (x0)
+    img_ids: torch.Tensor              # L_img 3
+    txt: torch.Tensor                  # B L_txt context_dim
+    txt_ids: torch.Tensor              # L_txt 3
+    y: torch.Tensor                    # B pooled_dim
+    guidance: torch.Tensor | None      # B
+    txt_mask: torch.Tensor | None = None
+    grid: tuple[int, int] = (0, 0)     # token grid (h, w)
+
+    @property
+    def batch_size(self) -> int:
+        return self.img.shape[0]
+
+    def to(self, device, non_blocking: bool = False) -> "Batch":
+        mv = lambda t: t.to(device, non_blocking=non_blocking) if t is not None else None  # noqa: E731
+        return Batch(mv(self.img), mv(self.img_ids), mv(self.txt), mv(self.txt_ids), mv(self.y), mv(self.guidance),
+                     mv(self.txt_mask), self.grid)
+
+
+def sample_timesteps(n: int, generator: torch.Generator | None = None, device=None, *, logit_mean: float = 0.0,
+                     logit_std: float = 1.0) -> torch.Tensor:
+    """Logit-normal t in (0, 1): sigmoid(N(logit_mean, logit_std))."""
+    return torch.sigmoid(logit_mean + logit_std * torch.randn(n, generator=generator, device=device))
+
+
+@dataclass
+class RFParts:
+    loss: torch.Tensor
+    t: torch.Tensor
+    noise: torch.Tensor
+    target: torch.Tensor
+    pred: torch.Tensor
+
+
+def rf_loss(model: MMDiT, batch: Batch, generator: torch.Generator | None = None, *, logit_mean: float = 0.0,
+            logit_std: float = 1.0, return_parts: bool = False):
+    """Rectified-flow MSE: x_t = (1-t) x0 + t ε, target ε - x0, loss = mean((model(x_t, t) - target)²).
+
+    ``generator`` (on the batch's device) draws ε and t; the loss is computed in float32."""
+    x0 = batch.img
+    dev = x0.device
+    t = sample_timesteps(x0.shape[0], generator, dev, logit_mean=logit_mean, logit_std=logit_std)
+    noise = torch.randn(x0.shape, generator=generator, device=dev, dtype=torch.float32).to(x0.dtype)
+    tt = t.to(x0.dtype)[:, None, None]
+    x_t = (1 - tt) * x0 + tt * noise
+    target = noise - x0
+    pred = model(x_t, batch.img_ids, batch.txt, batch.txt_ids, t, batch.y, batch.guidance, txt_mask=batch.txt_mask)
+    loss = torch.nn.functional.mse_loss(pred.float(), target.float())
+    return RFParts(loss, t, noise, target, pred) if return_parts else loss
+
+
+def synthetic_batch(cfg: MMDiTConfig | str, batch_size: int, *, height: int = 64, width: int = 64, txt_len: int = 16,
+                    generator: torch.Generator | None = None, device="cpu", dtype: torch.dtype = torch.float32,
+                    guidance: float | None = 3.5) -> Batch:
+    """A random :class:`Batch` for ``cfg`` (no encoders): image of height x width pixels
+    (so (height/16)·(width/16) tokens for FLUX), ``txt_len`` text tokens."""
+    cfg = resolve_config(cfg)
+    check_int("batch_size", batch_size, min=1)
+    check_int("txt_len", txt_len, min=1)
+    h, w = cfg.check_resolution(height, width)
+    dev = torch.device(device)
+    g = generator
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=dev if g is None else g.device).to(dev, dtype)
+
+    return Batch(img=rnd(batch_size, h * w, cfg.in_channels), img_ids=image_ids(h, w, dev),
+                 txt=rnd(batch_size, txt_len, cfg.context_dim), txt_ids=text_ids(txt_len, dev),
+                 y=rnd(batch_size, cfg.pooled_dim),
+                 guidance=(torch.full((batch_size,), float(guidance), device=dev)
+                           if cfg.guidance_embed and guidance is not None else None),
+                 grid=(h, w))
+
+
+# --------------------------------------------------------------------------------------
+# The step's configuration
+# --------------------------------------------------------------------------------------
+
+def _check_buckets(value, mcfg: MMDiTConfig) -> list[tuple[int, int]]:
+    from .data import normalize_buckets
+
+    bk = normalize_buckets(value, "buckets")
+    for h, w in bk:
+        mcfg.check_resolution(h, w, param="buckets")
+    return bk
+
+
+@dataclass(frozen=True)
+class TrainConfig(LabConfig):
+    """Parameters of the training step (field names == the notebook's parameters)."""
+
+    preset: str = "tiny"
+    device: str = "auto"
+    batch_size: int = 2
+    buckets: Any = ((64, 64), (64, 96))        # [height, width] pixel sizes of the aspect-ratio buckets
+    min_caption_len: int = 8
+    max_caption_len: int = 32
+    pad_captions: str = "longest"              # "longest" in the batch | "max" (fixed, as FLUX's 512)
+    encoders: str = "live"                     # "live" T5/CLIP/VAE every step | "precomputed" cache
+    num_samples: int = 32
+    dtype: str = "float32"                     # parameter storage
+    autocast: str = "none"                     # "none" | "bf16"
+    compile: bool = False                      # torch.compile each block
+    activation_checkpoint: str = "none"
+    kernels: str = "eager"
+    attention_path: str = "sdpa"
+    num_workers: int = 0
+    pin_memory: bool = False
+    prefetch_factor: int = 2
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    guidance: float = 3.5
+    ckpt_every: int = 0                        # 0 = never
+    ckpt_format: str = "torch"
+    seed: int = 0
+
+    def __post_init__(self):
+        check_choice("preset", self.preset, PRESETS)
+        check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        check_int("batch_size", self.batch_size, min=1)
+        check_int("min_caption_len", self.min_caption_len, min=1)
+        check_int("max_caption_len", self.max_caption_len, min=self.min_caption_len)
+        check_choice("pad_captions", self.pad_captions, ("longest", "max"))
+        check_choice("encoders", self.encoders, ("live", "precomputed"))
+        check_int("num_samples", self.num_samples, min=self.batch_size)
+        check_choice("dtype", self.dtype, tuple(DTYPES))
+        check_choice("autocast", self.autocast, ("none", "bf16"))
+        check_bool("compile", self.compile)
+        check_int("num_workers", self.num_workers, min=0)
+        check_bool("pin_memory", self.pin_memory)
+        check_int("prefetch_factor", self.prefetch_factor, min=1)
+        check_float("lr", self.lr, min=0, min_exclusive=True)
+        check_float("weight_decay", self.weight_decay, min=0)
+        check_float("grad_clip", self.grad_clip, min=0)
+        check_float("guidance", self.guidance, min=0)
+        check_int("ckpt_every", self.ckpt_every, min=0)
+        check_choice("ckpt_format", self.ckpt_format, CKPT_FORMATS)
+        check_int("seed", self.seed, min=0)
+        mcfg = self.model_config()               # validates activation_checkpoint / kernels / attention_path
+        object.__setattr__(self, "buckets", [list(b) for b in _check_buckets(self.buckets, mcfg)])
+
+    def model_config(self) -> MMDiTConfig:
+        try:
+            return MMDiTConfig.from_preset(self.preset, checkpoint=self.activation_checkpoint, kernels=self.kernels,
+                                           attention_path=self.attention_path)
+        except ConfigError as e:
+            if e.param == "checkpoint":
+                raise ConfigError("activation_checkpoint", e.value, e.allowed) from None
+            raise
+
+
+# --------------------------------------------------------------------------------------
+# Checkpointing
+# --------------------------------------------------------------------------------------
+
+def artifacts_dir() -> Path:
+    return Path(os.environ.get("PERFLAB_ARTIFACTS_DIR", ".perflab/artifacts"))
+
+
+class Checkpointer:
+    """Saves model + optimizer state every N steps; keeps only the latest checkpoint.
+
+    * torch: ``torch.save`` of both state dicts into one file;
+    * dcp: ``torch.distributed.checkpoint.save`` (a directory of shards + metadata);
+    * dcp_async: ``dcp.async_save``: the step blocks only while state is staged; the
+      write finishes in the background (the previous save is awaited before the next)."""
+
+    def __init__(self, directory: str | Path, fmt: str = "torch"):
+        check_choice("ckpt_format", fmt, CKPT_FORMATS)
+        self.dir, self.fmt = Path(directory), fmt
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._pending = None
+        self.saved: list[Path] = []
+
+    def _state(self, model, opt):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(model, opt)
+        return {"model": msd, "optim": osd}
+
+    def save(self, model, opt, step: int) -> Path:
+        self.wait()
+        if self.fmt == "torch":
+            path = self.dir / f"step_{step:06d}.pt"
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, path)
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            path = self.dir / f"step_{step:06d}"
+            state = self._state(model, opt)
+            if self.fmt == "dcp":
+                dcp.save(state, checkpoint_id=str(path))
+            else:
+                self._pending = dcp.async_save(state, checkpoint_id=str(path))
+        previous, self.saved = self.saved, [path]
+        self._old = previous
+        if self._pending is None:
+            self._prune()
+        return path
+
+    def _prune(self):
+        for p in getattr(self, "_old", []):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        self._old = []
+
+    def wait(self):
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+            self._prune()
+
+    def load_into(self, model, opt, path: str | Path | None = None) -> None:
+        """Restore the latest (or given) checkpoint into model and optimizer."""
+        self.wait()
+        path = Path(path or self.saved[-1])
+        if path.suffix == ".pt":
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optim"])
+        else:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            state = self._state(model, opt)
+            dcp.load(state, checkpoint_id=str(path))
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+# --------------------------------------------------------------------------------------
+# The full step
+# --------------------------------------------------------------------------------------
+
+def compile_blocks(model: MMDiT, **kwargs) -> MMDiT:
+    """``torch.compile`` each double/single block in place (regional compilation: one
+    graph per block kind is reused by all blocks, so compile time stays flat in depth)."""
+    for blk in model.blocks():
+        blk.compile(**kwargs)
+    return model
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float
+    grid: tuple[int, int]
+    txt_len: int
+    checkpoint: str | None = None
+
+
+@dataclass
+class Trainer:
+    """Owns model, optimizer, encoders, loader and checkpointer for one :class:`TrainConfig`."""
+
+    cfg: TrainConfig
+    sync_phases: bool | None = None
+    model: MMDiT = field(init=False)
+    history: list[StepResult] = field(init=False, default_factory=list)
+
+    def __post_init__(self):
+        from .data import SyntheticImageCaptions, forever, make_loader
+        from .device import pick_device
+        from .encoders import Encoders, precompute, text_vocab
+
+        c = self.cfg
+        self.device = pick_device(c.device)
+        self.model_cfg = c.model_config()
+        if self.sync_phases is None:
+            self.sync_phases = self.device.type == "cuda"
+        self.model = build_model(self.model_cfg, self.device, DTYPES[c.dtype], seed=c.seed).train()
+        if c.compile:
+            compile_blocks(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay,
+                                     fused=self.device.type == "cuda")
+        self.encoders = Encoders(self.model_cfg, self.device, DTYPES[c.dtype], seed=c.seed + 1)
+        data = SyntheticImageCaptions(c.num_samples, c.buckets, min_caption_len=c.min_caption_len,
+                                      max_caption_len=c.max_caption_len, seed=c.seed, **text_vocab(self.model_cfg))
+        if c.encoders == "precomputed":
+            with self._autocast():
+                data = precompute(data, self.encoders, batch_size=c.batch_size, device=self.device)
+            self.encoders = None      # a cached run does not hold the encoders
+        self.dataset = data
+        self.loader = make_loader(data, c.batch_size, num_workers=c.num_workers, pin_memory=c.pin_memory,
+                                  prefetch_factor=c.prefetch_factor,
+                                  pad_to=c.max_caption_len if c.pad_captions == "max" else None, seed=c.seed)
+        self._batches = forever(self.loader)
+        self.generator = torch.Generator(self.device).manual_seed(c.seed + 2)
+        self.checkpointer = (Checkpointer(artifacts_dir() / "checkpoints" / f"01_training_step-{os.getpid()}",
+                                          c.ckpt_format) if c.ckpt_every else None)
+        self.step_index = 0
+
+    # helpers ----------------------------------------------------------------------------
+    def _autocast(self):
+        if self.cfg.autocast == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _sync(self):
+        if self.sync_phases and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        with record_function(name):
+            yield
+            self._sync()
+
+    def _to_device(self, raw: dict) -> dict:
+        nb = self.cfg.pin_memory and self.device.type == "cuda"
+        return {k: v.to(self.device, non_blocking=nb) if isinstance(v, torch.Tensor) else v for k, v in raw.items()}
+
+    # the step ---------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        c, m = self.cfg, self.model
+        i = self.step_index
+        with self.phase("data_loading"):
+            raw = self._to_device(next(self._batches))
+        with self.phase("text_encoding"):
+            if "t5_ids" in raw:
+                with self._autocast():
+                    emb = self.encoders.encode_text(raw["t5_ids"], raw["t5_mask"], raw["clip_ids"])
+                txt, y = emb.txt, emb.y
+            else:
+                txt, y = raw["txt"], raw["y"]
+            mask = raw["t5_mask"]
+            txt = txt.to(m.img_in.weight.dtype)
+            y = y.to(m.img_in.weight.dtype)
+        with self.phase("image_encoding"):
+            if "pixels" in raw:
+                with self._autocast():
+                    lat = self.encoders.encode_image(raw["pixels"], generator=self.generator)
+            else:
+                lat = raw["latents"]
+            h, w = lat.shape[-2] // self.model_cfg.patch_size, lat.shape[-1] // self.model_cfg.patch_size
+            tokens = patchify(lat.to(m.img_in.weight.dtype), self.model_cfg.patch_size)
+        b = tokens.shape[0]
+        batch = Batch(img=tokens, img_ids=image_ids(h, w, self.device), txt=txt,
+                      txt_ids=text_ids(txt.shape[1], self.device), y=y,
+                      guidance=(torch.full((b,), c.guidance, device=self.device)
+                                if self.model_cfg.guidance_embed else None),
+                      txt_mask=mask, grid=(h, w))
+        with self.phase("forward"):
+            with self._autocast():
+                loss = rf_loss(m, batch, self.generator)
+        with self.phase("backward"):
+            loss.backward()
+        with self.phase("optimizer"):
+            gn = torch.nn.utils.clip_grad_norm_(m.parameters(), c.grad_clip) if c.grad_clip > 0 else None
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        saved = None
+        if self.checkpointer is not None and (i + 1) % c.ckpt_every == 0:
+            with self.phase("checkpoint"):
+                saved = str(self.checkpointer.save(m, self.opt, i + 1))
+        self.step_index += 1
+        res = StepResult(step=i, loss=float(loss.detach()), grad_norm=float(gn) if gn is not None else float("nan"),
+                         grid=(h, w), txt_len=int(txt.shape[1]), checkpoint=saved)
+        self.history.append(res)
+        return res
+
+    def run(self, steps: int) -> list[StepResult]:
+        return [self.step() for _ in range(steps)]
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        self._batches = None
+        self.loader = None
+
+
+def fit_fixed_batch(model: MMDiT, batch: Batch, steps: int, *, lr: float = 1e-3, seed: int = 0,
+                    grad_clip: float = 1.0) -> list[float]:
+    """AdamW on one fixed batch with fixed noise and timesteps (the generator is reseeded
+    every step), so the objective is deterministic and its loss must go down."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    dev = batch.img.device
+    for _ in range(steps):
+        g = torch.Generator(dev).manual_seed(seed)
+        loss = rf_loss(model, batch, g)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+__all__ = ["PHASES", "Batch", "RFParts", "rf_loss", "sample_timesteps", "synthetic_batch", "TrainConfig",
+           "Trainer", "StepResult", "Checkpointer", "compile_blocks", "fit_fixed_batch", "artifacts_dir"]

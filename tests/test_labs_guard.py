@@ -1,0 +1,122 @@
+"""Guards on the committed labs: nbval has something deterministic to check in every lab,
+nothing heavy or machine-dependent is committed, and the checked outputs really are
+checked (a changed output fails nbval under the project's own pytest options)."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from lab_utils.nbtools import CHECK_MARK
+
+ROOT = Path(__file__).resolve().parents[1]
+LABS = sorted((ROOT / "labs").glob("[0-9][0-9]_*.ipynb"))
+TEXT_MIMES = {"text/plain"}
+MAX_LAB_BYTES = 200_000
+# a number followed by a time or rate unit: timing output must never be a checked output
+TIMING_TEXT = re.compile(r"\d(\.\d+)?\s*(ms|µs|us|ns|sec|seconds|GB/s|TB/s|GFLOP/s|TFLOP/s|it/s)\b")
+
+
+def _is_checked(cell) -> bool:
+    return cell.cell_type == "code" and any(line.strip() == CHECK_MARK for line in cell.source.splitlines())
+
+
+def _text_of(out) -> str:
+    if out.output_type == "stream":
+        return out.text
+    return "".join(out.get("data", {}).get("text/plain", ""))
+
+
+@pytest.fixture(params=LABS or [None], ids=[p.stem for p in LABS] or ["no-labs"])
+def lab(request):
+    if request.param is None:
+        pytest.skip("no labs/NN_*.ipynb yet")
+    return request.param, nbformat.read(request.param, as_version=4)
+
+
+def test_lab_has_checked_cells_with_committed_outputs(lab):
+    path, nb = lab
+    checked = [c for c in nb.cells if _is_checked(c)]
+    assert checked, f"{path.name}: no cell has a line '{CHECK_MARK}' (nbval would check nothing)"
+    with_output = [c for c in checked if any(_text_of(o).strip() for o in c.get("outputs", []))]
+    assert with_output, (f"{path.name}: its {CHECK_MARK} cells have no committed output; run "
+                         f"`perflab nb refresh {path.relative_to(ROOT)}`")
+
+
+def test_checked_outputs_are_plain_deterministic_text(lab):
+    path, nb = lab
+    for i, cell in enumerate(nb.cells):
+        if not _is_checked(cell):
+            continue
+        for out in cell.get("outputs", []):
+            assert out.output_type in ("stream", "execute_result", "display_data"), \
+                f"{path.name} cell {i}: a checked cell keeps a {out.output_type!r} output"
+            if out.output_type == "stream":
+                assert out.name == "stdout", f"{path.name} cell {i}: checked stderr output (warnings are not stable)"
+            else:
+                extra = set(out.get("data", {})) - TEXT_MIMES
+                assert not extra, f"{path.name} cell {i}: checked cell keeps non-text output {sorted(extra)}"
+            text = _text_of(out)
+            m = TIMING_TEXT.search(text)
+            assert m is None, f"{path.name} cell {i}: checked output looks like a timing ({m.group(0)!r}): {text[:200]!r}"
+            for bad in ("/tmp/", "/home/", "/root/", str(ROOT)):
+                assert bad not in text, f"{path.name} cell {i}: checked output holds a path ({bad!r})"
+
+
+def test_no_heavy_outputs_outside_checked_cells(lab):
+    path, nb = lab
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and not _is_checked(cell):
+            assert not cell.get("outputs"), (f"{path.name} cell {i}: unchecked cell has committed outputs "
+                                             f"(plot payloads must not be committed; `perflab nb refresh`)")
+            assert cell.get("execution_count") is None, f"{path.name} cell {i}: stale execution_count"
+    assert path.stat().st_size < MAX_LAB_BYTES, f"{path.name} is {path.stat().st_size} bytes: outputs committed?"
+    assert "papermill" not in nb.metadata, f"{path.name}: papermill metadata committed"
+
+
+def test_lab_has_parameters_cell_and_config(lab):
+    path, nb = lab
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and "parameters" in code[0].metadata.get("tags", []), \
+        f"{path.name}: the first code cell must be tagged 'parameters'"
+    assert nb.metadata.get("perflab", {}).get("config"), f"{path.name}: metadata perflab.config names no config class"
+
+
+def _tiny_lab(path: Path, committed: str) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    cell = nbformat.v4.new_code_cell(f"{CHECK_MARK}\nprint('max_abs_err', round(2 ** -10, 6))")
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=committed)]
+    cell.execution_count = 1
+    plain = nbformat.v4.new_code_cell("print('unchecked', __import__('time').time())")
+    nb.cells = [cell, plain]
+    nbformat.write(nb, path)
+
+
+@pytest.mark.slow
+def test_nbval_fails_when_a_checked_output_changes(tmp_path):
+    """The mechanism itself, with the project's pytest options (--nbval-lax): a checked
+    cell whose output matches passes, one whose committed output differs fails, and an
+    unchecked cell printing a time is not compared."""
+    good, bad = tmp_path / "good.ipynb", tmp_path / "bad.ipynb"
+    _tiny_lab(good, "max_abs_err 0.000977\n")
+    _tiny_lab(bad, "max_abs_err 0.000999\n")
+    # run from the repository root so pyproject's [tool.pytest.ini_options] (nbval-lax) apply
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", str(good), str(bad),
+                        "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert re.search(r"1 failed, 1 passed", out), out
+    assert "bad.ipynb" in out and "0.000999" in out
+
+
+def test_guard_finds_the_labs():
+    """Every committed lab is guarded (the glob above matches labs/NN_*.ipynb)."""
+    committed = subprocess.run(["git", "ls-files", "labs/*.ipynb"], cwd=ROOT, capture_output=True, text=True).stdout
+    names = {Path(p).name for p in committed.split()}
+    assert names <= {p.name for p in LABS}, f"labs not matched by the guard's glob: {names - {p.name for p in LABS}}"
