@@ -385,8 +385,10 @@ def _lse_strides(lse, varlen: bool):
 
 
 def attention_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-                      cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None):
-    """Launch the forward kernel; returns (out, lse2) with lse2 in base-2 units (float32)."""
+                      cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
+                      out: torch.Tensor | None = None):
+    """Launch the forward kernel; returns (out, lse2) with lse2 in base-2 units (float32).
+    ``out`` may be a preallocated buffer shaped and strided like q (tests poison it)."""
     varlen = cu_seqlens is not None
     _check_qkv(q, k, v, cu_seqlens)
     if varlen:
@@ -396,7 +398,10 @@ def attention_forward(q, k, v, *, causal: bool = False, scale: float | None = No
     n_seq, H, L = _layout(q, cu_seqlens, max_seqlen)
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride() != q.stride() or out.dtype != q.dtype:
+        raise ValueError("parameter 'out' must have the shape, strides and dtype of q")
     lse = torch.empty((H, q.shape[0]) if varlen else (n_seq, H, L), device=q.device, dtype=torch.float32)
     cfg = _blocks("fwd", D, q.dtype)
     grid = (triton.cdiv(L, cfg["BLOCK_M"]), n_seq * H)
@@ -410,8 +415,10 @@ def attention_forward(q, k, v, *, causal: bool = False, scale: float | None = No
 
 
 def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, scale: float | None = None,
-                       cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None):
-    """Launch the backward kernels; returns (dq, dk, dv)."""
+                       cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
+                       grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """Launch the backward kernels; returns (dq, dk, dv).  ``grads`` may be preallocated
+    buffers shaped and strided like q, k, v (tests poison them)."""
     varlen = cu_seqlens is not None
     if varlen:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
@@ -424,7 +431,12 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, scale: fl
     # D_i = rowsum(dO * O), in the LSE layout: (B, H, L) or (H, T)
     delta = (do.float() * out.float()).sum(-1)
     delta = delta.transpose(0, 1).contiguous() if varlen else delta.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if grads is None:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    else:
+        dq, dk, dv = grads
+        if any(g.shape != q.shape or g.stride() != q.stride() or g.dtype != q.dtype for g in grads):
+            raise ValueError("parameter 'grads' must be three buffers with the shape, strides and dtype of q")
     cfg = _blocks("bwd", D, q.dtype)
     common = dict(HEAD_DIM=D, CAUSAL=causal, IS_VARLEN=varlen,
                   **_dot_args(q.dtype), **cfg)

@@ -1,0 +1,279 @@
+"""Attention: the Triton kernel (through the interpreter on CPU), every path of
+lab_utils.attention against the float64 reference (output and dq/dk/dv), packed varlen
+equal to each sequence alone, the registry, and bad input named by parameter.
+
+Shapes are small and irregular (the interpreter is slow); tolerances come from
+lab_utils.checks (gradients: GRAD_SCALE x the dtype's tolerance)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import lab_kernels
+from lab_kernels import attention as ka
+from lab_utils import attention as A
+from lab_utils import masks as M
+from lab_utils.checks import assert_close, poison_, tolerance
+from lab_utils.config import ConfigError
+
+CUDA = torch.cuda.is_available()
+
+
+def _ref_grads(q, k, v, do, **kw):
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = ka.reference_attention(q64, k64, v64, **kw)
+    return (out, *torch.autograd.grad(out, (q64, k64, v64), do.double()))
+
+
+def _rand(shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(shape, dtype=torch.float64).to(device=device, dtype=dtype)
+
+
+def _check_all(got, want, dtype):
+    for name, a, e in zip(("out", "dq", "dk", "dv"), got, want):
+        scale = 1.0 if name == "out" else A.GRAD_SCALE[dtype]
+        atol, rtol = tolerance(dtype, scale)
+        assert_close(a, e, atol=atol, rtol=rtol, name=name)
+
+
+# --------------------------------------------------------------------------- Triton kernel (interpreter on CPU)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_dense_matches_float64_reference(head_dim, causal):
+    dev = "cuda" if CUDA else "cpu"
+    B, H, L = 2, 2, 97 if head_dim == 64 else 71
+    q, k, v, do = (_rand((B, H, L, head_dim), device=dev) for _ in range(4))
+    # poisoned output / gradient buffers: an unwritten element would stay NaN
+    out = poison_(torch.empty_like(q))
+    o, lse = ka.attention_forward(q, k, v, causal=causal, out=out)
+    assert o.data_ptr() == out.data_ptr()
+    grads = tuple(poison_(torch.empty_like(q)) for _ in range(3))
+    dq, dk, dv = ka.attention_backward(do, q, k, v, o, lse, causal=causal, grads=grads)
+    _check_all((o, dq, dk, dv), _ref_grads(q, k, v, do, causal=causal), torch.float32)
+
+
+def test_triton_autograd_strided_input_bf16():
+    """(B, L, H, D).transpose(1, 2) views go in without a copy; bf16 through autograd."""
+    dev = "cuda" if CUDA else "cpu"
+    B, L, H, D = 1, 83, 2, 64
+    x = [_rand((B, L, H, D), torch.bfloat16, dev).requires_grad_() for _ in range(3)]
+    q, k, v = (t.transpose(1, 2) for t in x)
+    do = _rand((B, H, L, D), torch.bfloat16, dev)
+    o = ka.attention(q, k, v, causal=True)
+    got = (o, *torch.autograd.grad(o, (q, k, v), do))
+    _check_all(got, _ref_grads(q, k, v, do, causal=True), torch.bfloat16)
+
+
+@pytest.mark.parametrize("causal,head_dim", [(True, 64), (False, 128)])
+def test_triton_varlen_equals_each_sequence_alone(causal, head_dim):
+    dev = "cuda" if CUDA else "cpu"
+    lengths = [37, 97, 58]
+    T, H = sum(lengths), 2
+    cu = torch.tensor([0, 37, 134, 192], dtype=torch.int32, device=dev)
+    q, k, v, do = (_rand((T, H, head_dim), device=dev) for _ in range(4))
+    out = poison_(torch.empty_like(q))
+    o, lse = ka.attention_forward(q, k, v, causal=causal, cu_seqlens=cu, out=out)
+    grads = tuple(poison_(torch.empty_like(q)) for _ in range(3))
+    dq, dk, dv = ka.attention_backward(do, q, k, v, o, lse, causal=causal, cu_seqlens=cu, grads=grads)
+    _check_all((o, dq, dk, dv), _ref_grads(q, k, v, do, causal=causal, cu_seqlens=cu), torch.float32)
+    # each sequence alone through the dense kernel gives the same rows
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        one = [t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v, do)]
+        oa, la = ka.attention_forward(*one[:3], causal=causal)
+        ga = ka.attention_backward(one[3], *one[:3], oa, la, causal=causal)
+        for name, packed, alone in zip(("out", "dq", "dk", "dv"), (o, dq, dk, dv), (oa, *ga)):
+            assert_close(packed[s:e], alone[0].transpose(0, 1), dtype=torch.float32, name=f"{name}[{s}:{e}]")
+
+
+def test_kernel_registry_variants():
+    names = {v.name for v in lab_kernels.variants("attention", include_unavailable=True)}
+    assert {"reference", "eager", "triton"} <= names
+    tri = lab_kernels.get_variant("attention", "triton")
+    assert "head dims" in tri.why_not("cpu", torch.float32, head_dim=96)
+    assert "masks" in tri.why_not("cpu", torch.float32, mask="sliding_window")
+    assert tri.why_not("cpu", torch.float64) is not None
+    assert tri.timeable("cpu") is False
+    assert tri.why_not("cpu", torch.bfloat16, head_dim=128, mask="causal") is None
+
+
+def test_kernel_bad_input_names_parameter():
+    q = _rand((5, 2, 64))
+    with pytest.raises(ValueError, match="'cu_seqlens'.*increasing"):
+        ka.attention(q, q, q, cu_seqlens=torch.tensor([0, 3, 3, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="'cu_seqlens'.*end at the packed length 5"):
+        ka.attention(q, q, q, cu_seqlens=torch.tensor([0, 3, 4], dtype=torch.int32))
+    x = _rand((1, 2, 8, 64))
+    with pytest.raises(ValueError, match="'k'"):
+        ka.attention(x, _rand((1, 2, 9, 64)), x)
+    with pytest.raises(ValueError, match="'v'.*dtype"):
+        ka.attention(x, x, x.half())
+    with pytest.raises(ValueError, match="'q'.*head dim 96"):
+        y = _rand((1, 2, 8, 96))
+        ka.attention(y, y, y)
+
+
+# --------------------------------------------------------------------------- every path vs the float64 reference
+CPU_PATHS = ["sdpa", "math", "flash", "flex_eager", "triton"]
+MASKS = ["full", "causal", "sliding_window", "document", "prefix_lm", "mmdit", "neighborhood"]
+
+
+@pytest.mark.parametrize("mask_name", MASKS)
+def test_every_path_matches_reference(mask_name):
+    """Output and dq/dk/dv of each path that honours the mask; paths that cannot (or have
+    no backward here) are reported as skipped with a reason, never compared silently."""
+    L = 97
+    mask = M.make_mask(mask_name, L)
+    paths = [p for p in CPU_PATHS if p != "triton" or mask.kind != "custom"]
+    inputs = A.random_qkv(1, 2, L, 64, seed=None)          # fresh random inputs
+    ran = 0
+    for path in paths + ["efficient", "cudnn", "flash_attn"]:
+        for r in A.check_path(path, inputs, mask=mask):
+            if r.ok is None:
+                assert r.note, f"{path}:{r.tensor} skipped without a reason"
+                continue
+            assert r.ok, r.note
+            ran += 1
+    assert ran >= 4 * 3 + 1        # sdpa, math, flash fwd+bwd at least, flex_eager fwd
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_paths(dtype):
+    inputs = A.random_qkv(2, 2, 67, 64, dtype=dtype)
+    for path in ("sdpa", "math", "flash", "triton"):
+        res = A.check_path(path, inputs, mask="causal")
+        assert all(r.ok for r in res), [r.note for r in res if not r.ok]
+
+
+@pytest.mark.parametrize("mask_name", ["causal", "sliding_window"])
+def test_packed_paths_equal_each_sequence_alone(mask_name):
+    lengths = [41, 97, 64]
+    mask = M.causal() if mask_name == "causal" else M.sliding_window(7)
+    inp = A.random_qkv(0, 2, 0, 64, lengths=lengths, requires_grad=False)
+    cu = inp["cu_seqlens"]
+    paths = ["reference", "sdpa", "math", "flash", "flex_eager"] + (["triton"] if mask.kind != "custom" else [])
+    for path in paths:
+        packed = A.attend(inp["q"], inp["k"], inp["v"], path=path, mask=mask, cu_seqlens=cu)
+        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            one = [inp[n][s:e].transpose(0, 1).unsqueeze(0) for n in ("q", "k", "v")]
+            alone = A.attend(*one, path="reference", mask=mask)[0].transpose(0, 1)
+            assert_close(packed[s:e], alone, dtype=torch.float32, name=f"{path} packed[{s}:{e}]")
+        # and the reference itself vs float64 with full gradients through check_path
+    res = A.check_path("sdpa", A.random_qkv(0, 2, 0, 64, lengths=lengths), mask=mask)
+    assert all(r.ok for r in res)
+
+
+def test_model_seam_boolean_key_mask():
+    """lab_utils.mmdit passes a (B, 1, 1, L) key-padding mask, SDPA's convention."""
+    B, H, L, D = 2, 2, 45, 64
+    q, k, v = (_rand((B, H, L, D)) for _ in range(3))
+    keys = torch.ones(B, L, dtype=torch.bool)
+    keys[0, 5:12] = False
+    m = keys[:, None, None, :]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    for path in ("sdpa", "math", "flash", "reference", "flex_eager"):
+        assert_close(A.attend(q, k, v, path=path, mask=m), want, dtype=torch.float32, name=path)
+    assert set(A.PATHS) == set(A.REGISTRY)
+
+
+def test_path_table_lists_reasons():
+    t = A.path_table("cpu", torch.float32, 64)
+    assert set(t.path) == set(A.PATHS)
+    assert (t[~t.supported].why_not.str.len() > 0).all()
+    row = t[(t.path == "triton") & (t.mask == "custom")]
+    assert not row.supported.any()
+    assert t[(t.path == "reference")].supported.all()
+    assert "math" in A.available_paths("cpu", torch.float32, mask="custom", backward=True)
+
+
+# --------------------------------------------------------------------------- bad input
+def _qkv(shape=(1, 2, 16, 64), dtype=torch.float32):
+    return [_rand(shape, dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize("case,param", [
+    ("k_shape", "k"), ("v_len", "v"), ("v_dtype", "v"), ("q_rank", "q"), ("unknown_path", "path"),
+    ("mask_float", "mask"), ("mask_shape", "mask"), ("mask_len", "mask"), ("causal_cross", "mask"),
+    ("triton_custom", "mask"), ("triton_dtype", "q"), ("triton_headdim", "q"), ("flex_backward_cpu", "path"),
+    ("cu_not_increasing", "cu_seqlens"), ("cu_bad_sum", "cu_seqlens"), ("cu_not_zero", "cu_seqlens"),
+    ("packed_tensor_mask", "mask"), ("packed_shape", "k"), ("scale", "scale"),
+])
+def test_bad_input_raises_naming_parameter(case, param):
+    q, k, v = _qkv()
+    kw: dict = {}
+    path = "sdpa"
+    if case == "k_shape":
+        k = _rand((1, 3, 16, 64))
+    elif case == "v_len":
+        v = _rand((1, 2, 17, 64))
+    elif case == "v_dtype":
+        v = v.double()
+    elif case == "q_rank":
+        q = q[0]
+    elif case == "unknown_path":
+        path = "fast"
+    elif case == "mask_float":
+        kw["mask"] = torch.zeros(16, 16)
+    elif case == "mask_shape":
+        kw["mask"] = torch.ones(15, 16, dtype=torch.bool)
+    elif case == "mask_len":
+        kw["mask"] = M.document([5, 6])
+    elif case == "causal_cross":
+        k, v = _rand((1, 2, 20, 64)), _rand((1, 2, 20, 64))
+        kw["mask"] = "causal"
+    elif case == "triton_custom":
+        path, kw["mask"] = "triton", M.sliding_window(3)
+    elif case == "triton_dtype":
+        path = "triton"
+        q, k, v = (t.double() for t in (q, k, v))
+    elif case == "triton_headdim":
+        path = "triton"
+        q, k, v = _qkv((1, 2, 16, 96))
+    elif case == "flex_backward_cpu":
+        if CUDA:
+            pytest.skip("flex has a backward on CUDA")
+        path = "flex_eager"
+        q.requires_grad_()
+    elif case.startswith("cu_") or case.startswith("packed"):
+        q, k, v = _qkv((10, 2, 64))
+        kw["cu_seqlens"] = {"cu_not_increasing": [0, 6, 4, 10], "cu_bad_sum": [0, 4, 9],
+                            "cu_not_zero": [1, 4, 10]}.get(case, [0, 4, 10])
+        kw["cu_seqlens"] = torch.tensor(kw["cu_seqlens"], dtype=torch.int32)
+        if case == "packed_tensor_mask":
+            kw["mask"] = torch.ones(10, 10, dtype=torch.bool)
+        if case == "packed_shape":
+            k = _rand((11, 2, 64))
+    elif case == "scale":
+        kw["scale"] = -1.0
+    with pytest.raises(ConfigError) as ei:
+        A.attend(q, k, v, path=path, **kw)
+    assert ei.value.param == param, str(ei.value)
+    assert repr(param) in str(ei.value)
+
+
+# --------------------------------------------------------------------------- compiled flex, GPU
+@pytest.mark.skipif(not CUDA and not os.environ.get("PERFLAB_SLOW_TESTS"),
+                    reason="compiling FlexAttention on CPU takes ~30-45 s on 2 cores (forward only there); "
+                           "runs on CUDA, or on CPU with PERFLAB_SLOW_TESTS=1")
+def test_compiled_flex_matches_reference():
+    dev = "cuda" if CUDA else "cpu"
+    inputs = A.random_qkv(1, 2, 128 if CUDA else 97, 64, device=dev)
+    res = A.check_path("flex", inputs, mask=M.make_mask("mmdit", inputs["q"].shape[2]))
+    assert res[0].ok, res[0].note
+    assert all(r.ok for r in res) if CUDA else res[0].ok
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device: GPU paths at real tile sizes")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_paths_at_tile_sizes(dtype):
+    lengths = [1000, 3001, 517]
+    for mask in ("full", "causal"):
+        inputs = A.random_qkv(2, 4, 1531, 128, dtype=dtype, device="cuda")
+        for path in ("sdpa", "flash", "efficient", "cudnn", "triton", "flash_attn"):
+            for r in A.check_path(path, inputs, mask=mask):
+                assert r.ok is not False, r.note
+        packed = A.random_qkv(0, 4, 0, 64, dtype=dtype, device="cuda", lengths=lengths)
+        for path in ("triton", "flash_attn", "flex"):
+            for r in A.check_path(path, packed, mask=mask):
+                assert r.ok is not False, r.note
