@@ -105,14 +105,17 @@ def test_nbval_fails_when_a_checked_output_changes(tmp_path):
     good, bad = tmp_path / "good.ipynb", tmp_path / "bad.ipynb"
     _tiny_lab(good, "max_abs_err 0.000977\n")
     _tiny_lab(bad, "max_abs_err 0.000999\n")
-    # run from the repository root so pyproject's [tool.pytest.ini_options] (nbval-lax) apply
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", str(good), str(bad),
-                        "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    out = r.stdout + r.stderr
-    assert r.returncode == 1, out
-    assert re.search(r"1 failed, 1 passed", out), out
-    assert "bad.ipynb" in out and "0.000999" in out
+    def nbval(path):  # from the repository root, so pyproject's options (--nbval-lax) apply
+        return subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:randomly", str(path),
+                               "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml")],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    ok = nbval(good)
+    assert ok.returncode == 0 and "2 passed" in ok.stdout, ok.stdout + ok.stderr
+    changed = nbval(bad)
+    out = changed.stdout + changed.stderr
+    assert changed.returncode == 1 and "1 failed, 1 passed" in out, out
+    assert "Cell outputs differ" in out and "0.000999" in out, out
 
 
 def test_guard_finds_the_labs():
