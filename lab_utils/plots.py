@@ -51,8 +51,11 @@ def roofline_plot(points: pd.DataFrame, ceilings, *, dtype="fp32", label_col: st
 
     from .roofline import roofline_curve
 
+    from .ceilings import dtype_key
+
     bw = ceilings.copy_gbs
     peak = ceilings.matmul(dtype) or ceilings.matmul("fp32")
+    dtype = dtype_key(dtype)
     ridge = peak * 1e12 / (bw * 1e9)
     lo = min([ridge / 100] + [float(x) for x in points.get("intensity", []) if x and x > 0]) / 2
     hi = max([ridge * 100] + [float(x) for x in points.get("intensity", []) if x and math.isfinite(x)]) * 2
