@@ -648,3 +648,95 @@ def correctness_table(paths, *, mask=None, B=1, H=2, L=97, head_dim=64, dtype=to
                              max_abs_err=r.max_abs, atol=r.atol, rtol=r.rtol,
                              note=(r.note.splitlines()[0] if r.note else "")))
     return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------- speed sweep
+#: paths that materialise the (B, H, Lq, Lk) scores; the sweep skips them above ``score_limit_gb``
+MATERIALISING = ("reference", "math", "flex_eager")
+
+
+def attention_bytes(B: int, H: int, Lq: int, Lk: int, head_dim: int, dtype, backward: bool = False) -> float:
+    """Fewest bytes attention must move: fwd reads q, k, v and writes o; the backward
+    reads q, k, v, o, dO and writes dq, dk, dv (scores never leave the chip)."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    fwd = B * H * head_dim * elt * (2 * Lq + 2 * Lk)
+    bwd = B * H * head_dim * elt * (4 * Lq + 4 * Lk)
+    return float(fwd + (bwd if backward else 0))
+
+
+def sweep(*, paths, masks, seq_lens, head_dims, directions=("fwd", "fwd+bwd"), batch: int = 1, heads: int = 8,
+          dtype=torch.bfloat16, device="cpu", rec=None, ceilings=None, reps: int = 10, budget_s: float = 30.0,
+          block_mask_cost: bool = True, score_limit_gb: float = 8.0, seed: int = 0) -> list[dict]:
+    """Time every (seq_len, head_dim, mask, path, direction) that can run here.
+
+    FLOPs are mask-aware (``masks.attention_flops``: allowed pairs only); TFLOP/s and %
+    of the measured matmul ceiling go to ``rec`` (``Recorder.add_timing``) as rows of
+    experiment "sweep"; the block-mask build time of each mask as experiment
+    "block_mask_build".  Returns one summary dict per case (with the reason when a case
+    did not run).  Triton on CPU is never timed (interpreter)."""
+    from .masks import attention_flops, flex_block_mask, make_mask
+    from .timing import try_bench
+
+    device = str(device)
+    dev_type = torch.device(device).type
+    elt = torch.empty((), dtype=dtype).element_size()
+    out = []
+    g = torch.Generator().manual_seed(seed)
+    for L in seq_lens:
+        for D in head_dims:
+            for mname in masks:
+                mask = make_mask(mname, L)
+                fl = attention_flops(mask, batch, heads, L, L, D)
+                shape = f"B{batch}xH{heads}xL{L}xD{D}"
+                base = dict(seq_len=L, head_dim=D, mask=mname, shape=shape, density=fl.density)
+                if block_mask_cost and any(p in ("flex", "flex_eager") for p in paths) and mask.kind != "full":
+                    t = try_bench(lambda: flex_block_mask(mask, batch, None, L, L, device=device,
+                                                          compile=dev_type == "cuda"),
+                                  name=f"block_mask/{mname}", device=device, reps=max(3, reps // 2),
+                                  budget_s=budget_s, check_finite=False)
+                    if rec is not None:
+                        rec.add_timing("block_mask_build", "flex", t, shape=shape, dtype=dtype, mask=mname,
+                                       seq_len=L, head_dim=D)
+                    out.append(dict(base, path="block_mask_build", direction="build",
+                                    time_ms=t.median_ms if t.ok else math.nan,
+                                    note="" if t.ok else f"{t.kind}: {t.reason}"))
+                q, k, v, do = (torch.randn(batch, heads, L, D, generator=g).to(device=device, dtype=dtype)
+                               for _ in range(4))
+                for path in paths:
+                    p = get_path(path)
+                    for direction in directions:
+                        bwd = direction == "fwd+bwd"
+                        row = dict(base, path=path, direction=direction)
+                        why = p.why_not(device=device, dtype=dtype, mask=mask.kind, layout="bhld", head_dim=D,
+                                        lq=L, lk=L, backward=bwd)
+                        if why is None and p.kind == "triton" and dev_type == "cpu":
+                            why = "Triton runs through the interpreter on CPU: correctness only, never timed"
+                        if why is None and path in MATERIALISING and batch * heads * L * L * max(elt, 4) > \
+                                score_limit_gb * 2 ** 30:
+                            why = f"materialises {batch * heads * L * L * max(elt, 4) / 2 ** 30:.1f} GiB of scores " \
+                                  f"(> score_limit_gb={score_limit_gb})"
+                        if why:
+                            out.append(dict(row, time_ms=math.nan, note=why))
+                            continue
+                        qq, kk, vv = (t.detach().requires_grad_(bwd) for t in (q, k, v))
+
+                        def fn(qq=qq, kk=kk, vv=vv, bwd=bwd, path=path):
+                            if not bwd:
+                                with torch.no_grad():
+                                    return attend(qq, kk, vv, path=path, mask=mask)
+                            o = attend(qq, kk, vv, path=path, mask=mask)
+                            return torch.autograd.grad(o, (qq, kk, vv), do)
+
+                        flops = fl.fwd_bwd if bwd else fl.fwd
+                        t = try_bench(fn, name=f"{path}/{mname}/{direction}", device=device, reps=reps,
+                                      budget_s=budget_s)
+                        if rec is not None:
+                            rec.add_timing("sweep", path, t, shape=shape, dtype=dtype, flops=flops,
+                                           bytes=attention_bytes(batch, heads, L, L, D, dtype, bwd), ceilings=ceilings,
+                                           mask=mname, direction=direction, seq_len=L, head_dim=D, density=fl.density)
+                        ok = getattr(t, "ok", False)
+                        out.append(dict(row, time_ms=t.median_ms if ok else math.nan,
+                                        tflops=flops / (t.median_ms * 1e-3) / 1e12 if ok else math.nan,
+                                        note="" if ok else f"{t.kind}: {t.reason}"))
+                        del fn
+    return out
