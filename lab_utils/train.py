@@ -380,14 +380,15 @@ class Trainer:
                     lat = self.encoders.encode_image(raw["pixels"], generator=self.generator)
             else:
                 lat = raw["latents"]
+            # packing latents into tokens and building position ids belong to the input side
             h, w = lat.shape[-2] // self.model_cfg.patch_size, lat.shape[-1] // self.model_cfg.patch_size
             tokens = patchify(lat.to(m.img_in.weight.dtype), self.model_cfg.patch_size)
-        b = tokens.shape[0]
-        batch = Batch(img=tokens, img_ids=image_ids(h, w, self.device), txt=txt,
-                      txt_ids=text_ids(txt.shape[1], self.device), y=y,
-                      guidance=(torch.full((b,), c.guidance, device=self.device)
-                                if self.model_cfg.guidance_embed else None),
-                      txt_mask=mask, grid=(h, w))
+            b = tokens.shape[0]
+            batch = Batch(img=tokens, img_ids=image_ids(h, w, self.device), txt=txt,
+                          txt_ids=text_ids(txt.shape[1], self.device), y=y,
+                          guidance=(torch.full((b,), c.guidance, device=self.device)
+                                    if self.model_cfg.guidance_embed else None),
+                          txt_mask=mask, grid=(h, w))
         with self.phase("forward"):
             with self._autocast():
                 loss = rf_loss(m, batch, self.generator)

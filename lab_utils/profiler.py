@@ -1,0 +1,481 @@
+"""Where a training step's time and memory go: torch.profiler over K steps, analysed.
+
+Design note
+-----------
+:func:`profile_training` runs a :class:`lab_utils.train.Trainer` under
+``torch.profiler`` with a wait / warm-up / active schedule, exports the active steps
+as a Chrome/Perfetto trace JSON (under ``PERFLAB_ARTIFACTS_DIR``), and then analyses
+*that file*: the numbers a report shows are the numbers anyone can re-derive from
+the trace it links.
+
+* steps: ``ProfilerStep#k`` ranges; phases: the ``record_function`` ranges the
+  trainer opens (``train.PHASES``), summed per step.  The phases cover the step up to
+  Python between them, and a test holds them within 5% of the step time.
+* categories (matmul, attention, normalization, elementwise/activation, reduction,
+  copy/cast, communication, optimizer, other): on CUDA from device kernels (kernel
+  name, else the op that launched it); on CPU from operators' *self* time (nesting
+  removed, so nothing is counted twice).  ``idle/gap`` is step time not covered by
+  any kernel (CUDA) or any operator (CPU: Python, waiting for data, ...).
+* top operators by self time (CPU) or by the device time of the kernels they launch
+  (CUDA), with their share of the profiled step time.
+* FLOPs per step: ``torch.utils.flop_counter.FlopCounterMode`` over the model's
+  forward + backward for each profiled step's shape, counted on a ``meta`` copy (no
+  compute; model FLOPs, so activation recompute is not counted).  Achieved TFLOP/s =
+  FLOPs / profiled step time; MFU against the measured matmul ceiling
+  (``lab_utils.ceilings``) and the datasheet peak (``lab_utils.device``).
+* memory: the profiler's allocation events give "allocated bytes" over time (on CPU
+  this counts allocations made while profiling, relative to its start; on CUDA it is
+  the caching allocator's total).  On CUDA the allocator's history is also recorded
+  and written as a snapshot pickle plus torch's HTML viewer.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from .train import PHASES, Trainer, artifacts_dir, synthetic_batch
+
+CATEGORIES = ("matmul", "attention", "normalization", "elementwise/activation", "reduction", "copy/cast",
+              "communication", "optimizer", "other")
+IDLE = "idle/gap"
+
+_RULES: list[tuple[str, re.Pattern]] = [
+    ("communication", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|c10d|alltoall|broadcast_coalesced"
+                                 r"|record_param_comms|\bsend\b|\brecv\b")),
+    ("optimizer", re.compile(r"_foreach_|fused_adam|multi_tensor_apply|adamw?_|optimizer")),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|softmax|scaled_dot_product|cudnn_.*attn")),
+    ("normalization", re.compile(r"layer_?norm|rms_?norm|group_?norm|batch_?norm|instance_?norm")),
+    ("matmul", re.compile(r"gemm|\bmm\b|addmm|bmm|matmul|linear|conv|xmma|cutlass|cublas|wgmma|sm\d+_|baddbmm")),
+    ("reduction", re.compile(r"reduce|\bsum\b|mean|\bmax\b|\bmin\b|argmax|argmin|vector_norm|\bnorm\b|\bvar\b|\bstd\b"
+                             r"|cumsum|topk|\ball\b|\bany\b|mse_loss")),
+    ("copy/cast", re.compile(r"copy|memcpy|memset|_to_copy|\bto\b|contiguous|clone|\bcat\b|stack|index|gather"
+                             r"|scatter|pad|fill|zero_|repeat|expand|transpose|permute|reshape|view|slice|select"
+                             r"|unfold|flip|roll|split|chunk|narrow|empty|as_strided|detach|unbind|resize|squeeze|\bt\b|alias"
+                             r"|full|zeros|ones|arange|scalar_tensor|lift_fresh|type_as|meshgrid|embedding")),
+    ("elementwise/activation", re.compile(r"elementwise|vectorized|unrolled|gelu|silu|relu|sigmoid|tanh|\badd|\bsub"
+                                          r"|\bmul|\bdiv|exp|log|pow|rsqrt|sqrt|\bsin\b|\bcos\b|where|neg|abs|clamp"
+                                          r"|rand|normal|uniform|bernoulli|dropout|lerp|addcmul|addcdiv|sign|erf"
+                                          r"|maximum|minimum|\beq\b|\bne\b|\bgt\b|\blt\b|\bge\b|\ble\b|logical|rsub|reciprocal|bitwise"
+                                          r"|__and__|__or__")),
+]
+
+
+_AUTOGRAD = re.compile(r"^(autograd::|torch::autograd::)|Backward\d+$")
+
+
+def categorize(name: str, op: str = "", under_optimizer: bool = False) -> str:
+    """Kernel-category of a kernel or operator name (``op``: the operator that launched a
+    kernel, used when the kernel's own name says nothing)."""
+    if under_optimizer:
+        return "optimizer"
+    if _AUTOGRAD.search(name):
+        return "other"      # autograd-engine wrappers: their self time is bookkeeping
+    for text in (name, op):
+        if not text:
+            continue
+        t = text.lower().replace("aten::", " ").replace("::", " ")
+        for cat, rx in _RULES:
+            if rx.search(t):
+                return cat
+    return "other"
+
+
+# --------------------------------------------------------------------------------------
+# Trace parsing
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class _Ev:
+    name: str
+    cat: str
+    ts: float
+    dur: float
+    tid: Any
+    ext: Any = None
+    child: float = 0.0
+    opt: bool = False
+    phase: str | None = None
+    parent_op: str = ""
+
+    @property
+    def end(self) -> float:
+        return self.ts + self.dur
+
+    @property
+    def self_us(self) -> float:
+        return max(self.dur - self.child, 0.0)
+
+
+def _nest(events: list[_Ev]) -> None:
+    """Per thread: direct-children time, optimizer ancestry, enclosing phase, launching op."""
+    by_tid: dict[Any, list[_Ev]] = defaultdict(list)
+    for e in events:
+        by_tid[e.tid].append(e)
+    for evs in by_tid.values():
+        evs.sort(key=lambda e: (e.ts, -e.dur))
+        stack: list[_Ev] = []
+        for e in evs:
+            while stack and stack[-1].end <= e.ts + 1e-3:
+                stack.pop()
+            if stack:
+                p = stack[-1]
+                p.child += e.dur
+                e.opt = p.opt
+                e.phase = p.phase
+                e.parent_op = p.parent_op if p.cat != "cpu_op" else (p.parent_op or p.name)
+            if e.name.startswith("Optimizer.step") or e.name.startswith("Optimizer.zero_grad"):
+                e.opt = True
+            if e.name in PHASES:
+                e.phase = e.name
+            stack.append(e)
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+@dataclass
+class TraceAnalysis:
+    device_kind: str                       # "cuda" | "cpu"
+    source: str                            # "cuda kernels" | "cpu operators (self time)"
+    steps: pd.DataFrame                    # step, step_ms, phase_sum_ms, coverage, busy_ms, idle_ms
+    phases: pd.DataFrame                   # step, phase, ms
+    categories: pd.DataFrame               # category, ms, pct_of_step
+    top_ops: pd.DataFrame                  # name, category, calls, ms, pct_of_step
+    memory: pd.DataFrame                   # t_ms, allocated_mb
+    peak_allocated_bytes: float
+
+
+def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int = 15) -> TraceAnalysis:
+    """Analyse a Chrome trace written by ``torch.profiler`` (see the module note)."""
+    data = json.loads(Path(path).read_text())
+    raw = data["traceEvents"] if isinstance(data, dict) else data
+    xs = [e for e in raw if e.get("ph") == "X" and "dur" in e]
+    kernel_cats = {"kernel", "gpu_memcpy", "gpu_memset"}
+    kernels = [e for e in xs if e.get("cat") in kernel_cats]
+    if device_kind is None:
+        device_kind = "cuda" if kernels else "cpu"
+    step_evs = sorted((e for e in xs if re.fullmatch(r"ProfilerStep#\d+", e.get("name", ""))), key=lambda e: e["ts"])
+    if not step_evs:
+        raise ValueError(f"{path}: no ProfilerStep#k ranges; was the profiler stepped with prof.step()?")
+    host = [_Ev(e["name"], e.get("cat", ""), float(e["ts"]), float(e["dur"]), (e.get("pid"), e.get("tid")),
+                (e.get("args") or {}).get("External id"))
+            for e in xs if e.get("cat") in ("cpu_op", "user_annotation", "python_function")]
+    _nest(host)
+    windows = [(int(e["name"].split("#")[1]), float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in step_evs]
+
+    def step_of(ts: float):
+        for k, s, t in windows:
+            if s <= ts < t:
+                return k
+        return None
+
+    # phases ---------------------------------------------------------------------------
+    prow = []
+    for e in host:
+        if e.cat == "user_annotation" and e.name in PHASES:
+            k = step_of(e.ts)
+            if k is not None:
+                prow.append(dict(step=k, phase=e.name, ms=e.dur / 1e3))
+    phases = pd.DataFrame(prow, columns=["step", "phase", "ms"])
+    if len(phases):
+        phases = phases.groupby(["step", "phase"], as_index=False, sort=False)["ms"].sum()
+
+    # work items: (name, launching op, category, duration us, start, end, step) ----------
+    items = []
+    if device_kind == "cuda":
+        by_ext = {e.ext: e for e in host if e.cat == "cpu_op" and e.ext is not None}
+        for k in kernels:
+            ext = (k.get("args") or {}).get("External id")
+            op = by_ext.get(ext)
+            opname = op.name if op is not None else ""
+            cat = categorize(k["name"], opname, bool(op and op.opt))
+            ts, dur = float(k["ts"]), float(k["dur"])
+            items.append((k["name"], opname or k["name"], cat, dur, ts, ts + dur, step_of(ts)))
+        source = "cuda kernels"
+    else:
+        for e in host:
+            if e.cat != "cpu_op":
+                continue
+            cat = categorize(e.name, e.parent_op, e.opt)
+            items.append((e.name, e.name, cat, e.self_us, e.ts, e.end, step_of(e.ts)))
+        source = "cpu operators (self time)"
+
+    srow = []
+    for k, s, t in windows:
+        step_us = t - s
+        mine = [it for it in items if it[6] == k]
+        if device_kind == "cuda":
+            busy = _union_us([(max(it[4], s), min(it[5], t)) for it in mine])
+        else:
+            busy = _union_us([(it[4], min(it[5], t)) for it in mine])
+        ph = phases[phases.step == k].ms.sum() if len(phases) else 0.0
+        srow.append(dict(step=k, step_ms=step_us / 1e3, phase_sum_ms=ph, coverage=ph / (step_us / 1e3),
+                         busy_ms=busy / 1e3, idle_ms=max(step_us - busy, 0.0) / 1e3))
+    steps = pd.DataFrame(srow)
+    total_step_ms = float(steps.step_ms.sum())
+
+    in_steps = [it for it in items if it[6] is not None]
+    cat_ms = defaultdict(float)
+    for it in in_steps:
+        cat_ms[it[2]] += it[3] / 1e3
+    crow = [dict(category=c, ms=cat_ms.get(c, 0.0)) for c in CATEGORIES]
+    crow.append(dict(category=IDLE, ms=float(steps.idle_ms.sum())))
+    categories = pd.DataFrame(crow)
+    categories["pct_of_step"] = 100 * categories.ms / total_step_ms
+
+    agg: dict[str, list] = {}
+    for it in in_steps:
+        a = agg.setdefault(it[1], [it[2], 0, 0.0])
+        a[1] += 1
+        a[2] += it[3] / 1e3
+    top_ops = pd.DataFrame([dict(name=n, category=c, calls=cnt, ms=ms) for n, (c, cnt, ms) in agg.items()],
+                           columns=["name", "category", "calls", "ms"])
+    top_ops = top_ops.sort_values("ms", ascending=False).head(top).reset_index(drop=True)
+    top_ops["pct_of_step"] = 100 * top_ops.ms / total_step_ms
+
+    # memory ----------------------------------------------------------------------------
+    want = 1 if device_kind == "cuda" else 0
+    t0 = windows[0][1]
+    mrow = []
+    for e in raw:
+        if e.get("name") == "[memory]":
+            a = e.get("args") or {}
+            if a.get("Device Type") == want and "Total Allocated" in a:
+                mrow.append((float(e["ts"]), float(a["Total Allocated"])))
+    mrow.sort()
+    memory = pd.DataFrame([dict(t_ms=(ts - t0) / 1e3, allocated_mb=b / 2 ** 20) for ts, b in mrow],
+                          columns=["t_ms", "allocated_mb"])
+    peak = max((b for _, b in mrow), default=float("nan"))
+    if len(memory) > 3000:   # keep plots light: the running max per bin preserves peaks
+        memory["bin"] = (memory.t_ms / (memory.t_ms.max() / 1500 + 1e-9)).astype(int)
+        memory = memory.groupby("bin", as_index=False).agg(t_ms=("t_ms", "first"), allocated_mb=("allocated_mb", "max"))
+        memory = memory.drop(columns="bin")
+    return TraceAnalysis(device_kind, source, steps, phases, categories, top_ops, memory, peak)
+
+
+# --------------------------------------------------------------------------------------
+# FLOPs
+# --------------------------------------------------------------------------------------
+
+def _cpu_sdpa_flop_mapping() -> dict:
+    """FlopCounterMode has formulas for CUDA's SDPA kernels but not for the CPU flash
+    kernel; count it the same way (QKᵀ and PV: 4·B·H·Lq·Lk·Dh forward, 2x backward)."""
+    aten = torch.ops.aten
+    out = {}
+
+    def fwd(q_shape, k_shape, v_shape):
+        b, h, lq, d = q_shape
+        lk = k_shape[-2]
+        return 2 * b * h * lq * lk * d + 2 * b * h * lq * lk * v_shape[-1]
+
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        # FlopCounterMode hands formulas the shapes of tensor arguments
+        def f(query, key, value, *args, out_shape=None, **kw):
+            return fwd(query, key, value)
+
+        def b(grad_out, query, key, value, *args, out_shape=None, **kw):
+            return 2 * fwd(query, key, value)
+
+        out[aten._scaled_dot_product_flash_attention_for_cpu] = f
+        if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+            out[aten._scaled_dot_product_flash_attention_for_cpu_backward] = b
+    return out
+
+
+def count_flops(fn, *, device_kind: str = "meta") -> tuple[int, dict[str, int]]:
+    """FLOPs of ``fn()`` by ``torch.utils.flop_counter``; returns (total, per-op)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False, custom_mapping=_cpu_sdpa_flop_mapping()) as fc:
+        fn()
+    per_op = {str(k): int(v) for k, v in fc.get_flop_counts().get("Global", {}).items()}
+    return int(fc.get_total_flops()), per_op
+
+
+_FLOP_CACHE: dict[tuple, int] = {}
+
+
+def training_step_flops(model_cfg, batch_size: int, grid: tuple[int, int], txt_len: int) -> int:
+    """Model FLOPs of one training step (forward + backward of the MMDiT) at this shape,
+    counted on a meta-device copy (nothing is computed or allocated)."""
+    from .mmdit import build_model
+    from .train import rf_loss
+
+    cfg = model_cfg.replace(kernels="eager", attention_path="sdpa", checkpoint="none", recipe="bf16")
+    key = (cfg, batch_size, tuple(grid), txt_len)
+    if key not in _FLOP_CACHE:
+        model = build_model(cfg, device="meta").train()
+        h, w = grid
+        ppt = cfg.pixels_per_token
+        batch = synthetic_batch(cfg, batch_size, height=h * ppt, width=w * ppt, txt_len=txt_len, device="meta")
+        total, _ = count_flops(lambda: rf_loss(model, batch).backward())
+        _FLOP_CACHE[key] = total
+    return _FLOP_CACHE[key]
+
+
+# --------------------------------------------------------------------------------------
+# Profiling a trainer
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class ProfileReport:
+    analysis: TraceAnalysis
+    trace_path: Path
+    step_flops: list[int]
+    memory_snapshot_path: Path | None = None
+    memory_html_path: Path | None = None
+    cuda_peak_bytes: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def steps(self) -> pd.DataFrame:
+        df = self.analysis.steps.copy()
+        df["flops"] = self.step_flops[: len(df)]
+        df["tflops"] = df.flops / (df.step_ms * 1e-3) / 1e12
+        return df
+
+    def mfu(self, ceilings=None, datasheet=None, dtype: str = "fp32") -> pd.DataFrame:
+        """Achieved TFLOP/s over the profiled steps (total FLOPs / total step time) and
+        its share of the measured matmul ceiling and of the datasheet peak."""
+        st = self.steps
+        achieved = float(st.flops.sum() / (st.step_ms.sum() * 1e-3) / 1e12)
+        rows = [dict(quantity="achieved", dtype=dtype, tflops=achieved, pct=None, reference="")]
+        peak_meas = ceilings.matmul(dtype) if ceilings is not None else None
+        if peak_meas:
+            rows.append(dict(quantity="measured matmul ceiling", dtype=dtype, tflops=peak_meas,
+                             pct=100 * achieved / peak_meas, reference="lab_utils.ceilings"))
+        if datasheet is not None:
+            ds = {"bf16": datasheet.bf16_tflops, "fp16": datasheet.bf16_tflops, "tf32": datasheet.tf32_tflops,
+                  "fp32": datasheet.tf32_tflops}.get(dtype)
+            if ds:
+                rows.append(dict(quantity="datasheet peak" + (" (tf32)" if dtype == "fp32" else ""), dtype=dtype,
+                                 tflops=ds, pct=100 * achieved / ds, reference=datasheet.source))
+        return pd.DataFrame(rows)
+
+    def record(self, rec, *, variant: str = "profile", ceilings=None, datasheet=None, dtype: str = "fp32",
+               shape: str = "") -> None:
+        """Write the report's numbers as records (one row per number, plus the trace path)."""
+        a = self.analysis
+        st = self.steps
+        for r in st.itertuples():
+            rec.add("step", variant, "step_time", r.step_ms, "ms", shape=shape, statistic=f"step{r.step}",
+                    source="torch.profiler ProfilerStep range")
+            rec.add("step", variant, "phase_coverage", 100 * r.coverage, "%", shape=shape, statistic=f"step{r.step}")
+            rec.add("step", variant, "flops", r.flops, "FLOP", shape=shape, statistic=f"step{r.step}",
+                    method="FlopCounterMode fwd+bwd on meta")
+        rec.add("step", variant, "step_time", float(st.step_ms.median()), "ms", shape=shape, statistic="median",
+                samples=list(st.step_ms))
+        for r in a.phases.groupby("phase", sort=False).ms.median().items():
+            rec.add("phases", r[0], "time", r[1], "ms", shape=shape, statistic="median")
+        for r in a.categories.itertuples():
+            rec.add("categories", r.category, "time", r.ms, "ms", shape=shape, statistic="sum",
+                    pct_of_step=r.pct_of_step, source=a.source)
+        for r in a.top_ops.itertuples():
+            rec.add("top_ops", r.name, "time", r.ms, "ms", shape=shape, statistic="sum", calls=r.calls,
+                    category=r.category, pct_of_step=r.pct_of_step)
+        for r in self.mfu(ceilings, datasheet, dtype).itertuples():
+            if r.quantity == "achieved":
+                rec.add("mfu", variant, "throughput", r.tflops, "TFLOP/s", shape=shape, dtype=dtype,
+                        statistic="total", formula="sum(flops) / sum(step time)")
+            else:
+                rec.add("mfu", r.quantity, "pct_of_peak", r.pct, "%", shape=shape, dtype=dtype, statistic="total",
+                        peak_tflops=r.tflops, reference=r.reference)
+        if not math.isnan(a.peak_allocated_bytes):
+            rec.add("memory", variant, "peak_allocated", a.peak_allocated_bytes / 2 ** 20, "MiB", shape=shape,
+                    statistic="max", source="profiler [memory] events" +
+                    (" (relative to profiler start)" if a.device_kind == "cpu" else ""))
+        if self.cuda_peak_bytes is not None:
+            rec.add("memory", variant, "cuda_max_allocated", self.cuda_peak_bytes / 2 ** 20, "MiB", shape=shape,
+                    statistic="max", source="torch.cuda.max_memory_allocated")
+        rec.add("artifacts", variant, "trace_file", self.trace_path.stat().st_size, "bytes",
+                statistic="file", path=str(self.trace_path), format="chrome-trace-json")
+        if self.memory_html_path is not None:
+            rec.add("artifacts", variant, "memory_html", self.memory_html_path.stat().st_size, "bytes",
+                    statistic="file", path=str(self.memory_html_path), format="html")
+
+
+def profile_training(trainer: Trainer, *, active: int = 3, warmup: int = 1, wait: int = 0,
+                     out_dir: str | Path | None = None, name: str = "01_training_step",
+                     memory: bool = True) -> ProfileReport:
+    """Profile ``wait + warmup + active`` trainer steps; analyse the active ones."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    for p, v in (("steps", active), ("warmup_steps", warmup)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (1 if p == "steps" else 0):
+            from .config import ConfigError
+
+            raise ConfigError(p, v, "an integer >= " + ("1" if p == "steps" else "0"))
+    out = Path(out_dir) if out_dir is not None else artifacts_dir() / "traces"
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+    trace_path = out / f"{name}-{stamp}.trace.json"
+    cuda = trainer.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    notes = []
+
+    def on_ready(prof):
+        prof.export_chrome_trace(str(trace_path))
+
+    if cuda and memory:
+        torch.cuda.reset_peak_memory_stats(trainer.device)
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+    try:
+        with profile(activities=acts, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+                     profile_memory=memory, record_shapes=False, on_trace_ready=on_ready) as prof:
+            for _ in range(wait + warmup + active):
+                trainer.step()
+                prof.step()
+    finally:
+        snap_path = html_path = None
+        peak = None
+        if cuda and memory:
+            try:
+                snap = torch.cuda.memory._snapshot()
+                import pickle
+
+                snap_path = out / f"{name}-{stamp}.memory_snapshot.pickle"
+                snap_path.write_bytes(pickle.dumps(snap))
+                from torch.cuda._memory_viz import trace_plot
+
+                html_path = out / f"{name}-{stamp}.memory.html"
+                html_path.write_text(trace_plot(snap))
+                notes.append("memory.html is torch's MemoryViz; it loads its viewer script from the web")
+            except Exception as e:  # noqa: BLE001 - the snapshot is an extra; the profile stands without it
+                notes.append(f"CUDA memory snapshot not written: {type(e).__name__}: {e}")
+            finally:
+                torch.cuda.memory._record_memory_history(enabled=None)
+            peak = float(torch.cuda.max_memory_allocated(trainer.device))
+    analysis = analyse_trace(trace_path, "cuda" if cuda else "cpu")
+    hist = trainer.history[-active:]
+    flops = [training_step_flops(trainer.model_cfg, trainer.cfg.batch_size, r.grid, r.txt_len) for r in hist]
+    return ProfileReport(analysis, trace_path, flops, snap_path, html_path, peak, notes)
+
+
+def mfu_dtype(train_cfg) -> str:
+    """The matmul dtype the step runs in, for MFU's peak (autocast bf16 or bf16 weights)."""
+    return "bf16" if train_cfg.autocast == "bf16" or train_cfg.dtype == "bfloat16" else "fp32"
+
+
+__all__ = ["CATEGORIES", "IDLE", "categorize", "analyse_trace", "TraceAnalysis", "count_flops",
+           "training_step_flops", "ProfileReport", "profile_training", "mfu_dtype"]
