@@ -194,10 +194,10 @@ def _from_bits(b: torch.Tensor) -> torch.Tensor:
 _CANON_NAN = 0x7FC00000
 
 
-def _round_elem_ref(v: torch.Tensor, f: ElemFormat, stochastic: bool, rbits: torch.Tensor | None):
-    """fp32 v (already scaled) -> (rounded fp32 value, uint8 code).  See module note."""
-    a = v.abs()
-    a = torch.where(a > f.max, torch.full_like(a, f.max), a)        # saturate; NaN stays
+def _round_elem_ref(v: torch.Tensor, f: ElemFormat, stochastic: bool, rbits: torch.Tensor | None,
+                    codes: bool = True):
+    """fp32 v (already scaled) -> (rounded fp32 value, uint8 code or None).  See module note."""
+    a = torch.clamp(v.abs(), max=f.max)                               # saturate; NaN stays
     e = ((_bits(a) >> 23) & 0xFF) - 127
     e = torch.clamp(e, min=f.emin)
     inv_ulp = _from_bits((127 + f.mbits - e) << 23)
@@ -213,6 +213,8 @@ def _round_elem_ref(v: torch.Tensor, f: ElemFormat, stochastic: bool, rbits: tor
         up = (frac > 0.5) | ((frac == 0.5) & odd)
     q = (fl + up.to(torch.float32)) * ulp
     nan = torch.isnan(q)
+    if not codes:
+        return torch.where(nan, _from_bits(torch.full_like(e, _CANON_NAN)), torch.copysign(q, v)), None
     sign = (_bits(v) >> 31) & 1
     # code: subnormal (q < 2^emin) -> mantissa only, else biased exponent | mantissa bits
     qb = _bits(torch.where(nan, torch.zeros_like(q), q))
@@ -243,7 +245,8 @@ def _e8m0_to_f32(biased: torch.Tensor) -> torch.Tensor:
 
 
 def reference_quantize_groups(g: torch.Tensor, elem: str, scaling: int, *, stochastic: bool = False,
-                              rbits: torch.Tensor | None = None, tensor_scale: torch.Tensor | None = None):
+                              rbits: torch.Tensor | None = None, tensor_scale: torch.Tensor | None = None,
+                              codes: bool = True):
     """Quantize rows of ``g`` (n_groups, G) fp32, one scaling group per row.
 
     Returns (dequantized fp32 (n_groups, G), codes uint8 (n_groups, G), group scale fp32 (n_groups,)):
@@ -255,7 +258,7 @@ def reference_quantize_groups(g: torch.Tensor, elem: str, scaling: int, *, stoch
     bad = ~torch.isfinite(amax)
     nanv = torch.full_like(amax, float("nan"))
     if scaling == _SC_NONE:
-        q, code = _round_elem_ref(g, f, stochastic, rbits)
+        q, code = _round_elem_ref(g, f, stochastic, rbits, codes)
         return q, code, torch.ones(n)
     if scaling in (_SC_AMAX, _SC_GIVEN):
         if scaling == _SC_AMAX:
@@ -264,7 +267,7 @@ def reference_quantize_groups(g: torch.Tensor, elem: str, scaling: int, *, stoch
         else:
             scale = tensor_scale.float().expand(n)
         v = g * scale[:, None]
-        q, code = _round_elem_ref(v, f, stochastic, rbits)
+        q, code = _round_elem_ref(v, f, stochastic, rbits, codes)
         return q / scale[:, None], code, scale
     if scaling == _SC_MX_FLOOR:
         ex = ((_bits(amax) >> 23) & 0xFF) - 127
@@ -290,13 +293,13 @@ def reference_quantize_groups(g: torch.Tensor, elem: str, scaling: int, *, stoch
         recip = (1.0 / pts) / sc
         v = g * recip[:, None]
         v = torch.where(bad[:, None], nanv[:, None].expand_as(v), v)
-        q, code = _round_elem_ref(v, f, stochastic, rbits)
+        q, code = _round_elem_ref(v, f, stochastic, rbits, codes)
         deq = q * (sc * pts)[:, None]
         sc = torch.where(bad, nanv, sc)
         return deq, code, sc
     else:
         raise ValueError(f"unknown scaling mode {scaling}")
-    q, code = _round_elem_ref(v, f, stochastic, rbits)
+    q, code = _round_elem_ref(v, f, stochastic, rbits, codes)
     deq = q * _e8m0_to_f32(biased)[:, None]
     return deq, code, biased.to(torch.float32)
 
@@ -433,7 +436,8 @@ def _quant_groups_kernel(x_ptr, r_ptr, deq_ptr, code_ptr, scale_ptr, ts_ptr, n_r
 
 
 def triton_quantize_groups(g: torch.Tensor, elem: str, scaling: int, *, stochastic: bool = False,
-                           rbits: torch.Tensor | None = None, tensor_scale: torch.Tensor | None = None):
+                           rbits: torch.Tensor | None = None, tensor_scale: torch.Tensor | None = None,
+                           codes: bool = True):
     """Triton twin of :func:`reference_quantize_groups` (same arguments and results)."""
     f = ELEM_FORMATS[elem]
     g = g.contiguous().float()
@@ -627,7 +631,7 @@ def quantize(x: torch.Tensor, fmt: str, *, axis: int = -1, block_size: int | Non
              scale_rule: str = "floor", rounding: str = "nearest", granularity: str | None = None,
              pad: bool = False, seed: int | None = None, generator: torch.Generator | None = None,
              backend: str = "reference", nonfinite: str = "propagate",
-             tensor_scale: torch.Tensor | None = None) -> QuantizedTensor:
+             tensor_scale: torch.Tensor | None = None, _deq_only: bool = False) -> QuantizedTensor:
     """Quantize ``x`` to ``fmt``; returns packed data + scales (:class:`QuantizedTensor`).
 
     See the module note for formats, scales, the non-finite policy and padding.
@@ -698,7 +702,10 @@ def quantize(x: torch.Tensor, fmt: str, *, axis: int = -1, block_size: int | Non
         rb = _rand_bits(tuple(g.shape), gen, g.device)
     if ts is not None:
         ts = ts.to(g.device)
-    deq, codes, gscale = fn(g, F.elem, scaling, stochastic=stochastic, rbits=rb, tensor_scale=ts)
+    deq, codes, gscale = fn(g, F.elem, scaling, stochastic=stochastic, rbits=rb, tensor_scale=ts,
+                            codes=not _deq_only)
+    if _deq_only:
+        return _from_groups(deq, lay)
     # packing
     if F.family == "fp8":
         data = _from_groups(codes, lay, crop=False).contiguous().view(F.elem_format.torch_dtype)
@@ -746,12 +753,12 @@ def fake_quantize(x: torch.Tensor, fmt: str, *, axis: int = -1, block_size: int 
         xr = hadamard_transform(x.float(), hadamard, axis=axis, seed=hadamard_seed)
         q = quantize(xr, fmt, axis=axis, block_size=block_size, scale_rule=scale_rule, rounding=rounding,
                      granularity=granularity, pad=pad, seed=seed, generator=generator, backend=backend,
-                     nonfinite=nonfinite)._deq
+                     nonfinite=nonfinite, _deq_only=True)
         return hadamard_transform(q, hadamard, axis=axis, seed=hadamard_seed, inverse=True).to(x.dtype)
-    qt = quantize(x, fmt, axis=axis, block_size=block_size, scale_rule=scale_rule, rounding=rounding,
-                  granularity=granularity, pad=pad, seed=seed, generator=generator, backend=backend,
-                  nonfinite=nonfinite)
-    return qt._deq.reshape(x.shape).to(x.dtype)
+    deq = quantize(x, fmt, axis=axis, block_size=block_size, scale_rule=scale_rule, rounding=rounding,
+                   granularity=granularity, pad=pad, seed=seed, generator=generator, backend=backend,
+                   nonfinite=nonfinite, _deq_only=True)
+    return deq.reshape(x.shape).to(x.dtype)
 
 
 class _FakeQuantSTE(torch.autograd.Function):
