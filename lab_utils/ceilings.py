@@ -172,7 +172,7 @@ def get_ceilings(device=None, *, force: bool = False, quick: bool = False, progr
             pass  # a corrupt cache is re-measured
     c = measure_ceilings(dev, quick=quick, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")   # parallel test workers may race here
     tmp.write_text(json.dumps(c.as_dict(), indent=2))
     tmp.replace(path)
     return c

@@ -162,7 +162,7 @@ class Recorder:
                 path = Path(".perflab") / "records" / f"{self.lab}-{time.strftime('%Y%m%d-%H%M%S')}.json"
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"context": self.context(), "rows": _jsonable(self.rows)}, indent=1))
         tmp.replace(path)
         return path
