@@ -740,3 +740,103 @@ def sweep(*, paths, masks, seq_lens, head_dims, directions=("fwd", "fwd+bwd"), b
                                         note="" if ok else f"{t.kind}: {t.reason}"))
                         del fn
     return out
+
+
+# --------------------------------------------------------------------------- the lab's config
+from .config import (LabConfig, check_bool, check_choice, check_choices, check_float,  # noqa: E402
+                     check_int, check_int_list)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class AttentionLabConfig(LabConfig):
+    """Parameters of labs/03_attention.ipynb (names == the notebook's parameters)."""
+
+    device: str = "auto"
+    dtype: str = "float32"
+    mask: str = "mmdit"                                   # the mask of the pictures and the correctness table
+    masks: tuple = ("full", "causal", "mmdit", "neighborhood")   # the sweep and the HoloMap
+    check_paths: tuple = ("sdpa", "math", "flash", "flex_eager", "triton")
+    paths: tuple = ("sdpa", "math", "flash")              # timed paths
+    check_len: int = 97
+    check_head_dim: int = 64
+    check_lengths: tuple = (37, 97, 58)                   # packed varlen correctness
+    seq_lens: tuple = (128, 256)
+    head_dims: tuple = (64,)
+    heads: int = 2
+    batch: int = 1
+    directions: tuple = ("fwd", "fwd+bwd")
+    picture_len: int = 96
+    block_size: int = 16
+    varlen_batch: int = 4
+    varlen_buckets: tuple = ((256, 256), (224, 288), (128, 128), (96, 160))
+    txt_len: tuple = (16, 64)
+    pixels_per_token: int = 16
+    varlen_heads: int = 2
+    reps: int = 5
+    budget_s: float = 10.0
+    quick_ceilings: bool = True
+
+    def __post_init__(self):
+        from .masks import MASK_NAMES
+
+        check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        check_choice("dtype", self.dtype, tuple(_DTYPES))
+        check_choice("mask", self.mask, MASK_NAMES)
+        check_choices("masks", self.masks, MASK_NAMES)
+        check_choices("check_paths", self.check_paths, PATHS)
+        check_choices("paths", self.paths, PATHS)
+        for p in ("check_len", "picture_len"):
+            check_int(p, getattr(self, p), min=8)
+        check_choice("check_head_dim", self.check_head_dim, (16, 32, 64, 128, 256))
+        check_int_list("check_lengths", self.check_lengths, min=1)
+        check_int_list("seq_lens", self.seq_lens, min=8)
+        check_int_list("head_dims", self.head_dims, min=8)
+        for p in ("heads", "batch", "varlen_batch", "varlen_heads", "pixels_per_token"):
+            check_int(p, getattr(self, p), min=1)
+        check_int("block_size", self.block_size, min=1)
+        check_choices("directions", self.directions, ("fwd", "fwd+bwd"))
+        if (isinstance(self.txt_len, (str, bytes)) or not isinstance(self.txt_len, (list, tuple))
+                or len(self.txt_len) != 2):
+            raise ConfigError("txt_len", self.txt_len, "a pair [min, max] of caption token counts")
+        check_int_list("txt_len", self.txt_len, min=0)
+        if self.txt_len[0] > self.txt_len[1]:
+            raise ConfigError("txt_len", self.txt_len, "[min, max] with min <= max")
+        from .data import normalize_buckets
+
+        normalize_buckets(self.varlen_buckets, "varlen_buckets")
+        check_int("reps", self.reps, min=3)
+        check_float("budget_s", self.budget_s, min=0, min_exclusive=True)
+        check_bool("quick_ceilings", self.quick_ceilings)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+# --------------------------------------------------------------------------- plots (read rows, never measure)
+def sweep_plot(df, metric: str = "time", *, title: str = ""):
+    """HoloMap over (mask, direction, head_dim) of ``metric`` (median) vs sequence length,
+    one curve per path.  ``df``: Recorder.frame() rows of experiment "sweep"."""
+    import json
+
+    import holoviews as hv
+    import pandas as pd
+
+    d = df[(df.experiment == "sweep") & (df.metric == metric) & (df.statistic == "median")].copy()
+    if d.empty:
+        return hv.Div(f"<p>no {metric} rows to plot</p>")
+    ex = d.extra.map(json.loads)
+    for k in ("mask", "direction", "seq_len", "head_dim"):
+        d[k] = ex.map(lambda e, k=k: e.get(k))
+    unit = d.unit.iloc[0]
+    frames = {}
+    for (m, direction, hd), g in d.groupby(["mask", "direction", "head_dim"], sort=False):
+        curves = [hv.Curve(gg.sort_values("seq_len"), "seq_len", ("value", f"{metric} ({unit})"), label=str(p)).opts(
+                  tools=["hover"]) * hv.Scatter(gg, "seq_len", ("value", f"{metric} ({unit})")).opts(size=6)
+                  for p, gg in g.groupby("variant", sort=False)]
+        frames[(m, direction, int(hd))] = hv.Overlay(curves).opts(
+            logx=True, logy=metric == "time", legend_position="top_left", title=title or f"{metric} ({unit})")
+    _ = pd
+    return hv.HoloMap(frames, kdims=["mask", "direction", "head_dim"])

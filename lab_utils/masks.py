@@ -344,3 +344,30 @@ def flex_block_mask(mask: Mask, B: int | None, H: int | None, Lq: int, Lk: int, 
     mask.check_length(Lq, Lk)
     return create_block_mask(mask.mask_mod, B, H, Lq, Lk, device=device, BLOCK_SIZE=block_size,
                              _compile=compile)
+
+
+# --------------------------------------------------------------------------- pictures (holoviews)
+def mask_picture(mask: Mask, L: int, *, block_size: int = 16, b: int = 0):
+    """Dense mask and block states side by side (holoviews Images, query rows down)."""
+    import holoviews as hv
+
+    d = dense_mask(mask, b + 1, 1, L, L)[b, 0]
+    st = block_states(d, block_size, block_size).float()
+    dense = hv.Image(d.float().flip(0).numpy(), bounds=(0, 0, L, L), kdims=["key", "query"], vdims=["allowed"]).opts(
+        cmap="Blues", title=f"{mask.name}: dense ({float(d.float().mean()):.0%} allowed)", width=330, height=330,
+        invert_yaxis=False, tools=["hover"], colorbar=False)
+    n = st.shape[0]
+    blocks = hv.Image(st.flip(0).numpy(), bounds=(0, 0, st.shape[1], n), kdims=["key block", "query block"],
+                      vdims=["state"]).opts(
+        cmap=["white", "orange", "steelblue"], clim=(0, 2), width=330, height=330, tools=["hover"],
+        title=f"blocks {block_size}x{block_size}: full {int((st == 2).sum())} partial {int((st == 1).sum())} "
+              f"empty {int((st == 0).sum())}")
+    return dense + blocks
+
+
+def mask_holomap(names, L: int, *, block_size: int = 16):
+    """HoloMap over mask names of :func:`mask_picture` (every frame embedded)."""
+    import holoviews as hv
+
+    return hv.HoloMap({n: mask_picture(make_mask(n, L), L, block_size=block_size) for n in names},
+                      kdims=["mask"]).collate()
