@@ -22,7 +22,8 @@ def test_triton_matches_reference(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("variant", ["eager", "torch"])
 def test_cheap_variants_match_reference(variant, dtype):
-    assert_variant_ok(OP, variant, dtype, BIG)
+    # the large irregular shape where rounding matters most; the small one elsewhere
+    assert_variant_ok(OP, variant, dtype, BIG if dtype == torch.bfloat16 else SMALL)
 
 
 def test_compile_variant_matches_reference():
