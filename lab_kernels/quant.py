@@ -231,11 +231,13 @@ def _round_elem_ref(v: torch.Tensor, f: ElemFormat, stochastic: bool, rbits: tor
 
 
 def _ceil_log2_bits(d: torch.Tensor) -> torch.Tensor:
-    """Exact ceil(log2(d)) for finite d > 0 in fp32, from its bits (subnormals -> <= -127)."""
+    """Exact ceil(log2(d)) for finite d >= 0 in fp32 from its bits, floored at -127 (E8M0's least)."""
     b = _bits(d)
     ex = (b >> 23) & 0xFF
     man = b & 0x7FFFFF
-    return torch.where(ex == 0, torch.full_like(ex, -127), ex - 127 + (man != 0).to(torch.int32))
+    # subnormal d: in (2^-127, 2^-126) -> -126; <= 2^-127 (mantissa 0x400000) -> -127 (the E8M0 floor)
+    sub = torch.where(man > 0x400000, torch.full_like(ex, -126), torch.full_like(ex, -127))
+    return torch.where(ex == 0, sub, ex - 127 + (man != 0).to(torch.int32))
 
 
 def _e8m0_to_f32(biased: torch.Tensor) -> torch.Tensor:
@@ -391,7 +393,8 @@ def _quant_groups_kernel(x_ptr, r_ptr, deq_ptr, code_ptr, scale_ptr, ts_ptr, n_r
         descale = tl.math.div_rn(gmax, tl.full([ROWS], MAXV, tl.float32))
         db = descale.to(tl.int32, bitcast=True)
         dex = (db >> 23) & 0xFF
-        cl = tl.where(dex == 0, -127, dex - 127 + ((db & 0x7FFFFF) != 0).to(tl.int32))
+        cl = tl.where(dex == 0, tl.where((db & 0x7FFFFF) > 0x400000, -126, -127),
+                      dex - 127 + ((db & 0x7FFFFF) != 0).to(tl.int32))
         biased = tl.minimum(tl.maximum(cl, -127), 127) + 127
         biased = tl.where(bad, 255, biased)
         rcp = tl.where(biased == 0, 1.0, tl.where(biased >= 254, 2.0 ** -127,
@@ -707,7 +710,7 @@ def quantize(x: torch.Tensor, fmt: str, *, axis: int = -1, block_size: int | Non
     if _deq_only:
         return _from_groups(deq, lay)
     # packing
-    if F.family == "fp8":
+    if F.elem != "e2m1":
         data = _from_groups(codes, lay, crop=False).contiguous().view(F.elem_format.torch_dtype)
     else:
         c = _from_groups(codes, lay, crop=False).contiguous()
