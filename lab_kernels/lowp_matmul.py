@@ -95,7 +95,7 @@ def accumulate_matmul(a: torch.Tensor, b: torch.Tensor, accum: str | Accumulatio
     acc = ACCUMULATIONS.get(accum) if isinstance(accum, str) else accum
     if acc is None:
         raise _err("accum", accum, "one of " + ", ".join(map(repr, ACCUMULATIONS)))
-    S = split_k or acc.split_k
+    S = acc.split_k if split_k is None else split_k
     if not isinstance(S, int) or S < 1:
         raise _err("split_k", S, "a positive integer")
     a = a.float()
