@@ -164,6 +164,7 @@ class TraceAnalysis:
     top_ops: pd.DataFrame                  # name, category, calls, ms, pct_of_step
     memory: pd.DataFrame                   # t_ms, allocated_mb
     peak_allocated_bytes: float
+    categories_by_step: pd.DataFrame       # step, category, ms
 
 
 def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int = 15) -> TraceAnalysis:
@@ -237,8 +238,13 @@ def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int 
 
     in_steps = [it for it in items if it[6] is not None]
     cat_ms = defaultdict(float)
+    per_step = defaultdict(float)
     for it in in_steps:
         cat_ms[it[2]] += it[3] / 1e3
+        per_step[(it[6], it[2])] += it[3] / 1e3
+    by_step = [dict(step=k, category=c, ms=per_step.get((k, c), 0.0)) for k, _, _ in windows for c in CATEGORIES]
+    by_step += [dict(step=r.step, category=IDLE, ms=r.idle_ms) for r in steps.itertuples()]
+    categories_by_step = pd.DataFrame(by_step)
     crow = [dict(category=c, ms=cat_ms.get(c, 0.0)) for c in CATEGORIES]
     crow.append(dict(category=IDLE, ms=float(steps.idle_ms.sum())))
     categories = pd.DataFrame(crow)
@@ -271,7 +277,7 @@ def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int 
         memory["bin"] = (memory.t_ms / (memory.t_ms.max() / 1500 + 1e-9)).astype(int)
         memory = memory.groupby("bin", as_index=False).agg(t_ms=("t_ms", "first"), allocated_mb=("allocated_mb", "max"))
         memory = memory.drop(columns="bin")
-    return TraceAnalysis(device_kind, source, steps, phases, categories, top_ops, memory, peak)
+    return TraceAnalysis(device_kind, source, steps, phases, categories, top_ops, memory, peak, categories_by_step)
 
 
 # --------------------------------------------------------------------------------------
@@ -472,10 +478,101 @@ def profile_training(trainer: Trainer, *, active: int = 3, warmup: int = 1, wait
     return ProfileReport(analysis, trace_path, flops, snap_path, html_path, peak, notes)
 
 
+# --------------------------------------------------------------------------------------
+# The lab's parameters and plots (plots read the report's tables; they never measure)
+# --------------------------------------------------------------------------------------
+
+from dataclasses import dataclass as _dataclass  # noqa: E402
+
+from .config import check_bool as _check_bool, check_int as _check_int  # noqa: E402
+from .train import TrainConfig  # noqa: E402
+
+
+@_dataclass(frozen=True)
+class TrainingStepLabConfig(TrainConfig):
+    """Parameters of ``labs/01_training_step.ipynb``: the step's plus the profile schedule."""
+
+    warmup_steps: int = 1          # profiled but not analysed (compile, first-call effects)
+    steps: int = 3                 # active, analysed steps
+    quick_ceilings: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_int("warmup_steps", self.warmup_steps, min=0)
+        _check_int("steps", self.steps, min=1)
+        _check_bool("quick_ceilings", self.quick_ceilings)
+
+    def train_config(self) -> TrainConfig:
+        names = set(TrainConfig.param_names())
+        return TrainConfig(**{k: v for k, v in self.to_dict().items() if k in names})
+
+
+PHASE_COLORS = dict(zip(PHASES, ("#8c8c8c", "#e377c2", "#bcbd22", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd")))
+
+
+def phase_bars(report: ProfileReport):
+    """Stacked bar of phases per profiled step (hover shows ms)."""
+    import holoviews as hv
+
+    df = report.analysis.phases.copy()
+    df["step"] = df.step.astype(str)
+    return hv.Bars(df, ["step", "phase"], "ms").opts(
+        stacked=True, cmap=PHASE_COLORS, tools=["hover"], xlabel="profiled step", ylabel="ms",
+        title="Phases per step (stacked)", legend_position="right", width=760)
+
+
+def category_map(report: ProfileReport):
+    """Time per kernel category, for all steps together and per step (HoloMap slider)."""
+    import holoviews as hv
+
+    a = report.analysis
+    frames = {"all": a.categories[["category", "ms"]]}
+    for k, g in a.categories_by_step.groupby("step"):
+        frames[f"step {k}"] = g[["category", "ms"]]
+    els = {k: hv.Bars(v, "category", "ms").opts(tools=["hover"], xrotation=35, width=760,
+                                                 title=f"Where the time goes ({a.source})")
+           for k, v in frames.items()}
+    return hv.HoloMap(els, kdims=["steps"])
+
+
+def top_ops_table(report: ProfileReport):
+    import holoviews as hv
+
+    t = report.analysis.top_ops.copy()
+    t["ms"] = t.ms.round(3)
+    t["pct_of_step"] = t.pct_of_step.round(2)
+    return hv.Table(t, ["name"], ["category", "calls", "ms", "pct_of_step"]).opts(width=760, height=380)
+
+
+def memory_curve(report: ProfileReport):
+    import holoviews as hv
+
+    a = report.analysis
+    what = "allocated (CUDA caching allocator)" if a.device_kind == "cuda" else "allocated since profiling began (CPU)"
+    curve = hv.Curve(a.memory, "t_ms", "allocated_mb").opts(tools=["hover"], width=760, xlabel="ms since first step",
+                                                            ylabel="MiB", title=f"Memory: {what}")
+    # dotted lines at step boundaries (the memory clock starts at the first step's start)
+    bounds = [0.0, *a.steps.step_ms.cumsum().tolist()]
+    lines = [hv.VLine(t).opts(color="gray", line_dash="dotted") for t in bounds]
+    return hv.Overlay([curve, *lines])
+
+
+def mfu_bars(mfu: pd.DataFrame):
+    import holoviews as hv
+
+    df = mfu[mfu.pct.notna()].copy()
+    if not len(df):
+        return hv.Div("<p>No peak to compare with on this device.</p>")
+    df["pct"] = df.pct.astype(float)
+    return hv.Bars(df, "quantity", ["pct", "tflops"]).opts(tools=["hover"], ylabel="% of peak", width=500,
+                                                          title="MFU: achieved / peak")
+
+
 def mfu_dtype(train_cfg) -> str:
     """The matmul dtype the step runs in, for MFU's peak (autocast bf16 or bf16 weights)."""
     return "bf16" if train_cfg.autocast == "bf16" or train_cfg.dtype == "bfloat16" else "fp32"
 
 
 __all__ = ["CATEGORIES", "IDLE", "categorize", "analyse_trace", "TraceAnalysis", "count_flops",
-           "training_step_flops", "ProfileReport", "profile_training", "mfu_dtype"]
+           "training_step_flops", "ProfileReport", "profile_training", "mfu_dtype", "TrainingStepLabConfig",
+           "phase_bars", "category_map", "top_ops_table", "memory_curve", "mfu_bars"]

@@ -411,9 +411,13 @@ class Trainer:
     def run(self, steps: int) -> list[StepResult]:
         return [self.step() for _ in range(steps)]
 
-    def close(self) -> None:
+    def close(self, keep_checkpoints: bool = False) -> None:
+        """Finish pending async saves; delete this run's checkpoints unless asked to keep
+        them (the lab measures saving; a FLUX-sized checkpoint is tens of GB)."""
         if self.checkpointer is not None:
             self.checkpointer.wait()
+            if not keep_checkpoints:
+                shutil.rmtree(self.checkpointer.dir, ignore_errors=True)
         self._batches = None
         self.loader = None
 

@@ -12,6 +12,15 @@ from lab_utils.mmdit import (MMDiTConfig, PRESETS, analytic_param_count, build_m
 
 diffusers_flux = pytest.importorskip("diffusers.models.transformers.transformer_flux")
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # tiny shapes gain nothing from intra-op threads and suffer on a shared 2-core box
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 # heads 3, head_dim 16 (axes 4+6+6): irregular on purpose.
 D, HEADS, AXES = 48, 3, (4, 6, 6)
 
