@@ -689,7 +689,7 @@ def sweep(*, paths, masks, seq_lens, head_dims, directions=("fwd", "fwd+bwd"), b
                 fl = attention_flops(mask, batch, heads, L, L, D)
                 shape = f"B{batch}xH{heads}xL{L}xD{D}"
                 base = dict(seq_len=L, head_dim=D, mask=mname, shape=shape, density=fl.density)
-                if block_mask_cost and any(p in ("flex", "flex_eager") for p in paths) and mask.kind != "full":
+                if block_mask_cost and mask.kind != "full":
                     t = try_bench(lambda: flex_block_mask(mask, batch, None, L, L, device=device,
                                                           compile=dev_type == "cuda"),
                                   name=f"block_mask/{mname}", device=device, reps=max(3, reps // 2),
@@ -817,12 +817,12 @@ class AttentionLabConfig(LabConfig):
 
 # --------------------------------------------------------------------------- plots (read rows, never measure)
 def sweep_plot(df, metric: str = "time", *, title: str = ""):
-    """HoloMap over (mask, direction, head_dim) of ``metric`` (median) vs sequence length,
-    one curve per path.  ``df``: Recorder.frame() rows of experiment "sweep"."""
+    """HoloMap over masks of ``metric`` (median) vs sequence length; one curve per path and
+    direction (and head dim when several; dashed = forward+backward).  ``df``: Recorder
+    rows of experiment "sweep".  Few frames on purpose: every frame is embedded in HTML."""
     import json
 
     import holoviews as hv
-    import pandas as pd
 
     d = df[(df.experiment == "sweep") & (df.metric == metric) & (df.statistic == "median")].copy()
     if d.empty:
@@ -831,12 +831,28 @@ def sweep_plot(df, metric: str = "time", *, title: str = ""):
     for k in ("mask", "direction", "seq_len", "head_dim"):
         d[k] = ex.map(lambda e, k=k: e.get(k))
     unit = d.unit.iloc[0]
+    several_d = d.head_dim.nunique() > 1
     frames = {}
-    for (m, direction, hd), g in d.groupby(["mask", "direction", "head_dim"], sort=False):
-        curves = [hv.Curve(gg.sort_values("seq_len"), "seq_len", ("value", f"{metric} ({unit})"), label=str(p)).opts(
-                  tools=["hover"]) * hv.Scatter(gg, "seq_len", ("value", f"{metric} ({unit})")).opts(size=6)
-                  for p, gg in g.groupby("variant", sort=False)]
-        frames[(m, direction, int(hd))] = hv.Overlay(curves).opts(
-            logx=True, logy=metric == "time", legend_position="top_left", title=title or f"{metric} ({unit})")
-    _ = pd
-    return hv.HoloMap(frames, kdims=["mask", "direction", "head_dim"])
+    for m, g in d.groupby("mask", sort=False):
+        curves = []
+        for (p, direction, hd), gg in g.groupby(["variant", "direction", "head_dim"], sort=False):
+            label = f"{p} {direction}" + (f" Dh{hd}" if several_d else "")
+            curves.append(hv.Curve(gg.sort_values("seq_len"), "seq_len", ("value", f"{metric} ({unit})"),
+                                   label=label).opts(line_dash="dashed" if direction == "fwd+bwd" else "solid"))
+        frames[m] = hv.Overlay(curves).opts(
+            hv.opts.Curve(tools=["hover"], line_width=2),
+            hv.opts.Overlay(logx=True, logy=metric == "time", legend_position="top_left",
+                            title=title or f"{metric} ({unit})"))
+    return hv.HoloMap(frames, kdims=["mask"])
+
+
+def sweep_table(df, metric: str = "pct_of_ceiling"):
+    """Median ``metric`` of the sweep as a (mask, direction, head_dim, seq_len) x path table."""
+    import json
+
+    d = df[(df.experiment == "sweep") & (df.metric == metric) & (df.statistic == "median")].copy()
+    ex = d.extra.map(json.loads)
+    for k in ("mask", "direction", "seq_len", "head_dim"):
+        d[k] = ex.map(lambda e, k=k: e.get(k))
+    return d.pivot_table(index=["mask", "direction", "head_dim", "seq_len"], columns="variant", values="value",
+                         sort=False).round(3)
