@@ -349,8 +349,12 @@ class KernelSet:
         for op in KERNEL_OPS:
             fn = self._resolve(op, self.names[op], dev, dtype)
             setattr(self, op, fn)
-        # Without a fused qk_norm_rope variant, compose the chosen rms_norm and rope.
-        if self.sources["qk_norm_rope"].startswith("plain torch"):
+        # Without a fused qk_norm_rope variant, or when a mapping names rms_norm / rope but
+        # not qk_norm_rope, compose the chosen rms_norm and rope (the blocks call only the
+        # fused op, so a per-op choice of rope must reach them through it).
+        explicit = set(kernels) if isinstance(kernels, Mapping) else set()
+        if self.sources["qk_norm_rope"].startswith("plain torch") or (
+                explicit & {"rms_norm", "rope"} and "qk_norm_rope" not in explicit):
             rms, rope = self.rms_norm, self.rope
 
             def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6):

@@ -575,4 +575,29 @@ def mfu_dtype(train_cfg) -> str:
 
 __all__ = ["CATEGORIES", "IDLE", "categorize", "analyse_trace", "TraceAnalysis", "count_flops",
            "training_step_flops", "ProfileReport", "profile_training", "mfu_dtype", "TrainingStepLabConfig",
-           "phase_bars", "category_map", "top_ops_table", "memory_curve", "mfu_bars"]
+           "phase_bars", "category_map", "top_ops_table", "memory_curve", "mfu_bars", "mfu_table", "steps_frame"]
+
+
+def _sig(v, digits: int = 4):
+    """Round to significant digits (tiny CPU throughputs must not print as 0.0)."""
+    try:
+        return float(f"{float(v):.{digits}g}")
+    except (TypeError, ValueError):
+        return v
+
+
+def steps_frame(report: ProfileReport) -> pd.DataFrame:
+    """Per profiled step: time, phase coverage, busy/idle, FLOPs and TFLOP/s (4 significant digits)."""
+    df = report.steps
+    for c in ("step_ms", "phase_sum_ms", "coverage", "busy_ms", "idle_ms", "tflops"):
+        df[c] = df[c].map(_sig)
+    return df
+
+
+def mfu_table(mfu: pd.DataFrame):
+    import holoviews as hv
+
+    t = mfu.copy()
+    t["tflops"] = t.tflops.map(lambda v: f"{v:.3g}")
+    t["pct"] = t.pct.map(lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3g}")
+    return hv.Table(t, "quantity", ["dtype", "tflops", "pct", "reference"]).opts(width=700, height=150)

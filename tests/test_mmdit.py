@@ -237,6 +237,29 @@ def test_seams_fall_back_or_refuse():
         assert e.value.param == "recipe"
 
 
+@pytest.mark.parametrize("kw", [dict(kernels="reference"), dict(kernels={"default": "eager", "rope": "reference"}),
+                                dict(attention_path="math"), dict(recipe="fp8_tensor")])
+def test_seams_swap_implementations(kw):
+    """Each seam changes what runs, not what is computed (within the recipe's precision)."""
+    batch_args = _tiny_inputs(MMDiTConfig.from_preset("tiny"), seed=11)
+    ref = build_model("tiny", seed=10)
+    alt = build_model("tiny", seed=10, **kw)
+    if "kernels" in kw and isinstance(kw["kernels"], dict):
+        assert alt.seams["kernels.qk_norm_rope"].startswith("composed") and "rope/reference" in \
+            alt.seams["kernels.qk_norm_rope"]
+    if kw.get("attention_path") == "math" and mmdit.attention_paths() is not None:
+        assert alt.seams["attention_path"] == "math"
+    with torch.no_grad():
+        a, b = ref(*batch_args), alt(*batch_args)
+    if "recipe" in kw:
+        if mmdit.recipe_names() is None:
+            pytest.skip("lab_utils.precision not importable")
+        assert alt.seams["recipe"] == "fp8_tensor"
+        assert 0 < rel_error(b, a) < 0.1        # fp8 matmuls: close, not equal
+    else:
+        assert_close(b, a, dtype=torch.float32, name=str(kw))
+
+
 @pytest.mark.parametrize("kw,param", [
     (dict(preset="nope"), "preset"),
     (dict(num_heads=128), "num_heads"),          # more heads than hidden_size=64 allows
