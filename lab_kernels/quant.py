@@ -221,7 +221,7 @@ def _round_elem_ref(v: torch.Tensor, f: ElemFormat, stochastic: bool, rbits: tor
     qe = ((qb >> 23) & 0xFF) - 127
     normal = q >= 2.0 ** f.emin
     code_n = ((qe + f.bias) << f.mbits) | ((qb >> (23 - f.mbits)) & ((1 << f.mbits) - 1))
-    code_s = (q * 2.0 ** (f.mbits - f.emin)).to(torch.int32)
+    code_s = (torch.clamp(q, max=2.0 ** f.emin) * 2.0 ** (f.mbits - f.emin)).to(torch.int32)
     code = torch.where(normal, code_n, torch.where(nan, torch.zeros_like(code_s), code_s))
     code = torch.where(nan, torch.full_like(code, f.nan_code), code)
     code = code | (sign << (f.ebits + f.mbits))
@@ -335,7 +335,7 @@ def _round_elem_tl(v, rbits, MBITS: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.c
     qe = ((qb >> 23) & 0xFF) - 127
     normal = q0 >= 2.0 ** EMIN
     code_n = ((qe + 1 - EMIN) << MBITS) | ((qb >> (23 - MBITS)) & ((1 << MBITS) - 1))
-    code_s = (q0 * 2.0 ** (MBITS - EMIN)).to(tl.int32)
+    code_s = (tl.minimum(q0, 2.0 ** EMIN) * 2.0 ** (MBITS - EMIN)).to(tl.int32)   # only used below 2^emin
     code = tl.where(normal, code_n, code_s)
     code = tl.where(nan, NAN_CODE, code)
     code = code | (sign << (EBITS + MBITS))

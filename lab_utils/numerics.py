@@ -213,3 +213,110 @@ def format_grid_histogram(x: torch.Tensor, fmt: str, **kw) -> pd.DataFrame:
     df["log2_value"] = [math.log2(v) if v > 0 else float("nan") for v in df["value"]]
     df["subnormal"] = df["value"] < 2.0 ** F.emin
     return df
+
+
+# --------------------------------------------------------------------------- matmul sweep
+
+
+def matmul_sweep(shapes, formats, *, device="cpu", reps: int = 10, seed: int = 0, rec=None,
+                 budget_s: float = 5.0) -> pd.DataFrame:
+    """Per shape (M, K, N) and format: error vs float64 of the emulated path (and of
+    ``torch._scaled_mm`` where it runs), and the time of bf16 ``F.linear``, the emulated
+    path (quantize + dequantize + fp32 matmul: on CPU this times *emulation*, not a
+    low-precision unit) and ``_scaled_mm``.  Rows go to ``rec`` when given."""
+    from lab_kernels import lowp_matmul as L
+
+    from .timing import try_bench
+
+    dev = torch.device(device)
+    rows = []
+    for (M, K, N) in shapes:
+        g = torch.Generator().manual_seed(seed)
+        a = torch.randn(M, K, generator=g).to(dev)
+        b = (torch.randn(N, K, generator=g) / math.sqrt(K)).to(dev)
+        ref = L.reference_matmul(a, b)
+        shape = (M, K, N)
+        flops = 2.0 * M * K * N
+        ab, bb = a.bfloat16(), b.bfloat16()
+        t = try_bench(lambda: torch.nn.functional.linear(ab, bb), name="bf16", device=dev, reps=reps, budget_s=budget_s)
+        e_bf16 = error_metrics(torch.nn.functional.linear(ab, bb).float(), ref.float())
+        rows.append(dict(shape=shape, path="bf16 linear", fmt="bf16", time_ms=getattr(t, "median_ms", math.nan),
+                         **e_bf16))
+        if rec is not None:
+            rec.add_timing("matmul", "bf16 linear", t, shape=shape, dtype="bfloat16", flops=flops)
+            rec.add("matmul", "bf16 linear", "sqnr", e_bf16["sqnr_db"], "dB", shape=shape, dtype="bfloat16")
+        for fmt in formats:
+            y = L.emulated_matmul(a, b, fmt, out_dtype=torch.float32)
+            e = error_metrics(y, ref)
+            t = try_bench(lambda: L.emulated_matmul(a, b, fmt), name=f"emulated {fmt}", device=dev, reps=reps,
+                          budget_s=budget_s)
+            rows.append(dict(shape=shape, path="emulated", fmt=fmt, time_ms=getattr(t, "median_ms", math.nan), **e))
+            if rec is not None:
+                rec.add_timing("matmul", f"emulated {fmt}", t, shape=shape, dtype=fmt, flops=flops,
+                               note="quantize+dequantize+fp32 matmul (emulation)")
+                rec.add("matmul", f"emulated {fmt}", "sqnr", e["sqnr_db"], "dB", shape=shape, dtype=fmt)
+            for gran in ("tensor", "row"):
+                why = L.scaled_mm_why_not(dev, fmt=fmt, granularity=gran)
+                if why:
+                    continue
+                p = L.prepare_scaled_mm(a, b, fmt, granularity=gran)
+                y = L.scaled_mm(a, b, fmt, granularity=gran, out_dtype=torch.float32, prepared=p)
+                e = error_metrics(y, ref)
+                t = try_bench(lambda: L.scaled_mm(a, b, fmt, granularity=gran, out_dtype=torch.bfloat16, prepared=p),
+                              name=f"_scaled_mm {fmt}/{gran}", device=dev, reps=reps, budget_s=budget_s)
+                rows.append(dict(shape=shape, path=f"_scaled_mm/{gran}", fmt=fmt,
+                                 time_ms=getattr(t, "median_ms", math.nan), **e))
+                if rec is not None:
+                    rec.add_timing("matmul", f"_scaled_mm {fmt}/{gran}", t, shape=shape, dtype=fmt, flops=flops,
+                                   note="GEMM only (operands pre-quantized)")
+                    rec.add("matmul", f"_scaled_mm {fmt}/{gran}", "sqnr", e["sqnr_db"], "dB", shape=shape, dtype=fmt)
+    df = pd.DataFrame(rows)
+    df["shape"] = df["shape"].map(lambda s: "x".join(map(str, s)))
+    return df
+
+
+def accumulation_sweep(ks, accumulations, *, m: int = 64, n: int = 64, seed: int = 0, fmt: str = "fp8_e4m3"
+                       ) -> pd.DataFrame:
+    """Relative error vs float64 of the accumulation models as K grows (operands in ``fmt``,
+    so only the accumulation differs between rows of one K; the fp32 row is the floor)."""
+    from lab_kernels import lowp_matmul as L
+
+    rows = []
+    for K in ks:
+        g = torch.Generator().manual_seed(seed)
+        a = Q.fake_quantize(torch.randn(m, K, generator=g).abs(), fmt)        # same-sign: worst case for sums
+        b = Q.fake_quantize(torch.randn(n, K, generator=g).abs(), fmt)
+        ref = L.reference_matmul(a, b)
+        for acc in accumulations:
+            y = L.accumulate_matmul(a, b, acc)
+            rows.append(dict(K=K, accumulation=acc, rel_error=rel_error(y, ref), sqnr_db=sqnr_db(y, ref)))
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------- plots (read frames; never measure)
+
+
+def grid_histogram_map(x: torch.Tensor, variants: Mapping[str, dict]):
+    """HoloMap over format variants: fraction of elements on each grid value (log2 axis)."""
+    import holoviews as hv
+
+    frames = {}
+    for name, kw in variants.items():
+        kw = dict(kw)
+        fmt = kw.pop("fmt")
+        kw.pop("hadamard", None)
+        h = format_grid_histogram(x, fmt, **kw)
+        h = h.assign(label=[f"{v:g}" for v in h["value"]])
+        frames[name] = hv.Bars(h, kdims=["label"], vdims=["frac", "count", "value"]).opts(
+            xrotation=90, tools=["hover"], xlabel="grid value (units of the group scale)", ylabel="fraction",
+            title=f"{name}: where the scaled elements land")
+    return hv.HoloMap(frames, kdims=["format"])
+
+
+def sqnr_heatmap(df: pd.DataFrame, *, x: str = "tensor", y: str = "variant", value: str = "sqnr_db"):
+    import holoviews as hv
+
+    d = df[[x, y, value]].copy()
+    d[value] = d[value].replace([math.inf], 99.0).round(1)
+    return (hv.HeatMap(d, kdims=[x, y], vdims=[value]) * hv.Labels(d, kdims=[x, y], vdims=[value])).opts(
+        hv.opts.HeatMap(cmap="viridis", colorbar=True, tools=["hover"], xrotation=30, title=f"{value} (higher is better)"))

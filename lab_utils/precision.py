@@ -320,7 +320,7 @@ class TrainTask:
 
 
 def mmdit_task(preset: str = "tiny", *, batch_size: int = 8, latent_hw: int = 8, txt_len: int = 8,
-               n_examples: int = 32) -> TrainTask:
+               n_examples: int = 32, device: str | torch.device = "cpu") -> TrainTask:
     """Rectified-flow training of the MMDiT on a small fixed synthetic dataset.
 
     Data: ``n_examples`` smooth latents (low-frequency sinusoids, fixed seed 1234) each
@@ -341,21 +341,23 @@ def mmdit_task(preset: str = "tiny", *, batch_size: int = 8, latent_hw: int = 8,
     caps = torch.randn(n_examples, txt_len, cfg.context_dim, generator=g)
     pooled = torch.randn(n_examples, cfg.pooled_dim, generator=g)
     h = w = latent_hw // p
-    img_ids, txt_ids = M.image_ids(h, w), M.text_ids(txt_len)
+    dev = torch.device(device)
+    img_ids, txt_ids = M.image_ids(h, w).to(dev), M.text_ids(txt_len).to(dev)
+    data, caps, pooled = data.to(dev), caps.to(dev), pooled.to(dev)
 
     def make_model(seed: int) -> nn.Module:
         torch.manual_seed(seed)
-        return M.build_model(cfg, device="cpu", dtype=torch.float32)
+        return M.build_model(cfg, device="cpu", dtype=torch.float32).to(dev)
 
     def loss(model, step, seed):
         bg = torch.Generator().manual_seed(seed * 100_003 + step)
         idx = torch.randint(0, n_examples, (batch_size,), generator=bg)
-        x0 = data[idx]
-        x1 = torch.randn(x0.shape, generator=bg)
-        t = torch.sigmoid(torch.randn(batch_size, generator=bg))
+        x0 = data[idx.to(dev)]
+        x1 = torch.randn(x0.shape, generator=bg).to(dev)
+        t = torch.sigmoid(torch.randn(batch_size, generator=bg)).to(dev)
         xt = (1 - t[:, None, None]) * x0 + t[:, None, None] * x1
-        kw = dict(guidance=torch.full((batch_size,), 3.5)) if cfg.guidance_embed else {}
-        v = model(xt, img_ids, caps[idx], txt_ids, t, pooled[idx], **kw)
+        kw = dict(guidance=torch.full((batch_size,), 3.5, device=dev)) if cfg.guidance_embed else {}
+        v = model(xt, img_ids, caps[idx.to(dev)], txt_ids, t, pooled[idx.to(dev)], **kw)
         per = ((v.float() - (x1 - x0)) ** 2).mean(dim=(1, 2))
         return per, t
 
@@ -455,11 +457,12 @@ def run_convergence(task: TrainTask, recipes: Iterable[str | Recipe], *, steps: 
             first = None
             last_per, last_t = [], []
             for step in range(steps):
-                ctx = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else _null()
+                dev_type = next(model.parameters()).device.type
+                ctx = torch.autocast(dev_type, dtype=autocast_dtype) if autocast_dtype else _null()
                 with ctx:
                     per, t = task.loss(model, step, seed)
                 loss = per.mean()
-                lv = float(loss)
+                lv = float(loss.detach())
                 if not math.isfinite(lv):
                     div_rows.append(dict(recipe=name, seed=seed, step=step, reason="non-finite loss"))
                     break
@@ -518,3 +521,107 @@ class _null:
 
     def __exit__(self, *a):
         return False
+
+
+def matmul_share_from_analysis(analysis) -> float:
+    """The matmul category's share of the profiled step time, from
+    ``lab_utils.profiler`` (a ``ProfileReport`` or its ``TraceAnalysis``)."""
+    a = getattr(analysis, "analysis", analysis)
+    cat = a.categories.set_index("category")
+    if "matmul" not in cat.index:
+        return 0.0
+    return float(cat.loc["matmul", "pct_of_step"]) / 100.0
+
+
+# --------------------------------------------------------------------------- the lab's parameters
+
+from .config import (LabConfig, check_bool, check_choice, check_choices, check_float,  # noqa: E402
+                     check_int, check_int_list)
+from dataclasses import dataclass as _dc, field as _field  # noqa: E402
+
+
+@_dc(frozen=True)
+class LowPrecisionLabConfig(LabConfig):
+    """Parameters of ``labs/04_low_precision.ipynb`` (names = the notebook's parameters)."""
+
+    device: str = "auto"
+    cpu_threads: int = 1
+    format_variants: list = _field(default_factory=lambda: ["fp8_e4m3/tensor", "fp8_e4m3/row", "fp8_e4m3/block128",
+                                                             "fp8_e5m2/tensor", "mxfp8_e4m3/floor", "mxfp8_e4m3/rceil",
+                                                             "mxfp4/floor", "mxfp4/floor+hadamard32", "nvfp4",
+                                                             "nvfp4+hadamard16"])
+    distributions: list = _field(default_factory=lambda: ["gaussian", "laplace", "student_t", "outlier_channels"])
+    tensor_shape: list = _field(default_factory=lambda: [128, 256])
+    explorer_tensor: str = "outlier_channels"
+    capture_preset: str = "tiny"
+    capture_modules: int = 6
+    matmul_shapes: list = _field(default_factory=lambda: [[128, 256, 128], [256, 512, 256]])
+    matmul_formats: list = _field(default_factory=lambda: ["fp8_e4m3", "mxfp8_e4m3", "mxfp4", "nvfp4"])
+    accum_ks: list = _field(default_factory=lambda: [256, 1024, 4096])
+    accumulations: list = _field(default_factory=lambda: ["fp32", "bf16", "fp8_fast", "fp8_fast_promote128"])
+    reps: int = 5
+    matmul_shares: list = _field(default_factory=lambda: [0.3, 0.6, 0.8])
+    preset: str = "tiny"
+    recipes: list = _field(default_factory=lambda: ["fp8_tensor", "mxfp8"])
+    steps: int = 10
+    seeds: list = _field(default_factory=lambda: [0, 1])
+    batch_size: int = 4
+    lr: float = 1e-3
+    autocast: bool = True
+
+    def __post_init__(self):
+        from . import mmdit as M
+        from .numerics import DISTRIBUTIONS, FORMAT_VARIANTS
+
+        check_choice("device", self.device, ["auto", "cpu", "cuda"])
+        check_int("cpu_threads", self.cpu_threads, min=0)
+        check_choices("format_variants", self.format_variants, list(FORMAT_VARIANTS))
+        check_choices("distributions", self.distributions, list(DISTRIBUTIONS))
+        check_int_list("tensor_shape", self.tensor_shape, min=1)
+        if len(self.tensor_shape) != 2:
+            raise ConfigError("tensor_shape", self.tensor_shape, "[rows, cols]")
+        check_choice("explorer_tensor", self.explorer_tensor, list(DISTRIBUTIONS))
+        check_choice("capture_preset", self.capture_preset, [p for p in M.PRESETS if p not in M.LARGE_PRESETS])
+        check_int("capture_modules", self.capture_modules, min=1)
+        if not isinstance(self.matmul_shapes, (list, tuple)) or not self.matmul_shapes:
+            raise ConfigError("matmul_shapes", self.matmul_shapes, "a non-empty list of [M, K, N]")
+        for s in self.matmul_shapes:
+            if not isinstance(s, (list, tuple)) or len(s) != 3 or any(isinstance(v, bool) or not isinstance(v, int)
+                                                                      or v < 1 for v in s):
+                raise ConfigError("matmul_shapes", self.matmul_shapes, "a list of [M, K, N] positive integers")
+        check_choices("matmul_formats", self.matmul_formats, list(Q.FORMATS))
+        check_int_list("accum_ks", self.accum_ks, min=1)
+        from lab_kernels.lowp_matmul import ACCUMULATIONS
+        check_choices("accumulations", self.accumulations, list(ACCUMULATIONS))
+        check_int("reps", self.reps, min=1)
+        if not isinstance(self.matmul_shares, (list, tuple)) or not self.matmul_shares or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1 for v in self.matmul_shares):
+            raise ConfigError("matmul_shares", self.matmul_shares, "a non-empty list of fractions in [0, 1]")
+        check_choice("preset", self.preset, [p for p in M.PRESETS if p not in M.LARGE_PRESETS])
+        check_choices("recipes", self.recipes, [r for r in RECIPES if r != "bf16"])
+        check_int("steps", self.steps, min=2)
+        check_int_list("seeds", self.seeds, min=0)
+        check_int("batch_size", self.batch_size, min=1)
+        check_float("lr", self.lr, min=0, min_exclusive=True)
+        check_bool("autocast", self.autocast)
+
+
+def convergence_plot(res: ConvergenceResult, smooth: int = 3):
+    """Mean loss per recipe with its 95% band over seeds (overlay)."""
+    import holoviews as hv
+
+    b = res.band(smooth=smooth)
+    layers = []
+    for name, d in b.groupby("recipe", sort=False):
+        layers.append(hv.Area(d, kdims=["step"], vdims=["low", "high"], label=name).opts(alpha=0.2))
+        layers.append(hv.Curve(d, kdims=["step"], vdims=["mean"], label=name).opts(tools=["hover"]))
+    return hv.Overlay(layers).opts(legend_position="top_right", ylabel="RF loss (mean over seeds)",
+                                   title=f"loss curves, {smooth}-step smoothed, 95% t-band over seeds")
+
+
+def bucket_plot(res: ConvergenceResult):
+    import holoviews as hv
+
+    d = res.buckets.groupby(["bucket", "recipe"], as_index=False)["loss"].mean()
+    return hv.Bars(d, kdims=["bucket", "recipe"], vdims=["loss"]).opts(
+        tools=["hover"], xrotation=30, title=f"loss by timestep bucket (last {res.window} steps)")
