@@ -277,3 +277,22 @@ def test_gpu_paths_at_tile_sizes(dtype):
         for path in ("triton", "flash_attn", "flex"):
             for r in A.check_path(path, packed, mask=mask):
                 assert r.ok is not False, r.note
+
+
+def test_model_calls_attend_through_its_config():
+    """The model helper's seam: MMDiT(attention_path=...) routes every block through attend()."""
+    mmdit = pytest.importorskip("lab_utils.mmdit")
+    train = pytest.importorskip("lab_utils.train")
+    b = train.synthetic_batch("tiny", 2, height=64, width=48, txt_len=7, generator=torch.Generator().manual_seed(0))
+    txt_mask = torch.ones(2, 7, dtype=torch.bool)
+    txt_mask[1, 4:] = False
+    outs = {}
+    for path in ("sdpa", "math", "reference"):
+        model = mmdit.build_model("tiny", seed=0, attention_path=path)
+        t = torch.full((2,), 0.5)
+        outs[path] = model(b.img, b.img_ids, b.txt, b.txt_ids, t, b.y, b.guidance, txt_mask=txt_mask)
+    assert_close(outs["math"], outs["sdpa"], dtype=torch.float32, name="math vs sdpa")
+    assert_close(outs["reference"], outs["sdpa"], atol=1e-4, rtol=1e-3, name="reference vs sdpa")
+    with pytest.raises(ConfigError, match="'mask'"):
+        model = mmdit.build_model("tiny", seed=0, attention_path="triton")   # Dh 16 + key mask: refused
+        model(b.img, b.img_ids, b.txt, b.txt_ids, torch.full((2,), 0.5), b.y, b.guidance, txt_mask=txt_mask)
