@@ -210,7 +210,9 @@ def jupyter_lab(root_dir: Path, work: Path, *, timeout_s: float = 120):
            f"--ServerApp.root_dir={root_dir}", f"--LabApp.user_settings_dir={work / 'settings'}",
            f"--LabApp.workspaces_dir={work / 'workspaces'}", "--LabApp.news_url=None",
            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-           "--ServerApp.disable_check_xsrf=False"]
+           "--LabApp.extension_manager=readonly", "--ServerApp.terminals_enabled=False"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-root")
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, cwd=str(root_dir), env=env, stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)

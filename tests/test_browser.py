@@ -1,0 +1,265 @@
+"""Real-browser tests (headless Chromium from Debian's packages, no network).
+
+(a) A report written by ``perflab run smoke``: its index and every notebook page render
+    with every bokeh plot drawn (a canvas with more than one colour per plot), no console
+    error, no request to any outside address; the HoloMap widgets of an exported page
+    still switch frames.  The compare page is checked the same way.
+(b) JupyterLab: a server of our own on a free loopback port opens a lab, runs all its
+    cells, and changing the HoloMap's dtype picker redraws the plot.
+
+The report comes from a session fixture that runs the real smoke suite once
+(``lab_utils.runner.run_suite("smoke", out_dir=tmp)``) unless ``$PERFLAB_REPORT`` names
+a finished report folder to reuse.  Skipped, with the reason, when Chromium is missing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import urllib.request
+import warnings
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import browser_util as B
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITE = "smoke"
+SKIP = B.skip_reason()
+pytestmark = [pytest.mark.browser, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
+PLOT_MIMES = ("application/vnd.holoviews_exec.v0+json", "application/vnd.bokehjs_exec.v0+json")
+
+
+def _suite_notebooks() -> list[str]:
+    try:
+        from lab_utils.runner import load_suite
+
+        return [e.stem for e in load_suite(SUITE).entries]
+    except Exception:  # noqa: BLE001 - no suite yet: nothing to parametrize
+        return []
+
+
+@pytest.fixture(scope="session")
+def smoke_report(tmp_path_factory) -> Path:
+    given = os.environ.get("PERFLAB_REPORT")
+    if given:
+        p = Path(given).resolve()
+        assert (p / "index.html").exists() and (p / "status.json").exists(), \
+            f"$PERFLAB_REPORT={given} is not a finished report folder (index.html, status.json)"
+        return p
+    from lab_utils.runner import run_suite
+
+    res = run_suite(SUITE, out_dir=tmp_path_factory.mktemp("smoke-report"), progress=False)
+    return res.path
+
+
+@pytest.fixture(scope="module")
+def chrome(tmp_path_factory):
+    with B.browser(tmp_path_factory.mktemp("chromium-profile")) as ctx:
+        yield ctx
+
+
+def _status(report: Path) -> dict[str, dict]:
+    return {s["notebook"]: s for s in json.loads((report / "status.json").read_text())}
+
+
+def _expected_plots(ipynb: Path) -> int:
+    """Displayed holoviews/bokeh objects in an executed notebook (the extension-loading
+    output of ``plots.init()`` has no text/plain and is not a plot)."""
+    nb = nbformat.read(ipynb, as_version=4)
+    n = 0
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if any(m in data for m in PLOT_MIMES) and "text/plain" in data:
+                n += 1
+    return n
+
+
+def _open(ctx, url: str):
+    page = ctx.new_page()
+    watch = B.Watch.on(page)
+    page.goto(url, wait_until="load")
+    return page, watch
+
+
+def _assert_clean(watch: B.Watch, what: str):
+    assert not watch.outside, f"{what}: requests to outside addresses: {watch.outside}"
+    assert not watch.errors, f"{what}: console errors: {watch.errors}"
+
+
+def test_index_renders(smoke_report, chrome):
+    page, watch = _open(chrome, (smoke_report / "index.html").as_uri())
+    try:
+        page.wait_for_timeout(300)
+        text = page.inner_text("body")
+        for name, st in _status(smoke_report).items():
+            assert name in text, f"index.html does not list {name}"
+            if st.get("html"):
+                assert page.locator(f'a[href="{st["html"]}"]').count() == 1, f"index.html has no link to {st['html']}"
+        assert B.undrawn(B.plots(page)) == []
+        _assert_clean(watch, "index.html")
+    finally:
+        page.close()
+
+
+@pytest.mark.parametrize("stem", _suite_notebooks() or [pytest.param(None, marks=pytest.mark.skip("no suite"))])
+def test_notebook_page_renders(smoke_report, chrome, stem):
+    st = _status(smoke_report).get(stem)
+    if st is None:
+        pytest.skip(f"{stem} is not in the report {smoke_report.name} ($PERFLAB_REPORT from another suite?)")
+    assert st["status"] == "ok", f"{stem} failed in the smoke run: {st.get('error')}"
+    html = smoke_report / st["html"]
+    expected = _expected_plots(smoke_report / st["ipynb"])
+    page, watch = _open(chrome, html.as_uri())
+    try:
+        ps = B.wait_for_plots(page, expected, timeout_s=60)
+        assert len(ps) >= expected, f"{stem}: {len(ps)} plots rendered, the notebook displayed {expected}"
+        bad = B.undrawn(ps)
+        assert not bad, f"{stem}: plots not drawn (no canvas, zero size or one flat colour): {bad}"
+        _assert_clean(watch, f"{stem}.html")
+        # HoloMap frames are embedded: switching a picker must redraw without a kernel
+        selects = page.locator("select")
+        if selects.count():
+            sel = selects.first
+            options = sel.evaluate("e => [...e.options].map(o => o.value)")
+            other = [o for o in options if o != sel.input_value()]
+            if other:
+                before = page.evaluate(B.CANVAS_PRINT_JS)
+                sel.select_option(other[0])
+                after = _wait_changed(page, before, 15)
+                assert after != before, f"{stem}: choosing {other[0]!r} in the HoloMap picker did not redraw a plot"
+                _assert_clean(watch, f"{stem}.html after switching the picker")
+    finally:
+        page.close()
+
+
+def _wait_changed(page, before: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    now = before
+    while time.monotonic() < deadline:
+        page.wait_for_timeout(250)
+        now = page.evaluate(B.CANVAS_PRINT_JS)
+        if now != before:
+            break
+    return now
+
+
+def test_compare_page_renders(smoke_report, chrome, tmp_path):
+    """The compare page of the real report against a copy with one op made 1.5x slower."""
+    from lab_utils import compare as C
+    from lab_utils.records import load_records
+
+    df = load_records(smoke_report)
+    cand = tmp_path / "candidate"
+    cand.mkdir()
+    shutil.copy(smoke_report / "context.json", cand / "context.json")
+    timed = df[(df.metric == "time") & (df.statistic == "median") & df.samples.notna()]
+    if not len(timed):
+        pytest.skip("the smoke report has no timing rows with samples")
+    victim = timed.iloc[0][["lab", "experiment", "variant", "shape", "dtype"]]
+    hit = (df[list(victim.index)] == victim.values).all(axis=1) & (df.metric == "time")
+    df.loc[hit, "value"] = df.loc[hit, "value"] * 1.5
+    df.loc[hit, "samples"] = df.loc[hit, "samples"].map(lambda s: [1.5 * x for x in s] if s is not None else None)
+    (cand / "records.json").write_text(df.to_json(orient="records"))
+    out = tmp_path / "cmp"
+    assert C.main([str(smoke_report), str(cand), "--out", str(out), "--quiet"]) == C.EXIT_REGRESSION
+    page, watch = _open(chrome, (out / "compare.html").as_uri())
+    try:
+        ps = B.wait_for_plots(page, 1, timeout_s=30)
+        assert len(ps) == 1 and not B.undrawn(ps), ps
+        rows = page.locator("#rows tbody tr")
+        n = rows.count()
+        assert n > 1 and page.locator('#rows tbody tr[data-verdict="slower"]').count() >= 1
+        # sortable: clicking "verdict" twice puts the rows in opposite orders
+        header = page.locator("#rows th", has_text="verdict")
+        header.click()
+        first = rows.first.get_attribute("data-verdict")
+        header.click()
+        last = rows.first.get_attribute("data-verdict")
+        assert first != last or len({rows.nth(i).get_attribute("data-verdict") for i in range(n)}) == 1
+        page.fill("#filter", str(victim["variant"]))
+        visible = sum(rows.nth(i).is_visible() for i in range(n))
+        assert 0 < visible < n
+        _assert_clean(watch, "compare.html")
+    finally:
+        page.close()
+
+
+# ------------------------------------------------------------------ JupyterLab
+LAB = "00_ceilings"
+# the lab at its defaults, a little smaller: this test is about the UI, not the numbers
+LAB_OVERRIDES = "\nreps = 5\nelementwise_sizes = [65536, 262144]\nmatmul_sizes = [64, 128]\n"
+PROMPTS_JS = "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')].map(e => e.textContent.trim())"
+
+
+def _kernel_idle(srv) -> bool:
+    with urllib.request.urlopen(f"{srv.url}/api/sessions?token={srv.token}", timeout=5) as r:
+        sessions = json.load(r)
+    return bool(sessions) and all(s["kernel"]["execution_state"] == "idle" for s in sessions)
+
+
+def test_jupyterlab_run_lab_and_change_widget(chrome, tmp_path):
+    src = ROOT / "labs" / f"{LAB}.ipynb"
+    if not src.exists():
+        pytest.skip(f"labs/{LAB}.ipynb does not exist yet")
+    # a copy of labs/ so that nothing (autosave, checkpoints) can touch the committed labs
+    labs = tmp_path / "labs"
+    labs.mkdir()
+    nb = nbformat.read(src, as_version=4)
+    params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    params.source += LAB_OVERRIDES
+    nbformat.write(nb, labs / src.name)
+    with B.jupyter_lab(labs, tmp_path / "jupyter") as srv:
+        page, watch = _open(chrome, f"{srv.url}/lab/tree/{src.name}?token={srv.token}&reset")
+        try:
+            page.wait_for_selector(".jp-Notebook .jp-CodeCell", timeout=90_000)
+            deadline = time.monotonic() + 90
+            while True:  # the kernel starts; a kernel picker may ask first
+                dialog = page.get_by_role("button", name="Select", exact=True)
+                if dialog.count() and dialog.first.is_visible():
+                    dialog.first.click()
+                if _kernel_idle(srv):
+                    break
+                assert time.monotonic() < deadline, f"the kernel did not start:\n{srv.log.read_text()[-2000:]}"
+                page.wait_for_timeout(500)
+            page.get_by_role("menuitem", name="Run", exact=True).click()
+            page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+            deadline = time.monotonic() + 300
+            while True:
+                prompts = page.evaluate(PROMPTS_JS)
+                if prompts and all(p[1:-2].isdigit() for p in prompts):
+                    break
+                assert time.monotonic() < deadline, f"cells did not all run: {prompts}"
+                page.wait_for_timeout(1000)
+            errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+            tracebacks = page.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.error']")
+            assert tracebacks.count() == 0, f"a cell raised: {tracebacks.first.inner_text()[:2000]}"
+            _ = errors  # stderr (progress bars, warnings) is allowed
+            ps = B.wait_for_plots(page, 1, timeout_s=60)
+            assert ps and not B.undrawn(ps), f"plots not drawn in JupyterLab: {ps}"
+            picker = page.locator(".jp-OutputArea-output select").first
+            picker.wait_for(timeout=30_000)
+            options = picker.evaluate("e => [...e.options].map(o => o.value)")
+            other = [o for o in options if o != picker.input_value()]
+            assert other, f"the HoloMap picker offers only {options}"
+            before = page.evaluate(B.CANVAS_PRINT_JS)
+            picker.select_option(other[0])
+            after = _wait_changed(page, before, 30)
+            assert after != before, f"choosing {other[0]!r} did not redraw the plot"
+            # Nothing may leave the machine except (known, reported) panel stylesheets from its CDN
+            scripts_out = [u for u in watch.outside if not u.split("?")[0].endswith(".css")]
+            assert not scripts_out, f"JupyterLab requested outside addresses: {scripts_out}"
+            if watch.outside:
+                warnings.warn(f"JupyterLab: panel asked its CDN for {len(watch.outside)} stylesheet(s) (blocked; the "
+                              f"widgets work unstyled): {sorted(set(watch.outside))[:3]}", stacklevel=1)
+            blocked = [e for e in watch.errors if "net::ERR_FAILED" in e]
+            assert len(blocked) <= len(watch.outside), f"JupyterLab: failed loads beyond the blocked ones: {blocked}"
+            other_errors = [e for e in watch.errors if "net::ERR_FAILED" not in e]
+            assert not other_errors, f"JupyterLab console errors: {other_errors}"
+        finally:
+            page.close()
+    assert srv.proc.poll() is not None, "the JupyterLab server is still running"
