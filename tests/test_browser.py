@@ -263,3 +263,32 @@ def test_jupyterlab_run_lab_and_change_widget(chrome, tmp_path):
         finally:
             page.close()
     assert srv.proc.poll() is not None, "the JupyterLab server is still running"
+
+
+def test_the_checks_catch_failures(chrome, tmp_path):
+    """The watchers are not vacuous: an outside request is seen (and blocked), a console
+    error is seen, and a blank or missing canvas counts as an undrawn plot."""
+    page_file = tmp_path / "bad.html"
+    page_file.write_text("""<!DOCTYPE html><html><body>
+<img src="http://192.0.2.1/pixel.png">
+<div class="bk-Figure" id="blank"><canvas width="50" height="40"></canvas></div>
+<div class="bk-Figure" id="drawn"><canvas id="c" width="50" height="40"></canvas></div>
+<div class="bk-Figure" id="none"></div>
+<script>
+const g = document.getElementById('c').getContext('2d');
+g.fillStyle = '#fff'; g.fillRect(0, 0, 50, 40); g.fillStyle = '#c00'; g.fillRect(10, 10, 20, 20);
+console.error('boom');
+</script></body></html>""")
+    page, watch = _open(chrome, page_file.as_uri())
+    try:
+        page.wait_for_timeout(300)
+        assert watch.outside == ["http://192.0.2.1/pixel.png"]
+        assert any("boom" in e for e in watch.errors)
+        ps = B.plots(page)
+        assert [p["colours"] >= 2 for p in ps] == [False, True, False]
+        assert [p["index"] for p in B.undrawn(ps)] == [0, 2]
+    finally:
+        page.close()
+    assert B.is_outside("https://cdn.holoviz.org/x.css") and B.is_outside("http://10.0.0.1:8888/")
+    assert not any(B.is_outside(u) for u in ("file:///tmp/x.html", "data:text/plain,hi", "http://127.0.0.1:8888/lab",
+                                             "ws://localhost:1/api", "blob:null/abc", "about:blank"))
