@@ -407,18 +407,29 @@ def _flex_fn(compiled: bool):
     if not compiled:
         return flex_attention
     if _FLEX_COMPILED is None:
+        # Every (shape, mask_mod) is a recompilation; past dynamo's recompile limit (8) it
+        # would silently fall back to the *unfused* eager flex and the sweep would time the
+        # wrong thing.  Raise the limits (names differ across torch versions).
+        import torch._dynamo.config as dcfg
+
+        for name, value in (("recompile_limit", 1024), ("cache_size_limit", 1024),
+                            ("accumulated_recompile_limit", 4096), ("accumulated_cache_size_limit", 4096)):
+            if hasattr(dcfg, name):
+                setattr(dcfg, name, max(getattr(dcfg, name), value))
         _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
     return _FLEX_COMPILED
 
 
 def _packed_mask(mask: Mask | None, lengths: tuple[int, ...]) -> Mask:
     """Packed positions -> (sequence index, position inside it); same document AND mask."""
-    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()])
+    from .masks import _OnDevice
+
+    ids = _OnDevice(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)))
+    starts = _OnDevice(torch.tensor([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()]))
     inner = mask.mask_mod if mask is not None else None
 
     def mod(b, h, q, k):
-        d, s = ids.to(q.device), starts.to(q.device)
+        d, s = ids.on(q.device), starts.on(q.device)
         same = d[q] == d[k]
         if inner is None:
             return same

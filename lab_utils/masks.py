@@ -75,6 +75,22 @@ class Mask:
         return f"Mask({self.name}, kind={self.kind})"
 
 
+class _OnDevice:
+    """A tensor a mask_mod captures, copied once per device.  FlexAttention wants captured
+    tensors on the device of q (its kernels read them); a ``.to()`` inside the traced
+    mask_mod would be a transfer per call."""
+
+    def __init__(self, t: torch.Tensor):
+        self._by = {str(t.device): t}
+
+    def on(self, device) -> torch.Tensor:
+        key = str(device)
+        t = self._by.get(key)
+        if t is None:
+            t = self._by[key] = next(iter(self._by.values())).to(device)
+        return t
+
+
 def _join_len(a: Mask, b: Mask) -> int | None:
     if a.length is not None and b.length is not None and a.length != b.length:
         raise ConfigError("mask", f"{a.name} & {b.name}", f"masks of one sequence length ({a.length} != {b.length})")
@@ -109,10 +125,10 @@ def _ids_from_lengths(lengths: Sequence[int], param: str) -> torch.Tensor:
 def document(lengths: Sequence[int]) -> Mask:
     """Packed sequences: token q sees token k only inside its own document.
     ``lengths`` of the packed documents; the mask covers exactly sum(lengths) tokens."""
-    ids = _ids_from_lengths(lengths, "lengths")
+    ids = _OnDevice(_ids_from_lengths(lengths, "lengths"))
 
     def mod(b, h, q, k):
-        d = ids.to(q.device) if ids.device != q.device else ids
+        d = ids.on(q.device)
         return d[q] == d[k]
 
     return Mask(f"document({len(lengths)} docs)", mod, params={"lengths": list(lengths)}, length=int(sum(lengths)))
@@ -128,10 +144,10 @@ def prefix_lm(prefix: int | Sequence[int]) -> Mask:
     if not isinstance(prefix, (list, tuple)) or not prefix or any(
             isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in prefix):
         raise ConfigError("prefix", prefix, "an integer >= 0 or a list of them (one per batch element)")
-    pre = torch.tensor(list(prefix))
+    pre = _OnDevice(torch.tensor(list(prefix)))
 
     def mod(b, h, q, k):
-        p = pre.to(q.device) if pre.device != q.device else pre
+        p = pre.on(q.device)
         return (k < p[b]) | (q >= k)
 
     return Mask(f"prefix_lm({list(prefix)})", mod, params={"prefix": list(prefix)})
@@ -151,11 +167,11 @@ def mmdit(txt_len: int, img_len: int, txt_valid: int | Sequence[int] | None = No
     if not isinstance(vals, (list, tuple)) or not vals or any(
             isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= txt_len for t in vals):
         raise ConfigError("txt_valid", txt_valid, f"an integer in [0, {txt_len}] or a list of them (one per batch)")
-    valid = torch.tensor(list(vals))
+    valid = _OnDevice(torch.tensor(list(vals)))
     per_batch = len(vals) > 1
 
     def mod(b, h, q, k):
-        t = valid.to(k.device) if valid.device != k.device else valid
+        t = valid.on(k.device)
         tv = t[b] if per_batch else t[0]
         return (k >= txt_len) | (k < tv)
 
