@@ -26,6 +26,10 @@ Design note
   compared (verdict "device differs", exit code 3) unless ``allow_device_mismatch``;
   a side whose rows come from several devices is refused.  Software differences
   (torch, triton, CUDA, commit) are shown, since comparing them is often the point.
+* Performance rows without samples (and no time row to borrow from) get a verdict from
+  the threshold alone but never fail the gate: with no noise estimate a load swing on
+  the machine would.  Error figures without samples are deterministic (fixed seeds) and
+  do gate.
 * Exit codes: 0 no regression; 1 a regression beyond the threshold (including a row
   that ran in the base and failed in the candidate); 2 bad arguments / unreadable
   inputs; 3 not comparable (device mismatch on performance rows).
@@ -618,7 +622,13 @@ def compare(base: Side | str | Path, cand: Side | str | Path, options: Options |
     if len(df):
         gated = df["kind"].map(lambda k: o.gate == "all" or (o.gate == "performance" and k in ("performance", "memory"))
                                or (o.gate == "accuracy" and k == "accuracy"))
-        df["regression"] = df["verdict"].isin(WORSE_VERDICTS) & gated
+        # a performance figure without kept samples has no noise estimate: shown, never gated
+        # (a machine-load swing would fail the gate); deterministic accuracy figures do gate
+        unmeasured_noise = df["kind"].isin(("performance", "memory")) & (df["noise"] == "") & \
+            (df["verdict"] != "failed")
+        df.loc[unmeasured_noise & df["verdict"].isin(WORSE_VERDICTS), "note"] = \
+            "no samples, so no noise estimate: not gated"
+        df["regression"] = df["verdict"].isin(WORSE_VERDICTS) & gated & ~unmeasured_noise
         df["improvement"] = df["verdict"].isin(("faster", "more accurate", "less memory", "fixed"))
         order = {"failed": 0, "slower": 1, "less accurate": 1, "more memory": 1, "changed": 2, "device differs": 3,
                  "only in base": 4, "only in candidate": 5, "no value": 6, "failed both": 6, "faster": 7,

@@ -347,3 +347,13 @@ def test_baseline_refresh_check_show(tmp_path, runs, monkeypatch, capsys):
     (cand / "status.json").write_text(json.dumps(st))
     assert C.baseline_main(["refresh", "--report", str(cand), "--kind", "x"]) == 2
     assert C.baseline_main(["refresh", "--report", str(cand), "--kind", "x", "--allow-failed"]) == 0
+
+
+def test_performance_rows_without_samples_do_not_gate(tmp_path):
+    b = [value_row("00_ceilings", "ceilings", "copy", "bandwidth", 20.0, unit="GB/s", statistic="median")]
+    c = [value_row("00_ceilings", "ceilings", "copy", "bandwidth", 15.0, unit="GB/s", statistic="median")]
+    cmp = C.compare(write_report(tmp_path / "b", b, CPU), write_report(tmp_path / "c", c, CPU))
+    r = find(cmp, metric="bandwidth")
+    assert r["verdict"] == "slower" and not r["regression"] and "not gated" in r["note"]
+    assert cmp.exit_code == C.EXIT_OK
+    assert "worse but not gated (1)" in cmp.summary_text()
