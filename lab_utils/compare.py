@@ -239,7 +239,15 @@ def load_side(ref: str | Path, label: str) -> Side:
                                f"comparing it would mix them - split it into one records file per device")
         if devices and not ctx.get("device"):
             ctx["device"] = devices[0]
-    return Side(label=label, source=str(path), rows=_normalise(rows), context=ctx, status=status, meta=meta)
+    mixed = {}
+    for c in ("torch_version", "triton_version", "cuda_version", "commit"):
+        if c in rows.columns:
+            vals = sorted({str(v) for v in rows[c].dropna() if str(v)})
+            if len(vals) > 1:
+                mixed[c] = vals
+    side = Side(label=label, source=str(path), rows=_normalise(rows), context=ctx, status=status, meta=meta)
+    side.mixed = mixed  # type: ignore[attr-defined]
+    return side
 
 
 def _samples(x: Any) -> np.ndarray | None:
@@ -456,6 +464,9 @@ def context_flags(base: Side, cand: Side) -> tuple[list[str], bool]:
     if b and c and b != c:
         flags.append(f"commit differs: {b} -> {c}")
     for side in (base, cand):
+        for k, vals in getattr(side, "mixed", {}).items():
+            flags.append(f"{side.label}: its rows come from different {k.replace('_version', '')} values "
+                         f"({', '.join(vals)}): records gathered from several runs?")
         bad = [s.get("notebook") for s in side.status if s.get("status") != "ok"]
         if bad:
             flags.append(f"{side.label}: notebook(s) failed, their rows are missing: {', '.join(map(str, bad))}")

@@ -246,6 +246,11 @@ def test_mixed_devices_in_one_side_are_refused(tmp_path, runs):
     other["device"] = "NVIDIA H200"
     pd.concat([df, other]).to_json(folder / "records.json", orient="records", date_format="iso")
     (folder / "context.json").unlink()
+    df2 = df.copy()
+    df2["torch_version"] = "2.11.0"
+    pd.concat([df, df2]).to_json(tmp_path / "mixed_sw.json", orient="records", date_format="iso")
+    cmp = C.compare(base, tmp_path / "mixed_sw.json")
+    assert any("different torch values (2.11.0, 2.13.0)" in f for f in cmp.flags)
     with pytest.raises(C.CompareError, match="2 devices"):
         C.compare(base, folder)
     assert C.main([str(base), str(folder), "--out", str(tmp_path / "o")]) == C.EXIT_USAGE
