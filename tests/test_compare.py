@@ -362,3 +362,24 @@ def test_performance_rows_without_samples_do_not_gate(tmp_path):
     assert r["verdict"] == "slower" and not r["regression"] and "not gated" in r["note"]
     assert cmp.exit_code == C.EXIT_OK
     assert "worse but not gated (1)" in cmp.summary_text()
+
+
+def test_baseline_refresh_and_check_run_the_suite(tmp_path, runs, monkeypatch):
+    """Without --report, refresh and check run the suite through lab_utils.runner.run_suite."""
+    from types import SimpleNamespace
+
+    base, cand = runs
+    calls = []
+
+    def fake_run(suite, params, out):
+        calls.append((suite, params, out))
+        path = base if len(calls) == 1 else cand
+        return SimpleNamespace(path=path, ok=True, run_id=path.name, index=path / "index.html")
+
+    monkeypatch.setattr(C, "baselines_root", lambda: tmp_path / "baselines")
+    monkeypatch.setattr(C, "_run_suite", fake_run)
+    assert C.baseline_main(["refresh", "--suite", "smoke", "--param", "reps=3"]) == 0
+    assert C.baseline_main(["check", "--out", str(tmp_path / "o")]) == C.EXIT_REGRESSION
+    assert calls == [("smoke", ["reps=3"], None), ("smoke", None, None)]
+    meta = json.loads((tmp_path / "baselines" / "cpu" / "baseline.json").read_text())
+    assert meta["run_id"] == "base" and "--param reps=3" in meta["command"]
