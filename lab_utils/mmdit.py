@@ -221,15 +221,16 @@ class MMDiTConfig(LabConfig):
         check_choice("checkpoint", self.checkpoint, CHECKPOINT_POLICIES)
         if not isinstance(self.attention_path, str):
             raise ConfigError("attention_path", self.attention_path, "a path name such as 'sdpa'")
-        paths = attention_paths()
-        if paths is not None and self.attention_path not in BUILTIN_ATTENTION and self.attention_path not in paths:
+        # Only a non-builtin choice imports the other rooms' modules (they pull heavy deps).
+        paths = attention_paths() if self.attention_path not in BUILTIN_ATTENTION else None
+        if paths is not None and self.attention_path not in paths:
             raise ConfigError("attention_path", self.attention_path,
                               "one of " + ", ".join(repr(p) for p in (*BUILTIN_ATTENTION, *paths)))
         _check_kernels(self.kernels)
         if not isinstance(self.recipe, str):
             raise ConfigError("recipe", self.recipe, "a recipe name such as 'bf16'")
-        recipes = recipe_names()
-        if recipes is not None and self.recipe != "bf16" and self.recipe not in recipes:
+        recipes = recipe_names() if self.recipe != "bf16" else None
+        if recipes is not None and self.recipe not in recipes:
             raise ConfigError("recipe", self.recipe, "one of " + ", ".join(repr(r) for r in ("bf16", *recipes)))
 
     # derived sizes ----------------------------------------------------------------
