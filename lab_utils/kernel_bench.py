@@ -42,6 +42,8 @@ import lab_kernels
 from lab_kernels import get_variant, variants
 
 from .checks import compare, tolerance
+from .config import (LabConfig, check_bool, check_choice, check_choices, check_float, check_int,
+                     check_int_list)
 from .records import Recorder, fmt_dtype
 from .timing import BenchFailure, try_bench
 
@@ -108,15 +110,20 @@ class OpSpec:
         return self.bytes_fwd(p, s) + self.bytes_bwd(p, s)
 
 
+# Inputs are drawn in float64 on the CPU for checks; benchmarks draw them in float32 on the
+# generator's device (drawing GB-sized float64 tensors on the host would dominate a GPU sweep).
+_DRAW = {"dtype": torch.float64}
+
+
 def _randn(g, *shape, scale=1.0, offset=0.0):
-    return torch.randn(*shape, generator=g, dtype=torch.float64) * scale + offset
+    return torch.randn(*shape, generator=g, dtype=_DRAW["dtype"], device=g.device) * scale + offset
 
 
 def _tables(p: Problem, g):
     # FLUX-like angles: position × frequency 10000^(-2i/Dh), positions shuffled per draw.
     half = p.head_dim // 2
-    pos = torch.randperm(max(p.tokens, 1) * 4, generator=g)[: p.tokens].double()
-    freq = 10000.0 ** (-torch.arange(half, dtype=torch.float64) * 2 / p.head_dim)
+    pos = torch.randperm(max(p.tokens, 1) * 4, generator=g, device=g.device)[: p.tokens].to(_DRAW["dtype"])
+    freq = 10000.0 ** (-torch.arange(half, dtype=_DRAW["dtype"], device=g.device) * 2 / p.head_dim)
     ang = pos[:, None] * freq[None, :]
     return torch.cos(ang), torch.sin(ang)
 
@@ -207,6 +214,21 @@ OPS: dict[str, OpSpec] = {
 }
 
 
+# Arithmetic per element of the main tensor(s) as our kernels count it (fwd, bwd):
+# transcendental functions count as one.  Only used to place points on the roofline:
+# every op here sits far left of the ridge point.
+FLOPS_PER_ELEMENT: dict[str, tuple[float, float]] = {
+    "rms_norm": (4, 9), "layer_norm_modulate": (8, 14), "gated_residual": (2, 3), "gelu_tanh": (9, 15),
+    "swiglu": (4, 9), "rope": (6, 6), "qk_norm_rope": (10, 18),
+}
+
+
+def flops(op: str, problem: Problem, direction: str) -> float:
+    n = _nqk(problem) * 2 if op in ("rope", "qk_norm_rope") else _n(problem)
+    f, b = FLOPS_PER_ELEMENT[op]
+    return n * {"fwd": f, "bwd": b, "fwd+bwd": f + b}[direction]
+
+
 def spec(op: str) -> OpSpec:
     if op not in OPS:
         raise ValueError(f"parameter 'op' = {op!r} is not allowed: expected one of {', '.join(OPS)}")
@@ -226,10 +248,18 @@ def _generator(seed: int | None) -> tuple[torch.Generator, int]:
 
 
 def make_inputs(op: str, problem: Problem, dtype, device="cpu", *, seed: int | None = None,
-                requires_grad: bool = True):
-    """(args in dtype on device, OpInputs in float64, seed).  Tables stay float32."""
+                requires_grad: bool = True, fast: bool = False):
+    """(args in dtype on device, OpInputs in float64, seed).  Tables stay float32.
+    ``fast``: draw in float32 directly on ``device`` (benchmarks; values differ from the
+    float64 draw of the same seed)."""
     g, seed = _generator(seed)
-    inp = spec(op).make(problem, g)
+    if fast:
+        g = torch.Generator(device=device).manual_seed(seed)
+        _DRAW["dtype"] = torch.float32
+    try:
+        inp = spec(op).make(problem, g)
+    finally:
+        _DRAW["dtype"] = torch.float64
     dt = as_dtype(dtype)
     args = []
     for name, a in zip(inp.names, inp.args):
@@ -363,7 +393,7 @@ def _bench_fn(op: str, variant: str, problem: Problem, dtype, direction: str, de
     if direction not in DIRECTIONS:
         raise ValueError(f"parameter 'direction' = {direction!r} is not allowed: expected one of {DIRECTIONS}")
     v = get_variant(op, variant)
-    args, inp, _ = make_inputs(op, problem, dtype, device, seed=seed, requires_grad=True)
+    args, inp, _ = make_inputs(op, problem, dtype, device, seed=seed, requires_grad=True, fast=True)
     diff = [a for n, a in zip(inp.names, args) if n in inp.grads]
     if direction == "fwd":
         return lambda: v(*args)
@@ -432,7 +462,8 @@ def sweep(rec: Recorder, ops: Sequence[str], problems: Sequence[Problem], dtypes
             extra = dict(op=op, direction=direction, tokens=p.tokens, hidden=p.hidden, batch=p.batch,
                          head_dim=p.head_dim, kind=v.kind)
             shape = "x".join(map(str, kw["shape"]))
-            rec.add_timing(experiment, v.name, t, shape=shape, dtype=dt, bytes=nbytes, **extra)
+            rec.add_timing(experiment, v.name, t, shape=shape, dtype=dt, bytes=nbytes,
+                           flops=flops(op, p, direction), **extra)
             if not getattr(t, "ok", False):
                 continue
             if v.name == "eager":
@@ -480,6 +511,292 @@ def ops_sizes_note() -> str:
             "rope, qk_norm_rope: q, k (batch, hidden/head_dim, tokens, head_dim)")
 
 
-__all__ = ["OPS", "OP_NAMES", "DIRECTIONS", "DTYPES", "Problem", "OpSpec", "CheckRow", "bytes_moved", "check_variant",
+# ---------------------------------------------------------------------------------------------
+# Block level: a whole MMDiT block forward + backward with the fused ops from one provider
+
+BLOCK_PROVIDERS = {
+    # name: (kernels variant for every fused op, torch.compile the whole block)
+    "eager": ("eager", False),
+    "compile": ("eager", True),
+    "triton": ("triton", False),
+    "triton+compile": ("triton", True),
+}
+
+
+@dataclass
+class BlockCase:
+    provider: str
+    kind: str                        # "double" | "single"
+    fn: Callable                     # one forward + backward
+    forward: Callable                # forward only -> outputs
+    shape: str
+    kernels: str
+    compiled: bool
+
+
+def _block_inputs(cfg, kind: str, batch: int, img_tokens: int, txt_tokens: int, dtype, device, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    D, half = cfg.hidden_size, cfg.head_dim // 2
+    L = img_tokens + txt_tokens
+    ang = torch.rand(L, half, generator=g) * 50
+    pe = (torch.cos(ang).to(device), torch.sin(ang).to(device))
+
+    def t(*s):
+        return torch.randn(*s, generator=g).to(device=device, dtype=dtype).requires_grad_()
+
+    vec = t(batch, D)
+    if kind == "double":
+        return (t(batch, img_tokens, D), t(batch, txt_tokens, D), vec, pe)
+    return (t(batch, L, D), vec, pe)
+
+
+def block_cases(preset: str = "tiny", *, kinds: Sequence[str] = ("double", "single"),
+                providers: Sequence[str] = ("eager", "compile", "triton"), batch: int = 1, img_tokens: int = 64,
+                txt_tokens: int = 16, dtype=torch.float32, device="cpu", seed: int = 0) -> list[BlockCase]:
+    """One MMDiT block per kind (weights shared by every provider), wrapped per provider."""
+    import copy
+
+    from . import mmdit
+
+    dt = as_dtype(dtype)
+    for p in providers:
+        if p not in BLOCK_PROVIDERS:
+            raise ValueError(f"parameter 'block_providers' has {p!r}; allowed: {', '.join(BLOCK_PROVIDERS)}")
+    cfg = mmdit.MMDiTConfig.from_preset(preset)
+    out = []
+    for kind in kinds:
+        if kind not in ("double", "single"):
+            raise ValueError(f"parameter 'block_kinds' has {kind!r}; allowed: 'double', 'single'")
+        cls = mmdit.DoubleStreamBlock if kind == "double" else mmdit.SingleStreamBlock
+        torch.manual_seed(seed)
+        base = cls(cfg, mmdit._Seams(mmdit.KernelSet("eager"), cfg.attention_path)).to(device=device, dtype=dt)
+        inputs = _block_inputs(cfg, kind, batch, img_tokens, txt_tokens, dt, device, seed)
+        diff = [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
+        for p in providers:
+            kernels, comp = BLOCK_PROVIDERS[p]
+            blk = copy.deepcopy(base)
+            seams = mmdit._Seams(mmdit.KernelSet(kernels, device=device, dtype=dt), cfg.attention_path)
+            for m in blk.modules():
+                if hasattr(m, "_seams"):
+                    m._seams = seams
+            fwd = torch.compile(blk) if comp else blk
+            params = [q for q in blk.parameters() if q.requires_grad]
+
+            def one(fwd=fwd, params=params, inputs=inputs, diff=diff):
+                outs = _tuple(fwd(*inputs))
+                return torch.autograd.grad(outs, diff + params, [torch.ones_like(o) for o in outs])
+
+            shape = (f"B{batch}xLimg{img_tokens}xLtxt{txt_tokens}xD{cfg.hidden_size}" if kind == "double"
+                     else f"B{batch}xL{img_tokens + txt_tokens}xD{cfg.hidden_size}")
+            out.append(BlockCase(p, kind, one, lambda fwd=fwd, inputs=inputs: _tuple(fwd(*inputs)), shape, kernels, comp))
+    return out
+
+
+def block_agreement(cases: Sequence[BlockCase], baseline: str = "eager") -> list[dict]:
+    """Max abs difference of each provider's block outputs from the baseline provider's
+    (same weights, same inputs): shows a fused variant is a drop-in replacement."""
+    rows = []
+    for kind in dict.fromkeys(c.kind for c in cases):
+        ks = [c for c in cases if c.kind == kind]
+        base = next((c for c in ks if c.provider == baseline), None)
+        if base is None:
+            continue
+        with torch.no_grad():
+            ref = [o.float() for o in base.forward()]
+            for c in ks:
+                outs = [o.float() for o in c.forward()]
+                err = max(float((a - b).abs().max()) for a, b in zip(outs, ref))
+                scale = max(float(b.abs().max()) for b in ref)
+                rows.append(dict(kind=kind, provider=c.provider, max_abs_diff=err, max_abs_ref=scale))
+    return rows
+
+
+def block_compare(rec: Recorder, cases: Sequence[BlockCase], *, device="cpu", dtype=torch.float32, reps: int = 10,
+                  budget_s: float = 30.0, experiment: str = "block") -> None:
+    """Time each case's forward + backward (median/p20/p80), speedup over the eager
+    provider and peak memory (CUDA).  Providers running Triton on CPU are not timed."""
+    dev = torch.device(device)
+    eager_ms: dict[str, float] = {}
+    for c in sorted(cases, key=lambda c: c.provider != "eager"):
+        extra = dict(kind=c.kind, kernels=c.kernels, compiled=c.compiled, direction="fwd+bwd")
+        if c.kernels == "triton" and dev.type == "cpu":
+            continue                          # interpreter: correctness only (block_agreement)
+        t = try_bench(c.fn, name=f"{c.kind}/{c.provider}", device=dev, reps=reps, budget_s=budget_s)
+        rec.add_timing(experiment, c.provider, t, shape=c.shape, dtype=dtype, **extra)
+        if not getattr(t, "ok", False):
+            continue
+        if c.provider == "eager":
+            eager_ms[c.kind] = t.median_ms
+        if c.kind in eager_ms:
+            rec.add(experiment, c.provider, "speedup_vs_eager", eager_ms[c.kind] / t.median_ms, "x", shape=c.shape,
+                    dtype=dtype, statistic="median", formula="eager median / provider median", **extra)
+        mem = peak_memory_bytes(c.fn, dev)
+        if mem is not None:
+            rec.add(experiment, c.provider, "peak_memory", mem / 2**20, "MiB", shape=c.shape, dtype=dtype,
+                    statistic="value", formula="max_memory_allocated - allocated before the call", **extra)
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# The lab's parameters (labs/02_fused_kernels.ipynb; parameterized/sets/02_fused_kernels/*.yaml)
+
+
+@dataclass(frozen=True)
+class FusedKernelsConfig(LabConfig):
+    """Parameters of ``labs/02_fused_kernels.ipynb``; defaults are the small CPU set."""
+
+    device: str = "auto"
+    op: str = "rms_norm"                                 # the op of the correctness table and roofline
+    dtype: str = "float32"                               # the sweep's dtype
+    directions: tuple = ("fwd", "fwd+bwd")
+    check_dtypes: tuple = ("float32", "bfloat16", "float16")
+    check_tokens: int = 37                               # correctness problem: irregular on purpose
+    check_hidden: int = 781
+    check_head_dim: int = 62
+    check_variants: tuple = ("eager", "triton", "torch")  # "compile" adds one compile per dtype
+    sweep_ops: tuple = ("rms_norm", "gelu_tanh")
+    sweep_variants: tuple = ("eager", "torch")            # plus "compile", "triton" (GPU), library names
+    preset: str = "small"                                # hidden sizes (and MLP width) from the model preset
+    tokens: tuple = (128, 512, 2048)
+    batch: int = 1
+    reps: int = 5
+    budget_s: float = 5.0
+    block_preset: str = "tiny"
+    block_kinds: tuple = ("double", "single")
+    block_providers: tuple = ("eager", "triton")
+    block_img_tokens: int = 64
+    block_txt_tokens: int = 16
+    block_dtype: str = "float32"
+    seed: int = 0
+    quick_ceilings: bool = True
+
+    def __post_init__(self):
+        from . import mmdit
+
+        check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        check_choice("op", self.op, OP_NAMES)
+        check_choice("dtype", self.dtype, tuple(DTYPES))
+        check_choices("directions", self.directions, DIRECTIONS)
+        check_choices("check_dtypes", self.check_dtypes, tuple(DTYPES))
+        check_int("check_tokens", self.check_tokens, min=1)
+        check_int("check_hidden", self.check_hidden, min=2)
+        check_int("check_head_dim", self.check_head_dim, min=2)
+        if self.check_head_dim % 2:
+            from .config import ConfigError
+
+            raise ConfigError("check_head_dim", self.check_head_dim, "an even integer (rope rotates pairs)")
+        check_choices("sweep_ops", self.sweep_ops, OP_NAMES)
+        check_choice("preset", self.preset, tuple(mmdit.PRESETS))
+        check_int_list("tokens", self.tokens, min=1)
+        check_int("batch", self.batch, min=1)
+        check_int("reps", self.reps, min=3)
+        check_float("budget_s", self.budget_s, min=0, min_exclusive=True)
+        check_choice("block_preset", self.block_preset, tuple(mmdit.PRESETS))
+        check_choices("block_kinds", self.block_kinds, ("double", "single"))
+        check_choices("block_providers", self.block_providers, tuple(BLOCK_PROVIDERS))
+        check_int("block_img_tokens", self.block_img_tokens, min=1)
+        check_int("block_txt_tokens", self.block_txt_tokens, min=1)
+        check_choice("block_dtype", self.block_dtype, tuple(DTYPES))
+        check_int("seed", self.seed, min=0)
+        check_bool("quick_ceilings", self.quick_ceilings)
+        known = set()
+        for op in OP_NAMES:
+            known |= {v.name for v in variants(op, include_unavailable=True)}
+        check_choices("check_variants", self.check_variants, sorted(known - {"reference"}))
+        check_choices("sweep_variants", self.sweep_variants, sorted(known - {"reference"}))
+
+    @property
+    def check_problem(self) -> Problem:
+        return Problem(1, self.check_tokens, self.check_hidden, self.check_head_dim)
+
+    def problems(self) -> list[Problem]:
+        return problems_for([self.preset], self.tokens, batch=self.batch)
+
+
+def sweep_frame(df):
+    """Median GB/s rows of a sweep with their size columns unpacked (for plots)."""
+    import json
+
+    import pandas as pd
+
+    d = df[(df.metric == "bandwidth") & (df.statistic == "median")].copy()
+    if d.empty:
+        return pd.DataFrame(columns=["op", "variant", "dtype", "direction", "tokens", "hidden", "bytes", "gbs"])
+    ex = d["extra"].map(json.loads)
+    for k in ("op", "direction", "tokens", "hidden", "bytes", "kind"):
+        d[k] = ex.map(lambda e, k=k: e.get(k))
+    d["gbs"] = d["value"]
+    d["MB"] = d["bytes"] / 1e6
+    return d[["op", "variant", "kind", "dtype", "direction", "tokens", "hidden", "shape", "bytes", "MB", "gbs"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Views of the rows for the lab's plots (plots read records; they never measure)
+
+
+def roofline_points(df, ceilings):
+    """One roofline point per (op, variant, direction, dtype, shape) from a sweep's median time rows."""
+    import json
+
+    import pandas as pd
+
+    from .roofline import roofline
+
+    d = df[(df.metric == "time") & (df.statistic == "median") & (df.experiment == "op_sweep")]
+    pts = []
+    for _, r in d.iterrows():
+        e = json.loads(r["extra"])
+        p = Problem(e["batch"], e["tokens"], e["hidden"], e["head_dim"])
+        b, f = bytes_moved(e["op"], p, r["dtype"], e["direction"]), flops(e["op"], p, e["direction"])
+        pt = roofline(r["value"], bytes=b, flops=f, ceilings=ceilings, dtype=r["dtype"])
+        pts.append(dict(op=e["op"], variant=f"{e['op']}/{r['variant']} {e['direction']}", dtype=r["dtype"],
+                        shape=r["shape"], intensity=pt.intensity, tflops=pt.tflops, gbs=pt.gbs, time_ms=pt.time_ms,
+                        pct_of_ceiling=pt.pct_of_ceiling))
+    return pd.DataFrame(pts)
+
+
+def bandwidth_holomap(df, ceilings):
+    """GB/s vs bytes moved per variant, the measured copy ceiling drawn; one frame per
+    (op, dtype, direction)."""
+    from .plots import init
+
+    hv = init()
+    d = sweep_frame(df)
+    frames = {}
+    for (op, dt, dr), g in d.groupby(["op", "dtype", "direction"], sort=True):
+        layers = [hv.HLine(ceilings.copy_gbs).opts(color="black", line_dash="dashed", line_width=2)]
+        layers.append(hv.Text(float(g["MB"].min()), ceilings.copy_gbs * 1.03,
+                              f"copy ceiling {ceilings.copy_gbs:.0f} GB/s", halign="left", fontsize=9))
+        for v, gv in g.groupby("variant", sort=True):
+            gv = gv.sort_values("MB")
+            layers.append(hv.Curve(gv, "MB", ["gbs", "shape"], label=v) * hv.Scatter(gv, "MB", ["gbs", "shape"], label=v))
+        frames[(op, dt, dr)] = hv.Overlay(layers).opts(logx=True, xlabel="MB moved per call", ylabel="GB/s",
+                                                       legend_position="bottom_right",
+                                                       title=f"{op} {dt} {dr}: achieved bandwidth")
+    if not frames:
+        return hv.Div("<p>no timed rows (nothing timeable on this device)</p>")
+    return hv.HoloMap(frames, kdims=["op", "dtype", "direction"])
+
+
+def block_bars(df):
+    """Forward + backward time of each block provider (median with p20/p80 in the hover)."""
+    import json
+
+    from .plots import init
+
+    hv = init()
+    d = df[(df.experiment == "block") & (df.metric == "time") & (df.statistic == "median")].copy()
+    if d.empty:
+        return hv.Div("<p>no block timings</p>")
+    d["kind"] = d["extra"].map(lambda e: json.loads(e)["kind"])
+    d["ms"] = d["value"]
+    return hv.Bars(d, ["kind", "variant"], ["ms", "shape"]).opts(
+        title="MMDiT block forward + backward (median)", ylabel="ms", xlabel="block / provider", multi_level=True)
+
+
+
+__all__ = ["OPS", "OP_NAMES", "DIRECTIONS", "DTYPES", "Problem", "OpSpec", "CheckRow", "bytes_moved", "flops", "check_variant",
            "correctness_table", "assert_variant_ok", "bench_variant", "sweep", "make_inputs", "problems_for", "preset_dims",
-           "peak_memory_bytes", "lab_kernels"]
+           "peak_memory_bytes", "BLOCK_PROVIDERS",
+           "block_cases", "block_agreement", "block_compare", "FusedKernelsConfig", "sweep_frame", "roofline_points", "bandwidth_holomap", "block_bars", "lab_kernels"]
