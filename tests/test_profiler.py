@@ -133,3 +133,22 @@ def test_bad_profile_steps():
     with pytest.raises(ConfigError) as e:
         profile_training(None, active=0)
     assert e.value.param == "steps"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: kernel categories, memory history")
+def test_cuda_profile_kernels_and_memory_history(tmp_path, monkeypatch):
+    monkeypatch.setenv("PERFLAB_ARTIFACTS_DIR", str(tmp_path))
+    tr = Trainer(TrainConfig(device="cuda", num_samples=8, autocast="bf16", ckpt_every=2, ckpt_format="dcp_async",
+                             pin_memory=True, num_workers=1))
+    try:
+        rep = profile_training(tr, active=2, warmup=1, out_dir=tmp_path)
+    finally:
+        tr.close()
+    a = rep.analysis
+    assert a.device_kind == "cuda" and a.source == "cuda kernels"
+    cat = a.categories.set_index("category").ms
+    assert cat["matmul"] > 0 and cat["attention"] > 0 and cat["optimizer"] > 0
+    for r in a.steps.itertuples():
+        assert abs(r.phase_sum_ms - r.step_ms) / r.step_ms < 0.05
+    assert rep.cuda_peak_bytes > 0 and rep.memory_snapshot_path.exists()
+    assert rep.memory_html_path is None or rep.memory_html_path.stat().st_size > 0
