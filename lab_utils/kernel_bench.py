@@ -658,7 +658,7 @@ class FusedKernelsConfig(LabConfig):
     sweep_ops: tuple = ("rms_norm", "gelu_tanh")
     sweep_variants: tuple = ("eager", "torch")            # plus "compile", "triton" (GPU), library names
     preset: str = "small"                                # hidden sizes (and MLP width) from the model preset
-    tokens: tuple = (128, 512, 2048)
+    tokens: tuple = (128, 1024)
     batch: int = 1
     reps: int = 5
     budget_s: float = 5.0
@@ -779,6 +779,18 @@ def bandwidth_holomap(df, ceilings):
     return hv.HoloMap(frames, kdims=["op", "dtype", "direction"])
 
 
+def speedup_table(df):
+    """op × shape × direction rows, one column per variant: median speedup over eager."""
+    import json
+
+    sp = df[df.metric == "speedup_vs_eager"].copy()
+    if sp.empty:
+        return sp
+    ex = sp["extra"].map(json.loads)
+    sp["op"], sp["direction"] = ex.map(lambda e: e["op"]), ex.map(lambda e: e["direction"])
+    return sp.pivot_table(index=["op", "shape", "dtype", "direction"], columns="variant", values="value").round(2)
+
+
 def block_bars(df):
     """Forward + backward time of each block provider (median with p20/p80 in the hover)."""
     import json
@@ -799,4 +811,4 @@ def block_bars(df):
 __all__ = ["OPS", "OP_NAMES", "DIRECTIONS", "DTYPES", "Problem", "OpSpec", "CheckRow", "bytes_moved", "flops", "check_variant",
            "correctness_table", "assert_variant_ok", "bench_variant", "sweep", "make_inputs", "problems_for", "preset_dims",
            "peak_memory_bytes", "BLOCK_PROVIDERS",
-           "block_cases", "block_agreement", "block_compare", "FusedKernelsConfig", "sweep_frame", "roofline_points", "bandwidth_holomap", "block_bars", "lab_kernels"]
+           "block_cases", "block_agreement", "block_compare", "FusedKernelsConfig", "sweep_frame", "roofline_points", "bandwidth_holomap", "block_bars", "speedup_table", "lab_kernels"]
