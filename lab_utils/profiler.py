@@ -176,7 +176,9 @@ def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int 
     kernels = [e for e in xs if e.get("cat") in kernel_cats]
     if device_kind is None:
         device_kind = "cuda" if kernels else "cpu"
-    step_evs = sorted((e for e in xs if re.fullmatch(r"ProfilerStep#\d+", e.get("name", ""))), key=lambda e: e["ts"])
+    # host-side step ranges only (CUDA traces repeat them as "gpu_user_annotation" on the device timeline)
+    step_evs = sorted((e for e in xs if e.get("cat") == "user_annotation"
+                       and re.fullmatch(r"ProfilerStep#\d+", e.get("name", ""))), key=lambda e: e["ts"])
     if not step_evs:
         raise ValueError(f"{path}: no ProfilerStep#k ranges; was the profiler stepped with prof.step()?")
     host = [_Ev(e["name"], e.get("cat", ""), float(e["ts"]), float(e["dur"]), (e.get("pid"), e.get("tid")),

@@ -98,6 +98,8 @@ def test_analyse_synthetic_cuda_trace(tmp_path):
     idle = step time minus the union of kernel intervals."""
     ev = [
         dict(ph="X", cat="user_annotation", name="ProfilerStep#4", ts=0, dur=1000, pid=1, tid=1),
+        dict(ph="X", cat="gpu_user_annotation", name="ProfilerStep#4", ts=90, dur=700, pid=0, tid=7),
+        dict(ph="X", cat="gpu_user_annotation", name="forward", ts=90, dur=300, pid=0, tid=7),
         dict(ph="X", cat="user_annotation", name="forward", ts=10, dur=500, pid=1, tid=1),
         dict(ph="X", cat="cpu_op", name="aten::mm", ts=20, dur=30, pid=1, tid=1, args={"External id": 7}),
         dict(ph="X", cat="user_annotation", name="optimizer", ts=520, dur=470, pid=1, tid=1),
@@ -118,6 +120,7 @@ def test_analyse_synthetic_cuda_trace(tmp_path):
     p.write_text(json.dumps({"traceEvents": ev}))
     a = analyse_trace(p)
     assert a.device_kind == "cuda" and a.source == "cuda kernels"
+    assert len(a.steps) == 1 and set(a.phases.phase) == {"forward", "optimizer"}   # host ranges only
     st = a.steps.iloc[0]
     assert st.step == 4 and st.step_ms == pytest.approx(1.0) and st.phase_sum_ms == pytest.approx(0.97)
     assert st.busy_ms == pytest.approx(0.45)           # 300 + union(600-700, 650-750) = 450 us
