@@ -283,6 +283,53 @@ def _normalise(df: pd.DataFrame) -> pd.DataFrame:
     return df.reset_index(drop=True)
 
 
+#: ``extra`` keys that describe how a row came about, not which measurement it is.
+#: Outcomes ("verdict", "ok", ...) must not be identity either: a row whose check starts
+#: failing has to meet its old self and be judged, not fall apart into two one-sided rows.
+VOLATILE_EXTRA = {"reason", "failure_kind", "method", "formula", "bound", "note", "error", "traceback", "seconds",
+                  "timestamp", "path", "samples", "verdict", "ok", "passed", "status", "result", "outcome", "why",
+                  "why_not", "message", "skipped"}
+
+
+def _extra_dict(x: Any) -> dict:
+    if isinstance(x, dict):
+        return x
+    if isinstance(x, str) and x.startswith("{"):
+        try:
+            d = json.loads(x)
+            return d if isinstance(d, dict) else {}
+        except ValueError:
+            return {}
+    return {}
+
+
+def identity_keys(*frames: pd.DataFrame) -> list[str]:
+    """``extra`` keys that tell apart rows sharing a KEY (e.g. a mask or a sequence length
+    a lab keeps in ``extra``): those whose values differ inside such a group."""
+    keys: set[str] = set()
+    for df in frames:
+        dup = df[df.duplicated(KEY, keep=False)]
+        for _, g in dup.groupby(KEY, sort=False):
+            ex = [_extra_dict(e) for e in g["extra"]]
+            for k in set().union(*ex) - VOLATILE_EXTRA:
+                vals = [e.get(k) for e in ex]
+                # identity is categorical (names, sizes, lists); floats are measured or derived figures
+                if any(isinstance(v, float) or isinstance(v, bool) for v in vals):
+                    continue
+                if len({json.dumps(v, sort_keys=True, default=str) for v in vals}) > 1:
+                    keys.add(k)
+    return sorted(keys)
+
+
+def _with_identity(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    df = df.copy()
+    if "extra" not in df.columns:
+        df["extra"] = ""
+    df["ident"] = [" ".join(f"{k}={e[k]}" for k in keys if k in e) for e in map(_extra_dict, df["extra"])]
+    df["occurrence"] = df.groupby(KEY + ["ident"], sort=False).cumcount() + 1
+    return df
+
+
 # ---------------------------------------------------------------- statistics
 def bootstrap_ratio(base: np.ndarray, cand: np.ndarray, *, n: int = 2000, confidence: float = 0.95,
                     seed: int = 0) -> tuple[float, float]:
@@ -353,7 +400,8 @@ class Options:
             raise ConfigError("bootstrap", self.bootstrap, "an integer >= 100")
 
 
-OUT_COLUMNS = ["lab", "experiment", "variant", "shape", "dtype", "metric", "statistic", "occurrence", "unit", "kind",
+OUT_COLUMNS = ["lab", "experiment", "variant", "shape", "dtype", "metric", "statistic", "ident", "occurrence", "unit",
+               "kind",
                "better", "base", "candidate", "ratio", "gain", "lo", "hi", "p_value", "n_base", "n_cand", "noise",
                "verdict", "note", "regression", "improvement", "base_samples", "cand_samples"]
 WORSE_VERDICTS = ("slower", "less accurate", "more memory", "failed")
@@ -466,7 +514,7 @@ def context_flags(base: Side, cand: Side) -> tuple[list[str], bool]:
     for side in (base, cand):
         for k, vals in getattr(side, "mixed", {}).items():
             flags.append(f"{side.label}: its rows come from different {k.replace('_version', '')} values "
-                         f"({', '.join(vals)}): records gathered from several runs?")
+                         f"({', '.join(vals)}): a run that spanned commits, or records gathered from several runs?")
         bad = [s.get("notebook") for s in side.status if s.get("status") != "ok"]
         if bad:
             flags.append(f"{side.label}: notebook(s) failed, their rows are missing: {', '.join(map(str, bad))}")
@@ -524,24 +572,29 @@ def compare(base: Side | str | Path, cand: Side | str | Path, options: Options |
     if o.statistics == "default":
         b = b[~b["statistic"].isin(QUANTILE_STATISTICS)]
         c = c[~c["statistic"].isin(QUANTILE_STATISTICS)]
-    key = KEY + ["occurrence"]
+    ids = identity_keys(b, c)
+    b, c = _with_identity(b, ids), _with_identity(c, ids)
+    key = KEY + ["ident", "occurrence"]
     m = b.merge(c, on=key, how="outer", suffixes=("_b", "_c"), indicator=True)
+    if ids:
+        flags.append(f"rows sharing a key are told apart by their extra field(s): {', '.join(ids)}")
     for side_df, lab in ((b, "base"), (c, "candidate")):
         dups = side_df[side_df["occurrence"] > 1]
         if len(dups):
             flags.append(f"{lab}: {len(dups)} row(s) repeat a key (lab, experiment, variant, shape, dtype, metric, "
-                         f"statistic); they are numbered, not averaged")
+                         f"statistic, extra); they are matched in order of appearance and numbered, not averaged")
 
     # noise of time rows, borrowed by the per-time rows of the same group
     out = []
-    group_cols = ["lab", "experiment", "variant", "shape", "dtype", "occurrence"]
+    group_cols = ["lab", "experiment", "variant", "shape", "dtype", "ident", "occurrence"]
     time_gain: dict[tuple, tuple[float, float, float, float, bool]] = {}
 
     def row_base(r) -> dict:
         unit = next((u for u in (r.get("unit_b"), r.get("unit_c")) if isinstance(u, str) and u), "")
         d = direction(r["metric"], unit)
         return dict(lab=r["lab"], experiment=r["experiment"], variant=r["variant"], shape=r["shape"],
-                    dtype=r["dtype"], metric=r["metric"], statistic=r["statistic"], occurrence=int(r["occurrence"]),
+                    dtype=r["dtype"], metric=r["metric"], statistic=r["statistic"], ident=r["ident"],
+                    occurrence=int(r["occurrence"]),
                     unit=unit, kind=d.kind, better=d.better, base=r.get("value_b"), candidate=r.get("value_c"),
                     ratio=math.nan, gain=math.nan, lo=math.nan, hi=math.nan, p_value=math.nan,
                     n_base=0, n_cand=0, noise="", verdict="", note="", regression=False, improvement=False,
@@ -667,7 +720,7 @@ def _newly_failed(base: Side, cand: Side) -> list[str]:
 # ---------------------------------------------------------------- text
 def row_label(r) -> str:
     parts = [r["lab"], r["experiment"], r["variant"]]
-    tail = " ".join(x for x in (r["shape"], r["dtype"]) if x)
+    tail = " ".join(x for x in (r["shape"], r["dtype"], f"[{r['ident']}]" if r.get("ident") else "") if x)
     stat = r["statistic"] if r["statistic"] not in ("value", "") else ""
     lab = "/".join(str(p) for p in parts if p)
     metric = r["metric"] + (f"[{stat}]" if stat else "") + (f" #{r['occurrence']}" if r["occurrence"] > 1 else "")
@@ -868,8 +921,8 @@ def render_html(cmp: Comparison) -> str:
             return f'<td class="{cls}" data-v="{dv}">{_num(fv)}</td>'
 
         body.append(
-            f'<tr data-verdict="{esc(r["verdict"])}">' + "".join(f"<td>{esc(str(r[c]))}</td>" for c in ("lab", "experiment", "variant", "shape", "dtype",
-                                                                   "metric", "statistic"))
+            f'<tr data-verdict="{esc(r["verdict"])}">' + "".join(f"<td>{esc(str(r[c]))}</td>" for c in (
+                "lab", "experiment", "variant", "shape", "dtype", "ident", "metric", "statistic"))
             + num(r["base"]) + num(r["candidate"]) + f"<td>{esc(r['unit'])}</td>" + num(r["ratio"]) + num(r["gain"])
             + f"<td>{lo_hi}</td><td>{esc(r['noise'])}</td>"
             + f'<td style="color:{colour};font-weight:600">{esc(r["verdict"])}'
@@ -898,7 +951,7 @@ kept, significance by the {noise}. GB/s, TFLOP/s and % of ceiling borrow their t
 <h2>Rows</h2>
 <p><input id="filter" placeholder="filter rows (any text)"> <span class="muted">click a column header to sort</span></p>
 <table id="rows" class="sortable"><thead><tr><th>lab</th><th>experiment</th><th>variant</th><th>shape</th><th>dtype</th>
-<th>metric</th><th>statistic</th><th>base</th><th>candidate</th><th>unit</th><th>ratio</th><th>gain</th>
+<th>extra</th><th>metric</th><th>statistic</th><th>base</th><th>candidate</th><th>unit</th><th>ratio</th><th>gain</th>
 <th>interval (gain)</th><th>noise</th><th>verdict</th><th>note</th></tr></thead>
 <tbody>{''.join(body)}</tbody></table>
 <details><summary><b>Which way is better</b> (first matching rule)</summary>

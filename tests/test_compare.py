@@ -383,3 +383,24 @@ def test_baseline_refresh_and_check_run_the_suite(tmp_path, runs, monkeypatch):
     assert calls == [("smoke", ["reps=3"], None), ("smoke", None, None)]
     meta = json.loads((tmp_path / "baselines" / "cpu" / "baseline.json").read_text())
     assert meta["run_id"] == "base" and "--param reps=3" in meta["command"]
+
+
+def test_rows_told_apart_by_extra(tmp_path):
+    """Labs keep e.g. the mask in ``extra``: rows sharing a key match by it, whatever the order."""
+    def rows(order, err_causal):
+        out = []
+        for mask in order:
+            r = value_row("03_attention", "correctness", "sdpa", "max_abs_err", err_causal if mask == "causal" else 1e-3)
+            r["extra"] = json.dumps({"mask": mask, "reason": f"run at {mask}", "atol": 1e-3 if mask == "full" else 2e-3,
+                                     "verdict": "ok" if (mask, err_causal) != ("causal", 5e-3) else "FAIL"})
+            out.append(r)
+        return out
+    b = rows(["full", "causal", "mmdit"], 1e-3)
+    c = rows(["mmdit", "causal", "full"], 5e-3)
+    cmp = C.compare(write_report(tmp_path / "b", b, CPU), write_report(tmp_path / "c", c, CPU))
+    assert sorted(cmp.rows["ident"]) == ["mask=causal", "mask=full", "mask=mmdit"]
+    assert set(cmp.rows["occurrence"]) == {1}
+    assert find(cmp, ident="mask=causal")["verdict"] == "less accurate"
+    assert find(cmp, ident="mask=full")["verdict"] == "same"
+    assert any("told apart by their extra field(s): mask" in f for f in cmp.flags)
+    assert "[mask=causal]" in cmp.summary_text()
