@@ -224,7 +224,7 @@ def prepare_scaled_mm(a, b, fmt="fp8_e4m3", *, fmt_b=None, granularity="tensor")
 
 def _run_scaled_mm(p, out_dtype, use_fast_accum=False):
     kind, da, db, sa, sb = p
-    kw = {"use_fast_accum": use_fast_accum} if da.is_cuda else {}
+    kw = {"use_fast_accum": use_fast_accum} if (da.is_cuda and kind == "fp8") else {}
     return torch._scaled_mm(da, db.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, **kw)
 
 

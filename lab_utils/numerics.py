@@ -255,6 +255,17 @@ def matmul_sweep(shapes, formats, *, device="cpu", reps: int = 10, seed: int = 0
                 rec.add_timing("matmul", f"emulated {fmt}", t, shape=shape, dtype=fmt, flops=flops,
                                note="quantize+dequantize+fp32 matmul (emulation)")
                 rec.add("matmul", f"emulated {fmt}", "sqnr", e["sqnr_db"], "dB", shape=shape, dtype=fmt)
+            if dev.type == "cuda" and fmt in ("fp8_e4m3", "fp8_e5m2") and not L._triton_fp8_why_not(dev, fmt=fmt):
+                p = L.prepare_scaled_mm_any(a, b, fmt, granularity="tensor")
+                y = L.triton_fp8_matmul(p[1], p[2], p[3], p[4])
+                e = error_metrics(y, ref)
+                t = try_bench(lambda: L.triton_fp8_matmul(p[1], p[2], p[3], p[4], out_dtype=torch.bfloat16),
+                              name=f"triton {fmt}", device=dev, reps=reps, budget_s=budget_s)
+                rows.append(dict(shape=shape, path="triton fp8/tensor", fmt=fmt,
+                                 time_ms=getattr(t, "median_ms", math.nan), **e))
+                if rec is not None:
+                    rec.add_timing("matmul", f"triton {fmt}/tensor", t, shape=shape, dtype=fmt, flops=flops,
+                                   note="GEMM only (operands pre-quantized)")
             for gran in ("tensor", "row"):
                 why = L.scaled_mm_why_not(dev, fmt=fmt, granularity=gran)
                 if why:
