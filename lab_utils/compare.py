@@ -553,7 +553,7 @@ def _judge(gain: float, lo: float, hi: float, pw: float, pb: float, d: Direction
     if conf_better:
         return better_w, ""
     if point_better or point_worse:
-        how = (f"rank test p={min(pw, pb):.2g}" if rank else f"interval [{lo:.3g}, {hi:.3g}] reaches inside it")
+        how = f"rank test p={min(pw, pb):.2g}" if rank else "its interval reaches inside it"
         return "same", f"possibly {better_w if point_better else worse_w}: beyond the threshold but {how}"
     significant = (min(pw, pb) < alpha) if rank else (lo > 1 or hi < 1)
     return "same", "significant but within threshold" if significant else "within noise"
