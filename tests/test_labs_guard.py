@@ -123,3 +123,21 @@ def test_guard_finds_the_labs():
     committed = subprocess.run(["git", "ls-files", "labs/*.ipynb"], cwd=ROOT, capture_output=True, text=True).stdout
     names = {Path(p).name for p in committed.split()}
     assert names <= {p.name for p in LABS}, f"labs not matched by the guard's glob: {names - {p.name for p in LABS}}"
+
+
+def test_every_parameter_is_seen_by_papermill(lab):
+    """papermill (the runner's parameter injection) must parse every line of the parameters
+    cell; a comment holding ':' or '=' makes it drop the parameter silently, and the suite
+    then refuses the lab's parameter set."""
+    import ast
+
+    import papermill
+
+    path, nb = lab
+    cell = next(c for c in nb.cells if c.cell_type == "code")
+    assigned = [t.id for node in ast.parse(cell.source).body if isinstance(node, ast.Assign)
+                for t in node.targets if isinstance(t, ast.Name)]
+    seen = set(papermill.inspect_notebook(str(path)))
+    missing = [n for n in assigned if n not in seen]
+    assert not missing, (f"{path.name}: papermill cannot parse the parameter line(s) of {missing} "
+                         f"(keep ':' and '=' out of their comments)")
