@@ -124,6 +124,53 @@ def test_config_refuses_bad_values_naming_the_parameter():
     assert kb.FusedKernelsConfig().check_problem.hidden == 781
 
 
+GPU_PATH_SCRIPT = r'''
+import lab_kernels, torch
+assert not lab_kernels.TRITON_INTERPRETED
+import lab_kernels._common as C
+from lab_kernels import rms_norm, layer_norm_modulate, gated_residual, gelu_tanh, swiglu, rope, qk_norm_rope
+from torch._subclasses.fake_tensor import FakeTensorMode
+C._sm_count = lambda idx: 132                 # no GPU to ask; the trace only needs a number
+bf = torch.bfloat16
+with FakeTensorMode():
+    e = lambda *s, dt=bf: torch.empty(*s, dtype=dt, device="cuda")
+    x, w = e(2, 37, 781), e(781)
+    y, r = rms_norm.rms_norm_forward(x, w); dx, dw = rms_norm.rms_norm_backward(y, x, w, r)
+    assert (y.shape, r.shape, dx.shape, dw.shape) == (x.shape, (74,), x.shape, w.shape) and y.dtype == bf
+    sh, sc = e(2, 781), e(2, 781)
+    y, m, r = layer_norm_modulate.layer_norm_modulate_forward(x, sh, sc)
+    g = layer_norm_modulate.layer_norm_modulate_backward(y, x, sh, sc, m, r)
+    assert [t.shape for t in g] == [x.shape, sh.shape, sc.shape]
+    o = gated_residual.gated_residual_forward(x, sh, x); g = gated_residual.gated_residual_backward(o, x, sh, x)
+    assert [t.shape for t in g] == [x.shape, x.shape, sh.shape]
+    o = gelu_tanh.gelu_tanh_forward(x); assert gelu_tanh.gelu_tanh_backward(o, x).shape == x.shape
+    o = swiglu.swiglu_forward(x, x); assert [t.shape for t in swiglu.swiglu_backward(o, x, x)] == [x.shape] * 2
+    q, cos, sin = e(2, 3, 37, 62), e(37, 31, dt=torch.float32), e(37, 31, dt=torch.float32)
+    o = rope.rope_forward(q, cos, sin); assert rope.rope_backward(o, cos, sin).shape == q.shape
+    qw = e(62)
+    o, r = qk_norm_rope.qk_norm_rope_forward(q, qw, cos, sin); g = qk_norm_rope.qk_norm_rope_backward(o, q, qw, cos, sin, r)
+    assert [t.shape for t in g] == [q.shape, qw.shape] and r.shape == (2 * 3 * 37,)
+print("GPU-path ops traced")
+'''
+
+
+def test_gpu_registration_traces_with_fake_cuda_tensors(tmp_path):
+    """Without a GPU, import the kernels as a GPU machine would (TRITON_INTERPRET=0: the
+    host functions become torch.library.triton_op with wrap_triton launches) and trace every
+    forward and backward host op on fake CUDA tensors: registration, launch grids and output
+    shapes/dtypes of the GPU path run here, only the kernels themselves do not."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "gpu_path.py"
+    script.write_text(GPU_PATH_SCRIPT)
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 0 and "GPU-path ops traced" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
 def test_benchmark_script_writes_rows(tmp_path):
     import importlib.util
 
