@@ -54,6 +54,13 @@ Non-finite inputs (explicit policy)
 * NVFP4 of an all-zero tensor uses a per-tensor scale of 1 (torchao divides by
   zero there).
 
+Import order
+------------
+On a CPU-only machine import ``lab_kernels`` before anything that imports Triton
+(torchao does): ``lab_kernels`` sets ``TRITON_INTERPRET=1`` and Triton must see it
+first, or the interpreted kernels fail with "Cannot call @triton.jit'd outside of
+the scope of a kernel".
+
 Padding
 -------
 ``fake_quantize`` pads a blocked axis that the block size does not divide with
@@ -547,6 +554,7 @@ class QuantizedTensor:
     dtype: torch.dtype
     _layout: _Layout = field(repr=False, default=None)
     _codes: torch.Tensor = field(repr=False, default=None)
+    _deq: torch.Tensor = field(repr=False, default=None)      # the quantizer's own dequantized output
 
     def codes(self) -> torch.Tensor:
         """Unpacked element codes (uint8, one per element, moved+padded layout)."""
@@ -731,10 +739,8 @@ def quantize(x: torch.Tensor, fmt: str, *, axis: int = -1, block_size: int | Non
         scale = gscale.to(torch.uint8).reshape(*lead, -1).view(torch.float8_e8m0fnu)
     else:
         scale = gscale.reshape(*lead, -1).to(torch.float8_e4m3fn)
-    qt = QuantizedTensor(fmt, gran, data, scale, ts if F.family == "nvfp4" else None, tuple(x.shape), axis,
-                         bs, x.dtype, lay, codes)
-    qt._deq = _from_groups(deq, lay)                     # kernel's own dequantized output
-    return qt
+    return QuantizedTensor(fmt, gran, data, scale, ts if F.family == "nvfp4" else None, tuple(x.shape), axis,
+                           bs, x.dtype, lay, codes, _from_groups(deq, lay))
 
 
 def fake_quantize(x: torch.Tensor, fmt: str, *, axis: int = -1, block_size: int | None = None,

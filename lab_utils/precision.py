@@ -64,8 +64,6 @@ class TensorQuant:
 
     def apply(self, t: torch.Tensor, axis: int, generator: torch.Generator | None = None) -> torch.Tensor:
         gran = self.granularity
-        if gran == "block" and t.dim() == 2 and axis in (0, -2):
-            gran = "block"
         had = self.hadamard
         if had is not None and t.shape[axis] % had:
             had = None                       # Hadamard needs whole blocks; skip on odd axes
