@@ -3,8 +3,10 @@
 Design note
 -----------
 * Rows are matched on ``KEY = (lab, experiment, variant, shape, dtype, metric,
-  statistic)``.  A key that occurs twice on one side is numbered (``#2``) and flagged,
-  never averaged.  ``p20``/``p80`` rows are summaries of the same samples as the
+  statistic)``.  Rows sharing a key are told apart by the categorical ``extra`` fields
+  that differ between them (a mask, a layout; never outcomes such as ``verdict`` or
+  floats), and what still repeats is numbered (``#2``) in order and flagged, never
+  averaged.  ``p20``/``p80`` rows are summaries of the same samples as the
   ``median`` row and are left out unless asked for (``--statistics all``).
 * Which way is better is decided once, by metric name first and unit second
   (``direction()``; the table is ``METRIC_RULES`` + ``UNIT_RULES``): time is lower-is-
@@ -1090,10 +1092,10 @@ def store_baseline(report: str | Path, *, kind: str | None = None, timing_free_o
     return dest
 
 
-def _run_suite(suite: str, params: list[str] | None, out: str | None):
+def _run_suite(suite: str, params: list[str] | None, out: str | None, only: list[str] | None = None):
     from .runner import parse_overrides, run_suite
 
-    return run_suite(suite, overrides=parse_overrides(params), out_dir=out)
+    return run_suite(suite, overrides=parse_overrides(params), out_dir=out, only=only)
 
 
 def baseline_main(argv: Sequence[str] | None = None) -> int:
@@ -1108,6 +1110,7 @@ def baseline_main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--suite", default="smoke")
     r.add_argument("--report", default=None, help="store this finished report instead of running the suite")
     r.add_argument("--param", action="append", metavar="KEY=VALUE", help="parameter override for the run")
+    r.add_argument("--only", action="append", metavar="NOTEBOOK", help="run only this notebook of the suite")
     r.add_argument("--kind", default=None, help="baseline kind (default: cpu or cuda-<gpu model> of the run)")
     r.add_argument("--timing-free", action="store_true",
                    help="store only rows that do not depend on machine load (accuracy figures, counts)")
@@ -1118,6 +1121,8 @@ def baseline_main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--suite", default="smoke")
     c.add_argument("--report", default=None, help="compare this finished report instead of running the suite")
     c.add_argument("--param", action="append", metavar="KEY=VALUE")
+    c.add_argument("--only", action="append", metavar="NOTEBOOK", help="run only this notebook of the suite "
+                   "(the baseline's other notebooks then show as 'only in base')")
     c.add_argument("--kind", default=None, help="baseline kind (default: the candidate's)")
     c.add_argument("--run-out", default=None, help="reports folder for the fresh run (default reports/)")
     _add_compare_options(c)
@@ -1143,7 +1148,7 @@ def baseline_main(argv: Sequence[str] | None = None) -> int:
         if a.cmd == "refresh":
             report = a.report
             if report is None:
-                res = _run_suite(a.suite, a.param, a.out)
+                res = _run_suite(a.suite, a.param, a.out, a.only)
                 report = res.path
                 if not res.ok and not a.allow_failed:
                     print(f"perflab baseline: the run {res.run_id} had failures; baseline not stored "
@@ -1157,7 +1162,7 @@ def baseline_main(argv: Sequence[str] | None = None) -> int:
             return EXIT_OK
         # check
         if a.report is None:
-            res = _run_suite(a.suite, a.param, a.run_out)
+            res = _run_suite(a.suite, a.param, a.run_out, a.only)
             cand_ref = res.path
         else:
             cand_ref = a.report

@@ -371,16 +371,16 @@ def test_baseline_refresh_and_check_run_the_suite(tmp_path, runs, monkeypatch):
     base, cand = runs
     calls = []
 
-    def fake_run(suite, params, out):
-        calls.append((suite, params, out))
+    def fake_run(suite, params, out, only=None):
+        calls.append((suite, params, out, only))
         path = base if len(calls) == 1 else cand
         return SimpleNamespace(path=path, ok=True, run_id=path.name, index=path / "index.html")
 
     monkeypatch.setattr(C, "baselines_root", lambda: tmp_path / "baselines")
     monkeypatch.setattr(C, "_run_suite", fake_run)
     assert C.baseline_main(["refresh", "--suite", "smoke", "--param", "reps=3"]) == 0
-    assert C.baseline_main(["check", "--out", str(tmp_path / "o")]) == C.EXIT_REGRESSION
-    assert calls == [("smoke", ["reps=3"], None), ("smoke", None, None)]
+    assert C.baseline_main(["check", "--only", "01_norms", "--out", str(tmp_path / "o")]) == C.EXIT_REGRESSION
+    assert calls == [("smoke", ["reps=3"], None, None), ("smoke", None, None, ["01_norms"])]
     meta = json.loads((tmp_path / "baselines" / "cpu" / "baseline.json").read_text())
     assert meta["run_id"] == "base" and "--param reps=3" in meta["command"]
 
