@@ -979,8 +979,9 @@ def _add_compare_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--bootstrap", type=int, default=d.bootstrap, help="bootstrap resamples (default 2000)")
     ap.add_argument("--statistics", choices=("default", "all"), default=d.statistics,
                     help="'all' also compares p20/p80 rows")
-    ap.add_argument("--only", choices=("all", "performance", "accuracy"), default=d.only,
-                    help="compare only these kinds of rows")
+    ap.add_argument("--rows", choices=("all", "performance", "accuracy"), default=d.only,
+                    help="compare only these kinds of rows (performance: time, rates, memory; accuracy: error "
+                         "figures, SQNR and counts)")
     ap.add_argument("--gate", choices=("all", "performance", "accuracy", "none"), default=d.gate,
                     help="which kinds of regression make the exit code non-zero")
     ap.add_argument("--allow-device-mismatch", action="store_true",
@@ -994,7 +995,7 @@ def _add_compare_options(ap: argparse.ArgumentParser) -> None:
 def _options_from(a) -> Options:
     return Options(threshold=a.threshold, accuracy_threshold=a.accuracy_threshold, db_threshold=a.db_threshold,
                    confidence=a.confidence, method=a.method, bootstrap=a.bootstrap, statistics=a.statistics,
-                   only=a.only, gate=a.gate, allow_device_mismatch=a.allow_device_mismatch)
+                   only=a.rows, gate=a.gate, allow_device_mismatch=a.allow_device_mismatch)
 
 
 def _default_out(cmp: Comparison) -> Path:

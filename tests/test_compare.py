@@ -271,7 +271,7 @@ def test_main_exit_codes_and_outputs(tmp_path, runs, capsys):
     assert C.main([str(base), str(pq), "--out", str(out), "--quiet"]) == C.EXIT_OK
     assert C.main([str(base), str(cand), "--gate", "none", "--out", str(out), "--quiet"]) == C.EXIT_OK
     assert C.main([str(base), str(cand), "--gate", "accuracy", "--out", str(out), "--quiet"]) == C.EXIT_REGRESSION
-    assert C.main([str(base), str(cand), "--only", "performance", "--gate", "accuracy", "--out", str(out),
+    assert C.main([str(base), str(cand), "--rows", "performance", "--gate", "accuracy", "--out", str(out),
                    "--quiet"]) == C.EXIT_OK
     assert C.main([str(base), str(tmp_path / "nope"), "--out", str(out)]) == C.EXIT_USAGE
     assert "does not exist" in capsys.readouterr().err
