@@ -319,6 +319,7 @@ class Trainer:
         self.model = build_model(self.model_cfg, self.device, DTYPES[c.dtype], seed=c.seed).train()
         if c.compile:
             compile_blocks(self.model)
+            self.warm_compile()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay,
                                      fused=self.device.type == "cuda")
         self.encoders = Encoders(self.model_cfg, self.device, DTYPES[c.dtype], seed=c.seed + 1)
@@ -337,6 +338,26 @@ class Trainer:
         self.checkpointer = (Checkpointer(artifacts_dir() / "checkpoints" / f"01_training_step-{os.getpid()}",
                                           c.ckpt_format) if c.ckpt_every else None)
         self.step_index = 0
+
+    def warm_compile(self) -> int:
+        """Compile before measuring: forward + backward at two distinct shapes (first and
+        last bucket, shortest and longest caption), so Dynamo has specialised once and then
+        generalised to dynamic shapes, and the profiled steps do not recompile.  Returns
+        the number of warm-up runs."""
+        c = self.cfg
+        g = torch.Generator(self.device).manual_seed(c.seed + 3)
+        lo = c.max_caption_len if c.pad_captions == "max" else c.min_caption_len
+        shapes = list(dict.fromkeys([(tuple(c.buckets[0]), lo), (tuple(c.buckets[-1]), c.max_caption_len)]))
+        for (h, w), n in shapes:
+            batch = synthetic_batch(self.model_cfg, c.batch_size, height=h, width=w, txt_len=n, generator=g,
+                                    device=self.device, dtype=self.model.img_in.weight.dtype, guidance=c.guidance)
+            # real steps carry a caption mask; the same graph inputs avoid a recompile there
+            batch.txt_mask = torch.ones(c.batch_size, n, dtype=torch.bool, device=self.device)
+            with self._autocast():
+                loss = rf_loss(self.model, batch, g)
+            loss.backward()
+        self.model.zero_grad(set_to_none=True)
+        return len(shapes)
 
     # helpers ----------------------------------------------------------------------------
     def _autocast(self):

@@ -112,6 +112,13 @@ def test_compiled_blocks_match_eager():
     assert_close(b, a, dtype=torch.float32, name="compiled loss")
 
 
+def test_warm_compile_runs_each_shape_and_leaves_no_grads(artifacts):
+    tr = Trainer(TrainConfig(device="cpu", encoders="precomputed", num_samples=4, buckets=[[64, 64], [48, 80]]))
+    assert tr.warm_compile() == 2
+    assert all(p.grad is None for p in tr.model.parameters())
+    tr.close()
+
+
 @pytest.mark.parametrize("kw,param", [
     (dict(batch_size=0), "batch_size"),
     (dict(preset="flux-pro-max"), "preset"),
