@@ -668,6 +668,7 @@ class FusedKernelsConfig(LabConfig):
     block_img_tokens: int = 64
     block_txt_tokens: int = 16
     block_dtype: str = "float32"
+    compare_compile: bool = True                         # eager vs torch.compile of `op`, forward, largest size
     seed: int = 0
     quick_ceilings: bool = True
 
@@ -700,6 +701,7 @@ class FusedKernelsConfig(LabConfig):
         check_choice("block_dtype", self.block_dtype, tuple(DTYPES))
         check_int("seed", self.seed, min=0)
         check_bool("quick_ceilings", self.quick_ceilings)
+        check_bool("compare_compile", self.compare_compile)
         known = set()
         for op in OP_NAMES:
             known |= {v.name for v in variants(op, include_unavailable=True)}
@@ -714,13 +716,15 @@ class FusedKernelsConfig(LabConfig):
         return problems_for([self.preset], self.tokens, batch=self.batch)
 
 
-def sweep_frame(df):
+def sweep_frame(df, experiment: str | None = "op_sweep"):
     """Median GB/s rows of a sweep with their size columns unpacked (for plots)."""
     import json
 
     import pandas as pd
 
     d = df[(df.metric == "bandwidth") & (df.statistic == "median")].copy()
+    if experiment is not None:
+        d = d[d.experiment == experiment]
     if d.empty:
         return pd.DataFrame(columns=["op", "variant", "dtype", "direction", "tokens", "hidden", "bytes", "gbs"])
     ex = d["extra"].map(json.loads)
@@ -779,11 +783,11 @@ def bandwidth_holomap(df, ceilings):
     return hv.HoloMap(frames, kdims=["op", "dtype", "direction"])
 
 
-def speedup_table(df):
+def speedup_table(df, experiment: str = "op_sweep"):
     """op × shape × direction rows, one column per variant: median speedup over eager."""
     import json
 
-    sp = df[df.metric == "speedup_vs_eager"].copy()
+    sp = df[(df.metric == "speedup_vs_eager") & (df.experiment == experiment)].copy()
     if sp.empty:
         return sp
     ex = sp["extra"].map(json.loads)
