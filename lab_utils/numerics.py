@@ -331,3 +331,21 @@ def sqnr_heatmap(df: pd.DataFrame, *, x: str = "tensor", y: str = "variant", val
     d[value] = d[value].replace([math.inf], 99.0).round(1)
     return (hv.HeatMap(d, kdims=[x, y], vdims=[value]) * hv.Labels(d, kdims=[x, y], vdims=[value])).opts(
         hv.opts.HeatMap(cmap="viridis", colorbar=True, tools=["hover"], xrotation=30, title=f"{value} (higher is better)"))
+
+
+def record_table(rec, experiment: str, df: pd.DataFrame, metrics: Mapping[str, str], *, variant_col: str = "variant",
+                 dtype_col: str = "fmt", shape="", extra_cols=("tensor",)) -> int:
+    """Write one record row per (table row, metric); non-finite values (an exact SQNR of
+    inf, a saturated fraction that is not defined under a Hadamard rotation) are left
+    out of the records and stay visible in the table.  Returns the number of rows written."""
+    n = 0
+    for row in df.to_dict("records"):
+        for metric, unit in metrics.items():
+            v = row.get(metric)
+            if v is None or not math.isfinite(float(v)):
+                continue
+            extra = {c: row[c] for c in extra_cols if c in row}
+            rec.add(experiment, row[variant_col], metric, float(v), unit, shape=shape, dtype=row.get(dtype_col, ""),
+                    **extra)
+            n += 1
+    return n

@@ -623,3 +623,23 @@ def bucket_plot(res: ConvergenceResult):
     d = res.buckets.groupby(["bucket", "recipe"], as_index=False)["loss"].mean()
     return hv.Bars(d, kdims=["bucket", "recipe"], vdims=["loss"]).opts(
         tools=["hover"], xrotation=30, title=f"loss by timestep bucket (last {res.window} steps)")
+
+
+def record_convergence(rec, res: ConvergenceResult) -> None:
+    """Loss rows per (recipe, seed, step), the final gaps with their intervals, the
+    per-bucket losses and the divergences (finite values only; a diverged recipe's gap
+    row carries ``diverged=True`` and no value)."""
+    for r in res.curves.itertuples():
+        if math.isfinite(r.loss):
+            rec.add("convergence", r.recipe, "loss", r.loss, "loss", statistic="value", step=r.step, seed=r.seed)
+    for r in res.gaps.itertuples():
+        if math.isfinite(r.gap):
+            extra = dict(ci_low=r.ci_low, ci_high=r.ci_high) if math.isfinite(r.ci_low) else {}
+            rec.add("convergence", r.recipe, "final_gap_vs_" + res.baseline, r.gap, "loss", statistic="mean",
+                    n_seeds=r.n_seeds, window=res.window, **extra)
+        else:
+            rec.add("convergence", r.recipe, "diverged", 1.0, "", statistic="count")
+    for r in res.buckets.itertuples():
+        rec.add("convergence", r.recipe, "loss_by_t", r.loss, "loss", statistic="mean", bucket=r.bucket, seed=r.seed)
+    for r in res.divergences.itertuples():
+        rec.add("convergence", r.recipe, "divergence_step", float(r.step), "step", seed=r.seed, reason=r.reason)
