@@ -86,7 +86,8 @@ def _jsonable(x: Any) -> Any:
     if isinstance(x, (str, int, bool)) or x is None:
         return x
     if isinstance(x, float):
-        return x if math.isfinite(x) else str(x)
+        # JSON has no NaN/Inf: a missing value is null; +-Inf keep their sign as text.
+        return x if math.isfinite(x) else (None if math.isnan(x) else str(x))
     if isinstance(x, (torch.dtype, torch.device)):
         return str(x)
     if hasattr(x, "item") and callable(x.item):
@@ -182,6 +183,7 @@ def load_records(path: str | Path) -> pd.DataFrame:
     data = json.loads(path.read_text())
     if isinstance(data, dict) and "rows" in data:
         df = pd.DataFrame(data["rows"], columns=ROW_COLUMNS)
+        df["value"] = pd.to_numeric(df["value"], errors="coerce").astype(float)
         ctx = data.get("context", {})
         for c in CONTEXT_COLUMNS:
             df[c] = ctx.get(c, "")

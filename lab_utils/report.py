@@ -90,6 +90,7 @@ def gather_records(run_dir: Path, statuses, run_id: str) -> pd.DataFrame:
     cols = ROW_COLUMNS + CONTEXT_COLUMNS + ["notebook", "run_id"]
     df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=cols)
     df = df.reindex(columns=cols)
+    df["value"] = pd.to_numeric(df["value"], errors="coerce").astype(float)
     df.to_parquet(run_dir / "records.parquet", index=False)
     (run_dir / "records.json").write_text(df.to_json(orient="records", indent=1))
     (run_dir / "status.json").write_text(json.dumps([{k: v for k, v in vars(s).items() if k != "params"}
