@@ -324,12 +324,15 @@ def grid_histogram_map(x: torch.Tensor, variants: Mapping[str, dict]):
     return hv.HoloMap(frames, kdims=["format"])
 
 
-def sqnr_heatmap(df: pd.DataFrame, *, x: str = "tensor", y: str = "variant", value: str = "sqnr_db"):
+def sqnr_heatmap(df: pd.DataFrame, *, x: str = "tensor", y: str = "variant", value: str = "sqnr_db",
+                 labels: bool = True):
+    """Heat map of ``value`` over ``x`` x ``y`` (an exact SQNR of inf is drawn as 99 dB)."""
     import holoviews as hv
 
     d = df[[x, y, value]].copy()
     d[value] = d[value].replace([math.inf], 99.0).round(1)
-    return (hv.HeatMap(d, kdims=[x, y], vdims=[value]) * hv.Labels(d, kdims=[x, y], vdims=[value])).opts(
+    hm = hv.HeatMap(d, kdims=[x, y], vdims=[value])
+    return (hm * hv.Labels(d, kdims=[x, y], vdims=[value]) if labels else hm).opts(
         hv.opts.HeatMap(cmap="viridis", colorbar=True, tools=["hover"], xrotation=30, title=f"{value} (higher is better)"))
 
 
