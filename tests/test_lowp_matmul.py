@@ -60,10 +60,15 @@ def test_emulated_equals_quantized_operands(fmt, gran, gen):
 
 def test_hadamard_cancels_in_the_product(gen):
     a, b = torch.randn(16, 128, generator=gen), torch.randn(12, 128, generator=gen)
-    a[:, 3] *= 80
+    ha, hb = Q.hadamard_transform(a, 32), Q.hadamard_transform(b, 32)
+    assert_close(ha @ hb.T, a @ b.T, atol=1e-4, rtol=1e-4, name="(aH)(bH)^T = ab^T")
+    # with outlier channels the rotation helps MXFP4 (a statistical claim: fixed seed, 64 x 256)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 256, generator=g), torch.randn(48, 256, generator=g)
+    a[:, [3, 77]] *= 80
     plain = sqnr_db(L.emulated_matmul(a, b, "mxfp4"), L.reference_matmul(a, b))
     rot = sqnr_db(L.emulated_matmul(a, b, "mxfp4", hadamard=32), L.reference_matmul(a, b))
-    assert rot > plain
+    assert rot > plain, (rot, plain)          # 15.4 vs 14.8 dB at this seed
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
