@@ -892,6 +892,16 @@ def _ratio_plot(cmp: Comparison, max_rows: int = 300):
     return p
 
 
+def _inline_bokeh(Resources) -> str:
+    """BokehJS inline.  Once panel has been imported in the process it registers its own
+    extension scripts by relative URL (e.g. es-module-shims); this page uses none of them,
+    so any <script src=...> is dropped to keep the page self-contained."""
+    import re
+
+    return re.sub(r"<script[^>]*\bsrc=[^>]*>\s*</script>", "",
+                  Resources(mode="inline", components=["bokeh"]).render())
+
+
 def render_html(cmp: Comparison) -> str:
     """One self-contained page: BokehJS inline, no request to anything outside the file."""
     from bokeh.embed import components
@@ -937,7 +947,7 @@ def render_html(cmp: Comparison) -> str:
     title = f"perflab compare: {cmp.cand.run_id} vs {cmp.base.run_id}"
     return f"""<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>
 <style>{_CSS}</style>
-{Resources(mode="inline", components=["bokeh"]).render()}
+{_inline_bokeh(Resources)}
 </head><body>
 <h1>{esc(title)}</h1>
 <p class="{result_cls}">{esc(cmp.result_line())}</p>

@@ -308,8 +308,11 @@ def test_failed_notebook_in_candidate_gates(tmp_path, runs):
 
 
 def test_html_is_self_contained(tmp_path, runs):
+    import panel  # noqa: F401  (once imported, panel adds relative-URL scripts to bokeh's resources)
+
     base, cand = runs
     page = C.compare(base, cand).to_html()
+    assert not re.search(r"<script[^>]*\bsrc=", page), "no script may be loaded from a file beside the page"
     assert "<table id=\"rows\" class=\"sortable\"" in page and "Bokeh" in page
     assert "embed_items" in page or "embed.embed_items" in page
     # no tag loads anything from a URL (BokehJS itself only names a MathJax CDN in code that math text
