@@ -15,6 +15,7 @@ forward, 2.5x backward); TFLOP/s and % of the *measured* matmul ceiling of the d
 bucketed batch.  Rows: benchmarks/results/attention_<device-kind>_<dtype>.{json,csv}
 (tidy rows, same columns as every Recorder) unless ``--out`` says otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,14 +33,36 @@ from lab_utils.records import Recorder
 
 PRESETS = {
     # FLUX-dev: 24 heads x 128, joint sequence 512 text + 4096 image tokens at 1024^2.
-    "gpu": dict(seq_lens=[1024, 2048, 4608, 8192, 16384], head_dims=[64, 128], heads=24, batch=1,
-                masks=["full", "causal", "mmdit", "neighborhood", "document", "sliding_window"],
-                paths=["sdpa", "flash", "efficient", "cudnn", "flex", "triton", "flash_attn", "math"],
-                dtype="bfloat16", reps=20, budget_s=60.0, varlen_batch=8, varlen_heads=24,
-                buckets=V.BUCKETS_1MP + [(512, 512), (640, 384), (384, 640)], txt_len=[64, 512]),
-    "cpu": dict(seq_lens=[128, 256, 512], head_dims=[64], heads=2, batch=1, masks=["full", "causal", "mmdit"],
-                paths=["sdpa", "math", "flash", "flex_eager"], dtype="float32", reps=5, budget_s=10.0,
-                varlen_batch=4, varlen_heads=2, buckets=V.BUCKETS_SMALL, txt_len=[16, 64]),
+    "gpu": dict(
+        seq_lens=[1024, 2048, 4608, 8192, 16384],
+        head_dims=[64, 128],
+        heads=24,
+        batch=1,
+        masks=["full", "causal", "mmdit", "neighborhood", "document", "sliding_window"],
+        paths=["sdpa", "flash", "efficient", "cudnn", "flex", "triton", "flash_attn", "math"],
+        dtype="bfloat16",
+        reps=20,
+        budget_s=60.0,
+        varlen_batch=8,
+        varlen_heads=24,
+        buckets=V.BUCKETS_1MP + [(512, 512), (640, 384), (384, 640)],
+        txt_len=[64, 512],
+    ),
+    "cpu": dict(
+        seq_lens=[128, 256, 512],
+        head_dims=[64],
+        heads=2,
+        batch=1,
+        masks=["full", "causal", "mmdit"],
+        paths=["sdpa", "math", "flash", "flex_eager"],
+        dtype="float32",
+        reps=5,
+        budget_s=10.0,
+        varlen_batch=4,
+        varlen_heads=2,
+        buckets=V.BUCKETS_SMALL,
+        txt_len=[16, 64],
+    ),
 }
 
 
@@ -72,27 +95,55 @@ def main(argv=None) -> int:
     params.pop("buckets")
     rec = Recorder(lab="03_attention", params=params, device=dev, ceilings=ceilings)
     t0 = time.perf_counter()
-    rows = A.sweep(paths=p["paths"], masks=p["masks"], seq_lens=p["seq_lens"], head_dims=p["head_dims"],
-                   directions=tuple(a.directions), batch=p["batch"], heads=p["heads"], dtype=dtype, device=dev,
-                   rec=rec, ceilings=ceilings, reps=p["reps"], budget_s=p["budget_s"])
+    rows = A.sweep(
+        paths=p["paths"],
+        masks=p["masks"],
+        seq_lens=p["seq_lens"],
+        head_dims=p["head_dims"],
+        directions=tuple(a.directions),
+        batch=p["batch"],
+        heads=p["heads"],
+        dtype=dtype,
+        device=dev,
+        rec=rec,
+        ceilings=ceilings,
+        reps=p["reps"],
+        budget_s=p["budget_s"],
+    )
     for r in rows:
-        status = f"{r['time_ms']:.4g} ms" + (f"  {r['tflops']:.3g} TFLOP/s" if r.get("tflops") == r.get("tflops")
-                                            and "tflops" in r else "")
-        print(f"L={r['seq_len']:<6} D={r['head_dim']:<4} {r['mask']:<15} {r['path']:<17} {r['direction']:<8} "
-              f"{status if r['time_ms'] == r['time_ms'] else 'skip: ' + r['note'][:90]}", flush=True)
+        status = f"{r['time_ms']:.4g} ms" + (
+            f"  {r['tflops']:.3g} TFLOP/s" if r.get("tflops") == r.get("tflops") and "tflops" in r else ""
+        )
+        print(
+            f"L={r['seq_len']:<6} D={r['head_dim']:<4} {r['mask']:<15} {r['path']:<17} {r['direction']:<8} "
+            f"{status if r['time_ms'] == r['time_ms'] else 'skip: ' + r['note'][:90]}",
+            flush=True,
+        )
     if not a.no_varlen:
         batch = V.bucket_batch(p["varlen_batch"], buckets=p["buckets"], txt_len=tuple(p["txt_len"]), seed=0)
         for bwd in (False, True):
-            V.time_padding_vs_packing(batch, p["varlen_heads"], max(p["head_dims"]), paths=p["paths"], dtype=dtype,
-                                      device=dev, backward=bwd, rec=rec, reps=p["reps"], budget_s=p["budget_s"],
-                                      ceilings=ceilings)
+            V.time_padding_vs_packing(
+                batch,
+                p["varlen_heads"],
+                max(p["head_dims"]),
+                paths=p["paths"],
+                dtype=dtype,
+                device=dev,
+                backward=bwd,
+                rec=rec,
+                reps=p["reps"],
+                budget_s=p["budget_s"],
+                ceilings=ceilings,
+            )
     out = Path(a.out) if a.out else (Path(__file__).parent / "results" / f"attention_{info.kind}_{p['dtype']}")
     out.parent.mkdir(parents=True, exist_ok=True)
     rec.save(out.with_suffix(".json"))
     df = rec.frame()
     df.to_csv(out.with_suffix(".csv"), index=False)
-    print(f"{len(df)} rows in {time.perf_counter() - t0:.0f} s -> {out}.json / .csv "
-          f"(device {info.name}, ceiling {ceilings.matmul(p['dtype'])} TFLOP/s {p['dtype']})")
+    print(
+        f"{len(df)} rows in {time.perf_counter() - t0:.0f} s -> {out}.json / .csv "
+        f"(device {info.name}, ceiling {ceilings.matmul(p['dtype'])} TFLOP/s {p['dtype']})"
+    )
     return 0
 
 

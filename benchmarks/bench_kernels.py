@@ -6,7 +6,7 @@ Rerun on a GPU (the figures that go in the repo; H100/H200):
 CPU smoke (small; Triton excluded — the interpreter is never timed):
     python benchmarks/bench_kernels.py --preset cpu --out /tmp/kernels_cpu.parquet
 
-Method: ``lab_utils.kernel_bench`` — inputs drawn once per case, every timeable variant
+Method: ``lab_utils.fused`` — inputs drawn once per case, every timeable variant
 through the lab's one timing primitive (``lab_utils.timing.bench``: first call — compile,
 autotune — out of the statistics, L2 flushed on CUDA), median with p20/p80.  GB/s from the
 bytes each op must move (each input read once, each output written once; formulas in each
@@ -18,6 +18,7 @@ copy ceiling at the largest size (the issue asks Triton to reach >= 85% there).
 Rows are the tidy Recorder columns (``.parquet``, ``.csv`` or ``.json`` by the suffix of
 ``--out``), with the run's context (device, versions, commit, ceilings) merged on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,21 +29,43 @@ from pathlib import Path
 
 import torch
 
-from lab_utils import kernel_bench as kb
+from lab_utils import fused as kb
 from lab_utils.ceilings import get_ceilings
 from lab_utils.device import device_info, pick_device
 from lab_utils.records import Recorder, run_context
 
 PRESETS = {
     # FLUX-dev widths (hidden 3072, MLP 12288, head dim 128); 1024² image = 4096 tokens (+512 text).
-    "gpu": dict(presets=["flux-dev", "medium"], tokens=[1024, 4096, 8192, 16384], batch=1,
-                dtypes=["bfloat16", "float32"], directions=["fwd", "bwd", "fwd+bwd"],
-                variants=None, reps=20, budget_s=60.0, block_preset="flux-dev", block_img_tokens=4096,
-                block_txt_tokens=512, block_dtype="bfloat16",
-                block_providers=["eager", "compile", "triton", "triton+compile"]),
-    "cpu": dict(presets=["small"], tokens=[128, 512], batch=1, dtypes=["float32"], directions=["fwd", "fwd+bwd"],
-                variants=["eager", "torch"], reps=5, budget_s=10.0, block_preset="tiny", block_img_tokens=64,
-                block_txt_tokens=16, block_dtype="float32", block_providers=["eager"]),
+    "gpu": dict(
+        presets=["flux-dev", "medium"],
+        tokens=[1024, 4096, 8192, 16384],
+        batch=1,
+        dtypes=["bfloat16", "float32"],
+        directions=["fwd", "bwd", "fwd+bwd"],
+        variants=None,
+        reps=20,
+        budget_s=60.0,
+        block_preset="flux-dev",
+        block_img_tokens=4096,
+        block_txt_tokens=512,
+        block_dtype="bfloat16",
+        block_providers=["eager", "compile", "triton", "triton+compile"],
+    ),
+    "cpu": dict(
+        presets=["small"],
+        tokens=[128, 512],
+        batch=1,
+        dtypes=["float32"],
+        directions=["fwd", "fwd+bwd"],
+        variants=["eager", "torch"],
+        reps=5,
+        budget_s=10.0,
+        block_preset="tiny",
+        block_img_tokens=64,
+        block_txt_tokens=16,
+        block_dtype="float32",
+        block_providers=["eager"],
+    ),
 }
 
 
@@ -87,8 +110,14 @@ def main(argv=None) -> int:
     ap.add_argument("--full-ceilings", action="store_true", help="measure the full (not quick) ceilings")
     a = ap.parse_args(argv)
     p = dict(PRESETS[a.preset])
-    for k, v in (("presets", a.model_presets), ("tokens", a.tokens), ("dtypes", a.dtypes),
-                 ("directions", a.directions), ("variants", a.variants), ("reps", a.reps)):
+    for k, v in (
+        ("presets", a.model_presets),
+        ("tokens", a.tokens),
+        ("dtypes", a.dtypes),
+        ("directions", a.directions),
+        ("variants", a.variants),
+        ("reps", a.reps),
+    ):
         if v is not None:
             p[k] = v
     dev = pick_device(a.device)
@@ -100,17 +129,44 @@ def main(argv=None) -> int:
     problems = kb.problems_for(p["presets"], p["tokens"], batch=p["batch"])
     print(f"{info.name}: {len(a.ops)} ops x {len(problems)} sizes x {p['dtypes']} x {p['directions']}", flush=True)
     for op in a.ops:
-        kb.sweep(rec, [op], problems, p["dtypes"], p["directions"], device=dev, variant_names=p["variants"],
-                 reps=p["reps"], budget_s=p["budget_s"])
+        kb.sweep(
+            rec,
+            [op],
+            problems,
+            p["dtypes"],
+            p["directions"],
+            device=dev,
+            variant_names=p["variants"],
+            reps=p["reps"],
+            budget_s=p["budget_s"],
+        )
         print(f"  {op} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     if not a.no_block:
-        cases = kb.block_cases(p["block_preset"], providers=p["block_providers"], img_tokens=p["block_img_tokens"],
-                               txt_tokens=p["block_txt_tokens"], dtype=kb.as_dtype(p["block_dtype"]), device=dev)
+        cases = kb.block_cases(
+            p["block_preset"],
+            providers=p["block_providers"],
+            img_tokens=p["block_img_tokens"],
+            txt_tokens=p["block_txt_tokens"],
+            dtype=kb.as_dtype(p["block_dtype"]),
+            device=dev,
+        )
         for r in kb.block_agreement(cases):
-            rec.add("block_agreement", r["provider"], "max_abs_diff_vs_eager", r["max_abs_diff"], kind=r["kind"],
-                    max_abs_ref=r["max_abs_ref"])
-        kb.block_compare(rec, cases, device=dev, dtype=kb.as_dtype(p["block_dtype"]), reps=p["reps"],
-                         budget_s=max(p["budget_s"], 60.0))
+            rec.add(
+                "block_agreement",
+                r["provider"],
+                "max_abs_diff_vs_eager",
+                r["max_abs_diff"],
+                kind=r["kind"],
+                max_abs_ref=r["max_abs_ref"],
+            )
+        kb.block_compare(
+            rec,
+            cases,
+            device=dev,
+            dtype=kb.as_dtype(p["block_dtype"]),
+            reps=p["reps"],
+            budget_s=max(p["budget_s"], 60.0),
+        )
         print(f"  blocks done ({time.perf_counter() - t0:.0f} s)", flush=True)
     df = rec.frame()
     ctx = run_context(rec.params, dev, ceilings=ceil)

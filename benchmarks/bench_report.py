@@ -5,6 +5,7 @@ first, as on a developer's machine), record the wall time of the whole run and o
 notebook, and write the median and spread to benchmarks/results/report_<suite>_<device>.json.
 The README quotes this file; the smoke suite must stay under 10 minutes on 2 cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from lab_utils.device import device_info
 from lab_utils.records import git_commit
-from lab_utils.runner import run_suite
+from lab_utils.run.runner import run_suite
 
 
 def main(argv=None) -> int:
@@ -31,19 +32,31 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             res = run_suite(a.suite, out_dir=d, progress=True, run_id=f"bench-{i}")
             wall = time.perf_counter() - t0
-        runs.append({"wall_s": wall, "ok": res.ok,
-                     "notebooks": {s.notebook: {"seconds": s.seconds, "status": s.status} for s in res.statuses}})
+        runs.append(
+            {
+                "wall_s": wall,
+                "ok": res.ok,
+                "notebooks": {s.notebook: {"seconds": s.seconds, "status": s.status} for s in res.statuses},
+            }
+        )
         print(f"run {i}: {wall:.1f} s ({'ok' if res.ok else 'FAILED'})")
     info = device_info()
     walls = [r["wall_s"] for r in runs]
     out = {
-        "suite": a.suite, "device": info.name, "units": f"{info.units} {info.units_name}",
-        "torch": info.torch_version, "commit": git_commit(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "suite": a.suite,
+        "device": info.name,
+        "units": f"{info.units} {info.units_name}",
+        "torch": info.torch_version,
+        "commit": git_commit(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "method": "wall clock of run_suite (papermill, fresh kernel per notebook, HTML export included); "
-                  "median over repeats; ceilings cached",
-        "median_wall_s": statistics.median(walls), "min_wall_s": min(walls), "max_wall_s": max(walls),
-        "per_notebook_median_s": {nb: statistics.median(r["notebooks"][nb]["seconds"] for r in runs)
-                                  for nb in runs[0]["notebooks"]},
+        "median over repeats; ceilings cached",
+        "median_wall_s": statistics.median(walls),
+        "min_wall_s": min(walls),
+        "max_wall_s": max(walls),
+        "per_notebook_median_s": {
+            nb: statistics.median(r["notebooks"][nb]["seconds"] for r in runs) for nb in runs[0]["notebooks"]
+        },
         "runs": runs,
     }
     path = Path(a.out or Path(__file__).parent / "results" / f"report_{a.suite}_{info.kind}.json")

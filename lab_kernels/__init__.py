@@ -6,6 +6,7 @@ CUDA device we set it here (unless the user already chose), which makes every
 ``@triton.jit`` kernel in this package run through Triton's interpreter: correct,
 slow, never to be timed.  This package never imports ``lab_utils``.
 """
+
 from __future__ import annotations
 
 import os as _os

@@ -11,11 +11,12 @@ There we register the same Python body as an opaque ``torch.library.custom_op``
 with a fake (meta) implementation; compile then composes with it as an opaque call.
 Numerically the two registrations run the same kernels.
 """
+
 from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
@@ -62,7 +63,7 @@ def num_warps_for(block: int) -> int:
     return int(min(16, max(1, block // 256)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -87,8 +88,10 @@ def check_tensor(op: str, name: str, t, *, dtypes: Sequence[torch.dtype] = FLOAT
         raise TypeError(f"{op}: parameter {name!r} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{op}/triton: parameter {name!r} has dtype {str(t.dtype).replace('torch.', '')}; "
-                        f"the kernel takes {allowed}")
+        raise TypeError(
+            f"{op}/triton: parameter {name!r} has dtype {str(t.dtype).replace('torch.', '')}; "
+            f"the kernel takes {allowed}"
+        )
 
 
 def check_device(op: str, *named: tuple[str, torch.Tensor]) -> torch.device:
@@ -99,8 +102,10 @@ def check_device(op: str, *named: tuple[str, torch.Tensor]) -> torch.device:
     if dev.type == "cuda" and INTERPRETED:
         raise RuntimeError(f"{op}/triton: TRITON_INTERPRET=1 is set, the kernel cannot run on {dev}")
     if dev.type == "cpu" and not INTERPRETED:
-        raise RuntimeError(f"{op}/triton: input is on CPU; Triton runs on CPU only through its interpreter "
-                           "(TRITON_INTERPRET=1 before lab_kernels is imported)")
+        raise RuntimeError(
+            f"{op}/triton: input is on CPU; Triton runs on CPU only through its interpreter "
+            "(TRITON_INTERPRET=1 before lab_kernels is imported)"
+        )
     if dev.type not in ("cpu", "cuda"):
         raise RuntimeError(f"{op}/triton: device {dev} is not supported (cuda, or cpu via the interpreter)")
     return dev
@@ -108,14 +113,18 @@ def check_device(op: str, *named: tuple[str, torch.Tensor]) -> torch.device:
 
 def check_shape(op: str, name: str, t: torch.Tensor, expected: tuple, what: str = "") -> None:
     if tuple(t.shape) != tuple(expected):
-        raise ValueError(f"{op}: parameter {name!r} has shape {tuple(t.shape)}, expected {tuple(expected)}"
-                         + (f" ({what})" if what else ""))
+        raise ValueError(
+            f"{op}: parameter {name!r} has shape {tuple(t.shape)}, expected {tuple(expected)}"
+            + (f" ({what})" if what else "")
+        )
 
 
 def check_row_width(op: str, name: str, n: int, limit: int = MAX_ROW) -> None:
     if n > limit:
-        raise ValueError(f"{op}/triton: parameter {name!r} has a last dimension of {n}, wider than the "
-                         f"kernel's single-pass row limit of {limit} elements")
+        raise ValueError(
+            f"{op}/triton: parameter {name!r} has a last dimension of {n}, wider than the "
+            f"kernel's single-pass row limit of {limit} elements"
+        )
 
 
 def row_width_reason(op: str, shape, limit: int = MAX_ROW) -> str | None:
@@ -131,8 +140,10 @@ def row_width_reason(op: str, shape, limit: int = MAX_ROW) -> str | None:
 def needs_no_grad(op: str, **named: torch.Tensor) -> None:
     for name, t in named.items():
         if t.requires_grad:
-            raise ValueError(f"{op}/triton: parameter {name!r} requires grad, but the kernel treats it as a "
-                             "constant table and computes no gradient for it; detach it or use the eager variant")
+            raise ValueError(
+                f"{op}/triton: parameter {name!r} requires grad, but the kernel treats it as a "
+                "constant table and computes no gradient for it; detach it or use the eager variant"
+            )
 
 
 def promote(*ts: torch.Tensor) -> torch.dtype:
@@ -170,8 +181,7 @@ def col_sum(partials: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     G, P, N = partials.shape
     BLOCK_N = min(next_pow2(N), 256)
     BLOCK_P = min(next_pow2(P), 32)
-    launch(_col_sum_kernel)[(G, triton.cdiv(N, BLOCK_N))](partials, out, P, N, BLOCK_P=BLOCK_P,
-                                                           BLOCK_N=BLOCK_N)
+    launch(_col_sum_kernel)[(G, triton.cdiv(N, BLOCK_N))](partials, out, P, N, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N)
     return out
 
 

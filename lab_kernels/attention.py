@@ -26,6 +26,7 @@ block (L / BLOCK_M times), writes O and LSE; backward reads Q, K, V, O, dO and
 writes dQ, dK, dV — no L x L matrix is ever stored.  FLOPs (full mask):
 4 * B * H * L^2 * Dh forward, 2.5x that backward (5 matmuls instead of 2).
 """
+
 from __future__ import annotations
 
 import math
@@ -43,9 +44,17 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # --------------------------------------------------------------------------- reference
-def reference_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
-                        cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                        mask: torch.Tensor | None = None) -> torch.Tensor:
+def reference_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Plain-torch attention, valid in float64 (computes in the input dtype).
 
     ``q, k, v``: (B, H, L, Dh) — or (T, H, Dh) with ``cu_seqlens``.  ``mask``: a boolean
@@ -61,7 +70,7 @@ def reference_attention(q, k, v, *, causal: bool = False, scale: float | None = 
             outs.append(o[0].transpose(0, 1))
         return torch.cat(outs, 0)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = torch.matmul(q, k.transpose(-2, -1)) * scale                  # (B, H, Lq, Lk)
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
     allowed = None
     if causal:
         lq, lk = q.shape[-2], k.shape[-2]
@@ -72,15 +81,17 @@ def reference_attention(q, k, v, *, causal: bool = False, scale: float | None = 
         s = s.masked_fill(~allowed, float("-inf"))
     p = torch.softmax(s, dim=-1)
     if allowed is not None:
-        p = torch.nan_to_num(p, nan=0.0)      # fully-masked rows: zeros, not NaN
+        p = torch.nan_to_num(p, nan=0.0)  # fully-masked rows: zeros, not NaN
     return torch.matmul(p, v)
 
 
 # --------------------------------------------------------------------------- checks
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> None:
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"parameter 'cu_seqlens' must be a 1-D integer tensor [0, l0, l0+l1, ..., T] "
-                         f"with at least 2 entries, got {cu_seqlens!r}")
+        raise ValueError(
+            f"parameter 'cu_seqlens' must be a 1-D integer tensor [0, l0, l0+l1, ..., T] "
+            f"with at least 2 entries, got {cu_seqlens!r}"
+        )
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"parameter 'cu_seqlens' must be int32 or int64, got {cu_seqlens.dtype}")
     c = cu_seqlens.tolist()
@@ -89,8 +100,9 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> None:
     if any(b <= a for a, b in zip(c[:-1], c[1:])):
         raise ValueError(f"parameter 'cu_seqlens' must be strictly increasing (no empty sequence), got {c}")
     if c[-1] != total:
-        raise ValueError(f"parameter 'cu_seqlens' must end at the packed length {total} (q.shape[0]), "
-                         f"got {c[-1]} (cu_seqlens={c})")
+        raise ValueError(
+            f"parameter 'cu_seqlens' must end at the packed length {total} (q.shape[0]), got {c[-1]} (cu_seqlens={c})"
+        )
 
 
 def _check_qkv(q, k, v, cu_seqlens):
@@ -103,12 +115,16 @@ def _check_qkv(q, k, v, cu_seqlens):
         raise ValueError(f"parameter 'q' must be {layout}, got shape {tuple(q.shape)}")
     if k.shape != q.shape or v.shape != q.shape:
         bad = "k" if k.shape != q.shape else "v"
-        raise ValueError(f"parameter {bad!r} has shape {tuple((k if bad == 'k' else v).shape)}; the Triton "
-                         f"kernel does self-attention and needs q, k, v of one shape {tuple(q.shape)}")
+        raise ValueError(
+            f"parameter {bad!r} has shape {tuple((k if bad == 'k' else v).shape)}; the Triton "
+            f"kernel does self-attention and needs q, k, v of one shape {tuple(q.shape)}"
+        )
     if k.dtype != q.dtype or v.dtype != q.dtype:
         bad = "k" if k.dtype != q.dtype else "v"
-        raise ValueError(f"parameter {bad!r} has dtype {(k if bad == 'k' else v).dtype}, q has {q.dtype}: "
-                         f"q, k, v must share one dtype")
+        raise ValueError(
+            f"parameter {bad!r} has dtype {(k if bad == 'k' else v).dtype}, q has {q.dtype}: "
+            f"q, k, v must share one dtype"
+        )
     if q.dtype not in TRITON_DTYPES:
         raise ValueError(f"parameter 'q' has dtype {q.dtype}; the Triton kernel takes float16, bfloat16, float32")
     if q.shape[-1] not in HEAD_DIMS:
@@ -117,8 +133,7 @@ def _check_qkv(q, k, v, cu_seqlens):
         raise ValueError(f"parameters 'q', 'k', 'v' are on different devices ({q.device}, {k.device}, {v.device})")
 
 
-def triton_check(*, device=None, dtype=None, head_dim=None, mask=None, causal=None, layout=None,
-                 lq=None, lk=None, **_):
+def triton_check(*, device=None, dtype=None, head_dim=None, mask=None, causal=None, layout=None, lq=None, lk=None, **_):
     """Capability check for the registry: why the Triton kernel cannot run a problem."""
     if head_dim is not None and head_dim not in HEAD_DIMS:
         return f"attention/triton supports head dims {HEAD_DIMS}, not {head_dim}"
@@ -145,13 +160,29 @@ def _mma(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _attention_fwd_kernel(
-    Q, K, V, O, LSE, CU_SEQLENS,
-    stride_qb, stride_qh, stride_qm,
-    stride_ob, stride_oh, stride_om,
-    stride_lb, stride_lh,
-    n_heads, seqlen, qk_scale_log2,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    CU_SEQLENS,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_lb,
+    stride_lh,
+    n_heads,
+    seqlen,
+    qk_scale_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     start_m = tl.program_id(0)
@@ -186,7 +217,7 @@ def _attention_fwd_kernel(
         n_idx = start_n + offs_n
         n_ok = n_idx < L
         k = tl.load(k_base + n_idx[:, None] * stride_qm + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        s = _mma(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale_log2   # (BM, BN), log2 units
+        s = _mma(q, tl.trans(k), DOT_PRECISION, UPCAST) * qk_scale_log2  # (BM, BN), log2 units
         ok = n_ok[None, :]
         if CAUSAL:
             ok = ok & (offs_m[:, None] >= n_idx[None, :])
@@ -201,21 +232,40 @@ def _attention_fwd_kernel(
         m_i = m_new
     acc = acc / l_i[:, None]
     o_base = O + b.to(tl.int64) * stride_ob + h * stride_oh + row0 * stride_om
-    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], acc.to(O.dtype.element_ty),
-             mask=m_ok[:, None])
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], acc.to(O.dtype.element_ty), mask=m_ok[:, None])
     lse_base = LSE + b.to(tl.int64) * stride_lb + h * stride_lh + row0
     tl.store(lse_base + offs_m, m_i + tl.log2(l_i), mask=m_ok)
 
 
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, CU_SEQLENS,
-    stride_qb, stride_qh, stride_qm,
-    stride_gb, stride_gh, stride_gm,
-    stride_lb, stride_lh,
-    n_heads, seqlen, qk_scale_log2, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    DK,
+    DV,
+    LSE,
+    DELTA,
+    CU_SEQLENS,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_gb,
+    stride_gh,
+    stride_gm,
+    stride_lb,
+    stride_lh,
+    n_heads,
+    seqlen,
+    qk_scale_log2,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """One program per (key block, batch*head): dV = P^T dO, dK = scale * dS^T Q."""
@@ -245,41 +295,57 @@ def _attention_bwd_dkdv_kernel(
     delta_base = DELTA + b.to(tl.int64) * stride_lb + h * stride_lh + row0
     lo = 0
     if CAUSAL:
-        lo = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M     # queries before the diagonal see none of these keys
+        lo = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M  # queries before the diagonal see none of these keys
     for start_m in range(lo, L, BLOCK_M):
         offs_m = start_m + offs_m0
         m_ok = offs_m < L
         q = tl.load(Q + in_off + offs_m[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None], other=0.0)
-        do = tl.load(DO + in_off + offs_m[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None],
-                     other=0.0)
+        do = tl.load(DO + in_off + offs_m[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None], other=0.0)
         lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
         delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
-        st = _mma(k, tl.trans(q), DOT_PRECISION, UPCAST) * qk_scale_log2     # (BN, BM) = S^T
+        st = _mma(k, tl.trans(q), DOT_PRECISION, UPCAST) * qk_scale_log2  # (BN, BM) = S^T
         ok = n_ok[:, None] & m_ok[None, :]
         if CAUSAL:
             ok = ok & (offs_m[None, :] >= offs_n[:, None])
-        pt = tl.where(ok, tl.exp2(st - lse[None, :]), 0.0)                              # P^T
+        pt = tl.where(ok, tl.exp2(st - lse[None, :]), 0.0)  # P^T
         dv += _mma(pt.to(do.dtype), do, DOT_PRECISION, UPCAST)
-        dpt = _mma(v, tl.trans(do), DOT_PRECISION, UPCAST)                    # dP^T
+        dpt = _mma(v, tl.trans(do), DOT_PRECISION, UPCAST)  # dP^T
         dst = pt * (dpt - delta[None, :])
         dk += _mma(dst.to(q.dtype), q, DOT_PRECISION, UPCAST)
     dk = dk * sm_scale
     g_off = b.to(tl.int64) * stride_gb + h * stride_gh + row0 * stride_gm
-    tl.store(DK + g_off + offs_n[:, None] * stride_gm + offs_d[None, :], dk.to(DK.dtype.element_ty),
-             mask=n_ok[:, None])
-    tl.store(DV + g_off + offs_n[:, None] * stride_gm + offs_d[None, :], dv.to(DV.dtype.element_ty),
-             mask=n_ok[:, None])
+    tl.store(DK + g_off + offs_n[:, None] * stride_gm + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=n_ok[:, None])
+    tl.store(DV + g_off + offs_n[:, None] * stride_gm + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=n_ok[:, None])
 
 
 @triton.jit
 def _attention_bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, CU_SEQLENS,
-    stride_qb, stride_qh, stride_qm,
-    stride_gb, stride_gh, stride_gm,
-    stride_lb, stride_lh,
-    n_heads, seqlen, qk_scale_log2, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    DQ,
+    LSE,
+    DELTA,
+    CU_SEQLENS,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_gb,
+    stride_gh,
+    stride_gm,
+    stride_lb,
+    stride_lh,
+    n_heads,
+    seqlen,
+    qk_scale_log2,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """One program per (query block, batch*head): dQ = scale * dS K."""
@@ -324,8 +390,7 @@ def _attention_bwd_dq_kernel(
         dq += _mma(ds.to(k.dtype), k, DOT_PRECISION, UPCAST)
     dq = dq * sm_scale
     g_off = b.to(tl.int64) * stride_gb + h * stride_gh + row0 * stride_gm
-    tl.store(DQ + g_off + offs_m[:, None] * stride_gm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=m_ok[:, None])
+    tl.store(DQ + g_off + offs_m[:, None] * stride_gm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=m_ok[:, None])
 
 
 # --------------------------------------------------------------------------- host side
@@ -344,10 +409,15 @@ def _blocks(kind: str, head_dim: int, dtype: torch.dtype) -> dict:
         # FA2-tutorial-style Hopper defaults; fp32 x Dh 128 halves BLOCK_N to fit shared memory.
         # Educated defaults, not tuned on a GPU (none was lent); tests compile them for sm_90.
         f32_128 = dtype == torch.float32 and head_dim > 64
-        return dict(BLOCK_M=128, BLOCK_N=32 if f32_128 else 64, num_warps=8 if head_dim > 64 else 4,
-                    num_stages=2 if f32_128 else 3)
-    return dict(BLOCK_M=64 if not big else 32, BLOCK_N=64, num_warps=4 if not big else 8,
-                num_stages=2 if not big else 1)
+        return dict(
+            BLOCK_M=128,
+            BLOCK_N=32 if f32_128 else 64,
+            num_warps=8 if head_dim > 64 else 4,
+            num_stages=2 if f32_128 else 3,
+        )
+    return dict(
+        BLOCK_M=64 if not big else 32, BLOCK_N=64, num_warps=4 if not big else 8, num_stages=2 if not big else 1
+    )
 
 
 def _dot_args(dtype) -> dict:
@@ -376,20 +446,28 @@ def _same_strides(q, k, v):
 
 
 def _strides(t, varlen: bool):
-    if varlen:           # (T, H, D): no batch stride, row stride = stride(0)
+    if varlen:  # (T, H, D): no batch stride, row stride = stride(0)
         return 0, t.stride(1), t.stride(0)
     return t.stride(0), t.stride(1), t.stride(2)
 
 
 def _lse_strides(lse, varlen: bool):
-    if varlen:           # (H, T)
+    if varlen:  # (H, T)
         return 0, lse.stride(0)
-    return lse.stride(0), lse.stride(1)   # (B, H, L)
+    return lse.stride(0), lse.stride(1)  # (B, H, L)
 
 
-def attention_forward(q, k, v, *, causal: bool = False, scale: float | None = None,
-                      cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                      out: torch.Tensor | None = None):
+def attention_forward(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    out: torch.Tensor | None = None,
+):
     """Launch the forward kernel; returns (out, lse2) with lse2 in base-2 units (float32).
     ``out`` may be a preallocated buffer shaped and strided like q (tests poison it)."""
     varlen = cu_seqlens is not None
@@ -409,17 +487,41 @@ def attention_forward(q, k, v, *, causal: bool = False, scale: float | None = No
     cfg = _blocks("fwd", D, q.dtype)
     grid = (triton.cdiv(L, cfg["BLOCK_M"]), n_seq * H)
     _attention_fwd_kernel[grid](
-        q, k, v, out, lse, cu_seqlens if varlen else q,
-        *_strides(q, varlen), *_strides(out, varlen), *_lse_strides(lse, varlen),
-        H, L, scale * LOG2E,
-        HEAD_DIM=D, CAUSAL=causal, IS_VARLEN=varlen,
-        **_dot_args(q.dtype), **cfg)
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_seqlens if varlen else q,
+        *_strides(q, varlen),
+        *_strides(out, varlen),
+        *_lse_strides(lse, varlen),
+        H,
+        L,
+        scale * LOG2E,
+        HEAD_DIM=D,
+        CAUSAL=causal,
+        IS_VARLEN=varlen,
+        **_dot_args(q.dtype),
+        **cfg,
+    )
     return out, lse
 
 
-def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, scale: float | None = None,
-                       cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                       grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+def attention_backward(
+    do,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+):
     """Launch the backward kernels; returns (dq, dk, dv).  ``grads`` may be preallocated
     buffers shaped and strided like q, k, v (tests poison them)."""
     varlen = cu_seqlens is not None
@@ -441,27 +543,53 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, scale: fl
         if any(g.shape != q.shape or g.stride() != q.stride() or g.dtype != q.dtype for g in grads):
             raise ValueError("parameter 'grads' must be three buffers with the shape, strides and dtype of q")
     cfg = _blocks("bwd", D, q.dtype)
-    common = dict(HEAD_DIM=D, CAUSAL=causal, IS_VARLEN=varlen,
-                  **_dot_args(q.dtype), **cfg)
+    common = dict(HEAD_DIM=D, CAUSAL=causal, IS_VARLEN=varlen, **_dot_args(q.dtype), **cfg)
     cu = cu_seqlens if varlen else q
     _attention_bwd_dkdv_kernel[(triton.cdiv(L, cfg["BLOCK_N"]), n_seq * H)](
-        q, k, v, do, dk, dv, lse, delta, cu,
-        *_strides(q, varlen), *_strides(dk, varlen), *_lse_strides(lse, varlen),
-        H, L, scale * LOG2E, scale, **common)
+        q,
+        k,
+        v,
+        do,
+        dk,
+        dv,
+        lse,
+        delta,
+        cu,
+        *_strides(q, varlen),
+        *_strides(dk, varlen),
+        *_lse_strides(lse, varlen),
+        H,
+        L,
+        scale * LOG2E,
+        scale,
+        **common,
+    )
     _attention_bwd_dq_kernel[(triton.cdiv(L, cfg["BLOCK_M"]), n_seq * H)](
-        q, k, v, do, dq, lse, delta, cu,
-        *_strides(q, varlen), *_strides(dq, varlen), *_lse_strides(lse, varlen),
-        H, L, scale * LOG2E, scale, **common)
+        q,
+        k,
+        v,
+        do,
+        dq,
+        lse,
+        delta,
+        cu,
+        *_strides(q, varlen),
+        *_strides(dq, varlen),
+        *_lse_strides(lse, varlen),
+        H,
+        L,
+        scale * LOG2E,
+        scale,
+        **common,
+    )
     return dq, dk, dv
 
 
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, cu_seqlens, max_seqlen):
-        out, lse = attention_forward(q, k, v, causal=causal, scale=scale, cu_seqlens=cu_seqlens,
-                                     max_seqlen=max_seqlen)
-        ctx.save_for_backward(q, k, v, out, lse,
-                              *([cu_seqlens] if cu_seqlens is not None else []))
+        out, lse = attention_forward(q, k, v, causal=causal, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        ctx.save_for_backward(q, k, v, out, lse, *([cu_seqlens] if cu_seqlens is not None else []))
         ctx.causal, ctx.scale, ctx.max_seqlen = causal, scale, max_seqlen
         ctx.varlen = cu_seqlens is not None
         return out
@@ -470,13 +598,22 @@ class _TritonAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, out, lse, *rest = ctx.saved_tensors
         cu = rest[0] if ctx.varlen else None
-        dq, dk, dv = attention_backward(do, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale,
-                                        cu_seqlens=cu, max_seqlen=ctx.max_seqlen)
+        dq, dk, dv = attention_backward(
+            do, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale, cu_seqlens=cu, max_seqlen=ctx.max_seqlen
+        )
         return dq, dk, dv, None, None, None, None
 
 
-def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
-              cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+) -> torch.Tensor:
     """Triton flash attention with autograd.  q, k, v: (B, H, L, Dh), or (T, H, Dh) packed
     with ``cu_seqlens``; Dh in (64, 128); float16 / bfloat16 / float32."""
     _check_qkv(q, k, v, cu_seqlens)
@@ -485,16 +622,27 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
     return _TritonAttention.apply(q, k, v, bool(causal), scale, cu_seqlens, max_seqlen)
 
 
-def _sdpa_eager(q, k, v, *, causal: bool = False, scale: float | None = None,
-                cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+def _sdpa_eager(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+) -> torch.Tensor:
     """torch SDPA (default backend choice); packed input runs one call per sequence."""
     if cu_seqlens is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     _check_cu_seqlens(cu_seqlens, q.shape[0])
     b = cu_seqlens.tolist()
-    outs = [torch.nn.functional.scaled_dot_product_attention(
-        *(t[s:e].transpose(0, 1) for t in (q, k, v)), is_causal=causal, scale=scale).transpose(0, 1)
-        for s, e in zip(b[:-1], b[1:])]
+    outs = [
+        torch.nn.functional.scaled_dot_product_attention(
+            *(t[s:e].transpose(0, 1) for t in (q, k, v)), is_causal=causal, scale=scale
+        ).transpose(0, 1)
+        for s, e in zip(b[:-1], b[1:])
+    ]
     return torch.cat(outs, 0)
 
 
@@ -504,10 +652,28 @@ def _kernel_mask_check(*, mask=None, **_):
     return None
 
 
-register("attention", "reference", reference_attention, kind="reference",
-         description="plain torch, dense scores, valid in float64", check=_kernel_mask_check)
-register("attention", "eager", _sdpa_eager, kind="eager",
-         description="torch.nn.functional.scaled_dot_product_attention, default backend",
-         check=_kernel_mask_check)
-register("attention", "triton", attention, kind="triton", dtypes=TRITON_DTYPES, check=triton_check,
-         description="hand-written FlashAttention-2 forward + backward (full/causal, Dh 64/128, varlen)")
+register(
+    "attention",
+    "reference",
+    reference_attention,
+    kind="reference",
+    description="plain torch, dense scores, valid in float64",
+    check=_kernel_mask_check,
+)
+register(
+    "attention",
+    "eager",
+    _sdpa_eager,
+    kind="eager",
+    description="torch.nn.functional.scaled_dot_product_attention, default backend",
+    check=_kernel_mask_check,
+)
+register(
+    "attention",
+    "triton",
+    attention,
+    kind="triton",
+    dtypes=TRITON_DTYPES,
+    check=triton_check,
+    description="hand-written FlashAttention-2 forward + backward (full/causal, Dh 64/128, varlen)",
+)

@@ -12,6 +12,7 @@ Memory traffic the op must move (M = B·L rows, s = element size):
     forward   3·M·D·s + B·D·s                      (read x, y; write out; gate once)
     backward  3·M·D·s + 2·B·D·s                    (read dout, y; write dy; read gate, write dgate)
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,7 @@ OP = "gated_residual"
 
 
 @triton.jit
-def _gated_residual_fwd_kernel(x_ptr, gate_ptr, y_ptr, out_ptr, L, N,
-                               BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr):
+def _gated_residual_fwd_kernel(x_ptr, gate_ptr, y_ptr, out_ptr, L, N, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr):
     b = tl.program_id(0)
     ls = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -40,8 +40,9 @@ def _gated_residual_fwd_kernel(x_ptr, gate_ptr, y_ptr, out_ptr, L, N,
 
 
 @triton.jit
-def _gated_residual_bwd_kernel(dout_ptr, gate_ptr, y_ptr, dy_ptr, dgate_part_ptr, L, N,
-                               BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr):
+def _gated_residual_bwd_kernel(
+    dout_ptr, gate_ptr, y_ptr, dy_ptr, dgate_part_ptr, L, N, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr
+):
     b = tl.program_id(0)
     lt = tl.program_id(1)
     n_lt = tl.num_programs(1)
@@ -69,8 +70,7 @@ def _launch_fwd(x3, gate, y3, out):
         return out
     BLOCK_L, BLOCK_N, nw = _blocks(N)
     grid = (B, triton.cdiv(L, BLOCK_L), triton.cdiv(N, BLOCK_N))
-    C.launch(_gated_residual_fwd_kernel)[grid](x3, gate, y3, out, L, N, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N,
-                                               num_warps=nw)
+    C.launch(_gated_residual_fwd_kernel)[grid](x3, gate, y3, out, L, N, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, num_warps=nw)
     return out
 
 
@@ -82,7 +82,8 @@ def _launch_bwd(dout3, gate, y3, dy, dgate):
     n_lt = triton.cdiv(L, BLOCK_L)
     part = torch.empty((B, n_lt, N), device=y3.device, dtype=torch.float32)
     C.launch(_gated_residual_bwd_kernel)[(B, n_lt, triton.cdiv(N, BLOCK_N))](
-        dout3, gate, y3, dy, part, L, N, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, num_warps=nw)
+        dout3, gate, y3, dy, part, L, N, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, num_warps=nw
+    )
     C.col_sum(part, dgate)
     return dy, dgate
 
@@ -177,5 +178,11 @@ def eager_gated_residual(x, gate, y):
 register(OP, "reference", reference_gated_residual, kind="reference", description="plain torch, float64-valid")
 register(OP, "eager", eager_gated_residual, kind="eager", description="x + gate[:, None] * y in eager torch")
 register(OP, "compile", C.compiled(eager_gated_residual), kind="compile", description="torch.compile(eager)")
-register(OP, "triton", gated_residual, kind="triton", dtypes=C.FLOAT_DTYPES,
-         description="Triton fwd + bwd (dgate by per-tile partials + column sum), custom op")
+register(
+    OP,
+    "triton",
+    gated_residual,
+    kind="triton",
+    dtypes=C.FLOAT_DTYPES,
+    description="Triton fwd + bwd (dgate by per-tile partials + column sum), custom op",
+)

@@ -10,6 +10,7 @@ Memory traffic the op must move (n elements, s = element size):
     forward   2·n·s        (read x, write y)
     backward  3·n·s        (read x, dy; write dx)
 """
+
 from __future__ import annotations
 
 import torch

@@ -13,6 +13,7 @@ Memory traffic the op must move (M = B·L rows, s = element size):
     backward  3·M·D·s + 4·B·D·s + 8·M              (read x, dy; write dx; read scale, write
                                                     dshift, dscale; mean/rstd saved by the forward)
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,19 +28,20 @@ OP = "layer_norm_modulate"
 
 
 @triton.jit
-def _layer_norm_modulate_fwd_kernel(x_ptr, shift_ptr, scale_ptr, y_ptr, mean_ptr, rstd_ptr, M, L, N, eps,
-                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _layer_norm_modulate_fwd_kernel(
+    x_ptr, shift_ptr, scale_ptr, y_ptr, mean_ptr, rstd_ptr, M, L, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < M
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)          # (BLOCK_M, BLOCK_N)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_N)
     mean = tl.sum(x, axis=1) / N
     xc = tl.where(mask, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    b = rows // L                                                           # batch of each row
+    b = rows // L  # batch of each row
     moffs = b[:, None] * N + cols[None, :]
     shift = tl.load(shift_ptr + moffs, mask=mask, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr + moffs, mask=mask, other=0.0).to(tl.float32)
@@ -50,9 +52,20 @@ def _layer_norm_modulate_fwd_kernel(x_ptr, shift_ptr, scale_ptr, y_ptr, mean_ptr
 
 
 @triton.jit
-def _layer_norm_modulate_bwd_kernel(dy_ptr, x_ptr, scale_ptr, mean_ptr, rstd_ptr, dx_ptr,
-                                    dshift_part_ptr, dscale_part_ptr, L, N,
-                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _layer_norm_modulate_bwd_kernel(
+    dy_ptr,
+    x_ptr,
+    scale_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dshift_part_ptr,
+    dscale_part_ptr,
+    L,
+    N,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     # grid (B, P): program p of batch b walks that batch's row tiles with stride P and
     # writes its dshift/dscale partials to part[b, p, :].
     b = tl.program_id(0)
@@ -99,7 +112,8 @@ def _launch_fwd(x3, shift, scale, eps, y, mean, rstd):
         return y, mean, rstd
     BLOCK_M, BLOCK_N, nw = _blocks(N)
     C.launch(_layer_norm_modulate_fwd_kernel)[(triton.cdiv(M, BLOCK_M),)](
-        x3, shift, scale, y, mean, rstd, M, L, N, eps, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=nw)
+        x3, shift, scale, y, mean, rstd, M, L, N, eps, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=nw
+    )
     return y, mean, rstd
 
 
@@ -112,8 +126,9 @@ def _launch_bwd(dy3, x3, scale, mean, rstd, dx, dshift, dscale):
     P = max(1, min(triton.cdiv(L, BLOCK_M), triton.cdiv(C.persistent_programs(1 << 30, x3.device), B)))
     pshift = torch.empty((B, P, N), device=x3.device, dtype=torch.float32)
     pscale = torch.empty((B, P, N), device=x3.device, dtype=torch.float32)
-    C.launch(_layer_norm_modulate_bwd_kernel)[(B, P)](dy3, x3, scale, mean, rstd, dx, pshift, pscale, L, N,
-                                                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=nw)
+    C.launch(_layer_norm_modulate_bwd_kernel)[(B, P)](
+        dy3, x3, scale, mean, rstd, dx, pshift, pscale, L, N, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=nw
+    )
     C.col_sum(pshift, dshift)
     C.col_sum(pscale, dscale)
     return dx, dshift, dscale
@@ -121,13 +136,17 @@ def _launch_bwd(dy3, x3, scale, mean, rstd, dx, dshift, dscale):
 
 def _fwd_fake(x3, shift, scale, eps):
     B, L, _ = x3.shape
-    return (x3.new_empty(x3.shape, dtype=C.promote(x3, shift, scale)),
-            x3.new_empty((B * L,), dtype=torch.float32), x3.new_empty((B * L,), dtype=torch.float32))
+    return (
+        x3.new_empty(x3.shape, dtype=C.promote(x3, shift, scale)),
+        x3.new_empty((B * L,), dtype=torch.float32),
+        x3.new_empty((B * L,), dtype=torch.float32),
+    )
 
 
 @C.kernel_op("layer_norm_modulate_fwd", _fwd_fake)
-def _fwd_op(x3: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
-            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fwd_op(
+    x3: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     y, mean, rstd = _fwd_fake(x3, shift, scale, eps)
     return _launch_fwd(x3, shift, scale, eps, y, mean, rstd)
 
@@ -137,8 +156,14 @@ def _bwd_fake(dy3, x3, shift, scale, mean, rstd):
 
 
 @C.kernel_op("layer_norm_modulate_bwd", _bwd_fake)
-def _bwd_op(dy3: torch.Tensor, x3: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor,
-            rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd_op(
+    dy3: torch.Tensor,
+    x3: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dx, dshift, dscale = _bwd_fake(dy3, x3, shift, scale, mean, rstd)
     return _launch_bwd(dy3, x3, scale, mean, rstd, dx, dshift, dscale)
 
@@ -232,5 +257,12 @@ def _check(device=None, dtype=None, shape=None, **_):
 register(OP, "reference", reference_layer_norm_modulate, kind="reference", description="plain torch, float64-valid")
 register(OP, "eager", eager_layer_norm_modulate, kind="eager", description="F.layer_norm then modulation")
 register(OP, "compile", C.compiled(eager_layer_norm_modulate), kind="compile", description="torch.compile(eager)")
-register(OP, "triton", layer_norm_modulate, kind="triton", dtypes=C.FLOAT_DTYPES, check=_check,
-         description="Triton fused LayerNorm + modulation, fwd + bwd, custom op")
+register(
+    OP,
+    "triton",
+    layer_norm_modulate,
+    kind="triton",
+    dtypes=C.FLOAT_DTYPES,
+    check=_check,
+    description="Triton fused LayerNorm + modulation, fwd + bwd, custom op",
+)

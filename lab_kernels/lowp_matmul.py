@@ -34,12 +34,12 @@ that many K elements (DeepSeek-V3's "promotion to CUDA cores" every 128);
   behaviour reported in the DeepSeek-V3 technical report, *not* a measurement here.
 * ``fp8_fast_promote128``: the same with promotion to fp32 every 128 elements.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-
 import triton
 import triton.language as tl
 
@@ -50,8 +50,8 @@ from .registry import register
 @dataclass(frozen=True)
 class Accumulation:
     name: str
-    acc_bits: int | None = None          # explicit mantissa bits kept; None = plain fp32 matmul
-    rounding: str = "nearest"            # "nearest" | "truncate"
+    acc_bits: int | None = None  # explicit mantissa bits kept; None = plain fp32 matmul
+    rounding: str = "nearest"  # "nearest" | "truncate"
     inner: int = 16
     promote_every: int | None = None
     split_k: int = 1
@@ -89,8 +89,9 @@ def round_mantissa(x: torch.Tensor, bits: int, rounding: str = "nearest") -> tor
     return torch.where(torch.isfinite(x), out, x.float())
 
 
-def accumulate_matmul(a: torch.Tensor, b: torch.Tensor, accum: str | Accumulation = "fp32", *,
-                      split_k: int | None = None) -> torch.Tensor:
+def accumulate_matmul(
+    a: torch.Tensor, b: torch.Tensor, accum: str | Accumulation = "fp32", *, split_k: int | None = None
+) -> torch.Tensor:
     """``a @ b.T`` (fp32 result) with the accumulation model of the module note."""
     acc = ACCUMULATIONS.get(accum) if isinstance(accum, str) else accum
     if acc is None:
@@ -130,10 +131,21 @@ def reference_matmul(a: torch.Tensor, b: torch.Tensor, **_) -> torch.Tensor:
     return a.double() @ b.double().T
 
 
-def emulated_matmul(a: torch.Tensor, b: torch.Tensor, fmt: str = "fp8_e4m3", *, fmt_b: str | None = None,
-                    granularity: str | None = None, scale_rule: str = "floor", rounding: str = "nearest",
-                    accum: str = "fp32", split_k: int | None = None, hadamard: int | None = None,
-                    out_dtype: torch.dtype | None = None, backend: str = "reference") -> torch.Tensor:
+def emulated_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    fmt: str = "fp8_e4m3",
+    *,
+    fmt_b: str | None = None,
+    granularity: str | None = None,
+    scale_rule: str = "floor",
+    rounding: str = "nearest",
+    accum: str = "fp32",
+    split_k: int | None = None,
+    hadamard: int | None = None,
+    out_dtype: torch.dtype | None = None,
+    backend: str = "reference",
+) -> torch.Tensor:
     """Quantize a (M, K) and b (N, K) along K, dequantize, multiply with ``accum``.
 
     ``granularity`` applies to FP8 formats ("tensor", "row", "block" = 1x128 for a and
@@ -150,10 +162,10 @@ def emulated_matmul(a: torch.Tensor, b: torch.Tensor, fmt: str = "fp8_e4m3", *, 
         a = Q.hadamard_transform(a.float(), hadamard, axis=-1)
         b = Q.hadamard_transform(b.float(), hadamard, axis=-1)
     kw = dict(scale_rule=scale_rule, rounding=rounding, backend=backend)
-    qa = Q.fake_quantize(a.float(), fmt, axis=-1, granularity=granularity if Q.FORMATS[fmt].family == "fp8" else None,
-                         **kw)
-    qb = Q.fake_quantize(b.float(), fmt_b, axis=-1,
-                         granularity=gb if Q.FORMATS[fmt_b].family == "fp8" else None, **kw)
+    qa = Q.fake_quantize(
+        a.float(), fmt, axis=-1, granularity=granularity if Q.FORMATS[fmt].family == "fp8" else None, **kw
+    )
+    qb = Q.fake_quantize(b.float(), fmt_b, axis=-1, granularity=gb if Q.FORMATS[fmt_b].family == "fp8" else None, **kw)
     y = accumulate_matmul(qa, qb, accum, split_k=split_k)
     return y.to(out_dtype or a.dtype)
 
@@ -191,9 +203,17 @@ def scaled_mm_why_not(device=None, dtype=None, granularity="tensor", fmt="fp8_e4
     return None
 
 
-def scaled_mm(a: torch.Tensor, b: torch.Tensor, fmt: str = "fp8_e4m3", *, fmt_b: str | None = None,
-              granularity: str = "tensor", out_dtype: torch.dtype = torch.bfloat16, use_fast_accum: bool = False,
-              prepared: tuple | None = None) -> torch.Tensor:
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    fmt: str = "fp8_e4m3",
+    *,
+    fmt_b: str | None = None,
+    granularity: str = "tensor",
+    out_dtype: torch.dtype = torch.bfloat16,
+    use_fast_accum: bool = False,
+    prepared: tuple | None = None,
+) -> torch.Tensor:
     """Real ``torch._scaled_mm``: quantize a (M, K), b (N, K) along K and multiply.
 
     ``prepared`` = the result of :func:`prepare_scaled_mm` (to time the GEMM alone)."""
@@ -209,6 +229,7 @@ def prepare_scaled_mm(a, b, fmt="fp8_e4m3", *, fmt_b=None, granularity="tensor")
     fam = Q.FORMATS[fmt].family
     if fam == "mx":
         from torchao.prototype.mx_formats.utils import to_blocked
+
         qa = Q.quantize(a, fmt, axis=-1)
         qb = Q.quantize(b, fmt_b, axis=-1)
         return ("mx", qa.data, qb.data, to_blocked(qa.scale), to_blocked(qb.scale))
@@ -232,10 +253,26 @@ def _run_scaled_mm(p, out_dtype, use_fast_accum=False):
 
 
 @triton.jit
-def _fp8_matmul_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
-                       stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-                       ROW_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+def _fp8_matmul_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    sa_ptr,
+    sb_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    ROW_SCALES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """C[M, N] = (A[M, K] @ B[N, K]^T) * sa * sb with fp8 A, B and an fp32 accumulator.
 
     sa, sb: dequant multipliers, per tensor (scalars) or per row of A / row of B.
@@ -249,10 +286,16 @@ def _fp8_matmul_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ka = k0 + rk
-        a = tl.load(a_ptr + rm[:, None] * stride_am + ka[None, :] * stride_ak,
-                    mask=(rm[:, None] < M) & (ka[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + rn[None, :] * stride_bn + ka[:, None] * stride_bk,
-                    mask=(rn[None, :] < N) & (ka[:, None] < K), other=0.0)
+        a = tl.load(
+            a_ptr + rm[:, None] * stride_am + ka[None, :] * stride_ak,
+            mask=(rm[:, None] < M) & (ka[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + rn[None, :] * stride_bn + ka[:, None] * stride_bk,
+            mask=(rn[None, :] < N) & (ka[:, None] < K),
+            other=0.0,
+        )
         acc = tl.dot(a, b, acc)
     if ROW_SCALES:
         sa = tl.load(sa_ptr + rm, mask=rm < M, other=0.0)
@@ -260,12 +303,18 @@ def _fp8_matmul_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
         acc = acc * sa[:, None] * sb[None, :]
     else:
         acc = acc * tl.load(sa_ptr) * tl.load(sb_ptr)
-    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc,
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def triton_fp8_matmul(a_fp8: torch.Tensor, b_fp8: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, *,
-                      out_dtype: torch.dtype = torch.float32, block=(32, 32, 32)) -> torch.Tensor:
+def triton_fp8_matmul(
+    a_fp8: torch.Tensor,
+    b_fp8: torch.Tensor,
+    sa: torch.Tensor,
+    sb: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    block=(32, 32, 32),
+) -> torch.Tensor:
     """FP8 GEMM: a_fp8 (M, K), b_fp8 (N, K) ``torch.float8_*``; sa/sb dequant multipliers
     (0-dim per tensor, or (M,)/(N,) per row)."""
     M, K = a_fp8.shape
@@ -279,8 +328,25 @@ def triton_fp8_matmul(a_fp8: torch.Tensor, b_fp8: torch.Tensor, sa: torch.Tensor
         sb_ = sb_.expand(N).contiguous() if sb_.numel() == 1 else sb_
     BM, BN, BK = block
     _fp8_matmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
-        a_fp8, b_fp8, c, sa_, sb_, M, N, K, a_fp8.stride(0), a_fp8.stride(1), b_fp8.stride(0), b_fp8.stride(1),
-        c.stride(0), c.stride(1), ROW_SCALES=row, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
+        a_fp8,
+        b_fp8,
+        c,
+        sa_,
+        sb_,
+        M,
+        N,
+        K,
+        a_fp8.stride(0),
+        a_fp8.stride(1),
+        b_fp8.stride(0),
+        b_fp8.stride(1),
+        c.stride(0),
+        c.stride(1),
+        ROW_SCALES=row,
+        BLOCK_M=BM,
+        BLOCK_N=BN,
+        BLOCK_K=BK,
+    )
     return c.to(out_dtype)
 
 
@@ -307,9 +373,26 @@ def _triton_fp8_why_not(device=None, dtype=None, fmt="fp8_e4m3", granularity="te
 
 
 register("lowp_matmul", "reference", reference_matmul, kind="reference", description="float64 a @ b.T")
-register("lowp_matmul", "emulated", emulated_matmul, kind="eager",
-         description="quantize -> dequantize -> fp32 matmul (any format, accumulation model)")
-register("lowp_matmul", "scaled_mm", scaled_mm, kind="library", check=scaled_mm_why_not,
-         description="torch._scaled_mm, FP8 per-tensor / per-row (MX on sm_100)")
-register("lowp_matmul", "triton", triton_fp8_linear, kind="triton", check=_triton_fp8_why_not,
-         description="Triton FP8 GEMM, fp32 accumulator, per-tensor / per-row scales")
+register(
+    "lowp_matmul",
+    "emulated",
+    emulated_matmul,
+    kind="eager",
+    description="quantize -> dequantize -> fp32 matmul (any format, accumulation model)",
+)
+register(
+    "lowp_matmul",
+    "scaled_mm",
+    scaled_mm,
+    kind="library",
+    check=scaled_mm_why_not,
+    description="torch._scaled_mm, FP8 per-tensor / per-row (MX on sm_100)",
+)
+register(
+    "lowp_matmul",
+    "triton",
+    triton_fp8_linear,
+    kind="triton",
+    check=_triton_fp8_why_not,
+    description="Triton FP8 GEMM, fp32 accumulator, per-tensor / per-row scales",
+)

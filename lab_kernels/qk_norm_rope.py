@@ -16,6 +16,7 @@ each, s = element size, t = elements of one table, weights 2·Dh·sw):
     backward  6·n·s + 4·Dh·sw + 2·4·t + 2·4·R           (read q, k, dq_out, dk_out; write dq, dk;
                                                          weights and their grads; rstd saved by fwd)
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,7 +25,7 @@ import triton.language as tl
 
 from . import _common as C
 from .registry import register
-from .rope import check_tables, reference_rope_one, eager_rope_one
+from .rope import check_tables, eager_rope_one, reference_rope_one
 
 OP = "qk_norm_rope"
 
@@ -39,8 +40,25 @@ def _row_offsets(rows, H, L, sxb, sxh, sxl):
 
 
 @triton.jit
-def _qk_norm_rope_fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rstd_ptr, R, H, L, HALF,
-                             sxb, sxh, sxl, cos_sb, eps, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _qk_norm_rope_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    rstd_ptr,
+    R,
+    H,
+    L,
+    HALF,
+    sxb,
+    sxh,
+    sxl,
+    cos_sb,
+    eps,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     xoff, b, l = _row_offsets(rows, H, L, sxb, sxh, sxl)
@@ -48,8 +66,8 @@ def _qk_norm_rope_fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rstd_ptr, 
     imask = i < HALF
     mask = rmask[:, None] & imask[None, :]
     xp = x_ptr + xoff[:, None] + 2 * i[None, :]
-    x0 = tl.load(xp, mask=mask, other=0.0).to(tl.float32)              # even elements (BLOCK_R, BLOCK_H)
-    x1 = tl.load(xp + 1, mask=mask, other=0.0).to(tl.float32)          # odd elements
+    x0 = tl.load(xp, mask=mask, other=0.0).to(tl.float32)  # even elements (BLOCK_R, BLOCK_H)
+    x1 = tl.load(xp + 1, mask=mask, other=0.0).to(tl.float32)  # odd elements
     rstd = 1.0 / tl.sqrt((tl.sum(x0 * x0, axis=1) + tl.sum(x1 * x1, axis=1)) / (2 * HALF) + eps)
     w0 = tl.load(w_ptr + 2 * i, mask=imask, other=0.0).to(tl.float32)
     w1 = tl.load(w_ptr + 2 * i + 1, mask=imask, other=0.0).to(tl.float32)
@@ -65,9 +83,29 @@ def _qk_norm_rope_fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rstd_ptr, 
 
 
 @triton.jit
-def _qk_norm_rope_bwd_kernel(dy_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
-                             R, H, L, HALF, sxb, sxh, sxl, syb, syh, syl, cos_sb,
-                             BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _qk_norm_rope_bwd_kernel(
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_part_ptr,
+    R,
+    H,
+    L,
+    HALF,
+    sxb,
+    sxh,
+    sxl,
+    syb,
+    syh,
+    syl,
+    cos_sb,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     i = tl.arange(0, BLOCK_H)
@@ -91,7 +129,7 @@ def _qk_norm_rope_bwd_kernel(dy_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, rstd_ptr, d
         coff = b.to(tl.int64) * cos_sb + l * HALF
         c = tl.load(cos_ptr + coff[:, None] + i[None, :], mask=mask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + coff[:, None] + i[None, :], mask=mask, other=0.0).to(tl.float32)
-        dn0 = d0 * c + d1 * s                                            # transposed rotation
+        dn0 = d0 * c + d1 * s  # transposed rotation
         dn1 = d1 * c - d0 * s
         rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
         xh0 = x0 * rstd[:, None]
@@ -126,8 +164,25 @@ def _launch_fwd(x, w, cos, sin, eps, out, rstd):
         return out, rstd
     BLOCK_R, BLOCK_H, nw = _blocks(Dh)
     C.launch(_qk_norm_rope_fwd_kernel)[(triton.cdiv(R, BLOCK_R),)](
-        x, w, cos, sin, out, rstd, R, H, L, Dh // 2, x.stride(0), x.stride(1), x.stride(2), _cos_sb(cos), eps,
-        BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=nw)
+        x,
+        w,
+        cos,
+        sin,
+        out,
+        rstd,
+        R,
+        H,
+        L,
+        Dh // 2,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        _cos_sb(cos),
+        eps,
+        BLOCK_R=BLOCK_R,
+        BLOCK_H=BLOCK_H,
+        num_warps=nw,
+    )
     return out, rstd
 
 
@@ -140,8 +195,29 @@ def _launch_bwd(dy, x, w, cos, sin, rstd, dx, dw):
     P = C.persistent_programs(triton.cdiv(R, BLOCK_R), x.device)
     part = torch.empty((1, P, Dh), device=x.device, dtype=torch.float32)
     C.launch(_qk_norm_rope_bwd_kernel)[(P,)](
-        dy, x, w, cos, sin, rstd, dx, part, R, H, L, Dh // 2, x.stride(0), x.stride(1), x.stride(2),
-        dy.stride(0), dy.stride(1), dy.stride(2), _cos_sb(cos), BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=nw)
+        dy,
+        x,
+        w,
+        cos,
+        sin,
+        rstd,
+        dx,
+        part,
+        R,
+        H,
+        L,
+        Dh // 2,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        dy.stride(0),
+        dy.stride(1),
+        dy.stride(2),
+        _cos_sb(cos),
+        BLOCK_R=BLOCK_R,
+        BLOCK_H=BLOCK_H,
+        num_warps=nw,
+    )
     C.col_sum(part, dw.view(1, Dh))
     return dx, dw
 
@@ -152,8 +228,9 @@ def _fwd_fake(x, w, cos, sin, eps):
 
 
 @C.kernel_op("qk_norm_rope_fwd", _fwd_fake)
-def _fwd_op(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_op(
+    x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     out, rstd = _fwd_fake(x, w, cos, sin, eps)
     return _launch_fwd(x, w, cos, sin, eps, out, rstd)
 
@@ -163,8 +240,9 @@ def _bwd_fake(dy, x, w, cos, sin, rstd):
 
 
 @C.kernel_op("qk_norm_rope_bwd", _bwd_fake)
-def _bwd_op(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     dx, dw = _bwd_fake(dy, x, w, cos, sin, rstd)
     return _launch_bwd(dy, x, w, cos, sin, rstd, dx, dw)
 
@@ -176,12 +254,13 @@ def _unit_last(x):
 def _validate(q, k, q_weight, k_weight, cos, sin):
     for n, t in (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight)):
         C.check_tensor(OP, n, t)
-    C.check_device(OP, ("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight), ("cos", cos),
-                   ("sin", sin))
+    C.check_device(OP, ("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight), ("cos", cos), ("sin", sin))
     check_tables(OP, q, cos, sin)
     if k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
-        raise ValueError(f"{OP}: parameter 'k' has shape {tuple(k.shape)}; expected (B, H_k, L, Dh) matching "
-                         f"q {tuple(q.shape)} in B, L and Dh")
+        raise ValueError(
+            f"{OP}: parameter 'k' has shape {tuple(k.shape)}; expected (B, H_k, L, Dh) matching "
+            f"q {tuple(q.shape)} in B, L and Dh"
+        )
     Dh = q.shape[-1]
     C.check_shape(OP, "q_weight", q_weight, (Dh,), "one weight per head-dim element")
     C.check_shape(OP, "k_weight", k_weight, (Dh,), "one weight per head-dim element")
@@ -223,8 +302,15 @@ class QKNormRoPEFunction(torch.autograd.Function):
         if dko is not None:
             dk, dkw = qk_norm_rope_backward(dko, k, kw, cos, sin, rk)
         n = ctx.needs_input_grad
-        return (dq if n[0] else None, dk if n[1] else None, dqw if n[2] else None, dkw if n[3] else None,
-                None, None, None)
+        return (
+            dq if n[0] else None,
+            dk if n[1] else None,
+            dqw if n[2] else None,
+            dkw if n[3] else None,
+            None,
+            None,
+            None,
+        )
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
@@ -235,6 +321,7 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
 
 def reference_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
     """Plain torch in the inputs' dtype (float64 for checks)."""
+
     def one(x, w):
         return reference_rope_one(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w, cos, sin)
 
@@ -243,6 +330,7 @@ def reference_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6
 
 def eager_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
     """FLUX's QKNorm (RMSNorm in float32, cast back, scale) then apply_rope, unfused."""
+
     def norm(x, w):
         xf = x.float()
         return (xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + eps)).to(x.dtype) * w
@@ -260,9 +348,18 @@ def _check(device=None, dtype=None, shape=None, head_dim=None, **_):
 register(OP, "reference", reference_qk_norm_rope, kind="reference", description="plain torch, float64-valid")
 # The unfused path rounds the normalised q/k to the dtype before rotating them: two
 # roundings in a row, so checks hold it to twice the dtype's tolerance (tol_scale).
-register(OP, "eager", eager_qk_norm_rope, kind="eager", description="FLUX QKNorm then apply_rope, unfused",
-         tol_scale=2.0)
-register(OP, "compile", C.compiled(eager_qk_norm_rope), kind="compile", description="torch.compile(eager)",
-         tol_scale=2.0)
-register(OP, "triton", qk_norm_rope, kind="triton", dtypes=C.FLOAT_DTYPES, check=_check,
-         description="Triton fused RMSNorm + rope, fwd + bwd (dw by partials + column sum), custom op")
+register(
+    OP, "eager", eager_qk_norm_rope, kind="eager", description="FLUX QKNorm then apply_rope, unfused", tol_scale=2.0
+)
+register(
+    OP, "compile", C.compiled(eager_qk_norm_rope), kind="compile", description="torch.compile(eager)", tol_scale=2.0
+)
+register(
+    OP,
+    "triton",
+    qk_norm_rope,
+    kind="triton",
+    dtypes=C.FLOAT_DTYPES,
+    check=_check,
+    description="Triton fused RMSNorm + rope, fwd + bwd (dw by partials + column sum), custom op",
+)

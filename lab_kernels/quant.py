@@ -68,13 +68,13 @@ zeros and crops the result (``pad=True``, the default); ``pad=False`` refuses
 with a ValueError naming ``block_size``.  The packed ``quantize`` returns padded
 data and records the original shape.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
 import torch
-
 import triton
 import triton.language as tl
 
@@ -88,9 +88,9 @@ class ElemFormat:
     name: str
     ebits: int
     mbits: int
-    emin: int          # exponent of the smallest normal
-    max: float         # largest finite magnitude
-    emax: int          # floor(log2(max)), torchao's *_MAX_POW2
+    emin: int  # exponent of the smallest normal
+    max: float  # largest finite magnitude
+    emax: int  # floor(log2(max)), torchao's *_MAX_POW2
     torch_dtype: torch.dtype | None
     nan_code: int
 
@@ -117,9 +117,9 @@ class Format:
 
     name: str
     elem: str
-    family: str                # "fp8" | "mx" | "nvfp4"
-    block_size: int | None     # default block (fp8: for granularity block/block2d)
-    bits_per_elem: float       # storage incl. scales amortised over the block
+    family: str  # "fp8" | "mx" | "nvfp4"
+    block_size: int | None  # default block (fp8: for granularity block/block2d)
+    bits_per_elem: float  # storage incl. scales amortised over the block
 
     @property
     def elem_format(self) -> ElemFormat:
@@ -139,9 +139,9 @@ SCALE_RULES = ("floor", "rceil")
 ROUNDINGS = ("nearest", "stochastic")
 NONFINITE = ("propagate", "raise")
 
-FP8_EPS = 1e-12                              # torchao float8_utils.EPS
-E4M3_TINY = 2.0 ** -6                        # torch.finfo(float8_e4m3fn).tiny, NVFP4 scale floor
-F32_MIN_NORMAL = 2.0 ** -126
+FP8_EPS = 1e-12  # torchao float8_utils.EPS
+E4M3_TINY = 2.0**-6  # torch.finfo(float8_e4m3fn).tiny, NVFP4 scale floor
+F32_MIN_NORMAL = 2.0**-126
 NVFP4_TENSOR_DIV = 448.0 * 6.0
 
 # kernel switches
@@ -166,7 +166,7 @@ def representable_values(elem: str, *, positive_only: bool = False) -> torch.Ten
     codes = torch.arange(ELEM_FORMATS[elem].n_codes, dtype=torch.int32)
     v = decode_codes(codes.to(torch.uint8), elem).double()
     v = v[torch.isfinite(v)]
-    v = torch.unique(v)                      # merges ±0
+    v = torch.unique(v)  # merges ±0
     return v[v >= 0] if positive_only else v
 
 
@@ -178,8 +178,9 @@ def decode_codes(codes: torch.Tensor, elem: str) -> torch.Tensor:
     sign = (c >> nb) & 1
     ex = (c >> f.mbits) & ((1 << f.ebits) - 1)
     man = (c & ((1 << f.mbits) - 1)).double()
-    mag = torch.where(ex == 0, man * 2.0 ** (f.emin - f.mbits),
-                      (1 + man / (1 << f.mbits)) * torch.exp2((ex - f.bias).double()))
+    mag = torch.where(
+        ex == 0, man * 2.0 ** (f.emin - f.mbits), (1 + man / (1 << f.mbits)) * torch.exp2((ex - f.bias).double())
+    )
     if elem == "e4m3":
         mag = torch.where((ex == 15) & (man == 7), float("nan"), mag)
     elif elem == "e5m2":
@@ -189,6 +190,7 @@ def decode_codes(codes: torch.Tensor, elem: str) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ torch reference numerics
+
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32)
@@ -201,10 +203,9 @@ def _from_bits(b: torch.Tensor) -> torch.Tensor:
 _CANON_NAN = 0x7FC00000
 
 
-def _round_elem_ref(v: torch.Tensor, f: ElemFormat, stochastic: bool, rbits: torch.Tensor | None,
-                    codes: bool = True):
+def _round_elem_ref(v: torch.Tensor, f: ElemFormat, stochastic: bool, rbits: torch.Tensor | None, codes: bool = True):
     """fp32 v (already scaled) -> (rounded fp32 value, uint8 code or None).  See module note."""
-    a = torch.clamp(v.abs(), max=f.max)                               # saturate; NaN stays
+    a = torch.clamp(v.abs(), max=f.max)  # saturate; NaN stays
     e = ((_bits(a) >> 23) & 0xFF) - 127
     e = torch.clamp(e, min=f.emin)
     inv_ulp = _from_bits((127 + f.mbits - e) << 23)
@@ -213,7 +214,7 @@ def _round_elem_ref(v: torch.Tensor, f: ElemFormat, stochastic: bool, rbits: tor
     fl = torch.floor(y)
     frac = y - fl
     if stochastic:
-        u = (rbits & 0xFFFFFF).to(torch.float32) * (2.0 ** -24)
+        u = (rbits & 0xFFFFFF).to(torch.float32) * (2.0**-24)
         up = frac > u
     else:
         odd = (fl - 2.0 * torch.floor(fl * 0.5)) == 1.0
@@ -226,9 +227,9 @@ def _round_elem_ref(v: torch.Tensor, f: ElemFormat, stochastic: bool, rbits: tor
     # code: subnormal (q < 2^emin) -> mantissa only, else biased exponent | mantissa bits
     qb = _bits(torch.where(nan, torch.zeros_like(q), q))
     qe = ((qb >> 23) & 0xFF) - 127
-    normal = q >= 2.0 ** f.emin
+    normal = q >= 2.0**f.emin
     code_n = ((qe + f.bias) << f.mbits) | ((qb >> (23 - f.mbits)) & ((1 << f.mbits) - 1))
-    code_s = (torch.clamp(q, max=2.0 ** f.emin) * 2.0 ** (f.mbits - f.emin)).to(torch.int32)
+    code_s = (torch.clamp(q, max=2.0**f.emin) * 2.0 ** (f.mbits - f.emin)).to(torch.int32)
     code = torch.where(normal, code_n, torch.where(nan, torch.zeros_like(code_s), code_s))
     code = torch.where(nan, torch.full_like(code, f.nan_code), code)
     code = code | (sign << (f.ebits + f.mbits))
@@ -253,9 +254,16 @@ def _e8m0_to_f32(biased: torch.Tensor) -> torch.Tensor:
     return torch.where(b == 255, _from_bits(torch.full_like(b, _CANON_NAN)), s)
 
 
-def reference_quantize_groups(g: torch.Tensor, elem: str, scaling: int, *, stochastic: bool = False,
-                              rbits: torch.Tensor | None = None, tensor_scale: torch.Tensor | None = None,
-                              codes: bool = True):
+def reference_quantize_groups(
+    g: torch.Tensor,
+    elem: str,
+    scaling: int,
+    *,
+    stochastic: bool = False,
+    rbits: torch.Tensor | None = None,
+    tensor_scale: torch.Tensor | None = None,
+    codes: bool = True,
+):
     """Quantize rows of ``g`` (n_groups, G) fp32, one scaling group per row.
 
     Returns (dequantized fp32 (n_groups, G), codes uint8 (n_groups, G), group scale fp32 (n_groups,)):
@@ -282,16 +290,21 @@ def reference_quantize_groups(g: torch.Tensor, elem: str, scaling: int, *, stoch
         ex = ((_bits(amax) >> 23) & 0xFF) - 127
         biased = torch.clamp(ex - f.emax, -127, 128) + 127
         biased = torch.where(bad, torch.full_like(biased, 255), biased)
-        sc = torch.clamp(_from_bits(biased << 23), min=F32_MIN_NORMAL)    # 255 -> inf
-        rcp = 1.0 / sc                       # exact: power of two (or 0 for inf)
+        sc = torch.clamp(_from_bits(biased << 23), min=F32_MIN_NORMAL)  # 255 -> inf
+        rcp = 1.0 / sc  # exact: power of two (or 0 for inf)
         v = g * rcp[:, None]
         v = torch.where(bad[:, None], nanv[:, None].expand_as(v), v)
     elif scaling == _SC_MX_RCEIL:
         descale = amax / f.max
         biased = torch.clamp(_ceil_log2_bits(descale), -127, 127) + 127
         biased = torch.where(bad, torch.full_like(biased, 255), biased)
-        rcp = torch.where(biased == 0, torch.ones_like(descale), torch.where(
-            biased >= 254, torch.full_like(descale, 2.0 ** -127), _from_bits((254 - biased).clamp(min=0) << 23)))
+        rcp = torch.where(
+            biased == 0,
+            torch.ones_like(descale),
+            torch.where(
+                biased >= 254, torch.full_like(descale, 2.0**-127), _from_bits((254 - biased).clamp(min=0) << 23)
+            ),
+        )
         v = g * rcp[:, None]
         v = torch.where(bad[:, None], nanv[:, None].expand_as(v), v)
     elif scaling == _SC_NVFP4:
@@ -317,8 +330,16 @@ def reference_quantize_groups(g: torch.Tensor, elem: str, scaling: int, *, stoch
 
 
 @triton.jit
-def _round_elem_tl(v, rbits, MBITS: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr,
-                   EBITS: tl.constexpr, NAN_CODE: tl.constexpr, STOCHASTIC: tl.constexpr):
+def _round_elem_tl(
+    v,
+    rbits,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    MAXV: tl.constexpr,
+    EBITS: tl.constexpr,
+    NAN_CODE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+):
     a = tl.abs(v)
     a = tl.where(a > MAXV, MAXV, a)
     e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
@@ -329,7 +350,7 @@ def _round_elem_tl(v, rbits, MBITS: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.c
     fl = tl.floor(y)
     frac = y - fl
     if STOCHASTIC:
-        u = (rbits & 0xFFFFFF).to(tl.float32) * (2.0 ** -24)
+        u = (rbits & 0xFFFFFF).to(tl.float32) * (2.0**-24)
         up = frac > u
     else:
         odd = (fl - 2.0 * tl.floor(fl * 0.5)) == 1.0
@@ -340,9 +361,9 @@ def _round_elem_tl(v, rbits, MBITS: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.c
     q0 = tl.where(nan, 0.0, q)
     qb = q0.to(tl.int32, bitcast=True)
     qe = ((qb >> 23) & 0xFF) - 127
-    normal = q0 >= 2.0 ** EMIN
+    normal = q0 >= 2.0**EMIN
     code_n = ((qe + 1 - EMIN) << MBITS) | ((qb >> (23 - MBITS)) & ((1 << MBITS) - 1))
-    code_s = (tl.minimum(q0, 2.0 ** EMIN) * 2.0 ** (MBITS - EMIN)).to(tl.int32)   # only used below 2^emin
+    code_s = (tl.minimum(q0, 2.0**EMIN) * 2.0 ** (MBITS - EMIN)).to(tl.int32)  # only used below 2^emin
     code = tl.where(normal, code_n, code_s)
     code = tl.where(nan, NAN_CODE, code)
     code = code | (sign << (EBITS + MBITS))
@@ -352,10 +373,26 @@ def _round_elem_tl(v, rbits, MBITS: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.c
 
 
 @triton.jit
-def _quant_groups_kernel(x_ptr, r_ptr, deq_ptr, code_ptr, scale_ptr, ts_ptr, n_rows, G,
-                         MBITS: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr, EBITS: tl.constexpr,
-                         EMAX: tl.constexpr, NAN_CODE: tl.constexpr, SCALING: tl.constexpr,
-                         STOCHASTIC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _quant_groups_kernel(
+    x_ptr,
+    r_ptr,
+    deq_ptr,
+    code_ptr,
+    scale_ptr,
+    ts_ptr,
+    n_rows,
+    G,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    MAXV: tl.constexpr,
+    EBITS: tl.constexpr,
+    EMAX: tl.constexpr,
+    NAN_CODE: tl.constexpr,
+    SCALING: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """One program quantizes ROWS scaling groups (rows of G elements; G may exceed BLOCK,
     then ROWS == 1 and the row is walked in chunks).
 
@@ -394,28 +431,32 @@ def _quant_groups_kernel(x_ptr, r_ptr, deq_ptr, code_ptr, scale_ptr, ts_ptr, n_r
         ex = ((gmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         biased = tl.minimum(tl.maximum(ex - EMAX, -127), 128) + 127
         biased = tl.where(bad, 255, biased)
-        sc = tl.maximum((biased << 23).to(tl.float32, bitcast=True), 2.0 ** -126)
+        sc = tl.maximum((biased << 23).to(tl.float32, bitcast=True), 2.0**-126)
         rcp = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sc)
     elif SCALING == 4:
         descale = tl.math.div_rn(gmax, tl.full([ROWS], MAXV, tl.float32))
         db = descale.to(tl.int32, bitcast=True)
         dex = (db >> 23) & 0xFF
-        cl = tl.where(dex == 0, tl.where((db & 0x7FFFFF) > 0x400000, -126, -127),
-                      dex - 127 + ((db & 0x7FFFFF) != 0).to(tl.int32))
+        cl = tl.where(
+            dex == 0, tl.where((db & 0x7FFFFF) > 0x400000, -126, -127), dex - 127 + ((db & 0x7FFFFF) != 0).to(tl.int32)
+        )
         biased = tl.minimum(tl.maximum(cl, -127), 127) + 127
         biased = tl.where(bad, 255, biased)
-        rcp = tl.where(biased == 0, 1.0, tl.where(biased >= 254, 2.0 ** -127,
-                       (tl.maximum(254 - biased, 0) << 23).to(tl.float32, bitcast=True)))
+        rcp = tl.where(
+            biased == 0,
+            1.0,
+            tl.where(biased >= 254, 2.0**-127, (tl.maximum(254 - biased, 0) << 23).to(tl.float32, bitcast=True)),
+        )
     elif SCALING == 5:
         pts = tl.zeros([ROWS], dtype=tl.float32) + tl.load(ts_ptr)
         bs = tl.math.div_rn(gmax, tl.full([ROWS], 6.0, tl.float32))
-        sc = tl.minimum(tl.maximum(tl.math.div_rn(bs, pts), 2.0 ** -6), 448.0)
+        sc = tl.minimum(tl.maximum(tl.math.div_rn(bs, pts), 2.0**-6), 448.0)
         sc, _unused = _round_elem_tl(sc, 0, 3, -6, 448.0, 4, 0x7F, False)
         rcp = tl.math.div_rn(tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), pts), sc)
         mult = sc * pts
         scale = tl.where(bad, float("nan"), sc)
     if SCALING == 3 or SCALING == 4:
-        mult = tl.where(biased == 0, 2.0 ** -127, (biased << 23).to(tl.float32, bitcast=True))
+        mult = tl.where(biased == 0, 2.0**-127, (biased << 23).to(tl.float32, bitcast=True))
         mult = tl.where(biased == 255, float("nan"), mult)
         scale = biased.to(tl.float32)
     # ---- quantize pass
@@ -445,9 +486,16 @@ def _quant_groups_kernel(x_ptr, r_ptr, deq_ptr, code_ptr, scale_ptr, ts_ptr, n_r
     tl.store(scale_ptr + rows, scale, mask=rmask)
 
 
-def triton_quantize_groups(g: torch.Tensor, elem: str, scaling: int, *, stochastic: bool = False,
-                           rbits: torch.Tensor | None = None, tensor_scale: torch.Tensor | None = None,
-                           codes: bool = True):
+def triton_quantize_groups(
+    g: torch.Tensor,
+    elem: str,
+    scaling: int,
+    *,
+    stochastic: bool = False,
+    rbits: torch.Tensor | None = None,
+    tensor_scale: torch.Tensor | None = None,
+    codes: bool = True,
+):
     """Triton twin of :func:`reference_quantize_groups` (same arguments and results)."""
     f = ELEM_FORMATS[elem]
     g = g.contiguous().float()
@@ -455,16 +503,35 @@ def triton_quantize_groups(g: torch.Tensor, elem: str, scaling: int, *, stochast
     deq = torch.empty_like(g)
     code = torch.empty(g.shape, dtype=torch.uint8, device=g.device)
     scale = torch.empty(n, dtype=torch.float32, device=g.device)
-    ts = (tensor_scale.float().reshape(1) if tensor_scale is not None
-          else torch.ones(1, dtype=torch.float32, device=g.device))
+    ts = (
+        tensor_scale.float().reshape(1)
+        if tensor_scale is not None
+        else torch.ones(1, dtype=torch.float32, device=g.device)
+    )
     r = rbits.contiguous() if stochastic else torch.zeros(1, dtype=torch.int32, device=g.device)
     block = min(max(triton.next_power_of_2(max(G, 1)), 16), 1024)
     rows = max(1, min(64, 4096 // block)) if G <= block else 1
     if n and G:
         _quant_groups_kernel[(triton.cdiv(n, rows),)](
-            g, r, deq, code, scale, ts, n, G, MBITS=f.mbits, EMIN=f.emin, MAXV=f.max, EBITS=f.ebits,
-            EMAX=f.emax, NAN_CODE=f.nan_code, SCALING=scaling, STOCHASTIC=bool(stochastic), ROWS=rows,
-            BLOCK=block)
+            g,
+            r,
+            deq,
+            code,
+            scale,
+            ts,
+            n,
+            G,
+            MBITS=f.mbits,
+            EMIN=f.emin,
+            MAXV=f.max,
+            EBITS=f.ebits,
+            EMAX=f.emax,
+            NAN_CODE=f.nan_code,
+            SCALING=scaling,
+            STOCHASTIC=bool(stochastic),
+            ROWS=rows,
+            BLOCK=block,
+        )
     return deq, code, scale
 
 
@@ -475,16 +542,16 @@ _BACKENDS = {"reference": reference_quantize_groups, "triton": triton_quantize_g
 
 @dataclass
 class _Layout:
-    shape: tuple                 # original shape
+    shape: tuple  # original shape
     axis: int
-    moved_shape: tuple           # axis moved last, padded
+    moved_shape: tuple  # axis moved last, padded
     group: int
     pad_k: int
     block2d: tuple | None = None  # (M, K, Mp, Kp, B)
 
 
 def _rand_bits(shape, generator, device) -> torch.Tensor:
-    return torch.randint(-(2 ** 31), 2 ** 31 - 1, shape, generator=generator, dtype=torch.int32).to(device)
+    return torch.randint(-(2**31), 2**31 - 1, shape, generator=generator, dtype=torch.int32).to(device)
 
 
 def _to_groups(x: torch.Tensor, axis: int, group: int | None, pad: bool, block2d: bool = False):
@@ -497,8 +564,11 @@ def _to_groups(x: torch.Tensor, axis: int, group: int | None, pad: bool, block2d
         return g.contiguous(), _Layout(tuple(x.shape), axis, tuple(xm.shape), K, 0)
     pad_k = (-K) % group
     if pad_k and not pad:
-        raise _err("block_size", group, f"a divisor of the quantized axis (size {K}), or pad=True "
-                                        "(pads with zeros, then crops)")
+        raise _err(
+            "block_size",
+            group,
+            f"a divisor of the quantized axis (size {K}), or pad=True (pads with zeros, then crops)",
+        )
     if block2d:
         xm2 = xm.reshape(-1, K)
         M = xm2.shape[0]
@@ -506,8 +576,9 @@ def _to_groups(x: torch.Tensor, axis: int, group: int | None, pad: bool, block2d
         xp = torch.nn.functional.pad(xm2, (0, pad_k, 0, pad_m))
         Mp, Kp = xp.shape
         g = xp.reshape(Mp // group, group, Kp // group, group).permute(0, 2, 1, 3).reshape(-1, group * group)
-        return g.contiguous(), _Layout(tuple(x.shape), axis, tuple(xm.shape), group * group, pad_k,
-                                       (M, K, Mp, Kp, group))
+        return g.contiguous(), _Layout(
+            tuple(x.shape), axis, tuple(xm.shape), group * group, pad_k, (M, K, Mp, Kp, group)
+        )
     xp = torch.nn.functional.pad(xm, (0, pad_k)) if pad_k else xm
     return xp.reshape(-1, group).contiguous(), _Layout(tuple(x.shape), axis, tuple(xp.shape), group, pad_k)
 
@@ -554,7 +625,7 @@ class QuantizedTensor:
     dtype: torch.dtype
     _layout: _Layout = field(repr=False, default=None)
     _codes: torch.Tensor = field(repr=False, default=None)
-    _deq: torch.Tensor = field(repr=False, default=None)      # the quantizer's own dequantized output
+    _deq: torch.Tensor = field(repr=False, default=None)  # the quantizer's own dequantized output
 
     def codes(self) -> torch.Tensor:
         """Unpacked element codes (uint8, one per element, moved+padded layout)."""
@@ -578,7 +649,7 @@ class QuantizedTensor:
 
 
 def _groups_like(vals: torch.Tensor, lay: _Layout) -> torch.Tensor:
-    return vals.reshape(-1, lay.group)          # _codes are kept in the group layout
+    return vals.reshape(-1, lay.group)  # _codes are kept in the group layout
 
 
 def hadamard_matrix(n: int, seed: int | None = 0, dtype=torch.float32) -> torch.Tensor:
@@ -596,8 +667,9 @@ def hadamard_matrix(n: int, seed: int | None = 0, dtype=torch.float32) -> torch.
     return (h / math.sqrt(n)).to(dtype)
 
 
-def hadamard_transform(x: torch.Tensor, n: int, *, axis: int = -1, seed: int | None = 0,
-                       inverse: bool = False) -> torch.Tensor:
+def hadamard_transform(
+    x: torch.Tensor, n: int, *, axis: int = -1, seed: int | None = 0, inverse: bool = False
+) -> torch.Tensor:
     """Rotate ``x`` along ``axis`` in blocks of ``n`` by the random Hadamard matrix (orthonormal,
     so the inverse is the transpose and (xH)(wH)^T = x w^T along a shared K axis)."""
     K = x.shape[axis]
@@ -638,11 +710,23 @@ def _plan(fmt: str, granularity: str | None, block_size, scale_rule: str, roundi
     return F, gran, bs
 
 
-def quantize(x: torch.Tensor, fmt: str, *, axis: int = -1, block_size: int | None = None,
-             scale_rule: str = "floor", rounding: str = "nearest", granularity: str | None = None,
-             pad: bool = False, seed: int | None = None, generator: torch.Generator | None = None,
-             backend: str = "reference", nonfinite: str = "propagate",
-             tensor_scale: torch.Tensor | None = None, _deq_only: bool = False) -> QuantizedTensor:
+def quantize(
+    x: torch.Tensor,
+    fmt: str,
+    *,
+    axis: int = -1,
+    block_size: int | None = None,
+    scale_rule: str = "floor",
+    rounding: str = "nearest",
+    granularity: str | None = None,
+    pad: bool = False,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    backend: str = "reference",
+    nonfinite: str = "propagate",
+    tensor_scale: torch.Tensor | None = None,
+    _deq_only: bool = False,
+) -> QuantizedTensor:
     """Quantize ``x`` to ``fmt``; returns packed data + scales (:class:`QuantizedTensor`).
 
     See the module note for formats, scales, the non-finite policy and padding.
@@ -651,8 +735,9 @@ def quantize(x: torch.Tensor, fmt: str, *, axis: int = -1, block_size: int | Non
     ``tensor_scale`` overrides the per-tensor scale (fp8 tensor / NVFP4 amax-derived).
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise _err("x", type(x).__name__ if not isinstance(x, torch.Tensor) else x.dtype,
-                   "a floating-point torch.Tensor")
+        raise _err(
+            "x", type(x).__name__ if not isinstance(x, torch.Tensor) else x.dtype, "a floating-point torch.Tensor"
+        )
     if backend not in _BACKENDS:
         raise _err("backend", backend, "one of " + ", ".join(map(repr, _BACKENDS)))
     if nonfinite not in NONFINITE:
@@ -661,8 +746,9 @@ def quantize(x: torch.Tensor, fmt: str, *, axis: int = -1, block_size: int | Non
         raise _err("axis", axis, f"an integer in [-{max(x.dim(), 1)}, {max(x.dim(), 1)})")
     F, gran, bs = _plan(fmt, granularity, block_size, scale_rule, rounding)
     if nonfinite == "raise" and not bool(torch.isfinite(x).all()):
-        raise _err("x", f"tensor with {int((~torch.isfinite(x)).sum())} NaN/Inf elements",
-                   "finite values (nonfinite='raise')")
+        raise _err(
+            "x", f"tensor with {int((~torch.isfinite(x)).sum())} NaN/Inf elements", "finite values (nonfinite='raise')"
+        )
     axis = axis % max(x.dim(), 1)
     if x.dim() == 0:
         x = x.reshape(1)
@@ -713,8 +799,7 @@ def quantize(x: torch.Tensor, fmt: str, *, axis: int = -1, block_size: int | Non
         rb = _rand_bits(tuple(g.shape), gen, g.device)
     if ts is not None:
         ts = ts.to(g.device)
-    deq, codes, gscale = fn(g, F.elem, scaling, stochastic=stochastic, rbits=rb, tensor_scale=ts,
-                            codes=not _deq_only)
+    deq, codes, gscale = fn(g, F.elem, scaling, stochastic=stochastic, rbits=rb, tensor_scale=ts, codes=not _deq_only)
     if _deq_only:
         return _from_groups(deq, lay)
     # packing
@@ -722,8 +807,11 @@ def quantize(x: torch.Tensor, fmt: str, *, axis: int = -1, block_size: int | Non
         data = _from_groups(codes, lay, crop=False).contiguous().view(F.elem_format.torch_dtype)
     else:
         c = _from_groups(codes, lay, crop=False).contiguous()
-        data = c if c.shape[-1] % 2 else (c.reshape(-1)[0::2] | (c.reshape(-1)[1::2] << 4)).reshape(
-            *c.shape[:-1], c.shape[-1] // 2)
+        data = (
+            c
+            if c.shape[-1] % 2
+            else (c.reshape(-1)[0::2] | (c.reshape(-1)[1::2] << 4)).reshape(*c.shape[:-1], c.shape[-1] // 2)
+        )
     lead = lay.moved_shape[:-1]
     if F.family == "fp8":
         if gran in ("tensor", "none"):
@@ -739,15 +827,39 @@ def quantize(x: torch.Tensor, fmt: str, *, axis: int = -1, block_size: int | Non
         scale = gscale.to(torch.uint8).reshape(*lead, -1).view(torch.float8_e8m0fnu)
     else:
         scale = gscale.reshape(*lead, -1).to(torch.float8_e4m3fn)
-    return QuantizedTensor(fmt, gran, data, scale, ts if F.family == "nvfp4" else None, tuple(x.shape), axis,
-                           bs, x.dtype, lay, codes, _from_groups(deq, lay))
+    return QuantizedTensor(
+        fmt,
+        gran,
+        data,
+        scale,
+        ts if F.family == "nvfp4" else None,
+        tuple(x.shape),
+        axis,
+        bs,
+        x.dtype,
+        lay,
+        codes,
+        _from_groups(deq, lay),
+    )
 
 
-def fake_quantize(x: torch.Tensor, fmt: str, *, axis: int = -1, block_size: int | None = None,
-                  scale_rule: str = "floor", rounding: str = "nearest", granularity: str | None = None,
-                  pad: bool = True, hadamard: int | None = None, hadamard_seed: int = 0,
-                  seed: int | None = None, generator: torch.Generator | None = None,
-                  backend: str = "reference", nonfinite: str = "propagate") -> torch.Tensor:
+def fake_quantize(
+    x: torch.Tensor,
+    fmt: str,
+    *,
+    axis: int = -1,
+    block_size: int | None = None,
+    scale_rule: str = "floor",
+    rounding: str = "nearest",
+    granularity: str | None = None,
+    pad: bool = True,
+    hadamard: int | None = None,
+    hadamard_seed: int = 0,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    backend: str = "reference",
+    nonfinite: str = "propagate",
+) -> torch.Tensor:
     """Quantize then dequantize: the value ``x`` takes in ``fmt``, in ``x``'s dtype.
 
     ``fmt``: fp8_e4m3, fp8_e5m2 (``granularity`` "tensor" (default) | "row" | "block"
@@ -760,13 +872,37 @@ def fake_quantize(x: torch.Tensor, fmt: str, *, axis: int = -1, block_size: int 
     """
     if hadamard is not None:
         xr = hadamard_transform(x.float(), hadamard, axis=axis, seed=hadamard_seed)
-        q = quantize(xr, fmt, axis=axis, block_size=block_size, scale_rule=scale_rule, rounding=rounding,
-                     granularity=granularity, pad=pad, seed=seed, generator=generator, backend=backend,
-                     nonfinite=nonfinite, _deq_only=True)
+        q = quantize(
+            xr,
+            fmt,
+            axis=axis,
+            block_size=block_size,
+            scale_rule=scale_rule,
+            rounding=rounding,
+            granularity=granularity,
+            pad=pad,
+            seed=seed,
+            generator=generator,
+            backend=backend,
+            nonfinite=nonfinite,
+            _deq_only=True,
+        )
         return hadamard_transform(q, hadamard, axis=axis, seed=hadamard_seed, inverse=True).to(x.dtype)
-    deq = quantize(x, fmt, axis=axis, block_size=block_size, scale_rule=scale_rule, rounding=rounding,
-                   granularity=granularity, pad=pad, seed=seed, generator=generator, backend=backend,
-                   nonfinite=nonfinite, _deq_only=True)
+    deq = quantize(
+        x,
+        fmt,
+        axis=axis,
+        block_size=block_size,
+        scale_rule=scale_rule,
+        rounding=rounding,
+        granularity=granularity,
+        pad=pad,
+        seed=seed,
+        generator=generator,
+        backend=backend,
+        nonfinite=nonfinite,
+        _deq_only=True,
+    )
     return deq.reshape(x.shape).to(x.dtype)
 
 
@@ -785,32 +921,42 @@ def fake_quantize_ste(x: torch.Tensor, fmt: str, **kw) -> torch.Tensor:
     return _FakeQuantSTE.apply(x, dict(fmt=fmt, **kw))
 
 
-def cast_elements(x: torch.Tensor, elem: str, *, rounding: str = "nearest", seed: int = 0,
-                  backend: str = "reference"):
+def cast_elements(x: torch.Tensor, elem: str, *, rounding: str = "nearest", seed: int = 0, backend: str = "reference"):
     """Unscaled element cast of fp32 values: (rounded values fp32, codes uint8). Saturating."""
     if elem not in ELEM_FORMATS:
         raise _err("elem", elem, "one of " + ", ".join(map(repr, ELEM_FORMATS)))
     if rounding not in ROUNDINGS:
         raise _err("rounding", rounding, "one of " + ", ".join(map(repr, ROUNDINGS)))
     g = x.float().reshape(1, -1).contiguous()
-    rb = _rand_bits(tuple(g.shape), torch.Generator().manual_seed(seed), g.device) \
-        if rounding == "stochastic" else None
+    rb = _rand_bits(tuple(g.shape), torch.Generator().manual_seed(seed), g.device) if rounding == "stochastic" else None
     q, c, _ = _BACKENDS[backend](g, elem, _SC_NONE, stochastic=rounding == "stochastic", rbits=rb)
     return q.reshape(x.shape), c.reshape(x.shape)
 
 
 # ------------------------------------------------------------------ registry
 
+
 def _fq_variant(backend):
     def fn(x, fmt, **kw):
         return fake_quantize(x, fmt, backend=backend, **kw)
+
     return fn
 
 
-register("quant", "reference", _fq_variant("reference"), kind="reference",
-         description="plain-torch fake quantization (exact; the spec)")
-register("quant", "triton", _fq_variant("triton"), kind="triton",
-         description="Triton group quantizer, bit-identical to the reference")
+register(
+    "quant",
+    "reference",
+    _fq_variant("reference"),
+    kind="reference",
+    description="plain-torch fake quantization (exact; the spec)",
+)
+register(
+    "quant",
+    "triton",
+    _fq_variant("triton"),
+    kind="triton",
+    description="Triton group quantizer, bit-identical to the reference",
+)
 
 
 def _torchao_check(device=None, dtype=None, fmt=None, **_):
@@ -826,34 +972,38 @@ def _torchao_check(device=None, dtype=None, fmt=None, **_):
 TORCHAO_FORMATS = ("fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
 
 
-def torchao_fake_quantize(x: torch.Tensor, fmt: str, *, granularity: str | None = None,
-                          scale_rule: str = "floor", axis: int = -1, **_):
+def torchao_fake_quantize(
+    x: torch.Tensor, fmt: str, *, granularity: str | None = None, scale_rule: str = "floor", axis: int = -1, **_
+):
     """torchao's own quantize + dequantize of the same format (last axis, 2-D, divisible shapes)."""
     F = check_format(fmt)
     x2 = x.movedim(axis, -1).contiguous()
     if F.family == "fp8":
-        from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
-        from torchao.float8.float8_utils import ScalingGranularity
+        from torchao.float8.float8_utils import ScalingGranularity, tensor_to_scale, to_fp8_saturated
+
         gran = granularity or "tensor"
         if gran == "tensor":
             s = tensor_to_scale(x2, F.elem_format.torch_dtype)
         elif gran == "row":
-            s = tensor_to_scale(x2, F.elem_format.torch_dtype, scaling_granularity=ScalingGranularity.AXISWISE,
-                                axiswise_dim=-1)
+            s = tensor_to_scale(
+                x2, F.elem_format.torch_dtype, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1
+            )
         else:
             raise _err("granularity", gran, "'tensor' or 'row' for the torchao float8 reference")
         d = to_fp8_saturated(x2.float() * s, F.elem_format.torch_dtype)
         out = d.float() / s
     elif F.family == "mx":
-        from torchao.prototype.mx_formats.mx_tensor import to_mx, to_dtype
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
+
         ed = F.elem_format.torch_dtype if F.elem != "e2m1" else torch.float4_e2m1fn_x2
         mode = ScaleCalculationMode.FLOOR if scale_rule == "floor" else ScaleCalculationMode.RCEIL
         s, d = to_mx(x2.float(), ed, 32, mode)
         out = to_dtype(d, s, ed, 32, torch.float32)
     else:
-        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
         from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+
         x2d = x2.float().reshape(-1, x2.shape[-1])
         pts = per_tensor_amax_to_scale(x2d.abs().amax())
         s, d = nvfp4_quantize(x2d, 16, pts)
@@ -862,5 +1012,11 @@ def torchao_fake_quantize(x: torch.Tensor, fmt: str, *, granularity: str | None 
     return out.reshape(x2.shape).movedim(-1, axis).to(x.dtype)
 
 
-register("quant", "torchao", torchao_fake_quantize, kind="library", check=_torchao_check,
-         description="torchao 0.18 float8 / MX / NVFP4 references")
+register(
+    "quant",
+    "torchao",
+    torchao_fake_quantize,
+    kind="library",
+    check=_torchao_check,
+    description="torchao 0.18 float8 / MX / NVFP4 references",
+)

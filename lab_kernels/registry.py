@@ -8,18 +8,20 @@ can run there; ``why_not`` says in words why one cannot.
 
 Op names equal module names, so asking for an op imports its module lazily.
 """
+
 from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 KINDS = ("reference", "eager", "compile", "triton", "library")
 
-_REGISTRY: dict[str, dict[str, "Variant"]] = {}
+_REGISTRY: dict[str, dict[str, Variant]] = {}
 
 
 def _interpreted() -> bool:
@@ -44,15 +46,18 @@ class Variant:
     description: str = ""
     extra: dict = field(default_factory=dict)
 
-    def why_not(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                **problem: Any) -> str | None:
+    def why_not(
+        self, device: str | torch.device | None = None, dtype: torch.dtype | None = None, **problem: Any
+    ) -> str | None:
         """None when the variant can run this problem, else the reason in words."""
         dev = torch.device(device).type if device is not None else None
         if dev is not None and dev not in self.devices:
             return f"{self.op}/{self.name} runs on {', '.join(self.devices)}, not {dev}"
         if self.kind == "triton" and dev == "cpu" and not _interpreted():
-            return (f"{self.op}/{self.name} is a Triton kernel; on CPU it needs "
-                    "TRITON_INTERPRET=1 set before lab_kernels is imported")
+            return (
+                f"{self.op}/{self.name} is a Triton kernel; on CPU it needs "
+                "TRITON_INTERPRET=1 set before lab_kernels is imported"
+            )
         if self.kind == "triton" and dev == "cuda" and _interpreted():
             return f"{self.op}/{self.name}: TRITON_INTERPRET=1 is set, kernels would not run on the GPU"
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
@@ -73,18 +78,34 @@ class Variant:
         return self.fn(*args, **kwargs)
 
 
-def register(op: str, name: str, fn: Callable | None = None, *, kind: str,
-             devices: tuple[str, ...] = ("cpu", "cuda"), dtypes=None, check=None,
-             description: str = "", **extra):
+def register(
+    op: str,
+    name: str,
+    fn: Callable | None = None,
+    *,
+    kind: str,
+    devices: tuple[str, ...] = ("cpu", "cuda"),
+    dtypes=None,
+    check=None,
+    description: str = "",
+    **extra,
+):
     """Register a variant; usable as ``register(op, name, fn, kind=...)`` or as a decorator."""
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} is not one of {KINDS}")
 
     def _do(f):
         _REGISTRY.setdefault(op, {})[name] = Variant(
-            op=op, name=name, fn=f, kind=kind, devices=tuple(devices),
-            dtypes=tuple(dtypes) if dtypes is not None else None, check=check,
-            description=description, extra=extra)
+            op=op,
+            name=name,
+            fn=f,
+            kind=kind,
+            devices=tuple(devices),
+            dtypes=tuple(dtypes) if dtypes is not None else None,
+            check=check,
+            description=description,
+            extra=extra,
+        )
         return f
 
     return _do(fn) if fn is not None else _do
@@ -104,8 +125,9 @@ def _ensure(op: str) -> None:
 def list_ops() -> list[str]:
     """Ops registered so far plus op modules present in the package."""
     here = os.path.dirname(__file__)
-    mods = {f[:-3] for f in os.listdir(here)
-            if f.endswith(".py") and not f.startswith("_") and f not in ("registry.py",)}
+    mods = {
+        f[:-3] for f in os.listdir(here) if f.endswith(".py") and not f.startswith("_") and f not in ("registry.py",)
+    }
     return sorted(set(_REGISTRY) | mods)
 
 
@@ -114,12 +136,18 @@ def get_variant(op: str, name: str) -> Variant:
     try:
         return _REGISTRY[op][name]
     except KeyError:
-        raise KeyError(f"variant={name!r} is not a variant of {op}; known: "
-                       f"{', '.join(_REGISTRY[op])}") from None
+        raise KeyError(f"variant={name!r} is not a variant of {op}; known: {', '.join(_REGISTRY[op])}") from None
 
 
-def variants(op: str, device=None, dtype=None, *, include_unavailable: bool = False,
-             kinds: tuple[str, ...] | None = None, **problem) -> list[Variant]:
+def variants(
+    op: str,
+    device=None,
+    dtype=None,
+    *,
+    include_unavailable: bool = False,
+    kinds: tuple[str, ...] | None = None,
+    **problem,
+) -> list[Variant]:
     """All variants of ``op`` that can run on ``device``/``dtype`` for this problem."""
     _ensure(op)
     out = []

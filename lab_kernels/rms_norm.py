@@ -11,6 +11,7 @@ Memory traffic the op must move (M rows of D, s = element size of x, sw of w):
     backward  3·M·D·s + 2·D·sw + 4·M                (read x, dy; write dx; w, dw; rstd saved by fwd)
 The forward also writes rstd (4·M bytes) for the backward; it is counted in the backward.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,16 +26,15 @@ OP = "rms_norm"
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, N, eps,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < M
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)          # (BLOCK_M, BLOCK_N)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)                   # (BLOCK_M,)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_N)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)  # (BLOCK_M,)
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     y = x * rstd[:, None] * w[None, :]
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -42,8 +42,9 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, N, eps,
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, M, N,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rms_norm_bwd_kernel(
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
     # Grid-stride over row tiles; each program keeps its dw partial in registers and
     # writes one row of the (P, N) partials buffer: no atomics, deterministic.
     pid = tl.program_id(0)
@@ -72,7 +73,7 @@ def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, M,
 
 def _blocks(N: int) -> tuple[int, int, int]:
     BLOCK_N = C.next_pow2(N)
-    BLOCK_M = max(1, min(16, 2048 // BLOCK_N))   # several short rows per program (QK-norm rows are 128)
+    BLOCK_M = max(1, min(16, 2048 // BLOCK_N))  # several short rows per program (QK-norm rows are 128)
     return BLOCK_M, BLOCK_N, C.num_warps_for(BLOCK_M * BLOCK_N)
 
 
@@ -83,7 +84,8 @@ def _launch_fwd(x2, weight, eps, y, rstd):
         return y, rstd
     BLOCK_M, BLOCK_N, nw = _blocks(N)
     C.launch(_rms_norm_fwd_kernel)[(triton.cdiv(M, BLOCK_M),)](
-        x2, weight, y, rstd, M, N, eps, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=nw)
+        x2, weight, y, rstd, M, N, eps, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=nw
+    )
     return y, rstd
 
 
@@ -94,15 +96,15 @@ def _launch_bwd(dy2, x2, weight, rstd, dx, dw):
     BLOCK_M, BLOCK_N, nw = _blocks(N)
     P = C.persistent_programs(triton.cdiv(M, BLOCK_M), x2.device)
     part = torch.empty((1, P, N), device=x2.device, dtype=torch.float32)
-    C.launch(_rms_norm_bwd_kernel)[(P,)](dy2, x2, weight, rstd, dx, part, M, N,
-                                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=nw)
+    C.launch(_rms_norm_bwd_kernel)[(P,)](
+        dy2, x2, weight, rstd, dx, part, M, N, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=nw
+    )
     C.col_sum(part, dw.view(1, N))
     return dx, dw
 
 
 def _fwd_fake(x2, weight, eps):
-    return (x2.new_empty(x2.shape, dtype=C.promote(x2, weight)),
-            x2.new_empty((x2.shape[0],), dtype=torch.float32))
+    return (x2.new_empty(x2.shape, dtype=C.promote(x2, weight)), x2.new_empty((x2.shape[0],), dtype=torch.float32))
 
 
 @C.kernel_op("rms_norm_fwd", _fwd_fake)
@@ -116,8 +118,9 @@ def _bwd_fake(dy2, x2, weight, rstd):
 
 
 @C.kernel_op("rms_norm_bwd", _bwd_fake)
-def _rms_norm_bwd_op(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor,
-                     rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_bwd_op(
+    dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     dx, dw = _bwd_fake(dy2, x2, weight, rstd)
     return _launch_bwd(dy2, x2, weight, rstd, dx, dw)
 
@@ -148,7 +151,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *
 def rms_norm_backward(dy, x, weight, rstd, *, dx=None, dw=None):
     """Triton backward -> (dx like x, dweight like weight)."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    dy2 = dy.reshape(x2.shape).contiguous()            # autograd may hand an expanded (stride-0) grad
+    dy2 = dy.reshape(x2.shape).contiguous()  # autograd may hand an expanded (stride-0) grad
     w = weight.contiguous()
     if dx is None and dw is None:
         gx, gw = torch.ops.lab_kernels.rms_norm_bwd(dy2, x2, w, rstd)
@@ -201,7 +204,14 @@ def _check(device=None, dtype=None, shape=None, **_):
 register(OP, "reference", reference_rms_norm, kind="reference", description="plain torch, float64-valid")
 register(OP, "eager", eager_rms_norm, kind="eager", description="FLUX RMSNorm in eager torch")
 register(OP, "compile", C.compiled(eager_rms_norm), kind="compile", description="torch.compile(eager)")
-register(OP, "triton", rms_norm, kind="triton", dtypes=C.FLOAT_DTYPES, check=_check,
-         description="Triton fwd + bwd (dw by per-program partials + column sum), custom op")
+register(
+    OP,
+    "triton",
+    rms_norm,
+    kind="triton",
+    dtypes=C.FLOAT_DTYPES,
+    check=_check,
+    description="Triton fwd + bwd (dw by per-program partials + column sum), custom op",
+)
 if hasattr(F, "rms_norm"):
     register(OP, "torch", torch_rms_norm, kind="library", description="torch.nn.functional.rms_norm")

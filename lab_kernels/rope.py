@@ -14,6 +14,7 @@ t = elements of one table, 4-byte float32):
     forward   4·n·s + 2·4·t        (read q, k; write q_out, k_out; cos and sin once)
     backward  4·n·s + 2·4·t        (read dq_out, dk_out; write dq, dk; cos and sin once)
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,15 +28,30 @@ OP = "rope"
 
 
 @triton.jit
-def _rope_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, R, H, L, HALF, sxb, sxh, sxl, cos_sb, sign,
-               BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rope_rows(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    R,
+    H,
+    L,
+    HALF,
+    sxb,
+    sxh,
+    sxl,
+    cos_sb,
+    sign,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     l = rows % L
     bh = rows // L
     h = bh % H
     b = bh // H
-    xoff = b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + l.to(tl.int64) * sxl      # (BLOCK_R,)
+    xoff = b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + l.to(tl.int64) * sxl  # (BLOCK_R,)
     i = tl.arange(0, BLOCK_H)
     mask = rmask[:, None] & (i < HALF)[None, :]
     xp = x_ptr + xoff[:, None] + 2 * i[None, :]
@@ -50,18 +66,18 @@ def _rope_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, R, H, L, HALF, sxb, sxh, sxl, c
 
 
 @triton.jit
-def _rope_fwd_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, R, H, L, HALF, sxb, sxh, sxl, cos_sb,
-                     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-    _rope_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, R, H, L, HALF, sxb, sxh, sxl, cos_sb, 1.0,
-               BLOCK_R, BLOCK_H)
+def _rope_fwd_kernel(
+    x_ptr, cos_ptr, sin_ptr, out_ptr, R, H, L, HALF, sxb, sxh, sxl, cos_sb, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    _rope_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, R, H, L, HALF, sxb, sxh, sxl, cos_sb, 1.0, BLOCK_R, BLOCK_H)
 
 
 @triton.jit
-def _rope_bwd_kernel(dy_ptr, cos_ptr, sin_ptr, dx_ptr, R, H, L, HALF, sxb, sxh, sxl, cos_sb,
-                     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rope_bwd_kernel(
+    dy_ptr, cos_ptr, sin_ptr, dx_ptr, R, H, L, HALF, sxb, sxh, sxl, cos_sb, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr
+):
     # The rotation is orthogonal: its transpose is the rotation by −angle.
-    _rope_rows(dy_ptr, cos_ptr, sin_ptr, dx_ptr, R, H, L, HALF, sxb, sxh, sxl, cos_sb, -1.0,
-               BLOCK_R, BLOCK_H)
+    _rope_rows(dy_ptr, cos_ptr, sin_ptr, dx_ptr, R, H, L, HALF, sxb, sxh, sxl, cos_sb, -1.0, BLOCK_R, BLOCK_H)
 
 
 def _unit_last(x):
@@ -77,8 +93,22 @@ def _launch(kernel, x, cos, sin, out):
     BLOCK_R = max(1, min(64, 2048 // BLOCK_H))
     cos_sb = cos.stride(0) if cos.dim() == 3 else 0
     C.launch(kernel)[(triton.cdiv(R, BLOCK_R),)](
-        x, cos, sin, out, R, H, L, HALF, x.stride(0), x.stride(1), x.stride(2), cos_sb,
-        BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, num_warps=C.num_warps_for(BLOCK_R * BLOCK_H))
+        x,
+        cos,
+        sin,
+        out,
+        R,
+        H,
+        L,
+        HALF,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        cos_sb,
+        BLOCK_R=BLOCK_R,
+        BLOCK_H=BLOCK_H,
+        num_warps=C.num_warps_for(BLOCK_R * BLOCK_H),
+    )
     return out
 
 
@@ -106,8 +136,10 @@ def check_tables(op, q, cos, sin):
     for name, t in (("cos", cos), ("sin", sin)):
         C.check_tensor(op, name, t, dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16))
         if tuple(t.shape) not in ((L, Dh // 2), (B, L, Dh // 2)):
-            raise ValueError(f"{op}: parameter {name!r} has shape {tuple(t.shape)}, expected (L, Dh/2) = "
-                             f"{(L, Dh // 2)} or (B, L, Dh/2) = {(B, L, Dh // 2)}")
+            raise ValueError(
+                f"{op}: parameter {name!r} has shape {tuple(t.shape)}, expected (L, Dh/2) = "
+                f"{(L, Dh // 2)} or (B, L, Dh/2) = {(B, L, Dh // 2)}"
+            )
     if cos.shape != sin.shape:
         raise ValueError(f"{op}: parameters 'cos' {tuple(cos.shape)} and 'sin' {tuple(sin.shape)} differ")
     C.check_row_width(op, "q", Dh)
@@ -119,8 +151,10 @@ def _validate(q, k, cos, sin):
     C.check_device(OP, ("q", q), ("k", k), ("cos", cos), ("sin", sin))
     check_tables(OP, q, cos, sin)
     if k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
-        raise ValueError(f"{OP}: parameter 'k' has shape {tuple(k.shape)}; expected (B, H_k, L, Dh) matching "
-                         f"q {tuple(q.shape)} in B, L and Dh")
+        raise ValueError(
+            f"{OP}: parameter 'k' has shape {tuple(k.shape)}; expected (B, H_k, L, Dh) matching "
+            f"q {tuple(q.shape)} in B, L and Dh"
+        )
     C.needs_no_grad(OP, cos=cos, sin=sin)
 
 
@@ -203,5 +237,12 @@ def _check(device=None, dtype=None, shape=None, head_dim=None, **_):
 register(OP, "reference", reference_rope, kind="reference", description="plain torch pair rotation, float64-valid")
 register(OP, "eager", eager_rope, kind="eager", description="FLUX apply_rope (2x2 rotation matrices)")
 register(OP, "compile", C.compiled(eager_rope), kind="compile", description="torch.compile(eager)")
-register(OP, "triton", rope, kind="triton", dtypes=C.FLOAT_DTYPES, check=_check,
-         description="Triton fwd + bwd (transposed rotation), strided q/k, custom op")
+register(
+    OP,
+    "triton",
+    rope,
+    kind="triton",
+    dtypes=C.FLOAT_DTYPES,
+    check=_check,
+    description="Triton fwd + bwd (transposed rotation), strided q/k, custom op",
+)

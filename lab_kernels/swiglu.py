@@ -10,6 +10,7 @@ Memory traffic the op must move (n elements each, s = element size):
     forward   3·n·s        (read gate, up; write out)
     backward  5·n·s        (read gate, up, dout; write dgate, dup)
 """
+
 from __future__ import annotations
 
 import torch

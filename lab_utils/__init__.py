@@ -3,6 +3,7 @@
 ``lab_kernels`` is imported first on purpose: it decides ``TRITON_INTERPRET`` before
 any Triton kernel can be defined.
 """
+
 import lab_kernels as _lab_kernels  # noqa: F401  (sets TRITON_INTERPRET on CPU-only machines)
 
 from .config import ConfigError, LabConfig  # noqa: E402

@@ -28,14 +28,16 @@ Mask preprocessing (the dense boolean mask for SDPA, the BlockMask for flex) is 
 per Mask object and shape, so timings after the first call measure attention only;
 ``lab_utils.masks.flex_block_mask`` is timed separately as the block-mask build cost.
 """
+
 from __future__ import annotations
 
 import functools
 import importlib.util
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +47,7 @@ from lab_kernels import attention as _ka
 
 from .checks import compare, tolerance
 from .config import ConfigError
-from .masks import Mask, causal, dense_mask, full
+from .masks import Mask, causal, dense_mask
 
 PATHS = ("reference", "sdpa", "math", "flash", "efficient", "cudnn", "flex", "flex_eager", "triton", "flash_attn")
 MASK_KINDS = ("full", "causal", "custom")
@@ -59,21 +61,29 @@ class AttentionError(ConfigError):
 # --------------------------------------------------------------------------- input checks
 @dataclass(frozen=True)
 class Problem:
-    layout: str                  # "bhld" | "packed"
-    B: int                       # batch (packed: number of sequences)
+    layout: str  # "bhld" | "packed"
+    B: int  # batch (packed: number of sequences)
     H: int
-    Lq: int                      # packed: longest sequence
+    Lq: int  # packed: longest sequence
     Lk: int
     head_dim: int
     dtype: torch.dtype
     device: str
-    mask_kind: str               # "full" | "causal" | "custom"
+    mask_kind: str  # "full" | "causal" | "custom"
     requires_grad: bool
-    lengths: tuple[int, ...] = ()    # packed only
+    lengths: tuple[int, ...] = ()  # packed only
 
     def as_check(self) -> dict:
-        return dict(device=self.device, dtype=self.dtype, head_dim=self.head_dim, mask=self.mask_kind,
-                    layout=self.layout, lq=self.Lq, lk=self.Lk, backward=self.requires_grad)
+        return dict(
+            device=self.device,
+            dtype=self.dtype,
+            head_dim=self.head_dim,
+            mask=self.mask_kind,
+            layout=self.layout,
+            lq=self.Lq,
+            lk=self.Lk,
+            backward=self.requires_grad,
+        )
 
 
 def _mask_kind(mask) -> str:
@@ -97,11 +107,15 @@ def _normalize_mask(mask):
         raise AttentionError("mask", mask, "None, 'full', 'causal', a lab_utils.masks.Mask or a boolean tensor")
     if isinstance(mask, torch.Tensor):
         if mask.dtype != torch.bool:
-            raise AttentionError("mask", f"tensor of dtype {mask.dtype}", "a boolean tensor (True = may attend); "
-                                 "additive float masks are not accepted")
+            raise AttentionError(
+                "mask",
+                f"tensor of dtype {mask.dtype}",
+                "a boolean tensor (True = may attend); additive float masks are not accepted",
+            )
         return mask
-    raise AttentionError("mask", type(mask).__name__, "None, 'full', 'causal', a lab_utils.masks.Mask or a "
-                                                      "boolean tensor")
+    raise AttentionError(
+        "mask", type(mask).__name__, "None, 'full', 'causal', a lab_utils.masks.Mask or a boolean tensor"
+    )
 
 
 def check_inputs(q, k, v, *, mask=None, cu_seqlens=None, max_seqlen=None) -> Problem:
@@ -122,33 +136,61 @@ def check_inputs(q, k, v, *, mask=None, cu_seqlens=None, max_seqlen=None) -> Pro
             raise AttentionError("q", f"shape {tuple(q.shape)}", "(T, H, Dh) when cu_seqlens is given")
         for name, t in (("k", k), ("v", v)):
             if t.shape != q.shape:
-                raise AttentionError(name, f"shape {tuple(t.shape)}", f"the shape of q {tuple(q.shape)} "
-                                     "(packed attention is self-attention)")
+                raise AttentionError(
+                    name,
+                    f"shape {tuple(t.shape)}",
+                    f"the shape of q {tuple(q.shape)} (packed attention is self-attention)",
+                )
         try:
             _ka._check_cu_seqlens(cu_seqlens, q.shape[0])
         except ValueError as e:
-            raise AttentionError("cu_seqlens", cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor)
-                                 else cu_seqlens, str(e).split(" must ", 1)[-1]) from None
+            raise AttentionError(
+                "cu_seqlens",
+                cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens,
+                str(e).split(" must ", 1)[-1],
+            ) from None
         lengths = tuple(int(x) for x in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
         if max_seqlen is not None and max_seqlen < max(lengths):
             raise AttentionError("max_seqlen", max_seqlen, f">= the longest sequence ({max(lengths)})")
         if isinstance(mask, torch.Tensor):
-            raise AttentionError("mask", "a dense tensor", "a Mask (mask_mod) or 'causal'/'full' in the packed "
-                                 "layout (positions inside each sequence)")
+            raise AttentionError(
+                "mask",
+                "a dense tensor",
+                "a Mask (mask_mod) or 'causal'/'full' in the packed layout (positions inside each sequence)",
+            )
         if isinstance(mask, Mask) and mask.length is not None and any(n != mask.length for n in lengths):
-            raise AttentionError("mask", mask.name, f"a mask valid for every packed sequence; it was built for "
-                                 f"{mask.length} tokens, the sequences have {list(lengths)}")
+            raise AttentionError(
+                "mask",
+                mask.name,
+                f"a mask valid for every packed sequence; it was built for "
+                f"{mask.length} tokens, the sequences have {list(lengths)}",
+            )
         B, H, L = len(lengths), q.shape[1], max(lengths)
-        return Problem("packed", B, H, L, L, q.shape[2], q.dtype, q.device.type, _mask_kind(mask),
-                       any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled(), lengths)
+        return Problem(
+            "packed",
+            B,
+            H,
+            L,
+            L,
+            q.shape[2],
+            q.dtype,
+            q.device.type,
+            _mask_kind(mask),
+            any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled(),
+            lengths,
+        )
     if q.dim() != 4:
         raise AttentionError("q", f"shape {tuple(q.shape)}", "(B, H, L, Dh), or (T, H, Dh) with cu_seqlens")
     if k.dim() != 4 or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
-        raise AttentionError("k", f"shape {tuple(k.shape)}", f"(B, H, Lk, Dh) = ({q.shape[0]}, {q.shape[1]}, Lk, "
-                             f"{q.shape[3]}) to match q {tuple(q.shape)}")
+        raise AttentionError(
+            "k",
+            f"shape {tuple(k.shape)}",
+            f"(B, H, Lk, Dh) = ({q.shape[0]}, {q.shape[1]}, Lk, {q.shape[3]}) to match q {tuple(q.shape)}",
+        )
     if v.dim() != 4 or v.shape[:3] != k.shape[:3]:
-        raise AttentionError("v", f"shape {tuple(v.shape)}", f"(B, H, Lk, Dv) with (B, H, Lk) = {tuple(k.shape[:3])} "
-                             "from k")
+        raise AttentionError(
+            "v", f"shape {tuple(v.shape)}", f"(B, H, Lk, Dv) with (B, H, Lk) = {tuple(k.shape[:3])} from k"
+        )
     if v.shape[3] != q.shape[3]:
         raise AttentionError("v", f"shape {tuple(v.shape)}", f"head dim {q.shape[3]} like q (paths here share Dh)")
     B, H, Lq, D = q.shape
@@ -161,27 +203,42 @@ def check_inputs(q, k, v, *, mask=None, cu_seqlens=None, max_seqlen=None) -> Pro
         except RuntimeError:
             ok = False
         if not ok:
-            raise AttentionError("mask", f"tensor of shape {tuple(mask.shape)}", f"broadcastable to (B, H, Lq, Lk) = "
-                                 f"{(B, H, Lq, Lk)}")
+            raise AttentionError(
+                "mask", f"tensor of shape {tuple(mask.shape)}", f"broadcastable to (B, H, Lq, Lk) = {(B, H, Lq, Lk)}"
+            )
         if mask.device != q.device:
             raise AttentionError("mask", f"device {mask.device}", f"the device of q ({q.device})")
     elif isinstance(mask, Mask):
         if mask.length is not None and (Lq != mask.length or Lk != mask.length):
-            raise AttentionError("mask", mask.name, f"a mask for Lq = Lk = {Lq if Lq == Lk else (Lq, Lk)}; it was "
-                                 f"built for {mask.length} tokens")
+            raise AttentionError(
+                "mask",
+                mask.name,
+                f"a mask for Lq = Lk = {Lq if Lq == Lk else (Lq, Lk)}; it was built for {mask.length} tokens",
+            )
     if kind == "causal" and Lq != Lk:
-        raise AttentionError("mask", "causal", f"full or a custom mask when Lq != Lk ({Lq} != {Lk}): causal "
-                             "alignment would be ambiguous")
-    return Problem("bhld", B, H, Lq, Lk, D, q.dtype, q.device.type, kind,
-                   any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled())
+        raise AttentionError(
+            "mask", "causal", f"full or a custom mask when Lq != Lk ({Lq} != {Lk}): causal alignment would be ambiguous"
+        )
+    return Problem(
+        "bhld",
+        B,
+        H,
+        Lq,
+        Lk,
+        D,
+        q.dtype,
+        q.device.type,
+        kind,
+        any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled(),
+    )
 
 
 # --------------------------------------------------------------------------- registry
 @dataclass(frozen=True)
 class AttentionPath:
     name: str
-    kind: str                                    # reference | eager | compile | triton | library
-    masks: tuple[str, ...]                       # subset of MASK_KINDS
+    kind: str  # reference | eager | compile | triton | library
+    masks: tuple[str, ...]  # subset of MASK_KINDS
     layouts: tuple[str, ...]
     devices: tuple[str, ...]
     description: str
@@ -189,11 +246,22 @@ class AttentionPath:
     dtypes: tuple[torch.dtype, ...] | None = None
     head_dims: tuple[int, ...] | None = None
     backward_devices: tuple[str, ...] = ("cpu", "cuda")
-    probe: Callable[..., str | None] | None = field(repr=False, default=None)   # device-specific check
+    probe: Callable[..., str | None] | None = field(repr=False, default=None)  # device-specific check
     available: Callable[[], str | None] | None = field(repr=False, default=None)
 
-    def why_not(self, *, device="cpu", dtype=None, mask="full", layout="bhld", head_dim=None, lq=None, lk=None,
-                backward=False, **_) -> str | None:
+    def why_not(
+        self,
+        *,
+        device="cpu",
+        dtype=None,
+        mask="full",
+        layout="bhld",
+        head_dim=None,
+        lq=None,
+        lk=None,
+        backward=False,
+        **_,
+    ) -> str | None:
         device = torch.device(device).type
         if self.available is not None:
             r = self.available()
@@ -206,7 +274,7 @@ class AttentionPath:
             if r:
                 return r
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
-            return (f"path {self.name!r} takes dtypes {', '.join(_dt(d) for d in self.dtypes)}, not {_dt(dtype)}")
+            return f"path {self.name!r} takes dtypes {', '.join(_dt(d) for d in self.dtypes)}, not {_dt(dtype)}"
         if layout not in self.layouts:
             return f"path {self.name!r} supports layouts {', '.join(self.layouts)}, not {layout!r}"
         if mask not in self.masks:
@@ -218,8 +286,9 @@ class AttentionPath:
         if backward and device not in self.backward_devices:
             return f"path {self.name!r} has no backward on {device}"
         if self.probe is not None:
-            return self.probe(device=device, dtype=dtype, mask=mask, head_dim=head_dim, backward=backward,
-                              layout=layout)
+            return self.probe(
+                device=device, dtype=dtype, mask=mask, head_dim=head_dim, backward=backward, layout=layout
+            )
         return None
 
 
@@ -240,14 +309,25 @@ def get_path(name: str) -> AttentionPath:
     return REGISTRY[name]
 
 
-def available_paths(device="cpu", dtype=torch.float32, *, mask="full", layout="bhld", head_dim=64,
-                    backward=False, include_reference: bool = True) -> list[str]:
+def available_paths(
+    device="cpu",
+    dtype=torch.float32,
+    *,
+    mask="full",
+    layout="bhld",
+    head_dim=64,
+    backward=False,
+    include_reference: bool = True,
+) -> list[str]:
     """Paths that can run this problem here."""
     out = []
     for name, p in REGISTRY.items():
         if not include_reference and p.kind == "reference":
             continue
-        if p.why_not(device=device, dtype=dtype, mask=mask, layout=layout, head_dim=head_dim, backward=backward) is None:
+        if (
+            p.why_not(device=device, dtype=dtype, mask=mask, layout=layout, head_dim=head_dim, backward=backward)
+            is None
+        ):
             out.append(name)
     return out
 
@@ -262,8 +342,17 @@ def path_table(device="cpu", dtype=torch.float32, head_dim: int = 64):
             for mk in MASK_KINDS:
                 for bwd in (False, True):
                     r = p.why_not(device=device, dtype=dtype, mask=mk, layout=layout, head_dim=head_dim, backward=bwd)
-                    rows.append(dict(path=name, kind=p.kind, layout=layout, mask=mk,
-                                     direction="fwd+bwd" if bwd else "fwd", supported=r is None, why_not=r or ""))
+                    rows.append(
+                        dict(
+                            path=name,
+                            kind=p.kind,
+                            layout=layout,
+                            mask=mk,
+                            direction="fwd+bwd" if bwd else "fwd",
+                            supported=r is None,
+                            why_not=r or "",
+                        )
+                    )
     return pd.DataFrame(rows)
 
 
@@ -289,8 +378,9 @@ def clear_caches() -> None:
 
 
 def _dense_for(mask: Mask, B, Lq, Lk, device) -> torch.Tensor:
-    return _cached(("dense", id(mask), B, Lq, Lk, str(device)), mask,
-                   lambda: dense_mask(mask, B, 1, Lq, Lk, device=device))
+    return _cached(
+        ("dense", id(mask), B, Lq, Lk, str(device)), mask, lambda: dense_mask(mask, B, 1, Lq, Lk, device=device)
+    )
 
 
 # --------------------------------------------------------------------------- path implementations
@@ -303,7 +393,7 @@ def _packed_loop(fn, q, k, v, mask, scale, cu_seqlens):
     bounds = cu_seqlens.tolist()
     outs = []
     for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-        qi, ki, vi = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))      # 1 H l Dh
+        qi, ki, vi = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # 1 H l Dh
         m = mask
         if isinstance(mask, Mask) and mask.kind == "custom" and i:
             m = _cached(("shift", id(mask), i), mask, lambda: _shift_batch(mask, i))
@@ -329,8 +419,12 @@ def _reference(q, k, v, mask, scale):
     return _ka.reference_attention(q64, k64, v64, scale=_scale(q, scale), mask=dm).to(dt)
 
 
-_SDPA_BACKENDS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
-                  "cudnn": "CUDNN_ATTENTION"}
+_SDPA_BACKENDS = {
+    "math": "MATH",
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+}
 
 
 def _sdpa_call(q, k, v, mask, scale, backend: str | None):
@@ -350,16 +444,19 @@ def _sdpa_call(q, k, v, mask, scale, backend: str | None):
         return F.scaled_dot_product_attention(q, k, v, **kw)
 
 
-@functools.lru_cache(maxsize=None)
-def _probe_sdpa(backend: str, device: str, dtype: torch.dtype, head_dim: int, custom_mask: bool,
-                is_causal: bool, backward: bool) -> str | None:
+@functools.cache
+def _probe_sdpa(
+    backend: str, device: str, dtype: torch.dtype, head_dim: int, custom_mask: bool, is_causal: bool, backward: bool
+) -> str | None:
     """Does this SDPA backend run this kind of problem on this device?  A tiny real call."""
     if device == "cuda" and not torch.cuda.is_available():
         return "no CUDA device"
     try:
         g = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(1, 2, 64, head_dim, device=device, dtype=dtype, generator=g).requires_grad_(backward)
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(1, 2, 64, head_dim, device=device, dtype=dtype, generator=g).requires_grad_(backward)
+            for _ in range(3)
+        )
         m = torch.ones(64, 64, dtype=torch.bool, device=device).tril() if custom_mask else None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -369,24 +466,30 @@ def _probe_sdpa(backend: str, device: str, dtype: torch.dtype, head_dim: int, cu
         return None
     except Exception as e:  # noqa: BLE001 - the reason is the answer
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return f"SDPA backend {backend!r} cannot run this on {device} ({_dt(dtype)}, Dh {head_dim}" \
-               f"{', mask' if custom_mask else ''}{', causal' if is_causal else ''}{', backward' if backward else ''}): " \
-               f"{msg[:160]}"
+        return (
+            f"SDPA backend {backend!r} cannot run this on {device} ({_dt(dtype)}, Dh {head_dim}"
+            f"{', mask' if custom_mask else ''}{', causal' if is_causal else ''}{', backward' if backward else ''}): "
+            f"{msg[:160]}"
+        )
 
 
 def _sdpa_probe(backend):
     def probe(*, device, dtype, mask, head_dim, backward, layout):
-        return _probe_sdpa(backend, device, dtype or torch.float32, head_dim or 64, mask == "custom",
-                           mask == "causal", bool(backward))
+        return _probe_sdpa(
+            backend, device, dtype or torch.float32, head_dim or 64, mask == "custom", mask == "causal", bool(backward)
+        )
+
     return probe
 
 
 def _make_sdpa(backend: str | None):
     def run(q, k, v, mask, scale, cu_seqlens=None, max_seqlen=None):
         if cu_seqlens is not None:
-            return _packed_loop(lambda a, b_, c, m, s: _sdpa_call(a, b_, c, m, s, backend), q, k, v, mask, scale,
-                                cu_seqlens)
+            return _packed_loop(
+                lambda a, b_, c, m, s: _sdpa_call(a, b_, c, m, s, backend), q, k, v, mask, scale, cu_seqlens
+            )
         return _sdpa_call(q, k, v, mask, scale, backend)
+
     return run
 
 
@@ -412,8 +515,12 @@ def _flex_fn(compiled: bool):
         # wrong thing.  Raise the limits (names differ across torch versions).
         import torch._dynamo.config as dcfg
 
-        for name, value in (("recompile_limit", 1024), ("cache_size_limit", 1024),
-                            ("accumulated_recompile_limit", 4096), ("accumulated_cache_size_limit", 4096)):
+        for name, value in (
+            ("recompile_limit", 1024),
+            ("cache_size_limit", 1024),
+            ("accumulated_recompile_limit", 4096),
+            ("accumulated_cache_size_limit", 4096),
+        ):
             if hasattr(dcfg, name):
                 setattr(dcfg, name, max(getattr(dcfg, name), value))
         _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
@@ -442,9 +549,13 @@ def _packed_mask(mask: Mask | None, lengths: tuple[int, ...]) -> Mask:
 def _flex_block_mask(mask: Mask, B, Lq, Lk, device, compiled: bool, key_extra=()):
     from .masks import flex_block_mask
 
-    return _cached(("block", id(mask), B, Lq, Lk, str(device), *key_extra), mask,
-                   lambda: flex_block_mask(mask, B, None, Lq, Lk, device=device,
-                                           compile=compiled and torch.device(device).type == "cuda"))
+    return _cached(
+        ("block", id(mask), B, Lq, Lk, str(device), *key_extra),
+        mask,
+        lambda: flex_block_mask(
+            mask, B, None, Lq, Lk, device=device, compile=compiled and torch.device(device).type == "cuda"
+        ),
+    )
 
 
 def _make_flex(compiled: bool):
@@ -455,7 +566,7 @@ def _make_flex(compiled: bool):
             pm = _cached(("packedmask", id(mask), lengths), mask, lambda: _packed_mask(mask, lengths))
             T = q.shape[0]
             bm = _flex_block_mask(pm, 1, T, T, q.device, compiled)
-            qq, kk, vv = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))       # 1 H T Dh
+            qq, kk, vv = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # 1 H T Dh
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 out = fn(qq, kk, vv, block_mask=bm, scale=scale)
@@ -466,15 +577,19 @@ def _make_flex(compiled: bool):
             # a tensor mask is keyed by its storage: the same tensor object -> the same block mask
             t = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(B, q.shape[1], Lq, Lk)
             mm = Mask("tensor", lambda b, h, qi, ki: t[b, h, qi, ki], "custom")
-            bm = _cached(("tblock", mask.data_ptr(), tuple(mask.shape), B, Lq, Lk, str(q.device)), mask,
-                         lambda: _flex_block_mask(mm, B, Lq, Lk, q.device, compiled))
+            bm = _cached(
+                ("tblock", mask.data_ptr(), tuple(mask.shape), B, Lq, Lk, str(q.device)),
+                mask,
+                lambda: _flex_block_mask(mm, B, Lq, Lk, q.device, compiled),
+            )
         elif mask is None or mask.kind == "full":
             bm = None
         else:
             bm = _flex_block_mask(mask, B, Lq, Lk, q.device, compiled)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")   # the uncompiled path warns on every call, by design
+            warnings.simplefilter("ignore")  # the uncompiled path warns on every call, by design
             return fn(q, k, v, block_mask=bm, scale=scale)
+
     return run
 
 
@@ -507,45 +622,126 @@ def _run_flash_attn(q, k, v, mask, scale, cu_seqlens=None, max_seqlen=None):
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         ml = max_seqlen or int((cu[1:] - cu[:-1]).max())
         return flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, ml, ml, softmax_scale=scale, causal=is_causal)
-    o = flash_attn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
-                                   causal=is_causal)                                # B L H Dh
+    o = flash_attn.flash_attn_func(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=is_causal
+    )  # B L H Dh
     return o.transpose(1, 2)
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-_register(AttentionPath("reference", "reference", MASK_KINDS, LAYOUTS, ("cpu", "cuda"),
-                        "dense scores in float64 (cast back to the input dtype): the ground truth",
-                        _run_reference, dtypes=(*_FLOATS, torch.float64)))
-_register(AttentionPath("sdpa", "eager", MASK_KINDS, LAYOUTS, ("cpu", "cuda"),
-                        "F.scaled_dot_product_attention, torch picks the backend; packed: one call per sequence",
-                        _make_sdpa(None), dtypes=(*_FLOATS, torch.float64)))
-for _b, _desc in (("math", "SDPA math backend (materialises the scores; any mask)"),
-                  ("flash", "SDPA FlashAttention backend (CUDA: no custom masks; CPU: its own flash kernel)"),
-                  ("efficient", "SDPA memory-efficient backend (xFormers kernel; CUDA)"),
-                  ("cudnn", "SDPA cuDNN backend (CUDA, Hopper+)")):
-    _register(AttentionPath(_b, "eager", MASK_KINDS, LAYOUTS, ("cpu", "cuda") if _b in ("math", "flash") else ("cuda",),
-                            _desc + "; packed: one call per sequence", _make_sdpa(_b),
-                            dtypes=(*_FLOATS, torch.float64), probe=_sdpa_probe(_b)))
-_register(AttentionPath("flex", "compile", MASK_KINDS, LAYOUTS, ("cpu", "cuda"),
-                        "torch.compile(flex_attention) with a BlockMask (packed: document mask over the packed "
-                        "sequence); CPU: forward only, first call compiles (~10-30 s)",
-                        _make_flex(True), dtypes=_FLOATS, backward_devices=("cuda",), available=_flex_available))
-_register(AttentionPath("flex_eager", "eager", MASK_KINDS, LAYOUTS, ("cpu", "cuda"),
-                        "flex_attention uncompiled: the debug path, materialises the scores; CPU: forward only",
-                        _make_flex(False), dtypes=(*_FLOATS, torch.float64), backward_devices=("cuda",),
-                        available=_flex_available))
-_register(AttentionPath("triton", "triton", ("full", "causal"), LAYOUTS, ("cpu", "cuda"),
-                        "lab_kernels.attention: hand-written FlashAttention-2 fwd+bwd (CPU: interpreter, "
-                        "correctness only)", _run_triton, dtypes=_ka.TRITON_DTYPES, head_dims=_ka.HEAD_DIMS))
-_register(AttentionPath("flash_attn", "library", ("full", "causal"), LAYOUTS, ("cuda",),
-                        "flash-attn library (flash_attn_func / flash_attn_varlen_func)", _run_flash_attn,
-                        dtypes=(torch.float16, torch.bfloat16), available=_flash_attn_available))
+_register(
+    AttentionPath(
+        "reference",
+        "reference",
+        MASK_KINDS,
+        LAYOUTS,
+        ("cpu", "cuda"),
+        "dense scores in float64 (cast back to the input dtype): the ground truth",
+        _run_reference,
+        dtypes=(*_FLOATS, torch.float64),
+    )
+)
+_register(
+    AttentionPath(
+        "sdpa",
+        "eager",
+        MASK_KINDS,
+        LAYOUTS,
+        ("cpu", "cuda"),
+        "F.scaled_dot_product_attention, torch picks the backend; packed: one call per sequence",
+        _make_sdpa(None),
+        dtypes=(*_FLOATS, torch.float64),
+    )
+)
+for _b, _desc in (
+    ("math", "SDPA math backend (materialises the scores; any mask)"),
+    ("flash", "SDPA FlashAttention backend (CUDA: no custom masks; CPU: its own flash kernel)"),
+    ("efficient", "SDPA memory-efficient backend (xFormers kernel; CUDA)"),
+    ("cudnn", "SDPA cuDNN backend (CUDA, Hopper+)"),
+):
+    _register(
+        AttentionPath(
+            _b,
+            "eager",
+            MASK_KINDS,
+            LAYOUTS,
+            ("cpu", "cuda") if _b in ("math", "flash") else ("cuda",),
+            _desc + "; packed: one call per sequence",
+            _make_sdpa(_b),
+            dtypes=(*_FLOATS, torch.float64),
+            probe=_sdpa_probe(_b),
+        )
+    )
+_register(
+    AttentionPath(
+        "flex",
+        "compile",
+        MASK_KINDS,
+        LAYOUTS,
+        ("cpu", "cuda"),
+        "torch.compile(flex_attention) with a BlockMask (packed: document mask over the packed "
+        "sequence); CPU: forward only, first call compiles (~10-30 s)",
+        _make_flex(True),
+        dtypes=_FLOATS,
+        backward_devices=("cuda",),
+        available=_flex_available,
+    )
+)
+_register(
+    AttentionPath(
+        "flex_eager",
+        "eager",
+        MASK_KINDS,
+        LAYOUTS,
+        ("cpu", "cuda"),
+        "flex_attention uncompiled: the debug path, materialises the scores; CPU: forward only",
+        _make_flex(False),
+        dtypes=(*_FLOATS, torch.float64),
+        backward_devices=("cuda",),
+        available=_flex_available,
+    )
+)
+_register(
+    AttentionPath(
+        "triton",
+        "triton",
+        ("full", "causal"),
+        LAYOUTS,
+        ("cpu", "cuda"),
+        "lab_kernels.attention: hand-written FlashAttention-2 fwd+bwd (CPU: interpreter, correctness only)",
+        _run_triton,
+        dtypes=_ka.TRITON_DTYPES,
+        head_dims=_ka.HEAD_DIMS,
+    )
+)
+_register(
+    AttentionPath(
+        "flash_attn",
+        "library",
+        ("full", "causal"),
+        LAYOUTS,
+        ("cuda",),
+        "flash-attn library (flash_attn_func / flash_attn_varlen_func)",
+        _run_flash_attn,
+        dtypes=(torch.float16, torch.bfloat16),
+        available=_flash_attn_available,
+    )
+)
 assert tuple(REGISTRY) == PATHS
 
 
 # --------------------------------------------------------------------------- the entry point
-def attend(q, k, v, *, path: str = "sdpa", mask=None, scale: float | None = None,
-           cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+def attend(
+    q,
+    k,
+    v,
+    *,
+    path: str = "sdpa",
+    mask=None,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+) -> torch.Tensor:
     """Attention on ``path``; see the module docstring for layouts and masks.
     Raises :class:`AttentionError` naming the parameter when the input is malformed or
     the path cannot honour the problem."""
@@ -554,12 +750,17 @@ def attend(q, k, v, *, path: str = "sdpa", mask=None, scale: float | None = None
     prob = check_inputs(q, k, v, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     reason = p.why_not(**prob.as_check())
     if reason:
-        param = ("mask" if prob.mask_kind not in p.masks else
-                 "cu_seqlens" if prob.layout not in p.layouts else
-                 "q" if (p.dtypes is not None and prob.dtype not in p.dtypes) or
-                        (p.head_dims is not None and prob.head_dim not in p.head_dims) else "path")
-        raise AttentionError(param, _describe(param, mask, q, path),
-                             f"a problem path {path!r} can run: {reason}")
+        param = (
+            "mask"
+            if prob.mask_kind not in p.masks
+            else "cu_seqlens"
+            if prob.layout not in p.layouts
+            else "q"
+            if (p.dtypes is not None and prob.dtype not in p.dtypes)
+            or (p.head_dims is not None and prob.head_dim not in p.head_dims)
+            else "path"
+        )
+        raise AttentionError(param, _describe(param, mask, q, path), f"a problem path {path!r} can run: {reason}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
         raise AttentionError("scale", scale, "None or a positive number")
     return p.fn(q, k, v, mask, scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
@@ -567,8 +768,13 @@ def attend(q, k, v, *, path: str = "sdpa", mask=None, scale: float | None = None
 
 def _describe(param, mask, q, path):
     if param == "mask":
-        return mask.name if isinstance(mask, Mask) else "a dense boolean tensor" if isinstance(mask, torch.Tensor) \
+        return (
+            mask.name
+            if isinstance(mask, Mask)
+            else "a dense boolean tensor"
+            if isinstance(mask, torch.Tensor)
             else mask
+        )
     if param == "q":
         return f"{_dt(q.dtype)} (B,H,L,Dh)={tuple(q.shape)}"
     if param == "cu_seqlens":
@@ -577,8 +783,18 @@ def _describe(param, mask, q, path):
 
 
 # --------------------------------------------------------------------------- correctness
-def random_qkv(B: int, H: int, L: int, head_dim: int, *, dtype=torch.float32, device="cpu", seed: int | None = None,
-               lengths: list[int] | None = None, requires_grad: bool = True):
+def random_qkv(
+    B: int,
+    H: int,
+    L: int,
+    head_dim: int,
+    *,
+    dtype=torch.float32,
+    device="cpu",
+    seed: int | None = None,
+    lengths: list[int] | None = None,
+    requires_grad: bool = True,
+):
     """Fresh random q, k, v (and dO): (B, H, L, Dh), or packed (sum(lengths), H, Dh) +
     cu_seqlens when ``lengths`` is given.  Returns dict(q, k, v, do, cu_seqlens)."""
     g = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -600,8 +816,8 @@ GRAD_SCALE = {torch.float64: 1.0, torch.float32: 2.0, torch.float16: 4.0, torch.
 @dataclass(frozen=True)
 class CheckResult:
     path: str
-    tensor: str           # out | dq | dk | dv
-    ok: bool | None       # None = skipped
+    tensor: str  # out | dq | dk | dv
+    ok: bool | None  # None = skipped
     max_abs: float
     max_rel: float
     atol: float
@@ -624,7 +840,7 @@ def check_path(path: str, inputs: dict, *, mask=None, backward: bool = True, sca
         return [CheckResult(path, n, None, math.nan, math.nan, math.nan, math.nan, why) for n in names]
     why_bwd = p.why_not(**{**chk, "backward": True}) if backward else None
     skipped = []
-    if why_bwd:            # forward checked, gradients listed as skipped with the reason
+    if why_bwd:  # forward checked, gradients listed as skipped with the reason
         skipped = [CheckResult(path, n, None, math.nan, math.nan, math.nan, math.nan, why_bwd) for n in names[1:]]
         names, backward = ["out"], False
     q64, k64, v64 = (t.detach().double().requires_grad_(backward) for t in (q, k, v))
@@ -645,8 +861,20 @@ def check_path(path: str, inputs: dict, *, mask=None, backward: bool = True, sca
     return res + skipped
 
 
-def correctness_table(paths, *, mask=None, B=1, H=2, L=97, head_dim=64, dtype=torch.float32, device="cpu",
-                      lengths=None, backward=True, seed=0):
+def correctness_table(
+    paths,
+    *,
+    mask=None,
+    B=1,
+    H=2,
+    L=97,
+    head_dim=64,
+    dtype=torch.float32,
+    device="cpu",
+    lengths=None,
+    backward=True,
+    seed=0,
+):
     """DataFrame: each path vs the float64 reference (out, dq, dk, dv) on one fixed-seed problem."""
     import pandas as pd
 
@@ -654,10 +882,17 @@ def correctness_table(paths, *, mask=None, B=1, H=2, L=97, head_dim=64, dtype=to
     rows = []
     for path in paths:
         for r in check_path(path, inputs, mask=mask, backward=backward):
-            rows.append(dict(path=r.path, tensor=r.tensor,
-                             verdict="skipped" if r.ok is None else ("ok" if r.ok else "FAIL"),
-                             max_abs_err=r.max_abs, atol=r.atol, rtol=r.rtol,
-                             note=(r.note.splitlines()[0] if r.note else "")))
+            rows.append(
+                dict(
+                    path=r.path,
+                    tensor=r.tensor,
+                    verdict="skipped" if r.ok is None else ("ok" if r.ok else "FAIL"),
+                    max_abs_err=r.max_abs,
+                    atol=r.atol,
+                    rtol=r.rtol,
+                    note=(r.note.splitlines()[0] if r.note else ""),
+                )
+            )
     return pd.DataFrame(rows)
 
 
@@ -675,9 +910,25 @@ def attention_bytes(B: int, H: int, Lq: int, Lk: int, head_dim: int, dtype, back
     return float(fwd + (bwd if backward else 0))
 
 
-def sweep(*, paths, masks, seq_lens, head_dims, directions=("fwd", "fwd+bwd"), batch: int = 1, heads: int = 8,
-          dtype=torch.bfloat16, device="cpu", rec=None, ceilings=None, reps: int = 10, budget_s: float = 30.0,
-          block_mask_cost: bool = True, score_limit_gb: float = 8.0, seed: int = 0) -> list[dict]:
+def sweep(
+    *,
+    paths,
+    masks,
+    seq_lens,
+    head_dims,
+    directions=("fwd", "fwd+bwd"),
+    batch: int = 1,
+    heads: int = 8,
+    dtype=torch.bfloat16,
+    device="cpu",
+    rec=None,
+    ceilings=None,
+    reps: int = 10,
+    budget_s: float = 30.0,
+    block_mask_cost: bool = True,
+    score_limit_gb: float = 8.0,
+    seed: int = 0,
+) -> list[dict]:
     """Time every (seq_len, head_dim, mask, path, direction) that can run here.
 
     FLOPs are mask-aware (``masks.attention_flops``: allowed pairs only); TFLOP/s and %
@@ -701,31 +952,56 @@ def sweep(*, paths, masks, seq_lens, head_dims, directions=("fwd", "fwd+bwd"), b
                 shape = f"B{batch}xH{heads}xL{L}xD{D}"
                 base = dict(seq_len=L, head_dim=D, mask=mname, shape=shape, density=fl.density)
                 if block_mask_cost and mask.kind != "full":
-                    t = try_bench(lambda: flex_block_mask(mask, batch, None, L, L, device=device,
-                                                          compile=dev_type == "cuda"),
-                                  name=f"block_mask/{mname}", device=device, reps=max(3, reps // 2),
-                                  budget_s=budget_s, check_finite=False)
+                    t = try_bench(
+                        lambda: flex_block_mask(mask, batch, None, L, L, device=device, compile=dev_type == "cuda"),
+                        name=f"block_mask/{mname}",
+                        device=device,
+                        reps=max(3, reps // 2),
+                        budget_s=budget_s,
+                        check_finite=False,
+                    )
                     if rec is not None:
-                        rec.add_timing("block_mask_build", "flex", t, shape=shape, dtype=dtype, mask=mname,
-                                       seq_len=L, head_dim=D)
-                    out.append(dict(base, path="block_mask_build", direction="build",
-                                    time_ms=t.median_ms if t.ok else math.nan,
-                                    note="" if t.ok else f"{t.kind}: {t.reason}"))
-                q, k, v, do = (torch.randn(batch, heads, L, D, generator=g).to(device=device, dtype=dtype)
-                               for _ in range(4))
+                        rec.add_timing(
+                            "block_mask_build", "flex", t, shape=shape, dtype=dtype, mask=mname, seq_len=L, head_dim=D
+                        )
+                    out.append(
+                        dict(
+                            base,
+                            path="block_mask_build",
+                            direction="build",
+                            time_ms=t.median_ms if t.ok else math.nan,
+                            note="" if t.ok else f"{t.kind}: {t.reason}",
+                        )
+                    )
+                q, k, v, do = (
+                    torch.randn(batch, heads, L, D, generator=g).to(device=device, dtype=dtype) for _ in range(4)
+                )
                 for path in paths:
                     p = get_path(path)
                     for direction in directions:
                         bwd = direction == "fwd+bwd"
                         row = dict(base, path=path, direction=direction)
-                        why = p.why_not(device=device, dtype=dtype, mask=mask.kind, layout="bhld", head_dim=D,
-                                        lq=L, lk=L, backward=bwd)
+                        why = p.why_not(
+                            device=device,
+                            dtype=dtype,
+                            mask=mask.kind,
+                            layout="bhld",
+                            head_dim=D,
+                            lq=L,
+                            lk=L,
+                            backward=bwd,
+                        )
                         if why is None and p.kind == "triton" and dev_type == "cpu":
                             why = "Triton runs through the interpreter on CPU: correctness only, never timed"
-                        if why is None and path in MATERIALISING and batch * heads * L * L * max(elt, 4) > \
-                                score_limit_gb * 2 ** 30:
-                            why = f"materialises {batch * heads * L * L * max(elt, 4) / 2 ** 30:.1f} GiB of scores " \
-                                  f"(> score_limit_gb={score_limit_gb})"
+                        if (
+                            why is None
+                            and path in MATERIALISING
+                            and batch * heads * L * L * max(elt, 4) > score_limit_gb * 2**30
+                        ):
+                            why = (
+                                f"materialises {batch * heads * L * L * max(elt, 4) / 2**30:.1f} GiB of scores "
+                                f"(> score_limit_gb={score_limit_gb})"
+                            )
                         if why:
                             out.append(dict(row, time_ms=math.nan, note=why))
                             continue
@@ -739,30 +1015,67 @@ def sweep(*, paths, masks, seq_lens, head_dims, directions=("fwd", "fwd+bwd"), b
                             return torch.autograd.grad(o, (qq, kk, vv), do)
 
                         flops = fl.fwd_bwd if bwd else fl.fwd
-                        t = try_bench(fn, name=f"{path}/{mname}/{direction}", device=device, reps=reps,
-                                      budget_s=budget_s)
+                        t = try_bench(
+                            fn, name=f"{path}/{mname}/{direction}", device=device, reps=reps, budget_s=budget_s
+                        )
                         if rec is not None:
-                            rec.add_timing("sweep", path, t, shape=shape, dtype=dtype, flops=flops,
-                                           bytes=attention_bytes(batch, heads, L, L, D, dtype, bwd), ceilings=ceilings,
-                                           mask=mname, direction=direction, seq_len=L, head_dim=D, density=fl.density)
+                            rec.add_timing(
+                                "sweep",
+                                path,
+                                t,
+                                shape=shape,
+                                dtype=dtype,
+                                flops=flops,
+                                bytes=attention_bytes(batch, heads, L, L, D, dtype, bwd),
+                                ceilings=ceilings,
+                                mask=mname,
+                                direction=direction,
+                                seq_len=L,
+                                head_dim=D,
+                                density=fl.density,
+                            )
                         ok = getattr(t, "ok", False)
                         peak = ceilings.matmul(dtype) if ceilings is not None else None
                         if rec is not None and ok and peak:
                             # the issue's yardstick: achieved TFLOP/s over the measured dense-matmul TFLOP/s
-                            rec.add("sweep", path, "pct_of_matmul", 100 * flops / (t.median_ms * 1e-3) / 1e12 / peak,
-                                    "%", shape=shape, dtype=dtype, statistic="median",
-                                    formula="mask-aware flops / time / measured matmul TFLOP/s", mask=mname,
-                                    direction=direction, seq_len=L, head_dim=D, density=fl.density)
-                        out.append(dict(row, time_ms=t.median_ms if ok else math.nan,
-                                        tflops=flops / (t.median_ms * 1e-3) / 1e12 if ok else math.nan,
-                                        note="" if ok else f"{t.kind}: {t.reason}"))
+                            rec.add(
+                                "sweep",
+                                path,
+                                "pct_of_matmul",
+                                100 * flops / (t.median_ms * 1e-3) / 1e12 / peak,
+                                "%",
+                                shape=shape,
+                                dtype=dtype,
+                                statistic="median",
+                                formula="mask-aware flops / time / measured matmul TFLOP/s",
+                                mask=mname,
+                                direction=direction,
+                                seq_len=L,
+                                head_dim=D,
+                                density=fl.density,
+                            )
+                        out.append(
+                            dict(
+                                row,
+                                time_ms=t.median_ms if ok else math.nan,
+                                tflops=flops / (t.median_ms * 1e-3) / 1e12 if ok else math.nan,
+                                note="" if ok else f"{t.kind}: {t.reason}",
+                            )
+                        )
                         del fn
     return out
 
 
 # --------------------------------------------------------------------------- the lab's config
-from .config import (LabConfig, check_bool, check_choice, check_choices, check_float,  # noqa: E402
-                     check_int, check_int_list)
+from .config import (
+    LabConfig,
+    check_bool,
+    check_choice,
+    check_choices,
+    check_float,  # noqa: E402
+    check_int,
+    check_int_list,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -773,13 +1086,13 @@ class AttentionLabConfig(LabConfig):
 
     device: str = "auto"
     dtype: str = "float32"
-    mask: str = "mmdit"                                   # the mask of the pictures and the correctness table
-    masks: tuple = ("full", "causal", "mmdit", "neighborhood")   # the sweep and the HoloMap
+    mask: str = "mmdit"  # the mask of the pictures and the correctness table
+    masks: tuple = ("full", "causal", "mmdit", "neighborhood")  # the sweep and the HoloMap
     check_paths: tuple = ("sdpa", "math", "flash", "flex_eager", "triton")
-    paths: tuple = ("sdpa", "math", "flash")              # timed paths
+    paths: tuple = ("sdpa", "math", "flash")  # timed paths
     check_len: int = 97
     check_head_dim: int = 64
-    check_lengths: tuple = (37, 97, 58)                   # packed varlen correctness
+    check_lengths: tuple = (37, 97, 58)  # packed varlen correctness
     seq_lens: tuple = (128, 256)
     head_dims: tuple = (64,)
     heads: int = 2
@@ -815,13 +1128,16 @@ class AttentionLabConfig(LabConfig):
             check_int(p, getattr(self, p), min=1)
         check_int("block_size", self.block_size, min=1)
         check_choices("directions", self.directions, ("fwd", "fwd+bwd"))
-        if (isinstance(self.txt_len, (str, bytes)) or not isinstance(self.txt_len, (list, tuple))
-                or len(self.txt_len) != 2):
+        if (
+            isinstance(self.txt_len, (str, bytes))
+            or not isinstance(self.txt_len, (list, tuple))
+            or len(self.txt_len) != 2
+        ):
             raise ConfigError("txt_len", self.txt_len, "a pair [min, max] of caption token counts")
         check_int_list("txt_len", self.txt_len, min=0)
         if self.txt_len[0] > self.txt_len[1]:
             raise ConfigError("txt_len", self.txt_len, "[min, max] with min <= max")
-        from .data import normalize_buckets
+        from .model.data import normalize_buckets
 
         normalize_buckets(self.varlen_buckets, "varlen_buckets")
         check_int("reps", self.reps, min=3)
@@ -855,12 +1171,17 @@ def sweep_plot(df, metric: str = "time", *, title: str = ""):
         curves = []
         for (p, direction, hd), gg in g.groupby(["variant", "direction", "head_dim"], sort=False):
             label = f"{p} {direction}" + (f" Dh{hd}" if several_d else "")
-            curves.append(hv.Curve(gg.sort_values("seq_len"), "seq_len", ("value", f"{metric} ({unit})"),
-                                   label=label).opts(line_dash="dashed" if direction == "fwd+bwd" else "solid"))
+            curves.append(
+                hv.Curve(gg.sort_values("seq_len"), "seq_len", ("value", f"{metric} ({unit})"), label=label).opts(
+                    line_dash="dashed" if direction == "fwd+bwd" else "solid"
+                )
+            )
         frames[m] = hv.Overlay(curves).opts(
             hv.opts.Curve(tools=["hover"], line_width=2),
-            hv.opts.Overlay(logx=True, logy=metric == "time", legend_position="top_left",
-                            title=title or f"{metric} ({unit})"))
+            hv.opts.Overlay(
+                logx=True, logy=metric == "time", legend_position="top_left", title=title or f"{metric} ({unit})"
+            ),
+        )
     return hv.HoloMap(frames, kdims=["mask"])
 
 
@@ -872,5 +1193,6 @@ def sweep_table(df, metric: str = "pct_of_matmul"):
     ex = d.extra.map(json.loads)
     for k in ("mask", "direction", "seq_len", "head_dim"):
         d[k] = ex.map(lambda e, k=k: e.get(k))
-    return d.pivot_table(index=["mask", "direction", "head_dim", "seq_len"], columns="variant", values="value",
-                         sort=False).round(3)
+    return d.pivot_table(
+        index=["mask", "direction", "head_dim", "seq_len"], columns="variant", values="value", sort=False
+    ).round(3)

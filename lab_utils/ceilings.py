@@ -10,6 +10,7 @@ under ``$PERFLAB_CACHE`` (default ``~/.cache/perflab``); ``force=True`` (CLI:
   ``torch._scaled_mm`` (e4m3 operands, per-tensor scales, bf16 out) where it runs.
   fp32 is measured with TF32 disabled (true fp32), tf32 separately on CUDA.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,10 +33,10 @@ def cache_dir() -> Path:
 
 @dataclass(frozen=True)
 class Ceilings:
-    device: dict                                   # DeviceInfo.as_dict()
+    device: dict  # DeviceInfo.as_dict()
     copy_gbs: float
     copy_bytes: int
-    matmul_tflops: dict[str, float]                # dtype name -> TFLOP/s (measured)
+    matmul_tflops: dict[str, float]  # dtype name -> TFLOP/s (measured)
     matmul_n: dict[str, int]
     unsupported: dict[str, str] = field(default_factory=dict)  # dtype -> why not measured
     measured_at: str = ""
@@ -64,30 +65,50 @@ class Ceilings:
     def summary_rows(self) -> list[dict]:
         """Measured ceilings beside the datasheet, one row per quantity."""
         peak = datasheet_for(self.device["name"])
-        rows = [dict(quantity="copy bandwidth", unit="GB/s", measured=self.copy_gbs,
-                     datasheet=peak.hbm_gbs if peak else None)]
+        rows = [
+            dict(
+                quantity="copy bandwidth", unit="GB/s", measured=self.copy_gbs, datasheet=peak.hbm_gbs if peak else None
+            )
+        ]
         for k in ("fp32", "tf32", "bf16", "fp8", "fp4"):
             ds = None
             if peak:
-                ds = {"tf32": peak.tf32_tflops, "bf16": peak.bf16_tflops, "fp8": peak.fp8_tflops,
-                      "fp4": peak.fp4_tflops, "fp32": None}[k]
+                ds = {
+                    "tf32": peak.tf32_tflops,
+                    "bf16": peak.bf16_tflops,
+                    "fp8": peak.fp8_tflops,
+                    "fp4": peak.fp4_tflops,
+                    "fp32": None,
+                }[k]
             meas = self.matmul_tflops.get(k)
             if meas is None and ds is None and k not in self.unsupported:
                 continue
-            rows.append(dict(quantity=f"matmul {k}", unit="TFLOP/s", measured=meas, datasheet=ds,
-                             note=self.unsupported.get(k, "")))
+            rows.append(
+                dict(
+                    quantity=f"matmul {k}",
+                    unit="TFLOP/s",
+                    measured=meas,
+                    datasheet=ds,
+                    note=self.unsupported.get(k, ""),
+                )
+            )
         for r in rows:
             r.setdefault("note", "")
-            r["measured/datasheet"] = (r["measured"] / r["datasheet"]
-                                       if r["measured"] and r["datasheet"] else None)
+            r["measured/datasheet"] = r["measured"] / r["datasheet"] if r["measured"] and r["datasheet"] else None
         return rows
 
 
 def dtype_key(dtype: str | torch.dtype) -> str:
     if isinstance(dtype, str):
         return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-            torch.float64: "fp64", torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8"}.get(dtype, str(dtype))
+    return {
+        torch.float32: "fp32",
+        torch.bfloat16: "bf16",
+        torch.float16: "fp16",
+        torch.float64: "fp64",
+        torch.float8_e4m3fn: "fp8",
+        torch.float8_e5m2: "fp8",
+    }.get(dtype, str(dtype))
 
 
 def _cache_path(info: DeviceInfo, quick: bool) -> Path:
@@ -111,7 +132,7 @@ def _matmul_fn(dtype_name: str, n: int, dev: torch.device):
         return lambda: torch.mm(a, b)
     if dtype_name == "fp8":
         a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
-        b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()   # column-major as cuBLASLt wants
+        b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()  # column-major as cuBLASLt wants
         one = torch.ones((), device=dev)
         return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     raise ValueError(dtype_name)
@@ -125,7 +146,7 @@ def measure_matmul(dtype_name: str, dev: torch.device, n: int) -> float:
         t = bench(fn, name=f"matmul-{dtype_name}", device=dev, reps=10, budget_s=60)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
-    return 2 * n ** 3 / (t.median_ms * 1e-3) / 1e12
+    return 2 * n**3 / (t.median_ms * 1e-3) / 1e12
 
 
 def measure_ceilings(device=None, *, quick: bool = False, progress: bool = False) -> Ceilings:
@@ -154,9 +175,17 @@ def measure_ceilings(device=None, *, quick: bool = False, progress: bool = False
         except (BenchError, RuntimeError, NotImplementedError, TypeError) as e:
             msg = str(e).splitlines()[0][:200]
             unsupported[k] = f"not measured here: {msg}"
-    return Ceilings(device=info.as_dict(), copy_gbs=copy_gbs, copy_bytes=moved, matmul_tflops=tflops,
-                    matmul_n=ns, unsupported=unsupported, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    seconds_to_measure=time.perf_counter() - t_start, quick=quick)
+    return Ceilings(
+        device=info.as_dict(),
+        copy_gbs=copy_gbs,
+        copy_bytes=moved,
+        matmul_tflops=tflops,
+        matmul_n=ns,
+        unsupported=unsupported,
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        seconds_to_measure=time.perf_counter() - t_start,
+        quick=quick,
+    )
 
 
 def get_ceilings(device=None, *, force: bool = False, quick: bool = False, progress: bool = False) -> Ceilings:
@@ -172,7 +201,7 @@ def get_ceilings(device=None, *, force: bool = False, quick: bool = False, progr
             pass  # a corrupt cache is re-measured
     c = measure_ceilings(dev, quick=quick, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")   # parallel test workers may race here
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # parallel test workers may race here
     tmp.write_text(json.dumps(c.as_dict(), indent=2))
     tmp.replace(path)
     return c

@@ -7,6 +7,7 @@
   kernel writes it, so an unwritten element fails the comparison.
 * ``rel_error``/``sqnr_db`` for end-to-end low precision.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,8 +49,16 @@ class CloseReport:
     message: str
 
 
-def compare(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float, name: str = "output",
-            equal_nan: bool = False, show: int = 5) -> CloseReport:
+def compare(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    atol: float,
+    rtol: float,
+    name: str = "output",
+    equal_nan: bool = False,
+    show: int = 5,
+) -> CloseReport:
     if actual.shape != expected.shape:
         msg = f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
         return CloseReport(False, -1, expected.numel(), float("inf"), float("inf"), msg)
@@ -70,22 +79,33 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: 
     if n_bad == 0:
         return CloseReport(True, 0, e.numel(), max_abs, max_rel, f"{name}: ok (max abs {max_abs:.3g})")
     idx = bad.nonzero()[:show]
-    lines = [f"{name}: {n_bad} of {e.numel()} elements mismatch (atol={atol:g}, rtol={rtol:g}); "
-             f"max abs err {max_abs:.4g}, max rel err {max_rel:.4g}"]
+    lines = [
+        f"{name}: {n_bad} of {e.numel()} elements mismatch (atol={atol:g}, rtol={rtol:g}); "
+        f"max abs err {max_abs:.4g}, max rel err {max_rel:.4g}"
+    ]
     nan_dis = int((a_nan ^ e_nan).sum())
     inf_dis = int((a_inf ^ e_inf).sum())
     if nan_dis or inf_dis:
-        lines.append(f"  NaN disagreements: {nan_dis} (actual NaN {int(a_nan.sum())}, expected NaN "
-                     f"{int(e_nan.sum())}); Inf disagreements: {inf_dis}")
+        lines.append(
+            f"  NaN disagreements: {nan_dis} (actual NaN {int(a_nan.sum())}, expected NaN "
+            f"{int(e_nan.sum())}); Inf disagreements: {inf_dis}"
+        )
     for ix in idx.tolist():
         t = tuple(ix)
         lines.append(f"  at {t}: actual {a[t].item():.6g}, expected {e[t].item():.6g}")
     return CloseReport(False, n_bad, e.numel(), max_abs, max_rel, "\n".join(lines))
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float | None = None,
-                 rtol: float | None = None, dtype: torch.dtype | None = None, name: str = "output",
-                 equal_nan: bool = False) -> CloseReport:
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    atol: float | None = None,
+    rtol: float | None = None,
+    dtype: torch.dtype | None = None,
+    name: str = "output",
+    equal_nan: bool = False,
+) -> CloseReport:
     """Assert elementwise closeness; tolerances default to ``TOLERANCES[dtype or actual.dtype]``."""
     if atol is None or rtol is None:
         d_atol, d_rtol = tolerance(dtype or actual.dtype)
@@ -101,8 +121,9 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, name: str
     """Bit-exact equality (casts, quantization): compares the raw bits, so NaN == NaN
     with the same payload and +0 != -0."""
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
-        raise AssertionError(f"{name}: shape/dtype {tuple(actual.shape)}/{actual.dtype} != "
-                             f"{tuple(expected.shape)}/{expected.dtype}")
+        raise AssertionError(
+            f"{name}: shape/dtype {tuple(actual.shape)}/{actual.dtype} != {tuple(expected.shape)}/{expected.dtype}"
+        )
     nbits = actual.element_size() * 8
     view = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[nbits]
     a = actual.detach().cpu().contiguous().view(view)
@@ -110,8 +131,11 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, name: str
     bad = a != e
     if bool(bad.any()):
         idx = bad.nonzero()[:5].tolist()
-        det = "; ".join(f"at {tuple(i)}: {actual[tuple(i)].item()!r} (bits {a[tuple(i)].item():#x}) vs "
-                        f"{expected[tuple(i)].item()!r} (bits {e[tuple(i)].item():#x})" for i in idx)
+        det = "; ".join(
+            f"at {tuple(i)}: {actual[tuple(i)].item()!r} (bits {a[tuple(i)].item():#x}) vs "
+            f"{expected[tuple(i)].item()!r} (bits {e[tuple(i)].item():#x})"
+            for i in idx
+        )
         raise AssertionError(f"{name}: {int(bad.sum())} of {a.numel()} elements differ bitwise; {det}")
 
 

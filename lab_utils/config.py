@@ -6,10 +6,12 @@ config validates itself in ``__post_init__`` and refuses a bad value with a
 :class:`ConfigError` naming the parameter, the value and what is allowed, before
 any heavy work starts.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -34,8 +36,7 @@ def check_choices(param: str, values: Any, allowed: Iterable[Any]) -> None:
         raise ConfigError(param, values, "a non-empty list drawn from " + ", ".join(repr(a) for a in allowed))
     for v in values:
         if v not in allowed:
-            raise ConfigError(param, values, f"every item one of {', '.join(repr(a) for a in allowed)} "
-                                             f"({v!r} is not)")
+            raise ConfigError(param, values, f"every item one of {', '.join(repr(a) for a in allowed)} ({v!r} is not)")
 
 
 def check_int(param: str, value: Any, *, min: int | None = None, max: int | None = None) -> None:
@@ -47,8 +48,9 @@ def check_int(param: str, value: Any, *, min: int | None = None, max: int | None
         raise ConfigError(param, value, f"an integer <= {max}")
 
 
-def check_float(param: str, value: Any, *, min: float | None = None, max: float | None = None,
-                min_exclusive: bool = False) -> None:
+def check_float(
+    param: str, value: Any, *, min: float | None = None, max: float | None = None, min_exclusive: bool = False
+) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(param, value, "a number")
     if min is not None and (value <= min if min_exclusive else value < min):
@@ -64,8 +66,9 @@ def check_int_list(param: str, value: Any, *, min: int | None = None, nonempty: 
         raise ConfigError(param, value, "a non-empty list of integers")
     for v in value:
         if isinstance(v, bool) or not isinstance(v, int) or (min is not None and v < min):
-            raise ConfigError(param, value, f"a list of integers{f' >= {min}' if min is not None else ''}"
-                                            f" ({v!r} is not)")
+            raise ConfigError(
+                param, value, f"a list of integers{f' >= {min}' if min is not None else ''} ({v!r} is not)"
+            )
 
 
 def check_bool(param: str, value: Any) -> None:

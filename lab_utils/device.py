@@ -4,6 +4,7 @@ Datasheet peaks are *reference* numbers (dense, no sparsity) from the vendor's
 public spec sheets.  They are shown beside measured ceilings (``ceilings.py``) and
 never stand in for them: rooflines and %-of-ceiling use the measured numbers.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,18 +19,18 @@ import torch
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    kind: str                 # "cuda" | "cpu"
-    name: str                 # "NVIDIA H200" | "Intel(R) Xeon(R) ..."
+    kind: str  # "cuda" | "cpu"
+    name: str  # "NVIDIA H200" | "Intel(R) Xeon(R) ..."
     index: int | None
-    units: int                # streaming multiprocessors (CUDA) or logical cores (CPU)
-    units_name: str           # "SMs" | "cores"
+    units: int  # streaming multiprocessors (CUDA) or logical cores (CPU)
+    units_name: str  # "SMs" | "cores"
     memory_bytes: int
-    capability: str | None    # "9.0" on Hopper
+    capability: str | None  # "9.0" on Hopper
     torch_version: str
     triton_version: str | None
     cuda_version: str | None
     python_version: str
-    threads: int              # torch intra-op threads (CPU timing depends on it)
+    threads: int  # torch intra-op threads (CPU timing depends on it)
 
     @property
     def torch_device(self) -> torch.device:
@@ -37,8 +38,10 @@ class DeviceInfo:
 
     def key(self) -> str:
         """A filesystem-safe key for one machine + software stack (ceilings cache)."""
-        raw = f"{self.kind}-{self.name}-{self.units}{self.units_name}-torch{self.torch_version}-" \
-              f"triton{self.triton_version}-cuda{self.cuda_version}-t{self.threads}"
+        raw = (
+            f"{self.kind}-{self.name}-{self.units}{self.units_name}-torch{self.torch_version}-"
+            f"triton{self.triton_version}-cuda{self.cuda_version}-t{self.threads}"
+        )
         return re.sub(r"[^A-Za-z0-9_.+-]+", "_", raw)
 
     def as_dict(self) -> dict:
@@ -89,17 +92,37 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
 
 def device_info(device: str | torch.device | None = None) -> DeviceInfo:
     dev = pick_device(device)
-    common = dict(torch_version=torch.__version__, triton_version=_triton_version(),
-                  python_version=sys.version.split()[0], threads=torch.get_num_threads())
+    common = dict(
+        torch_version=torch.__version__,
+        triton_version=_triton_version(),
+        python_version=sys.version.split()[0],
+        threads=torch.get_num_threads(),
+    )
     if dev.type == "cuda":
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         p = torch.cuda.get_device_properties(idx)
-        return DeviceInfo(kind="cuda", name=p.name, index=idx, units=p.multi_processor_count,
-                          units_name="SMs", memory_bytes=p.total_memory,
-                          capability=f"{p.major}.{p.minor}", cuda_version=torch.version.cuda, **common)
-    return DeviceInfo(kind="cpu", name=_cpu_name(), index=None, units=os.cpu_count() or 1,
-                      units_name="cores", memory_bytes=_mem_total(), capability=None,
-                      cuda_version=torch.version.cuda, **common)
+        return DeviceInfo(
+            kind="cuda",
+            name=p.name,
+            index=idx,
+            units=p.multi_processor_count,
+            units_name="SMs",
+            memory_bytes=p.total_memory,
+            capability=f"{p.major}.{p.minor}",
+            cuda_version=torch.version.cuda,
+            **common,
+        )
+    return DeviceInfo(
+        kind="cpu",
+        name=_cpu_name(),
+        index=None,
+        units=os.cpu_count() or 1,
+        units_name="cores",
+        memory_bytes=_mem_total(),
+        capability=None,
+        cuda_version=torch.version.cuda,
+        **common,
+    )
 
 
 @dataclass(frozen=True)
@@ -119,14 +142,23 @@ class DatasheetPeak:
 # Dense tensor-core peaks from NVIDIA's public datasheets (SXM parts).  Sparse figures
 # on those sheets are exactly twice these and are deliberately not used.
 DATASHEET: dict[str, DatasheetPeak] = {
-    "A100": DatasheetPeak("A100 SXM4 80GB", 312.0, None, None, 156.0, 2039.0, 80,
-                          "NVIDIA A100 datasheet (dense)"),
-    "H100": DatasheetPeak("H100 SXM5", 989.4, 1978.9, None, 494.7, 3350.0, 80,
-                          "NVIDIA H100 datasheet (dense = half the sparse figure)"),
-    "H200": DatasheetPeak("H200 SXM", 989.4, 1978.9, None, 494.7, 4800.0, 141,
-                          "NVIDIA H200 datasheet (dense = half the sparse figure)"),
-    "B200": DatasheetPeak("B200 (HGX)", 2250.0, 4500.0, 9000.0, 1100.0, 8000.0, 180,
-                          "NVIDIA HGX B200 datasheet (dense = half the sparse figure)"),
+    "A100": DatasheetPeak("A100 SXM4 80GB", 312.0, None, None, 156.0, 2039.0, 80, "NVIDIA A100 datasheet (dense)"),
+    "H100": DatasheetPeak(
+        "H100 SXM5", 989.4, 1978.9, None, 494.7, 3350.0, 80, "NVIDIA H100 datasheet (dense = half the sparse figure)"
+    ),
+    "H200": DatasheetPeak(
+        "H200 SXM", 989.4, 1978.9, None, 494.7, 4800.0, 141, "NVIDIA H200 datasheet (dense = half the sparse figure)"
+    ),
+    "B200": DatasheetPeak(
+        "B200 (HGX)",
+        2250.0,
+        4500.0,
+        9000.0,
+        1100.0,
+        8000.0,
+        180,
+        "NVIDIA HGX B200 datasheet (dense = half the sparse figure)",
+    ),
 }
 
 

@@ -19,11 +19,13 @@ Token order of the joint MMDiT sequence follows FLUX: ``[text | image]``.
 FLOPs: attention over ``P`` allowed pairs costs ``4 * P * Dh`` per head forward
 (QK^T and PV, 2 FLOPs per multiply-add) and 2.5x that backward.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -36,7 +38,7 @@ MaskMod = Callable[[Any, Any, Any, Any], Any]
 class Mask:
     name: str
     mask_mod: MaskMod
-    kind: str = "custom"                 # "full" | "causal" | "custom"
+    kind: str = "custom"  # "full" | "causal" | "custom"
     params: dict = field(default_factory=dict)
     #: the sequence length the mask was built for (None = any); a mismatch is an error
     length: int | None = None
@@ -44,7 +46,7 @@ class Mask:
     def __call__(self, b, h, q_idx, kv_idx):
         return self.mask_mod(b, h, q_idx, kv_idx)
 
-    def __and__(self, other: "Mask") -> "Mask":
+    def __and__(self, other: Mask) -> Mask:
         a, c = self.mask_mod, other.mask_mod
 
         def mod(b, h, q, k):
@@ -52,10 +54,11 @@ class Mask:
 
         kinds = {self.kind, other.kind}
         kind = "full" if kinds == {"full"} else "causal" if kinds <= {"full", "causal"} else "custom"
-        return Mask(f"({self.name} & {other.name})", mod, kind, {"and": [self.name, other.name]},
-                    _join_len(self, other))
+        return Mask(
+            f"({self.name} & {other.name})", mod, kind, {"and": [self.name, other.name]}, _join_len(self, other)
+        )
 
-    def __or__(self, other: "Mask") -> "Mask":
+    def __or__(self, other: Mask) -> Mask:
         a, c = self.mask_mod, other.mask_mod
 
         def mod(b, h, q, k):
@@ -63,13 +66,13 @@ class Mask:
 
         kinds = {self.kind, other.kind}
         kind = "full" if "full" in kinds else "causal" if kinds == {"causal"} else "custom"
-        return Mask(f"({self.name} | {other.name})", mod, kind, {"or": [self.name, other.name]},
-                    _join_len(self, other))
+        return Mask(f"({self.name} | {other.name})", mod, kind, {"or": [self.name, other.name]}, _join_len(self, other))
 
     def check_length(self, lq: int, lk: int, param: str = "mask") -> None:
         if self.length is not None and (lq != self.length or lk != self.length):
-            raise ConfigError(param, self.name, f"a mask for sequence length {lq}x{lk}; this one was built for "
-                                                f"{self.length} tokens")
+            raise ConfigError(
+                param, self.name, f"a mask for sequence length {lq}x{lk}; this one was built for {self.length} tokens"
+            )
 
     def __repr__(self) -> str:
         return f"Mask({self.name}, kind={self.kind})"
@@ -141,8 +144,11 @@ def prefix_lm(prefix: int | Sequence[int]) -> Mask:
         if prefix < 0:
             raise ConfigError("prefix", prefix, "an integer >= 0")
         return Mask(f"prefix_lm({prefix})", lambda b, h, q, k: (k < prefix) | (q >= k), params={"prefix": prefix})
-    if not isinstance(prefix, (list, tuple)) or not prefix or any(
-            isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in prefix):
+    if (
+        not isinstance(prefix, (list, tuple))
+        or not prefix
+        or any(isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in prefix)
+    ):
         raise ConfigError("prefix", prefix, "an integer >= 0 or a list of them (one per batch element)")
     pre = _OnDevice(torch.tensor(list(prefix)))
 
@@ -164,8 +170,11 @@ def mmdit(txt_len: int, img_len: int, txt_valid: int | Sequence[int] | None = No
     if txt_valid is None:
         txt_valid = txt_len
     vals = [txt_valid] if isinstance(txt_valid, int) and not isinstance(txt_valid, bool) else txt_valid
-    if not isinstance(vals, (list, tuple)) or not vals or any(
-            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= txt_len for t in vals):
+    if (
+        not isinstance(vals, (list, tuple))
+        or not vals
+        or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= txt_len for t in vals)
+    ):
         raise ConfigError("txt_valid", txt_valid, f"an integer in [0, {txt_len}] or a list of them (one per batch)")
     valid = _OnDevice(torch.tensor(list(vals)))
     per_batch = len(vals) > 1
@@ -175,9 +184,12 @@ def mmdit(txt_len: int, img_len: int, txt_valid: int | Sequence[int] | None = No
         tv = t[b] if per_batch else t[0]
         return (k >= txt_len) | (k < tv)
 
-    return Mask(f"mmdit(txt {txt_len}, valid {list(vals) if per_batch else vals[0]}, img {img_len})", mod,
-                params={"txt_len": txt_len, "img_len": img_len, "txt_valid": list(vals)},
-                length=txt_len + img_len)
+    return Mask(
+        f"mmdit(txt {txt_len}, valid {list(vals) if per_batch else vals[0]}, img {img_len})",
+        mod,
+        params={"txt_len": txt_len, "img_len": img_len, "txt_valid": list(vals)},
+        length=txt_len + img_len,
+    )
 
 
 def spatial_neighborhood(height: int, width: int, kernel_size: int, *, offset: int = 0) -> Mask:
@@ -206,16 +218,28 @@ def spatial_neighborhood(height: int, width: int, kernel_size: int, *, offset: i
         local = (ky >= sy) & (ky < sy + kernel_size) & (kx >= sx) & (kx < sx + kernel_size)
         return (q < offset) | (k < offset) | local
 
-    return Mask(f"neighborhood({height}x{width}, k={kernel_size})", mod,
-                params={"height": height, "width": width, "kernel_size": kernel_size, "offset": offset},
-                length=offset + height * width)
+    return Mask(
+        f"neighborhood({height}x{width}, k={kernel_size})",
+        mod,
+        params={"height": height, "width": width, "kernel_size": kernel_size, "offset": offset},
+        length=offset + height * width,
+    )
 
 
 MASK_NAMES = ("full", "causal", "sliding_window", "document", "prefix_lm", "mmdit", "neighborhood")
 
 
-def make_mask(name: str, seq_len: int, *, window: int | None = None, n_docs: int = 3, txt_len: int | None = None,
-              txt_valid: int | None = None, kernel_size: int = 3, seed: int = 0) -> Mask:
+def make_mask(
+    name: str,
+    seq_len: int,
+    *,
+    window: int | None = None,
+    n_docs: int = 3,
+    txt_len: int | None = None,
+    txt_valid: int | None = None,
+    kernel_size: int = 3,
+    seed: int = 0,
+) -> Mask:
     """A named mask for a sequence of ``seq_len`` tokens with lab defaults (used by the
     notebook and the benchmark so both build the same masks):
 
@@ -289,11 +313,11 @@ def count_pairs(mask: Mask, B: int, H: int, Lq: int, Lk: int, *, chunk: int = 10
 
 @dataclass(frozen=True)
 class AttentionFlops:
-    pairs: int               # allowed (b, h, q, k) pairs
-    dense_pairs: int         # B * H * Lq * Lk
-    fwd: float               # 4 * pairs * Dh
-    bwd: float               # 2.5 * fwd  (dS, dP, dQ, dK, dV: 5 matmuls vs 2)
-    density: float           # pairs / dense_pairs
+    pairs: int  # allowed (b, h, q, k) pairs
+    dense_pairs: int  # B * H * Lq * Lk
+    fwd: float  # 4 * pairs * Dh
+    bwd: float  # 2.5 * fwd  (dS, dP, dQ, dK, dV: 5 matmuls vs 2)
+    density: float  # pairs / dense_pairs
 
     @property
     def fwd_bwd(self) -> float:
@@ -311,12 +335,12 @@ def attention_flops(mask: Mask | None, B: int, H: int, Lq: int, Lk: int, head_di
 @dataclass(frozen=True)
 class BlockStats:
     block_size: tuple[int, int]
-    n_blocks: int            # tiles of the (Lq, Lk) grid (per batch*head)
-    full_blocks: int         # every pair allowed: no mask evaluation needed
-    partial_blocks: int      # some allowed: the kernel computes the tile and applies the mask
-    empty_blocks: int        # none allowed: skipped
-    density: float           # allowed pairs / all pairs
-    block_density: float     # (full + partial) / n_blocks: the fraction of tiles a block-sparse kernel runs
+    n_blocks: int  # tiles of the (Lq, Lk) grid (per batch*head)
+    full_blocks: int  # every pair allowed: no mask evaluation needed
+    partial_blocks: int  # some allowed: the kernel computes the tile and applies the mask
+    empty_blocks: int  # none allowed: skipped
+    density: float  # allowed pairs / all pairs
+    block_density: float  # (full + partial) / n_blocks: the fraction of tiles a block-sparse kernel runs
 
     @property
     def sparsity(self) -> float:
@@ -347,19 +371,26 @@ def block_stats(mask: Mask, Lq: int, Lk: int, *, B: int = 1, block_size: int | t
     st = block_states(d, bq, bk)
     n = st.numel()
     full_b, part_b = int((st == 2).sum()), int((st == 1).sum())
-    return BlockStats((bq, bk), n, full_b, part_b, n - full_b - part_b, float(d.float().mean()),
-                      (full_b + part_b) / n)
+    return BlockStats((bq, bk), n, full_b, part_b, n - full_b - part_b, float(d.float().mean()), (full_b + part_b) / n)
 
 
-def flex_block_mask(mask: Mask, B: int | None, H: int | None, Lq: int, Lk: int, *, device="cpu",
-                    block_size: int = 128, compile: bool = False):
+def flex_block_mask(
+    mask: Mask,
+    B: int | None,
+    H: int | None,
+    Lq: int,
+    Lk: int,
+    *,
+    device="cpu",
+    block_size: int = 128,
+    compile: bool = False,
+):
     """FlexAttention ``BlockMask`` of a mask (``B``/``H`` None = broadcast).  ``compile``
     builds it with torch.compile (what long sequences on GPU need)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     mask.check_length(Lq, Lk)
-    return create_block_mask(mask.mask_mod, B, H, Lq, Lk, device=device, BLOCK_SIZE=block_size,
-                             _compile=compile)
+    return create_block_mask(mask.mask_mod, B, H, Lq, Lk, device=device, BLOCK_SIZE=block_size, _compile=compile)
 
 
 # --------------------------------------------------------------------------- pictures (holoviews)
@@ -370,14 +401,26 @@ def mask_picture(mask: Mask, L: int, *, block_size: int = 16, b: int = 0):
     d = dense_mask(mask, b + 1, 1, L, L)[b, 0]
     st = block_states(d, block_size, block_size).float()
     dense = hv.Image(d.float().flip(0).numpy(), bounds=(0, 0, L, L), kdims=["key", "query"], vdims=["allowed"]).opts(
-        cmap="Blues", title=f"{mask.name}: dense ({float(d.float().mean()):.0%} allowed)", width=330, height=330,
-        invert_yaxis=False, tools=["hover"], colorbar=False)
+        cmap="Blues",
+        title=f"{mask.name}: dense ({float(d.float().mean()):.0%} allowed)",
+        width=330,
+        height=330,
+        invert_yaxis=False,
+        tools=["hover"],
+        colorbar=False,
+    )
     n = st.shape[0]
-    blocks = hv.Image(st.flip(0).numpy(), bounds=(0, 0, st.shape[1], n), kdims=["key block", "query block"],
-                      vdims=["state"]).opts(
-        cmap=["white", "orange", "steelblue"], clim=(0, 2), width=330, height=330, tools=["hover"],
+    blocks = hv.Image(
+        st.flip(0).numpy(), bounds=(0, 0, st.shape[1], n), kdims=["key block", "query block"], vdims=["state"]
+    ).opts(
+        cmap=["white", "orange", "steelblue"],
+        clim=(0, 2),
+        width=330,
+        height=330,
+        tools=["hover"],
         title=f"blocks {block_size}x{block_size}: full {int((st == 2).sum())} partial {int((st == 1).sum())} "
-              f"empty {int((st == 0).sum())}")
+        f"empty {int((st == 0).sum())}",
+    )
     return dense + blocks
 
 
@@ -385,5 +428,6 @@ def mask_holomap(names, L: int, *, block_size: int = 16):
     """HoloMap over mask names of :func:`mask_picture` (every frame embedded)."""
     import holoviews as hv
 
-    return hv.HoloMap({n: mask_picture(make_mask(n, L), L, block_size=block_size) for n in names},
-                      kdims=["mask"]).collate()
+    return hv.HoloMap(
+        {n: mask_picture(make_mask(n, L), L, block_size=block_size) for n in names}, kdims=["mask"]
+    ).collate()

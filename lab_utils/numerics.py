@@ -12,11 +12,12 @@
   :func:`format_grid_histogram` says which of a format's representable values a
   tensor's (scaled) elements land on: the format explorer.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Mapping
 
 import pandas as pd
 import torch
@@ -67,8 +68,12 @@ def error_metrics(q: torch.Tensor, x: torch.Tensor) -> dict:
     xd, qd = x.detach().double(), q.detach().double()
     d = (qd - xd).abs()
     nz = xd != 0
-    return dict(sqnr_db=sqnr_db(qd, xd), rel_fro=rel_error(qd, xd), max_abs=float(d.max()) if d.numel() else 0.0,
-                max_rel=float((d[nz] / xd[nz].abs()).max()) if bool(nz.any()) else 0.0)
+    return dict(
+        sqnr_db=sqnr_db(qd, xd),
+        rel_fro=rel_error(qd, xd),
+        max_abs=float(d.max()) if d.numel() else 0.0,
+        max_rel=float((d[nz] / xd[nz].abs()).max()) if bool(nz.any()) else 0.0,
+    )
 
 
 def error_stats(x: torch.Tensor, fmt: str, **kw) -> ErrorStats:
@@ -89,18 +94,27 @@ def error_stats(x: torch.Tensor, fmt: str, **kw) -> ErrorStats:
         sat = at_max & (xd.abs() > q.abs() * (1 + step))
         saturated = float(sat.sum()) / max(1, xd.numel())
     else:
-        saturated = float("nan")        # clipping happens in the rotated basis; not attributed per element
+        saturated = float("nan")  # clipping happens in the rotated basis; not attributed per element
     return ErrorStats(m["sqnr_db"], m["rel_fro"], m["max_abs"], m["max_rel"], flushed, saturated, x.numel())
 
 
-def make_tensor(dist: str, shape=(256, 512), *, seed: int = 0, scale: float = 1.0, df: int = 3,
-                n_outliers: int = 4, outlier_scale: float = 50.0) -> torch.Tensor:
+def make_tensor(
+    dist: str,
+    shape=(256, 512),
+    *,
+    seed: int = 0,
+    scale: float = 1.0,
+    df: int = 3,
+    n_outliers: int = 4,
+    outlier_scale: float = 50.0,
+) -> torch.Tensor:
     """A fixed-seed fp32 test tensor.  ``outlier_channels``: Gaussian with ``n_outliers``
     columns (features along the last, quantized axis) scaled by ``outlier_scale``, the
     pattern of transformer activations."""
     if dist not in DISTRIBUTIONS:
-        raise ValueError(f"parameter 'dist' = {dist!r} is not allowed: expected one of "
-                         + ", ".join(map(repr, DISTRIBUTIONS)))
+        raise ValueError(
+            f"parameter 'dist' = {dist!r} is not allowed: expected one of " + ", ".join(map(repr, DISTRIBUTIONS))
+        )
     g = torch.Generator().manual_seed(seed)
     if dist == "gaussian":
         x = torch.randn(shape, generator=g)
@@ -109,7 +123,7 @@ def make_tensor(dist: str, shape=(256, 512), *, seed: int = 0, scale: float = 1.
         x = -torch.sign(u) * torch.log1p(-2 * u.abs()) / math.sqrt(2)
     elif dist == "student_t":
         z = torch.randn(shape, generator=g)
-        chi2 = (torch.randn((*shape, int(df)), generator=g) ** 2).sum(-1)    # integer df
+        chi2 = (torch.randn((*shape, int(df)), generator=g) ** 2).sum(-1)  # integer df
         x = z / torch.sqrt(chi2 / df)
     else:
         x = torch.randn(shape, generator=g)
@@ -132,14 +146,26 @@ class CapturedTensors:
         rows = []
         for k, v in self.tensors.items():
             kind, name = k.split(":", 1)
-            rows.append(dict(kind=kind, module=name, shape="x".join(map(str, v.shape)),
-                             absmax=float(v.abs().max()), rms=float(v.float().pow(2).mean().sqrt())))
+            rows.append(
+                dict(
+                    kind=kind,
+                    module=name,
+                    shape="x".join(map(str, v.shape)),
+                    absmax=float(v.abs().max()),
+                    rms=float(v.float().pow(2).mean().sqrt()),
+                )
+            )
         return pd.DataFrame(rows)
 
 
-def capture_linear_tensors(model: nn.Module, loss_fn: Callable[[], torch.Tensor], *,
-                           names: Iterable[str] | None = None, max_modules: int | None = None,
-                           max_rows: int = 1024) -> CapturedTensors:
+def capture_linear_tensors(
+    model: nn.Module,
+    loss_fn: Callable[[], torch.Tensor],
+    *,
+    names: Iterable[str] | None = None,
+    max_modules: int | None = None,
+    max_rows: int = 1024,
+) -> CapturedTensors:
     """Run ``loss_fn()`` forward + backward once and record, for every ``nn.Linear`` (or
     those in ``names``): its weight, its input (activation, flattened to (tokens, K)) and
     the gradient of its output (flattened to (tokens, N)), first ``max_rows`` rows."""
@@ -175,8 +201,9 @@ def capture_linear_tensors(model: nn.Module, loss_fn: Callable[[], torch.Tensor]
     return CapturedTensors(out)
 
 
-def sqnr_table(tensors: Mapping[str, torch.Tensor], variants: Mapping[str, dict] | Iterable[str] | None = None
-               ) -> pd.DataFrame:
+def sqnr_table(
+    tensors: Mapping[str, torch.Tensor], variants: Mapping[str, dict] | Iterable[str] | None = None
+) -> pd.DataFrame:
     """Tidy rows (tensor, variant, fmt, metric columns) for every tensor x format variant."""
     if variants is None:
         variants = FORMAT_VARIANTS
@@ -202,24 +229,26 @@ def format_grid_histogram(x: torch.Tensor, fmt: str, **kw) -> pd.DataFrame:
     F = Q.FORMATS[fmt].elem_format
     nb = F.ebits + F.mbits
     codes = qt._codes.reshape(-1).to(torch.int64) & ((1 << nb) - 1)
-    n_real = x.numel()            # padding slots hold zeros that are not part of x: drop them below
+    n_real = x.numel()  # padding slots hold zeros that are not part of x: drop them below
     counts = torch.bincount(codes, minlength=1 << nb).double()
     counts[0] -= codes.numel() - n_real
     vals = Q.decode_codes(torch.arange(1 << nb, dtype=torch.uint8), F.name).double()
     keep = torch.isfinite(vals)
-    df = pd.DataFrame(dict(code=torch.arange(1 << nb)[keep].tolist(), value=vals[keep].tolist(),
-                           count=counts[keep].tolist()))
+    df = pd.DataFrame(
+        dict(code=torch.arange(1 << nb)[keep].tolist(), value=vals[keep].tolist(), count=counts[keep].tolist())
+    )
     df["frac"] = df["count"] / max(1, n_real)
     df["log2_value"] = [math.log2(v) if v > 0 else float("nan") for v in df["value"]]
-    df["subnormal"] = df["value"] < 2.0 ** F.emin
+    df["subnormal"] = df["value"] < 2.0**F.emin
     return df
 
 
 # --------------------------------------------------------------------------- matmul sweep
 
 
-def matmul_sweep(shapes, formats, *, device="cpu", reps: int = 10, seed: int = 0, rec=None,
-                 budget_s: float = 5.0) -> pd.DataFrame:
+def matmul_sweep(
+    shapes, formats, *, device="cpu", reps: int = 10, seed: int = 0, rec=None, budget_s: float = 5.0
+) -> pd.DataFrame:
     """Per shape (M, K, N) and format: error vs float64 of the emulated path (and of
     ``torch._scaled_mm`` where it runs), and the time of bf16 ``F.linear``, the emulated
     path (quantize + dequantize + fp32 matmul: on CPU this times *emulation*, not a
@@ -230,7 +259,7 @@ def matmul_sweep(shapes, formats, *, device="cpu", reps: int = 10, seed: int = 0
 
     dev = torch.device(device)
     rows = []
-    for (M, K, N) in shapes:
+    for M, K, N in shapes:
         g = torch.Generator().manual_seed(seed)
         a = torch.randn(M, K, generator=g).to(dev)
         b = (torch.randn(N, K, generator=g) / math.sqrt(K)).to(dev)
@@ -240,32 +269,54 @@ def matmul_sweep(shapes, formats, *, device="cpu", reps: int = 10, seed: int = 0
         ab, bb = a.bfloat16(), b.bfloat16()
         t = try_bench(lambda: torch.nn.functional.linear(ab, bb), name="bf16", device=dev, reps=reps, budget_s=budget_s)
         e_bf16 = error_metrics(torch.nn.functional.linear(ab, bb).float(), ref.float())
-        rows.append(dict(shape=shape, path="bf16 linear", fmt="bf16", time_ms=getattr(t, "median_ms", math.nan),
-                         **e_bf16))
+        rows.append(
+            dict(shape=shape, path="bf16 linear", fmt="bf16", time_ms=getattr(t, "median_ms", math.nan), **e_bf16)
+        )
         if rec is not None:
             rec.add_timing("matmul", "bf16 linear", t, shape=shape, dtype="bfloat16", flops=flops)
             rec.add("matmul", "bf16 linear", "sqnr", e_bf16["sqnr_db"], "dB", shape=shape, dtype="bfloat16")
         for fmt in formats:
             y = L.emulated_matmul(a, b, fmt, out_dtype=torch.float32)
             e = error_metrics(y, ref)
-            t = try_bench(lambda: L.emulated_matmul(a, b, fmt), name=f"emulated {fmt}", device=dev, reps=reps,
-                          budget_s=budget_s)
+            t = try_bench(
+                lambda: L.emulated_matmul(a, b, fmt), name=f"emulated {fmt}", device=dev, reps=reps, budget_s=budget_s
+            )
             rows.append(dict(shape=shape, path="emulated", fmt=fmt, time_ms=getattr(t, "median_ms", math.nan), **e))
             if rec is not None:
-                rec.add_timing("matmul", f"emulated {fmt}", t, shape=shape, dtype=fmt, flops=flops,
-                               note="quantize+dequantize+fp32 matmul (emulation)")
+                rec.add_timing(
+                    "matmul",
+                    f"emulated {fmt}",
+                    t,
+                    shape=shape,
+                    dtype=fmt,
+                    flops=flops,
+                    note="quantize+dequantize+fp32 matmul (emulation)",
+                )
                 rec.add("matmul", f"emulated {fmt}", "sqnr", e["sqnr_db"], "dB", shape=shape, dtype=fmt)
             if dev.type == "cuda" and fmt in ("fp8_e4m3", "fp8_e5m2") and not L._triton_fp8_why_not(dev, fmt=fmt):
                 p = L.prepare_scaled_mm_any(a, b, fmt, granularity="tensor")
                 y = L.triton_fp8_matmul(p[1], p[2], p[3], p[4])
                 e = error_metrics(y, ref)
-                t = try_bench(lambda: L.triton_fp8_matmul(p[1], p[2], p[3], p[4], out_dtype=torch.bfloat16),
-                              name=f"triton {fmt}", device=dev, reps=reps, budget_s=budget_s)
-                rows.append(dict(shape=shape, path="triton fp8/tensor", fmt=fmt,
-                                 time_ms=getattr(t, "median_ms", math.nan), **e))
+                t = try_bench(
+                    lambda: L.triton_fp8_matmul(p[1], p[2], p[3], p[4], out_dtype=torch.bfloat16),
+                    name=f"triton {fmt}",
+                    device=dev,
+                    reps=reps,
+                    budget_s=budget_s,
+                )
+                rows.append(
+                    dict(shape=shape, path="triton fp8/tensor", fmt=fmt, time_ms=getattr(t, "median_ms", math.nan), **e)
+                )
                 if rec is not None:
-                    rec.add_timing("matmul", f"triton {fmt}/tensor", t, shape=shape, dtype=fmt, flops=flops,
-                                   note="GEMM only (operands pre-quantized)")
+                    rec.add_timing(
+                        "matmul",
+                        f"triton {fmt}/tensor",
+                        t,
+                        shape=shape,
+                        dtype=fmt,
+                        flops=flops,
+                        note="GEMM only (operands pre-quantized)",
+                    )
             for gran in ("tensor", "row"):
                 why = L.scaled_mm_why_not(dev, fmt=fmt, granularity=gran)
                 if why:
@@ -273,21 +324,37 @@ def matmul_sweep(shapes, formats, *, device="cpu", reps: int = 10, seed: int = 0
                 p = L.prepare_scaled_mm(a, b, fmt, granularity=gran)
                 y = L.scaled_mm(a, b, fmt, granularity=gran, out_dtype=torch.float32, prepared=p)
                 e = error_metrics(y, ref)
-                t = try_bench(lambda: L.scaled_mm(a, b, fmt, granularity=gran, out_dtype=torch.bfloat16, prepared=p),
-                              name=f"_scaled_mm {fmt}/{gran}", device=dev, reps=reps, budget_s=budget_s)
-                rows.append(dict(shape=shape, path=f"_scaled_mm/{gran}", fmt=fmt,
-                                 time_ms=getattr(t, "median_ms", math.nan), **e))
+                t = try_bench(
+                    lambda: L.scaled_mm(a, b, fmt, granularity=gran, out_dtype=torch.bfloat16, prepared=p),
+                    name=f"_scaled_mm {fmt}/{gran}",
+                    device=dev,
+                    reps=reps,
+                    budget_s=budget_s,
+                )
+                rows.append(
+                    dict(
+                        shape=shape, path=f"_scaled_mm/{gran}", fmt=fmt, time_ms=getattr(t, "median_ms", math.nan), **e
+                    )
+                )
                 if rec is not None:
-                    rec.add_timing("matmul", f"_scaled_mm {fmt}/{gran}", t, shape=shape, dtype=fmt, flops=flops,
-                                   note="GEMM only (operands pre-quantized)")
+                    rec.add_timing(
+                        "matmul",
+                        f"_scaled_mm {fmt}/{gran}",
+                        t,
+                        shape=shape,
+                        dtype=fmt,
+                        flops=flops,
+                        note="GEMM only (operands pre-quantized)",
+                    )
                     rec.add("matmul", f"_scaled_mm {fmt}/{gran}", "sqnr", e["sqnr_db"], "dB", shape=shape, dtype=fmt)
     df = pd.DataFrame(rows)
     df["shape"] = df["shape"].map(lambda s: "x".join(map(str, s)))
     return df
 
 
-def accumulation_sweep(ks, accumulations, *, m: int = 64, n: int = 64, seed: int = 0, fmt: str = "fp8_e4m3"
-                       ) -> pd.DataFrame:
+def accumulation_sweep(
+    ks, accumulations, *, m: int = 64, n: int = 64, seed: int = 0, fmt: str = "fp8_e4m3"
+) -> pd.DataFrame:
     """Relative error vs float64 of the accumulation models as K grows (operands in ``fmt``,
     so only the accumulation differs between rows of one K; the fp32 row is the floor)."""
     from lab_kernels import lowp_matmul as L
@@ -295,7 +362,7 @@ def accumulation_sweep(ks, accumulations, *, m: int = 64, n: int = 64, seed: int
     rows = []
     for K in ks:
         g = torch.Generator().manual_seed(seed)
-        a = Q.fake_quantize(torch.randn(m, K, generator=g).abs(), fmt)        # same-sign: worst case for sums
+        a = Q.fake_quantize(torch.randn(m, K, generator=g).abs(), fmt)  # same-sign: worst case for sums
         b = Q.fake_quantize(torch.randn(n, K, generator=g).abs(), fmt)
         ref = L.reference_matmul(a, b)
         for acc in accumulations:
@@ -319,13 +386,18 @@ def grid_histogram_map(x: torch.Tensor, variants: Mapping[str, dict]):
         h = format_grid_histogram(x, fmt, **kw)
         h = h.assign(label=[f"{v:g}" for v in h["value"]])
         frames[name] = hv.Bars(h, kdims=["label"], vdims=["frac", "count", "value"]).opts(
-            xrotation=90, tools=["hover"], xlabel="grid value (units of the group scale)", ylabel="fraction",
-            title=f"{name}: where the scaled elements land")
+            xrotation=90,
+            tools=["hover"],
+            xlabel="grid value (units of the group scale)",
+            ylabel="fraction",
+            title=f"{name}: where the scaled elements land",
+        )
     return hv.HoloMap(frames, kdims=["format"])
 
 
-def sqnr_heatmap(df: pd.DataFrame, *, x: str = "tensor", y: str = "variant", value: str = "sqnr_db",
-                 labels: bool = True):
+def sqnr_heatmap(
+    df: pd.DataFrame, *, x: str = "tensor", y: str = "variant", value: str = "sqnr_db", labels: bool = True
+):
     """Heat map of ``value`` over ``x`` x ``y`` (an exact SQNR of inf is drawn as 99 dB)."""
     import holoviews as hv
 
@@ -333,11 +405,23 @@ def sqnr_heatmap(df: pd.DataFrame, *, x: str = "tensor", y: str = "variant", val
     d[value] = d[value].replace([math.inf], 99.0).round(1)
     hm = hv.HeatMap(d, kdims=[x, y], vdims=[value])
     return (hm * hv.Labels(d, kdims=[x, y], vdims=[value]) if labels else hm).opts(
-        hv.opts.HeatMap(cmap="viridis", colorbar=True, tools=["hover"], xrotation=30, title=f"{value} (higher is better)"))
+        hv.opts.HeatMap(
+            cmap="viridis", colorbar=True, tools=["hover"], xrotation=30, title=f"{value} (higher is better)"
+        )
+    )
 
 
-def record_table(rec, experiment: str, df: pd.DataFrame, metrics: Mapping[str, str], *, variant_col: str = "variant",
-                 dtype_col: str = "fmt", shape="", extra_cols=("tensor",)) -> int:
+def record_table(
+    rec,
+    experiment: str,
+    df: pd.DataFrame,
+    metrics: Mapping[str, str],
+    *,
+    variant_col: str = "variant",
+    dtype_col: str = "fmt",
+    shape="",
+    extra_cols=("tensor",),
+) -> int:
     """Write one record row per (table row, metric); non-finite values (an exact SQNR of
     inf, a saturated fraction that is not defined under a Hadamard rotation) are left
     out of the records and stay visible in the table.  Returns the number of rows written."""
@@ -348,7 +432,8 @@ def record_table(rec, experiment: str, df: pd.DataFrame, metrics: Mapping[str, s
             if v is None or not math.isfinite(float(v)):
                 continue
             extra = {c: row[c] for c in extra_cols if c in row}
-            rec.add(experiment, row[variant_col], metric, float(v), unit, shape=shape, dtype=row.get(dtype_col, ""),
-                    **extra)
+            rec.add(
+                experiment, row[variant_col], metric, float(v), unit, shape=shape, dtype=row.get(dtype_col, ""), **extra
+            )
             n += 1
     return n

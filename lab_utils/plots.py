@@ -7,6 +7,7 @@ notebook renders with no network.  Interactivity that must survive export uses
 ``hv.HoloMap`` (every frame embedded, bokeh widgets) rather than ``DynamicMap``
 (needs a live kernel) or ipywidgets.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,16 +43,16 @@ def median_rows(df: pd.DataFrame, metric: str) -> pd.DataFrame:
     return df[(df.metric == metric) & (df.statistic == "median")].copy()
 
 
-def roofline_plot(points: pd.DataFrame, ceilings, *, dtype="fp32", label_col: str = "variant",
-                  title: str | None = None):
+def roofline_plot(
+    points: pd.DataFrame, ceilings, *, dtype="fp32", label_col: str = "variant", title: str | None = None
+):
     """Log-log roofline of the measured ceilings with points (columns ``intensity``,
     ``tflops`` and ``label_col``); the ridge point is marked."""
     hv = init()
     import numpy as np
 
-    from .roofline import roofline_curve
-
     from .ceilings import dtype_key
+    from .roofline import roofline_curve
 
     bw = ceilings.copy_gbs
     peak = ceilings.matmul(dtype) or ceilings.matmul("fp32")
@@ -61,19 +62,25 @@ def roofline_plot(points: pd.DataFrame, ceilings, *, dtype="fp32", label_col: st
     hi = max([ridge * 100] + [float(x) for x in points.get("intensity", []) if x and math.isfinite(x)]) * 2
     x, y = roofline_curve(ceilings, dtype, lo=lo, hi=hi)
     roof = hv.Curve((x, y), "intensity", "TFLOP/s", label=f"roof ({bw:.0f} GB/s, {peak:.3g} TFLOP/s {dtype})").opts(
-        color="black", line_width=2, logx=True, logy=True)
+        color="black", line_width=2, logx=True, logy=True
+    )
     ridge_pt = hv.Scatter([(ridge, peak)], "intensity", "TFLOP/s", label=f"ridge {ridge:.3g} FLOP/B").opts(
-        marker="diamond", size=14, color="red")
+        marker="diamond", size=14, color="red"
+    )
     vline = hv.VLine(ridge).opts(color="red", line_dash="dashed", line_width=1)
     layers = [roof, vline, ridge_pt]
     if len(points):
         pts = points.copy()
         for lab, g in pts.groupby(label_col, sort=False):
             vdims = ["tflops"] + [c for c in ("gbs", "time_ms", "shape", "pct_of_ceiling") if c in g.columns]
-            layers.append(hv.Scatter(g, "intensity", vdims, label=str(lab)).opts(
-                logx=True, logy=True, tools=["hover"]))
-    ov = hv.Overlay(layers).opts(logx=True, logy=True, legend_position="bottom_right",
-                                 title=title or f"Roofline of {ceilings.device_name}",
-                                 xlabel="arithmetic intensity (FLOP/byte)", ylabel="TFLOP/s")
+            layers.append(hv.Scatter(g, "intensity", vdims, label=str(lab)).opts(logx=True, logy=True, tools=["hover"]))
+    ov = hv.Overlay(layers).opts(
+        logx=True,
+        logy=True,
+        legend_position="bottom_right",
+        title=title or f"Roofline of {ceilings.device_name}",
+        xlabel="arithmetic intensity (FLOP/byte)",
+        ylabel="TFLOP/s",
+    )
     _ = np  # numpy imported for roofline_curve's arrays
     return ov

@@ -30,14 +30,14 @@ recipe on identical data and initialisation, and returns the loss curves, the fi
 gap in nats with a t-interval over seeds, loss by timestep bucket, and divergences.
 :func:`amdahl_speedup` bounds the end-to-end gain of a faster matmul.
 """
+
 from __future__ import annotations
 
-import copy
 import fnmatch
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable
 
 import numpy as np
 import pandas as pd
@@ -66,19 +66,35 @@ class TensorQuant:
         gran = self.granularity
         had = self.hadamard
         if had is not None and t.shape[axis] % had:
-            had = None                       # Hadamard needs whole blocks; skip on odd axes
-        return Q.fake_quantize(t, self.fmt, axis=axis, granularity=gran, scale_rule=self.scale_rule,
-                               rounding=self.rounding, hadamard=had, generator=generator)
+            had = None  # Hadamard needs whole blocks; skip on odd axes
+        return Q.fake_quantize(
+            t,
+            self.fmt,
+            axis=axis,
+            granularity=gran,
+            scale_rule=self.scale_rule,
+            rounding=self.rounding,
+            hadamard=had,
+            generator=generator,
+        )
 
 
-DEFAULT_KEEP = ("img_in", "txt_in", "time_in.*", "vector_in.*", "guidance_in.*", "*mod.lin",
-                "*modulation.lin", "final_layer.*")
+DEFAULT_KEEP = (
+    "img_in",
+    "txt_in",
+    "time_in.*",
+    "vector_in.*",
+    "guidance_in.*",
+    "*mod.lin",
+    "*modulation.lin",
+    "final_layer.*",
+)
 
 
 @dataclass(frozen=True)
 class Recipe:
     name: str
-    kind: str = "emulated"                # "none" | "emulated" | "torchao_float8"
+    kind: str = "emulated"  # "none" | "emulated" | "torchao_float8"
     fwd_x: TensorQuant | None = None
     fwd_w: TensorQuant | None = None
     dgrad_dy: TensorQuant | None = None
@@ -86,7 +102,7 @@ class Recipe:
     wgrad_dy: TensorQuant | None = None
     wgrad_x: TensorQuant | None = None
     keep_high_precision: tuple[str, ...] = DEFAULT_KEEP
-    torchao_recipe: str | None = None     # "tensorwise" | "rowwise" for kind="torchao_float8"
+    torchao_recipe: str | None = None  # "tensorwise" | "rowwise" for kind="torchao_float8"
     description: str = ""
 
     def __post_init__(self):
@@ -98,19 +114,30 @@ class Recipe:
 
     def table(self) -> pd.DataFrame:
         """Which operand of which matmul is in which format (a row per matmul)."""
+
         def s(t):
             if t is None:
                 return "high precision"
-            parts = [t.fmt] + ([t.granularity] if t.granularity else []) + \
-                    ([t.scale_rule] if Q.FORMATS[t.fmt].family == "mx" else []) + \
-                    (["SR"] if t.rounding == "stochastic" else []) + ([f"RHT{t.hadamard}"] if t.hadamard else [])
+            parts = (
+                [t.fmt]
+                + ([t.granularity] if t.granularity else [])
+                + ([t.scale_rule] if Q.FORMATS[t.fmt].family == "mx" else [])
+                + (["SR"] if t.rounding == "stochastic" else [])
+                + ([f"RHT{t.hadamard}"] if t.hadamard else [])
+            )
             return "/".join(parts)
+
         if self.kind == "torchao_float8":
-            return pd.DataFrame([dict(matmul="all three", operand_a=f"torchao float8 {self.torchao_recipe}",
-                                      operand_b="")])
-        return pd.DataFrame([dict(matmul="forward  x@W^T", operand_a=s(self.fwd_x), operand_b=s(self.fwd_w)),
-                             dict(matmul="dgrad    dy@W", operand_a=s(self.dgrad_dy), operand_b=s(self.dgrad_w)),
-                             dict(matmul="wgrad    dy^T@x", operand_a=s(self.wgrad_dy), operand_b=s(self.wgrad_x))])
+            return pd.DataFrame(
+                [dict(matmul="all three", operand_a=f"torchao float8 {self.torchao_recipe}", operand_b="")]
+            )
+        return pd.DataFrame(
+            [
+                dict(matmul="forward  x@W^T", operand_a=s(self.fwd_x), operand_b=s(self.fwd_w)),
+                dict(matmul="dgrad    dy@W", operand_a=s(self.dgrad_dy), operand_b=s(self.dgrad_w)),
+                dict(matmul="wgrad    dy^T@x", operand_a=s(self.wgrad_dy), operand_b=s(self.wgrad_x)),
+            ]
+        )
 
 
 def _uniform(name, q_x, q_w, q_g, **kw) -> Recipe:
@@ -121,32 +148,76 @@ _E4 = TensorQuant("fp8_e4m3")
 _E5 = TensorQuant("fp8_e5m2")
 RECIPES: dict[str, Recipe] = {
     "bf16": Recipe("bf16", "none", description="baseline: every matmul in the run's high precision (bf16 autocast)"),
-    "fp8_tensor": _uniform("fp8_tensor", _E4, _E4, _E5,
-                           description="FP8 per-tensor current scaling: e4m3 weights/activations, e5m2 gradients"),
-    "fp8_row": _uniform("fp8_row", TensorQuant("fp8_e4m3", "row"), TensorQuant("fp8_e4m3", "row"),
-                        TensorQuant("fp8_e5m2", "row"),
-                        description="FP8 per-row (along K) scales; e5m2 gradients"),
-    "fp8_block": Recipe("fp8_block", "emulated", TensorQuant("fp8_e4m3", "block"), TensorQuant("fp8_e4m3", "block2d"),
-                        TensorQuant("fp8_e4m3", "block"), TensorQuant("fp8_e4m3", "block2d"),
-                        TensorQuant("fp8_e4m3", "block"), TensorQuant("fp8_e4m3", "block"),
-                        description="DeepSeek-V3 style: e4m3 everywhere, 1x128 activation/gradient blocks, "
-                                    "128x128 weight tiles"),
-    "mxfp8": _uniform("mxfp8", TensorQuant("mxfp8_e4m3"), TensorQuant("mxfp8_e4m3"), TensorQuant("mxfp8_e4m3"),
-                      description="MXFP8 e4m3 everywhere, OCP floor scales"),
-    "mxfp8_rceil": _uniform("mxfp8_rceil", TensorQuant("mxfp8_e4m3", scale_rule="rceil"),
-                            TensorQuant("mxfp8_e4m3", scale_rule="rceil"), TensorQuant("mxfp8_e4m3", scale_rule="rceil"),
-                            description="MXFP8 e4m3 everywhere, round-up (rceil) scales"),
-    "mxfp4_fwd": Recipe("mxfp4_fwd", "emulated", TensorQuant("mxfp4"), TensorQuant("mxfp4"),
-                        description="MXFP4 forward only; both backward matmuls in high precision"),
-    "nvfp4": Recipe("nvfp4", "emulated", TensorQuant("nvfp4"), TensorQuant("nvfp4"),
-                    TensorQuant("nvfp4", rounding="stochastic"), TensorQuant("nvfp4"),
-                    TensorQuant("nvfp4", rounding="stochastic", hadamard=16), TensorQuant("nvfp4", hadamard=16),
-                    description="NVFP4 (after NVIDIA's NVFP4 pretraining recipe): stochastic rounding on gradients, "
-                                "16-point random Hadamard on the weight-gradient operands"),
-    "torchao_float8_tensorwise": Recipe("torchao_float8_tensorwise", "torchao_float8", torchao_recipe="tensorwise",
-                                        description="torchao convert_to_float8_training, tensorwise (emulated on CPU)"),
-    "torchao_float8_rowwise": Recipe("torchao_float8_rowwise", "torchao_float8", torchao_recipe="rowwise",
-                                     description="torchao convert_to_float8_training, rowwise (emulated on CPU)"),
+    "fp8_tensor": _uniform(
+        "fp8_tensor",
+        _E4,
+        _E4,
+        _E5,
+        description="FP8 per-tensor current scaling: e4m3 weights/activations, e5m2 gradients",
+    ),
+    "fp8_row": _uniform(
+        "fp8_row",
+        TensorQuant("fp8_e4m3", "row"),
+        TensorQuant("fp8_e4m3", "row"),
+        TensorQuant("fp8_e5m2", "row"),
+        description="FP8 per-row (along K) scales; e5m2 gradients",
+    ),
+    "fp8_block": Recipe(
+        "fp8_block",
+        "emulated",
+        TensorQuant("fp8_e4m3", "block"),
+        TensorQuant("fp8_e4m3", "block2d"),
+        TensorQuant("fp8_e4m3", "block"),
+        TensorQuant("fp8_e4m3", "block2d"),
+        TensorQuant("fp8_e4m3", "block"),
+        TensorQuant("fp8_e4m3", "block"),
+        description="DeepSeek-V3 style: e4m3 everywhere, 1x128 activation/gradient blocks, 128x128 weight tiles",
+    ),
+    "mxfp8": _uniform(
+        "mxfp8",
+        TensorQuant("mxfp8_e4m3"),
+        TensorQuant("mxfp8_e4m3"),
+        TensorQuant("mxfp8_e4m3"),
+        description="MXFP8 e4m3 everywhere, OCP floor scales",
+    ),
+    "mxfp8_rceil": _uniform(
+        "mxfp8_rceil",
+        TensorQuant("mxfp8_e4m3", scale_rule="rceil"),
+        TensorQuant("mxfp8_e4m3", scale_rule="rceil"),
+        TensorQuant("mxfp8_e4m3", scale_rule="rceil"),
+        description="MXFP8 e4m3 everywhere, round-up (rceil) scales",
+    ),
+    "mxfp4_fwd": Recipe(
+        "mxfp4_fwd",
+        "emulated",
+        TensorQuant("mxfp4"),
+        TensorQuant("mxfp4"),
+        description="MXFP4 forward only; both backward matmuls in high precision",
+    ),
+    "nvfp4": Recipe(
+        "nvfp4",
+        "emulated",
+        TensorQuant("nvfp4"),
+        TensorQuant("nvfp4"),
+        TensorQuant("nvfp4", rounding="stochastic"),
+        TensorQuant("nvfp4"),
+        TensorQuant("nvfp4", rounding="stochastic", hadamard=16),
+        TensorQuant("nvfp4", hadamard=16),
+        description="NVFP4 (after NVIDIA's NVFP4 pretraining recipe): stochastic rounding on gradients, "
+        "16-point random Hadamard on the weight-gradient operands",
+    ),
+    "torchao_float8_tensorwise": Recipe(
+        "torchao_float8_tensorwise",
+        "torchao_float8",
+        torchao_recipe="tensorwise",
+        description="torchao convert_to_float8_training, tensorwise (emulated on CPU)",
+    ),
+    "torchao_float8_rowwise": Recipe(
+        "torchao_float8_rowwise",
+        "torchao_float8",
+        torchao_recipe="rowwise",
+        description="torchao convert_to_float8_training, rowwise (emulated on CPU)",
+    ),
 }
 
 
@@ -185,15 +256,15 @@ class _QLinearFn(torch.autograd.Function):
         x2, wf = ctx.saved_tensors
         r, gen = ctx.recipe, ctx.gen
         with torch.autocast(dy.device.type, enabled=False):
-            g = dy.reshape(-1, dy.shape[-1]).float()                        # (T, N)
+            g = dy.reshape(-1, dy.shape[-1]).float()  # (T, N)
             dx = dw = db = None
             if ctx.needs_input_grad[0]:
-                gq = r.dgrad_dy.apply(g, -1, gen) if r.dgrad_dy else g      # along N
-                wq = r.dgrad_w.apply(wf, 0, gen) if r.dgrad_w else wf       # along N
+                gq = r.dgrad_dy.apply(g, -1, gen) if r.dgrad_dy else g  # along N
+                wq = r.dgrad_w.apply(wf, 0, gen) if r.dgrad_w else wf  # along N
                 dx = (gq @ wq).reshape(ctx.xshape).to(ctx.xdtype)
             if ctx.needs_input_grad[1]:
-                gq = r.wgrad_dy.apply(g, 0, gen) if r.wgrad_dy else g       # along tokens
-                xq = r.wgrad_x.apply(x2, 0, gen) if r.wgrad_x else x2       # along tokens
+                gq = r.wgrad_dy.apply(g, 0, gen) if r.wgrad_dy else g  # along tokens
+                xq = r.wgrad_x.apply(x2, 0, gen) if r.wgrad_x else x2  # along tokens
                 dw = (gq.T @ xq).to(ctx.wdtype)
             if ctx.has_b and ctx.needs_input_grad[2]:
                 db = g.sum(0)
@@ -203,14 +274,13 @@ class _QLinearFn(torch.autograd.Function):
 class QuantLinear(nn.Linear):
     """``nn.Linear`` whose three matmuls follow an emulated :class:`Recipe`."""
 
-    def __init__(self, in_features, out_features, bias=True, *, recipe: Recipe, seed: int = 0,
-                 device=None, dtype=None):
+    def __init__(self, in_features, out_features, bias=True, *, recipe: Recipe, seed: int = 0, device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.recipe = recipe
-        self._gen = torch.Generator().manual_seed(seed)     # stochastic-rounding draws (CPU generator)
+        self._gen = torch.Generator().manual_seed(seed)  # stochastic-rounding draws (CPU generator)
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, recipe: Recipe, seed: int = 0) -> "QuantLinear":
+    def from_linear(cls, lin: nn.Linear, recipe: Recipe, seed: int = 0) -> QuantLinear:
         q = cls.__new__(cls)
         nn.Module.__init__(q)
         q.in_features, q.out_features = lin.in_features, lin.out_features
@@ -317,15 +387,22 @@ class TrainTask:
     loss: Callable[[nn.Module, int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
-def mmdit_task(preset: str = "tiny", *, batch_size: int = 8, latent_hw: int = 8, txt_len: int = 8,
-               n_examples: int = 32, device: str | torch.device = "cpu") -> TrainTask:
+def mmdit_task(
+    preset: str = "tiny",
+    *,
+    batch_size: int = 8,
+    latent_hw: int = 8,
+    txt_len: int = 8,
+    n_examples: int = 32,
+    device: str | torch.device = "cpu",
+) -> TrainTask:
     """Rectified-flow training of the MMDiT on a small fixed synthetic dataset.
 
     Data: ``n_examples`` smooth latents (low-frequency sinusoids, fixed seed 1234) each
     paired with a caption embedding; a batch draws examples, noise ``x1`` and
     ``t ~ sigmoid(N(0,1))`` from a generator seeded by (seed, step), ``x_t = (1-t) x0 + t x1``,
     target ``x1 - x0``; per-sample MSE (FLUX's objective)."""
-    from . import mmdit as M
+    from .model import mmdit as M
 
     cfg = M.resolve_config(preset)
     C, p = cfg.latent_channels, cfg.patch_size
@@ -335,7 +412,7 @@ def mmdit_task(preset: str = "tiny", *, batch_size: int = 8, latent_hw: int = 8,
     phase = torch.rand(n_examples, C, 1, 1, generator=g) * 6.28
     amp = 0.5 + torch.rand(n_examples, C, 1, 1, generator=g)
     lat = amp * torch.sin(6.28 * (freqs[..., 0, None, None] * yy + freqs[..., 1, None, None] * xx) + phase)
-    data = M.patchify(lat, p)                                                # (n, L, C p p)
+    data = M.patchify(lat, p)  # (n, L, C p p)
     caps = torch.randn(n_examples, txt_len, cfg.context_dim, generator=g)
     pooled = torch.randn(n_examples, cfg.pooled_dim, generator=g)
     h = w = latent_hw // p
@@ -402,10 +479,10 @@ def mlp_task(*, dim: int = 64, hidden: int = 256, batch_size: int = 32) -> Train
 
 @dataclass
 class ConvergenceResult:
-    curves: pd.DataFrame         # recipe, seed, step, loss
-    buckets: pd.DataFrame        # recipe, seed, bucket, loss (last window)
-    gaps: pd.DataFrame           # recipe, gap (mean), ci_low, ci_high, n_seeds, diverged
-    divergences: pd.DataFrame    # recipe, seed, step, reason
+    curves: pd.DataFrame  # recipe, seed, step, loss
+    buckets: pd.DataFrame  # recipe, seed, bucket, loss (last window)
+    gaps: pd.DataFrame  # recipe, gap (mean), ci_low, ci_high, n_seeds, diverged
+    divergences: pd.DataFrame  # recipe, seed, step, reason
     baseline: str
     window: int
     seconds: dict = field(default_factory=dict)
@@ -417,7 +494,8 @@ class ConvergenceResult:
         c = self.curves.sort_values(["recipe", "seed", "step"]).copy()
         if smooth > 1:
             c["loss"] = c.groupby(["recipe", "seed"])["loss"].transform(
-                lambda s: s.rolling(smooth, min_periods=1).mean())
+                lambda s: s.rolling(smooth, min_periods=1).mean()
+            )
         g = c.groupby(["recipe", "step"])["loss"]
         out = g.agg(["mean", "std", "count"]).reset_index()
         tq = out["count"].map(lambda n: stats.t.ppf(0.975, n - 1) if n > 1 else float("nan"))
@@ -426,10 +504,20 @@ class ConvergenceResult:
         return out
 
 
-def run_convergence(task: TrainTask, recipes: Iterable[str | Recipe], *, steps: int = 30, seeds: Iterable[int] = (0, 1),
-                    lr: float = 1e-3, baseline: str = "bf16", autocast_dtype: torch.dtype | None = torch.bfloat16,
-                    window: int | None = None, n_buckets: int = 4, diverge_factor: float = 3.0,
-                    progress: bool = False) -> ConvergenceResult:
+def run_convergence(
+    task: TrainTask,
+    recipes: Iterable[str | Recipe],
+    *,
+    steps: int = 30,
+    seeds: Iterable[int] = (0, 1),
+    lr: float = 1e-3,
+    baseline: str = "bf16",
+    autocast_dtype: torch.dtype | None = torch.bfloat16,
+    window: int | None = None,
+    n_buckets: int = 4,
+    diverge_factor: float = 3.0,
+    progress: bool = False,
+) -> ConvergenceResult:
     """Train ``steps`` AdamW steps per (seed, recipe) from the same initialisation and data.
 
     The baseline runs under ``autocast_dtype`` (bf16) like every recipe; a recipe's
@@ -466,8 +554,14 @@ def run_convergence(task: TrainTask, recipes: Iterable[str | Recipe], *, steps: 
                     break
                 first = lv if first is None else first
                 if step >= 5 and lv > diverge_factor * first:
-                    div_rows.append(dict(recipe=name, seed=seed, step=step,
-                                         reason=f"loss {lv:.3g} > {diverge_factor} x first {first:.3g}"))
+                    div_rows.append(
+                        dict(
+                            recipe=name,
+                            seed=seed,
+                            step=step,
+                            reason=f"loss {lv:.3g} > {diverge_factor} x first {first:.3g}",
+                        )
+                    )
                     curve_rows.append(dict(recipe=name, seed=seed, step=step, loss=lv))
                     break
                 opt.zero_grad(set_to_none=True)
@@ -483,23 +577,34 @@ def run_convergence(task: TrainTask, recipes: Iterable[str | Recipe], *, steps: 
                 for k in range(n_buckets):
                     m = b == k
                     if bool(m.any()):
-                        bucket_rows.append(dict(recipe=name, seed=seed, bucket=f"t∈[{edges[k]:.2f},{edges[k+1]:.2f})",
-                                                loss=float(per_all[m].mean()), n=int(m.sum())))
+                        bucket_rows.append(
+                            dict(
+                                recipe=name,
+                                seed=seed,
+                                bucket=f"t∈[{edges[k]:.2f},{edges[k + 1]:.2f})",
+                                loss=float(per_all[m].mean()),
+                                n=int(m.sum()),
+                            )
+                        )
         secs[name] = time.perf_counter() - t0
         if progress:
             print(f"{name}: {secs[name]:.1f} s")
     curves = pd.DataFrame(curve_rows)
     divs = pd.DataFrame(div_rows, columns=["recipe", "seed", "step", "reason"])
-    final = (curves[curves.step >= steps - window].groupby(["recipe", "seed"])["loss"].mean().unstack("seed")
-             if len(curves) else pd.DataFrame())
+    final = (
+        curves[curves.step >= steps - window].groupby(["recipe", "seed"])["loss"].mean().unstack("seed")
+        if len(curves)
+        else pd.DataFrame()
+    )
     gap_rows = []
     for name in names:
         if name == baseline:
             continue
         diverged = bool((divs.recipe == name).any())
         if diverged or name not in final.index:
-            gap_rows.append(dict(recipe=name, gap=float("nan"), ci_low=float("nan"), ci_high=float("nan"),
-                                 n_seeds=0, diverged=True))
+            gap_rows.append(
+                dict(recipe=name, gap=float("nan"), ci_low=float("nan"), ci_high=float("nan"), n_seeds=0, diverged=True)
+            )
             continue
         d = (final.loc[name] - final.loc[baseline]).dropna().to_numpy()
         n = len(d)
@@ -508,8 +613,7 @@ def run_convergence(task: TrainTask, recipes: Iterable[str | Recipe], *, steps: 
             half = float(stats.t.ppf(0.975, n - 1) * d.std(ddof=1) / math.sqrt(n))
         else:
             half = float("nan")
-        gap_rows.append(dict(recipe=name, gap=mean, ci_low=mean - half, ci_high=mean + half, n_seeds=n,
-                             diverged=False))
+        gap_rows.append(dict(recipe=name, gap=mean, ci_low=mean - half, ci_high=mean + half, n_seeds=n, diverged=False))
     return ConvergenceResult(curves, pd.DataFrame(bucket_rows), pd.DataFrame(gap_rows), divs, baseline, window, secs)
 
 
@@ -533,9 +637,18 @@ def matmul_share_from_analysis(analysis) -> float:
 
 # --------------------------------------------------------------------------- the lab's parameters
 
-from .config import (LabConfig, check_bool, check_choice, check_choices, check_float,  # noqa: E402
-                     check_int, check_int_list)
-from dataclasses import dataclass as _dc, field as _field  # noqa: E402
+from dataclasses import dataclass as _dc  # noqa: E402
+from dataclasses import field as _field
+
+from .config import (
+    LabConfig,
+    check_bool,
+    check_choice,
+    check_choices,
+    check_float,  # noqa: E402
+    check_int,
+    check_int_list,
+)
 
 
 @_dc(frozen=True)
@@ -544,10 +657,20 @@ class LowPrecisionLabConfig(LabConfig):
 
     device: str = "auto"
     cpu_threads: int = 1
-    format_variants: list = _field(default_factory=lambda: ["fp8_e4m3/tensor", "fp8_e4m3/row", "fp8_e4m3/block128",
-                                                             "fp8_e5m2/tensor", "mxfp8_e4m3/floor", "mxfp8_e4m3/rceil",
-                                                             "mxfp4/floor", "mxfp4/floor+hadamard32", "nvfp4",
-                                                             "nvfp4+hadamard16"])
+    format_variants: list = _field(
+        default_factory=lambda: [
+            "fp8_e4m3/tensor",
+            "fp8_e4m3/row",
+            "fp8_e4m3/block128",
+            "fp8_e5m2/tensor",
+            "mxfp8_e4m3/floor",
+            "mxfp8_e4m3/rceil",
+            "mxfp4/floor",
+            "mxfp4/floor+hadamard32",
+            "nvfp4",
+            "nvfp4+hadamard16",
+        ]
+    )
     distributions: list = _field(default_factory=lambda: ["gaussian", "laplace", "student_t", "outlier_channels"])
     tensor_shape: list = _field(default_factory=lambda: [128, 256])
     explorer_tensor: str = "outlier_channels"
@@ -568,7 +691,7 @@ class LowPrecisionLabConfig(LabConfig):
     autocast: bool = True
 
     def __post_init__(self):
-        from . import mmdit as M
+        from .model import mmdit as M
         from .numerics import DISTRIBUTIONS, FORMAT_VARIANTS
 
         check_choice("device", self.device, ["auto", "cpu", "cuda"])
@@ -584,16 +707,25 @@ class LowPrecisionLabConfig(LabConfig):
         if not isinstance(self.matmul_shapes, (list, tuple)) or not self.matmul_shapes:
             raise ConfigError("matmul_shapes", self.matmul_shapes, "a non-empty list of [M, K, N]")
         for s in self.matmul_shapes:
-            if not isinstance(s, (list, tuple)) or len(s) != 3 or any(isinstance(v, bool) or not isinstance(v, int)
-                                                                      or v < 1 for v in s):
+            if (
+                not isinstance(s, (list, tuple))
+                or len(s) != 3
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in s)
+            ):
                 raise ConfigError("matmul_shapes", self.matmul_shapes, "a list of [M, K, N] positive integers")
         check_choices("matmul_formats", self.matmul_formats, list(Q.FORMATS))
         check_int_list("accum_ks", self.accum_ks, min=1)
         from lab_kernels.lowp_matmul import ACCUMULATIONS
+
         check_choices("accumulations", self.accumulations, list(ACCUMULATIONS))
         check_int("reps", self.reps, min=1)
-        if not isinstance(self.matmul_shares, (list, tuple)) or not self.matmul_shares or any(
-                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1 for v in self.matmul_shares):
+        if (
+            not isinstance(self.matmul_shares, (list, tuple))
+            or not self.matmul_shares
+            or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1 for v in self.matmul_shares
+            )
+        ):
             raise ConfigError("matmul_shares", self.matmul_shares, "a non-empty list of fractions in [0, 1]")
         check_choice("preset", self.preset, [p for p in M.PRESETS if p not in M.LARGE_PRESETS])
         check_choices("recipes", self.recipes, [r for r in RECIPES if r != "bf16"])
@@ -613,8 +745,11 @@ def convergence_plot(res: ConvergenceResult, smooth: int = 3):
     for name, d in b.groupby("recipe", sort=False):
         layers.append(hv.Area(d, kdims=["step"], vdims=["low", "high"], label=name).opts(alpha=0.2))
         layers.append(hv.Curve(d, kdims=["step"], vdims=["mean"], label=name).opts(tools=["hover"]))
-    return hv.Overlay(layers).opts(legend_position="top_right", ylabel="RF loss (mean over seeds)",
-                                   title=f"loss curves, {smooth}-step smoothed, 95% t-band over seeds")
+    return hv.Overlay(layers).opts(
+        legend_position="top_right",
+        ylabel="RF loss (mean over seeds)",
+        title=f"loss curves, {smooth}-step smoothed, 95% t-band over seeds",
+    )
 
 
 def bucket_plot(res: ConvergenceResult):
@@ -622,7 +757,8 @@ def bucket_plot(res: ConvergenceResult):
 
     d = res.buckets.groupby(["bucket", "recipe"], as_index=False)["loss"].mean()
     return hv.Bars(d, kdims=["bucket", "recipe"], vdims=["loss"]).opts(
-        tools=["hover"], xrotation=30, title=f"loss by timestep bucket (last {res.window} steps)")
+        tools=["hover"], xrotation=30, title=f"loss by timestep bucket (last {res.window} steps)"
+    )
 
 
 def record_convergence(rec, res: ConvergenceResult) -> None:
@@ -635,8 +771,17 @@ def record_convergence(rec, res: ConvergenceResult) -> None:
     for r in res.gaps.itertuples():
         if math.isfinite(r.gap):
             extra = dict(ci_low=r.ci_low, ci_high=r.ci_high) if math.isfinite(r.ci_low) else {}
-            rec.add("convergence", r.recipe, "final_gap_vs_" + res.baseline, r.gap, "loss", statistic="mean",
-                    n_seeds=r.n_seeds, window=res.window, **extra)
+            rec.add(
+                "convergence",
+                r.recipe,
+                "final_gap_vs_" + res.baseline,
+                r.gap,
+                "loss",
+                statistic="mean",
+                n_seeds=r.n_seeds,
+                window=res.window,
+                **extra,
+            )
         else:
             rec.add("convergence", r.recipe, "diverged", 1.0, "", statistic="count")
     for r in res.buckets.itertuples():

@@ -2,7 +2,7 @@
 
 Design note
 -----------
-:func:`profile_training` runs a :class:`lab_utils.train.Trainer` under
+:func:`profile_training` runs a :class:`lab_utils.model.train.Trainer` under
 ``torch.profiler`` with a wait / warm-up / active schedule, exports the active steps
 as a Chrome/Perfetto trace JSON (under ``PERFLAB_ARTIFACTS_DIR``), and then analyses
 *that file*: the numbers a report shows are the numbers anyone can re-derive from
@@ -28,6 +28,7 @@ the trace it links.
   the caching allocator's total).  On CUDA the allocator's history is also recorded
   and written as a snapshot pickle plus torch's HTML viewer.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,30 +44,59 @@ from typing import Any
 import pandas as pd
 import torch
 
-from .train import PHASES, Trainer, artifacts_dir, synthetic_batch
+from .model.train import PHASES, Trainer, artifacts_dir, synthetic_batch
 
-CATEGORIES = ("matmul", "attention", "normalization", "elementwise/activation", "reduction", "copy/cast",
-              "communication", "optimizer", "other")
+CATEGORIES = (
+    "matmul",
+    "attention",
+    "normalization",
+    "elementwise/activation",
+    "reduction",
+    "copy/cast",
+    "communication",
+    "optimizer",
+    "other",
+)
 IDLE = "idle/gap"
 
 _RULES: list[tuple[str, re.Pattern]] = [
-    ("communication", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|c10d|alltoall|broadcast_coalesced"
-                                 r"|record_param_comms|\bsend\b|\brecv\b")),
+    (
+        "communication",
+        re.compile(
+            r"nccl|all_?reduce|all_?gather|reduce_?scatter|c10d|alltoall|broadcast_coalesced"
+            r"|record_param_comms|\bsend\b|\brecv\b"
+        ),
+    ),
     ("optimizer", re.compile(r"_foreach_|fused_adam|multi_tensor_apply|adamw?_|optimizer")),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|softmax|scaled_dot_product|cudnn_.*attn")),
     ("normalization", re.compile(r"layer_?norm|rms_?norm|group_?norm|batch_?norm|instance_?norm")),
     ("matmul", re.compile(r"gemm|\bmm\b|addmm|bmm|matmul|linear|conv|xmma|cutlass|cublas|wgmma|sm\d+_|baddbmm")),
-    ("reduction", re.compile(r"reduce|\bsum\b|mean|\bmax\b|\bmin\b|argmax|argmin|vector_norm|\bnorm\b|\bvar\b|\bstd\b"
-                             r"|cumsum|topk|\ball\b|\bany\b|mse_loss")),
-    ("copy/cast", re.compile(r"copy|memcpy|memset|_to_copy|\bto\b|contiguous|clone|\bcat\b|stack|index|gather"
-                             r"|scatter|pad|fill|zero_|repeat|expand|transpose|permute|reshape|view|slice|select"
-                             r"|unfold|flip|roll|split|chunk|narrow|empty|as_strided|detach|unbind|resize|squeeze|\bt\b|alias"
-                             r"|full|zeros|ones|arange|scalar_tensor|lift_fresh|type_as|meshgrid|embedding")),
-    ("elementwise/activation", re.compile(r"elementwise|vectorized|unrolled|gelu|silu|relu|sigmoid|tanh|\badd|\bsub"
-                                          r"|\bmul|\bdiv|exp|log|pow|rsqrt|sqrt|\bsin\b|\bcos\b|where|neg|abs|clamp"
-                                          r"|rand|normal|uniform|bernoulli|dropout|lerp|addcmul|addcdiv|sign|erf"
-                                          r"|maximum|minimum|\beq\b|\bne\b|\bgt\b|\blt\b|\bge\b|\ble\b|logical|rsub|reciprocal|bitwise"
-                                          r"|__and__|__or__")),
+    (
+        "reduction",
+        re.compile(
+            r"reduce|\bsum\b|mean|\bmax\b|\bmin\b|argmax|argmin|vector_norm|\bnorm\b|\bvar\b|\bstd\b"
+            r"|cumsum|topk|\ball\b|\bany\b|mse_loss"
+        ),
+    ),
+    (
+        "copy/cast",
+        re.compile(
+            r"copy|memcpy|memset|_to_copy|\bto\b|contiguous|clone|\bcat\b|stack|index|gather"
+            r"|scatter|pad|fill|zero_|repeat|expand|transpose|permute|reshape|view|slice|select"
+            r"|unfold|flip|roll|split|chunk|narrow|empty|as_strided|detach|unbind|resize|squeeze|\bt\b|alias"
+            r"|full|zeros|ones|arange|scalar_tensor|lift_fresh|type_as|meshgrid|embedding"
+        ),
+    ),
+    (
+        "elementwise/activation",
+        re.compile(
+            r"elementwise|vectorized|unrolled|gelu|silu|relu|sigmoid|tanh|\badd|\bsub"
+            r"|\bmul|\bdiv|exp|log|pow|rsqrt|sqrt|\bsin\b|\bcos\b|where|neg|abs|clamp"
+            r"|rand|normal|uniform|bernoulli|dropout|lerp|addcmul|addcdiv|sign|erf"
+            r"|maximum|minimum|\beq\b|\bne\b|\bgt\b|\blt\b|\bge\b|\ble\b|logical|rsub|reciprocal|bitwise"
+            r"|__and__|__or__"
+        ),
+    ),
 ]
 
 
@@ -79,7 +109,7 @@ def categorize(name: str, op: str = "", under_optimizer: bool = False) -> str:
     if under_optimizer:
         return "optimizer"
     if _AUTOGRAD.search(name):
-        return "other"      # autograd-engine wrappers: their self time is bookkeeping
+        return "other"  # autograd-engine wrappers: their self time is bookkeeping
     for text in (name, op):
         if not text:
             continue
@@ -93,6 +123,7 @@ def categorize(name: str, op: str = "", under_optimizer: bool = False) -> str:
 # --------------------------------------------------------------------------------------
 # Trace parsing
 # --------------------------------------------------------------------------------------
+
 
 @dataclass
 class _Ev:
@@ -156,15 +187,15 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
 
 @dataclass
 class TraceAnalysis:
-    device_kind: str                       # "cuda" | "cpu"
-    source: str                            # "cuda kernels" | "cpu operators (self time)"
-    steps: pd.DataFrame                    # step, step_ms, phase_sum_ms, coverage, busy_ms, idle_ms
-    phases: pd.DataFrame                   # step, phase, ms
-    categories: pd.DataFrame               # category, ms, pct_of_step
-    top_ops: pd.DataFrame                  # name, category, calls, ms, pct_of_step
-    memory: pd.DataFrame                   # t_ms, allocated_mb
+    device_kind: str  # "cuda" | "cpu"
+    source: str  # "cuda kernels" | "cpu operators (self time)"
+    steps: pd.DataFrame  # step, step_ms, phase_sum_ms, coverage, busy_ms, idle_ms
+    phases: pd.DataFrame  # step, phase, ms
+    categories: pd.DataFrame  # category, ms, pct_of_step
+    top_ops: pd.DataFrame  # name, category, calls, ms, pct_of_step
+    memory: pd.DataFrame  # t_ms, allocated_mb
     peak_allocated_bytes: float
-    categories_by_step: pd.DataFrame       # step, category, ms
+    categories_by_step: pd.DataFrame  # step, category, ms
 
 
 def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int = 15) -> TraceAnalysis:
@@ -177,13 +208,24 @@ def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int 
     if device_kind is None:
         device_kind = "cuda" if kernels else "cpu"
     # host-side step ranges only (CUDA traces repeat them as "gpu_user_annotation" on the device timeline)
-    step_evs = sorted((e for e in xs if e.get("cat") == "user_annotation"
-                       and re.fullmatch(r"ProfilerStep#\d+", e.get("name", ""))), key=lambda e: e["ts"])
+    step_evs = sorted(
+        (e for e in xs if e.get("cat") == "user_annotation" and re.fullmatch(r"ProfilerStep#\d+", e.get("name", ""))),
+        key=lambda e: e["ts"],
+    )
     if not step_evs:
         raise ValueError(f"{path}: no ProfilerStep#k ranges; was the profiler stepped with prof.step()?")
-    host = [_Ev(e["name"], e.get("cat", ""), float(e["ts"]), float(e["dur"]), (e.get("pid"), e.get("tid")),
-                (e.get("args") or {}).get("External id"))
-            for e in xs if e.get("cat") in ("cpu_op", "user_annotation", "python_function")]
+    host = [
+        _Ev(
+            e["name"],
+            e.get("cat", ""),
+            float(e["ts"]),
+            float(e["dur"]),
+            (e.get("pid"), e.get("tid")),
+            (e.get("args") or {}).get("External id"),
+        )
+        for e in xs
+        if e.get("cat") in ("cpu_op", "user_annotation", "python_function")
+    ]
     _nest(host)
     windows = [(int(e["name"].split("#")[1]), float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in step_evs]
 
@@ -233,8 +275,16 @@ def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int 
         else:
             busy = _union_us([(it[4], min(it[5], t)) for it in mine])
         ph = phases[phases.step == k].ms.sum() if len(phases) else 0.0
-        srow.append(dict(step=k, step_ms=step_us / 1e3, phase_sum_ms=ph, coverage=ph / (step_us / 1e3),
-                         busy_ms=busy / 1e3, idle_ms=max(step_us - busy, 0.0) / 1e3))
+        srow.append(
+            dict(
+                step=k,
+                step_ms=step_us / 1e3,
+                phase_sum_ms=ph,
+                coverage=ph / (step_us / 1e3),
+                busy_ms=busy / 1e3,
+                idle_ms=max(step_us - busy, 0.0) / 1e3,
+            )
+        )
     steps = pd.DataFrame(srow)
     total_step_ms = float(steps.step_ms.sum())
 
@@ -257,8 +307,10 @@ def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int 
         a = agg.setdefault(it[1], [it[2], 0, 0.0])
         a[1] += 1
         a[2] += it[3] / 1e3
-    top_ops = pd.DataFrame([dict(name=n, category=c, calls=cnt, ms=ms) for n, (c, cnt, ms) in agg.items()],
-                           columns=["name", "category", "calls", "ms"])
+    top_ops = pd.DataFrame(
+        [dict(name=n, category=c, calls=cnt, ms=ms) for n, (c, cnt, ms) in agg.items()],
+        columns=["name", "category", "calls", "ms"],
+    )
     top_ops = top_ops.sort_values("ms", ascending=False).head(top).reset_index(drop=True)
     top_ops["pct_of_step"] = 100 * top_ops.ms / total_step_ms
 
@@ -272,10 +324,11 @@ def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int 
             if a.get("Device Type") == want and "Total Allocated" in a:
                 mrow.append((float(e["ts"]), float(a["Total Allocated"])))
     mrow.sort()
-    memory = pd.DataFrame([dict(t_ms=(ts - t0) / 1e3, allocated_mb=b / 2 ** 20) for ts, b in mrow],
-                          columns=["t_ms", "allocated_mb"])
+    memory = pd.DataFrame(
+        [dict(t_ms=(ts - t0) / 1e3, allocated_mb=b / 2**20) for ts, b in mrow], columns=["t_ms", "allocated_mb"]
+    )
     peak = max((b for _, b in mrow), default=float("nan"))
-    if len(memory) > 3000:   # keep plots light: the running max per bin preserves peaks
+    if len(memory) > 3000:  # keep plots light: the running max per bin preserves peaks
         memory["bin"] = (memory.t_ms / (memory.t_ms.max() / 1500 + 1e-9)).astype(int)
         memory = memory.groupby("bin", as_index=False).agg(t_ms=("t_ms", "first"), allocated_mb=("allocated_mb", "max"))
         memory = memory.drop(columns="bin")
@@ -285,6 +338,7 @@ def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int 
 # --------------------------------------------------------------------------------------
 # FLOPs
 # --------------------------------------------------------------------------------------
+
 
 def _cpu_sdpa_flop_mapping() -> dict:
     """FlopCounterMode has formulas for CUDA's SDPA kernels but not for the CPU flash
@@ -327,8 +381,8 @@ _FLOP_CACHE: dict[tuple, int] = {}
 def training_step_flops(model_cfg, batch_size: int, grid: tuple[int, int], txt_len: int) -> int:
     """Model FLOPs of one training step (forward + backward of the MMDiT) at this shape,
     counted on a meta-device copy (nothing is computed or allocated)."""
-    from .mmdit import build_model
-    from .train import rf_loss
+    from .model.mmdit import build_model
+    from .model.train import rf_loss
 
     cfg = model_cfg.replace(kernels="eager", attention_path="sdpa", checkpoint="none", recipe="bf16")
     key = (cfg, batch_size, tuple(grid), txt_len)
@@ -345,6 +399,7 @@ def training_step_flops(model_cfg, batch_size: int, grid: tuple[int, int], txt_l
 # --------------------------------------------------------------------------------------
 # Profiling a trainer
 # --------------------------------------------------------------------------------------
+
 
 @dataclass
 class ProfileReport:
@@ -371,61 +426,180 @@ class ProfileReport:
         rows = [dict(quantity="achieved", dtype=dtype, tflops=achieved, pct=None, reference="")]
         peak_meas = ceilings.matmul(dtype) if ceilings is not None else None
         if peak_meas:
-            rows.append(dict(quantity="measured matmul ceiling", dtype=dtype, tflops=peak_meas,
-                             pct=100 * achieved / peak_meas, reference="lab_utils.ceilings"))
+            rows.append(
+                dict(
+                    quantity="measured matmul ceiling",
+                    dtype=dtype,
+                    tflops=peak_meas,
+                    pct=100 * achieved / peak_meas,
+                    reference="lab_utils.ceilings",
+                )
+            )
         if datasheet is not None:
-            ds = {"bf16": datasheet.bf16_tflops, "fp16": datasheet.bf16_tflops, "tf32": datasheet.tf32_tflops,
-                  "fp32": datasheet.tf32_tflops}.get(dtype)
+            ds = {
+                "bf16": datasheet.bf16_tflops,
+                "fp16": datasheet.bf16_tflops,
+                "tf32": datasheet.tf32_tflops,
+                "fp32": datasheet.tf32_tflops,
+            }.get(dtype)
             if ds:
-                rows.append(dict(quantity="datasheet peak" + (" (tf32)" if dtype == "fp32" else ""), dtype=dtype,
-                                 tflops=ds, pct=100 * achieved / ds, reference=datasheet.source))
+                rows.append(
+                    dict(
+                        quantity="datasheet peak" + (" (tf32)" if dtype == "fp32" else ""),
+                        dtype=dtype,
+                        tflops=ds,
+                        pct=100 * achieved / ds,
+                        reference=datasheet.source,
+                    )
+                )
         return pd.DataFrame(rows)
 
-    def record(self, rec, *, variant: str = "profile", ceilings=None, datasheet=None, dtype: str = "fp32",
-               shape: str = "") -> None:
+    def record(
+        self, rec, *, variant: str = "profile", ceilings=None, datasheet=None, dtype: str = "fp32", shape: str = ""
+    ) -> None:
         """Write the report's numbers as records (one row per number, plus the trace path)."""
         a = self.analysis
         st = self.steps
         for r in st.itertuples():
-            rec.add("step", variant, "step_time", r.step_ms, "ms", shape=shape, statistic=f"step{r.step}",
-                    source="torch.profiler ProfilerStep range")
+            rec.add(
+                "step",
+                variant,
+                "step_time",
+                r.step_ms,
+                "ms",
+                shape=shape,
+                statistic=f"step{r.step}",
+                source="torch.profiler ProfilerStep range",
+            )
             rec.add("step", variant, "phase_coverage", 100 * r.coverage, "%", shape=shape, statistic=f"step{r.step}")
-            rec.add("step", variant, "flops", r.flops, "FLOP", shape=shape, statistic=f"step{r.step}",
-                    method="FlopCounterMode fwd+bwd on meta")
-        rec.add("step", variant, "step_time", float(st.step_ms.median()), "ms", shape=shape, statistic="median",
-                samples=list(st.step_ms))
+            rec.add(
+                "step",
+                variant,
+                "flops",
+                r.flops,
+                "FLOP",
+                shape=shape,
+                statistic=f"step{r.step}",
+                method="FlopCounterMode fwd+bwd on meta",
+            )
+        rec.add(
+            "step",
+            variant,
+            "step_time",
+            float(st.step_ms.median()),
+            "ms",
+            shape=shape,
+            statistic="median",
+            samples=list(st.step_ms),
+        )
         for r in a.phases.groupby("phase", sort=False).ms.median().items():
             rec.add("phases", r[0], "time", r[1], "ms", shape=shape, statistic="median")
         for r in a.categories.itertuples():
-            rec.add("categories", r.category, "time", r.ms, "ms", shape=shape, statistic="sum",
-                    pct_of_step=r.pct_of_step, source=a.source)
+            rec.add(
+                "categories",
+                r.category,
+                "time",
+                r.ms,
+                "ms",
+                shape=shape,
+                statistic="sum",
+                pct_of_step=r.pct_of_step,
+                source=a.source,
+            )
         for r in a.top_ops.itertuples():
-            rec.add("top_ops", r.name, "time", r.ms, "ms", shape=shape, statistic="sum", calls=r.calls,
-                    category=r.category, pct_of_step=r.pct_of_step)
+            rec.add(
+                "top_ops",
+                r.name,
+                "time",
+                r.ms,
+                "ms",
+                shape=shape,
+                statistic="sum",
+                calls=r.calls,
+                category=r.category,
+                pct_of_step=r.pct_of_step,
+            )
         for r in self.mfu(ceilings, datasheet, dtype).itertuples():
             if r.quantity == "achieved":
-                rec.add("mfu", variant, "throughput", r.tflops, "TFLOP/s", shape=shape, dtype=dtype,
-                        statistic="total", formula="sum(flops) / sum(step time)")
+                rec.add(
+                    "mfu",
+                    variant,
+                    "throughput",
+                    r.tflops,
+                    "TFLOP/s",
+                    shape=shape,
+                    dtype=dtype,
+                    statistic="total",
+                    formula="sum(flops) / sum(step time)",
+                )
             else:
-                rec.add("mfu", r.quantity, "pct_of_peak", r.pct, "%", shape=shape, dtype=dtype, statistic="total",
-                        peak_tflops=r.tflops, reference=r.reference)
+                rec.add(
+                    "mfu",
+                    r.quantity,
+                    "pct_of_peak",
+                    r.pct,
+                    "%",
+                    shape=shape,
+                    dtype=dtype,
+                    statistic="total",
+                    peak_tflops=r.tflops,
+                    reference=r.reference,
+                )
         if not math.isnan(a.peak_allocated_bytes):
-            rec.add("memory", variant, "peak_allocated", a.peak_allocated_bytes / 2 ** 20, "MiB", shape=shape,
-                    statistic="max", source="profiler [memory] events" +
-                    (" (relative to profiler start)" if a.device_kind == "cpu" else ""))
+            rec.add(
+                "memory",
+                variant,
+                "peak_allocated",
+                a.peak_allocated_bytes / 2**20,
+                "MiB",
+                shape=shape,
+                statistic="max",
+                source="profiler [memory] events" + (" (relative to profiler start)" if a.device_kind == "cpu" else ""),
+            )
         if self.cuda_peak_bytes is not None:
-            rec.add("memory", variant, "cuda_max_allocated", self.cuda_peak_bytes / 2 ** 20, "MiB", shape=shape,
-                    statistic="max", source="torch.cuda.max_memory_allocated")
-        rec.add("artifacts", variant, "trace_file", self.trace_path.stat().st_size, "bytes",
-                statistic="file", path=str(self.trace_path), format="chrome-trace-json")
+            rec.add(
+                "memory",
+                variant,
+                "cuda_max_allocated",
+                self.cuda_peak_bytes / 2**20,
+                "MiB",
+                shape=shape,
+                statistic="max",
+                source="torch.cuda.max_memory_allocated",
+            )
+        rec.add(
+            "artifacts",
+            variant,
+            "trace_file",
+            self.trace_path.stat().st_size,
+            "bytes",
+            statistic="file",
+            path=str(self.trace_path),
+            format="chrome-trace-json",
+        )
         if self.memory_html_path is not None:
-            rec.add("artifacts", variant, "memory_html", self.memory_html_path.stat().st_size, "bytes",
-                    statistic="file", path=str(self.memory_html_path), format="html")
+            rec.add(
+                "artifacts",
+                variant,
+                "memory_html",
+                self.memory_html_path.stat().st_size,
+                "bytes",
+                statistic="file",
+                path=str(self.memory_html_path),
+                format="html",
+            )
 
 
-def profile_training(trainer: Trainer, *, active: int = 3, warmup: int = 1, wait: int = 0,
-                     out_dir: str | Path | None = None, name: str = "01_training_step",
-                     memory: bool = True) -> ProfileReport:
+def profile_training(
+    trainer: Trainer,
+    *,
+    active: int = 3,
+    warmup: int = 1,
+    wait: int = 0,
+    out_dir: str | Path | None = None,
+    name: str = "01_training_step",
+    memory: bool = True,
+) -> ProfileReport:
     """Profile ``wait + warmup + active`` trainer steps; analyse the active ones."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -449,8 +623,13 @@ def profile_training(trainer: Trainer, *, active: int = 3, warmup: int = 1, wait
         torch.cuda.reset_peak_memory_stats(trainer.device)
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     try:
-        with profile(activities=acts, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-                     profile_memory=memory, record_shapes=False, on_trace_ready=on_ready) as prof:
+        with profile(
+            activities=acts,
+            schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+            profile_memory=memory,
+            record_shapes=False,
+            on_trace_ready=on_ready,
+        ) as prof:
             for _ in range(wait + warmup + active):
                 trainer.step()
                 prof.step()
@@ -486,16 +665,17 @@ def profile_training(trainer: Trainer, *, active: int = 3, warmup: int = 1, wait
 
 from dataclasses import dataclass as _dataclass  # noqa: E402
 
-from .config import check_bool as _check_bool, check_int as _check_int  # noqa: E402
-from .train import TrainConfig  # noqa: E402
+from .config import check_bool as _check_bool  # noqa: E402
+from .config import check_int as _check_int
+from .model.train import TrainConfig  # noqa: E402
 
 
 @_dataclass(frozen=True)
 class TrainingStepLabConfig(TrainConfig):
     """Parameters of ``labs/01_training_step.ipynb``: the step's plus the profile schedule."""
 
-    warmup_steps: int = 1          # profiled but not analysed (compile, first-call effects)
-    steps: int = 3                 # active, analysed steps
+    warmup_steps: int = 1  # profiled but not analysed (compile, first-call effects)
+    steps: int = 3  # active, analysed steps
     quick_ceilings: bool = True
 
     def __post_init__(self):
@@ -519,8 +699,15 @@ def phase_bars(report: ProfileReport):
     df = report.analysis.phases.copy()
     df["step"] = df.step.astype(str)
     return hv.Bars(df, ["step", "phase"], "ms").opts(
-        stacked=True, cmap=PHASE_COLORS, tools=["hover"], xlabel="profiled step", ylabel="ms",
-        title="Phases per step (stacked)", legend_position="right", width=760)
+        stacked=True,
+        cmap=PHASE_COLORS,
+        tools=["hover"],
+        xlabel="profiled step",
+        ylabel="ms",
+        title="Phases per step (stacked)",
+        legend_position="right",
+        width=760,
+    )
 
 
 def category_map(report: ProfileReport):
@@ -531,9 +718,12 @@ def category_map(report: ProfileReport):
     frames = {"all": a.categories[["category", "ms"]]}
     for k, g in a.categories_by_step.groupby("step"):
         frames[f"step {k}"] = g[["category", "ms"]]
-    els = {k: hv.Bars(v, "category", "ms").opts(tools=["hover"], xrotation=35, width=760,
-                                                 title=f"Where the time goes ({a.source})")
-           for k, v in frames.items()}
+    els = {
+        k: hv.Bars(v, "category", "ms").opts(
+            tools=["hover"], xrotation=35, width=760, title=f"Where the time goes ({a.source})"
+        )
+        for k, v in frames.items()
+    }
     return hv.HoloMap(els, kdims=["steps"])
 
 
@@ -551,8 +741,9 @@ def memory_curve(report: ProfileReport):
 
     a = report.analysis
     what = "allocated (CUDA caching allocator)" if a.device_kind == "cuda" else "allocated since profiling began (CPU)"
-    curve = hv.Curve(a.memory, "t_ms", "allocated_mb").opts(tools=["hover"], width=760, xlabel="ms since first step",
-                                                            ylabel="MiB", title=f"Memory: {what}")
+    curve = hv.Curve(a.memory, "t_ms", "allocated_mb").opts(
+        tools=["hover"], width=760, xlabel="ms since first step", ylabel="MiB", title=f"Memory: {what}"
+    )
     # dotted lines at step boundaries (the memory clock starts at the first step's start)
     bounds = [0.0, *a.steps.step_ms.cumsum().tolist()]
     lines = [hv.VLine(t).opts(color="gray", line_dash="dotted") for t in bounds]
@@ -566,8 +757,9 @@ def mfu_bars(mfu: pd.DataFrame):
     if not len(df):
         return hv.Div("<p>No peak to compare with on this device.</p>")
     df["pct"] = df.pct.astype(float)
-    return hv.Bars(df, "quantity", ["pct", "tflops"]).opts(tools=["hover"], ylabel="% of peak", width=500,
-                                                          title="MFU: achieved / peak")
+    return hv.Bars(df, "quantity", ["pct", "tflops"]).opts(
+        tools=["hover"], ylabel="% of peak", width=500, title="MFU: achieved / peak"
+    )
 
 
 def mfu_dtype(train_cfg) -> str:
@@ -575,9 +767,26 @@ def mfu_dtype(train_cfg) -> str:
     return "bf16" if train_cfg.autocast == "bf16" or train_cfg.dtype == "bfloat16" else "fp32"
 
 
-__all__ = ["CATEGORIES", "IDLE", "categorize", "analyse_trace", "TraceAnalysis", "count_flops",
-           "training_step_flops", "ProfileReport", "profile_training", "mfu_dtype", "TrainingStepLabConfig",
-           "phase_bars", "category_map", "top_ops_table", "memory_curve", "mfu_bars", "mfu_table", "steps_frame"]
+__all__ = [
+    "CATEGORIES",
+    "IDLE",
+    "categorize",
+    "analyse_trace",
+    "TraceAnalysis",
+    "count_flops",
+    "training_step_flops",
+    "ProfileReport",
+    "profile_training",
+    "mfu_dtype",
+    "TrainingStepLabConfig",
+    "phase_bars",
+    "category_map",
+    "top_ops_table",
+    "memory_curve",
+    "mfu_bars",
+    "mfu_table",
+    "steps_frame",
+]
 
 
 def _sig(v, digits: int = 4):

@@ -8,6 +8,7 @@ once per notebook run and merged onto every row when a report gathers records.
 In a headless run the runner sets ``PERFLAB_RECORDS_DIR``; ``Recorder.save()``
 writes there.  Interactively it writes under ``.perflab/records/``.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,19 +17,30 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import pandas as pd
 import torch
 
 from .timing import BenchFailure, Timing
 
-ROW_COLUMNS = ["lab", "experiment", "variant", "shape", "dtype", "metric", "value", "unit", "statistic",
-               "samples", "extra"]
-CONTEXT_COLUMNS = ["device", "device_kind", "torch_version", "triton_version", "cuda_version", "commit",
-                   "timestamp"]
+ROW_COLUMNS = [
+    "lab",
+    "experiment",
+    "variant",
+    "shape",
+    "dtype",
+    "metric",
+    "value",
+    "unit",
+    "statistic",
+    "samples",
+    "extra",
+]
+CONTEXT_COLUMNS = ["device", "device_kind", "torch_version", "triton_version", "cuda_version", "commit", "timestamp"]
 RECORDS_FILE = "records.json"
 
 
@@ -51,10 +63,16 @@ def fmt_dtype(dtype: Any) -> str:
 def git_commit(root: str | Path | None = None) -> str:
     root = Path(root or Path(__file__).resolve().parents[1])
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return (sha or "unknown") + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -66,11 +84,17 @@ def run_context(params: dict | None = None, device=None, *, ceilings=None) -> di
 
     info = device_info(device)
     ctx = {
-        "device": info.name, "device_kind": info.kind, "device_info": info.as_dict(),
-        "torch_version": info.torch_version, "triton_version": info.triton_version,
-        "cuda_version": info.cuda_version, "python_version": info.python_version,
-        "commit": git_commit(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "host": platform.node(), "params": _jsonable(params or {}),
+        "device": info.name,
+        "device_kind": info.kind,
+        "device_info": info.as_dict(),
+        "torch_version": info.torch_version,
+        "triton_version": info.triton_version,
+        "cuda_version": info.cuda_version,
+        "python_version": info.python_version,
+        "commit": git_commit(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "params": _jsonable(params or {}),
         "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
     }
     if ceilings is not None:
@@ -106,45 +130,121 @@ class Recorder:
     ceilings: Any = None
     rows: list[dict] = field(default_factory=list)
 
-    def add(self, experiment: str, variant: str, metric: str, value: float, unit: str = "", *,
-            shape: Any = "", dtype: Any = "", statistic: str = "value", samples: Iterable[float] | None = None,
-            **extra: Any) -> dict:
-        row = dict(lab=self.lab, experiment=experiment, variant=str(variant), shape=fmt_shape(shape),
-                   dtype=fmt_dtype(dtype), metric=metric, value=float(value) if value is not None else math.nan,
-                   unit=unit, statistic=statistic,
-                   samples=[float(s) for s in samples] if samples is not None else None,
-                   extra=json.dumps(_jsonable(extra), sort_keys=True) if extra else "")
+    def add(
+        self,
+        experiment: str,
+        variant: str,
+        metric: str,
+        value: float,
+        unit: str = "",
+        *,
+        shape: Any = "",
+        dtype: Any = "",
+        statistic: str = "value",
+        samples: Iterable[float] | None = None,
+        **extra: Any,
+    ) -> dict:
+        row = dict(
+            lab=self.lab,
+            experiment=experiment,
+            variant=str(variant),
+            shape=fmt_shape(shape),
+            dtype=fmt_dtype(dtype),
+            metric=metric,
+            value=float(value) if value is not None else math.nan,
+            unit=unit,
+            statistic=statistic,
+            samples=[float(s) for s in samples] if samples is not None else None,
+            extra=json.dumps(_jsonable(extra), sort_keys=True) if extra else "",
+        )
         self.rows.append(row)
         return row
 
-    def add_timing(self, experiment: str, variant: str, timing: Timing | BenchFailure, *, shape: Any = "",
-                   dtype: Any = "", bytes: float | None = None, flops: float | None = None, ceilings=None,
-                   metric_prefix: str = "", **extra: Any):
+    def add_timing(
+        self,
+        experiment: str,
+        variant: str,
+        timing: Timing | BenchFailure,
+        *,
+        shape: Any = "",
+        dtype: Any = "",
+        bytes: float | None = None,
+        flops: float | None = None,
+        ceilings=None,
+        metric_prefix: str = "",
+        **extra: Any,
+    ):
         """Rows for one timing: time median (samples kept) / p20 / p80, and GB/s, TFLOP/s and
         % of the measured ceiling when bytes / flops are given.  A failure becomes one
         ``failed`` row carrying its reason."""
         p = metric_prefix
         if not getattr(timing, "ok", False):
-            return self.add(experiment, variant, p + "time", math.nan, "ms", shape=shape, dtype=dtype,
-                            statistic="failed", failure_kind=timing.kind, reason=timing.reason, **extra)
+            return self.add(
+                experiment,
+                variant,
+                p + "time",
+                math.nan,
+                "ms",
+                shape=shape,
+                dtype=dtype,
+                statistic="failed",
+                failure_kind=timing.kind,
+                reason=timing.reason,
+                **extra,
+            )
         kw = dict(shape=shape, dtype=dtype, **extra)
-        self.add(experiment, variant, p + "time", timing.median_ms, "ms", statistic="median",
-                 samples=timing.samples_ms, method=timing.method, **kw)
+        self.add(
+            experiment,
+            variant,
+            p + "time",
+            timing.median_ms,
+            "ms",
+            statistic="median",
+            samples=timing.samples_ms,
+            method=timing.method,
+            **kw,
+        )
         self.add(experiment, variant, p + "time", timing.p20_ms, "ms", statistic="p20", **kw)
         self.add(experiment, variant, p + "time", timing.p80_ms, "ms", statistic="p80", **kw)
         if bytes:
-            self.add(experiment, variant, p + "bandwidth", bytes / (timing.median_ms * 1e-3) / 1e9, "GB/s",
-                     statistic="median", formula="bytes / time", bytes=bytes, **kw)
+            self.add(
+                experiment,
+                variant,
+                p + "bandwidth",
+                bytes / (timing.median_ms * 1e-3) / 1e9,
+                "GB/s",
+                statistic="median",
+                formula="bytes / time",
+                bytes=bytes,
+                **kw,
+            )
         if flops:
-            self.add(experiment, variant, p + "throughput", flops / (timing.median_ms * 1e-3) / 1e12, "TFLOP/s",
-                     statistic="median", formula="flops / time", flops=flops, **kw)
+            self.add(
+                experiment,
+                variant,
+                p + "throughput",
+                flops / (timing.median_ms * 1e-3) / 1e12,
+                "TFLOP/s",
+                statistic="median",
+                formula="flops / time",
+                flops=flops,
+                **kw,
+            )
         c = ceilings or self.ceilings
         if c is not None and (bytes or flops):
             from .roofline import roofline
 
             pt = roofline(timing, bytes=bytes or 0, flops=flops or 0, ceilings=c, dtype=dtype or "fp32")
-            self.add(experiment, variant, p + "pct_of_ceiling", pt.pct_of_ceiling, "%", statistic="median",
-                     bound=pt.bound, **kw)
+            self.add(
+                experiment,
+                variant,
+                p + "pct_of_ceiling",
+                pt.pct_of_ceiling,
+                "%",
+                statistic="median",
+                bound=pt.bound,
+                **kw,
+            )
         return timing
 
     def frame(self) -> pd.DataFrame:

@@ -7,6 +7,7 @@ The bound is "memory" when the op's intensity (flops / bytes) is under the ridge
 point, else "compute".  Bytes are the fewest an op must move (each input read once,
 each output written once); FLOPs are counted, not inferred from time.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -20,12 +21,12 @@ class RooflinePoint:
     time_ms: float
     bytes: float
     flops: float
-    intensity: float          # FLOP / byte
-    floor_ms: float           # the fastest this op can run at the measured ceilings
-    gbs: float                # achieved
-    tflops: float             # achieved
-    bound: str                # "memory" | "compute"
-    pct_of_ceiling: float     # achieved / ceiling of the binding resource, in %
+    intensity: float  # FLOP / byte
+    floor_ms: float  # the fastest this op can run at the measured ceilings
+    gbs: float  # achieved
+    tflops: float  # achieved
+    bound: str  # "memory" | "compute"
+    pct_of_ceiling: float  # achieved / ceiling of the binding resource, in %
     ceiling_gbs: float
     ceiling_tflops: float
     ridge: float
@@ -34,8 +35,7 @@ class RooflinePoint:
         return asdict(self)
 
 
-def roofline(time: float | Timing, *, bytes: float, flops: float, ceilings: Ceilings,
-             dtype="fp32") -> RooflinePoint:
+def roofline(time: float | Timing, *, bytes: float, flops: float, ceilings: Ceilings, dtype="fp32") -> RooflinePoint:
     """Place one measurement (median ms, or a Timing) on the roofline."""
     t_ms = time.median_ms if isinstance(time, Timing) else float(time)
     if t_ms <= 0:
@@ -52,8 +52,7 @@ def roofline(time: float | Timing, *, bytes: float, flops: float, ceilings: Ceil
     gbs = bytes / (t_ms * 1e-3) / 1e9
     tflops = flops / (t_ms * 1e-3) / 1e12
     pct = 100 * (gbs / bw if bound == "memory" else tflops / peak)
-    return RooflinePoint(t_ms, bytes, flops, intensity, max(t_mem, t_cmp), gbs, tflops, bound, pct,
-                         bw, peak, ridge)
+    return RooflinePoint(t_ms, bytes, flops, intensity, max(t_mem, t_cmp), gbs, tflops, bound, pct, bw, peak, ridge)
 
 
 def roofline_curve(ceilings: Ceilings, dtype="fp32", lo: float = 1e-2, hi: float = 1e4, n: int = 64):

@@ -14,14 +14,16 @@ Method
   thread count), one sample per ``timeit(number)`` block, the block sized so one
   sample lasts at least ~1 ms.
 * Statistics are the median with p20/p80; samples are kept so comparisons can judge
-  noise (``lab_utils.compare``).  The interpreter of Triton must never be timed.
+  noise (``lab_utils.run.compare``).  The interpreter of Triton must never be timed.
 """
+
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +32,7 @@ import torch
 class BenchError(RuntimeError):
     """A callable that could not be timed; ``.failure`` holds the structured reason."""
 
-    def __init__(self, failure: "BenchFailure"):
+    def __init__(self, failure: BenchFailure):
         self.failure = failure
         super().__init__(f"benchmark {failure.name or '<fn>'!r} failed ({failure.kind}): {failure.reason}")
 
@@ -38,7 +40,7 @@ class BenchError(RuntimeError):
 @dataclass(frozen=True)
 class BenchFailure:
     name: str
-    kind: str      # "raised" | "nonfinite" | "budget"
+    kind: str  # "raised" | "nonfinite" | "budget"
     reason: str
 
     ok = False
@@ -48,9 +50,9 @@ class BenchFailure:
 class Timing:
     name: str
     device: str
-    method: str                       # "do_bench" | "do_bench_cudagraph" | "events" | "torch.utils.benchmark"
+    method: str  # "do_bench" | "do_bench_cudagraph" | "events" | "torch.utils.benchmark"
     samples_ms: tuple[float, ...]
-    first_call_ms: float              # compile/warm-up call, excluded from the statistics
+    first_call_ms: float  # compile/warm-up call, excluded from the statistics
     meta: dict = field(default_factory=dict)
 
     ok = True
@@ -88,8 +90,10 @@ class Timing:
         return (self.p80_ms - self.p20_ms) / self.median_ms if self.median_ms > 0 else float("nan")
 
     def __str__(self) -> str:
-        return (f"{self.name or 'fn'}: median {self.median_ms:.4g} ms "
-                f"[p20 {self.p20_ms:.4g}, p80 {self.p80_ms:.4g}] over {self.n} samples ({self.method})")
+        return (
+            f"{self.name or 'fn'}: median {self.median_ms:.4g} ms "
+            f"[p20 {self.p20_ms:.4g}, p80 {self.p80_ms:.4g}] over {self.n} samples ({self.method})"
+        )
 
 
 def _nonfinite(out: Any) -> str | None:
@@ -120,15 +124,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench(fn: Callable[[], Any], *, name: str = "", device: str | torch.device | None = None,
-          reps: int = 50, warmup_ms: float = 25.0, rep_ms: float = 100.0, min_sample_ms: float = 1.0,
-          budget_s: float = 60.0, cuda_graph: bool = False, flush_l2: bool = True,
-          check_finite: bool = True, grad_to_none=None) -> Timing:
+def bench(
+    fn: Callable[[], Any],
+    *,
+    name: str = "",
+    device: str | torch.device | None = None,
+    reps: int = 50,
+    warmup_ms: float = 25.0,
+    rep_ms: float = 100.0,
+    min_sample_ms: float = 1.0,
+    budget_s: float = 60.0,
+    cuda_graph: bool = False,
+    flush_l2: bool = True,
+    check_finite: bool = True,
+    grad_to_none=None,
+) -> Timing:
     """Time ``fn()``; raise :class:`BenchError` if it raises, returns NaN/Inf, or would
     exceed ``budget_s``.  ``reps`` is the sample count on CPU; on CUDA ``rep_ms`` sets
     how long do_bench measures (it picks the repetition count)."""
-    dev = torch.device(device) if device is not None else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if reps < 3:
         raise ValueError(f"parameter 'reps' = {reps} is not allowed: expected an integer >= 3")
 
@@ -147,8 +161,9 @@ def bench(fn: Callable[[], Any], *, name: str = "", device: str | torch.device |
             raise BenchError(BenchFailure(name, "nonfinite", bad))
     del out
     if first_ms / 1e3 > budget_s:
-        raise BenchError(BenchFailure(name, "budget", f"first call took {first_ms / 1e3:.1f} s, over the "
-                                                      f"budget of {budget_s} s"))
+        raise BenchError(
+            BenchFailure(name, "budget", f"first call took {first_ms / 1e3:.1f} s, over the budget of {budget_s} s")
+        )
 
     # Second call gives a compile-free estimate for sizing the run against the budget.
     t0 = time.perf_counter()
@@ -167,24 +182,32 @@ def bench(fn: Callable[[], Any], *, name: str = "", device: str | torch.device |
             samples = tt.do_bench_cudagraph(fn, rep=rep_ms_eff, grad_to_none=grad_to_none, return_mode="all")
             method = "do_bench_cudagraph"
         elif flush_l2:
-            samples = tt.do_bench(fn, warmup=warmup_ms, rep=rep_ms_eff, grad_to_none=grad_to_none,
-                                  return_mode="all")
+            samples = tt.do_bench(fn, warmup=warmup_ms, rep=rep_ms_eff, grad_to_none=grad_to_none, return_mode="all")
             method = "do_bench"
         else:
             samples = _event_loop(fn, reps=max(reps, 10), warmup_ms=warmup_ms, est_ms=est_ms)
             method = "events"
-        return Timing(name, str(dev), method, tuple(float(s) for s in samples), first_ms,
-                      meta={"flush_l2": flush_l2 and not cuda_graph, "cuda_graph": cuda_graph})
+        return Timing(
+            name,
+            str(dev),
+            method,
+            tuple(float(s) for s in samples),
+            first_ms,
+            meta={"flush_l2": flush_l2 and not cuda_graph, "cuda_graph": cuda_graph},
+        )
 
     import torch.utils.benchmark as tub
 
     number = max(1, int(math.ceil(min_sample_ms / est_ms)))
     n = reps
-    if est_ms * number * n / 1e3 > budget_s:          # shrink to the budget, never below 3 samples
+    if est_ms * number * n / 1e3 > budget_s:  # shrink to the budget, never below 3 samples
         n = max(3, int(budget_s * 1e3 / (est_ms * number)))
         if est_ms * number * n / 1e3 > budget_s * 1.5:
-            raise BenchError(BenchFailure(name, "budget", f"one call takes {est_ms:.1f} ms; 3 samples would "
-                                                          f"exceed the budget of {budget_s} s"))
+            raise BenchError(
+                BenchFailure(
+                    name, "budget", f"one call takes {est_ms:.1f} ms; 3 samples would exceed the budget of {budget_s} s"
+                )
+            )
     timer = tub.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
     warm_deadline = time.perf_counter() + warmup_ms / 1e3
     while time.perf_counter() < warm_deadline:
@@ -193,8 +216,14 @@ def bench(fn: Callable[[], Any], *, name: str = "", device: str | torch.device |
     for _ in range(n):
         m = timer.timeit(number)
         samples.append(m.median * 1e3)
-    return Timing(name, str(dev), "torch.utils.benchmark", tuple(samples), first_ms,
-                  meta={"number_per_sample": number, "threads": torch.get_num_threads()})
+    return Timing(
+        name,
+        str(dev),
+        "torch.utils.benchmark",
+        tuple(samples),
+        first_ms,
+        meta={"number_per_sample": number, "threads": torch.get_num_threads()},
+    )
 
 
 def _event_loop(fn, *, reps: int, warmup_ms: float, est_ms: float) -> list[float]:

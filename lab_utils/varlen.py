@@ -18,8 +18,9 @@ materialises scores (SDPA math, reference) also holds H * B * Lmax^2 (padded) vs
 H * sum(L_i^2) (packed, one sequence at a time: H * max L_i^2) floats.
 
 Image tokens of an H x W image: (H / pixels_per_token) * (W / pixels_per_token) with
-FLUX's 8x VAE and 2x2 patches, i.e. pixels_per_token = 16 (``lab_utils.data.tokens_for``).
+FLUX's 8x VAE and 2x2 patches, i.e. pixels_per_token = 16 (``lab_utils.model.data.tokens_for``).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,11 +29,20 @@ from dataclasses import dataclass
 import torch
 
 from .config import ConfigError, check_int
-from .data import normalize_buckets, tokens_for
+from .model.data import normalize_buckets, tokens_for
 
 #: FLUX-style ~1 megapixel aspect-ratio buckets (height, width in pixels).
-BUCKETS_1MP = [(1024, 1024), (1152, 896), (896, 1152), (1216, 832), (832, 1216), (1344, 768), (768, 1344),
-               (1536, 640), (640, 1536)]
+BUCKETS_1MP = [
+    (1024, 1024),
+    (1152, 896),
+    (896, 1152),
+    (1216, 832),
+    (832, 1216),
+    (1344, 768),
+    (768, 1344),
+    (1536, 640),
+    (640, 1536),
+]
 #: Small buckets for CPU runs: aspect ratios at two training resolutions (~256^2 and ~128^2
 #: pixels), as in multi-resolution training, where padding waste is largest.
 BUCKETS_SMALL = [(256, 256), (224, 288), (320, 192), (192, 320), (128, 128), (112, 144), (160, 96), (96, 160)]
@@ -40,7 +50,7 @@ BUCKETS_SMALL = [(256, 256), (224, 288), (320, 192), (192, 320), (128, 128), (11
 
 @dataclass(frozen=True)
 class VarlenBatch:
-    lengths: tuple[int, ...]          # joint sequence length per sample (text + image)
+    lengths: tuple[int, ...]  # joint sequence length per sample (text + image)
     img_tokens: tuple[int, ...]
     txt_tokens: tuple[int, ...]
     buckets: tuple[tuple[int, int], ...]
@@ -61,8 +71,14 @@ class VarlenBatch:
         return torch.tensor([0, *torch.tensor(self.lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
 
-def bucket_batch(batch_size: int, *, buckets=None, pixels_per_token: int = 16, txt_len: tuple[int, int] | int = (32, 128),
-                 seed: int = 0) -> VarlenBatch:
+def bucket_batch(
+    batch_size: int,
+    *,
+    buckets=None,
+    pixels_per_token: int = 16,
+    txt_len: tuple[int, int] | int = (32, 128),
+    seed: int = 0,
+) -> VarlenBatch:
     """A batch whose samples come from random aspect-ratio buckets with random caption
     lengths (uniform in ``txt_len``); deterministic for a seed."""
     check_int("batch_size", batch_size, min=1)
@@ -82,14 +98,14 @@ def bucket_batch(batch_size: int, *, buckets=None, pixels_per_token: int = 16, t
 
 @dataclass(frozen=True)
 class PadPackCost:
-    layout: str                   # "padded" | "packed"
-    tokens: int                   # rows of q (B * Lmax or T)
-    pairs: int                    # (q, k) pairs computed, all heads
+    layout: str  # "padded" | "packed"
+    tokens: int  # rows of q (B * Lmax or T)
+    pairs: int  # (q, k) pairs computed, all heads
     fwd_flops: float
     bwd_flops: float
-    useful_fraction: float        # useful pairs / computed pairs
-    activation_bytes: int         # q, k, v, o
-    score_bytes: int              # materialised fp32 scores of a math-style path (peak)
+    useful_fraction: float  # useful pairs / computed pairs
+    activation_bytes: int  # q, k, v, o
+    score_bytes: int  # materialised fp32 scores of a math-style path (peak)
 
 
 def pad_pack_costs(batch: VarlenBatch, heads: int, head_dim: int, dtype=torch.bfloat16) -> list[PadPackCost]:
@@ -98,19 +114,31 @@ def pad_pack_costs(batch: VarlenBatch, heads: int, head_dim: int, dtype=torch.bf
     check_int("head_dim", head_dim, min=1)
     elt = torch.empty((), dtype=dtype).element_size()
     useful = heads * sum(n * n for n in batch.lengths)
-    padded_pairs = heads * batch.batch * batch.max_len ** 2
+    padded_pairs = heads * batch.batch * batch.max_len**2
     out = []
     for layout, tokens, pairs, scores in (
-            ("padded", batch.batch * batch.max_len, padded_pairs, padded_pairs * 4),
-            ("packed", batch.total, useful, heads * max(batch.lengths) ** 2 * 4)):
+        ("padded", batch.batch * batch.max_len, padded_pairs, padded_pairs * 4),
+        ("packed", batch.total, useful, heads * max(batch.lengths) ** 2 * 4),
+    ):
         fwd = 4.0 * pairs * head_dim
-        out.append(PadPackCost(layout, tokens, pairs, fwd, 2.5 * fwd, useful / pairs,
-                               4 * tokens * heads * head_dim * elt, scores))
+        out.append(
+            PadPackCost(
+                layout, tokens, pairs, fwd, 2.5 * fwd, useful / pairs, 4 * tokens * heads * head_dim * elt, scores
+            )
+        )
     return out
 
 
-def make_inputs(batch: VarlenBatch, heads: int, head_dim: int, *, dtype=torch.float32, device="cpu", seed: int = 0,
-                requires_grad: bool = False) -> dict:
+def make_inputs(
+    batch: VarlenBatch,
+    heads: int,
+    head_dim: int,
+    *,
+    dtype=torch.float32,
+    device="cpu",
+    seed: int = 0,
+    requires_grad: bool = False,
+) -> dict:
     """The same random tokens in both layouts: packed (T, H, Dh) + cu_seqlens, and padded
     (B, H, Lmax, Dh) with zeros after each sequence and a (B, 1, 1, Lmax) key mask."""
     g = torch.Generator().manual_seed(seed)
@@ -133,9 +161,20 @@ def unpad(x: torch.Tensor, batch: VarlenBatch) -> torch.Tensor:
     return torch.cat([x[i, :, :n].transpose(0, 1) for i, n in enumerate(batch.lengths)], 0)
 
 
-def time_padding_vs_packing(batch: VarlenBatch, heads: int, head_dim: int, *, paths, dtype=torch.float32,
-                            device="cpu", backward: bool = False, rec=None, reps: int = 5, budget_s: float = 20.0,
-                            ceilings=None) -> list[dict]:
+def time_padding_vs_packing(
+    batch: VarlenBatch,
+    heads: int,
+    head_dim: int,
+    *,
+    paths,
+    dtype=torch.float32,
+    device="cpu",
+    backward: bool = False,
+    rec=None,
+    reps: int = 5,
+    budget_s: float = 20.0,
+    ceilings=None,
+) -> list[dict]:
     """Time each path on the padded (key-padding mask) and the packed layout of one batch.
     TFLOP/s are *useful* (packed) FLOPs / time for both, so padding's waste shows as a
     lower rate.  Paths that cannot run a layout, or cannot be timed here (Triton on
@@ -153,17 +192,25 @@ def time_padding_vs_packing(batch: VarlenBatch, heads: int, head_dim: int, *, pa
         for layout in ("padded", "packed"):
             if layout == "padded":
                 args, kw = inp["padded"], dict(mask=inp["key_mask"])
-                why = p.why_not(device=device, dtype=dtype, mask="custom", layout="bhld", head_dim=head_dim,
-                                backward=backward)
+                why = p.why_not(
+                    device=device, dtype=dtype, mask="custom", layout="bhld", head_dim=head_dim, backward=backward
+                )
             else:
                 args, kw = inp["packed"], dict(cu_seqlens=inp["cu_seqlens"], max_seqlen=batch.max_len)
-                why = p.why_not(device=device, dtype=dtype, mask="full", layout="packed", head_dim=head_dim,
-                                backward=backward)
+                why = p.why_not(
+                    device=device, dtype=dtype, mask="full", layout="packed", head_dim=head_dim, backward=backward
+                )
             if why is None and p.kind == "triton" and torch.device(device).type == "cpu":
                 why = "Triton runs through the interpreter on CPU: correctness only, never timed"
-            row = dict(path=path, layout=layout, shape=shape, **{k: getattr(costs[layout], k) for k in
-                                                                 ("tokens", "pairs", "fwd_flops", "useful_fraction",
-                                                                  "activation_bytes", "score_bytes")})
+            row = dict(
+                path=path,
+                layout=layout,
+                shape=shape,
+                **{
+                    k: getattr(costs[layout], k)
+                    for k in ("tokens", "pairs", "fwd_flops", "useful_fraction", "activation_bytes", "score_bytes")
+                },
+            )
             if why:
                 rows.append({**row, "time_ms": math.nan, "note": why})
                 continue
@@ -176,11 +223,25 @@ def time_padding_vs_packing(batch: VarlenBatch, heads: int, head_dim: int, *, pa
 
             t = try_bench(fn, name=f"{path}/{layout}", device=device, reps=reps, budget_s=budget_s)
             if rec is not None:
-                rec.add_timing("pad_vs_pack", f"{path}/{layout}", t, shape=shape, dtype=dtype, flops=useful,
-                               ceilings=ceilings, direction="fwd+bwd" if backward else "fwd",
-                               computed_pairs=costs[layout].pairs, useful_fraction=costs[layout].useful_fraction)
+                rec.add_timing(
+                    "pad_vs_pack",
+                    f"{path}/{layout}",
+                    t,
+                    shape=shape,
+                    dtype=dtype,
+                    flops=useful,
+                    ceilings=ceilings,
+                    direction="fwd+bwd" if backward else "fwd",
+                    computed_pairs=costs[layout].pairs,
+                    useful_fraction=costs[layout].useful_fraction,
+                )
             ok = getattr(t, "ok", False)
-            rows.append({**row, "time_ms": t.median_ms if ok else math.nan,
-                         "useful_tflops": useful / (t.median_ms * 1e-3) / 1e12 if ok else math.nan,
-                         "note": "" if ok else f"{t.kind}: {t.reason}"})
+            rows.append(
+                {
+                    **row,
+                    "time_ms": t.median_ms if ok else math.nan,
+                    "useful_tflops": useful / (t.median_ms * 1e-3) / 1e12 if ok else math.nan,
+                    "note": "" if ok else f"{t.kind}: {t.reason}",
+                }
+            )
     return rows

@@ -6,6 +6,7 @@ launched with a fresh user-data dir and with every background-network feature of
 Every request a page makes is watched: anything that is not ``file:``/``data:``/
 ``blob:``/``about:`` or a loopback address is recorded and aborted.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 LOCAL_SCHEMES = {"file", "data", "blob", "about", "chrome-error", "devtools"}
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
@@ -34,8 +43,10 @@ def chromium_path() -> str | None:
 def skip_reason() -> str | None:
     """Why the browser tests cannot run here, or None."""
     if chromium_path() is None:
-        return ("Chromium is not installed (`apt-get install chromium chromium-driver`; .ci/run installs it): "
-                "real-browser tests skipped")
+        return (
+            "Chromium is not installed (`apt-get install chromium chromium-driver`; .ci/run installs it): "
+            "real-browser tests skipped"
+        )
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
@@ -60,8 +71,13 @@ def browser(user_data_dir: str | Path, *, viewport=(1400, 1000)):
 
     with sync_playwright() as p:
         ctx = p.chromium.launch_persistent_context(
-            str(user_data_dir), executable_path=chromium_path(), headless=True, args=CHROMIUM_ARGS,
-            viewport={"width": viewport[0], "height": viewport[1]}, service_workers="block")
+            str(user_data_dir),
+            executable_path=chromium_path(),
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": viewport[0], "height": viewport[1]},
+            service_workers="block",
+        )
         blocked: list[str] = []
 
         def route(r):
@@ -82,12 +98,13 @@ def browser(user_data_dir: str | Path, *, viewport=(1400, 1000)):
 @dataclass
 class Watch:
     """Console errors, uncaught page errors and outside requests of one page."""
+
     errors: list[str] = field(default_factory=list)
     outside: list[str] = field(default_factory=list)
     requests: list[str] = field(default_factory=list)
 
     @classmethod
-    def on(cls, page) -> "Watch":
+    def on(cls, page) -> Watch:
         w = cls()
         page.on("console", lambda m: w.errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
         page.on("pageerror", lambda e: w.errors.append(f"uncaught: {e}"))
@@ -153,8 +170,11 @@ def plots(page) -> list[dict]:
 
 def undrawn(ps: list[dict]) -> list[dict]:
     """Plots with no canvas, zero size, or only one flat colour."""
-    return [p for p in ps if not (p["canvases"] and p["width"] > 0 and p["height"] > 0 and p["visible"]
-                                  and p["colours"] >= 2)]
+    return [
+        p
+        for p in ps
+        if not (p["canvases"] and p["width"] > 0 and p["height"] > 0 and p["visible"] and p["colours"] >= 2)
+    ]
 
 
 def wait_for_plots(page, expected: int, timeout_s: float = 60) -> list[dict]:
@@ -197,25 +217,48 @@ def jupyter_lab(root_dir: Path, work: Path, *, timeout_s: float = 120):
 
     port, token = free_port(), secrets.token_hex(16)
     env = dict(os.environ)
-    for name in ("runtime", "config", "ipython", "settings/@jupyterlab/apputils-extension",
-                 "settings/@jupyterlab/docmanager-extension", "workspaces"):
+    for name in (
+        "runtime",
+        "config",
+        "ipython",
+        "settings/@jupyterlab/apputils-extension",
+        "settings/@jupyterlab/docmanager-extension",
+        "workspaces",
+    ):
         (work / name).mkdir(parents=True, exist_ok=True)
     (work / "settings/@jupyterlab/apputils-extension/notification.jupyterlab-settings").write_text(NOTIFY_SETTINGS)
     (work / "settings/@jupyterlab/docmanager-extension/plugin.jupyterlab-settings").write_text(DOCMANAGER_SETTINGS)
-    env.update(JUPYTER_RUNTIME_DIR=str(work / "runtime"), JUPYTER_CONFIG_DIR=str(work / "config"),
-               IPYTHONDIR=str(work / "ipython"), JUPYTER_PLATFORM_DIRS="1", PYTHONUNBUFFERED="1")
+    env.update(
+        JUPYTER_RUNTIME_DIR=str(work / "runtime"),
+        JUPYTER_CONFIG_DIR=str(work / "config"),
+        IPYTHONDIR=str(work / "ipython"),
+        JUPYTER_PLATFORM_DIRS="1",
+        PYTHONUNBUFFERED="1",
+    )
     log = work / "jupyter.log"
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-           f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-           f"--ServerApp.root_dir={root_dir}", f"--LabApp.user_settings_dir={work / 'settings'}",
-           f"--LabApp.workspaces_dir={work / 'workspaces'}", "--LabApp.news_url=None",
-           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-           "--LabApp.extension_manager=readonly", "--ServerApp.terminals_enabled=False"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        "--ServerApp.ip=127.0.0.1",
+        f"--ServerApp.port={port}",
+        "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root_dir}",
+        f"--LabApp.user_settings_dir={work / 'settings'}",
+        f"--LabApp.workspaces_dir={work / 'workspaces'}",
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        "--LabApp.extension_manager=readonly",
+        "--ServerApp.terminals_enabled=False",
+    ]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-root")
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, cwd=str(root_dir), env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=str(root_dir), env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
@@ -235,8 +278,9 @@ def jupyter_lab(root_dir: Path, work: Path, *, timeout_s: float = 120):
     finally:
         if proc.poll() is None:
             try:  # a clean shutdown stops the kernels too
-                req = urllib.request.Request(f"{url}/api/shutdown", method="POST",
-                                             headers={"Authorization": f"token {token}"})
+                req = urllib.request.Request(
+                    f"{url}/api/shutdown", method="POST", headers={"Authorization": f"token {token}"}
+                )
                 urllib.request.urlopen(req, timeout=5).close()
                 proc.wait(timeout=20)
             except Exception:  # noqa: BLE001

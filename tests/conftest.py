@@ -1,7 +1,9 @@
 """Shared test set-up.  Importing lab_kernels first sets TRITON_INTERPRET on CPU-only machines."""
-import lab_kernels  # noqa: F401
+
 import pytest
 import torch
+
+import lab_kernels  # noqa: F401
 
 
 @pytest.fixture

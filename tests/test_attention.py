@@ -4,6 +4,7 @@ equal to each sequence alone, the registry, and bad input named by parameter.
 
 Shapes are small and irregular (the interpreter is slow); tolerances come from
 lab_utils.checks (gradients: GRAD_SCALE x the dtype's tolerance)."""
+
 from __future__ import annotations
 
 import os
@@ -126,7 +127,7 @@ def test_every_path_matches_reference(mask_name):
     L = 97
     mask = M.make_mask(mask_name, L)
     paths = [p for p in CPU_PATHS if p != "triton" or mask.kind != "custom"]
-    inputs = A.random_qkv(1, 2, L, 64, seed=None)          # fresh random inputs
+    inputs = A.random_qkv(1, 2, L, 64, seed=None)  # fresh random inputs
     ran = 0
     for path in paths + ["efficient", "cudnn", "flash_attn"]:
         for r in A.check_path(path, inputs, mask=mask):
@@ -135,7 +136,7 @@ def test_every_path_matches_reference(mask_name):
                 continue
             assert r.ok, r.note
             ran += 1
-    assert ran >= 4 * 3 + 1        # sdpa, math, flash fwd+bwd at least, flex_eager fwd
+    assert ran >= 4 * 3 + 1  # sdpa, math, flash fwd+bwd at least, flex_eager fwd
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -165,7 +166,7 @@ def test_packed_paths_equal_each_sequence_alone(mask_name):
 
 
 def test_model_seam_boolean_key_mask():
-    """lab_utils.mmdit passes a (B, 1, 1, L) key-padding mask, SDPA's convention."""
+    """lab_utils.model.mmdit passes a (B, 1, 1, L) key-padding mask, SDPA's convention."""
     B, H, L, D = 2, 2, 45, 64
     q, k, v = (_rand((B, H, L, D)) for _ in range(3))
     keys = torch.ones(B, L, dtype=torch.bool)
@@ -192,13 +193,30 @@ def _qkv(shape=(1, 2, 16, 64), dtype=torch.float32):
     return [_rand(shape, dtype) for _ in range(3)]
 
 
-@pytest.mark.parametrize("case,param", [
-    ("k_shape", "k"), ("v_len", "v"), ("v_dtype", "v"), ("q_rank", "q"), ("unknown_path", "path"),
-    ("mask_float", "mask"), ("mask_shape", "mask"), ("mask_len", "mask"), ("causal_cross", "mask"),
-    ("triton_custom", "mask"), ("triton_dtype", "q"), ("triton_headdim", "q"), ("flex_backward_cpu", "path"),
-    ("cu_not_increasing", "cu_seqlens"), ("cu_bad_sum", "cu_seqlens"), ("cu_not_zero", "cu_seqlens"),
-    ("packed_tensor_mask", "mask"), ("packed_shape", "k"), ("scale", "scale"),
-])
+@pytest.mark.parametrize(
+    "case,param",
+    [
+        ("k_shape", "k"),
+        ("v_len", "v"),
+        ("v_dtype", "v"),
+        ("q_rank", "q"),
+        ("unknown_path", "path"),
+        ("mask_float", "mask"),
+        ("mask_shape", "mask"),
+        ("mask_len", "mask"),
+        ("causal_cross", "mask"),
+        ("triton_custom", "mask"),
+        ("triton_dtype", "q"),
+        ("triton_headdim", "q"),
+        ("flex_backward_cpu", "path"),
+        ("cu_not_increasing", "cu_seqlens"),
+        ("cu_bad_sum", "cu_seqlens"),
+        ("cu_not_zero", "cu_seqlens"),
+        ("packed_tensor_mask", "mask"),
+        ("packed_shape", "k"),
+        ("scale", "scale"),
+    ],
+)
 def test_bad_input_raises_naming_parameter(case, param):
     q, k, v = _qkv()
     kw: dict = {}
@@ -237,8 +255,9 @@ def test_bad_input_raises_naming_parameter(case, param):
         q.requires_grad_()
     elif case.startswith("cu_") or case.startswith("packed"):
         q, k, v = _qkv((10, 2, 64))
-        kw["cu_seqlens"] = {"cu_not_increasing": [0, 6, 4, 10], "cu_bad_sum": [0, 4, 9],
-                            "cu_not_zero": [1, 4, 10]}.get(case, [0, 4, 10])
+        kw["cu_seqlens"] = {"cu_not_increasing": [0, 6, 4, 10], "cu_bad_sum": [0, 4, 9], "cu_not_zero": [1, 4, 10]}.get(
+            case, [0, 4, 10]
+        )
         kw["cu_seqlens"] = torch.tensor(kw["cu_seqlens"], dtype=torch.int32)
         if case == "packed_tensor_mask":
             kw["mask"] = torch.ones(10, 10, dtype=torch.bool)
@@ -253,9 +272,11 @@ def test_bad_input_raises_naming_parameter(case, param):
 
 
 # --------------------------------------------------------------------------- compiled flex, GPU
-@pytest.mark.skipif(not CUDA and not os.environ.get("PERFLAB_SLOW_TESTS"),
-                    reason="compiling FlexAttention on CPU takes ~30-45 s on 2 cores (forward only there); "
-                           "runs on CUDA, or on CPU with PERFLAB_SLOW_TESTS=1")
+@pytest.mark.skipif(
+    not CUDA and not os.environ.get("PERFLAB_SLOW_TESTS"),
+    reason="compiling FlexAttention on CPU takes ~30-45 s on 2 cores (forward only there); "
+    "runs on CUDA, or on CPU with PERFLAB_SLOW_TESTS=1",
+)
 def test_compiled_flex_matches_reference():
     dev = "cuda" if CUDA else "cpu"
     inputs = A.random_qkv(1, 2, 128 if CUDA else 97, 64, device=dev)
@@ -281,8 +302,8 @@ def test_gpu_paths_at_tile_sizes(dtype):
 
 def test_model_calls_attend_through_its_config():
     """The model helper's seam: MMDiT(attention_path=...) routes every block through attend()."""
-    mmdit = pytest.importorskip("lab_utils.mmdit")
-    train = pytest.importorskip("lab_utils.train")
+    mmdit = pytest.importorskip("lab_utils.model.mmdit")
+    train = pytest.importorskip("lab_utils.model.train")
     b = train.synthetic_batch("tiny", 2, height=64, width=48, txt_len=7, generator=torch.Generator().manual_seed(0))
     txt_mask = torch.ones(2, 7, dtype=torch.bool)
     txt_mask[1, 4:] = False
@@ -294,11 +315,11 @@ def test_model_calls_attend_through_its_config():
     assert_close(outs["math"], outs["sdpa"], dtype=torch.float32, name="math vs sdpa")
     assert_close(outs["reference"], outs["sdpa"], atol=1e-4, rtol=1e-3, name="reference vs sdpa")
     with pytest.raises(ConfigError, match="'mask'"):
-        model = mmdit.build_model("tiny", seed=0, attention_path="triton")   # Dh 16 + key mask: refused
+        model = mmdit.build_model("tiny", seed=0, attention_path="triton")  # Dh 16 + key mask: refused
         model(b.img, b.img_ids, b.txt, b.txt_ids, torch.full((2,), 0.5), b.y, b.guidance, txt_mask=txt_mask)
 
 
-_AOT = r'''
+_AOT = r"""
 import os, sys
 os.environ["TRITON_INTERPRET"] = "0"          # compile for real, not the interpreter
 import triton
@@ -321,7 +342,7 @@ for kern, kind in ((ka._attention_fwd_kernel, "fwd"), (ka._attention_bwd_dkdv_ke
                        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     assert k.metadata.shared <= 227 * 1024, (kern.__name__, k.metadata.shared)
     print(kern.__name__, "ok", k.metadata.shared)
-'''
+"""
 
 
 @pytest.mark.parametrize("dt,D,causal,varlen", [("bf16", 128, "1", "1"), ("fp16", 64, "0", "0")])
@@ -332,8 +353,9 @@ def test_triton_kernels_compile_for_hopper(dt, D, causal, varlen):
     import sys
 
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    r = subprocess.run([sys.executable, "-c", _AOT, dt, str(D), causal, varlen], capture_output=True, text=True,
-                       env=env, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _AOT, dt, str(D), causal, varlen], capture_output=True, text=True, env=env, timeout=300
+    )
     if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr:
         pytest.skip("this triton install has no ptxas to compile with")
     assert r.returncode == 0, r.stderr[-3000:]

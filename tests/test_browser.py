@@ -8,9 +8,10 @@
     cells, and changing the HoloMap's dtype picker redraws the plot.
 
 The report comes from a session fixture that runs the real smoke suite once
-(``lab_utils.runner.run_suite("smoke", out_dir=tmp)``) unless ``$PERFLAB_REPORT`` names
+(``lab_utils.run.runner.run_suite("smoke", out_dir=tmp)``) unless ``$PERFLAB_REPORT`` names
 a finished report folder to reuse.  Skipped, with the reason, when Chromium is missing.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,11 +23,10 @@ import urllib.request
 import warnings
 from pathlib import Path
 
+import browser_util as B
 import nbformat
 import numpy as np
 import pytest
-
-import browser_util as B
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = "smoke"
@@ -37,7 +37,7 @@ PLOT_MIMES = ("application/vnd.holoviews_exec.v0+json", "application/vnd.bokehjs
 
 def _suite_notebooks() -> list[str]:
     try:
-        from lab_utils.runner import load_suite
+        from lab_utils.run.runner import load_suite
 
         return [e.stem for e in load_suite(SUITE).entries]
     except Exception:  # noqa: BLE001 - no suite yet: nothing to parametrize
@@ -49,10 +49,11 @@ def smoke_report(tmp_path_factory) -> Path:
     given = os.environ.get("PERFLAB_REPORT")
     if given:
         p = Path(given).resolve()
-        assert (p / "index.html").exists() and (p / "status.json").exists(), \
+        assert (p / "index.html").exists() and (p / "status.json").exists(), (
             f"$PERFLAB_REPORT={given} is not a finished report folder (index.html, status.json)"
+        )
         return p
-    from lab_utils.runner import run_suite
+    from lab_utils.run.runner import run_suite
 
     res = run_suite(SUITE, out_dir=tmp_path_factory.mktemp("smoke-report"), progress=False)
     return res.path
@@ -172,8 +173,8 @@ def _wait_changed(page, before: str, timeout_s: float) -> str:
 
 def test_compare_page_renders(smoke_report, chrome, tmp_path):
     """The compare page of the real report against a copy with one op made 1.5x slower."""
-    from lab_utils import compare as C
     from lab_utils.records import load_records
+    from lab_utils.run import compare as C
 
     df = load_records(smoke_report)
     cand = tmp_path / "candidate"
@@ -278,8 +279,11 @@ def test_jupyterlab_run_lab_and_change_widget(chrome, tmp_path):
             scripts_out = [u for u in watch.outside if not u.split("?")[0].endswith(".css")]
             assert not scripts_out, f"JupyterLab requested outside addresses: {scripts_out}"
             if watch.outside:
-                warnings.warn(f"JupyterLab: panel asked its CDN for {len(watch.outside)} stylesheet(s) (blocked; the "
-                              f"widgets work unstyled): {sorted(set(watch.outside))[:3]}", stacklevel=1)
+                warnings.warn(
+                    f"JupyterLab: panel asked its CDN for {len(watch.outside)} stylesheet(s) (blocked; the "
+                    f"widgets work unstyled): {sorted(set(watch.outside))[:3]}",
+                    stacklevel=1,
+                )
             blocked = [e for e in watch.errors if "net::ERR_FAILED" in e]
             assert len(blocked) <= len(watch.outside), f"JupyterLab: failed loads beyond the blocked ones: {blocked}"
             other_errors = [e for e in watch.errors if "net::ERR_FAILED" not in e]
@@ -314,5 +318,14 @@ console.error('boom');
     finally:
         page.close()
     assert B.is_outside("https://cdn.holoviz.org/x.css") and B.is_outside("http://10.0.0.1:8888/")
-    assert not any(B.is_outside(u) for u in ("file:///tmp/x.html", "data:text/plain,hi", "http://127.0.0.1:8888/lab",
-                                             "ws://localhost:1/api", "blob:null/abc", "about:blank"))
+    assert not any(
+        B.is_outside(u)
+        for u in (
+            "file:///tmp/x.html",
+            "data:text/plain,hi",
+            "http://127.0.0.1:8888/lab",
+            "ws://localhost:1/api",
+            "blob:null/abc",
+            "about:blank",
+        )
+    )

@@ -31,10 +31,16 @@ def test_corrupt_cache_is_remeasured(tmp_cache, monkeypatch):
 
 
 def test_lookup_and_summary():
-    c = C.Ceilings(device={"name": "NVIDIA H200"}, copy_gbs=4000.0, copy_bytes=1, matmul_tflops={"bf16": 700.0,
-                   "fp32": 50.0, "fp8": 1300.0}, matmul_n={})
+    c = C.Ceilings(
+        device={"name": "NVIDIA H200"},
+        copy_gbs=4000.0,
+        copy_bytes=1,
+        matmul_tflops={"bf16": 700.0, "fp32": 50.0, "fp8": 1300.0},
+        matmul_n={},
+    )
     assert c.matmul("float16") == 700.0 and c.matmul("bfloat16") == 700.0
     import torch
+
     assert c.matmul(torch.float8_e4m3fn) == 1300.0 and c.matmul("fp4") is None
     rows = {r["quantity"]: r for r in c.summary_rows()}
     assert rows["copy bandwidth"]["datasheet"] == 4800.0

@@ -3,8 +3,7 @@ import math
 import pytest
 import torch
 
-from lab_utils.checks import (TOLERANCES, assert_bitwise_equal, assert_close, poison_, rel_error, sqnr_db,
-                              tolerance)
+from lab_utils.checks import TOLERANCES, assert_bitwise_equal, assert_close, poison_, rel_error, sqnr_db, tolerance
 
 
 def test_message_explains_mismatch():
@@ -22,7 +21,7 @@ def test_message_explains_mismatch():
 def test_tolerances_tied_to_dtype():
     assert tolerance(torch.bfloat16) == TOLERANCES[torch.bfloat16]
     x = torch.randn(100, dtype=torch.float64)
-    assert_close(x.to(torch.bfloat16), x)           # bf16 rounding passes bf16 tolerance
+    assert_close(x.to(torch.bfloat16), x)  # bf16 rounding passes bf16 tolerance
     with pytest.raises(AssertionError):
         assert_close(x.to(torch.bfloat16).float(), x)  # but not float32 tolerance
 

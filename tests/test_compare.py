@@ -1,6 +1,7 @@
 """perflab compare / baseline on synthetic records: real regressions are caught, noise is
 not, one-sided rows and device mismatches are flagged, exit codes gate, the HTML page is
 self-contained."""
+
 from __future__ import annotations
 
 import json
@@ -12,33 +13,61 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lab_utils import compare as C
 from lab_utils.config import ConfigError
 from lab_utils.records import CONTEXT_COLUMNS, ROW_COLUMNS
+from lab_utils.run import compare as C
 
-CPU = {"device": "Test CPU 9000", "device_kind": "cpu", "torch_version": "2.13.0", "triton_version": "3.9.0",
-       "cuda_version": None, "python_version": "3.12.1", "commit": "aaaa", "timestamp": "2026-12-02T12:00:00+0000"}
+CPU = {
+    "device": "Test CPU 9000",
+    "device_kind": "cpu",
+    "torch_version": "2.13.0",
+    "triton_version": "3.9.0",
+    "cuda_version": None,
+    "python_version": "3.12.1",
+    "commit": "aaaa",
+    "timestamp": "2026-12-02T12:00:00+0000",
+}
 GPU = {**CPU, "device": "NVIDIA H200", "device_kind": "cuda", "cuda_version": "12.8"}
 
 
-def timing_rows(lab, exp, variant, median_ms, *, rng, n=25, noise=0.03, shape="1823x781", dtype="bfloat16",
-                bytes=None):
+def timing_rows(lab, exp, variant, median_ms, *, rng, n=25, noise=0.03, shape="1823x781", dtype="bfloat16", bytes=None):
     """Rows like Recorder.add_timing writes: median with samples, p20, p80, and GB/s."""
     s = median_ms * np.exp(rng.normal(0, noise, n))
     med = float(np.median(s))
     base = dict(lab=lab, experiment=exp, variant=variant, shape=shape, dtype=dtype, unit="ms", extra="")
-    rows = [dict(base, metric="time", value=med, statistic="median", samples=s.tolist()),
-            dict(base, metric="time", value=float(np.quantile(s, .2)), statistic="p20", samples=None),
-            dict(base, metric="time", value=float(np.quantile(s, .8)), statistic="p80", samples=None)]
+    rows = [
+        dict(base, metric="time", value=med, statistic="median", samples=s.tolist()),
+        dict(base, metric="time", value=float(np.quantile(s, 0.2)), statistic="p20", samples=None),
+        dict(base, metric="time", value=float(np.quantile(s, 0.8)), statistic="p80", samples=None),
+    ]
     if bytes:
-        rows.append(dict(base, metric="bandwidth", unit="GB/s", value=bytes / (med * 1e-3) / 1e9,
-                         statistic="median", samples=None))
+        rows.append(
+            dict(
+                base,
+                metric="bandwidth",
+                unit="GB/s",
+                value=bytes / (med * 1e-3) / 1e9,
+                statistic="median",
+                samples=None,
+            )
+        )
     return rows
 
 
 def value_row(lab, exp, variant, metric, value, unit="", dtype="bfloat16", shape="64x96", statistic="value"):
-    return dict(lab=lab, experiment=exp, variant=variant, shape=shape, dtype=dtype, metric=metric, value=value,
-                unit=unit, statistic=statistic, samples=None, extra="")
+    return dict(
+        lab=lab,
+        experiment=exp,
+        variant=variant,
+        shape=shape,
+        dtype=dtype,
+        metric=metric,
+        value=value,
+        unit=unit,
+        statistic=statistic,
+        samples=None,
+        extra="",
+    )
 
 
 def write_report(folder: Path, rows: list[dict], ctx: dict, *, status=None, parquet=False) -> Path:
@@ -66,10 +95,12 @@ def base_rows(seed=1):
     rows += timing_rows("01_norms", "fwd", "triton", 2.0, rng=rng, bytes=4e8)
     rows += timing_rows("01_norms", "fwd", "eager", 5.0, rng=rng, bytes=4e8)
     rows += timing_rows("03_attention", "fwd", "sdpa", 10.0, rng=rng, shape="2x24x4096x128")
-    rows += [value_row("01_norms", "check", "triton", "max_abs_err", 1.0e-3),
-             value_row("04_quant", "recipe", "fp8_rowwise", "sqnr", 31.0, unit="dB"),
-             value_row("04_quant", "recipe", "mxfp8", "sqnr", 28.0, unit="dB"),
-             value_row("02_blocks", "count", "double_block", "params", 12345.0)]
+    rows += [
+        value_row("01_norms", "check", "triton", "max_abs_err", 1.0e-3),
+        value_row("04_quant", "recipe", "fp8_rowwise", "sqnr", 31.0, unit="dB"),
+        value_row("04_quant", "recipe", "mxfp8", "sqnr", 28.0, unit="dB"),
+        value_row("02_blocks", "count", "double_block", "params", 12345.0),
+    ]
     return rows
 
 
@@ -91,10 +122,12 @@ def runs(tmp_path):
     rows += timing_rows("01_norms", "fwd", "triton", 2.6, rng=rng, bytes=4e8)
     rows += timing_rows("01_norms", "fwd", "eager", 5.0, rng=rng, bytes=4e8)
     rows += timing_rows("03_attention", "fwd", "sdpa", 7.0, rng=rng, shape="2x24x4096x128")
-    rows += [value_row("01_norms", "check", "triton", "max_abs_err", 2.0e-3),
-             value_row("04_quant", "recipe", "fp8_rowwise", "sqnr", 30.8, unit="dB"),
-             value_row("04_quant", "recipe", "mxfp8", "sqnr", 31.0, unit="dB"),
-             value_row("02_blocks", "count", "double_block", "params", 12345.0)]
+    rows += [
+        value_row("01_norms", "check", "triton", "max_abs_err", 2.0e-3),
+        value_row("04_quant", "recipe", "fp8_rowwise", "sqnr", 30.8, unit="dB"),
+        value_row("04_quant", "recipe", "mxfp8", "sqnr", 31.0, unit="dB"),
+        value_row("02_blocks", "count", "double_block", "params", 12345.0),
+    ]
     cand = write_report(tmp_path / "cand", rows, {**CPU, "commit": "bbbb"})
     return base, cand
 
@@ -106,11 +139,11 @@ def test_direction_table():
     assert C.direction("pct_of_ceiling", "%").better == "higher"
     assert C.direction("max_abs_err", "") == C.LOWER_ERROR
     assert C.direction("rel_error", "") == C.LOWER_ERROR
-    assert C.direction("mismatch_pct", "%") == C.LOWER_ERROR   # the name wins over a higher-is-better unit
+    assert C.direction("mismatch_pct", "%") == C.LOWER_ERROR  # the name wins over a higher-is-better unit
     assert C.direction("sqnr", "dB") == C.HIGHER_DB
     assert C.direction("peak_memory", "GiB") == C.LOWER_MEMORY
     assert C.direction("params", "") == C.NEUTRAL
-    assert C.direction("inference_tokens", "") == C.NEUTRAL      # 'inf' only as a whole word
+    assert C.direction("inference_tokens", "") == C.NEUTRAL  # 'inf' only as a whole word
     assert {r["kind"] for r in C.direction_table()} >= {"performance", "accuracy", "memory", "other"}
 
 
@@ -122,17 +155,17 @@ def test_verdicts_regression_noise_improvement(runs):
     assert 1.2 < t["ratio"] < 1.4
     # the interval of the gain (base/cand) lies below 1 and contains the point estimate
     assert t["lo"] <= t["gain"] <= t["hi"] < 1
-    assert find(cmp, variant="triton", metric="bandwidth")["verdict"] == "slower"     # borrows the time's noise
+    assert find(cmp, variant="triton", metric="bandwidth")["verdict"] == "slower"  # borrows the time's noise
     assert find(cmp, variant="triton", metric="bandwidth")["noise"] == "from the time row's samples"
     e = find(cmp, variant="eager", metric="time")
     assert e["verdict"] == "same" and not e["regression"], e
     assert e["lo"] < 1 < e["hi"]
     assert find(cmp, variant="sdpa", metric="time")["verdict"] == "faster"
     assert find(cmp, metric="max_abs_err")["verdict"] == "less accurate"
-    assert find(cmp, variant="fp8_rowwise")["verdict"] == "same"          # -0.2 dB < 0.5 dB
-    assert find(cmp, variant="mxfp8")["verdict"] == "more accurate"       # +3 dB
+    assert find(cmp, variant="fp8_rowwise")["verdict"] == "same"  # -0.2 dB < 0.5 dB
+    assert find(cmp, variant="mxfp8")["verdict"] == "more accurate"  # +3 dB
     assert find(cmp, metric="params")["verdict"] == "same"
-    assert not (cmp.rows["statistic"].isin(["p20", "p80"])).any()         # summaries of the same samples
+    assert not (cmp.rows["statistic"].isin(["p20", "p80"])).any()  # summaries of the same samples
     assert cmp.exit_code == C.EXIT_REGRESSION
     assert set(cmp.regressions["variant"]) == {"triton"}
     assert any("commit differs" in f for f in cmp.flags)
@@ -185,11 +218,30 @@ def test_bootstrap_is_reproducible_and_covers():
 
 def test_one_sided_and_failed_rows(tmp_path):
     rng = np.random.default_rng(3)
-    b = timing_rows("l", "e", "kept", 1.0, rng=rng) + timing_rows("l", "e", "dropped", 1.0, rng=rng) \
+    b = (
+        timing_rows("l", "e", "kept", 1.0, rng=rng)
+        + timing_rows("l", "e", "dropped", 1.0, rng=rng)
         + timing_rows("l", "e", "breaks", 1.0, rng=rng)
-    c = timing_rows("l", "e", "kept", 1.0, rng=rng) + timing_rows("l", "e", "added", 1.0, rng=rng) \
-        + [dict(lab="l", experiment="e", variant="breaks", shape="1823x781", dtype="bfloat16", metric="time",
-                value=math.nan, unit="ms", statistic="failed", samples=None, extra='{"reason": "OOM"}')]
+    )
+    c = (
+        timing_rows("l", "e", "kept", 1.0, rng=rng)
+        + timing_rows("l", "e", "added", 1.0, rng=rng)
+        + [
+            dict(
+                lab="l",
+                experiment="e",
+                variant="breaks",
+                shape="1823x781",
+                dtype="bfloat16",
+                metric="time",
+                value=math.nan,
+                unit="ms",
+                statistic="failed",
+                samples=None,
+                extra='{"reason": "OOM"}',
+            )
+        ]
+    )
     cmp = C.compare(write_report(tmp_path / "b", b, CPU), write_report(tmp_path / "c", c, CPU))
     assert find(cmp, variant="dropped")["verdict"] == "only in base"
     assert find(cmp, variant="added")["verdict"] == "only in candidate"
@@ -222,13 +274,14 @@ def test_zero_errors(tmp_path):
 def test_device_mismatch_is_flagged_not_mixed(tmp_path, runs):
     base, _ = runs
     rng = np.random.default_rng(9)
-    rows = timing_rows("01_norms", "fwd", "triton", 0.01, rng=rng, bytes=4e8) \
-        + [value_row("01_norms", "check", "triton", "max_abs_err", 1.0e-3)]
+    rows = timing_rows("01_norms", "fwd", "triton", 0.01, rng=rng, bytes=4e8) + [
+        value_row("01_norms", "check", "triton", "max_abs_err", 1.0e-3)
+    ]
     gpu = write_report(tmp_path / "gpu", rows, GPU)
     cmp = C.compare(base, gpu)
     assert cmp.device_mismatch and any(f.startswith("DEVICE DIFFERS") for f in cmp.flags)
     assert find(cmp, variant="triton", metric="time")["verdict"] == "device differs"
-    assert find(cmp, metric="max_abs_err")["verdict"] == "same"          # accuracy rows still compared
+    assert find(cmp, metric="max_abs_err")["verdict"] == "same"  # accuracy rows still compared
     assert any("software differs: cuda" in f for f in cmp.flags)
     assert cmp.exit_code == C.EXIT_INCOMPARABLE
     assert "NOT COMPARABLE" in cmp.summary_text()
@@ -271,8 +324,10 @@ def test_main_exit_codes_and_outputs(tmp_path, runs, capsys):
     assert C.main([str(base), str(pq), "--out", str(out), "--quiet"]) == C.EXIT_OK
     assert C.main([str(base), str(cand), "--gate", "none", "--out", str(out), "--quiet"]) == C.EXIT_OK
     assert C.main([str(base), str(cand), "--gate", "accuracy", "--out", str(out), "--quiet"]) == C.EXIT_REGRESSION
-    assert C.main([str(base), str(cand), "--rows", "performance", "--gate", "accuracy", "--out", str(out),
-                   "--quiet"]) == C.EXIT_OK
+    assert (
+        C.main([str(base), str(cand), "--rows", "performance", "--gate", "accuracy", "--out", str(out), "--quiet"])
+        == C.EXIT_OK
+    )
     assert C.main([str(base), str(tmp_path / "nope"), "--out", str(out)]) == C.EXIT_USAGE
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
@@ -280,9 +335,17 @@ def test_main_exit_codes_and_outputs(tmp_path, runs, capsys):
     assert e.value.code == 2
 
 
-@pytest.mark.parametrize("kw,param", [({"threshold": -0.1}, "threshold"), ({"confidence": 1.5}, "confidence"),
-                                      ({"method": "ttest"}, "method"), ({"bootstrap": 10}, "bootstrap"),
-                                      ({"gate": "some"}, "gate"), ({"db_threshold": math.nan}, "db_threshold")])
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        ({"threshold": -0.1}, "threshold"),
+        ({"confidence": 1.5}, "confidence"),
+        ({"method": "ttest"}, "method"),
+        ({"bootstrap": 10}, "bootstrap"),
+        ({"gate": "some"}, "gate"),
+        ({"db_threshold": math.nan}, "db_threshold"),
+    ],
+)
 def test_bad_options_name_the_parameter(kw, param):
     with pytest.raises(ConfigError) as e:
         C.Options(**kw)
@@ -298,8 +361,9 @@ def test_cli_bad_option_value_exits_2(runs, tmp_path, capsys):
 def test_failed_notebook_in_candidate_gates(tmp_path, runs):
     base, _ = runs
     rows = [r for r in base_rows(1) if r["lab"] != "03_attention"]
-    st = [{"notebook": n, "status": "ok"} for n in ("01_norms", "02_blocks", "04_quant")] + \
-         [{"notebook": "03_attention", "status": "failed", "error": "RuntimeError: boom"}]
+    st = [{"notebook": n, "status": "ok"} for n in ("01_norms", "02_blocks", "04_quant")] + [
+        {"notebook": "03_attention", "status": "failed", "error": "RuntimeError: boom"}
+    ]
     cand = write_report(tmp_path / "c", rows, CPU, status=st)
     cmp = C.compare(base, cand)
     assert cmp.failed_notebooks == ["03_attention"]
@@ -313,7 +377,7 @@ def test_html_is_self_contained(tmp_path, runs):
     base, cand = runs
     page = C.compare(base, cand).to_html()
     assert not re.search(r"<script[^>]*\bsrc=", page), "no script may be loaded from a file beside the page"
-    assert "<table id=\"rows\" class=\"sortable\"" in page and "Bokeh" in page
+    assert '<table id="rows" class="sortable"' in page and "Bokeh" in page
     assert "embed_items" in page or "embed.embed_items" in page
     # no tag loads anything from a URL (BokehJS itself only names a MathJax CDN in code that math text
     # would use; the browser test checks that no request leaves the file)
@@ -344,7 +408,7 @@ def test_baseline_refresh_check_show(tmp_path, runs, monkeypatch, capsys):
     capsys.readouterr()
     rc = C.baseline_main(["check", "--report", str(cand), "--kind", "cpu-tf", "--out", str(tmp_path / "o3")])
     out = capsys.readouterr().out
-    assert "timing-free" in out and rc == C.EXIT_REGRESSION        # max_abs_err doubled
+    assert "timing-free" in out and rc == C.EXIT_REGRESSION  # max_abs_err doubled
     assert "time[median]" not in out
     assert C.baseline_main(["show"]) == 0
     assert "cpu-tf:" in capsys.readouterr().out
@@ -368,7 +432,7 @@ def test_performance_rows_without_samples_do_not_gate(tmp_path):
 
 
 def test_baseline_refresh_and_check_run_the_suite(tmp_path, runs, monkeypatch):
-    """Without --report, refresh and check run the suite through lab_utils.runner.run_suite."""
+    """Without --report, refresh and check run the suite through lab_utils.run.runner.run_suite."""
     from types import SimpleNamespace
 
     base, cand = runs
@@ -390,14 +454,24 @@ def test_baseline_refresh_and_check_run_the_suite(tmp_path, runs, monkeypatch):
 
 def test_rows_told_apart_by_extra(tmp_path):
     """Labs keep e.g. the mask in ``extra``: rows sharing a key match by it, whatever the order."""
+
     def rows(order, err_causal):
         out = []
         for mask in order:
-            r = value_row("03_attention", "correctness", "sdpa", "max_abs_err", err_causal if mask == "causal" else 1e-3)
-            r["extra"] = json.dumps({"mask": mask, "reason": f"run at {mask}", "atol": 1e-3 if mask == "full" else 2e-3,
-                                     "verdict": "ok" if (mask, err_causal) != ("causal", 5e-3) else "FAIL"})
+            r = value_row(
+                "03_attention", "correctness", "sdpa", "max_abs_err", err_causal if mask == "causal" else 1e-3
+            )
+            r["extra"] = json.dumps(
+                {
+                    "mask": mask,
+                    "reason": f"run at {mask}",
+                    "atol": 1e-3 if mask == "full" else 2e-3,
+                    "verdict": "ok" if (mask, err_causal) != ("causal", 5e-3) else "FAIL",
+                }
+            )
             out.append(r)
         return out
+
     b = rows(["full", "causal", "mmdit"], 1e-3)
     c = rows(["mmdit", "causal", "full"], 5e-3)
     cmp = C.compare(write_report(tmp_path / "b", b, CPU), write_report(tmp_path / "c", c, CPU))

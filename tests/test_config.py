@@ -2,8 +2,16 @@ import dataclasses
 
 import pytest
 
-from lab_utils.config import (ConfigError, LabConfig, check_bool, check_choice, check_choices, check_float,
-                              check_int, check_int_list)
+from lab_utils.config import (
+    ConfigError,
+    LabConfig,
+    check_bool,
+    check_choice,
+    check_choices,
+    check_float,
+    check_int,
+    check_int_list,
+)
 
 
 def test_error_names_parameter_value_and_rule():
@@ -14,11 +22,23 @@ def test_error_names_parameter_value_and_rule():
     assert e.value.param == "dtype" and e.value.value == "float13"
 
 
-@pytest.mark.parametrize("fn,args", [
-    (check_int, ("batch_size", 0), ), (check_int, ("batch_size", 2.5)), (check_int, ("batch_size", True)),
-    (check_float, ("lr", "x")), (check_int_list, ("sizes", [])), (check_int_list, ("sizes", [1, -2])),
-    (check_int_list, ("sizes", "12")), (check_choices, ("ops", [])), (check_bool, ("compile", 1)),
-])
+@pytest.mark.parametrize(
+    "fn,args",
+    [
+        (
+            check_int,
+            ("batch_size", 0),
+        ),
+        (check_int, ("batch_size", 2.5)),
+        (check_int, ("batch_size", True)),
+        (check_float, ("lr", "x")),
+        (check_int_list, ("sizes", [])),
+        (check_int_list, ("sizes", [1, -2])),
+        (check_int_list, ("sizes", "12")),
+        (check_choices, ("ops", [])),
+        (check_bool, ("compile", 1)),
+    ],
+)
 def test_checks_refuse(fn, args):
     kwargs = {"min": 1} if fn in (check_int, check_int_list) else {}
     if fn is check_choices:

@@ -1,4 +1,5 @@
 """Synthetic image-caption data: buckets, caption lengths, the DataLoader."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,8 +7,14 @@ import torch
 
 from lab_utils.checks import assert_close
 from lab_utils.config import ConfigError
-from lab_utils.data import (BucketBatchSampler, SyntheticImageCaptions, collate, forever, make_loader,
-                            normalize_buckets)
+from lab_utils.model.data import (
+    BucketBatchSampler,
+    SyntheticImageCaptions,
+    collate,
+    forever,
+    make_loader,
+    normalize_buckets,
+)
 
 BUCKETS = [[64, 64], [48, 96], [96, 48]]
 
@@ -22,11 +29,11 @@ def test_items_are_deterministic_and_shaped():
         h, w = BUCKETS[a["bucket"]]
         assert a["pixels"].shape == (3, h, w)
         assert a["pixels"].abs().max() <= 1
-        assert 3 <= len(a["t5_ids"]) <= 11 and a["t5_ids"][-1] == 1          # T5 EOS
-        assert a["clip_ids"].shape == (77,) and a["clip_ids"][0] == 298      # CLIP BOS = vocab-2
-        assert (a["clip_ids"] == 299).sum() == 1                              # one EOS
+        assert 3 <= len(a["t5_ids"]) <= 11 and a["t5_ids"][-1] == 1  # T5 EOS
+        assert a["clip_ids"].shape == (77,) and a["clip_ids"][0] == 298  # CLIP BOS = vocab-2
+        assert (a["clip_ids"] == 299).sum() == 1  # one EOS
         lens.add(len(a["t5_ids"]))
-    assert len(lens) > 3                                                      # lengths vary
+    assert len(lens) > 3  # lengths vary
 
 
 def test_batches_are_bucket_pure_and_cover_the_epoch():
@@ -38,7 +45,7 @@ def test_batches_are_bucket_pure_and_cover_the_epoch():
         seen += b
     assert sorted(seen) == list(range(31))
     s.set_epoch(1)
-    assert list(s) != s.batches(0)                                            # reshuffled per epoch
+    assert list(s) != s.batches(0)  # reshuffled per epoch
 
 
 def test_collate_pads_captions_with_mask():
@@ -64,7 +71,7 @@ def test_dataloader_with_workers_matches_in_process():
         assert_close(y["pixels"], x["pixels"], dtype=torch.float32, name="pixels from a worker")
         assert torch.equal(x["t5_ids"], y["t5_ids"])
     it = forever(make_loader(ds, 4, seed=9))
-    assert len([next(it) for _ in range(3 * len(a))]) == 3 * len(a)         # crosses epochs
+    assert len([next(it) for _ in range(3 * len(a))]) == 3 * len(a)  # crosses epochs
 
 
 @pytest.mark.parametrize("bad", [[], "64", [[64]], [[64, -8]], [[64, 64.0]]])
@@ -80,7 +87,7 @@ def test_bad_batch_size_and_workers():
         make_loader(ds, 0)
     assert e.value.param == "batch_size"
     with pytest.raises(ConfigError) as e:
-        make_loader(ds, 8)                  # cannot fill one batch with drop_last
+        make_loader(ds, 8)  # cannot fill one batch with drop_last
     assert e.value.param == "batch_size"
     with pytest.raises(ConfigError) as e:
         make_loader(ds, 2, num_workers=-1)

@@ -24,8 +24,15 @@ def test_pick_device():
             pick_device("cuda")
 
 
-@pytest.mark.parametrize("name,key", [("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", "H200"),
-                                      ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA B200", "B200")])
+@pytest.mark.parametrize(
+    "name,key",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("NVIDIA B200", "B200"),
+    ],
+)
 def test_datasheet_lookup(name, key):
     assert datasheet_for(name) is DATASHEET[key]
 

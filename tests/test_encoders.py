@@ -1,12 +1,13 @@
 """Frozen T5 / CLIP / VAE built from configs (random weights, no downloads) and the cache mode."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from lab_utils.checks import assert_close
-from lab_utils.data import SyntheticImageCaptions, collate
-from lab_utils.encoders import Encoders, precompute, text_vocab
+from lab_utils.model.data import SyntheticImageCaptions, collate
+from lab_utils.model.encoders import Encoders, precompute, text_vocab
 
 
 @pytest.fixture(autouse=True)
@@ -36,8 +37,7 @@ def test_shapes_and_frozen(tiny):
 
 
 def test_padding_does_not_change_real_token_states(tiny):
-    ds = SyntheticImageCaptions(8, [[32, 32]], min_caption_len=3, max_caption_len=30, seed=2,
-                                **text_vocab(tiny.cfg))
+    ds = SyntheticImageCaptions(8, [[32, 32]], min_caption_len=3, max_caption_len=30, seed=2, **text_vocab(tiny.cfg))
     short = min(range(8), key=ds.caption_len)
     alone = collate([ds[short]])
     padded = collate([ds[short]], pad_to=40)
@@ -66,7 +66,7 @@ def test_precompute_caches_text_states(tiny):
 def test_flux_sized_encoders_on_meta():
     enc = Encoders("flux-dev", device="meta")
     counts = enc.param_counts()
-    assert 4.7e9 < counts["t5"] < 4.8e9          # T5-v1.1-XXL encoder
-    assert 1.2e8 < counts["clip"] < 1.25e8       # CLIP ViT-L/14 text tower
-    assert 8.0e7 < counts["vae"] < 8.8e7         # FLUX.1 autoencoder
+    assert 4.7e9 < counts["t5"] < 4.8e9  # T5-v1.1-XXL encoder
+    assert 1.2e8 < counts["clip"] < 1.25e8  # CLIP ViT-L/14 text tower
+    assert 8.0e7 < counts["vae"] < 8.8e7  # FLUX.1 autoencoder
     assert enc.vae.config.latent_channels == 16

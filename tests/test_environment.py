@@ -1,8 +1,9 @@
 """environment.yml and pyproject.toml must describe the same environment."""
+
 import re
-import tomllib
 from pathlib import Path
 
+import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]

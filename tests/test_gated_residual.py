@@ -1,11 +1,12 @@
 """gated_residual: every variant against float64, poisoned outputs, bad inputs."""
+
 import pytest
 import torch
 
-from lab_kernels import variants
 from lab_kernels import gated_residual as K
+from lab_kernels import variants
 from lab_utils.checks import assert_close, poison_, tolerance
-from lab_utils.kernel_bench import Problem, assert_variant_ok
+from lab_utils.fused import Problem, assert_variant_ok
 
 OP = "gated_residual"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -50,8 +51,11 @@ def test_non_contiguous_and_b1d_gate(gen):
     x = torch.randn(2, 96, 13, generator=gen).transpose(1, 2)
     y = torch.randn(2, 13, 96, generator=gen)
     gate = torch.randn(2, 1, 96, generator=gen)
-    assert_close(K.gated_residual(x, gate, y), K.reference_gated_residual(x.double(), gate.double(), y.double()),
-                 dtype=torch.float32)
+    assert_close(
+        K.gated_residual(x, gate, y),
+        K.reference_gated_residual(x.double(), gate.double(), y.double()),
+        dtype=torch.float32,
+    )
 
 
 def test_triton_composes_with_torch_compile(gen):

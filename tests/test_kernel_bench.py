@@ -1,5 +1,6 @@
 """kernel_bench: bytes formulas, the correctness checker catches wrong variants, sweep rows,
 block-level agreement, config validation."""
+
 import json
 
 import pytest
@@ -7,13 +8,13 @@ import torch
 
 import lab_kernels
 from lab_kernels.registry import _REGISTRY, Variant, get_variant
-from lab_utils import kernel_bench as kb
+from lab_utils import fused as kb
 from lab_utils.config import ConfigError
 from lab_utils.records import Recorder
 
 
 def test_bytes_formulas_by_hand():
-    p = kb.Problem(2, 10, 96, head_dim=32)                 # n = 1920 elements, 3 heads
+    p = kb.Problem(2, 10, 96, head_dim=32)  # n = 1920 elements, 3 heads
     n = 2 * 10 * 96
     assert kb.bytes_moved("rms_norm", p, "bfloat16", "fwd") == 2 * n * 2 + 96 * 2
     assert kb.bytes_moved("rms_norm", p, "float32", "bwd") == 3 * n * 4 + 2 * 96 * 4 + 4 * 20
@@ -38,9 +39,9 @@ def test_checker_catches_a_wrong_forward_and_a_wrong_gradient(monkeypatch):
 
         @staticmethod
         def backward(ctx, g):
-            return g                                         # d gelu / dx is not 1
+            return g  # d gelu / dx is not 1
 
-    get_variant("gelu_tanh", "eager")                        # load the op's registry entries
+    get_variant("gelu_tanh", "eager")  # load the op's registry entries
     for name, fn in (("wrong_fwd", wrong_fwd), ("wrong_grad", WrongGrad.apply)):
         monkeypatch.setitem(_REGISTRY["gelu_tanh"], name, Variant("gelu_tanh", name, fn, "eager"))
     p = kb.Problem(1, 5, 33)
@@ -52,7 +53,7 @@ def test_checker_catches_a_wrong_forward_and_a_wrong_gradient(monkeypatch):
 
 def test_checker_catches_an_unwritten_output(monkeypatch):
     def half_written(gate, up):
-        out = torch.full_like(gate, float("nan"))            # a kernel that forgets the tail
+        out = torch.full_like(gate, float("nan"))  # a kernel that forgets the tail
         out[..., :-3] = torch.nn.functional.silu(gate[..., :-3]) * up[..., :-3]
         return out
 
@@ -65,8 +66,9 @@ def test_checker_catches_an_unwritten_output(monkeypatch):
 def test_sweep_rows_and_triton_never_timed_on_cpu():
     rec = Recorder("test")
     p = kb.Problem(1, 16, 64)
-    kb.sweep(rec, ["swiglu"], [p], ["float32"], ["fwd", "fwd+bwd"], variant_names=["eager", "triton"], reps=3,
-             budget_s=10)
+    kb.sweep(
+        rec, ["swiglu"], [p], ["float32"], ["fwd", "fwd+bwd"], variant_names=["eager", "triton"], reps=3, budget_s=10
+    )
     df = rec.frame()
     timed = set(df[df.metric == "time"].variant)
     assert "eager" in timed
@@ -124,7 +126,7 @@ def test_config_refuses_bad_values_naming_the_parameter():
     assert kb.FusedKernelsConfig().check_problem.hidden == 781
 
 
-GPU_PATH_SCRIPT = r'''
+GPU_PATH_SCRIPT = r"""
 import lab_kernels, torch
 assert not lab_kernels.TRITON_INTERPRETED
 import lab_kernels._common as C
@@ -151,7 +153,7 @@ with FakeTensorMode():
     o, r = qk_norm_rope.qk_norm_rope_forward(q, qw, cos, sin); g = qk_norm_rope.qk_norm_rope_backward(o, q, qw, cos, sin, r)
     assert [t.shape for t in g] == [q.shape, qw.shape] and r.shape == (2 * 3 * 37,)
 print("GPU-path ops traced")
-'''
+"""
 
 
 def test_gpu_registration_traces_with_fake_cuda_tensors(tmp_path):
@@ -166,8 +168,14 @@ def test_gpu_registration_traces_with_fake_cuda_tensors(tmp_path):
     script = tmp_path / "gpu_path.py"
     script.write_text(GPU_PATH_SCRIPT)
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
-                       cwd=os.path.dirname(os.path.dirname(__file__)))
+    r = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     assert r.returncode == 0 and "GPU-path ops traced" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
@@ -178,8 +186,23 @@ def test_benchmark_script_writes_rows(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "k.csv"
-    rc = mod.main(["--preset", "cpu", "--ops", "gelu_tanh", "--tokens", "16", "--directions", "fwd",
-                   "--reps", "3", "--no-block", "--out", str(out)])
+    rc = mod.main(
+        [
+            "--preset",
+            "cpu",
+            "--ops",
+            "gelu_tanh",
+            "--tokens",
+            "16",
+            "--directions",
+            "fwd",
+            "--reps",
+            "3",
+            "--no-block",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     import pandas as pd
 

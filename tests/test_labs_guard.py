@@ -1,6 +1,7 @@
 """Guards on the committed labs: nbval has something deterministic to check in every lab,
 nothing heavy or machine-dependent is committed, and the checked outputs really are
 checked (a changed output fails nbval under the project's own pytest options)."""
+
 from __future__ import annotations
 
 import re
@@ -11,7 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from lab_utils.nbtools import CHECK_MARK
+from lab_utils.run.nbtools import CHECK_MARK
 
 ROOT = Path(__file__).resolve().parents[1]
 LABS = sorted((ROOT / "labs").glob("[0-9][0-9]_*.ipynb"))
@@ -43,8 +44,10 @@ def test_lab_has_checked_cells_with_committed_outputs(lab):
     checked = [c for c in nb.cells if _is_checked(c)]
     assert checked, f"{path.name}: no cell has a line '{CHECK_MARK}' (nbval would check nothing)"
     with_output = [c for c in checked if any(_text_of(o).strip() for o in c.get("outputs", []))]
-    assert with_output, (f"{path.name}: its {CHECK_MARK} cells have no committed output; run "
-                         f"`perflab nb refresh {path.relative_to(ROOT)}`")
+    assert with_output, (
+        f"{path.name}: its {CHECK_MARK} cells have no committed output; run "
+        f"`perflab nb refresh {path.relative_to(ROOT)}`"
+    )
 
 
 def test_checked_outputs_are_plain_deterministic_text(lab):
@@ -53,8 +56,9 @@ def test_checked_outputs_are_plain_deterministic_text(lab):
         if not _is_checked(cell):
             continue
         for out in cell.get("outputs", []):
-            assert out.output_type in ("stream", "execute_result", "display_data"), \
+            assert out.output_type in ("stream", "execute_result", "display_data"), (
                 f"{path.name} cell {i}: a checked cell keeps a {out.output_type!r} output"
+            )
             if out.output_type == "stream":
                 assert out.name == "stdout", f"{path.name} cell {i}: checked stderr output (warnings are not stable)"
             else:
@@ -62,7 +66,9 @@ def test_checked_outputs_are_plain_deterministic_text(lab):
                 assert not extra, f"{path.name} cell {i}: checked cell keeps non-text output {sorted(extra)}"
             text = _text_of(out)
             m = TIMING_TEXT.search(text)
-            assert m is None, f"{path.name} cell {i}: checked output looks like a timing ({m.group(0)!r}): {text[:200]!r}"
+            assert m is None, (
+                f"{path.name} cell {i}: checked output looks like a timing ({m.group(0)!r}): {text[:200]!r}"
+            )
             for bad in ("/tmp/", "/home/", "/root/", str(ROOT)):
                 assert bad not in text, f"{path.name} cell {i}: checked output holds a path ({bad!r})"
 
@@ -71,8 +77,10 @@ def test_no_heavy_outputs_outside_checked_cells(lab):
     path, nb = lab
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "code" and not _is_checked(cell):
-            assert not cell.get("outputs"), (f"{path.name} cell {i}: unchecked cell has committed outputs "
-                                             f"(plot payloads must not be committed; `perflab nb refresh`)")
+            assert not cell.get("outputs"), (
+                f"{path.name} cell {i}: unchecked cell has committed outputs "
+                f"(plot payloads must not be committed; `perflab nb refresh`)"
+            )
             assert cell.get("execution_count") is None, f"{path.name} cell {i}: stale execution_count"
     assert path.stat().st_size < MAX_LAB_BYTES, f"{path.name} is {path.stat().st_size} bytes: outputs committed?"
     assert "papermill" not in nb.metadata, f"{path.name}: papermill metadata committed"
@@ -81,8 +89,9 @@ def test_no_heavy_outputs_outside_checked_cells(lab):
 def test_lab_has_parameters_cell_and_config(lab):
     path, nb = lab
     code = [c for c in nb.cells if c.cell_type == "code"]
-    assert code and "parameters" in code[0].metadata.get("tags", []), \
+    assert code and "parameters" in code[0].metadata.get("tags", []), (
         f"{path.name}: the first code cell must be tagged 'parameters'"
+    )
     assert nb.metadata.get("perflab", {}).get("config"), f"{path.name}: metadata perflab.config names no config class"
 
 
@@ -105,10 +114,27 @@ def test_nbval_fails_when_a_checked_output_changes(tmp_path):
     good, bad = tmp_path / "good.ipynb", tmp_path / "bad.ipynb"
     _tiny_lab(good, "max_abs_err 0.000977\n")
     _tiny_lab(bad, "max_abs_err 0.000999\n")
+
     def nbval(path):  # from the repository root, so pyproject's options (--nbval-lax) apply
-        return subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:randomly", str(path),
-                               "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml")],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-v",
+                "-p",
+                "no:randomly",
+                str(path),
+                "--rootdir",
+                str(ROOT),
+                "-c",
+                str(ROOT / "pyproject.toml"),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     ok = nbval(good)
     assert ok.returncode == 0 and "2 passed" in ok.stdout, ok.stdout + ok.stderr
@@ -135,9 +161,16 @@ def test_every_parameter_is_seen_by_papermill(lab):
 
     path, nb = lab
     cell = next(c for c in nb.cells if c.cell_type == "code")
-    assigned = [t.id for node in ast.parse(cell.source).body if isinstance(node, ast.Assign)
-                for t in node.targets if isinstance(t, ast.Name)]
+    assigned = [
+        t.id
+        for node in ast.parse(cell.source).body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    ]
     seen = set(papermill.inspect_notebook(str(path)))
     missing = [n for n in assigned if n not in seen]
-    assert not missing, (f"{path.name}: papermill cannot parse the parameter line(s) of {missing} "
-                         f"(keep ':' and '=' out of their comments)")
+    assert not missing, (
+        f"{path.name}: papermill cannot parse the parameter line(s) of {missing} "
+        f"(keep ':' and '=' out of their comments)"
+    )

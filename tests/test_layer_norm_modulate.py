@@ -1,11 +1,12 @@
 """layer_norm_modulate: every variant against float64, poisoned outputs, bad inputs."""
+
 import pytest
 import torch
 
 from lab_kernels import get_variant, variants
 from lab_kernels import layer_norm_modulate as K
 from lab_utils.checks import assert_close, poison_, tolerance
-from lab_utils.kernel_bench import Problem, assert_variant_ok
+from lab_utils.fused import Problem, assert_variant_ok
 
 OP = "layer_norm_modulate"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -47,7 +48,7 @@ def test_poisoned_outputs_are_all_written(gen):
 
 
 def test_modulation_as_b1d_and_non_contiguous_x(gen):
-    x = torch.randn(2, 96, 13, generator=gen).transpose(1, 2)     # (2, 13, 96), not contiguous
+    x = torch.randn(2, 96, 13, generator=gen).transpose(1, 2)  # (2, 13, 96), not contiguous
     sh, sc = torch.randn(2, 1, 96, generator=gen), torch.randn(2, 1, 96, generator=gen)
     out = K.layer_norm_modulate(x, sh, sc)
     assert_close(out, K.reference_layer_norm_modulate(x.double(), sh.double(), sc.double()), dtype=torch.float32)

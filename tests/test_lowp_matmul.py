@@ -1,4 +1,5 @@
 """lab_kernels.lowp_matmul: accumulation model, emulated / _scaled_mm / Triton FP8 paths."""
+
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ def test_round_mantissa_bf16_equals_torch_cast(gen):
 
 
 def test_accumulation_models(gen):
-    a = torch.randn(24, 2048, generator=gen).abs()        # same-sign products: accumulation error shows
+    a = torch.randn(24, 2048, generator=gen).abs()  # same-sign products: accumulation error shows
     b = torch.randn(20, 2048, generator=gen).abs()
     ref = L.reference_matmul(a, b)
     assert_close(L.accumulate_matmul(a, b, "fp32"), ref.float(), dtype=torch.float32, name="fp32")
@@ -45,8 +46,17 @@ def test_split_k(gen):
         L.accumulate_matmul(a, b, "fp16ish")
 
 
-@pytest.mark.parametrize("fmt,gran", [("fp8_e4m3", "tensor"), ("fp8_e4m3", "row"), ("fp8_e4m3", "block"),
-                                      ("mxfp8_e4m3", None), ("mxfp4", None), ("nvfp4", None)])
+@pytest.mark.parametrize(
+    "fmt,gran",
+    [
+        ("fp8_e4m3", "tensor"),
+        ("fp8_e4m3", "row"),
+        ("fp8_e4m3", "block"),
+        ("mxfp8_e4m3", None),
+        ("mxfp4", None),
+        ("nvfp4", None),
+    ],
+)
 def test_emulated_equals_quantized_operands(fmt, gran, gen):
     a, b = torch.randn(33, 256, generator=gen), torch.randn(17, 256, generator=gen) * 0.02
     y = L.emulated_matmul(a, b, fmt, granularity=gran, out_dtype=torch.float32)
@@ -68,7 +78,7 @@ def test_hadamard_cancels_in_the_product(gen):
     a[:, [3, 77]] *= 80
     plain = sqnr_db(L.emulated_matmul(a, b, "mxfp4"), L.reference_matmul(a, b))
     rot = sqnr_db(L.emulated_matmul(a, b, "mxfp4", hadamard=32), L.reference_matmul(a, b))
-    assert rot > plain, (rot, plain)          # 15.4 vs 14.8 dB at this seed
+    assert rot > plain, (rot, plain)  # 15.4 vs 14.8 dB at this seed
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
@@ -88,8 +98,11 @@ def test_triton_fp8_matmul_matches_scaled_mm(gen):
     for gran in ("tensor", "row"):
         p = L.prepare_scaled_mm_any(a, b, "fp8_e4m3", granularity=gran)
         t = L.triton_fp8_matmul(p[1], p[2], p[3], p[4])
-        ref = (p[1].float() @ p[2].float().T) * (p[3].reshape(-1, 1) if gran == "row" else p[3]) * \
-              (p[4].reshape(1, -1) if gran == "row" else p[4])
+        ref = (
+            (p[1].float() @ p[2].float().T)
+            * (p[3].reshape(-1, 1) if gran == "row" else p[3])
+            * (p[4].reshape(1, -1) if gran == "row" else p[4])
+        )
         assert_close(t, ref, dtype=torch.float32, name=f"triton fp8 {gran}")
 
 

@@ -1,6 +1,7 @@
 """Masks: each mask_mod against its dense boolean form written out by hand (loops),
 composition, chunked pair counting, mask-aware FLOPs, block census vs FlexAttention's
 BlockMask, bad parameters named."""
+
 from __future__ import annotations
 
 import itertools
@@ -25,11 +26,24 @@ def _natten_window(c, n, ks):
     return range(start, start + ks)
 
 
-L = 37   # irregular
+L = 37  # irregular
 
 
-@pytest.mark.parametrize("name", ["full", "causal", "sliding", "document", "prefix", "prefix_per_batch", "mmdit",
-                                  "mmdit_per_batch", "neighborhood", "neighborhood_text"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "full",
+        "causal",
+        "sliding",
+        "document",
+        "prefix",
+        "prefix_per_batch",
+        "mmdit",
+        "mmdit_per_batch",
+        "neighborhood",
+        "neighborhood_text",
+    ],
+)
 def test_mask_mod_matches_dense_boolean_form(name):
     B = 2
     if name == "full":
@@ -114,13 +128,20 @@ def test_block_census_matches_flex_block_mask():
     assert (cs.full_blocks, cs.partial_blocks, cs.empty_blocks) == (6, 4, 6)
 
 
-@pytest.mark.parametrize("call,param", [
-    (lambda: M.sliding_window(-1), "window"), (lambda: M.document([3, 0]), "lengths"),
-    (lambda: M.prefix_lm(-2), "prefix"), (lambda: M.mmdit(8, 10, 9), "txt_valid"),
-    (lambda: M.mmdit(8, 0), "img_len"), (lambda: M.spatial_neighborhood(4, 4, 2), "kernel_size"),
-    (lambda: M.spatial_neighborhood(4, 0, 3), "width"), (lambda: M.make_mask("diagonal", 16), "mask"),
-    (lambda: M.dense_mask(M.document([3, 4]), 1, 1, 8, 8), "mask"),
-])
+@pytest.mark.parametrize(
+    "call,param",
+    [
+        (lambda: M.sliding_window(-1), "window"),
+        (lambda: M.document([3, 0]), "lengths"),
+        (lambda: M.prefix_lm(-2), "prefix"),
+        (lambda: M.mmdit(8, 10, 9), "txt_valid"),
+        (lambda: M.mmdit(8, 0), "img_len"),
+        (lambda: M.spatial_neighborhood(4, 4, 2), "kernel_size"),
+        (lambda: M.spatial_neighborhood(4, 0, 3), "width"),
+        (lambda: M.make_mask("diagonal", 16), "mask"),
+        (lambda: M.dense_mask(M.document([3, 4]), 1, 1, 8, 8), "mask"),
+    ],
+)
 def test_bad_mask_parameters(call, param):
     with pytest.raises(ConfigError) as ei:
         call()

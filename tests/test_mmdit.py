@@ -1,4 +1,5 @@
 """MMDiT blocks: shapes, faithfulness to diffusers' FLUX blocks, gradients, seams, bad input."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,9 +7,19 @@ import torch
 
 from lab_utils.checks import assert_close, rel_error
 from lab_utils.config import ConfigError
-from lab_utils import mmdit
-from lab_utils.mmdit import (MMDiTConfig, PRESETS, analytic_param_count, build_model, forward_flops, image_ids,
-                             num_params, patchify, text_ids, unpatchify)
+from lab_utils.model import mmdit
+from lab_utils.model.mmdit import (
+    PRESETS,
+    MMDiTConfig,
+    analytic_param_count,
+    build_model,
+    forward_flops,
+    image_ids,
+    num_params,
+    patchify,
+    text_ids,
+    unpatchify,
+)
 
 diffusers_flux = pytest.importorskip("diffusers.models.transformers.transformer_flux")
 
@@ -20,6 +31,7 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
 
 # heads 3, head_dim 16 (axes 4+6+6): irregular on purpose.
 D, HEADS, AXES = 48, 3, (4, 6, 6)
@@ -43,8 +55,16 @@ def _pe(cfg: MMDiTConfig, lt: int, h: int, w: int):
 
 
 def _cfg(**kw) -> MMDiTConfig:
-    base = dict(hidden_size=D, num_heads=HEADS, depth_double=1, depth_single=1, axes_dim=AXES,
-                latent_channels=4, context_dim=20, pooled_dim=12)
+    base = dict(
+        hidden_size=D,
+        num_heads=HEADS,
+        depth_double=1,
+        depth_single=1,
+        axes_dim=AXES,
+        latent_channels=4,
+        context_dim=20,
+        pooled_dim=12,
+    )
     return MMDiTConfig(**{**base, **kw})
 
 
@@ -71,8 +91,9 @@ def test_double_block_matches_diffusers():
 def test_single_block_matches_diffusers():
     gen = torch.Generator().manual_seed(2)
     cfg = _cfg()
-    ref = diffusers_flux.FluxSingleTransformerBlock(dim=D, num_attention_heads=HEADS,
-                                                    attention_head_dim=D // HEADS).eval()
+    ref = diffusers_flux.FluxSingleTransformerBlock(
+        dim=D, num_attention_heads=HEADS, attention_head_dim=D // HEADS
+    ).eval()
     _randomize_(ref, gen)
     blk = build_model(cfg).single_blocks[0]
     blk.load_state_dict(mmdit.convert_single_block_state_dict(ref.state_dict()), strict=True)
@@ -92,9 +113,17 @@ def test_single_block_matches_diffusers():
 def test_whole_model_matches_diffusers(guidance):
     gen = torch.Generator().manual_seed(3)
     ref = diffusers_flux.FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=D // HEADS,
-        num_attention_heads=HEADS, joint_attention_dim=20, pooled_projection_dim=12, guidance_embeds=guidance,
-        axes_dims_rope=AXES).eval()
+        patch_size=1,
+        in_channels=16,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=D // HEADS,
+        num_attention_heads=HEADS,
+        joint_attention_dim=20,
+        pooled_projection_dim=12,
+        guidance_embeds=guidance,
+        axes_dims_rope=AXES,
+    ).eval()
     _randomize_(ref, gen)
     cfg = mmdit.config_from_diffusers(ref.config)
     model = build_model(cfg).eval()
@@ -107,8 +136,16 @@ def test_whole_model_matches_diffusers(guidance):
     g = torch.full((b,), 3.5) if guidance else None
     iid, tid = image_ids(h, w), text_ids(lt)
     with torch.no_grad():
-        r = ref(hidden_states=img, encoder_hidden_states=txt, pooled_projections=y, timestep=t, img_ids=iid,
-                txt_ids=tid, guidance=g, return_dict=False)[0]
+        r = ref(
+            hidden_states=img,
+            encoder_hidden_states=txt,
+            pooled_projections=y,
+            timestep=t,
+            img_ids=iid,
+            txt_ids=tid,
+            guidance=g,
+            return_dict=False,
+        )[0]
         o = model(img, iid, txt, tid, t, y, g)
     assert o.shape == r.shape == (b, h * w, 16)
     assert rel_error(o, r) < 1e-5, rel_error(o, r)
@@ -116,8 +153,10 @@ def test_whole_model_matches_diffusers(guidance):
 
 def test_rope_pair_layout_matches_formula():
     gen = torch.Generator().manual_seed(4)
-    q, k = torch.randn(2, 3, 5, 8, generator=gen, dtype=torch.float64), torch.randn(2, 3, 5, 8, generator=gen,
-                                                                                    dtype=torch.float64)
+    q, k = (
+        torch.randn(2, 3, 5, 8, generator=gen, dtype=torch.float64),
+        torch.randn(2, 3, 5, 8, generator=gen, dtype=torch.float64),
+    )
     ang = torch.rand(5, 4, generator=gen, dtype=torch.float64) * 6
     cos, sin = ang.cos(), ang.sin()
     qo, _ = mmdit.torch_rope(q, k, cos, sin)
@@ -137,22 +176,49 @@ def test_shapes_patchify_roundtrip_and_ids():
     cfg = MMDiTConfig.from_preset("tiny")
     model = build_model(cfg)
     b, lt = 2, 9
-    out = model(tok, ids, torch.randn(b, lt, cfg.context_dim), text_ids(lt), torch.rand(b),
-                torch.randn(b, cfg.pooled_dim), torch.ones(b))
+    out = model(
+        tok,
+        ids,
+        torch.randn(b, lt, cfg.context_dim),
+        text_ids(lt),
+        torch.rand(b),
+        torch.randn(b, cfg.pooled_dim),
+        torch.ones(b),
+    )
     assert out.shape == tok.shape
     # batched ids (B, L, 3) give the same result as shared ids
-    out2 = model(tok, ids.expand(b, -1, -1), torch.zeros(b, lt, cfg.context_dim), text_ids(lt).expand(b, -1, -1),
-                 torch.full((b,), 0.3), torch.zeros(b, cfg.pooled_dim), torch.ones(b))
-    out1 = model(tok, ids, torch.zeros(b, lt, cfg.context_dim), text_ids(lt),
-                 torch.full((b,), 0.3), torch.zeros(b, cfg.pooled_dim), torch.ones(b))
+    out2 = model(
+        tok,
+        ids.expand(b, -1, -1),
+        torch.zeros(b, lt, cfg.context_dim),
+        text_ids(lt).expand(b, -1, -1),
+        torch.full((b,), 0.3),
+        torch.zeros(b, cfg.pooled_dim),
+        torch.ones(b),
+    )
+    out1 = model(
+        tok,
+        ids,
+        torch.zeros(b, lt, cfg.context_dim),
+        text_ids(lt),
+        torch.full((b,), 0.3),
+        torch.zeros(b, cfg.pooled_dim),
+        torch.ones(b),
+    )
     assert_close(out2, out1, dtype=torch.float32, name="batched ids")
 
 
 def _tiny_inputs(cfg, b=2, h=3, w=4, lt=5, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, h * w, cfg.in_channels, generator=g), image_ids(h, w),
-            torch.randn(b, lt, cfg.context_dim, generator=g), text_ids(lt), torch.rand(b, generator=g),
-            torch.randn(b, cfg.pooled_dim, generator=g), torch.full((b,), 2.0))
+    return (
+        torch.randn(b, h * w, cfg.in_channels, generator=g),
+        image_ids(h, w),
+        torch.randn(b, lt, cfg.context_dim, generator=g),
+        text_ids(lt),
+        torch.rand(b, generator=g),
+        torch.randn(b, cfg.pooled_dim, generator=g),
+        torch.full((b,), 2.0),
+    )
 
 
 def test_gradients_reach_every_parameter():
@@ -184,7 +250,7 @@ def test_txt_mask_ignores_padded_caption_tokens():
     img, iid, txt, tid, t, y, g = _tiny_inputs(cfg, lt=6)
     mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     txt2 = txt.clone()
-    txt2[0, 4:] = torch.randn(2, cfg.context_dim)      # change only the padded tokens of sample 0
+    txt2[0, 4:] = torch.randn(2, cfg.context_dim)  # change only the padded tokens of sample 0
     with torch.no_grad():
         a = model(img, iid, txt, tid, t, y, g, txt_mask=mask)
         b = model(img, iid, txt2, tid, t, y, g, txt_mask=mask)
@@ -197,7 +263,7 @@ def test_presets_param_counts_on_meta():
         assert all(p.is_meta for p in m.parameters())
         assert num_params(m) == analytic_param_count(m.cfg), name
     flux = build_model("flux-dev", device="meta")
-    assert 11.8e9 < num_params(flux) < 12.0e9          # FLUX.1-dev: ~11.9B
+    assert 11.8e9 < num_params(flux) < 12.0e9  # FLUX.1-dev: ~11.9B
     assert len(flux.double_blocks) == 19 and len(flux.single_blocks) == 38
 
 
@@ -208,8 +274,15 @@ def test_forward_flops_match_flop_counter_on_meta():
     model = build_model(cfg, device="meta")
     b, h, w, lt = 2, 6, 5, 11
     with torch.device("meta"):
-        args = (torch.randn(b, h * w, cfg.in_channels), image_ids(h, w), torch.randn(b, lt, cfg.context_dim),
-                text_ids(lt), torch.rand(b), torch.randn(b, cfg.pooled_dim), torch.ones(b))
+        args = (
+            torch.randn(b, h * w, cfg.in_channels),
+            image_ids(h, w),
+            torch.randn(b, lt, cfg.context_dim),
+            text_ids(lt),
+            torch.rand(b),
+            torch.randn(b, cfg.pooled_dim),
+            torch.ones(b),
+        )
     with FlopCounterMode(display=False) as fc:
         model(*args)
     assert fc.get_total_flops() == forward_flops(cfg, b, h * w, lt)["total"]
@@ -237,16 +310,25 @@ def test_seams_fall_back_or_refuse():
         assert e.value.param == "recipe"
 
 
-@pytest.mark.parametrize("kw", [dict(kernels="reference"), dict(kernels={"default": "eager", "rope": "reference"}),
-                                dict(attention_path="math"), dict(recipe="fp8_tensor")])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(kernels="reference"),
+        dict(kernels={"default": "eager", "rope": "reference"}),
+        dict(attention_path="math"),
+        dict(recipe="fp8_tensor"),
+    ],
+)
 def test_seams_swap_implementations(kw):
     """Each seam changes what runs, not what is computed (within the recipe's precision)."""
     batch_args = _tiny_inputs(MMDiTConfig.from_preset("tiny"), seed=11)
     ref = build_model("tiny", seed=10)
     alt = build_model("tiny", seed=10, **kw)
     if "kernels" in kw and isinstance(kw["kernels"], dict):
-        assert alt.seams["kernels.qk_norm_rope"].startswith("composed") and "rope/reference" in \
-            alt.seams["kernels.qk_norm_rope"]
+        assert (
+            alt.seams["kernels.qk_norm_rope"].startswith("composed")
+            and "rope/reference" in alt.seams["kernels.qk_norm_rope"]
+        )
     if kw.get("attention_path") == "math" and mmdit.attention_paths() is not None:
         assert alt.seams["attention_path"] == "math"
     with torch.no_grad():
@@ -255,19 +337,22 @@ def test_seams_swap_implementations(kw):
         if mmdit.recipe_names() is None:
             pytest.skip("lab_utils.precision not importable")
         assert alt.seams["recipe"] == "fp8_tensor"
-        assert 0 < rel_error(b, a) < 0.1        # fp8 matmuls: close, not equal
+        assert 0 < rel_error(b, a) < 0.1  # fp8 matmuls: close, not equal
     else:
         assert_close(b, a, dtype=torch.float32, name=str(kw))
 
 
-@pytest.mark.parametrize("kw,param", [
-    (dict(preset="nope"), "preset"),
-    (dict(num_heads=128), "num_heads"),          # more heads than hidden_size=64 allows
-    (dict(num_heads=5), "num_heads"),            # not a divisor
-    (dict(axes_dim=(4, 4, 4)), "axes_dim"),      # does not sum to head_dim 16
-    (dict(hidden_size=0), "hidden_size"),
-    (dict(mlp_ratio=0), "mlp_ratio"),
-])
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        (dict(preset="nope"), "preset"),
+        (dict(num_heads=128), "num_heads"),  # more heads than hidden_size=64 allows
+        (dict(num_heads=5), "num_heads"),  # not a divisor
+        (dict(axes_dim=(4, 4, 4)), "axes_dim"),  # does not sum to head_dim 16
+        (dict(hidden_size=0), "hidden_size"),
+        (dict(mlp_ratio=0), "mlp_ratio"),
+    ],
+)
 def test_bad_config_names_the_parameter(kw, param):
     preset = kw.pop("preset", "tiny")
     with pytest.raises(ConfigError) as e:

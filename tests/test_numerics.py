@@ -1,4 +1,5 @@
 """lab_utils.numerics: error metrics, distributions, captured tensors, grid histogram."""
+
 import math
 
 import pytest
@@ -25,7 +26,7 @@ def test_flushed_and_saturated_fractions():
     s = N.error_stats(x, "mxfp4")
     assert s.saturated_frac == pytest.approx(2 / 32)
     assert s.flushed_frac == pytest.approx(1 / 32)
-    r = N.error_stats(x, "mxfp4", scale_rule="rceil")     # rceil never saturates
+    r = N.error_stats(x, "mxfp4", scale_rule="rceil")  # rceil never saturates
     assert r.saturated_frac == 0
 
 
@@ -33,7 +34,7 @@ def test_error_metrics_definitions(gen):
     x = torch.randn(64, 64, generator=gen)
     q = Q.fake_quantize(x, "mxfp8_e4m3")
     m = N.error_metrics(q, x)
-    d = (q.double() - x.double())
+    d = q.double() - x.double()
     assert m["rel_fro"] == pytest.approx(float(d.norm() / x.double().norm()))
     assert m["sqnr_db"] == pytest.approx(-20 * math.log10(m["rel_fro"]))
     assert m["max_abs"] == pytest.approx(float(d.abs().max()))
@@ -67,7 +68,7 @@ def test_sqnr_table_rows_and_ordering():
 
 
 def test_format_grid_histogram_counts(gen):
-    x = torch.randn(7, 50, generator=gen)                # 50 is padded to 64 for MX: padding not counted
+    x = torch.randn(7, 50, generator=gen)  # 50 is padded to 64 for MX: padding not counted
     for fmt in ("mxfp4", "fp8_e4m3", "nvfp4"):
         h = N.format_grid_histogram(x, fmt)
         assert h["count"].sum() == x.numel()
@@ -93,8 +94,11 @@ def test_capture_from_mmdit_tiny():
 
     task = P.mmdit_task("tiny", batch_size=2)
     model = task.make_model(0)
-    cap = N.capture_linear_tensors(model, lambda: task.loss(model, 0, 0)[0].mean(),
-                                   names=["double_blocks.0.img_attn.qkv", "single_blocks.0.linear2"])
+    cap = N.capture_linear_tensors(
+        model,
+        lambda: task.loss(model, 0, 0)[0].mean(),
+        names=["double_blocks.0.img_attn.qkv", "single_blocks.0.linear2"],
+    )
     assert set(k.split(":")[0] for k in cap.tensors) == {"weight", "activation", "gradient"}
     assert cap.by_kind("activation")["single_blocks.0.linear2"].shape[-1] == 320
     assert all(bool(torch.isfinite(v).all()) for v in cap.tensors.values())

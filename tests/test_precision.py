@@ -1,4 +1,5 @@
 """lab_utils.precision: recipes, the swapped linear (forward + both gradients), torchao, convergence."""
+
 import math
 
 import pytest
@@ -6,7 +7,6 @@ import torch
 from torch import nn
 
 import lab_kernels  # noqa: F401
-from lab_kernels import quant as Q
 from lab_utils import precision as P
 from lab_utils.checks import assert_bitwise_equal, assert_close
 from lab_utils.config import ConfigError
@@ -14,8 +14,10 @@ from lab_utils.config import ConfigError
 
 def _manual(x, w, b, dy, r: P.Recipe):
     """The recipe's three matmuls written out: each operand quantized along its contraction axis."""
+
     def q(t, tq, axis):
         return tq.apply(t, axis) if tq is not None else t
+
     x2 = x.reshape(-1, x.shape[-1])
     g = dy.reshape(-1, dy.shape[-1])
     y = q(x2, r.fwd_x, -1) @ q(w, r.fwd_w, -1).T + b
@@ -90,7 +92,7 @@ def test_apply_recipe_to_mmdit_respects_keep_list():
 
 
 def test_model_config_recipe_seam():
-    from lab_utils import mmdit as M
+    from lab_utils.model import mmdit as M
 
     assert "fp8_tensor" in (M.recipe_names() or ())
     model = M.build_model(M.resolve_config("tiny", recipe="fp8_tensor"))
@@ -104,6 +106,7 @@ def test_torchao_float8_recipe_runs_emulated_on_cpu():
     m = P.apply_recipe(task.make_model(0), "torchao_float8_tensorwise")
     assert m.precision_report["converted"].sum() > 0
     from torchao.float8.float8_linear import Float8Linear
+
     assert isinstance(m.double_blocks[0].img_attn.qkv, Float8Linear)
     per, _ = task.loss(m, 0, 0)
     per.mean().backward()

@@ -1,4 +1,5 @@
 """The full-step profiler: phases add up, categories present, trace valid, FLOPs, CUDA-trace analysis."""
+
 from __future__ import annotations
 
 import json
@@ -7,18 +8,33 @@ import pytest
 import torch
 
 from lab_utils.config import ConfigError
-from lab_utils.profiler import (CATEGORIES, IDLE, analyse_trace, categorize, count_flops, profile_training,
-                                training_step_flops)
+from lab_utils.model.train import PHASES, TrainConfig, Trainer, rf_loss, synthetic_batch
+from lab_utils.profiler import (
+    CATEGORIES,
+    IDLE,
+    analyse_trace,
+    categorize,
+    count_flops,
+    profile_training,
+    training_step_flops,
+)
 from lab_utils.records import Recorder
-from lab_utils.train import PHASES, TrainConfig, Trainer, rf_loss, synthetic_batch
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    tr = Trainer(TrainConfig(device="cpu", num_samples=8, ckpt_every=2, ckpt_format="torch",
-                             buckets=[[64, 64], [48, 80]], max_caption_len=12))
+    tr = Trainer(
+        TrainConfig(
+            device="cpu",
+            num_samples=8,
+            ckpt_every=2,
+            ckpt_format="torch",
+            buckets=[[64, 64], [48, 80]],
+            max_caption_len=12,
+        )
+    )
     out = tmp_path_factory.mktemp("prof")
     tr.checkpointer.dir = out / "ckpt"
     tr.checkpointer.dir.mkdir()
@@ -37,15 +53,14 @@ def test_phases_add_up_to_step_time(report):
         assert abs(r.phase_sum_ms - r.step_ms) / r.step_ms < 0.05, (r.step, r.phase_sum_ms, r.step_ms)
     seen = set(report.analysis.phases.phase)
     assert seen >= {"data_loading", "text_encoding", "image_encoding", "forward", "backward", "optimizer"}
-    assert "checkpoint" in seen            # ckpt_every=2 saves on profiled steps 2 and 4
+    assert "checkpoint" in seen  # ckpt_every=2 saves on profiled steps 2 and 4
     assert seen <= set(PHASES)
 
 
 def test_categories_present_and_account_for_the_step(report):
     cat = report.analysis.categories.set_index("category").ms
     assert list(cat.index) == [*CATEGORIES, IDLE]
-    for c in ("matmul", "attention", "normalization", "elementwise/activation", "reduction", "copy/cast",
-              "optimizer"):
+    for c in ("matmul", "attention", "normalization", "elementwise/activation", "reduction", "copy/cast", "optimizer"):
         assert cat[c] > 0, c
     total = report.analysis.steps.step_ms.sum()
     # one CPU thread: operators' self times + uncovered time == step time
@@ -71,7 +86,7 @@ def test_flops_per_step_meta_equals_real_cpu_count(report):
     cfg = TrainConfig(device="cpu").model_config()
     assert all(f > 0 for f in report.step_flops)
     meta = training_step_flops(cfg, 2, (3, 5), 9)
-    from lab_utils.mmdit import build_model
+    from lab_utils.model.mmdit import build_model
 
     model = build_model(cfg).train()
     batch = synthetic_batch(cfg, 2, height=48, width=80, txt_len=9)
@@ -85,12 +100,12 @@ def test_categorize_cuda_kernel_names():
     assert categorize("flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>") == "attention"
     assert categorize("void at::native::vectorized_layer_norm_kernel<float>") == "normalization"
     assert categorize("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "communication"
-    assert categorize("void at::native::vectorized_elementwise_kernel<4, GeluCUDAKernelImpl>") == \
-        "elementwise/activation"
+    assert (
+        categorize("void at::native::vectorized_elementwise_kernel<4, GeluCUDAKernelImpl>") == "elementwise/activation"
+    )
     assert categorize("void at::native::reduce_kernel<512, 1>") == "reduction"
     assert categorize("Memcpy HtoD (Pinned -> Device)") == "copy/cast"
-    assert categorize("void at::native::elementwise_kernel<128, 2>", "aten::add_", under_optimizer=True) == \
-        "optimizer"
+    assert categorize("void at::native::elementwise_kernel<128, 2>", "aten::add_", under_optimizer=True) == "optimizer"
 
 
 def test_analyse_synthetic_cuda_trace(tmp_path):
@@ -104,26 +119,46 @@ def test_analyse_synthetic_cuda_trace(tmp_path):
         dict(ph="X", cat="cpu_op", name="aten::mm", ts=20, dur=30, pid=1, tid=1, args={"External id": 7}),
         dict(ph="X", cat="user_annotation", name="optimizer", ts=520, dur=470, pid=1, tid=1),
         dict(ph="X", cat="user_annotation", name="Optimizer.step#AdamW.step", ts=530, dur=400, pid=1, tid=1),
-        dict(ph="X", cat="cpu_op", name="aten::_foreach_mul_", ts=540, dur=20, pid=1, tid=1,
-             args={"External id": 8}),
-        dict(ph="X", cat="kernel", name="sm90_xmma_gemm_f32", ts=100, dur=300, pid=0, tid=7,
-             args={"External id": 7}),
-        dict(ph="X", cat="kernel", name="multi_tensor_apply_kernel", ts=600, dur=100, pid=0, tid=7,
-             args={"External id": 8}),
-        dict(ph="X", cat="kernel", name="flash_fwd_kernel", ts=650, dur=100, pid=0, tid=8),   # overlaps
-        dict(ph="i", cat="cpu_instant_event", name="[memory]", ts=5, pid=1, tid=1,
-             args={"Total Allocated": 1 << 20, "Device Type": 1}),
-        dict(ph="i", cat="cpu_instant_event", name="[memory]", ts=300, pid=1, tid=1,
-             args={"Total Allocated": 3 << 20, "Device Type": 1}),
+        dict(ph="X", cat="cpu_op", name="aten::_foreach_mul_", ts=540, dur=20, pid=1, tid=1, args={"External id": 8}),
+        dict(ph="X", cat="kernel", name="sm90_xmma_gemm_f32", ts=100, dur=300, pid=0, tid=7, args={"External id": 7}),
+        dict(
+            ph="X",
+            cat="kernel",
+            name="multi_tensor_apply_kernel",
+            ts=600,
+            dur=100,
+            pid=0,
+            tid=7,
+            args={"External id": 8},
+        ),
+        dict(ph="X", cat="kernel", name="flash_fwd_kernel", ts=650, dur=100, pid=0, tid=8),  # overlaps
+        dict(
+            ph="i",
+            cat="cpu_instant_event",
+            name="[memory]",
+            ts=5,
+            pid=1,
+            tid=1,
+            args={"Total Allocated": 1 << 20, "Device Type": 1},
+        ),
+        dict(
+            ph="i",
+            cat="cpu_instant_event",
+            name="[memory]",
+            ts=300,
+            pid=1,
+            tid=1,
+            args={"Total Allocated": 3 << 20, "Device Type": 1},
+        ),
     ]
     p = tmp_path / "t.json"
     p.write_text(json.dumps({"traceEvents": ev}))
     a = analyse_trace(p)
     assert a.device_kind == "cuda" and a.source == "cuda kernels"
-    assert len(a.steps) == 1 and set(a.phases.phase) == {"forward", "optimizer"}   # host ranges only
+    assert len(a.steps) == 1 and set(a.phases.phase) == {"forward", "optimizer"}  # host ranges only
     st = a.steps.iloc[0]
     assert st.step == 4 and st.step_ms == pytest.approx(1.0) and st.phase_sum_ms == pytest.approx(0.97)
-    assert st.busy_ms == pytest.approx(0.45)           # 300 + union(600-700, 650-750) = 450 us
+    assert st.busy_ms == pytest.approx(0.45)  # 300 + union(600-700, 650-750) = 450 us
     assert st.idle_ms == pytest.approx(0.55)
     cat = a.categories.set_index("category").ms
     assert cat["matmul"] == pytest.approx(0.3) and cat["optimizer"] == pytest.approx(0.1)
@@ -141,8 +176,17 @@ def test_bad_profile_steps():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: kernel categories, memory history")
 def test_cuda_profile_kernels_and_memory_history(tmp_path, monkeypatch):
     monkeypatch.setenv("PERFLAB_ARTIFACTS_DIR", str(tmp_path))
-    tr = Trainer(TrainConfig(device="cuda", num_samples=8, autocast="bf16", ckpt_every=2, ckpt_format="dcp_async",
-                             pin_memory=True, num_workers=1))
+    tr = Trainer(
+        TrainConfig(
+            device="cuda",
+            num_samples=8,
+            autocast="bf16",
+            ckpt_every=2,
+            ckpt_format="dcp_async",
+            pin_memory=True,
+            num_workers=1,
+        )
+    )
     try:
         rep = profile_training(tr, active=2, warmup=1, out_dir=tmp_path)
     finally:

@@ -1,11 +1,12 @@
 """qk_norm_rope: every variant against float64, poisoned outputs, strides, bad inputs."""
+
 import pytest
 import torch
 
 from lab_kernels import get_variant, variants
 from lab_kernels import qk_norm_rope as K
 from lab_utils.checks import assert_close, poison_, tolerance
-from lab_utils.kernel_bench import Problem, assert_variant_ok
+from lab_utils.fused import Problem, assert_variant_ok
 
 OP = "qk_norm_rope"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -61,8 +62,9 @@ def test_strided_qk_views(gen):
     qo, ko = K.qk_norm_rope(q, k, qw, kw, cos, sin)
     got = torch.autograd.grad(qo.sum() + 3 * ko.sum(), (qkv, qw, kw))
     ds = [t.detach().double().requires_grad_() for t in (qkv, qw, kw)]
-    rq, rk = K.reference_qk_norm_rope(ds[0][:, :, 0].transpose(1, 2), ds[0][:, :, 1].transpose(1, 2), ds[1], ds[2],
-                                      cos.double(), sin.double())
+    rq, rk = K.reference_qk_norm_rope(
+        ds[0][:, :, 0].transpose(1, 2), ds[0][:, :, 1].transpose(1, 2), ds[1], ds[2], cos.double(), sin.double()
+    )
     exp = torch.autograd.grad(rq.sum() + 3 * rk.sum(), ds)
     assert_close(qo, rq, dtype=torch.float32, name="q_out")
     assert_close(ko, rk, dtype=torch.float32, name="k_out")

@@ -1,4 +1,5 @@
 """lab_kernels.quant: exact element rounding, scaling rules, reference == Triton == torchao."""
+
 import math
 
 import pytest
@@ -19,6 +20,7 @@ def _torch_cast_codes(v: torch.Tensor, elem: str) -> torch.Tensor:
     vc = torch.where(torch.isnan(v), v, v.clamp(-f.max, f.max))
     if elem == "e2m1":
         from torchao.prototype.mx_formats.kernels import f32_to_f4_unpacked
+
         return f32_to_f4_unpacked(vc.float())
     return vc.float().to(f.torch_dtype).view(torch.uint8)
 
@@ -36,7 +38,7 @@ def test_every_code_round_trips(elem, backend):
     q, c = Q.cast_elements(vals[finite], elem, backend=backend)
     assert_bitwise_equal(q, vals[finite], name=f"{elem} values")
     assert_bitwise_equal(c, codes[finite], name=f"{elem} codes")
-    if f.torch_dtype is not None:   # our decoder agrees with torch's float8 dtypes on every code
+    if f.torch_dtype is not None:  # our decoder agrees with torch's float8 dtypes on every code
         ref = codes.view(f.torch_dtype).float()
         assert torch.equal(torch.isnan(ref), torch.isnan(vals))
         assert torch.equal(ref[finite], vals[finite])
@@ -48,9 +50,9 @@ def test_every_code_round_trips(elem, backend):
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_midpoints_ties_to_even_and_neighbours(elem, backend):
-    v = Q.representable_values(elem)                           # float64, sorted, ±
-    mids = (v[1:] + v[:-1]) / 2                                # exact in fp32 for these grids
-    away = torch.sign(mids.float()) * math.inf             # nudge away from / towards zero by one fp32 ulp
+    v = Q.representable_values(elem)  # float64, sorted, ±
+    mids = (v[1:] + v[:-1]) / 2  # exact in fp32 for these grids
+    away = torch.sign(mids.float()) * math.inf  # nudge away from / towards zero by one fp32 ulp
     up = torch.nextafter(mids.float(), away)
     dn = torch.nextafter(mids.float(), -away)
     x = torch.cat([mids.float(), up, dn])
@@ -61,20 +63,38 @@ def test_midpoints_ties_to_even_and_neighbours(elem, backend):
     lo, hi = v[:-1], v[1:]
     assert bool(((qm == lo) | (qm == hi)).all())
     assert bool((c[: len(mids)] & 1 == 0).all()), "a tie did not round to an even mantissa"
-    assert torch.equal(q[len(mids): 2 * len(mids)].double().abs(), torch.maximum(lo.abs(), hi.abs()))
+    assert torch.equal(q[len(mids) : 2 * len(mids)].double().abs(), torch.maximum(lo.abs(), hi.abs()))
 
 
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_subnormals_saturation_and_specials(elem, backend):
     f = Q.ELEM_FORMATS[elem]
-    tiny = 2.0 ** (f.emin - f.mbits)                          # smallest subnormal
-    x = torch.tensor([tiny, tiny / 2, tiny * 0.5000001, tiny * 1.5, -tiny / 2, -0.0, 0.0, 2.0 ** -60,
-                      f.max, f.max * 1.03, -f.max * 7, 1e30, math.inf, -math.inf, math.nan])
+    tiny = 2.0 ** (f.emin - f.mbits)  # smallest subnormal
+    x = torch.tensor(
+        [
+            tiny,
+            tiny / 2,
+            tiny * 0.5000001,
+            tiny * 1.5,
+            -tiny / 2,
+            -0.0,
+            0.0,
+            2.0**-60,
+            f.max,
+            f.max * 1.03,
+            -f.max * 7,
+            1e30,
+            math.inf,
+            -math.inf,
+            math.nan,
+        ]
+    )
     q, c = Q.cast_elements(x, elem, backend=backend)
-    exp = torch.tensor([tiny, 0.0, tiny, 2 * tiny, -0.0, -0.0, 0.0, 0.0,
-                        f.max, f.max, -f.max, f.max, f.max, -f.max, math.nan])
-    assert_bitwise_equal(q, exp.float(), name=f"{elem} specials")          # -0 keeps its sign, NaN canonical
+    exp = torch.tensor(
+        [tiny, 0.0, tiny, 2 * tiny, -0.0, -0.0, 0.0, 0.0, f.max, f.max, -f.max, f.max, f.max, -f.max, math.nan]
+    )
+    assert_bitwise_equal(q, exp.float(), name=f"{elem} specials")  # -0 keeps its sign, NaN canonical
     assert c[-1].item() == f.nan_code
     assert_bitwise_equal(c[:-3], _torch_cast_codes(x[:-3], elem), name=f"{elem} finite codes")
 
@@ -107,24 +127,29 @@ def test_stochastic_reference_equals_triton(gen):
 # ------------------------------------------------------------------ scaled formats: reference == Triton
 
 
-CASES = ([("fp8_e4m3", g, "floor") for g in ("tensor", "row", "block", "block2d", "none")]
-         + [("fp8_e5m2", g, "floor") for g in ("tensor", "row", "block")]
-         + [(f, None, r) for f in ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4") for r in ("floor", "rceil")]
-         + [("nvfp4", None, "floor")])
+CASES = (
+    [("fp8_e4m3", g, "floor") for g in ("tensor", "row", "block", "block2d", "none")]
+    + [("fp8_e5m2", g, "floor") for g in ("tensor", "row", "block")]
+    + [(f, None, r) for f in ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4") for r in ("floor", "rceil")]
+    + [("nvfp4", None, "floor")]
+)
 
 
 @pytest.mark.parametrize("fmt,gran,rule", CASES)
 def test_reference_equals_triton_bitwise(fmt, gran, rule, gen):
     x = torch.randn(23, 150, generator=gen) * torch.exp(torch.randn(23, 1, generator=gen) * 3)
-    x[2, :40] *= 1e-9                      # tiny block -> subnormal scaled values / small scales
-    x[5, 7] = 3e4                          # an outlier
+    x[2, :40] *= 1e-9  # tiny block -> subnormal scaled values / small scales
+    x[5, 7] = 3e4  # an outlier
     bs = 64 if gran in ("block", "block2d") else None
     kw = dict(granularity=gran, scale_rule=rule, block_size=bs, pad=True)
     a = Q.quantize(x, fmt, **kw)
     b = Q.quantize(x, fmt, backend="triton", **kw)
     assert_bitwise_equal(b.codes(), a.codes(), name="codes")
-    assert_bitwise_equal(b.scale.view(torch.uint8) if b.scale.element_size() == 1 else b.scale,
-                         a.scale.view(torch.uint8) if a.scale.element_size() == 1 else a.scale, name="scales")
+    assert_bitwise_equal(
+        b.scale.view(torch.uint8) if b.scale.element_size() == 1 else b.scale,
+        a.scale.view(torch.uint8) if a.scale.element_size() == 1 else a.scale,
+        name="scales",
+    )
     fq = Q.fake_quantize(x, fmt, **kw)
     assert_bitwise_equal(Q.fake_quantize(x, fmt, backend="triton", **kw), fq, name="fake_quantize")
     assert_bitwise_equal(a.dequantize(torch.float32), fq, name="packed dequantize")
@@ -134,8 +159,9 @@ def test_axis_and_3d_inputs(gen):
     x = torch.randn(3, 64, 5, generator=gen)
     for fmt in ("mxfp8_e4m3", "nvfp4", "fp8_e4m3"):
         a = Q.fake_quantize(x, fmt, axis=1, granularity="row" if fmt == "fp8_e4m3" else None)
-        b = Q.fake_quantize(x.transpose(1, 2).contiguous(), fmt, axis=-1,
-                            granularity="row" if fmt == "fp8_e4m3" else None).transpose(1, 2)
+        b = Q.fake_quantize(
+            x.transpose(1, 2).contiguous(), fmt, axis=-1, granularity="row" if fmt == "fp8_e4m3" else None
+        ).transpose(1, 2)
         assert_bitwise_equal(a, b.contiguous(), name=f"{fmt} axis=1")
         c = Q.fake_quantize(x, fmt, axis=1, backend="triton", granularity="row" if fmt == "fp8_e4m3" else None)
         assert_bitwise_equal(c, a)
@@ -151,15 +177,26 @@ def test_bf16_input_returns_bf16(gen):
 # ------------------------------------------------------------------ torchao
 
 
-@pytest.mark.parametrize("fmt,gran,rule", [("fp8_e4m3", "tensor", "floor"), ("fp8_e4m3", "row", "floor"),
-                                           ("fp8_e5m2", "tensor", "floor"), ("fp8_e5m2", "row", "floor"),
-                                           ("mxfp8_e4m3", None, "floor"), ("mxfp8_e4m3", None, "rceil"),
-                                           ("mxfp8_e5m2", None, "floor"), ("mxfp8_e5m2", None, "rceil"),
-                                           ("mxfp4", None, "floor"), ("mxfp4", None, "rceil"), ("nvfp4", None, "floor")])
+@pytest.mark.parametrize(
+    "fmt,gran,rule",
+    [
+        ("fp8_e4m3", "tensor", "floor"),
+        ("fp8_e4m3", "row", "floor"),
+        ("fp8_e5m2", "tensor", "floor"),
+        ("fp8_e5m2", "row", "floor"),
+        ("mxfp8_e4m3", None, "floor"),
+        ("mxfp8_e4m3", None, "rceil"),
+        ("mxfp8_e5m2", None, "floor"),
+        ("mxfp8_e5m2", None, "rceil"),
+        ("mxfp4", None, "floor"),
+        ("mxfp4", None, "rceil"),
+        ("nvfp4", None, "floor"),
+    ],
+)
 def test_equals_torchao(fmt, gran, rule, gen):
     x = torch.randn(48, 96, generator=gen) * torch.exp(torch.randn(48, 1, generator=gen) * 4)
     x[0, :32] = 0.0
-    x[1, :40] *= 1e-35                       # fp32-subnormal descale (amax / max_elem)
+    x[1, :40] *= 1e-35  # fp32-subnormal descale (amax / max_elem)
     x[2, :32] *= 1e-37
     mine = Q.fake_quantize(x, fmt, granularity=gran, scale_rule=rule)
     theirs = variants("quant", kinds=("library",))[0](x, fmt, granularity=gran, scale_rule=rule)
@@ -189,10 +226,10 @@ def test_rceil_is_exact_where_torchao_fallback_uses_float_log2():
     # amax just above a power of two: ceil(log2(amax/448)) must round up; torchao's CPU
     # fallback computes log2 in fp32 and can miss it (hardware cvt.rp does not).
     x = torch.zeros(1, 32)
-    x[0, 0] = 448.0 * 2.0 ** 100 * (1 + 2.0 ** -23)
+    x[0, 0] = 448.0 * 2.0**100 * (1 + 2.0**-23)
     qt = Q.quantize(x, "mxfp8_e4m3", scale_rule="rceil")
     assert int(qt.scale.view(torch.uint8)) == 127 + 101
-    assert float(qt.dequantize(torch.float32)[0, 0]) <= 448.0 * 2.0 ** 101      # no saturation with rceil
+    assert float(qt.dequantize(torch.float32)[0, 0]) <= 448.0 * 2.0**101  # no saturation with rceil
 
 
 # ------------------------------------------------------------------ scale rules, non-finite, padding
@@ -210,22 +247,23 @@ def test_mx_scale_rules(gen):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("fmt,gran", [("fp8_e4m3", "row"), ("fp8_e4m3", "block"), ("mxfp8_e4m3", None),
-                                      ("mxfp4", None), ("nvfp4", None)])
+@pytest.mark.parametrize(
+    "fmt,gran", [("fp8_e4m3", "row"), ("fp8_e4m3", "block"), ("mxfp8_e4m3", None), ("mxfp4", None), ("nvfp4", None)]
+)
 def test_nonfinite_poisons_only_its_group(fmt, gran, backend, gen):
     x = torch.randn(4, 256, generator=gen)
     x[1, 3] = math.nan
     x[2, 200] = math.inf
     y = Q.fake_quantize(x, fmt, granularity=gran, backend=backend)
     clean = Q.fake_quantize(x[[0, 3]], fmt, granularity=gran, backend=backend)
-    if fmt != "nvfp4":           # nvfp4's tensor scale is shared (from the finite values): compare blocks
+    if fmt != "nvfp4":  # nvfp4's tensor scale is shared (from the finite values): compare blocks
         assert_bitwise_equal(y[[0, 3]], clean, name="clean rows")
     assert bool(torch.isfinite(y[[0, 3]]).all())
     g = Q.FORMATS[fmt].block_size if gran != "row" else 256
     if gran == "block":
         g = 128
-    s = (200 // g) * g                     # the block holding the Inf
-    assert bool(torch.isnan(y[1, :g]).all()) and bool(torch.isnan(y[2, s:s + g]).all())
+    s = (200 // g) * g  # the block holding the Inf
+    assert bool(torch.isnan(y[1, :g]).all()) and bool(torch.isnan(y[2, s : s + g]).all())
     if g < 256:
         assert bool(torch.isfinite(y[1, g:]).all()) and bool(torch.isfinite(y[2, :s]).all())
 
@@ -253,15 +291,23 @@ def test_padding_is_zero_fill_and_refusal_names_block_size(gen):
         Q.quantize(x, "fp8_e4m3", granularity="block", block_size=32)
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    (dict(fmt="fp7"), "fmt"), (dict(fmt="mxfp4", scale_rule="ceil"), "scale_rule"),
-    (dict(fmt="nvfp4", rounding="up"), "rounding"), (dict(fmt="fp8_e4m3", granularity="col"), "granularity"),
-    (dict(fmt="mxfp4", granularity="row"), "granularity"), (dict(fmt="mxfp4", block_size=16), "block_size"),
-    (dict(fmt="nvfp4", block_size=32), "block_size"), (dict(fmt="fp8_e4m3", granularity="block", block_size=0),
-                                                       "block_size"),
-    (dict(fmt="mxfp4", axis=3), "axis"), (dict(fmt="mxfp4", backend="cuda"), "backend"),
-    (dict(fmt="mxfp4", nonfinite="ignore"), "nonfinite"), (dict(fmt="mxfp4", hadamard=24), "hadamard"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        (dict(fmt="fp7"), "fmt"),
+        (dict(fmt="mxfp4", scale_rule="ceil"), "scale_rule"),
+        (dict(fmt="nvfp4", rounding="up"), "rounding"),
+        (dict(fmt="fp8_e4m3", granularity="col"), "granularity"),
+        (dict(fmt="mxfp4", granularity="row"), "granularity"),
+        (dict(fmt="mxfp4", block_size=16), "block_size"),
+        (dict(fmt="nvfp4", block_size=32), "block_size"),
+        (dict(fmt="fp8_e4m3", granularity="block", block_size=0), "block_size"),
+        (dict(fmt="mxfp4", axis=3), "axis"),
+        (dict(fmt="mxfp4", backend="cuda"), "backend"),
+        (dict(fmt="mxfp4", nonfinite="ignore"), "nonfinite"),
+        (dict(fmt="mxfp4", hadamard=24), "hadamard"),
+    ],
+)
 def test_bad_input_names_parameter(kwargs, param):
     with pytest.raises(ValueError, match=f"'{param}'"):
         Q.fake_quantize(torch.randn(4, 64), **kwargs)
@@ -277,7 +323,7 @@ def test_integer_input_refused():
 
 def test_fp4_packing_low_nibble_first():
     x = torch.tensor([[0.5, 6.0, -1.0, 0.0] + [0.0] * 28])
-    qt = Q.quantize(x, "mxfp4")                        # amax 6 -> scale 2^(2-2) = 1
+    qt = Q.quantize(x, "mxfp4")  # amax 6 -> scale 2^(2-2) = 1
     assert int(qt.scale.view(torch.uint8)) == 127
     assert qt.data[0, 0].item() == (0x7 << 4) | 0x1 and qt.data[0, 1].item() == 0xA
     assert qt.data.dtype == torch.uint8 and qt.data.shape == (1, 16)
@@ -287,7 +333,7 @@ def test_hadamard_is_orthonormal_and_helps_outliers(gen):
     H = Q.hadamard_matrix(32, seed=3, dtype=torch.float64)
     assert torch.allclose(H @ H.T, torch.eye(32, dtype=torch.float64), atol=1e-12)
     x = torch.randn(64, 128, generator=gen)
-    x[:, 5] *= 60                                      # an outlier channel
+    x[:, 5] *= 60  # an outlier channel
     back = Q.hadamard_transform(Q.hadamard_transform(x, 32), 32, inverse=True)
     assert torch.allclose(back, x, atol=1e-4)
     plain = sqnr_db(Q.fake_quantize(x, "mxfp4"), x)
@@ -296,8 +342,15 @@ def test_hadamard_is_orthonormal_and_helps_outliers(gen):
 
 
 # fixed-seed Gaussian SQNR floors (dB); the measured values sit ~1 dB above.
-SQNR_FLOORS = {("fp8_e4m3", "tensor"): 30.0, ("fp8_e4m3", "row"): 30.5, ("fp8_e5m2", "tensor"): 24.5,
-               ("mxfp8_e4m3", None): 29.5, ("mxfp8_e5m2", None): 24.0, ("mxfp4", None): 17.5, ("nvfp4", None): 19.5}
+SQNR_FLOORS = {
+    ("fp8_e4m3", "tensor"): 30.0,
+    ("fp8_e4m3", "row"): 30.5,
+    ("fp8_e5m2", "tensor"): 24.5,
+    ("mxfp8_e4m3", None): 29.5,
+    ("mxfp8_e5m2", None): 24.0,
+    ("mxfp4", None): 17.5,
+    ("nvfp4", None): 19.5,
+}
 
 
 @pytest.mark.parametrize("fmt,gran", list(SQNR_FLOORS))

@@ -44,7 +44,7 @@ def test_save_to_runner_dir_and_load(tmp_path, monkeypatch):
     assert set(CONTEXT_COLUMNS) <= set(df.columns)
     assert df.iloc[0].value == 1.5 and df.iloc[0].device_kind in ("cpu", "cuda")
     assert math.isnan(df.iloc[1].value) and df.iloc[2].value == math.inf and df.value.dtype == float
-    df.to_parquet(tmp_path / "r.parquet")          # what the report writes must accept NaN rows
+    df.to_parquet(tmp_path / "r.parquet")  # what the report writes must accept NaN rows
     ctx = json.loads(path.read_text())["context"]
     assert ctx["params"] == {"dtype": "torch.float16"} and ctx["commit"]
 

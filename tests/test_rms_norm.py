@@ -1,4 +1,5 @@
 """rms_norm: every variant against the float64 reference, poisoned outputs, bad inputs."""
+
 import pytest
 import torch
 
@@ -6,12 +7,12 @@ import lab_kernels
 from lab_kernels import get_variant, variants
 from lab_kernels import rms_norm as K
 from lab_utils.checks import assert_close, poison_, tolerance
-from lab_utils.kernel_bench import Problem, assert_variant_ok, make_inputs
+from lab_utils.fused import Problem, assert_variant_ok
 
 OP = "rms_norm"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-SMALL = Problem(1, 37, 781)          # irregular, interpreter-sized
-BIG = Problem(1, 1823, 781)          # the irregular large shape, for the cheap variants
+SMALL = Problem(1, 37, 781)  # irregular, interpreter-sized
+BIG = Problem(1, 1823, 781)  # the irregular large shape, for the cheap variants
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -47,7 +48,7 @@ def test_poisoned_outputs_are_all_written(gen):
 
 
 def test_non_contiguous_input_gives_the_right_answer(gen):
-    x = torch.randn(781, 37, generator=gen).t()            # (37, 781) with strides (1, 37)
+    x = torch.randn(781, 37, generator=gen).t()  # (37, 781) with strides (1, 37)
     w = torch.randn(781, generator=gen)
     assert not x.is_contiguous()
     assert_close(K.rms_norm(x, w), K.reference_rms_norm(x.double(), w.double()), dtype=torch.float32)

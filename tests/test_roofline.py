@@ -4,8 +4,9 @@ from lab_utils.ceilings import Ceilings
 from lab_utils.roofline import roofline, roofline_curve
 from lab_utils.timing import Timing
 
-CEIL = Ceilings(device={"name": "test"}, copy_gbs=1000.0, copy_bytes=1, matmul_tflops={"bf16": 500.0, "fp32": 50.0},
-                matmul_n={})
+CEIL = Ceilings(
+    device={"name": "test"}, copy_gbs=1000.0, copy_bytes=1, matmul_tflops={"bf16": 500.0, "fp32": 50.0}, matmul_n={}
+)
 
 
 def test_memory_bound_point():
@@ -18,7 +19,7 @@ def test_memory_bound_point():
 
 def test_compute_bound_point_and_timing_input():
     t = Timing("x", "cpu", "test", (4.0, 5.0, 6.0), 1.0)
-    p = roofline(t, bytes=1e6, flops=2e12, ceilings=CEIL, dtype="bfloat16")   # intensity 2e6
+    p = roofline(t, bytes=1e6, flops=2e12, ceilings=CEIL, dtype="bfloat16")  # intensity 2e6
     assert p.bound == "compute" and p.time_ms == 5.0
     assert p.floor_ms == pytest.approx(4.0)
     assert p.tflops == pytest.approx(400) and p.pct_of_ceiling == pytest.approx(80)

@@ -1,16 +1,17 @@
 """rope (FLUX pair layout): every variant against float64, poisoned outputs, strides, bad inputs."""
+
 import pytest
 import torch
 
 from lab_kernels import get_variant, variants
 from lab_kernels import rope as K
 from lab_utils.checks import assert_close, poison_
-from lab_utils.kernel_bench import Problem, assert_variant_ok
+from lab_utils.fused import Problem, assert_variant_ok
 
 OP = "rope"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-SMALL = Problem(2, 37, 186, head_dim=62)        # q, k (2, 3, 37, 62): odd pair count, irregular L
-BIG = Problem(1, 1823, 768, head_dim=128)       # (1, 6, 1823, 128)
+SMALL = Problem(2, 37, 186, head_dim=62)  # q, k (2, 3, 37, 62): odd pair count, irregular L
+BIG = Problem(1, 1823, 768, head_dim=128)  # (1, 6, 1823, 128)
 
 
 def _tables(L, half, gen, batch=None):
@@ -43,7 +44,7 @@ def test_pair_layout_is_flux():
 def test_poisoned_outputs_and_per_batch_tables(gen):
     B, H, L, Dh = 2, 3, 11, 62
     x = torch.randn(B, H, L, Dh, generator=gen)
-    cos, sin = _tables(L, Dh // 2, gen, batch=B)                    # (B, L, Dh/2)
+    cos, sin = _tables(L, Dh // 2, gen, batch=B)  # (B, L, Dh/2)
     out = poison_(torch.empty_like(x))
     K.rope_forward(x, cos, sin, out=out)
     xd = x.double().requires_grad_()

@@ -1,11 +1,12 @@
 """swiglu: every variant against float64, poisoned outputs, bad inputs."""
+
 import pytest
 import torch
 
-from lab_kernels import variants
 from lab_kernels import swiglu as K
+from lab_kernels import variants
 from lab_utils.checks import assert_close, poison_
-from lab_utils.kernel_bench import Problem, assert_variant_ok
+from lab_utils.fused import Problem, assert_variant_ok
 
 OP = "swiglu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -22,7 +22,7 @@ def test_first_call_is_excluded():
     def fn():
         calls["n"] += 1
         if calls["n"] == 1:
-            time.sleep(0.3)   # "compilation"
+            time.sleep(0.3)  # "compilation"
         return torch.ones(3)
 
     t = bench(fn, device="cpu", reps=5, warmup_ms=1)
@@ -48,8 +48,7 @@ def test_nonfinite_output_is_refused():
     with pytest.raises(BenchError, match=r"output\[1\]"):
         bench(lambda: (torch.ones(2), torch.tensor([math.inf])), device="cpu")
     # opt-out for ops whose output is legitimately non-finite
-    assert bench(lambda: torch.tensor([math.inf]), device="cpu", reps=3, warmup_ms=1,
-                 check_finite=False).n == 3
+    assert bench(lambda: torch.tensor([math.inf]), device="cpu", reps=3, warmup_ms=1, check_finite=False).n == 3
 
 
 def test_budget_is_enforced():

@@ -1,4 +1,5 @@
 """The rectified-flow step: objective, loss decrease, full Trainer, checkpoints, compile, bad input."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,9 +7,17 @@ import torch
 
 from lab_utils.checks import assert_close
 from lab_utils.config import ConfigError
-from lab_utils.mmdit import build_model
-from lab_utils.train import (Checkpointer, TrainConfig, Trainer, compile_blocks, fit_fixed_batch, rf_loss,
-                             sample_timesteps, synthetic_batch)
+from lab_utils.model.mmdit import build_model
+from lab_utils.model.train import (
+    Checkpointer,
+    TrainConfig,
+    Trainer,
+    compile_blocks,
+    fit_fixed_batch,
+    rf_loss,
+    sample_timesteps,
+    synthetic_batch,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +51,7 @@ def test_rf_loss_is_the_velocity_mse():
 
 def test_logit_normal_timesteps():
     t = sample_timesteps(20000, torch.Generator().manual_seed(0), logit_mean=0.0, logit_std=1.0)
-    assert 0.48 < float(t.median()) < 0.52          # sigmoid(N(0,1)) has median 1/2
+    assert 0.48 < float(t.median()) < 0.52  # sigmoid(N(0,1)) has median 1/2
     logit = torch.log(t / (1 - t))
     assert abs(float(logit.std()) - 1.0) < 0.03
 
@@ -57,8 +66,17 @@ def test_loss_decreases_on_a_fixed_batch():
 
 @pytest.mark.parametrize("encoders,autocast", [("live", "none"), ("precomputed", "bf16")])
 def test_trainer_steps(artifacts, encoders, autocast):
-    tr = Trainer(TrainConfig(device="cpu", encoders=encoders, autocast=autocast, num_samples=8, batch_size=2,
-                             buckets=[[64, 64], [48, 80]], max_caption_len=12))
+    tr = Trainer(
+        TrainConfig(
+            device="cpu",
+            encoders=encoders,
+            autocast=autocast,
+            num_samples=8,
+            batch_size=2,
+            buckets=[[64, 64], [48, 80]],
+            max_caption_len=12,
+        )
+    )
     res = tr.run(3)
     tr.close()
     assert [r.step for r in res] == [0, 1, 2]
@@ -92,8 +110,9 @@ def test_checkpoint_roundtrip(tmp_path, fmt):
 
 
 def test_trainer_checkpoints_every_n(artifacts):
-    tr = Trainer(TrainConfig(device="cpu", encoders="precomputed", num_samples=4, ckpt_every=2,
-                             ckpt_format="dcp_async"))
+    tr = Trainer(
+        TrainConfig(device="cpu", encoders="precomputed", num_samples=4, ckpt_every=2, ckpt_format="dcp_async")
+    )
     res = tr.run(4)
     tr.checkpointer.wait()
     assert [r.checkpoint is not None for r in res] == [False, True, False, True]
@@ -119,16 +138,19 @@ def test_warm_compile_runs_each_shape_and_leaves_no_grads(artifacts):
     tr.close()
 
 
-@pytest.mark.parametrize("kw,param", [
-    (dict(batch_size=0), "batch_size"),
-    (dict(preset="flux-pro-max"), "preset"),
-    (dict(buckets=[[64, 64], [100, 64]]), "buckets"),     # 100 is not a multiple of 8*2
-    (dict(buckets="64x64"), "buckets"),
-    (dict(activation_checkpoint="often"), "activation_checkpoint"),
-    (dict(ckpt_format="zip"), "ckpt_format"),
-    (dict(autocast="fp8"), "autocast"),
-    (dict(kernels="warp-speed"), "kernels"),
-])
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        (dict(batch_size=0), "batch_size"),
+        (dict(preset="flux-pro-max"), "preset"),
+        (dict(buckets=[[64, 64], [100, 64]]), "buckets"),  # 100 is not a multiple of 8*2
+        (dict(buckets="64x64"), "buckets"),
+        (dict(activation_checkpoint="often"), "activation_checkpoint"),
+        (dict(ckpt_format="zip"), "ckpt_format"),
+        (dict(autocast="fp8"), "autocast"),
+        (dict(kernels="warp-speed"), "kernels"),
+    ],
+)
 def test_bad_train_config_names_the_parameter(kw, param):
     with pytest.raises(ConfigError) as e:
         TrainConfig(**kw)

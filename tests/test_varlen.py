@@ -1,6 +1,7 @@
 """Padding vs packing: batch construction from buckets, computed costs, the same result
 from both layouts (padded with a key mask vs packed with cu_seqlens, and each sequence
 alone), and bad parameters named."""
+
 from __future__ import annotations
 
 import math
@@ -20,13 +21,15 @@ def test_bucket_batch_is_deterministic_and_counts_tokens():
     for n, i, t, (h, w) in zip(b.lengths, b.img_tokens, b.txt_tokens, b.buckets):
         assert i == (h // 16) * (w // 16) and 3 <= t <= 9 and n == i + t
     cu = b.cu_seqlens()
-    assert cu[0] == 0 and cu[-1] == b.total and torch.equal(cu[1:] - cu[:-1], torch.tensor(b.lengths, dtype=torch.int32))
+    assert (
+        cu[0] == 0 and cu[-1] == b.total and torch.equal(cu[1:] - cu[:-1], torch.tensor(b.lengths, dtype=torch.int32))
+    )
 
 
 def test_pad_pack_costs():
     b = V.VarlenBatch((10, 30, 20), (5, 25, 15), (5, 5, 5), ((1, 1),) * 3)
     pad, pack = V.pad_pack_costs(b, heads=2, head_dim=8, dtype=torch.float16)
-    assert pad.pairs == 2 * 3 * 30 ** 2 and pack.pairs == 2 * (100 + 900 + 400)
+    assert pad.pairs == 2 * 3 * 30**2 and pack.pairs == 2 * (100 + 900 + 400)
     assert pack.useful_fraction == 1.0 and math.isclose(pad.useful_fraction, 1400 / 2700)
     assert pad.fwd_flops == 4.0 * pad.pairs * 8 and pad.bwd_flops == 2.5 * pad.fwd_flops
     assert pad.activation_bytes == 4 * 90 * 2 * 8 * 2 and pack.activation_bytes == 4 * 60 * 2 * 8 * 2
@@ -65,13 +68,18 @@ def test_time_padding_vs_packing_rows():
     assert by[("sdpa", "padded")]["time_ms"] > 0 and by[("sdpa", "packed")]["time_ms"] > 0
     if not torch.cuda.is_available():
         assert "never timed" in by[("triton", "packed")]["note"]
-    assert "mask" in by[("triton", "padded")]["note"]     # key padding: triton cannot honour it
+    assert "mask" in by[("triton", "padded")]["note"]  # key padding: triton cannot honour it
 
 
-@pytest.mark.parametrize("kw,param", [
-    (dict(batch_size=0), "batch_size"), (dict(batch_size=2, buckets="1024"), "buckets"),
-    (dict(batch_size=2, txt_len=(9, 3)), "txt_len"), (dict(batch_size=2, pixels_per_token=4096), "pixels_per_token"),
-])
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        (dict(batch_size=0), "batch_size"),
+        (dict(batch_size=2, buckets="1024"), "buckets"),
+        (dict(batch_size=2, txt_len=(9, 3)), "txt_len"),
+        (dict(batch_size=2, pixels_per_token=4096), "pixels_per_token"),
+    ],
+)
 def test_bad_parameters(kw, param):
     with pytest.raises(ConfigError) as ei:
         V.bucket_batch(**kw)

@@ -12,12 +12,11 @@ after another with papermill; a failing notebook is recorded (status, error) and
 suite goes on; the command exits non-zero if any failed.  The report is written to
 ``reports/.tmp-<run-id>/`` and renamed to ``reports/<run-id>/`` only when complete.
 """
+
 from __future__ import annotations
 
 import ast
-import html
 import importlib
-import json
 import os
 import shutil
 import sys
@@ -29,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from .config import ConfigError
+from ..config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,8 +93,10 @@ def load_suite(name: str | Path) -> Suite:
             set_path = params_dir() / "sets" / nb.stem / f"{set_name}.yaml"
             if not set_path.exists():
                 sets = sorted(p.stem for p in (params_dir() / "sets" / nb.stem).glob("*.yaml"))
-                raise SuiteError(f"{path}: notebooks[{i}]: parameter set {set_name!r} for {nb.stem} does not exist "
-                                 f"(looked for {set_path}); known sets: {', '.join(sets) or 'none'}")
+                raise SuiteError(
+                    f"{path}: notebooks[{i}]: parameter set {set_name!r} for {nb.stem} does not exist "
+                    f"(looked for {set_path}); known sets: {', '.join(sets) or 'none'}"
+                )
             params.update(yaml.safe_load(set_path.read_text()) or {})
         params.update(item.get("params") or {})
         entries.append(Entry(nb, set_name, params))
@@ -149,8 +150,8 @@ def notebook_config_class(path: Path):
 @dataclass
 class Planned:
     entry: Entry
-    params: dict          # only the values that differ from/override the notebook's defaults
-    resolved: dict        # defaults + params (what the notebook will see)
+    params: dict  # only the values that differ from/override the notebook's defaults
+    resolved: dict  # defaults + params (what the notebook will see)
 
 
 def plan(suite: Suite, overrides: dict | None = None, only: list[str] | None = None) -> list[Planned]:
@@ -168,8 +169,10 @@ def plan(suite: Suite, overrides: dict | None = None, only: list[str] | None = N
         defaults = notebook_parameters(e.notebook)
         for k in e.params:
             if k not in defaults:
-                raise SuiteError(f"parameter {k!r} (suite {suite.name}, {e.stem}) is not a parameter of "
-                                 f"{e.notebook.name}; its parameters: {', '.join(defaults)}")
+                raise SuiteError(
+                    f"parameter {k!r} (suite {suite.name}, {e.stem}) is not a parameter of "
+                    f"{e.notebook.name}; its parameters: {', '.join(defaults)}"
+                )
         params = dict(e.params)
         for k, v in overrides.items():
             if k in defaults:
@@ -225,9 +228,16 @@ def _error_of(exc: BaseException) -> str:
     return f"{ename}: {evalue}".strip()
 
 
-def run_suite(suite: str | Suite, *, overrides: dict | None = None, out_dir: str | Path | None = None,
-              only: list[str] | None = None, progress: bool = True, timeout_s: int = 1800,
-              run_id: str | None = None) -> RunResult:
+def run_suite(
+    suite: str | Suite,
+    *,
+    overrides: dict | None = None,
+    out_dir: str | Path | None = None,
+    only: list[str] | None = None,
+    progress: bool = True,
+    timeout_s: int = 1800,
+    run_id: str | None = None,
+) -> RunResult:
     """Run every notebook of a suite and write the report.  Validation errors raise
     before anything runs; notebook failures are recorded and the suite goes on."""
     import papermill as pm
@@ -250,8 +260,9 @@ def run_suite(suite: str | Suite, *, overrides: dict | None = None, out_dir: str
 
     statuses: list[NotebookStatus] = []
     bar = tqdm(planned, desc=f"perflab {s.name}", unit="notebook", disable=not progress, file=sys.stderr)
-    saved_env = {k: os.environ.get(k) for k in ("PERFLAB_RECORDS_DIR", "PERFLAB_ARTIFACTS_DIR", "PERFLAB_RUN_ID",
-                                                "TQDM_DISABLE")}
+    saved_env = {
+        k: os.environ.get(k) for k in ("PERFLAB_RECORDS_DIR", "PERFLAB_ARTIFACTS_DIR", "PERFLAB_RUN_ID", "TQDM_DISABLE")
+    }
     # Inside headless kernels progress bars would be frozen widgets in the report; the
     # runner's own bar shows progress instead.
     os.environ["TQDM_DISABLE"] = "1"
@@ -259,9 +270,13 @@ def run_suite(suite: str | Suite, *, overrides: dict | None = None, out_dir: str
         for p in bar:
             stem = p.entry.stem
             bar.set_postfix_str(stem)
-            st = NotebookStatus(notebook=stem, path=str(p.entry.notebook.relative_to(ROOT))
-                                if p.entry.notebook.is_relative_to(ROOT) else str(p.entry.notebook),
-                                params=p.resolved)
+            st = NotebookStatus(
+                notebook=stem,
+                path=str(p.entry.notebook.relative_to(ROOT))
+                if p.entry.notebook.is_relative_to(ROOT)
+                else str(p.entry.notebook),
+                params=p.resolved,
+            )
             rec_dir, art_dir = tmp / "records" / stem, tmp / "artifacts" / stem
             rec_dir.mkdir(parents=True)
             art_dir.mkdir(parents=True)
@@ -271,10 +286,17 @@ def run_suite(suite: str | Suite, *, overrides: dict | None = None, out_dir: str
             out_nb = tmp / "notebooks" / f"{stem}.ipynb"
             t0 = time.perf_counter()
             try:
-                pm.execute_notebook(str(p.entry.notebook), str(out_nb), parameters=p.params,
-                                    cwd=str(p.entry.notebook.parent), kernel_name="python3",
-                                    progress_bar=False, execution_timeout=timeout_s, log_output=False,
-                                    report_mode=False)
+                pm.execute_notebook(
+                    str(p.entry.notebook),
+                    str(out_nb),
+                    parameters=p.params,
+                    cwd=str(p.entry.notebook.parent),
+                    kernel_name="python3",
+                    progress_bar=False,
+                    execution_timeout=timeout_s,
+                    log_output=False,
+                    report_mode=False,
+                )
                 st.status = "ok"
             except Exception as e:  # noqa: BLE001 - a failing notebook is recorded, the suite goes on
                 st.status = "failed"

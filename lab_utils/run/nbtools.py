@@ -6,17 +6,20 @@ shapes, counts, fixed-seed error figures) nbval compares on every ``make test``.
 ``refresh(path)`` executes a notebook at its default parameters and rewrites it that
 way; run it after changing a lab on purpose (``perflab nb refresh labs/NN_x.ipynb``).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import nbformat
 
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
 
 
-def make_notebook(cells: Sequence[tuple], *, config: str | None = None, title: str | None = None) -> nbformat.NotebookNode:
+def make_notebook(
+    cells: Sequence[tuple], *, config: str | None = None, title: str | None = None
+) -> nbformat.NotebookNode:
     """``cells``: ("md", text) | ("code", source) | ("params", source) | ("code", source, [tags]).
 
     ``config`` is "module:Class", the LabConfig the runner builds from the parameters to

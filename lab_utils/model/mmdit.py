@@ -35,6 +35,7 @@ checks both compute the same at float32.
 
 Shapes: B batch, L tokens, D hidden, H heads, Dh head dim, K = 3 (q, k, v).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,15 +43,16 @@ import importlib
 import importlib.util
 import math
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int, check_int_list
+from ..config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int, check_int_list
 
 # --------------------------------------------------------------------------------------
 # Presets
@@ -59,21 +61,76 @@ from .config import ConfigError, LabConfig, check_bool, check_choice, check_floa
 #: Named shapes.  ``tiny``/``small`` are CPU sizes; ``flux-dev``/``flux-schnell`` are the
 #: released FLUX.1 transformer shapes (build them on ``device="meta"`` here).
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=64, num_heads=4, depth_double=2, depth_single=2, mlp_ratio=4.0,
-                 latent_channels=4, patch_size=2, context_dim=32, pooled_dim=24, axes_dim=(4, 6, 6),
-                 guidance_embed=True, vae_downsample=8),
-    "small": dict(hidden_size=384, num_heads=6, depth_double=2, depth_single=4, mlp_ratio=4.0,
-                  latent_channels=16, patch_size=2, context_dim=512, pooled_dim=256, axes_dim=(8, 28, 28),
-                  guidance_embed=True, vae_downsample=8),
-    "medium": dict(hidden_size=1536, num_heads=12, depth_double=8, depth_single=16, mlp_ratio=4.0,
-                   latent_channels=16, patch_size=2, context_dim=4096, pooled_dim=768, axes_dim=(16, 56, 56),
-                   guidance_embed=True, vae_downsample=8),
-    "flux-schnell": dict(hidden_size=3072, num_heads=24, depth_double=19, depth_single=38, mlp_ratio=4.0,
-                         latent_channels=16, patch_size=2, context_dim=4096, pooled_dim=768,
-                         axes_dim=(16, 56, 56), guidance_embed=False, vae_downsample=8),
-    "flux-dev": dict(hidden_size=3072, num_heads=24, depth_double=19, depth_single=38, mlp_ratio=4.0,
-                     latent_channels=16, patch_size=2, context_dim=4096, pooled_dim=768,
-                     axes_dim=(16, 56, 56), guidance_embed=True, vae_downsample=8),
+    "tiny": dict(
+        hidden_size=64,
+        num_heads=4,
+        depth_double=2,
+        depth_single=2,
+        mlp_ratio=4.0,
+        latent_channels=4,
+        patch_size=2,
+        context_dim=32,
+        pooled_dim=24,
+        axes_dim=(4, 6, 6),
+        guidance_embed=True,
+        vae_downsample=8,
+    ),
+    "small": dict(
+        hidden_size=384,
+        num_heads=6,
+        depth_double=2,
+        depth_single=4,
+        mlp_ratio=4.0,
+        latent_channels=16,
+        patch_size=2,
+        context_dim=512,
+        pooled_dim=256,
+        axes_dim=(8, 28, 28),
+        guidance_embed=True,
+        vae_downsample=8,
+    ),
+    "medium": dict(
+        hidden_size=1536,
+        num_heads=12,
+        depth_double=8,
+        depth_single=16,
+        mlp_ratio=4.0,
+        latent_channels=16,
+        patch_size=2,
+        context_dim=4096,
+        pooled_dim=768,
+        axes_dim=(16, 56, 56),
+        guidance_embed=True,
+        vae_downsample=8,
+    ),
+    "flux-schnell": dict(
+        hidden_size=3072,
+        num_heads=24,
+        depth_double=19,
+        depth_single=38,
+        mlp_ratio=4.0,
+        latent_channels=16,
+        patch_size=2,
+        context_dim=4096,
+        pooled_dim=768,
+        axes_dim=(16, 56, 56),
+        guidance_embed=False,
+        vae_downsample=8,
+    ),
+    "flux-dev": dict(
+        hidden_size=3072,
+        num_heads=24,
+        depth_double=19,
+        depth_single=38,
+        mlp_ratio=4.0,
+        latent_channels=16,
+        patch_size=2,
+        context_dim=4096,
+        pooled_dim=768,
+        axes_dim=(16, 56, 56),
+        guidance_embed=True,
+        vae_downsample=8,
+    ),
 }
 
 #: Presets too large to allocate on this 2-core CPU box (build on "meta").
@@ -153,8 +210,11 @@ def _check_kernels(kernels: str | Mapping[str, str]) -> None:
     if isinstance(kernels, Mapping):
         for k in kernels:
             if k != "default" and k not in KERNEL_OPS:
-                raise ConfigError("kernels", dict(kernels), f"a mapping whose keys are 'default' or one of "
-                                                            f"{', '.join(KERNEL_OPS)} ({k!r} is not)")
+                raise ConfigError(
+                    "kernels",
+                    dict(kernels),
+                    f"a mapping whose keys are 'default' or one of {', '.join(KERNEL_OPS)} ({k!r} is not)",
+                )
     for op, name in _kernel_map(kernels).items():
         if not isinstance(name, str):
             raise ConfigError("kernels", kernels, "variant names as strings")
@@ -163,8 +223,11 @@ def _check_kernels(kernels: str | Mapping[str, str]) -> None:
             continue
         if known is None or name not in known:
             allowed = sorted(set(STANDARD_KERNELS) | set(known or []))
-            raise ConfigError("kernels", kernels, f"a variant of lab_kernels.{op}: one of "
-                                                  f"{', '.join(repr(a) for a in allowed)} ({name!r} is not)")
+            raise ConfigError(
+                "kernels",
+                kernels,
+                f"a variant of lab_kernels.{op}: one of {', '.join(repr(a) for a in allowed)} ({name!r} is not)",
+            )
 
 
 @dataclass(frozen=True)
@@ -176,14 +239,14 @@ class MMDiTConfig(LabConfig):
     depth_double: int = 2
     depth_single: int = 2
     mlp_ratio: float = 4.0
-    latent_channels: int = 4          # VAE latent channels (16 for FLUX's AE)
-    patch_size: int = 2               # latent pixels per token side (2x2 packing in FLUX)
-    context_dim: int = 32             # T5 hidden size (4096 for T5-XXL)
-    pooled_dim: int = 24              # CLIP pooled size (768 for CLIP-L)
-    axes_dim: tuple = (4, 6, 6)       # RoPE dims of the (t, h, w) axes; sum == head_dim
+    latent_channels: int = 4  # VAE latent channels (16 for FLUX's AE)
+    patch_size: int = 2  # latent pixels per token side (2x2 packing in FLUX)
+    context_dim: int = 32  # T5 hidden size (4096 for T5-XXL)
+    pooled_dim: int = 24  # CLIP pooled size (768 for CLIP-L)
+    axes_dim: tuple = (4, 6, 6)  # RoPE dims of the (t, h, w) axes; sum == head_dim
     theta: int = 10_000
     guidance_embed: bool = True
-    vae_downsample: int = 8           # image pixels per latent pixel
+    vae_downsample: int = 8  # image pixels per latent pixel
     qkv_bias: bool = True
     attention_path: str = "sdpa"
     kernels: Any = "eager"
@@ -195,15 +258,23 @@ class MMDiTConfig(LabConfig):
         check_int("hidden_size", self.hidden_size, min=1)
         check_int("num_heads", self.num_heads, min=1)
         if self.num_heads > self.hidden_size or self.hidden_size % self.num_heads:
-            raise ConfigError("num_heads", self.num_heads,
-                              f"a divisor of hidden_size={self.hidden_size} (at most {self.hidden_size} heads)")
+            raise ConfigError(
+                "num_heads",
+                self.num_heads,
+                f"a divisor of hidden_size={self.hidden_size} (at most {self.hidden_size} heads)",
+            )
         if self.head_dim % 2:
-            raise ConfigError("num_heads", self.num_heads,
-                              f"a head count giving an even head_dim (hidden_size/num_heads = {self.head_dim})")
+            raise ConfigError(
+                "num_heads",
+                self.num_heads,
+                f"a head count giving an even head_dim (hidden_size/num_heads = {self.head_dim})",
+            )
         check_int("depth_double", self.depth_double, min=0)
         check_int("depth_single", self.depth_single, min=0)
         if self.depth_double + self.depth_single == 0:
-            raise ConfigError("depth_single", self.depth_single, "at least one block in total (depth_double + depth_single >= 1)")
+            raise ConfigError(
+                "depth_single", self.depth_single, "at least one block in total (depth_double + depth_single >= 1)"
+            )
         check_float("mlp_ratio", self.mlp_ratio, min=0, min_exclusive=True)
         check_int("latent_channels", self.latent_channels, min=1)
         check_int("patch_size", self.patch_size, min=1)
@@ -211,8 +282,9 @@ class MMDiTConfig(LabConfig):
         check_int("pooled_dim", self.pooled_dim, min=1)
         check_int_list("axes_dim", list(self.axes_dim), min=2)
         if len(self.axes_dim) != 3 or any(a % 2 for a in self.axes_dim) or sum(self.axes_dim) != self.head_dim:
-            raise ConfigError("axes_dim", tuple(self.axes_dim),
-                              f"three even ints (t, h, w) summing to head_dim = {self.head_dim}")
+            raise ConfigError(
+                "axes_dim", tuple(self.axes_dim), f"three even ints (t, h, w) summing to head_dim = {self.head_dim}"
+            )
         object.__setattr__(self, "axes_dim", tuple(self.axes_dim))
         check_int("theta", self.theta, min=1)
         check_bool("guidance_embed", self.guidance_embed)
@@ -224,8 +296,11 @@ class MMDiTConfig(LabConfig):
         # Only a non-builtin choice imports the other rooms' modules (they pull heavy deps).
         paths = attention_paths() if self.attention_path not in BUILTIN_ATTENTION else None
         if paths is not None and self.attention_path not in paths:
-            raise ConfigError("attention_path", self.attention_path,
-                              "one of " + ", ".join(repr(p) for p in (*BUILTIN_ATTENTION, *paths)))
+            raise ConfigError(
+                "attention_path",
+                self.attention_path,
+                "one of " + ", ".join(repr(p) for p in (*BUILTIN_ATTENTION, *paths)),
+            )
         _check_kernels(self.kernels)
         if not isinstance(self.recipe, str):
             raise ConfigError("recipe", self.recipe, "a recipe name such as 'bf16'")
@@ -241,7 +316,7 @@ class MMDiTConfig(LabConfig):
     @property
     def in_channels(self) -> int:
         """Channels of one packed token: latent_channels * patch_size**2 (64 for FLUX)."""
-        return self.latent_channels * self.patch_size ** 2
+        return self.latent_channels * self.patch_size**2
 
     @property
     def mlp_hidden(self) -> int:
@@ -253,11 +328,11 @@ class MMDiTConfig(LabConfig):
         return self.vae_downsample * self.patch_size
 
     @classmethod
-    def from_preset(cls, preset: str, **overrides) -> "MMDiTConfig":
+    def from_preset(cls, preset: str, **overrides) -> MMDiTConfig:
         check_choice("preset", preset, PRESETS)
         return cls(**{**PRESETS[preset], "preset": preset, **overrides})
 
-    def replace(self, **changes) -> "MMDiTConfig":
+    def replace(self, **changes) -> MMDiTConfig:
         return dataclasses.replace(self, **changes)
 
     def check_resolution(self, height: int, width: int, param: str = "resolution") -> tuple[int, int]:
@@ -266,12 +341,15 @@ class MMDiTConfig(LabConfig):
         ppt = self.pixels_per_token
         for v in (height, width):
             if isinstance(v, bool) or not isinstance(v, int) or v < ppt or v % ppt:
-                raise ConfigError(param, (height, width) if height != width else height,
-                                  f"pixel sizes that are positive multiples of vae_downsample*patch_size = {ppt}")
+                raise ConfigError(
+                    param,
+                    (height, width) if height != width else height,
+                    f"pixel sizes that are positive multiples of vae_downsample*patch_size = {ppt}",
+                )
         return height // ppt, width // ppt
 
 
-def resolve_config(cfg_or_preset: "MMDiTConfig | str", **overrides) -> MMDiTConfig:
+def resolve_config(cfg_or_preset: MMDiTConfig | str, **overrides) -> MMDiTConfig:
     if isinstance(cfg_or_preset, MMDiTConfig):
         return cfg_or_preset.replace(**overrides) if overrides else cfg_or_preset
     if isinstance(cfg_or_preset, str):
@@ -283,15 +361,17 @@ def resolve_config(cfg_or_preset: "MMDiTConfig | str", **overrides) -> MMDiTConf
 # Plain-torch ops (the fallback behind the kernel seam; same signatures as lab_kernels)
 # --------------------------------------------------------------------------------------
 
+
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last axis in float32, as FLUX's QKNorm: (x / rms(x)) * weight."""
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))       # float32 math, float64 stays float64
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))  # float32 math, float64 stays float64
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * weight.to(xf.dtype)).to(x.dtype)
 
 
-def torch_layer_norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
-                              eps: float = 1e-6) -> torch.Tensor:
+def torch_layer_norm_modulate(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
     """LayerNorm without affine, then x * (1 + scale) + shift; x (B, L, D), shift/scale (B, D)."""
     y = F.layer_norm(x, (x.shape[-1],), eps=eps)
     return y * (1 + scale[:, None, :]) + shift[:, None, :]
@@ -310,9 +390,9 @@ def torch_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     """FLUX pair-layout RoPE on (B, H, L, Dh); cos/sin float32 (L, Dh/2) or (B, L, Dh/2):
     out[2i] = x[2i] cos_i - x[2i+1] sin_i ; out[2i+1] = x[2i] sin_i + x[2i+1] cos_i."""
     if cos.dim() == 2:
-        c, s = cos[None, None], sin[None, None]          # 1 1 L Dh/2
+        c, s = cos[None, None], sin[None, None]  # 1 1 L Dh/2
     else:
-        c, s = cos[:, None], sin[:, None]                # B 1 L Dh/2
+        c, s = cos[:, None], sin[:, None]  # B 1 L Dh/2
 
     def rot(x):
         ct = torch.promote_types(x.dtype, torch.float32)
@@ -329,8 +409,11 @@ def torch_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
 
 
 _TORCH_OPS: dict[str, Callable] = {
-    "rms_norm": torch_rms_norm, "layer_norm_modulate": torch_layer_norm_modulate,
-    "gated_residual": torch_gated_residual, "gelu_tanh": torch_gelu_tanh, "rope": torch_rope,
+    "rms_norm": torch_rms_norm,
+    "layer_norm_modulate": torch_layer_norm_modulate,
+    "gated_residual": torch_gated_residual,
+    "gelu_tanh": torch_gelu_tanh,
+    "rope": torch_rope,
     "qk_norm_rope": torch_qk_norm_rope,
 }
 
@@ -341,8 +424,12 @@ class KernelSet:
     ``sources[op]`` says where each op came from ("lab_kernels.rms_norm/triton" or
     "plain torch (fallback: ...)")."""
 
-    def __init__(self, kernels: str | Mapping[str, str] = "eager", device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        kernels: str | Mapping[str, str] = "eager",
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         self.names = _kernel_map(kernels)
         self.sources: dict[str, str] = {}
         self.fallbacks: list[str] = []
@@ -355,7 +442,8 @@ class KernelSet:
         # fused op, so a per-op choice of rope must reach them through it).
         explicit = set(kernels) if isinstance(kernels, Mapping) else set()
         if self.sources["qk_norm_rope"].startswith("plain torch") or (
-                explicit & {"rms_norm", "rope"} and "qk_norm_rope" not in explicit):
+            explicit & {"rms_norm", "rope"} and "qk_norm_rope" not in explicit
+        ):
             rms, rope = self.rms_norm, self.rope
 
             def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6):
@@ -368,10 +456,14 @@ class KernelSet:
         known = _registered_variants(op)
         if known is None or name not in known:
             if name not in STANDARD_KERNELS:
-                raise ConfigError("kernels", name, f"a registered variant of lab_kernels.{op}: "
-                                                   f"{', '.join(known or STANDARD_KERNELS)}")
-            why = (f"lab_kernels.{op} not importable yet" if known is None
-                   else f"lab_kernels.{op} has no variant {name!r} yet")
+                raise ConfigError(
+                    "kernels", name, f"a registered variant of lab_kernels.{op}: {', '.join(known or STANDARD_KERNELS)}"
+                )
+            why = (
+                f"lab_kernels.{op} not importable yet"
+                if known is None
+                else f"lab_kernels.{op} has no variant {name!r} yet"
+            )
             self.sources[op] = f"plain torch (fallback: {why})"
             if op != "qk_norm_rope":  # optional fused op; composing it is the normal case
                 self.fallbacks.append(f"{op}: {why}")
@@ -391,13 +483,15 @@ class KernelSet:
 # Embeddings, RoPE, patchify
 # --------------------------------------------------------------------------------------
 
-def timestep_embedding(t: torch.Tensor, dim: int = 256, max_period: float = 10_000.0,
-                       time_factor: float = 1000.0) -> torch.Tensor:
+
+def timestep_embedding(
+    t: torch.Tensor, dim: int = 256, max_period: float = 10_000.0, time_factor: float = 1000.0
+) -> torch.Tensor:
     """Sinusoidal embedding of t in [0, 1] (scaled by ``time_factor``), [cos | sin] halves, float32."""
     t = time_factor * t.float()
     half = dim // 2
     freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
-    args = t[:, None] * freqs[None]                                   # B half
+    args = t[:, None] * freqs[None]  # B half
     emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
     if dim % 2:
         emb = F.pad(emb, (0, 1))
@@ -430,7 +524,7 @@ class RoPE3D(nn.Module):
         angles = []
         for i, d in enumerate(self.axes_dim):
             freqs = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=fdt, device=pos.device) / d))  # d/2
-            angles.append(pos[..., i].to(fdt)[..., None] * freqs)                                    # ... L d/2
+            angles.append(pos[..., i].to(fdt)[..., None] * freqs)  # ... L d/2
         ang = torch.cat(angles, dim=-1)
         return ang.cos().float(), ang.sin().float()
 
@@ -465,6 +559,7 @@ def text_ids(length: int, device=None) -> torch.Tensor:
 # Blocks
 # --------------------------------------------------------------------------------------
 
+
 class Modulation(nn.Module):
     """adaLN: SiLU(vec) -> Linear(D, n*D), split into n (B, D) chunks (shift, scale, gate, ...)."""
 
@@ -488,8 +583,11 @@ class _Seams:
             if _module_present("lab_utils.attention"):
                 self._attend = importlib.import_module("lab_utils.attention").attend
             else:
-                warnings.warn(f"attention_path={attention_path!r}: lab_utils.attention is not importable yet; "
-                              "falling back to F.scaled_dot_product_attention", stacklevel=3)
+                warnings.warn(
+                    f"attention_path={attention_path!r}: lab_utils.attention is not importable yet; "
+                    "falling back to F.scaled_dot_product_attention",
+                    stacklevel=3,
+                )
 
     def attend(self, q, k, v, mask=None):
         if self._attend is not None:
@@ -509,7 +607,7 @@ class SelfAttentionProj(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def split_heads(self, qkv):
-        return rearrange(qkv, "b l (k h d) -> k b h l d", k=3, h=self.heads)   # 3 B H L Dh
+        return rearrange(qkv, "b l (k h d) -> k b h l d", k=3, h=self.heads)  # 3 B H L Dh
 
 
 class MLP(nn.Module):
@@ -542,16 +640,18 @@ class DoubleStreamBlock(nn.Module):
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = self.txt_mod(vec)
 
         lt = txt.shape[1]
-        cos, sin = pe                                                        # (B,) Lt+Li Dh/2
+        cos, sin = pe  # (B,) Lt+Li Dh/2
         iq, ik, iv = self.img_attn.split_heads(self.img_attn.qkv(ops.layer_norm_modulate(img, i_shift1, i_scale1)))
         tq, tk, tv = self.txt_attn.split_heads(self.txt_attn.qkv(ops.layer_norm_modulate(txt, t_shift1, t_scale1)))
         # QK-norm weights differ per stream and RoPE is per token, so each stream gets its
         # own fused norm+rope over its slice of the angles, then the streams join.
-        iq, ik = ops.qk_norm_rope(iq, ik, self.img_attn.q_norm, self.img_attn.k_norm,
-                                  cos[..., lt:, :], sin[..., lt:, :], 1e-6)
-        tq, tk = ops.qk_norm_rope(tq, tk, self.txt_attn.q_norm, self.txt_attn.k_norm,
-                                  cos[..., :lt, :], sin[..., :lt, :], 1e-6)
-        q, k, v = torch.cat([tq, iq], 2), torch.cat([tk, ik], 2), torch.cat([tv, iv], 2)   # B H Lt+Li Dh
+        iq, ik = ops.qk_norm_rope(
+            iq, ik, self.img_attn.q_norm, self.img_attn.k_norm, cos[..., lt:, :], sin[..., lt:, :], 1e-6
+        )
+        tq, tk = ops.qk_norm_rope(
+            tq, tk, self.txt_attn.q_norm, self.txt_attn.k_norm, cos[..., :lt, :], sin[..., :lt, :], 1e-6
+        )
+        q, k, v = torch.cat([tq, iq], 2), torch.cat([tk, ik], 2), torch.cat([tv, iv], 2)  # B H Lt+Li Dh
         o = rearrange(self._seams.attend(q, k, v, mask), "b h l d -> b l (h d)")
         t_o, i_o = o[:, :lt], o[:, lt:]
 
@@ -611,6 +711,7 @@ class FinalLayer(nn.Module):
 # The model
 # --------------------------------------------------------------------------------------
 
+
 def _block_policy(policy: str, kind: str, index: int) -> bool:
     if policy == "none":
         return False
@@ -630,9 +731,14 @@ def _selective_context():
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     aten = torch.ops.aten
-    save = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default,
-            aten._scaled_dot_product_flash_attention.default,
-            aten._scaled_dot_product_efficient_attention.default}
+    save = {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.linear.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+    }
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
         save.add(aten._scaled_dot_product_flash_attention_for_cpu.default)
     if hasattr(aten, "_scaled_dot_product_cudnn_attention"):
@@ -692,8 +798,9 @@ class MMDiT(nn.Module):
         vec = self.time_in(timestep_embedding(timesteps, 256).to(dt))
         if self.guidance_in is not None:
             if guidance is None:
-                raise ConfigError("guidance", None, f"a (B,) guidance tensor: preset {self.cfg.preset!r} "
-                                                    "has guidance_embed=True")
+                raise ConfigError(
+                    "guidance", None, f"a (B,) guidance tensor: preset {self.cfg.preset!r} has guidance_embed=True"
+                )
             vec = vec + self.guidance_in(timestep_embedding(guidance, 256).to(dt))
         return vec + self.vector_in(y)
 
@@ -711,7 +818,7 @@ class MMDiT(nn.Module):
         if txt_mask is not None:
             b, lt, li = txt.shape[0], txt.shape[1], img.shape[1]
             keys = torch.cat([txt_mask.bool(), torch.ones(b, li, dtype=torch.bool, device=txt_mask.device)], 1)
-            mask = keys[:, None, None, :]                                  # B 1 1 Lt+Li
+            mask = keys[:, None, None, :]  # B 1 1 Lt+Li
         for i, blk in enumerate(self.double_blocks):
             img, txt = self._ckpt(blk, "double", i, img, txt, vec, pe, mask)
         lt = txt.shape[1]
@@ -746,8 +853,15 @@ def forward_flops(cfg: MMDiTConfig, batch: int, img_tokens: int, txt_tokens: int
     li, lt, b = img_tokens, txt_tokens, batch
     L = li + lt
     mm = lambda rows, i, o: 2.0 * rows * i * o  # noqa: E731
-    emb = mm(b * li, c, d) + mm(b * lt, cfg.context_dim, d) + mm(b, 256, d) + mm(b, d, d) \
-        + mm(b, cfg.pooled_dim, d) + mm(b, d, d) + (mm(b, 256, d) + mm(b, d, d) if cfg.guidance_embed else 0)
+    emb = (
+        mm(b * li, c, d)
+        + mm(b * lt, cfg.context_dim, d)
+        + mm(b, 256, d)
+        + mm(b, d, d)
+        + mm(b, cfg.pooled_dim, d)
+        + mm(b, d, d)
+        + (mm(b, 256, d) + mm(b, d, d) if cfg.guidance_embed else 0)
+    )
     attn = 4.0 * b * cfg.num_heads * L * L * cfg.head_dim
     double_lin = 2 * mm(b, d, 6 * d) + mm(b * L, d, 3 * d) + mm(b * L, d, d) + mm(b * L, d, m) + mm(b * L, m, d)
     single_lin = mm(b, d, 3 * d) + mm(b * L, d, 3 * d + m) + mm(b * L, d + m, d)
@@ -763,8 +877,14 @@ def forward_flops(cfg: MMDiTConfig, batch: int, img_tokens: int, txt_tokens: int
     return out
 
 
-def build_model(cfg_or_preset: MMDiTConfig | str = "tiny", device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32, *, seed: int | None = 0, **overrides) -> MMDiT:
+def build_model(
+    cfg_or_preset: MMDiTConfig | str = "tiny",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    seed: int | None = 0,
+    **overrides,
+) -> MMDiT:
     """Build an :class:`MMDiT` from a preset name or config (``overrides`` replace fields).
 
     ``device="meta"`` allocates nothing (parameter, FLOP and memory accounting of
@@ -780,9 +900,11 @@ def build_model(cfg_or_preset: MMDiTConfig | str = "tiny", device: str | torch.d
         model = MMDiT(cfg, device=dev, dtype=dtype)
     model = model.to(dtype=dtype)
     model.seams = {f"kernels.{op}": src for op, src in model.ops.sources.items()}
-    model.seams["attention_path"] = (cfg.attention_path if cfg.attention_path in BUILTIN_ATTENTION or
-                                     model._seams._attend is not None else
-                                     f"sdpa (fallback: lab_utils.attention not importable for {cfg.attention_path!r})")
+    model.seams["attention_path"] = (
+        cfg.attention_path
+        if cfg.attention_path in BUILTIN_ATTENTION or model._seams._attend is not None
+        else f"sdpa (fallback: lab_utils.attention not importable for {cfg.attention_path!r})"
+    )
     if model.ops.fallbacks and cfg.kernels != "eager":
         warnings.warn(f"kernels={cfg.kernels!r}: plain torch used for " + "; ".join(model.ops.fallbacks), stacklevel=2)
     if cfg.recipe != "bf16":
@@ -790,8 +912,10 @@ def build_model(cfg_or_preset: MMDiTConfig | str = "tiny", device: str | torch.d
             model = importlib.import_module("lab_utils.precision").apply_recipe(model, cfg.recipe)
             model.seams["recipe"] = cfg.recipe
         else:
-            warnings.warn(f"recipe={cfg.recipe!r}: lab_utils.precision is not importable yet; "
-                          "model left in its build dtype", stacklevel=2)
+            warnings.warn(
+                f"recipe={cfg.recipe!r}: lab_utils.precision is not importable yet; model left in its build dtype",
+                stacklevel=2,
+            )
             model.seams["recipe"] = f"none (fallback: lab_utils.precision not importable for {cfg.recipe!r})"
     else:
         model.seams["recipe"] = "bf16 (baseline: no layer swapped)"
@@ -803,6 +927,7 @@ def build_model(cfg_or_preset: MMDiTConfig | str = "tiny", device: str | torch.d
 # diffusers -> this layout
 # --------------------------------------------------------------------------------------
 
+
 def _cat(sd, prefix, names, suffix):
     return torch.cat([sd[f"{prefix}{n}.{suffix}"] for n in names], dim=0)
 
@@ -812,9 +937,19 @@ def convert_double_block_state_dict(sd: Mapping[str, torch.Tensor], prefix: str 
     p = prefix
     out = {}
     for stream, mod, q, k, v, qn, kn, proj, ff in (
-            ("img", "norm1", "to_q", "to_k", "to_v", "norm_q", "norm_k", "to_out.0", "ff"),
-            ("txt", "norm1_context", "add_q_proj", "add_k_proj", "add_v_proj", "norm_added_q", "norm_added_k",
-             "to_add_out", "ff_context")):
+        ("img", "norm1", "to_q", "to_k", "to_v", "norm_q", "norm_k", "to_out.0", "ff"),
+        (
+            "txt",
+            "norm1_context",
+            "add_q_proj",
+            "add_k_proj",
+            "add_v_proj",
+            "norm_added_q",
+            "norm_added_k",
+            "to_add_out",
+            "ff_context",
+        ),
+    ):
         out[f"{stream}_mod.lin.weight"] = sd[f"{p}{mod}.linear.weight"]
         out[f"{stream}_mod.lin.bias"] = sd[f"{p}{mod}.linear.bias"]
         out[f"{stream}_attn.qkv.weight"] = _cat(sd, f"{p}attn.", (q, k, v), "weight")
@@ -838,10 +973,18 @@ def convert_single_block_state_dict(sd: Mapping[str, torch.Tensor], prefix: str 
     return {
         "modulation.lin.weight": sd[f"{p}norm.linear.weight"],
         "modulation.lin.bias": sd[f"{p}norm.linear.bias"],
-        "linear1.weight": torch.cat([sd[f"{p}attn.to_q.weight"], sd[f"{p}attn.to_k.weight"],
-                                     sd[f"{p}attn.to_v.weight"], sd[f"{p}proj_mlp.weight"]], 0),
-        "linear1.bias": torch.cat([sd[f"{p}attn.to_q.bias"], sd[f"{p}attn.to_k.bias"],
-                                   sd[f"{p}attn.to_v.bias"], sd[f"{p}proj_mlp.bias"]], 0),
+        "linear1.weight": torch.cat(
+            [
+                sd[f"{p}attn.to_q.weight"],
+                sd[f"{p}attn.to_k.weight"],
+                sd[f"{p}attn.to_v.weight"],
+                sd[f"{p}proj_mlp.weight"],
+            ],
+            0,
+        ),
+        "linear1.bias": torch.cat(
+            [sd[f"{p}attn.to_q.bias"], sd[f"{p}attn.to_k.bias"], sd[f"{p}attn.to_v.bias"], sd[f"{p}proj_mlp.bias"]], 0
+        ),
         "linear2.weight": sd[f"{p}proj_out.weight"],
         "linear2.bias": sd[f"{p}proj_out.bias"],
         "q_norm": sd[f"{p}attn.norm_q.weight"],
@@ -852,14 +995,17 @@ def convert_single_block_state_dict(sd: Mapping[str, torch.Tensor], prefix: str 
 def convert_diffusers_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """diffusers ``FluxTransformer2DModel`` state dict -> :class:`MMDiT` state dict."""
     out: dict[str, torch.Tensor] = {}
-    ren = {"x_embedder": "img_in", "context_embedder": "txt_in",
-           "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
-           "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
-           "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
-           "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
-           "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
-           "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
-           "proj_out": "final_layer.linear"}
+    ren = {
+        "x_embedder": "img_in",
+        "context_embedder": "txt_in",
+        "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+        "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+        "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+        "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+        "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+        "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+        "proj_out": "final_layer.linear",
+    }
     for src, dst in ren.items():
         for s in ("weight", "bias"):
             if f"{src}.{s}" in sd:
@@ -886,20 +1032,52 @@ def config_from_diffusers(dcfg: Mapping[str, Any], **overrides) -> MMDiTConfig:
     if in_ch % 4:
         raise ConfigError("in_channels", in_ch, "a multiple of 4 (2x2 packed latents)")
     d = dcfg["num_attention_heads"] * dcfg["attention_head_dim"]
-    kw = dict(hidden_size=d, num_heads=dcfg["num_attention_heads"], depth_double=dcfg["num_layers"],
-              depth_single=dcfg["num_single_layers"], mlp_ratio=4.0, latent_channels=in_ch // 4, patch_size=2,
-              context_dim=dcfg["joint_attention_dim"], pooled_dim=dcfg["pooled_projection_dim"],
-              axes_dim=tuple(dcfg["axes_dims_rope"]), guidance_embed=bool(dcfg["guidance_embeds"]))
+    kw = dict(
+        hidden_size=d,
+        num_heads=dcfg["num_attention_heads"],
+        depth_double=dcfg["num_layers"],
+        depth_single=dcfg["num_single_layers"],
+        mlp_ratio=4.0,
+        latent_channels=in_ch // 4,
+        patch_size=2,
+        context_dim=dcfg["joint_attention_dim"],
+        pooled_dim=dcfg["pooled_projection_dim"],
+        axes_dim=tuple(dcfg["axes_dims_rope"]),
+        guidance_embed=bool(dcfg["guidance_embeds"]),
+    )
     return MMDiTConfig(**{**kw, **overrides})
 
 
 __all__ = [
-    "PRESETS", "LARGE_PRESETS", "CHECKPOINT_POLICIES", "KERNEL_OPS", "MMDiTConfig", "MMDiT", "KernelSet",
-    "DoubleStreamBlock", "SingleStreamBlock", "FinalLayer", "Modulation", "MLPEmbedder", "RoPE3D",
-    "build_model", "resolve_config", "num_params", "analytic_param_count", "forward_flops",
-    "patchify", "unpatchify", "image_ids", "text_ids", "timestep_embedding",
-    "convert_double_block_state_dict", "convert_single_block_state_dict", "convert_diffusers_state_dict",
-    "config_from_diffusers", "attention_paths", "recipe_names",
+    "PRESETS",
+    "LARGE_PRESETS",
+    "CHECKPOINT_POLICIES",
+    "KERNEL_OPS",
+    "MMDiTConfig",
+    "MMDiT",
+    "KernelSet",
+    "DoubleStreamBlock",
+    "SingleStreamBlock",
+    "FinalLayer",
+    "Modulation",
+    "MLPEmbedder",
+    "RoPE3D",
+    "build_model",
+    "resolve_config",
+    "num_params",
+    "analytic_param_count",
+    "forward_flops",
+    "patchify",
+    "unpatchify",
+    "image_ids",
+    "text_ids",
+    "timestep_embedding",
+    "convert_double_block_state_dict",
+    "convert_single_block_state_dict",
+    "convert_diffusers_state_dict",
+    "config_from_diffusers",
+    "attention_paths",
+    "recipe_names",
 ]
 
 
@@ -909,11 +1087,19 @@ def diffusers_block_errors(seed: int = 0, *, dim: int = 48, heads: int = 3, axes
     with the converters above and random inputs (the tests hold them under 1e-5)."""
     from diffusers.models.transformers import transformer_flux as df
 
-    from .checks import rel_error
+    from ..checks import rel_error
 
     g = torch.Generator().manual_seed(seed)
-    cfg = MMDiTConfig(hidden_size=dim, num_heads=heads, depth_double=1, depth_single=1, axes_dim=tuple(axes_dim),
-                      latent_channels=4, context_dim=20, pooled_dim=12)
+    cfg = MMDiTConfig(
+        hidden_size=dim,
+        num_heads=heads,
+        depth_double=1,
+        depth_single=1,
+        axes_dim=tuple(axes_dim),
+        latent_channels=4,
+        context_dim=20,
+        pooled_dim=12,
+    )
 
     def randomize(m):
         with torch.no_grad():
@@ -928,8 +1114,11 @@ def diffusers_block_errors(seed: int = 0, *, dim: int = 48, heads: int = 3, axes
     ours_pe = RoPE3D(cfg.axes_dim, cfg.theta)(ids)
     their_pe = df.FluxPosEmbed(theta=cfg.theta, axes_dim=list(cfg.axes_dim))(ids)
     model = build_model(cfg, seed=seed)
-    img, txt, temb = (torch.randn(b, h * w, dim, generator=g), torch.randn(b, lt, dim, generator=g),
-                      torch.randn(b, dim, generator=g))
+    img, txt, temb = (
+        torch.randn(b, h * w, dim, generator=g),
+        torch.randn(b, lt, dim, generator=g),
+        torch.randn(b, dim, generator=g),
+    )
     ref_d = df.FluxTransformerBlock(dim=dim, num_attention_heads=heads, attention_head_dim=dim // heads).eval()
     ref_s = df.FluxSingleTransformerBlock(dim=dim, num_attention_heads=heads, attention_head_dim=dim // heads).eval()
     randomize(ref_d)
@@ -941,5 +1130,9 @@ def diffusers_block_errors(seed: int = 0, *, dim: int = 48, heads: int = 3, axes
         o_img, o_txt = model.double_blocks[0](img, txt, temb, ours_pe)
         s_txt, s_img = ref_s(img, txt, temb, image_rotary_emb=their_pe)
         s_out = model.single_blocks[0](torch.cat([txt, img], 1), temb, ours_pe)
-    return {"double.img": rel_error(o_img, r_img), "double.txt": rel_error(o_txt, r_txt),
-            "single.img": rel_error(s_out[:, lt:], s_img), "single.txt": rel_error(s_out[:, :lt], s_txt)}
+    return {
+        "double.img": rel_error(o_img, r_img),
+        "double.txt": rel_error(o_txt, r_txt),
+        "single.img": rel_error(s_out[:, lt:], s_img),
+        "single.txt": rel_error(s_out[:, :lt], s_txt),
+    }

@@ -30,11 +30,12 @@ torch's round-to-nearest-even by one ulp), while compiled Triton on a GPU rounds
 nearest.  On CPU a Triton bfloat16 result can therefore be one ulp off instead of half
 an ulp; the bfloat16 tolerance (1.6e-2 relative, two ulps) covers it.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
 
 import torch
 
@@ -42,8 +43,7 @@ import lab_kernels
 from lab_kernels import get_variant, variants
 
 from .checks import compare, tolerance
-from .config import (LabConfig, check_bool, check_choice, check_choices, check_float, check_int,
-                     check_int_list)
+from .config import LabConfig, check_bool, check_choice, check_choices, check_float, check_int, check_int_list
 from .records import Recorder, fmt_dtype
 from .timing import BenchFailure, try_bench
 
@@ -85,11 +85,11 @@ class Problem:
 
 @dataclass
 class OpInputs:
-    args: list                       # positional arguments of the op, float64 on CPU
-    grads: tuple[str, ...]           # names of the differentiable arguments
-    names: tuple[str, ...]           # names of all arguments
-    tables: tuple[str, ...] = ()     # arguments that stay float32 whatever the dtype (rope cos/sin)
-    shape: tuple = ()                # the main tensor's shape, for records and capability checks
+    args: list  # positional arguments of the op, float64 on CPU
+    grads: tuple[str, ...]  # names of the differentiable arguments
+    names: tuple[str, ...]  # names of all arguments
+    tables: tuple[str, ...] = ()  # arguments that stay float32 whatever the dtype (rope cos/sin)
+    shape: tuple = ()  # the main tensor's shape, for records and capability checks
 
 
 @dataclass(frozen=True)
@@ -130,20 +130,29 @@ def _tables(p: Problem, g):
 
 def _make_rms(p, g):
     x = _randn(g, p.batch, p.tokens, p.hidden)
-    return OpInputs([x, _randn(g, p.hidden, scale=0.1, offset=1.0)], ("x", "weight"), ("x", "weight"),
-                    shape=tuple(x.shape))
+    return OpInputs(
+        [x, _randn(g, p.hidden, scale=0.1, offset=1.0)], ("x", "weight"), ("x", "weight"), shape=tuple(x.shape)
+    )
 
 
 def _make_lnm(p, g):
     x = _randn(g, p.batch, p.tokens, p.hidden, scale=2.0, offset=0.5)
-    return OpInputs([x, _randn(g, p.batch, p.hidden, scale=0.5), _randn(g, p.batch, p.hidden, scale=0.5)],
-                    ("x", "shift", "scale"), ("x", "shift", "scale"), shape=tuple(x.shape))
+    return OpInputs(
+        [x, _randn(g, p.batch, p.hidden, scale=0.5), _randn(g, p.batch, p.hidden, scale=0.5)],
+        ("x", "shift", "scale"),
+        ("x", "shift", "scale"),
+        shape=tuple(x.shape),
+    )
 
 
 def _make_gr(p, g):
     x = _randn(g, p.batch, p.tokens, p.hidden)
-    return OpInputs([x, _randn(g, p.batch, p.hidden, scale=0.5), _randn(g, p.batch, p.tokens, p.hidden)],
-                    ("x", "gate", "y"), ("x", "gate", "y"), shape=tuple(x.shape))
+    return OpInputs(
+        [x, _randn(g, p.batch, p.hidden, scale=0.5), _randn(g, p.batch, p.tokens, p.hidden)],
+        ("x", "gate", "y"),
+        ("x", "gate", "y"),
+        shape=tuple(x.shape),
+    )
 
 
 def _make_gelu(p, g):
@@ -153,8 +162,9 @@ def _make_gelu(p, g):
 
 def _make_swiglu(p, g):
     gate = _randn(g, p.batch, p.tokens, p.hidden, scale=2.0)
-    return OpInputs([gate, _randn(g, p.batch, p.tokens, p.hidden)], ("gate", "up"), ("gate", "up"),
-                    shape=tuple(gate.shape))
+    return OpInputs(
+        [gate, _randn(g, p.batch, p.tokens, p.hidden)], ("gate", "up"), ("gate", "up"), shape=tuple(gate.shape)
+    )
 
 
 def _qk(p, g):
@@ -165,16 +175,19 @@ def _qk(p, g):
 def _make_rope(p, g):
     q, k = _qk(p, g)
     cos, sin = _tables(p, g)
-    return OpInputs([q, k, cos, sin], ("q", "k"), ("q", "k", "cos", "sin"), tables=("cos", "sin"),
-                    shape=tuple(q.shape))
+    return OpInputs([q, k, cos, sin], ("q", "k"), ("q", "k", "cos", "sin"), tables=("cos", "sin"), shape=tuple(q.shape))
 
 
 def _make_qknr(p, g):
     q, k = _qk(p, g)
     cos, sin = _tables(p, g)
-    return OpInputs([q, k, _randn(g, p.head_dim, scale=0.1, offset=1.0), _randn(g, p.head_dim, scale=0.1, offset=1.0),
-                     cos, sin], ("q", "k", "q_weight", "k_weight"),
-                    ("q", "k", "q_weight", "k_weight", "cos", "sin"), tables=("cos", "sin"), shape=tuple(q.shape))
+    return OpInputs(
+        [q, k, _randn(g, p.head_dim, scale=0.1, offset=1.0), _randn(g, p.head_dim, scale=0.1, offset=1.0), cos, sin],
+        ("q", "k", "q_weight", "k_weight"),
+        ("q", "k", "q_weight", "k_weight", "cos", "sin"),
+        tables=("cos", "sin"),
+        shape=tuple(q.shape),
+    )
 
 
 def _n(p):
@@ -193,24 +206,42 @@ _T = lambda p: p.tokens * (p.head_dim // 2)  # noqa: E731  (elements of one rope
 
 # Bytes each op must move (each input read once, each output written once); s = element size.
 OPS: dict[str, OpSpec] = {
-    "rms_norm": OpSpec("rms_norm", _make_rms,
-                       lambda p, s: 2 * _n(p) * s + p.hidden * s,
-                       lambda p, s: 3 * _n(p) * s + 2 * p.hidden * s + 4 * p.rows),
-    "layer_norm_modulate": OpSpec("layer_norm_modulate", _make_lnm,
-                                  lambda p, s: 2 * _n(p) * s + 2 * p.batch * p.hidden * s,
-                                  lambda p, s: 3 * _n(p) * s + 4 * p.batch * p.hidden * s + 8 * p.rows),
-    "gated_residual": OpSpec("gated_residual", _make_gr,
-                             lambda p, s: 3 * _n(p) * s + p.batch * p.hidden * s,
-                             lambda p, s: 3 * _n(p) * s + 2 * p.batch * p.hidden * s),
+    "rms_norm": OpSpec(
+        "rms_norm",
+        _make_rms,
+        lambda p, s: 2 * _n(p) * s + p.hidden * s,
+        lambda p, s: 3 * _n(p) * s + 2 * p.hidden * s + 4 * p.rows,
+    ),
+    "layer_norm_modulate": OpSpec(
+        "layer_norm_modulate",
+        _make_lnm,
+        lambda p, s: 2 * _n(p) * s + 2 * p.batch * p.hidden * s,
+        lambda p, s: 3 * _n(p) * s + 4 * p.batch * p.hidden * s + 8 * p.rows,
+    ),
+    "gated_residual": OpSpec(
+        "gated_residual",
+        _make_gr,
+        lambda p, s: 3 * _n(p) * s + p.batch * p.hidden * s,
+        lambda p, s: 3 * _n(p) * s + 2 * p.batch * p.hidden * s,
+    ),
     "gelu_tanh": OpSpec("gelu_tanh", _make_gelu, lambda p, s: 2 * _n(p) * s, lambda p, s: 3 * _n(p) * s),
     "swiglu": OpSpec("swiglu", _make_swiglu, lambda p, s: 3 * _n(p) * s, lambda p, s: 5 * _n(p) * s),
-    "rope": OpSpec("rope", _make_rope, lambda p, s: 4 * _nqk(p) * s + 8 * _T(p),
-                   lambda p, s: 4 * _nqk(p) * s + 8 * _T(p), n_outputs=2, problem_kw=_rope_kw),
-    "qk_norm_rope": OpSpec("qk_norm_rope", _make_qknr,
-                           lambda p, s: 4 * _nqk(p) * s + 2 * p.head_dim * s + 8 * _T(p),
-                           lambda p, s: 6 * _nqk(p) * s + 4 * p.head_dim * s + 8 * _T(p)
-                           + 8 * p.batch * p.heads * p.tokens,
-                           n_outputs=2, problem_kw=_rope_kw),
+    "rope": OpSpec(
+        "rope",
+        _make_rope,
+        lambda p, s: 4 * _nqk(p) * s + 8 * _T(p),
+        lambda p, s: 4 * _nqk(p) * s + 8 * _T(p),
+        n_outputs=2,
+        problem_kw=_rope_kw,
+    ),
+    "qk_norm_rope": OpSpec(
+        "qk_norm_rope",
+        _make_qknr,
+        lambda p, s: 4 * _nqk(p) * s + 2 * p.head_dim * s + 8 * _T(p),
+        lambda p, s: 6 * _nqk(p) * s + 4 * p.head_dim * s + 8 * _T(p) + 8 * p.batch * p.heads * p.tokens,
+        n_outputs=2,
+        problem_kw=_rope_kw,
+    ),
 }
 
 
@@ -218,8 +249,13 @@ OPS: dict[str, OpSpec] = {
 # transcendental functions count as one.  Only used to place points on the roofline:
 # every op here sits far left of the ridge point.
 FLOPS_PER_ELEMENT: dict[str, tuple[float, float]] = {
-    "rms_norm": (4, 9), "layer_norm_modulate": (8, 14), "gated_residual": (2, 3), "gelu_tanh": (9, 15),
-    "swiglu": (4, 9), "rope": (6, 6), "qk_norm_rope": (10, 18),
+    "rms_norm": (4, 9),
+    "layer_norm_modulate": (8, 14),
+    "gated_residual": (2, 3),
+    "gelu_tanh": (9, 15),
+    "swiglu": (4, 9),
+    "rope": (6, 6),
+    "qk_norm_rope": (10, 18),
 }
 
 
@@ -242,13 +278,21 @@ def bytes_moved(op: str, problem: Problem, dtype, direction: str) -> float:
 
 def _generator(seed: int | None) -> tuple[torch.Generator, int]:
     if seed is None:
-        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())   # fresh inputs, reported for reproduction
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())  # fresh inputs, reported for reproduction
     g = torch.Generator().manual_seed(seed)
     return g, seed
 
 
-def make_inputs(op: str, problem: Problem, dtype, device="cpu", *, seed: int | None = None,
-                requires_grad: bool = True, fast: bool = False):
+def make_inputs(
+    op: str,
+    problem: Problem,
+    dtype,
+    device="cpu",
+    *,
+    seed: int | None = None,
+    requires_grad: bool = True,
+    fast: bool = False,
+):
     """(args in dtype on device, OpInputs in float64, seed).  Tables stay float32.
     ``fast``: draw in float32 directly on ``device`` (benchmarks; values differ from the
     float64 draw of the same seed)."""
@@ -284,7 +328,7 @@ class CheckRow:
     variant: str
     dtype: str
     shape: str
-    tensor: str          # "out", "out0", "grad x", ...
+    tensor: str  # "out", "out0", "grad x", ...
     max_abs: float
     max_rel: float
     n_bad: int
@@ -294,8 +338,17 @@ class CheckRow:
     seed: int
 
 
-def check_variant(op: str, variant: str, dtype, problem: Problem, *, device="cpu", seed: int | None = None,
-                  grads: bool = True, grad_tol_scale: float = GRAD_TOL_SCALE) -> list[CheckRow]:
+def check_variant(
+    op: str,
+    variant: str,
+    dtype,
+    problem: Problem,
+    *,
+    device="cpu",
+    seed: int | None = None,
+    grads: bool = True,
+    grad_tol_scale: float = GRAD_TOL_SCALE,
+) -> list[CheckRow]:
     """Run ``variant`` forward (+ backward) and compare every output and gradient with the
     float64 reference on the same rounded inputs.  Fresh inputs unless ``seed`` is given."""
     dt = as_dtype(dtype)
@@ -306,7 +359,7 @@ def check_variant(op: str, variant: str, dtype, problem: Problem, *, device="cpu
     g = torch.Generator().manual_seed(seed + 1)
     douts64 = [torch.randn(o.shape, generator=g, dtype=torch.float64) for o in ref_out]
     douts = [d.to(device=device, dtype=dt) for d in douts64]
-    ref_douts = [d.to(torch.float64) for d in douts]           # the same rounded upstream gradient
+    ref_douts = [d.to(torch.float64) for d in douts]  # the same rounded upstream gradient
     out = _tuple(v(*args))
     rows = []
     shape = "x".join(map(str, inp.shape))
@@ -316,17 +369,50 @@ def check_variant(op: str, variant: str, dtype, problem: Problem, *, device="cpu
     atol, rtol = tolerance(dt, tol_scale)
 
     def add(tensor, actual, expected, a_tol, r_tol):
-        rep = compare(actual, expected, atol=a_tol, rtol=r_tol,
-                      name=f"{op}/{variant} {fmt_dtype(dt)} {shape} {tensor} (seed {seed})")
-        rows.append(CheckRow(op, variant, fmt_dtype(dt), shape, tensor, rep.max_abs, rep.max_rel, rep.n_bad,
-                             rep.numel, rep.ok, rep.message, seed))
+        rep = compare(
+            actual,
+            expected,
+            atol=a_tol,
+            rtol=r_tol,
+            name=f"{op}/{variant} {fmt_dtype(dt)} {shape} {tensor} (seed {seed})",
+        )
+        rows.append(
+            CheckRow(
+                op,
+                variant,
+                fmt_dtype(dt),
+                shape,
+                tensor,
+                rep.max_abs,
+                rep.max_rel,
+                rep.n_bad,
+                rep.numel,
+                rep.ok,
+                rep.message,
+                seed,
+            )
+        )
 
     if len(out) != len(ref_out):
         raise AssertionError(f"{op}/{variant} returned {len(out)} outputs, the reference {len(ref_out)}")
     for i, (o, r) in enumerate(zip(out, ref_out)):
         if o.dtype != dt:
-            rows.append(CheckRow(op, variant, fmt_dtype(dt), shape, f"out{i}", math.inf, math.inf, -1, o.numel(),
-                                 False, f"{op}/{variant}: output {i} has dtype {o.dtype}, expected {dt}", seed))
+            rows.append(
+                CheckRow(
+                    op,
+                    variant,
+                    fmt_dtype(dt),
+                    shape,
+                    f"out{i}",
+                    math.inf,
+                    math.inf,
+                    -1,
+                    o.numel(),
+                    False,
+                    f"{op}/{variant}: output {i} has dtype {o.dtype}, expected {dt}",
+                    seed,
+                )
+            )
             continue
         add("out" if len(out) == 1 else f"out{i}", o, r.detach(), atol, rtol)
     if grads:
@@ -340,8 +426,22 @@ def check_variant(op: str, variant: str, dtype, problem: Problem, *, device="cpu
             # rounding errors of n terms grow like sqrt(n), so its atol does too.
             n_sum = max(1, n_out // max(e.numel(), 1))
             if a is None:
-                rows.append(CheckRow(op, variant, fmt_dtype(dt), shape, f"grad {n}", math.inf, math.inf, -1, 0,
-                                     False, f"{op}/{variant}: no gradient for {n!r}", seed))
+                rows.append(
+                    CheckRow(
+                        op,
+                        variant,
+                        fmt_dtype(dt),
+                        shape,
+                        f"grad {n}",
+                        math.inf,
+                        math.inf,
+                        -1,
+                        0,
+                        False,
+                        f"{op}/{variant}: no gradient for {n!r}",
+                        seed,
+                    )
+                )
                 continue
             add(f"grad {n}", a, e, ga * math.sqrt(n_sum), gr)
     return rows
@@ -357,8 +457,16 @@ def assert_variant_ok(op: str, variant: str, dtype, problem: Problem, **kw) -> l
     return rows
 
 
-def correctness_table(op: str, dtypes: Sequence, problem: Problem, *, device="cpu", seed: int | None = 0,
-                      variant_names: Sequence[str] | None = None, grads: bool = True):
+def correctness_table(
+    op: str,
+    dtypes: Sequence,
+    problem: Problem,
+    *,
+    device="cpu",
+    seed: int | None = 0,
+    variant_names: Sequence[str] | None = None,
+    grads: bool = True,
+):
     """A DataFrame: one row per (variant, dtype) with the worst error over outputs and
     gradients and the verdict; variants that cannot run here are listed with the reason."""
     import pandas as pd
@@ -372,15 +480,33 @@ def correctness_table(op: str, dtypes: Sequence, problem: Problem, *, device="cp
                 continue
             why = v.why_not(device, dt, **kw)
             if why:
-                recs.append(dict(variant=v.name, dtype=fmt_dtype(dt), verdict="n/a", worst="", max_abs=math.nan,
-                                 max_rel=math.nan, n_bad=0, note=why))
+                recs.append(
+                    dict(
+                        variant=v.name,
+                        dtype=fmt_dtype(dt),
+                        verdict="n/a",
+                        worst="",
+                        max_abs=math.nan,
+                        max_rel=math.nan,
+                        n_bad=0,
+                        note=why,
+                    )
+                )
                 continue
             rows = check_variant(op, v.name, dt, problem, device=device, seed=seed, grads=grads)
             worst = max(rows, key=lambda r: (not r.ok, r.max_abs))
-            recs.append(dict(variant=v.name, dtype=fmt_dtype(dt), verdict="PASS" if all(r.ok for r in rows) else "FAIL",
-                             worst=worst.tensor, max_abs=max(r.max_abs for r in rows),
-                             max_rel=max(r.max_rel for r in rows), n_bad=sum(max(r.n_bad, 0) for r in rows),
-                             note="" if worst.ok else worst.message.splitlines()[0]))
+            recs.append(
+                dict(
+                    variant=v.name,
+                    dtype=fmt_dtype(dt),
+                    verdict="PASS" if all(r.ok for r in rows) else "FAIL",
+                    worst=worst.tensor,
+                    max_abs=max(r.max_abs for r in rows),
+                    max_rel=max(r.max_rel for r in rows),
+                    n_bad=sum(max(r.n_bad, 0) for r in rows),
+                    note="" if worst.ok else worst.message.splitlines()[0],
+                )
+            )
     return pd.DataFrame(recs)
 
 
@@ -417,13 +543,24 @@ def peak_memory_bytes(fn: Callable, device) -> float | None:
     return float(torch.cuda.max_memory_allocated(dev) - base)
 
 
-def bench_variant(op: str, variant: str, problem: Problem, dtype, direction: str, *, device="cpu",
-                  reps: int = 20, budget_s: float = 20.0, rep_ms: float = 100.0):
+def bench_variant(
+    op: str,
+    variant: str,
+    problem: Problem,
+    dtype,
+    direction: str,
+    *,
+    device="cpu",
+    reps: int = 20,
+    budget_s: float = 20.0,
+    rep_ms: float = 100.0,
+):
     """Timing (or BenchFailure) and peak memory of one variant; refuses Triton on CPU."""
     v = get_variant(op, variant)
     if not v.timeable(device):
-        return BenchFailure(f"{op}/{variant}", "raised",
-                            "Triton on CPU runs in the interpreter: correctness only, never timed"), None
+        return BenchFailure(
+            f"{op}/{variant}", "raised", "Triton on CPU runs in the interpreter: correctness only, never timed"
+        ), None
     why = v.why_not(device, as_dtype(dtype), **spec(op).problem_kw(problem))
     if why:
         return BenchFailure(f"{op}/{variant}", "raised", why), None
@@ -431,15 +568,33 @@ def bench_variant(op: str, variant: str, problem: Problem, dtype, direction: str
         fn = _bench_fn(op, variant, problem, dtype, direction, device)
     except Exception as e:  # noqa: BLE001 - recorded as a failure row
         return BenchFailure(f"{op}/{variant}", "raised", f"{type(e).__name__}: {e}"), None
-    t = try_bench(fn, name=f"{op}/{variant}/{direction}", device=device, reps=reps, budget_s=budget_s,
-                  rep_ms=rep_ms, check_finite=True)
+    t = try_bench(
+        fn,
+        name=f"{op}/{variant}/{direction}",
+        device=device,
+        reps=reps,
+        budget_s=budget_s,
+        rep_ms=rep_ms,
+        check_finite=True,
+    )
     mem = peak_memory_bytes(fn, device) if getattr(t, "ok", False) else None
     return t, mem
 
 
-def sweep(rec: Recorder, ops: Sequence[str], problems: Sequence[Problem], dtypes: Sequence, directions: Sequence[str],
-          *, device="cpu", variant_names: Sequence[str] | None = None, reps: int = 20, budget_s: float = 20.0,
-          experiment: str = "op_sweep", progress: bool = False) -> None:
+def sweep(
+    rec: Recorder,
+    ops: Sequence[str],
+    problems: Sequence[Problem],
+    dtypes: Sequence,
+    directions: Sequence[str],
+    *,
+    device="cpu",
+    variant_names: Sequence[str] | None = None,
+    reps: int = 20,
+    budget_s: float = 20.0,
+    experiment: str = "op_sweep",
+    progress: bool = False,
+) -> None:
     """Providers × sweep: every timeable variant of each op on each problem, dtype and
     direction -> rows (time median/p20/p80, GB/s, % of copy ceiling, speedup over eager,
     peak memory).  Untimeable variants (Triton on CPU) get no rows."""
@@ -453,27 +608,55 @@ def sweep(rec: Recorder, ops: Sequence[str], problems: Sequence[Problem], dtypes
         kw = spec(op).problem_kw(p)
         eager_ms = None
         vs = [v for v in variants(op, device=device, dtype=dt, **kw) if v.kind != "reference" and v.timeable(device)]
-        vs.sort(key=lambda v: v.name != "eager")          # eager first: the speedup baseline
+        vs.sort(key=lambda v: v.name != "eager")  # eager first: the speedup baseline
         for v in vs:
             if variant_names is not None and v.name not in variant_names and v.name != "eager":
                 continue
             t, mem = bench_variant(op, v.name, p, dt, direction, device=device, reps=reps, budget_s=budget_s)
             nbytes = bytes_moved(op, p, dt, direction)
-            extra = dict(op=op, direction=direction, tokens=p.tokens, hidden=p.hidden, batch=p.batch,
-                         head_dim=p.head_dim, kind=v.kind)
+            extra = dict(
+                op=op,
+                direction=direction,
+                tokens=p.tokens,
+                hidden=p.hidden,
+                batch=p.batch,
+                head_dim=p.head_dim,
+                kind=v.kind,
+            )
             shape = "x".join(map(str, kw["shape"]))
-            rec.add_timing(experiment, v.name, t, shape=shape, dtype=dt, bytes=nbytes,
-                           flops=flops(op, p, direction), **extra)
+            rec.add_timing(
+                experiment, v.name, t, shape=shape, dtype=dt, bytes=nbytes, flops=flops(op, p, direction), **extra
+            )
             if not getattr(t, "ok", False):
                 continue
             if v.name == "eager":
                 eager_ms = t.median_ms
             if eager_ms:
-                rec.add(experiment, v.name, "speedup_vs_eager", eager_ms / t.median_ms, "x", shape=shape, dtype=dt,
-                        statistic="median", formula="eager median / variant median", **extra)
+                rec.add(
+                    experiment,
+                    v.name,
+                    "speedup_vs_eager",
+                    eager_ms / t.median_ms,
+                    "x",
+                    shape=shape,
+                    dtype=dt,
+                    statistic="median",
+                    formula="eager median / variant median",
+                    **extra,
+                )
             if mem is not None:
-                rec.add(experiment, v.name, "peak_memory", mem / 2**20, "MiB", shape=shape, dtype=dt,
-                        statistic="value", formula="max_memory_allocated - allocated before the call", **extra)
+                rec.add(
+                    experiment,
+                    v.name,
+                    "peak_memory",
+                    mem / 2**20,
+                    "MiB",
+                    shape=shape,
+                    dtype=dt,
+                    statistic="value",
+                    formula="max_memory_allocated - allocated before the call",
+                    **extra,
+                )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,8 +664,8 @@ def sweep(rec: Recorder, ops: Sequence[str], problems: Sequence[Problem], dtypes
 
 
 def preset_dims(preset: str) -> dict:
-    """hidden size, heads, head dim and MLP hidden of a model preset (``lab_utils.mmdit``)."""
-    from . import mmdit
+    """hidden size, heads, head dim and MLP hidden of a model preset (``lab_utils.model.mmdit``)."""
+    from .model import mmdit
 
     if preset not in mmdit.PRESETS:
         raise ValueError(f"parameter 'preset' = {preset!r} is not allowed: expected one of {', '.join(mmdit.PRESETS)}")
@@ -491,8 +674,9 @@ def preset_dims(preset: str) -> dict:
     return dict(hidden=hidden, heads=heads, head_dim=hidden // heads, mlp_hidden=int(hidden * p["mlp_ratio"]))
 
 
-def problems_for(presets: Sequence[str], tokens: Sequence[int], *, batch: int = 1,
-                 include_mlp: bool = True) -> list[Problem]:
+def problems_for(
+    presets: Sequence[str], tokens: Sequence[int], *, batch: int = 1, include_mlp: bool = True
+) -> list[Problem]:
     """Token counts × hidden sizes taken from presets (and their MLP widths)."""
     out = []
     for pr in presets:
@@ -507,8 +691,10 @@ def problems_for(presets: Sequence[str], tokens: Sequence[int], *, batch: int = 
 
 
 def ops_sizes_note() -> str:
-    return ("rms_norm, layer_norm_modulate, gated_residual, gelu_tanh, swiglu: x (batch, tokens, hidden); "
-            "rope, qk_norm_rope: q, k (batch, hidden/head_dim, tokens, head_dim)")
+    return (
+        "rms_norm, layer_norm_modulate, gated_residual, gelu_tanh, swiglu: x (batch, tokens, hidden); "
+        "rope, qk_norm_rope: q, k (batch, hidden/head_dim, tokens, head_dim)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,9 +712,9 @@ BLOCK_PROVIDERS = {
 @dataclass
 class BlockCase:
     provider: str
-    kind: str                        # "double" | "single"
-    fn: Callable                     # one forward + backward
-    forward: Callable                # forward only -> outputs
+    kind: str  # "double" | "single"
+    fn: Callable  # one forward + backward
+    forward: Callable  # forward only -> outputs
     shape: str
     kernels: str
     compiled: bool
@@ -550,13 +736,22 @@ def _block_inputs(cfg, kind: str, batch: int, img_tokens: int, txt_tokens: int, 
     return (t(batch, L, D), vec, pe)
 
 
-def block_cases(preset: str = "tiny", *, kinds: Sequence[str] = ("double", "single"),
-                providers: Sequence[str] = ("eager", "compile", "triton"), batch: int = 1, img_tokens: int = 64,
-                txt_tokens: int = 16, dtype=torch.float32, device="cpu", seed: int = 0) -> list[BlockCase]:
+def block_cases(
+    preset: str = "tiny",
+    *,
+    kinds: Sequence[str] = ("double", "single"),
+    providers: Sequence[str] = ("eager", "compile", "triton"),
+    batch: int = 1,
+    img_tokens: int = 64,
+    txt_tokens: int = 16,
+    dtype=torch.float32,
+    device="cpu",
+    seed: int = 0,
+) -> list[BlockCase]:
     """One MMDiT block per kind (weights shared by every provider), wrapped per provider."""
     import copy
 
-    from . import mmdit
+    from .model import mmdit
 
     dt = as_dtype(dtype)
     for p in providers:
@@ -586,9 +781,14 @@ def block_cases(preset: str = "tiny", *, kinds: Sequence[str] = ("double", "sing
                 outs = _tuple(fwd(*inputs))
                 return torch.autograd.grad(outs, diff + params, [torch.ones_like(o) for o in outs])
 
-            shape = (f"B{batch}xLimg{img_tokens}xLtxt{txt_tokens}xD{cfg.hidden_size}" if kind == "double"
-                     else f"B{batch}xL{img_tokens + txt_tokens}xD{cfg.hidden_size}")
-            out.append(BlockCase(p, kind, one, lambda fwd=fwd, inputs=inputs: _tuple(fwd(*inputs)), shape, kernels, comp))
+            shape = (
+                f"B{batch}xLimg{img_tokens}xLtxt{txt_tokens}xD{cfg.hidden_size}"
+                if kind == "double"
+                else f"B{batch}xL{img_tokens + txt_tokens}xD{cfg.hidden_size}"
+            )
+            out.append(
+                BlockCase(p, kind, one, lambda fwd=fwd, inputs=inputs: _tuple(fwd(*inputs)), shape, kernels, comp)
+            )
     return out
 
 
@@ -611,8 +811,16 @@ def block_agreement(cases: Sequence[BlockCase], baseline: str = "eager") -> list
     return rows
 
 
-def block_compare(rec: Recorder, cases: Sequence[BlockCase], *, device="cpu", dtype=torch.float32, reps: int = 10,
-                  budget_s: float = 30.0, experiment: str = "block") -> None:
+def block_compare(
+    rec: Recorder,
+    cases: Sequence[BlockCase],
+    *,
+    device="cpu",
+    dtype=torch.float32,
+    reps: int = 10,
+    budget_s: float = 30.0,
+    experiment: str = "block",
+) -> None:
     """Time each case's forward + backward (median/p20/p80), speedup over the eager
     provider and peak memory (CUDA).  Providers running Triton on CPU are not timed."""
     dev = torch.device(device)
@@ -620,7 +828,7 @@ def block_compare(rec: Recorder, cases: Sequence[BlockCase], *, device="cpu", dt
     for c in sorted(cases, key=lambda c: c.provider != "eager"):
         extra = dict(kind=c.kind, kernels=c.kernels, compiled=c.compiled, direction="fwd+bwd")
         if c.kernels == "triton" and dev.type == "cpu":
-            continue                          # interpreter: correctness only (block_agreement)
+            continue  # interpreter: correctness only (block_agreement)
         t = try_bench(c.fn, name=f"{c.kind}/{c.provider}", device=dev, reps=reps, budget_s=budget_s)
         rec.add_timing(experiment, c.provider, t, shape=c.shape, dtype=dtype, **extra)
         if not getattr(t, "ok", False):
@@ -628,14 +836,32 @@ def block_compare(rec: Recorder, cases: Sequence[BlockCase], *, device="cpu", dt
         if c.provider == "eager":
             eager_ms[c.kind] = t.median_ms
         if c.kind in eager_ms:
-            rec.add(experiment, c.provider, "speedup_vs_eager", eager_ms[c.kind] / t.median_ms, "x", shape=c.shape,
-                    dtype=dtype, statistic="median", formula="eager median / provider median", **extra)
+            rec.add(
+                experiment,
+                c.provider,
+                "speedup_vs_eager",
+                eager_ms[c.kind] / t.median_ms,
+                "x",
+                shape=c.shape,
+                dtype=dtype,
+                statistic="median",
+                formula="eager median / provider median",
+                **extra,
+            )
         mem = peak_memory_bytes(c.fn, dev)
         if mem is not None:
-            rec.add(experiment, c.provider, "peak_memory", mem / 2**20, "MiB", shape=c.shape, dtype=dtype,
-                    statistic="value", formula="max_memory_allocated - allocated before the call", **extra)
-
-
+            rec.add(
+                experiment,
+                c.provider,
+                "peak_memory",
+                mem / 2**20,
+                "MiB",
+                shape=c.shape,
+                dtype=dtype,
+                statistic="value",
+                formula="max_memory_allocated - allocated before the call",
+                **extra,
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -647,17 +873,17 @@ class FusedKernelsConfig(LabConfig):
     """Parameters of ``labs/02_fused_kernels.ipynb``; defaults are the small CPU set."""
 
     device: str = "auto"
-    op: str = "rms_norm"                                 # the op of the correctness table and roofline
-    dtype: str = "float32"                               # the sweep's dtype
+    op: str = "rms_norm"  # the op of the correctness table and roofline
+    dtype: str = "float32"  # the sweep's dtype
     directions: tuple = ("fwd", "fwd+bwd")
     check_dtypes: tuple = ("float32", "bfloat16", "float16")
-    check_tokens: int = 37                               # correctness problem: irregular on purpose
+    check_tokens: int = 37  # correctness problem: irregular on purpose
     check_hidden: int = 781
     check_head_dim: int = 62
     check_variants: tuple = ("eager", "triton", "torch")  # "compile" adds one compile per dtype
     sweep_ops: tuple = ("rms_norm", "gelu_tanh")
-    sweep_variants: tuple = ("eager", "torch")            # plus "compile", "triton" (GPU), library names
-    preset: str = "small"                                # hidden sizes (and MLP width) from the model preset
+    sweep_variants: tuple = ("eager", "torch")  # plus "compile", "triton" (GPU), library names
+    preset: str = "small"  # hidden sizes (and MLP width) from the model preset
     tokens: tuple = (128, 1024)
     batch: int = 1
     reps: int = 5
@@ -668,12 +894,12 @@ class FusedKernelsConfig(LabConfig):
     block_img_tokens: int = 64
     block_txt_tokens: int = 16
     block_dtype: str = "float32"
-    compare_compile: bool = True                         # eager vs torch.compile of `op`, forward, largest size
+    compare_compile: bool = True  # eager vs torch.compile of `op`, forward, largest size
     seed: int = 0
     quick_ceilings: bool = True
 
     def __post_init__(self):
-        from . import mmdit
+        from .model import mmdit
 
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
         check_choice("op", self.op, OP_NAMES)
@@ -754,9 +980,19 @@ def roofline_points(df, ceilings):
         p = Problem(e["batch"], e["tokens"], e["hidden"], e["head_dim"])
         b, f = bytes_moved(e["op"], p, r["dtype"], e["direction"]), flops(e["op"], p, e["direction"])
         pt = roofline(r["value"], bytes=b, flops=f, ceilings=ceilings, dtype=r["dtype"])
-        pts.append(dict(op=e["op"], variant=f"{e['op']}/{r['variant']} {e['direction']}", dtype=r["dtype"],
-                        shape=r["shape"], intensity=pt.intensity, tflops=pt.tflops, gbs=pt.gbs, time_ms=pt.time_ms,
-                        pct_of_ceiling=pt.pct_of_ceiling))
+        pts.append(
+            dict(
+                op=e["op"],
+                variant=f"{e['op']}/{r['variant']} {e['direction']}",
+                dtype=r["dtype"],
+                shape=r["shape"],
+                intensity=pt.intensity,
+                tflops=pt.tflops,
+                gbs=pt.gbs,
+                time_ms=pt.time_ms,
+                pct_of_ceiling=pt.pct_of_ceiling,
+            )
+        )
     return pd.DataFrame(pts)
 
 
@@ -770,14 +1006,27 @@ def bandwidth_holomap(df, ceilings):
     frames = {}
     for (op, dt, dr), g in d.groupby(["op", "dtype", "direction"], sort=True):
         layers = [hv.HLine(ceilings.copy_gbs).opts(color="black", line_dash="dashed", line_width=2)]
-        layers.append(hv.Text(float(g["MB"].min()), ceilings.copy_gbs * 1.03,
-                              f"copy ceiling {ceilings.copy_gbs:.0f} GB/s", halign="left", fontsize=9))
+        layers.append(
+            hv.Text(
+                float(g["MB"].min()),
+                ceilings.copy_gbs * 1.03,
+                f"copy ceiling {ceilings.copy_gbs:.0f} GB/s",
+                halign="left",
+                fontsize=9,
+            )
+        )
         for v, gv in g.groupby("variant", sort=True):
             gv = gv.sort_values("MB")
-            layers.append(hv.Curve(gv, "MB", ["gbs", "shape"], label=v) * hv.Scatter(gv, "MB", ["gbs", "shape"], label=v))
-        frames[(op, dt, dr)] = hv.Overlay(layers).opts(logx=True, xlabel="MB moved per call", ylabel="GB/s",
-                                                       legend_position="bottom_right",
-                                                       title=f"{op} {dt} {dr}: achieved bandwidth")
+            layers.append(
+                hv.Curve(gv, "MB", ["gbs", "shape"], label=v) * hv.Scatter(gv, "MB", ["gbs", "shape"], label=v)
+            )
+        frames[(op, dt, dr)] = hv.Overlay(layers).opts(
+            logx=True,
+            xlabel="MB moved per call",
+            ylabel="GB/s",
+            legend_position="bottom_right",
+            title=f"{op} {dt} {dr}: achieved bandwidth",
+        )
     if not frames:
         return hv.Div("<p>no timed rows (nothing timeable on this device)</p>")
     return hv.HoloMap(frames, kdims=["op", "dtype", "direction"])
@@ -808,11 +1057,38 @@ def block_bars(df):
     d["kind"] = d["extra"].map(lambda e: json.loads(e)["kind"])
     d["ms"] = d["value"]
     return hv.Bars(d, ["kind", "variant"], ["ms", "shape"]).opts(
-        title="MMDiT block forward + backward (median)", ylabel="ms", xlabel="block / provider", multi_level=True)
+        title="MMDiT block forward + backward (median)", ylabel="ms", xlabel="block / provider", multi_level=True
+    )
 
 
-
-__all__ = ["OPS", "OP_NAMES", "DIRECTIONS", "DTYPES", "Problem", "OpSpec", "CheckRow", "bytes_moved", "flops", "check_variant",
-           "correctness_table", "assert_variant_ok", "bench_variant", "sweep", "make_inputs", "problems_for", "preset_dims",
-           "peak_memory_bytes", "BLOCK_PROVIDERS",
-           "block_cases", "block_agreement", "block_compare", "FusedKernelsConfig", "sweep_frame", "roofline_points", "bandwidth_holomap", "block_bars", "speedup_table", "lab_kernels"]
+__all__ = [
+    "OPS",
+    "OP_NAMES",
+    "DIRECTIONS",
+    "DTYPES",
+    "Problem",
+    "OpSpec",
+    "CheckRow",
+    "bytes_moved",
+    "flops",
+    "check_variant",
+    "correctness_table",
+    "assert_variant_ok",
+    "bench_variant",
+    "sweep",
+    "make_inputs",
+    "problems_for",
+    "preset_dims",
+    "peak_memory_bytes",
+    "BLOCK_PROVIDERS",
+    "block_cases",
+    "block_agreement",
+    "block_compare",
+    "FusedKernelsConfig",
+    "sweep_frame",
+    "roofline_points",
+    "bandwidth_holomap",
+    "block_bars",
+    "speedup_table",
+    "lab_kernels",
+]

@@ -12,20 +12,21 @@ Two item kinds:
 * :class:`SyntheticImageCaptions`: pixels (3, H, W) in [-1, 1], T5 token ids of the
   caption's length, 77 CLIP token ids (BOS, tokens, EOS, padding);
 * :class:`CachedLatents`: precomputed VAE latents, T5 states and pooled CLIP vectors
-  (``lab_utils.encoders.precompute`` builds it), as real runs cache them.
+  (``lab_utils.model.encoders.precompute`` builds it), as real runs cache them.
 """
+
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .config import ConfigError, check_int
+from ..config import ConfigError, check_int
 
 CLIP_LEN = 77
 T5_PAD, T5_EOS = 0, 1
@@ -39,8 +40,11 @@ def normalize_buckets(buckets, param: str = "buckets") -> list[tuple[int, int]]:
     for b in buckets:
         if isinstance(b, int) and not isinstance(b, bool):
             b = (b, b)
-        if (not isinstance(b, (list, tuple)) or len(b) != 2
-                or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in b)):
+        if (
+            not isinstance(b, (list, tuple))
+            or len(b) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in b)
+        ):
             raise ConfigError(param, buckets, f"a list of [height, width] positive ints ({b!r} is not)")
         out.append((int(b[0]), int(b[1])))
     return out
@@ -50,8 +54,18 @@ class SyntheticImageCaptions(Dataset):
     """``n`` image-caption pairs; item i has a bucket, a caption length and content drawn
     from (seed, i).  Pixels are smooth random fields (low-res noise, bilinear upsampled)."""
 
-    def __init__(self, n: int, buckets, *, min_caption_len: int = 8, max_caption_len: int = 64,
-                 vocab_size: int = 512, clip_bos: int | None = None, clip_eos: int | None = None, seed: int = 0):
+    def __init__(
+        self,
+        n: int,
+        buckets,
+        *,
+        min_caption_len: int = 8,
+        max_caption_len: int = 64,
+        vocab_size: int = 512,
+        clip_bos: int | None = None,
+        clip_eos: int | None = None,
+        seed: int = 0,
+    ):
         check_int("num_samples", n, min=1)
         self.buckets = normalize_buckets(buckets)
         check_int("min_caption_len", min_caption_len, min=1)
@@ -78,14 +92,14 @@ class SyntheticImageCaptions(Dataset):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         h, w = self.buckets[self._bucket[i]]
         low = torch.rand(1, 3, max(h // 16, 1), max(w // 16, 1), generator=g) * 2 - 1
-        pixels = F.interpolate(low, size=(h, w), mode="bilinear", align_corners=False)[0]      # 3 H W
+        pixels = F.interpolate(low, size=(h, w), mode="bilinear", align_corners=False)[0]  # 3 H W
         n = self._len[i]
         words = torch.randint(2, self.vocab_size - 2, (n,), generator=g)
-        t5_ids = torch.cat([words[: n - 1], torch.tensor([T5_EOS])])                          # n
+        t5_ids = torch.cat([words[: n - 1], torch.tensor([T5_EOS])])  # n
         clip_words = words[: CLIP_LEN - 2]
         clip_ids = torch.zeros(CLIP_LEN, dtype=torch.long)
         clip_ids[0] = self.clip_bos
-        clip_ids[1: 1 + len(clip_words)] = clip_words
+        clip_ids[1 : 1 + len(clip_words)] = clip_words
         clip_ids[1 + len(clip_words)] = self.clip_eos
         return dict(index=i, bucket=self._bucket[i], pixels=pixels, t5_ids=t5_ids, clip_ids=clip_ids)
 
@@ -114,8 +128,9 @@ class BucketBatchSampler(Sampler):
     """Batches whose items share one bucket (so images stack).  Shuffles within buckets and
     the order of batches per epoch (seed + epoch); ``drop_last`` drops ragged tails."""
 
-    def __init__(self, bucket_of: Sequence[int], batch_size: int, *, shuffle: bool = True, drop_last: bool = True,
-                 seed: int = 0):
+    def __init__(
+        self, bucket_of: Sequence[int], batch_size: int, *, shuffle: bool = True, drop_last: bool = True, seed: int = 0
+    ):
         check_int("batch_size", batch_size, min=1)
         self.bucket_of, self.batch_size = list(bucket_of), batch_size
         self.shuffle, self.drop_last, self.seed, self.epoch = shuffle, drop_last, seed, 0
@@ -134,7 +149,7 @@ class BucketBatchSampler(Sampler):
             if self.shuffle:
                 rng.shuffle(idx)
             for s in range(0, len(idx), self.batch_size):
-                chunk = idx[s: s + self.batch_size]
+                chunk = idx[s : s + self.batch_size]
                 if len(chunk) == self.batch_size or not self.drop_last:
                     out.append(chunk)
         if self.shuffle:
@@ -179,21 +194,38 @@ def collate(items: list[dict], pad_to: int | None = None) -> dict:
     return out
 
 
-def make_loader(dataset, batch_size: int, *, num_workers: int = 0, pin_memory: bool = False,
-                prefetch_factor: int = 2, pad_to: int | None = None, shuffle: bool = True, drop_last: bool = True,
-                seed: int = 0) -> DataLoader:
+def make_loader(
+    dataset,
+    batch_size: int,
+    *,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    prefetch_factor: int = 2,
+    pad_to: int | None = None,
+    shuffle: bool = True,
+    drop_last: bool = True,
+    seed: int = 0,
+) -> DataLoader:
     """A ``torch.utils.data.DataLoader`` over bucket-pure batches."""
     check_int("batch_size", batch_size, min=1)
     check_int("num_workers", num_workers, min=0)
     check_int("prefetch_factor", prefetch_factor, min=1)
-    sampler = BucketBatchSampler([dataset.bucket_of(i) for i in range(len(dataset))], batch_size,
-                                 shuffle=shuffle, drop_last=drop_last, seed=seed)
+    sampler = BucketBatchSampler(
+        [dataset.bucket_of(i) for i in range(len(dataset))], batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed
+    )
     if len(sampler) == 0:
-        raise ConfigError("batch_size", batch_size, f"a size that fills at least one batch from {len(dataset)} "
-                                                    "samples in one bucket")
+        raise ConfigError(
+            "batch_size", batch_size, f"a size that fills at least one batch from {len(dataset)} samples in one bucket"
+        )
     kw = dict(prefetch_factor=prefetch_factor, persistent_workers=True) if num_workers > 0 else {}
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=partial(collate, pad_to=pad_to),
-                      num_workers=num_workers, pin_memory=pin_memory, **kw)
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=partial(collate, pad_to=pad_to),
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        **kw,
+    )
 
 
 def forever(loader: DataLoader) -> Iterator[dict]:

@@ -1,25 +1,24 @@
 import pytest
 import torch
 
-from lab_utils import refops
 from lab_utils.ceilings import Ceilings
-from lab_utils.checks import assert_close
 from lab_utils.config import ConfigError
 from lab_utils.records import Recorder
+from lab_utils.studies import ceilings as study
 
 
 def test_costs():
-    assert refops.op_cost("copy", 10, torch.float32) == (80, 0)
-    assert refops.op_cost("add", 10, torch.bfloat16) == (60, 10)
-    assert refops.op_cost("matmul", 4, torch.float32) == (3 * 16 * 4, 128)
+    assert study.op_cost("copy", 10, torch.float32) == (80, 0)
+    assert study.op_cost("add", 10, torch.bfloat16) == (60, 10)
+    assert study.op_cost("matmul", 4, torch.float32) == (3 * 16 * 4, 128)
     with pytest.raises(ValueError, match="op="):
-        refops.op_cost("conv", 1, torch.float32)
+        study.op_cost("conv", 1, torch.float32)
 
 
-@pytest.mark.parametrize("op", refops.OPS)
+@pytest.mark.parametrize("op", study.OPS)
 def test_ops_compute_what_they_claim(op, gen):
     n = 33 if op == "matmul" else 1001
-    fn = refops.make_op(op, n, torch.float32, torch.device("cpu"), gen)
+    fn = study.make_op(op, n, torch.float32, torch.device("cpu"), gen)
     out = fn()
     assert out.shape == ((n, n) if op == "matmul" else (n,))
     assert torch.isfinite(out).all() and out.abs().sum() > 0
@@ -27,23 +26,29 @@ def test_ops_compute_what_they_claim(op, gen):
 
 def test_config_validation():
     with pytest.raises(ConfigError, match="'ops'"):
-        refops.CeilingsLabConfig(ops=["copy", "fft"])
+        study.CeilingsLabConfig(ops=["copy", "fft"])
     with pytest.raises(ConfigError, match="'matmul_sizes'"):
-        refops.CeilingsLabConfig(matmul_sizes=[0])
+        study.CeilingsLabConfig(matmul_sizes=[0])
     with pytest.raises(ConfigError, match="'dtypes'"):
-        refops.CeilingsLabConfig(dtypes="float32")
+        study.CeilingsLabConfig(dtypes="float32")
 
 
 def test_tiny_sweep_records_every_point():
-    cfg = refops.CeilingsLabConfig(device="cpu", ops=["copy", "matmul"], dtypes=["float32"],
-                                   elementwise_sizes=[4096], matmul_sizes=[32, 48], reps=3)
+    cfg = study.CeilingsLabConfig(
+        device="cpu",
+        ops=["copy", "matmul"],
+        dtypes=["float32"],
+        elementwise_sizes=[4096],
+        matmul_sizes=[32, 48],
+        reps=3,
+    )
     ceil = Ceilings(device={"name": "t"}, copy_gbs=10.0, copy_bytes=1, matmul_tflops={"fp32": 0.1}, matmul_n={})
     rec = Recorder("00_ceilings", ceilings=ceil)
-    pts = refops.run_sweep(cfg, rec, ceil, progress=False)
+    pts = study.run_sweep(cfg, rec, ceil, progress=False)
     assert len(pts) == 3 and pts.ok.all()
     assert set(pts[pts.op == "matmul"].bound) <= {"memory", "compute"}
     df = rec.frame()
     assert set(df.metric) == {"time", "bandwidth", "throughput", "pct_of_ceiling"}
     assert df[df.metric == "time"].groupby("variant").size().to_dict() == {"copy": 3, "matmul": 6}
-    hm = refops.roofline_map(pts, ceil)
+    hm = study.roofline_map(pts, ceil)
     assert list(hm.keys()) == ["float32"]

@@ -18,6 +18,7 @@ CUDA the step synchronises at phase ends (``sync_phases``) so that CPU-side phas
 ranges cover the GPU work they launched (this removes overlap between phases, which
 is the honest price of a per-phase attribution).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,8 +31,8 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from .config import (ConfigError, LabConfig, check_bool, check_choice, check_float, check_int)
-from .mmdit import MMDiT, MMDiTConfig, PRESETS, build_model, image_ids, patchify, resolve_config, text_ids
+from ..config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int
+from .mmdit import PRESETS, MMDiT, MMDiTConfig, build_model, image_ids, patchify, resolve_config, text_ids
 
 PHASES = ("data_loading", "text_encoding", "image_encoding", "forward", "backward", "optimizer", "checkpoint")
 CKPT_FORMATS = ("torch", "dcp", "dcp_async")
@@ -42,31 +43,41 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The objective
 # --------------------------------------------------------------------------------------
 
+
 @dataclass
 class Batch:
     """What the model consumes: clean packed latent tokens and conditioning."""
 
-    img: torch.Tensor                  # B L_img in_channels (x0)
-    img_ids: torch.Tensor              # L_img 3
-    txt: torch.Tensor                  # B L_txt context_dim
-    txt_ids: torch.Tensor              # L_txt 3
-    y: torch.Tensor                    # B pooled_dim
-    guidance: torch.Tensor | None      # B
+    img: torch.Tensor  # B L_img in_channels (x0)
+    img_ids: torch.Tensor  # L_img 3
+    txt: torch.Tensor  # B L_txt context_dim
+    txt_ids: torch.Tensor  # L_txt 3
+    y: torch.Tensor  # B pooled_dim
+    guidance: torch.Tensor | None  # B
     txt_mask: torch.Tensor | None = None
-    grid: tuple[int, int] = (0, 0)     # token grid (h, w)
+    grid: tuple[int, int] = (0, 0)  # token grid (h, w)
 
     @property
     def batch_size(self) -> int:
         return self.img.shape[0]
 
-    def to(self, device, non_blocking: bool = False) -> "Batch":
+    def to(self, device, non_blocking: bool = False) -> Batch:
         mv = lambda t: t.to(device, non_blocking=non_blocking) if t is not None else None  # noqa: E731
-        return Batch(mv(self.img), mv(self.img_ids), mv(self.txt), mv(self.txt_ids), mv(self.y), mv(self.guidance),
-                     mv(self.txt_mask), self.grid)
+        return Batch(
+            mv(self.img),
+            mv(self.img_ids),
+            mv(self.txt),
+            mv(self.txt_ids),
+            mv(self.y),
+            mv(self.guidance),
+            mv(self.txt_mask),
+            self.grid,
+        )
 
 
-def sample_timesteps(n: int, generator: torch.Generator | None = None, device=None, *, logit_mean: float = 0.0,
-                     logit_std: float = 1.0) -> torch.Tensor:
+def sample_timesteps(
+    n: int, generator: torch.Generator | None = None, device=None, *, logit_mean: float = 0.0, logit_std: float = 1.0
+) -> torch.Tensor:
     """Logit-normal t in (0, 1): sigmoid(N(logit_mean, logit_std))."""
     return torch.sigmoid(logit_mean + logit_std * torch.randn(n, generator=generator, device=device))
 
@@ -80,8 +91,15 @@ class RFParts:
     pred: torch.Tensor
 
 
-def rf_loss(model: MMDiT, batch: Batch, generator: torch.Generator | None = None, *, logit_mean: float = 0.0,
-            logit_std: float = 1.0, return_parts: bool = False):
+def rf_loss(
+    model: MMDiT,
+    batch: Batch,
+    generator: torch.Generator | None = None,
+    *,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    return_parts: bool = False,
+):
     """Rectified-flow MSE: x_t = (1-t) x0 + t ε, target ε - x0, loss = mean((model(x_t, t) - target)²).
 
     ``generator`` (on the batch's device) draws ε and t; the loss is computed in float32."""
@@ -97,9 +115,18 @@ def rf_loss(model: MMDiT, batch: Batch, generator: torch.Generator | None = None
     return RFParts(loss, t, noise, target, pred) if return_parts else loss
 
 
-def synthetic_batch(cfg: MMDiTConfig | str, batch_size: int, *, height: int = 64, width: int = 64, txt_len: int = 16,
-                    generator: torch.Generator | None = None, device="cpu", dtype: torch.dtype = torch.float32,
-                    guidance: float | None = 3.5) -> Batch:
+def synthetic_batch(
+    cfg: MMDiTConfig | str,
+    batch_size: int,
+    *,
+    height: int = 64,
+    width: int = 64,
+    txt_len: int = 16,
+    generator: torch.Generator | None = None,
+    device="cpu",
+    dtype: torch.dtype = torch.float32,
+    guidance: float | None = 3.5,
+) -> Batch:
     """A random :class:`Batch` for ``cfg`` (no encoders): image of height x width pixels
     (so (height/16)·(width/16) tokens for FLUX), ``txt_len`` text tokens."""
     cfg = resolve_config(cfg)
@@ -112,17 +139,25 @@ def synthetic_batch(cfg: MMDiTConfig | str, batch_size: int, *, height: int = 64
     def rnd(*shape):
         return torch.randn(*shape, generator=g, device=dev if g is None else g.device).to(dev, dtype)
 
-    return Batch(img=rnd(batch_size, h * w, cfg.in_channels), img_ids=image_ids(h, w, dev),
-                 txt=rnd(batch_size, txt_len, cfg.context_dim), txt_ids=text_ids(txt_len, dev),
-                 y=rnd(batch_size, cfg.pooled_dim),
-                 guidance=(torch.full((batch_size,), float(guidance), device=dev)
-                           if cfg.guidance_embed and guidance is not None else None),
-                 grid=(h, w))
+    return Batch(
+        img=rnd(batch_size, h * w, cfg.in_channels),
+        img_ids=image_ids(h, w, dev),
+        txt=rnd(batch_size, txt_len, cfg.context_dim),
+        txt_ids=text_ids(txt_len, dev),
+        y=rnd(batch_size, cfg.pooled_dim),
+        guidance=(
+            torch.full((batch_size,), float(guidance), device=dev)
+            if cfg.guidance_embed and guidance is not None
+            else None
+        ),
+        grid=(h, w),
+    )
 
 
 # --------------------------------------------------------------------------------------
 # The step's configuration
 # --------------------------------------------------------------------------------------
+
 
 def _check_buckets(value, mcfg: MMDiTConfig) -> list[tuple[int, int]]:
     from .data import normalize_buckets
@@ -140,15 +175,15 @@ class TrainConfig(LabConfig):
     preset: str = "tiny"
     device: str = "auto"
     batch_size: int = 2
-    buckets: Any = ((64, 64), (64, 96))        # [height, width] pixel sizes of the aspect-ratio buckets
+    buckets: Any = ((64, 64), (64, 96))  # [height, width] pixel sizes of the aspect-ratio buckets
     min_caption_len: int = 8
     max_caption_len: int = 32
-    pad_captions: str = "longest"              # "longest" in the batch | "max" (fixed, as FLUX's 512)
-    encoders: str = "live"                     # "live" T5/CLIP/VAE every step | "precomputed" cache
+    pad_captions: str = "longest"  # "longest" in the batch | "max" (fixed, as FLUX's 512)
+    encoders: str = "live"  # "live" T5/CLIP/VAE every step | "precomputed" cache
     num_samples: int = 32
-    dtype: str = "float32"                     # parameter storage
-    autocast: str = "none"                     # "none" | "bf16"
-    compile: bool = False                      # torch.compile each block
+    dtype: str = "float32"  # parameter storage
+    autocast: str = "none"  # "none" | "bf16"
+    compile: bool = False  # torch.compile each block
     activation_checkpoint: str = "none"
     kernels: str = "eager"
     attention_path: str = "sdpa"
@@ -159,7 +194,7 @@ class TrainConfig(LabConfig):
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     guidance: float = 3.5
-    ckpt_every: int = 0                        # 0 = never
+    ckpt_every: int = 0  # 0 = never
     ckpt_format: str = "torch"
     seed: int = 0
 
@@ -185,13 +220,17 @@ class TrainConfig(LabConfig):
         check_int("ckpt_every", self.ckpt_every, min=0)
         check_choice("ckpt_format", self.ckpt_format, CKPT_FORMATS)
         check_int("seed", self.seed, min=0)
-        mcfg = self.model_config()               # validates activation_checkpoint / kernels / attention_path
+        mcfg = self.model_config()  # validates activation_checkpoint / kernels / attention_path
         object.__setattr__(self, "buckets", [list(b) for b in _check_buckets(self.buckets, mcfg)])
 
     def model_config(self) -> MMDiTConfig:
         try:
-            return MMDiTConfig.from_preset(self.preset, checkpoint=self.activation_checkpoint, kernels=self.kernels,
-                                           attention_path=self.attention_path)
+            return MMDiTConfig.from_preset(
+                self.preset,
+                checkpoint=self.activation_checkpoint,
+                kernels=self.kernels,
+                attention_path=self.attention_path,
+            )
         except ConfigError as e:
             if e.param == "checkpoint":
                 raise ConfigError("activation_checkpoint", e.value, e.allowed) from None
@@ -201,6 +240,7 @@ class TrainConfig(LabConfig):
 # --------------------------------------------------------------------------------------
 # Checkpointing
 # --------------------------------------------------------------------------------------
+
 
 def artifacts_dir() -> Path:
     return Path(os.environ.get("PERFLAB_ARTIFACTS_DIR", ".perflab/artifacts"))
@@ -279,6 +319,7 @@ class Checkpointer:
 # The full step
 # --------------------------------------------------------------------------------------
 
+
 def compile_blocks(model: MMDiT, **kwargs) -> MMDiT:
     """``torch.compile`` each double/single block in place (regional compilation: one
     graph per block kind is reused by all blocks, so compile time stays flat in depth)."""
@@ -307,8 +348,8 @@ class Trainer:
     history: list[StepResult] = field(init=False, default_factory=list)
 
     def __post_init__(self):
+        from ..device import pick_device
         from .data import SyntheticImageCaptions, forever, make_loader
-        from .device import pick_device
         from .encoders import Encoders, precompute, text_vocab
 
         c = self.cfg
@@ -320,23 +361,39 @@ class Trainer:
         if c.compile:
             compile_blocks(self.model)
             self.warm_compile()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay,
-                                     fused=self.device.type == "cuda")
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay, fused=self.device.type == "cuda"
+        )
         self.encoders = Encoders(self.model_cfg, self.device, DTYPES[c.dtype], seed=c.seed + 1)
-        data = SyntheticImageCaptions(c.num_samples, c.buckets, min_caption_len=c.min_caption_len,
-                                      max_caption_len=c.max_caption_len, seed=c.seed, **text_vocab(self.model_cfg))
+        data = SyntheticImageCaptions(
+            c.num_samples,
+            c.buckets,
+            min_caption_len=c.min_caption_len,
+            max_caption_len=c.max_caption_len,
+            seed=c.seed,
+            **text_vocab(self.model_cfg),
+        )
         if c.encoders == "precomputed":
             with self._autocast():
                 data = precompute(data, self.encoders, batch_size=c.batch_size, device=self.device)
-            self.encoders = None      # a cached run does not hold the encoders
+            self.encoders = None  # a cached run does not hold the encoders
         self.dataset = data
-        self.loader = make_loader(data, c.batch_size, num_workers=c.num_workers, pin_memory=c.pin_memory,
-                                  prefetch_factor=c.prefetch_factor,
-                                  pad_to=c.max_caption_len if c.pad_captions == "max" else None, seed=c.seed)
+        self.loader = make_loader(
+            data,
+            c.batch_size,
+            num_workers=c.num_workers,
+            pin_memory=c.pin_memory,
+            prefetch_factor=c.prefetch_factor,
+            pad_to=c.max_caption_len if c.pad_captions == "max" else None,
+            seed=c.seed,
+        )
         self._batches = forever(self.loader)
         self.generator = torch.Generator(self.device).manual_seed(c.seed + 2)
-        self.checkpointer = (Checkpointer(artifacts_dir() / "checkpoints" / f"01_training_step-{os.getpid()}",
-                                          c.ckpt_format) if c.ckpt_every else None)
+        self.checkpointer = (
+            Checkpointer(artifacts_dir() / "checkpoints" / f"01_training_step-{os.getpid()}", c.ckpt_format)
+            if c.ckpt_every
+            else None
+        )
         self.step_index = 0
 
     def warm_compile(self) -> int:
@@ -349,8 +406,17 @@ class Trainer:
         lo = c.max_caption_len if c.pad_captions == "max" else c.min_caption_len
         shapes = list(dict.fromkeys([(tuple(c.buckets[0]), lo), (tuple(c.buckets[-1]), c.max_caption_len)]))
         for (h, w), n in shapes:
-            batch = synthetic_batch(self.model_cfg, c.batch_size, height=h, width=w, txt_len=n, generator=g,
-                                    device=self.device, dtype=self.model.img_in.weight.dtype, guidance=c.guidance)
+            batch = synthetic_batch(
+                self.model_cfg,
+                c.batch_size,
+                height=h,
+                width=w,
+                txt_len=n,
+                generator=g,
+                device=self.device,
+                dtype=self.model.img_in.weight.dtype,
+                guidance=c.guidance,
+            )
             # real steps carry a caption mask; the same graph inputs avoid a recompile there
             batch.txt_mask = torch.ones(c.batch_size, n, dtype=torch.bool, device=self.device)
             with self._autocast():
@@ -405,11 +471,16 @@ class Trainer:
             h, w = lat.shape[-2] // self.model_cfg.patch_size, lat.shape[-1] // self.model_cfg.patch_size
             tokens = patchify(lat.to(m.img_in.weight.dtype), self.model_cfg.patch_size)
             b = tokens.shape[0]
-            batch = Batch(img=tokens, img_ids=image_ids(h, w, self.device), txt=txt,
-                          txt_ids=text_ids(txt.shape[1], self.device), y=y,
-                          guidance=(torch.full((b,), c.guidance, device=self.device)
-                                    if self.model_cfg.guidance_embed else None),
-                          txt_mask=mask, grid=(h, w))
+            batch = Batch(
+                img=tokens,
+                img_ids=image_ids(h, w, self.device),
+                txt=txt,
+                txt_ids=text_ids(txt.shape[1], self.device),
+                y=y,
+                guidance=(torch.full((b,), c.guidance, device=self.device) if self.model_cfg.guidance_embed else None),
+                txt_mask=mask,
+                grid=(h, w),
+            )
         with self.phase("forward"):
             with self._autocast():
                 loss = rf_loss(m, batch, self.generator)
@@ -424,8 +495,14 @@ class Trainer:
             with self.phase("checkpoint"):
                 saved = str(self.checkpointer.save(m, self.opt, i + 1))
         self.step_index += 1
-        res = StepResult(step=i, loss=float(loss.detach()), grad_norm=float(gn) if gn is not None else float("nan"),
-                         grid=(h, w), txt_len=int(txt.shape[1]), checkpoint=saved)
+        res = StepResult(
+            step=i,
+            loss=float(loss.detach()),
+            grad_norm=float(gn) if gn is not None else float("nan"),
+            grid=(h, w),
+            txt_len=int(txt.shape[1]),
+            checkpoint=saved,
+        )
         self.history.append(res)
         return res
 
@@ -443,8 +520,9 @@ class Trainer:
         self.loader = None
 
 
-def fit_fixed_batch(model: MMDiT, batch: Batch, steps: int, *, lr: float = 1e-3, seed: int = 0,
-                    grad_clip: float = 1.0) -> list[float]:
+def fit_fixed_batch(
+    model: MMDiT, batch: Batch, steps: int, *, lr: float = 1e-3, seed: int = 0, grad_clip: float = 1.0
+) -> list[float]:
     """AdamW on one fixed batch with fixed noise and timesteps (the generator is reseeded
     every step), so the objective is deterministic and its loss must go down."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -461,5 +539,18 @@ def fit_fixed_batch(model: MMDiT, batch: Batch, steps: int, *, lr: float = 1e-3,
     return losses
 
 
-__all__ = ["PHASES", "Batch", "RFParts", "rf_loss", "sample_timesteps", "synthetic_batch", "TrainConfig",
-           "Trainer", "StepResult", "Checkpointer", "compile_blocks", "fit_fixed_batch", "artifacts_dir"]
+__all__ = [
+    "PHASES",
+    "Batch",
+    "RFParts",
+    "rf_loss",
+    "sample_timesteps",
+    "synthetic_batch",
+    "TrainConfig",
+    "Trainer",
+    "StepResult",
+    "Checkpointer",
+    "compile_blocks",
+    "fit_fixed_batch",
+    "artifacts_dir",
+]

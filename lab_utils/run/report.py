@@ -5,6 +5,7 @@ template already inlines its CSS; holoviews/bokeh outputs carry BokehJS inline
 (``plots.init``); what remains external (require.js and MathJax from a CDN, the
 widget manager) is dropped, since the labs' outputs need neither.
 """
+
 from __future__ import annotations
 
 import html
@@ -75,7 +76,7 @@ def export_html(ipynb: Path, out: Path, *, title: str | None = None) -> Path:
 
 def gather_records(run_dir: Path, statuses, run_id: str) -> pd.DataFrame:
     """Merge every successful notebook's records (context columns on each row)."""
-    from .records import CONTEXT_COLUMNS, ROW_COLUMNS, load_records
+    from ..records import CONTEXT_COLUMNS, ROW_COLUMNS, load_records
 
     frames = []
     for st in statuses:
@@ -93,8 +94,9 @@ def gather_records(run_dir: Path, statuses, run_id: str) -> pd.DataFrame:
     df["value"] = pd.to_numeric(df["value"], errors="coerce").astype(float)
     df.to_parquet(run_dir / "records.parquet", index=False)
     (run_dir / "records.json").write_text(df.to_json(orient="records", indent=1))
-    (run_dir / "status.json").write_text(json.dumps([{k: v for k, v in vars(s).items() if k != "params"}
-                                                     for s in statuses], indent=1))
+    (run_dir / "status.json").write_text(
+        json.dumps([{k: v for k, v in vars(s).items() if k != "params"} for s in statuses], indent=1)
+    )
     return df
 
 
@@ -116,8 +118,8 @@ def _fmt(v) -> str:
 
 
 def write_index(run_dir: Path, suite, statuses, run_id: str, overrides: dict) -> Path:
-    from .ceilings import Ceilings, get_ceilings
-    from .records import run_context
+    from ..ceilings import Ceilings, get_ceilings
+    from ..records import run_context
 
     ctx = run_context({"suite": suite.name, "overrides": overrides})
     ceil: Ceilings | None = None
@@ -126,8 +128,13 @@ def write_index(run_dir: Path, suite, statuses, run_id: str, overrides: dict) ->
         ctx["ceilings"] = ceil.as_dict()
     except Exception as e:  # noqa: BLE001 - the index is still useful without ceilings
         ctx["ceilings_error"] = str(e)
-    ctx.update(suite=suite.name, suite_description=suite.description, run_id=run_id, overrides=overrides,
-               notebooks=[{"notebook": s.notebook, "status": s.status, "params": s.params} for s in statuses])
+    ctx.update(
+        suite=suite.name,
+        suite_description=suite.description,
+        run_id=run_id,
+        overrides=overrides,
+        notebooks=[{"notebook": s.notebook, "status": s.status, "params": s.params} for s in statuses],
+    )
     (run_dir / "context.json").write_text(json.dumps(ctx, indent=1, default=str))
 
     n_ok = sum(s.status == "ok" for s in statuses)
@@ -137,34 +144,49 @@ def write_index(run_dir: Path, suite, statuses, run_id: str, overrides: dict) ->
         nb = f'<a href="{html.escape(s.ipynb)}">ipynb</a>' if s.ipynb else ""
         err = f"<pre>{html.escape(s.error)}</pre>" if s.error else ""
         params = ", ".join(f"{k}={v!r}" for k, v in s.params.items())
-        rows.append(f'<tr><td>{link} <span class="muted">{nb}</span></td><td class="{s.status}">{s.status}</td>'
-                    f"<td>{s.seconds:.1f} s</td><td>{s.rows}</td><td><code>{html.escape(params)}</code>{err}</td></tr>")
+        rows.append(
+            f'<tr><td>{link} <span class="muted">{nb}</span></td><td class="{s.status}">{s.status}</td>'
+            f"<td>{s.seconds:.1f} s</td><td>{s.rows}</td><td><code>{html.escape(params)}</code>{err}</td></tr>"
+        )
     ceil_rows = ""
     if ceil is not None:
         for r in ceil.summary_rows():
-            ceil_rows += (f"<tr><td>{html.escape(r['quantity'])}</td><td>{_fmt(r['measured'])}</td>"
-                          f"<td>{_fmt(r['datasheet'])}</td><td>{html.escape(r['unit'])}</td>"
-                          f"<td>{html.escape(r.get('note', ''))}</td></tr>")
+            ceil_rows += (
+                f"<tr><td>{html.escape(r['quantity'])}</td><td>{_fmt(r['measured'])}</td>"
+                f"<td>{_fmt(r['datasheet'])}</td><td>{html.escape(r['unit'])}</td>"
+                f"<td>{html.escape(r.get('note', ''))}</td></tr>"
+            )
     dev = ctx["device_info"]
-    info = [("run", run_id), ("suite", f"{suite.name}: {suite.description}"),
-            ("device", f"{dev['name']} ({dev['kind']}, {dev['units']} {dev['units_name']}, "
-                       f"{dev['memory_bytes'] / 2**30:.0f} GiB)"),
-            ("torch / triton / CUDA", f"{ctx['torch_version']} / {ctx['triton_version']} / {ctx['cuda_version']}"),
-            ("python", ctx["python_version"]), ("commit", ctx["commit"]), ("finished", ctx["timestamp"]),
-            ("overrides", ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "none"),
-            ("records", '<a href="records.parquet">records.parquet</a> · <a href="records.json">records.json</a> · '
-                        '<a href="context.json">context.json</a>')]
-    info_html = "".join(f"<tr><th>{html.escape(k)}</th><td>{v if k == 'records' else html.escape(str(v))}</td></tr>"
-                        for k, v in info)
+    info = [
+        ("run", run_id),
+        ("suite", f"{suite.name}: {suite.description}"),
+        (
+            "device",
+            f"{dev['name']} ({dev['kind']}, {dev['units']} {dev['units_name']}, {dev['memory_bytes'] / 2**30:.0f} GiB)",
+        ),
+        ("torch / triton / CUDA", f"{ctx['torch_version']} / {ctx['triton_version']} / {ctx['cuda_version']}"),
+        ("python", ctx["python_version"]),
+        ("commit", ctx["commit"]),
+        ("finished", ctx["timestamp"]),
+        ("overrides", ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "none"),
+        (
+            "records",
+            '<a href="records.parquet">records.parquet</a> · <a href="records.json">records.json</a> · '
+            '<a href="context.json">context.json</a>',
+        ),
+    ]
+    info_html = "".join(
+        f"<tr><th>{html.escape(k)}</th><td>{v if k == 'records' else html.escape(str(v))}</td></tr>" for k, v in info
+    )
     verdict = "all notebooks ran" if n_ok == len(statuses) else f"{len(statuses) - n_ok} of {len(statuses)} FAILED"
     page = f"""<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>perflab {html.escape(run_id)}</title>
 <style>{_CSS}</style></head><body>
 <h1>perflab report · {html.escape(suite.name)}</h1>
-<p class="{'ok' if n_ok == len(statuses) else 'failed'}">{verdict}</p>
+<p class="{"ok" if n_ok == len(statuses) else "failed"}">{verdict}</p>
 <h2>Context</h2><table>{info_html}</table>
 <h2>Notebooks</h2>
 <table><tr><th>notebook</th><th>status</th><th>time</th><th>records</th><th>parameters / error</th></tr>
-{''.join(rows)}</table>
+{"".join(rows)}</table>
 <h2>Ceilings</h2>
 <p class="muted">Measured on this machine (copy: bytes read + written over time; matmul: 2n³ FLOPs over time),
 beside the vendor datasheet's dense peaks, which are references, not measurements.</p>

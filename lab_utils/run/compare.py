@@ -40,6 +40,7 @@ Baselines live in ``parameterized/baselines/<kind>/`` (``records.json``,
 ``context.json``, ``baseline.json``) with ``<kind>`` = ``cpu`` or
 ``cuda-<gpu-model>`` (``baseline_kind()``), written by ``perflab baseline refresh``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,9 +50,10 @@ import math
 import re
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -69,15 +71,18 @@ class CompareError(ValueError):
 # ---------------------------------------------------------------- direction table
 @dataclass(frozen=True)
 class Direction:
-    better: str          # "lower" | "higher" | "none"
-    kind: str            # "performance" | "accuracy" | "memory" | "other"
+    better: str  # "lower" | "higher" | "none"
+    kind: str  # "performance" | "accuracy" | "memory" | "other"
     scale: str = "ratio"  # "ratio" | "db" (compared by difference)
 
     @property
     def words(self) -> tuple[str, str]:
         """(word when the candidate is better, word when worse)."""
-        return {"performance": ("faster", "slower"), "accuracy": ("more accurate", "less accurate"),
-                "memory": ("less memory", "more memory")}.get(self.kind, ("changed", "changed"))
+        return {
+            "performance": ("faster", "slower"),
+            "accuracy": ("more accurate", "less accurate"),
+            "memory": ("less memory", "more memory"),
+        }.get(self.kind, ("changed", "changed"))
 
 
 LOWER_TIME = Direction("lower", "performance")
@@ -90,8 +95,10 @@ NEUTRAL = Direction("none", "other")
 #: Metric-name rules, checked first (regex on the metric, case-insensitive).
 METRIC_RULES: list[tuple[str, Direction]] = [
     (r"sqnr", HIGHER_DB),
-    (r"(^|_)(err|error|errors|mse|rmse|mae|ulp|ulps|mismatch(es)?|max_abs|max_rel|abs_diff|rel_diff|nan|inf)(_|$)",
-     LOWER_ERROR),
+    (
+        r"(^|_)(err|error|errors|mse|rmse|mae|ulp|ulps|mismatch(es)?|max_abs|max_rel|abs_diff|rel_diff|nan|inf)(_|$)",
+        LOWER_ERROR,
+    ),
     (r"(rel|abs)_?err", LOWER_ERROR),
     (r"(^|_)(time|latency|duration)(_|$)", LOWER_TIME),
     (r"(^|_)(speedup|bandwidth|throughput|tflops|gbs|pct_of_ceiling)(_|$)", HIGHER_PERF),
@@ -100,8 +107,26 @@ METRIC_RULES: list[tuple[str, Direction]] = [
 #: Unit rules (exact unit string), used when no metric rule matches.
 UNIT_RULES: dict[str, Direction] = {
     **{u: LOWER_TIME for u in ("ms", "s", "us", "µs", "ns")},
-    **{u: HIGHER_PERF for u in ("GB/s", "TB/s", "MB/s", "TFLOP/s", "GFLOP/s", "PFLOP/s", "%", "x", "×",
-                                "tokens/s", "samples/s", "img/s", "images/s", "steps/s", "it/s")},
+    **{
+        u: HIGHER_PERF
+        for u in (
+            "GB/s",
+            "TB/s",
+            "MB/s",
+            "TFLOP/s",
+            "GFLOP/s",
+            "PFLOP/s",
+            "%",
+            "x",
+            "×",
+            "tokens/s",
+            "samples/s",
+            "img/s",
+            "images/s",
+            "steps/s",
+            "it/s",
+        )
+    },
     "dB": HIGHER_DB,
     **{u: LOWER_MEMORY for u in ("B", "bytes", "KB", "KiB", "MB", "MiB", "GB", "GiB")},
 }
@@ -121,10 +146,13 @@ def direction(metric: str, unit: str) -> Direction:
 
 def direction_table() -> list[dict]:
     """The table as rows (for docs and the HTML page)."""
-    rows = [{"rule": f"metric ~ /{p}/", "better": d.better, "kind": d.kind, "compared by": d.scale}
-            for p, d in METRIC_RULES]
-    rows += [{"rule": f"unit = {u}", "better": d.better, "kind": d.kind, "compared by": d.scale}
-             for u, d in UNIT_RULES.items()]
+    rows = [
+        {"rule": f"metric ~ /{p}/", "better": d.better, "kind": d.kind, "compared by": d.scale} for p, d in METRIC_RULES
+    ]
+    rows += [
+        {"rule": f"unit = {u}", "better": d.better, "kind": d.kind, "compared by": d.scale}
+        for u, d in UNIT_RULES.items()
+    ]
     rows.append({"rule": "anything else", "better": "none", "kind": "other", "compared by": "ratio"})
     return rows
 
@@ -133,6 +161,7 @@ def direction_table() -> list[dict]:
 @dataclass
 class Side:
     """One side of a comparison: its rows, context and where it came from."""
+
     label: str
     source: str
     rows: pd.DataFrame
@@ -179,7 +208,7 @@ def resolve_source(ref: str | Path) -> Path:
 
 
 def _this_machine_context() -> dict:
-    from .device import device_info
+    from ..device import device_info
 
     info = device_info(None)
     return {"device": info.name, "device_kind": info.kind}
@@ -193,12 +222,14 @@ def _first_value(df: pd.DataFrame, col: str) -> str:
 
 
 def load_side(ref: str | Path, label: str) -> Side:
-    from .records import CONTEXT_COLUMNS, load_records
+    from ..records import CONTEXT_COLUMNS, load_records
 
     path = resolve_source(ref)
     if not path.exists():
-        raise CompareError(f"{label}: {ref} does not exist (give a report folder, records.json/.parquet, "
-                           f"'latest' or 'baseline[:KIND]')")
+        raise CompareError(
+            f"{label}: {ref} does not exist (give a report folder, records.json/.parquet, "
+            f"'latest' or 'baseline[:KIND]')"
+        )
     try:
         rows = load_records(path)
     except (FileNotFoundError, ValueError, OSError) as e:
@@ -237,8 +268,10 @@ def load_side(ref: str | Path, label: str) -> Side:
     if "device" in rows.columns:
         devices = sorted({str(d) for d in rows["device"].dropna() if str(d)})
         if len(devices) > 1:
-            raise CompareError(f"{label}: {path} holds rows from {len(devices)} devices ({'; '.join(devices)}); "
-                               f"comparing it would mix them - split it into one records file per device")
+            raise CompareError(
+                f"{label}: {path} holds rows from {len(devices)} devices ({'; '.join(devices)}); "
+                f"comparing it would mix them - split it into one records file per device"
+            )
         if devices and not ctx.get("device"):
             ctx["device"] = devices[0]
     mixed = {}
@@ -288,9 +321,30 @@ def _normalise(df: pd.DataFrame) -> pd.DataFrame:
 #: ``extra`` keys that describe how a row came about, not which measurement it is.
 #: Outcomes ("verdict", "ok", ...) must not be identity either: a row whose check starts
 #: failing has to meet its old self and be judged, not fall apart into two one-sided rows.
-VOLATILE_EXTRA = {"reason", "failure_kind", "method", "formula", "bound", "note", "error", "traceback", "seconds",
-                  "timestamp", "path", "samples", "verdict", "ok", "passed", "status", "result", "outcome", "why",
-                  "why_not", "message", "skipped"}
+VOLATILE_EXTRA = {
+    "reason",
+    "failure_kind",
+    "method",
+    "formula",
+    "bound",
+    "note",
+    "error",
+    "traceback",
+    "seconds",
+    "timestamp",
+    "path",
+    "samples",
+    "verdict",
+    "ok",
+    "passed",
+    "status",
+    "result",
+    "outcome",
+    "why",
+    "why_not",
+    "message",
+    "skipped",
+}
 
 
 def _extra_dict(x: Any) -> dict:
@@ -333,8 +387,9 @@ def _with_identity(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 
 
 # ---------------------------------------------------------------- statistics
-def bootstrap_ratio(base: np.ndarray, cand: np.ndarray, *, n: int = 2000, confidence: float = 0.95,
-                    seed: int = 0) -> tuple[float, float]:
+def bootstrap_ratio(
+    base: np.ndarray, cand: np.ndarray, *, n: int = 2000, confidence: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
     """Percentile bootstrap interval of median(cand) / median(base), each side resampled."""
     rng = np.random.default_rng(seed)
     b = np.median(rng.choice(base, size=(n, base.size), replace=True), axis=1)
@@ -361,7 +416,7 @@ def rank_pvalues(base: np.ndarray, cand: np.ndarray, factor: float, better: str)
             return 1.0
         return float(mannwhitneyu(x, y, alternative=alt).pvalue)
 
-    if better == "lower":   # worse: cand > base * factor
+    if better == "lower":  # worse: cand > base * factor
         return p(cand, base * factor, "greater"), p(cand, base / factor, "less")
     return p(cand, base / factor, "less"), p(cand, base * factor, "greater")
 
@@ -369,20 +424,20 @@ def rank_pvalues(base: np.ndarray, cand: np.ndarray, factor: float, better: str)
 # ---------------------------------------------------------------- the comparison
 @dataclass(frozen=True)
 class Options:
-    threshold: float = 0.05            # performance and memory: relative change that counts
-    accuracy_threshold: float = 0.10   # error figures (ratio metrics)
-    db_threshold: float = 0.5          # SQNR and other dB figures: absolute change in dB
+    threshold: float = 0.05  # performance and memory: relative change that counts
+    accuracy_threshold: float = 0.10  # error figures (ratio metrics)
+    db_threshold: float = 0.5  # SQNR and other dB figures: absolute change in dB
     confidence: float = 0.99
-    method: str = "bootstrap"          # "bootstrap" | "rank"
+    method: str = "bootstrap"  # "bootstrap" | "rank"
     bootstrap: int = 2000
     min_samples: int = 3
-    statistics: str = "default"        # "default" (no p20/p80) | "all"
-    only: str = "all"                  # "all" | "performance" | "accuracy" (accuracy + other)
-    gate: str = "all"                  # which kinds fail the gate: "all" | "performance" | "accuracy" | "none"
+    statistics: str = "default"  # "default" (no p20/p80) | "all"
+    only: str = "all"  # "all" | "performance" | "accuracy" (accuracy + other)
+    gate: str = "all"  # which kinds fail the gate: "all" | "performance" | "accuracy" | "none"
     allow_device_mismatch: bool = False
 
     def __post_init__(self):
-        from .config import ConfigError
+        from ..config import ConfigError
 
         for name in ("threshold", "accuracy_threshold", "db_threshold"):
             v = getattr(self, name)
@@ -402,10 +457,36 @@ class Options:
             raise ConfigError("bootstrap", self.bootstrap, "an integer >= 100")
 
 
-OUT_COLUMNS = ["lab", "experiment", "variant", "shape", "dtype", "metric", "statistic", "ident", "occurrence", "unit",
-               "kind",
-               "better", "base", "candidate", "ratio", "gain", "lo", "hi", "p_value", "n_base", "n_cand", "noise",
-               "verdict", "note", "regression", "improvement", "base_samples", "cand_samples"]
+OUT_COLUMNS = [
+    "lab",
+    "experiment",
+    "variant",
+    "shape",
+    "dtype",
+    "metric",
+    "statistic",
+    "ident",
+    "occurrence",
+    "unit",
+    "kind",
+    "better",
+    "base",
+    "candidate",
+    "ratio",
+    "gain",
+    "lo",
+    "hi",
+    "p_value",
+    "n_base",
+    "n_cand",
+    "noise",
+    "verdict",
+    "note",
+    "regression",
+    "improvement",
+    "base_samples",
+    "cand_samples",
+]
 WORSE_VERDICTS = ("slower", "less accurate", "more memory", "failed")
 
 
@@ -422,7 +503,7 @@ class Comparison:
     base: Side
     cand: Side
     options: Options
-    rows: pd.DataFrame          # one row per matched or one-sided key
+    rows: pd.DataFrame  # one row per matched or one-sided key
     flags: list[str]
     device_mismatch: bool
     failed_notebooks: list[str] = field(default_factory=list)  # ran in base, failed in candidate
@@ -450,12 +531,17 @@ class Comparison:
     def result_line(self) -> str:
         n = len(self.regressions)
         if n or self.exit_code == EXIT_REGRESSION:
-            nb = (f"; notebook(s) that ran in the base failed in the candidate: {', '.join(self.failed_notebooks)}"
-                  if self.failed_notebooks else "")
+            nb = (
+                f"; notebook(s) that ran in the base failed in the candidate: {', '.join(self.failed_notebooks)}"
+                if self.failed_notebooks
+                else ""
+            )
             return f"FAIL: {n} regression{'s' * (n != 1)} beyond threshold{nb} (exit {EXIT_REGRESSION})"
         if self.exit_code == EXIT_INCOMPARABLE:
-            return (f"NOT COMPARABLE: devices differ ({self.base.device} vs {self.cand.device}); performance rows "
-                    f"were not compared (--allow-device-mismatch to compare them) (exit {EXIT_INCOMPARABLE})")
+            return (
+                f"NOT COMPARABLE: devices differ ({self.base.device} vs {self.cand.device}); performance rows "
+                f"were not compared (--allow-device-mismatch to compare them) (exit {EXIT_INCOMPARABLE})"
+            )
         return "OK: no regression beyond threshold (exit 0)"
 
     # --- outputs
@@ -468,9 +554,16 @@ class Comparison:
     def to_json(self) -> dict:
         cols = [c for c in self.rows.columns if c not in ("base_samples", "cand_samples")]
         recs = json.loads(self.rows[cols].to_json(orient="records"))
-        return {"base": _side_json(self.base), "candidate": _side_json(self.cand),
-                "options": self.options.__dict__, "flags": self.flags, "counts": self.counts(),
-                "exit_code": self.exit_code, "result": self.result_line(), "rows": recs}
+        return {
+            "base": _side_json(self.base),
+            "candidate": _side_json(self.cand),
+            "options": self.options.__dict__,
+            "flags": self.flags,
+            "counts": self.counts(),
+            "exit_code": self.exit_code,
+            "result": self.result_line(),
+            "rows": recs,
+        }
 
     def write(self, out_dir: str | Path) -> dict[str, Path]:
         out = Path(out_dir)
@@ -483,10 +576,25 @@ class Comparison:
 
 
 def _side_json(s: Side) -> dict:
-    keep = ("device", "device_kind", "torch_version", "triton_version", "cuda_version", "python_version", "commit",
-            "timestamp", "run_id", "suite", "host")
-    return {"label": s.label, "source": s.source, "context": {k: s.context.get(k) for k in keep if k in s.context},
-            "meta": s.meta}
+    keep = (
+        "device",
+        "device_kind",
+        "torch_version",
+        "triton_version",
+        "cuda_version",
+        "python_version",
+        "commit",
+        "timestamp",
+        "run_id",
+        "suite",
+        "host",
+    )
+    return {
+        "label": s.label,
+        "source": s.source,
+        "context": {k: s.context.get(k) for k in keep if k in s.context},
+        "meta": s.meta,
+    }
 
 
 SOFTWARE_FIELDS = ("torch_version", "triton_version", "cuda_version", "python_version", "triton_interpret")
@@ -496,11 +604,15 @@ def context_flags(base: Side, cand: Side) -> tuple[list[str], bool]:
     flags = []
     bd, cd = base.context.get("device", ""), cand.context.get("device", "")
     mismatch = bool(bd and cd and bd != cd) or (
-        base.context.get("device_kind") and cand.context.get("device_kind")
-        and base.context.get("device_kind") != cand.context.get("device_kind"))
+        base.context.get("device_kind")
+        and cand.context.get("device_kind")
+        and base.context.get("device_kind") != cand.context.get("device_kind")
+    )
     if mismatch:
-        flags.append(f"DEVICE DIFFERS: base ran on {bd or '?'} ({base.context.get('device_kind')}), candidate on "
-                     f"{cd or '?'} ({cand.context.get('device_kind')})")
+        flags.append(
+            f"DEVICE DIFFERS: base ran on {bd or '?'} ({base.context.get('device_kind')}), candidate on "
+            f"{cd or '?'} ({cand.context.get('device_kind')})"
+        )
     bi, ci = base.context.get("device_info") or {}, cand.context.get("device_info") or {}
     if not mismatch and bi and ci:
         for k in ("units", "memory_bytes", "capability", "threads"):
@@ -515,16 +627,19 @@ def context_flags(base: Side, cand: Side) -> tuple[list[str], bool]:
         flags.append(f"commit differs: {b} -> {c}")
     for side in (base, cand):
         for k, vals in getattr(side, "mixed", {}).items():
-            flags.append(f"{side.label}: its rows come from different {k.replace('_version', '')} values "
-                         f"({', '.join(vals)}): a run that spanned commits, or records gathered from several runs?")
+            flags.append(
+                f"{side.label}: its rows come from different {k.replace('_version', '')} values "
+                f"({', '.join(vals)}): a run that spanned commits, or records gathered from several runs?"
+            )
         bad = [s.get("notebook") for s in side.status if s.get("status") != "ok"]
         if bad:
             flags.append(f"{side.label}: notebook(s) failed, their rows are missing: {', '.join(map(str, bad))}")
     return flags, bool(mismatch)
 
 
-def _judge(gain: float, lo: float, hi: float, pw: float, pb: float, d: Direction, o: Options, *,
-           delta: float | None = None) -> tuple[str, str]:
+def _judge(
+    gain: float, lo: float, hi: float, pw: float, pb: float, d: Direction, o: Options, *, delta: float | None = None
+) -> tuple[str, str]:
     """(verdict, note).  ``gain`` is oriented (> 1: candidate better), ``lo``/``hi`` its
     interval and ``pw``/``pb`` the rank tests' p-values for worse / better beyond the
     threshold (NaN when there are no samples).  A verdict needs the change beyond the
@@ -561,8 +676,7 @@ def _judge(gain: float, lo: float, hi: float, pw: float, pb: float, d: Direction
     return "same", "significant but within threshold" if significant else "within noise"
 
 
-def compare(base: Side | str | Path, cand: Side | str | Path, options: Options | None = None,
-            **kw) -> Comparison:
+def compare(base: Side | str | Path, cand: Side | str | Path, options: Options | None = None, **kw) -> Comparison:
     """Compare two runs.  ``base``/``cand``: a ``Side`` or anything ``load_side`` reads."""
     o = options or Options(**kw)
     if not isinstance(base, Side):
@@ -583,8 +697,10 @@ def compare(base: Side | str | Path, cand: Side | str | Path, options: Options |
     for side_df, lab in ((b, "base"), (c, "candidate")):
         dups = side_df[side_df["occurrence"] > 1]
         if len(dups):
-            flags.append(f"{lab}: {len(dups)} row(s) repeat a key (lab, experiment, variant, shape, dtype, metric, "
-                         f"statistic, extra); they are matched in order of appearance and numbered, not averaged")
+            flags.append(
+                f"{lab}: {len(dups)} row(s) repeat a key (lab, experiment, variant, shape, dtype, metric, "
+                f"statistic, extra); they are matched in order of appearance and numbered, not averaged"
+            )
 
     # noise of time rows, borrowed by the per-time rows of the same group
     out = []
@@ -594,13 +710,36 @@ def compare(base: Side | str | Path, cand: Side | str | Path, options: Options |
     def row_base(r) -> dict:
         unit = next((u for u in (r.get("unit_b"), r.get("unit_c")) if isinstance(u, str) and u), "")
         d = direction(r["metric"], unit)
-        return dict(lab=r["lab"], experiment=r["experiment"], variant=r["variant"], shape=r["shape"],
-                    dtype=r["dtype"], metric=r["metric"], statistic=r["statistic"], ident=r["ident"],
-                    occurrence=int(r["occurrence"]),
-                    unit=unit, kind=d.kind, better=d.better, base=r.get("value_b"), candidate=r.get("value_c"),
-                    ratio=math.nan, gain=math.nan, lo=math.nan, hi=math.nan, p_value=math.nan,
-                    n_base=0, n_cand=0, noise="", verdict="", note="", regression=False, improvement=False,
-                    base_samples=None, cand_samples=None), d
+        return dict(
+            lab=r["lab"],
+            experiment=r["experiment"],
+            variant=r["variant"],
+            shape=r["shape"],
+            dtype=r["dtype"],
+            metric=r["metric"],
+            statistic=r["statistic"],
+            ident=r["ident"],
+            occurrence=int(r["occurrence"]),
+            unit=unit,
+            kind=d.kind,
+            better=d.better,
+            base=r.get("value_b"),
+            candidate=r.get("value_c"),
+            ratio=math.nan,
+            gain=math.nan,
+            lo=math.nan,
+            hi=math.nan,
+            p_value=math.nan,
+            n_base=0,
+            n_cand=0,
+            noise="",
+            verdict="",
+            note="",
+            regression=False,
+            improvement=False,
+            base_samples=None,
+            cand_samples=None,
+        ), d
 
     pending_derived = []
     for _, r in m.iterrows():
@@ -618,8 +757,12 @@ def compare(base: Side | str | Path, cand: Side | str | Path, options: Options |
         fb, fc = bool(r["failed_b"]), bool(r["failed_c"])
         if fb or fc:
             v = {(True, True): "failed both", (False, True): "failed", (True, False): "fixed"}[(fb, fc)]
-            row.update(verdict=v, note="ran in base, failed in candidate" if v == "failed" else
-                       ("failed in base, runs in candidate" if v == "fixed" else ""))
+            row.update(
+                verdict=v,
+                note="ran in base, failed in candidate"
+                if v == "failed"
+                else ("failed in base, runs in candidate" if v == "fixed" else ""),
+            )
             out.append(row)
             continue
         if mismatch and d.kind in ("performance", "memory") and not o.allow_device_mismatch:
@@ -628,8 +771,12 @@ def compare(base: Side | str | Path, cand: Side | str | Path, options: Options |
             continue
         vb, vc = float(r["value_b"]), float(r["value_c"])
         sb, sc = r["samples_b"], r["samples_c"]
-        row.update(n_base=0 if sb is None else int(sb.size), n_cand=0 if sc is None else int(sc.size),
-                   base_samples=sb, cand_samples=sc)
+        row.update(
+            n_base=0 if sb is None else int(sb.size),
+            n_cand=0 if sc is None else int(sc.size),
+            base_samples=sb,
+            cand_samples=sc,
+        )
         if not (math.isfinite(vb) and math.isfinite(vc)):
             row.update(verdict="no value", note="a value is NaN or infinite")
             out.append(row)
@@ -686,27 +833,58 @@ def compare(base: Side | str | Path, cand: Side | str | Path, options: Options |
 
     df = pd.DataFrame(out, columns=OUT_COLUMNS)
     if len(df):
-        gated = df["kind"].map(lambda k: o.gate == "all" or (o.gate == "performance" and k in ("performance", "memory"))
-                               or (o.gate == "accuracy" and k == "accuracy"))
+        gated = df["kind"].map(
+            lambda k: (
+                o.gate == "all"
+                or (o.gate == "performance" and k in ("performance", "memory"))
+                or (o.gate == "accuracy" and k == "accuracy")
+            )
+        )
         # a performance figure without kept samples has no noise estimate: shown, never gated
         # (a machine-load swing would fail the gate); deterministic accuracy figures do gate
-        unmeasured_noise = df["kind"].isin(("performance", "memory")) & (df["noise"] == "") & \
-            (df["verdict"] != "failed")
-        df.loc[unmeasured_noise & df["verdict"].isin(WORSE_VERDICTS), "note"] = \
+        unmeasured_noise = (
+            df["kind"].isin(("performance", "memory")) & (df["noise"] == "") & (df["verdict"] != "failed")
+        )
+        df.loc[unmeasured_noise & df["verdict"].isin(WORSE_VERDICTS), "note"] = (
             "no samples, so no noise estimate: not gated"
+        )
         df["regression"] = df["verdict"].isin(WORSE_VERDICTS) & gated & ~unmeasured_noise
         df["improvement"] = df["verdict"].isin(("faster", "more accurate", "less memory", "fixed"))
-        order = {"failed": 0, "slower": 1, "less accurate": 1, "more memory": 1, "changed": 2, "device differs": 3,
-                 "only in base": 4, "only in candidate": 5, "no value": 6, "failed both": 6, "faster": 7,
-                 "more accurate": 7, "less memory": 7, "fixed": 7, "same": 8}
+        order = {
+            "failed": 0,
+            "slower": 1,
+            "less accurate": 1,
+            "more memory": 1,
+            "changed": 2,
+            "device differs": 3,
+            "only in base": 4,
+            "only in candidate": 5,
+            "no value": 6,
+            "failed both": 6,
+            "faster": 7,
+            "more accurate": 7,
+            "less memory": 7,
+            "fixed": 7,
+            "same": 8,
+        }
         df["_o"] = df["verdict"].map(order).fillna(9)
-        df = df.sort_values(["_o", "lab", "experiment", "variant", "shape", "dtype", "metric"],
-                            kind="stable").drop(columns="_o").reset_index(drop=True)
+        df = (
+            df.sort_values(["_o", "lab", "experiment", "variant", "shape", "dtype", "metric"], kind="stable")
+            .drop(columns="_o")
+            .reset_index(drop=True)
+        )
     n_b, n_c = (df["verdict"] == "only in base").sum(), (df["verdict"] == "only in candidate").sum()
     if n_b or n_c:
         flags.append(f"{n_b} row(s) only in base, {n_c} only in candidate: listed, not compared")
-    return Comparison(base=base, cand=cand, options=o, rows=df, flags=flags, device_mismatch=mismatch,
-                      failed_notebooks=_newly_failed(base, cand))
+    return Comparison(
+        base=base,
+        cand=cand,
+        options=o,
+        rows=df,
+        flags=flags,
+        device_mismatch=mismatch,
+        failed_notebooks=_newly_failed(base, cand),
+    )
 
 
 def _newly_failed(base: Side, cand: Side) -> list[str]:
@@ -715,8 +893,9 @@ def _newly_failed(base: Side, cand: Side) -> list[str]:
     if "notebook" in base.rows.columns:
         ok_in_base |= {str(n) for n in base.rows["notebook"].dropna().unique()}
     ok_in_base |= {str(n) for n in base.rows["lab"].unique()}
-    return sorted(str(s.get("notebook")) for s in cand.status
-                  if s.get("status") != "ok" and s.get("notebook") in ok_in_base)
+    return sorted(
+        str(s.get("notebook")) for s in cand.status if s.get("status") != "ok" and s.get("notebook") in ok_in_base
+    )
 
 
 # ---------------------------------------------------------------- text
@@ -752,8 +931,11 @@ def _ratio_text(r) -> str:
 
 def _side_line(s: Side) -> str:
     c = s.context
-    bits = [f"{c.get('device') or '?'} ({c.get('device_kind') or '?'})", f"torch {c.get('torch_version') or '?'}",
-            f"triton {c.get('triton_version') or '?'}"]
+    bits = [
+        f"{c.get('device') or '?'} ({c.get('device_kind') or '?'})",
+        f"torch {c.get('torch_version') or '?'}",
+        f"triton {c.get('triton_version') or '?'}",
+    ]
     if c.get("cuda_version"):
         bits.append(f"CUDA {c['cuda_version']}")
     bits.append(f"commit {c.get('commit') or '?'}")
@@ -762,12 +944,19 @@ def _side_line(s: Side) -> str:
 
 def summary_text(cmp: Comparison, limit: int = 40) -> str:
     o = cmp.options
-    noise = (f"{int(o.confidence * 100)}% bootstrap interval of the ratio of medians ({o.bootstrap} resamples)"
-             if o.method == "bootstrap" else f"Mann-Whitney U test at p < {1 - o.confidence:.3g}")
-    lines = ["perflab compare", f"  base:      {_side_line(cmp.base)}", f"  candidate: {_side_line(cmp.cand)}",
-             f"  rule:      a verdict needs the difference beyond the threshold (±{o.threshold:.0%} performance "
-             f"and memory, ±{o.accuracy_threshold:.0%} error figures, ±{o.db_threshold:g} dB) and, where samples "
-             f"were kept, significant by the {noise}"]
+    noise = (
+        f"{int(o.confidence * 100)}% bootstrap interval of the ratio of medians ({o.bootstrap} resamples)"
+        if o.method == "bootstrap"
+        else f"Mann-Whitney U test at p < {1 - o.confidence:.3g}"
+    )
+    lines = [
+        "perflab compare",
+        f"  base:      {_side_line(cmp.base)}",
+        f"  candidate: {_side_line(cmp.cand)}",
+        f"  rule:      a verdict needs the difference beyond the threshold (±{o.threshold:.0%} performance "
+        f"and memory, ±{o.accuracy_threshold:.0%} error figures, ±{o.db_threshold:g} dB) and, where samples "
+        f"were kept, significant by the {noise}",
+    ]
     if cmp.flags:
         lines.append("flags:")
         lines += [f"  ! {f}" for f in cmp.flags]
@@ -780,8 +969,10 @@ def summary_text(cmp: Comparison, limit: int = 40) -> str:
         lines.append(f"{title} ({len(df)}):")
         for _, r in df.head(limit).iterrows():
             unit = f" {r['unit']}" if r["unit"] else ""
-            lines.append(f"  {row_label(r)}: {_num(r['base'])} -> {_num(r['candidate'])}{unit}  {_ratio_text(r)}  "
-                         f"{r['verdict'].upper()}" + (f" ({r['note']})" if r["note"] else ""))
+            lines.append(
+                f"  {row_label(r)}: {_num(r['base'])} -> {_num(r['candidate'])}{unit}  {_ratio_text(r)}  "
+                f"{r['verdict'].upper()}" + (f" ({r['note']})" if r["note"] else "")
+            )
         if len(df) > limit:
             lines.append(f"  ... {len(df) - limit} more (see compare.html / compare.json)")
 
@@ -801,9 +992,19 @@ def summary_text(cmp: Comparison, limit: int = 40) -> str:
 
 
 # ---------------------------------------------------------------- HTML
-VERDICT_COLOURS = {"faster": "#1a7f37", "more accurate": "#1a7f37", "less memory": "#1a7f37", "fixed": "#1a7f37",
-                   "slower": "#cf222e", "less accurate": "#cf222e", "more memory": "#cf222e", "failed": "#cf222e",
-                   "same": "#6e7781", "changed": "#9a6700", "device differs": "#9a6700"}
+VERDICT_COLOURS = {
+    "faster": "#1a7f37",
+    "more accurate": "#1a7f37",
+    "less memory": "#1a7f37",
+    "fixed": "#1a7f37",
+    "slower": "#cf222e",
+    "less accurate": "#cf222e",
+    "more memory": "#cf222e",
+    "failed": "#cf222e",
+    "same": "#6e7781",
+    "changed": "#9a6700",
+    "device differs": "#9a6700",
+}
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em;color:#222;max-width:1400px}
@@ -865,29 +1066,52 @@ def _ratio_plot(cmp: Comparison, max_rows: int = 300):
         uniq.append(lab if seen[lab] == 1 else f"{lab} ({seen[lab]})")
     lo = df["lo"].astype(float).where(np.isfinite(df["lo"].astype(float)), df["gain"].astype(float))
     hi = df["hi"].astype(float).where(np.isfinite(df["hi"].astype(float)), df["gain"].astype(float))
-    src = ColumnDataSource(dict(label=uniq, gain=df["gain"].astype(float).tolist(), lo=lo.tolist(), hi=hi.tolist(),
-                                verdict=df["verdict"].tolist(), base=df["base"].astype(float).tolist(),
-                                cand=df["candidate"].astype(float).tolist(), unit=df["unit"].tolist(),
-                                noise=df["noise"].tolist(),
-                                colour=[VERDICT_COLOURS.get(v, "#6e7781") for v in df["verdict"]]))
+    src = ColumnDataSource(
+        dict(
+            label=uniq,
+            gain=df["gain"].astype(float).tolist(),
+            lo=lo.tolist(),
+            hi=hi.tolist(),
+            verdict=df["verdict"].tolist(),
+            base=df["base"].astype(float).tolist(),
+            cand=df["candidate"].astype(float).tolist(),
+            unit=df["unit"].tolist(),
+            noise=df["noise"].tolist(),
+            colour=[VERDICT_COLOURS.get(v, "#6e7781") for v in df["verdict"]],
+        )
+    )
     vals = np.concatenate([lo.to_numpy(), hi.to_numpy(), df["gain"].astype(float).to_numpy()])
     t = cmp.options.threshold
     xmin = min(float(vals.min()), 1 / (1 + t)) / 1.15
     xmax = max(float(vals.max()), 1 + t) * 1.15
-    p = figure(y_range=uniq, x_axis_type="log", x_range=(xmin, xmax), height=max(220, 24 * len(uniq) + 90),
-               width=1100, title="candidate vs base: gain (> 1 = candidate better), with interval",
-               x_axis_label="gain = base/candidate for lower-is-better, candidate/base for higher-is-better "
-                            "(dB: 10^(Δ/10))",
-               tools="pan,wheel_zoom,box_zoom,reset,save", toolbar_location="above")
+    p = figure(
+        y_range=uniq,
+        x_axis_type="log",
+        x_range=(xmin, xmax),
+        height=max(220, 24 * len(uniq) + 90),
+        width=1100,
+        title="candidate vs base: gain (> 1 = candidate better), with interval",
+        x_axis_label="gain = base/candidate for lower-is-better, candidate/base for higher-is-better (dB: 10^(Δ/10))",
+        tools="pan,wheel_zoom,box_zoom,reset,save",
+        toolbar_location="above",
+    )
     p.add_layout(BoxAnnotation(left=1 / (1 + t), right=1 + t, fill_alpha=0.12, fill_color="#6e7781"))
     p.add_layout(Span(location=1, dimension="height", line_color="black", line_dash="dashed"))
     p.segment(x0="lo", x1="hi", y0="label", y1="label", source=src, line_color="colour", line_width=3)
     r = p.scatter(x="gain", y="label", source=src, size=9, fill_color="colour", line_color="black")
-    p.add_tools(HoverTool(renderers=[r], tooltips=[("row", "@label"), ("verdict", "@verdict"),
-                                                   ("base", "@base{0.0000g} @unit"),
-                                                   ("candidate", "@cand{0.0000g} @unit"),
-                                                   ("gain", "@gain{0.000} [@lo{0.000}, @hi{0.000}]"),
-                                                   ("noise", "@noise")]))
+    p.add_tools(
+        HoverTool(
+            renderers=[r],
+            tooltips=[
+                ("row", "@label"),
+                ("verdict", "@verdict"),
+                ("base", "@base{0.0000g} @unit"),
+                ("candidate", "@cand{0.0000g} @unit"),
+                ("gain", "@gain{0.000} [@lo{0.000}, @hi{0.000}]"),
+                ("noise", "@noise"),
+            ],
+        )
+    )
     p.yaxis.major_label_text_font_size = "9pt"
     return p
 
@@ -898,8 +1122,7 @@ def _inline_bokeh(Resources) -> str:
     so any <script src=...> is dropped to keep the page self-contained."""
     import re
 
-    return re.sub(r"<script[^>]*\bsrc=[^>]*>\s*</script>", "",
-                  Resources(mode="inline", components=["bokeh"]).render())
+    return re.sub(r"<script[^>]*\bsrc=[^>]*>\s*</script>", "", Resources(mode="inline", components=["bokeh"]).render())
 
 
 def render_html(cmp: Comparison) -> str:
@@ -912,8 +1135,17 @@ def render_html(cmp: Comparison) -> str:
     plot = _ratio_plot(cmp)
     script, div = components(plot) if plot is not None else ("", "<p class='muted'>no comparable rows to plot</p>")
     ctx_rows = ""
-    for k in ("device", "device_kind", "torch_version", "triton_version", "cuda_version", "python_version", "commit",
-              "timestamp", "run_id"):
+    for k in (
+        "device",
+        "device_kind",
+        "torch_version",
+        "triton_version",
+        "cuda_version",
+        "python_version",
+        "commit",
+        "timestamp",
+        "run_id",
+    ):
         b, c = cmp.base.context.get(k, ""), cmp.cand.context.get(k, "")
         cls = ' class="flag"' if str(b) != str(c) and k not in ("timestamp", "run_id") else ""
         ctx_rows += f"<tr{cls}><th>{esc(k)}</th><td>{esc(str(b))}</td><td>{esc(str(c))}</td></tr>"
@@ -933,17 +1165,32 @@ def render_html(cmp: Comparison) -> str:
             return f'<td class="{cls}" data-v="{dv}">{_num(fv)}</td>'
 
         body.append(
-            f'<tr data-verdict="{esc(r["verdict"])}">' + "".join(f"<td>{esc(str(r[c]))}</td>" for c in (
-                "lab", "experiment", "variant", "shape", "dtype", "ident", "metric", "statistic"))
-            + num(r["base"]) + num(r["candidate"]) + f"<td>{esc(r['unit'])}</td>" + num(r["ratio"]) + num(r["gain"])
+            f'<tr data-verdict="{esc(r["verdict"])}">'
+            + "".join(
+                f"<td>{esc(str(r[c]))}</td>"
+                for c in ("lab", "experiment", "variant", "shape", "dtype", "ident", "metric", "statistic")
+            )
+            + num(r["base"])
+            + num(r["candidate"])
+            + f"<td>{esc(r['unit'])}</td>"
+            + num(r["ratio"])
+            + num(r["gain"])
             + f"<td>{lo_hi}</td><td>{esc(r['noise'])}</td>"
             + f'<td style="color:{colour};font-weight:600">{esc(r["verdict"])}'
-            + (" ⚑" if r["regression"] else "") + f"</td><td>{esc(r['note'])}</td></tr>")
-    dir_rows = "".join(f"<tr><td><code>{esc(d['rule'])}</code></td><td>{d['better']}</td><td>{d['kind']}</td>"
-                       f"<td>{d['compared by']}</td></tr>" for d in direction_table())
+            + (" ⚑" if r["regression"] else "")
+            + f"</td><td>{esc(r['note'])}</td></tr>"
+        )
+    dir_rows = "".join(
+        f"<tr><td><code>{esc(d['rule'])}</code></td><td>{d['better']}</td><td>{d['kind']}</td>"
+        f"<td>{d['compared by']}</td></tr>"
+        for d in direction_table()
+    )
     result_cls = "bad" if cmp.exit_code else "good"
-    noise = (f"{int(o.confidence * 100)}% bootstrap interval of the ratio of medians ({o.bootstrap} resamples, "
-             f"fixed seed)" if o.method == "bootstrap" else f"Mann-Whitney U test, p &lt; {1 - o.confidence:.3g}")
+    noise = (
+        f"{int(o.confidence * 100)}% bootstrap interval of the ratio of medians ({o.bootstrap} resamples, fixed seed)"
+        if o.method == "bootstrap"
+        else f"Mann-Whitney U test, p &lt; {1 - o.confidence:.3g}"
+    )
     title = f"perflab compare: {cmp.cand.run_id} vs {cmp.base.run_id}"
     return f"""<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>
 <style>{_CSS}</style>
@@ -965,7 +1212,7 @@ kept, significance by the {noise}. GB/s, TFLOP/s and % of ceiling borrow their t
 <table id="rows" class="sortable"><thead><tr><th>lab</th><th>experiment</th><th>variant</th><th>shape</th><th>dtype</th>
 <th>extra</th><th>metric</th><th>statistic</th><th>base</th><th>candidate</th><th>unit</th><th>ratio</th><th>gain</th>
 <th>interval (gain)</th><th>noise</th><th>verdict</th><th>note</th></tr></thead>
-<tbody>{''.join(body)}</tbody></table>
+<tbody>{"".join(body)}</tbody></table>
 <details><summary><b>Which way is better</b> (first matching rule)</summary>
 <table><tr><th>rule</th><th>better</th><th>kind</th><th>compared by</th></tr>{dir_rows}</table></details>
 {script}
@@ -976,36 +1223,78 @@ kept, significance by the {noise}. GB/s, TFLOP/s and % of ceiling borrow their t
 # ---------------------------------------------------------------- CLI
 def _add_compare_options(ap: argparse.ArgumentParser) -> None:
     d = Options()
-    ap.add_argument("--threshold", type=float, default=d.threshold,
-                    help=f"relative change that counts for performance and memory rows (default {d.threshold})")
-    ap.add_argument("--accuracy-threshold", type=float, default=d.accuracy_threshold,
-                    help=f"relative change that counts for error figures (default {d.accuracy_threshold})")
-    ap.add_argument("--db-threshold", type=float, default=d.db_threshold,
-                    help=f"change in dB that counts for SQNR-like rows (default {d.db_threshold})")
-    ap.add_argument("--confidence", type=float, default=d.confidence, help=f"interval / test level (default {d.confidence})")
-    ap.add_argument("--method", choices=("bootstrap", "rank"), default=d.method,
-                    help="noise test for rows with samples: bootstrap interval of the ratio of medians, "
-                         "or a Mann-Whitney rank test")
+    ap.add_argument(
+        "--threshold",
+        type=float,
+        default=d.threshold,
+        help=f"relative change that counts for performance and memory rows (default {d.threshold})",
+    )
+    ap.add_argument(
+        "--accuracy-threshold",
+        type=float,
+        default=d.accuracy_threshold,
+        help=f"relative change that counts for error figures (default {d.accuracy_threshold})",
+    )
+    ap.add_argument(
+        "--db-threshold",
+        type=float,
+        default=d.db_threshold,
+        help=f"change in dB that counts for SQNR-like rows (default {d.db_threshold})",
+    )
+    ap.add_argument(
+        "--confidence", type=float, default=d.confidence, help=f"interval / test level (default {d.confidence})"
+    )
+    ap.add_argument(
+        "--method",
+        choices=("bootstrap", "rank"),
+        default=d.method,
+        help="noise test for rows with samples: bootstrap interval of the ratio of medians, "
+        "or a Mann-Whitney rank test",
+    )
     ap.add_argument("--bootstrap", type=int, default=d.bootstrap, help="bootstrap resamples (default 2000)")
-    ap.add_argument("--statistics", choices=("default", "all"), default=d.statistics,
-                    help="'all' also compares p20/p80 rows")
-    ap.add_argument("--rows", choices=("all", "performance", "accuracy"), default=d.only,
-                    help="compare only these kinds of rows (performance: time, rates, memory; accuracy: error "
-                         "figures, SQNR and counts)")
-    ap.add_argument("--gate", choices=("all", "performance", "accuracy", "none"), default=d.gate,
-                    help="which kinds of regression make the exit code non-zero")
-    ap.add_argument("--allow-device-mismatch", action="store_true",
-                    help="compare performance rows even when the runs' devices differ")
-    ap.add_argument("--out", default=None, help="folder for compare.html, summary.txt, compare.json "
-                                                "(default .perflab/compare/<candidate>-vs-<base>/)")
+    ap.add_argument(
+        "--statistics", choices=("default", "all"), default=d.statistics, help="'all' also compares p20/p80 rows"
+    )
+    ap.add_argument(
+        "--rows",
+        choices=("all", "performance", "accuracy"),
+        default=d.only,
+        help="compare only these kinds of rows (performance: time, rates, memory; accuracy: error "
+        "figures, SQNR and counts)",
+    )
+    ap.add_argument(
+        "--gate",
+        choices=("all", "performance", "accuracy", "none"),
+        default=d.gate,
+        help="which kinds of regression make the exit code non-zero",
+    )
+    ap.add_argument(
+        "--allow-device-mismatch",
+        action="store_true",
+        help="compare performance rows even when the runs' devices differ",
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="folder for compare.html, summary.txt, compare.json (default .perflab/compare/<candidate>-vs-<base>/)",
+    )
     ap.add_argument("--limit", type=int, default=40, help="rows per section in the printed summary")
     ap.add_argument("--quiet", action="store_true", help="print only the result line")
 
 
 def _options_from(a) -> Options:
-    return Options(threshold=a.threshold, accuracy_threshold=a.accuracy_threshold, db_threshold=a.db_threshold,
-                   confidence=a.confidence, method=a.method, bootstrap=a.bootstrap, statistics=a.statistics,
-                   only=a.rows, gate=a.gate, allow_device_mismatch=a.allow_device_mismatch)
+    return Options(
+        threshold=a.threshold,
+        accuracy_threshold=a.accuracy_threshold,
+        db_threshold=a.db_threshold,
+        confidence=a.confidence,
+        method=a.method,
+        bootstrap=a.bootstrap,
+        statistics=a.statistics,
+        only=a.rows,
+        gate=a.gate,
+        allow_device_mismatch=a.allow_device_mismatch,
+    )
 
 
 def _default_out(cmp: Comparison) -> Path:
@@ -1024,14 +1313,15 @@ def _finish(cmp: Comparison, a, prog: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``perflab compare BASE CANDIDATE``; exit 0 ok, 1 regression, 2 bad input, 3 not comparable."""
-    from .config import ConfigError
+    from ..config import ConfigError
 
     ap = argparse.ArgumentParser(
         prog="perflab compare",
         description="Compare a candidate run with a base run row by row; exit 1 on a regression beyond the threshold. "
-                    "BASE / CANDIDATE: a report folder, a records.json/.parquet, 'latest' or 'baseline[:KIND]'.",
+        "BASE / CANDIDATE: a report folder, a records.json/.parquet, 'latest' or 'baseline[:KIND]'.",
         epilog="exit codes: 0 no regression, 1 regression, 2 bad arguments or inputs, 3 devices differ "
-               "(performance rows not compared)")
+        "(performance rows not compared)",
+    )
     ap.add_argument("base")
     ap.add_argument("candidate")
     _add_compare_options(ap)
@@ -1054,10 +1344,17 @@ def timing_free(rows: pd.DataFrame) -> pd.DataFrame:
     return rows[keep]
 
 
-def store_baseline(report: str | Path, *, kind: str | None = None, timing_free_only: bool = False,
-                   allow_failed: bool = False, root: Path | None = None, command: str = "") -> Path:
+def store_baseline(
+    report: str | Path,
+    *,
+    kind: str | None = None,
+    timing_free_only: bool = False,
+    allow_failed: bool = False,
+    root: Path | None = None,
+    command: str = "",
+) -> Path:
     """Copy a finished report's records into ``parameterized/baselines/<kind>/``."""
-    from .records import load_records
+    from ..records import load_records
 
     report = Path(report)
     if not report.is_dir() or not ((report / "records.json").exists() or (report / "records.parquet").exists()):
@@ -1066,8 +1363,10 @@ def store_baseline(report: str | Path, *, kind: str | None = None, timing_free_o
     status = json.loads((report / "status.json").read_text()) if (report / "status.json").exists() else []
     failed = [s.get("notebook") for s in status if s.get("status") != "ok"]
     if failed and not allow_failed:
-        raise CompareError(f"{report}: notebook(s) failed ({', '.join(map(str, failed))}); a baseline must come from "
-                           f"a clean run (or pass --allow-failed)")
+        raise CompareError(
+            f"{report}: notebook(s) failed ({', '.join(map(str, failed))}); a baseline must come from "
+            f"a clean run (or pass --allow-failed)"
+        )
     rows = load_records(report)
     if not ctx.get("device_kind"):
         ctx["device_kind"] = _first_value(rows, "device_kind")
@@ -1077,8 +1376,12 @@ def store_baseline(report: str | Path, *, kind: str | None = None, timing_free_o
         rows = timing_free(rows)
     rows = rows.copy()
     if "samples" in rows.columns:
-        rows["samples"] = [None if s is None or (isinstance(s, float) and math.isnan(s)) else
-                           [float(x) for x in np.asarray(s, dtype=float).ravel()] for s in rows["samples"]]
+        rows["samples"] = [
+            None
+            if s is None or (isinstance(s, float) and math.isnan(s))
+            else [float(x) for x in np.asarray(s, dtype=float).ravel()]
+            for s in rows["samples"]
+        ]
     dest = (root or baselines_root()) / kind
     tmp = dest.with_name(f".tmp-{kind}")
     if tmp.exists():
@@ -1090,10 +1393,17 @@ def store_baseline(report: str | Path, *, kind: str | None = None, timing_free_o
     keep_ctx = {k: v for k, v in ctx.items() if k not in ("notebooks",)}
     (tmp / "context.json").write_text(json.dumps(keep_ctx, indent=1, default=str) + "\n")
     (tmp / "status.json").write_text(json.dumps(status, indent=1) + "\n")
-    meta = {"kind": kind, "run_id": ctx.get("run_id") or report.name, "suite": ctx.get("suite"),
-            "device": ctx.get("device"), "timing_free": timing_free_only, "rows": int(len(rows)),
-            "stored": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "source": str(report),
-            "command": command or "perflab baseline refresh"}
+    meta = {
+        "kind": kind,
+        "run_id": ctx.get("run_id") or report.name,
+        "suite": ctx.get("suite"),
+        "device": ctx.get("device"),
+        "timing_free": timing_free_only,
+        "rows": int(len(rows)),
+        "stored": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "source": str(report),
+        "command": command or "perflab baseline refresh",
+    }
     (tmp / "baseline.json").write_text(json.dumps(meta, indent=1) + "\n")
     if dest.exists():
         import shutil
@@ -1111,29 +1421,39 @@ def _run_suite(suite: str, params: list[str] | None, out: str | None, only: list
 
 def baseline_main(argv: Sequence[str] | None = None) -> int:
     """``perflab baseline refresh|check|show``."""
-    from .config import ConfigError
+    from ..config import ConfigError
 
-    ap = argparse.ArgumentParser(prog="perflab baseline",
-                                 description="Stored baselines per device kind in parameterized/baselines/<kind>/.")
+    ap = argparse.ArgumentParser(
+        prog="perflab baseline", description="Stored baselines per device kind in parameterized/baselines/<kind>/."
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("refresh", help="run a suite (or take a finished report) and store it as this device "
-                                       "kind's baseline")
+    r = sub.add_parser(
+        "refresh", help="run a suite (or take a finished report) and store it as this device kind's baseline"
+    )
     r.add_argument("--suite", default="smoke")
     r.add_argument("--report", default=None, help="store this finished report instead of running the suite")
     r.add_argument("--param", action="append", metavar="KEY=VALUE", help="parameter override for the run")
     r.add_argument("--only", action="append", metavar="NOTEBOOK", help="run only this notebook of the suite")
     r.add_argument("--kind", default=None, help="baseline kind (default: cpu or cuda-<gpu model> of the run)")
-    r.add_argument("--timing-free", action="store_true",
-                   help="store only rows that do not depend on machine load (accuracy figures, counts)")
+    r.add_argument(
+        "--timing-free",
+        action="store_true",
+        help="store only rows that do not depend on machine load (accuracy figures, counts)",
+    )
     r.add_argument("--allow-failed", action="store_true", help="store even if some notebooks failed")
     r.add_argument("--out", default=None, help="reports folder for the run (default reports/)")
-    c = sub.add_parser("check", help="compare a fresh run (or --report) with the stored baseline; exit 1 on a "
-                                     "regression")
+    c = sub.add_parser(
+        "check", help="compare a fresh run (or --report) with the stored baseline; exit 1 on a regression"
+    )
     c.add_argument("--suite", default="smoke")
     c.add_argument("--report", default=None, help="compare this finished report instead of running the suite")
     c.add_argument("--param", action="append", metavar="KEY=VALUE")
-    c.add_argument("--only", action="append", metavar="NOTEBOOK", help="run only this notebook of the suite "
-                   "(the baseline's other notebooks then show as 'only in base')")
+    c.add_argument(
+        "--only",
+        action="append",
+        metavar="NOTEBOOK",
+        help="run only this notebook of the suite (the baseline's other notebooks then show as 'only in base')",
+    )
     c.add_argument("--kind", default=None, help="baseline kind (default: the candidate's)")
     c.add_argument("--run-out", default=None, help="reports folder for the fresh run (default reports/)")
     _add_compare_options(c)
@@ -1152,9 +1472,11 @@ def baseline_main(argv: Sequence[str] | None = None) -> int:
                     print(f"{k}: no baseline ({f} missing)")
                     continue
                 m = json.loads(f.read_text())
-                print(f"{k}: {m.get('rows')} rows from run {m.get('run_id')} (suite {m.get('suite')}, "
-                      f"{'timing-free' if m.get('timing_free') else 'full'}) on {m.get('device')}, stored "
-                      f"{m.get('stored')}")
+                print(
+                    f"{k}: {m.get('rows')} rows from run {m.get('run_id')} (suite {m.get('suite')}, "
+                    f"{'timing-free' if m.get('timing_free') else 'full'}) on {m.get('device')}, stored "
+                    f"{m.get('stored')}"
+                )
             return EXIT_OK
         if a.cmd == "refresh":
             report = a.report
@@ -1162,12 +1484,19 @@ def baseline_main(argv: Sequence[str] | None = None) -> int:
                 res = _run_suite(a.suite, a.param, a.out, a.only)
                 report = res.path
                 if not res.ok and not a.allow_failed:
-                    print(f"perflab baseline: the run {res.run_id} had failures; baseline not stored "
-                          f"(see {res.index})", file=sys.stderr)
+                    print(
+                        f"perflab baseline: the run {res.run_id} had failures; baseline not stored (see {res.index})",
+                        file=sys.stderr,
+                    )
                     return EXIT_REGRESSION
             cmdline = "perflab baseline refresh " + " ".join(argv if argv is not None else sys.argv[1:])
-            dest = store_baseline(report, kind=a.kind, timing_free_only=a.timing_free, allow_failed=a.allow_failed,
-                                  command=cmdline.strip())
+            dest = store_baseline(
+                report,
+                kind=a.kind,
+                timing_free_only=a.timing_free,
+                allow_failed=a.allow_failed,
+                command=cmdline.strip(),
+            )
             m = json.loads((dest / "baseline.json").read_text())
             print(f"perflab baseline: stored {m['rows']} rows of {m['run_id']} as {dest}")
             return EXIT_OK
@@ -1181,8 +1510,11 @@ def baseline_main(argv: Sequence[str] | None = None) -> int:
         kind = a.kind or baseline_kind(cand.context)
         bdir = baselines_root() / kind
         if not (bdir / "baseline.json").exists():
-            print(f"perflab baseline: no stored baseline for kind {kind!r} ({bdir}); create one with "
-                  f"`perflab baseline refresh`", file=sys.stderr)
+            print(
+                f"perflab baseline: no stored baseline for kind {kind!r} ({bdir}); create one with "
+                f"`perflab baseline refresh`",
+                file=sys.stderr,
+            )
             return EXIT_USAGE
         base = load_side(bdir, "baseline")
         o = _options_from(a)

@@ -1,12 +1,13 @@
 """The ``perflab`` command.
 
-  perflab run SUITE [--param key=value ...] [--only NOTEBOOK ...] [--out DIR]
-  perflab run --list
-  perflab ceilings [--force] [--quick]
-  perflab nb refresh LAB.ipynb ...
-  perflab compare BASE CANDIDATE [...]      (lab_utils.compare)
-  perflab baseline refresh|check [...]      (lab_utils.compare)
+perflab run SUITE [--param key=value ...] [--only NOTEBOOK ...] [--out DIR]
+perflab run --list
+perflab ceilings [--force] [--quick]
+perflab nb refresh LAB.ipynb ...
+perflab compare BASE CANDIDATE [...]      (lab_utils.run.compare)
+perflab baseline refresh|check [...]      (lab_utils.run.compare)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,7 @@ import sys
 
 
 def _cmd_run(a) -> int:
-    from .config import ConfigError
+    from ..config import ConfigError
     from .runner import SuiteError, list_suites, load_suite, parse_overrides, run_suite
 
     if a.list:
@@ -33,8 +34,9 @@ def _cmd_run(a) -> int:
         print("perflab run: give a SUITE (see `perflab run --list`)", file=sys.stderr)
         return 2
     try:
-        res = run_suite(a.suite, overrides=parse_overrides(a.param), out_dir=a.out, only=a.only,
-                        progress=not a.no_progress)
+        res = run_suite(
+            a.suite, overrides=parse_overrides(a.param), out_dir=a.out, only=a.only, progress=not a.no_progress
+        )
     except (SuiteError, ConfigError) as e:
         print(f"perflab run: {e}", file=sys.stderr)
         return 2
@@ -51,7 +53,7 @@ def _cmd_run(a) -> int:
 
 
 def _cmd_ceilings(a) -> int:
-    from .ceilings import get_ceilings
+    from ..ceilings import get_ceilings
 
     c = get_ceilings(a.device, force=a.force, quick=a.quick, progress=True)
     print(f"{c.device_name} (measured {c.measured_at}{', quick' if c.quick else ''})")
@@ -81,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         from .compare import baseline_main
 
         return baseline_main(argv[1:])
-    ap = argparse.ArgumentParser(prog="perflab", description="perflab: a performance lab for diffusion-transformer training")
+    ap = argparse.ArgumentParser(
+        prog="perflab", description="perflab: a performance lab for diffusion-transformer training"
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a suite of notebooks headless into reports/<run-id>/")
     r.add_argument("suite", nargs="?")

@@ -11,6 +11,7 @@ Bytes and FLOPs are counted, never inferred from time:
 
 N elements, s bytes per element, n×n matrices.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,12 +19,12 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from .ceilings import Ceilings, get_ceilings
-from .config import LabConfig, check_bool, check_choice, check_choices, check_int, check_int_list
-from .device import pick_device
-from .records import Recorder
-from .roofline import roofline
-from .timing import try_bench
+from ..ceilings import Ceilings, get_ceilings
+from ..config import LabConfig, check_bool, check_choice, check_choices, check_int, check_int_list
+from ..device import pick_device
+from ..records import Recorder
+from ..roofline import roofline
+from ..timing import try_bench
 
 OPS = ("copy", "add", "gelu", "matmul")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,7 +52,7 @@ class CeilingsLabConfig(LabConfig):
         check_bool("quick_ceilings", self.quick_ceilings)
         check_bool("force_ceilings", self.force_ceilings)
         if self.device == "cuda" and not torch.cuda.is_available():
-            from .config import ConfigError
+            from ..config import ConfigError
 
             raise ConfigError("device", self.device, "'auto' or 'cpu' (no CUDA device is visible here)")
 
@@ -66,7 +67,7 @@ def op_cost(op: str, size: int, dtype: torch.dtype) -> tuple[int, int]:
     if op == "gelu":
         return 2 * size * s, GELU_FLOPS_PER_ELT * size
     if op == "matmul":
-        return 3 * size * size * s, 2 * size ** 3
+        return 3 * size * size * s, 2 * size**3
     raise ValueError(f"op={op!r} is not one of {OPS}")
 
 
@@ -110,18 +111,40 @@ def run_sweep(cfg: CeilingsLabConfig, rec: Recorder, ceilings: Ceilings, progres
         dtype = DTYPES[dt]
         nbytes, flops = op_cost(op, n, dtype)
         shape = (n, n) if op == "matmul" else (n,)
-        t = try_bench(make_op(op, n, dtype, dev, gen), name=f"{op}-{dt}-{n}", device=dev, reps=cfg.reps,
-                      budget_s=30, check_finite=True)
-        rec.add_timing("reference_ops", op, t, shape=shape, dtype=dtype, bytes=nbytes, flops=flops,
-                       ceilings=ceilings)
+        t = try_bench(
+            make_op(op, n, dtype, dev, gen),
+            name=f"{op}-{dt}-{n}",
+            device=dev,
+            reps=cfg.reps,
+            budget_s=30,
+            check_finite=True,
+        )
+        rec.add_timing("reference_ops", op, t, shape=shape, dtype=dtype, bytes=nbytes, flops=flops, ceilings=ceilings)
         if not t.ok:
             pts.append(dict(op=op, dtype=dt, size=n, shape="x".join(map(str, shape)), ok=False, error=t.reason))
             continue
         p = roofline(t, bytes=nbytes, flops=flops, ceilings=ceilings, dtype=dtype)
-        pts.append(dict(op=op, dtype=dt, size=n, shape="x".join(map(str, shape)), ok=True, error="",
-                        time_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, bytes=nbytes, flops=flops,
-                        intensity=p.intensity, tflops=p.tflops, gbs=p.gbs,
-                        pct_of_ceiling=p.pct_of_ceiling, bound=p.bound, floor_ms=p.floor_ms))
+        pts.append(
+            dict(
+                op=op,
+                dtype=dt,
+                size=n,
+                shape="x".join(map(str, shape)),
+                ok=True,
+                error="",
+                time_ms=t.median_ms,
+                p20_ms=t.p20_ms,
+                p80_ms=t.p80_ms,
+                bytes=nbytes,
+                flops=flops,
+                intensity=p.intensity,
+                tflops=p.tflops,
+                gbs=p.gbs,
+                pct_of_ceiling=p.pct_of_ceiling,
+                bound=p.bound,
+                floor_ms=p.floor_ms,
+            )
+        )
     return pd.DataFrame(pts)
 
 
@@ -130,44 +153,69 @@ def ceilings_table(ceilings: Ceilings) -> pd.DataFrame:
 
 
 def datasheet_table() -> pd.DataFrame:
-    from .device import DATASHEET
+    from ..device import DATASHEET
 
-    return pd.DataFrame([dict(gpu=p.name, bf16_tflops=p.bf16_tflops, fp8_tflops=p.fp8_tflops,
-                              fp4_tflops=p.fp4_tflops, tf32_tflops=p.tf32_tflops, hbm_gbs=p.hbm_gbs,
-                              memory_gib=p.memory_gib, source=p.source) for p in DATASHEET.values()])
+    return pd.DataFrame(
+        [
+            dict(
+                gpu=p.name,
+                bf16_tflops=p.bf16_tflops,
+                fp8_tflops=p.fp8_tflops,
+                fp4_tflops=p.fp4_tflops,
+                tf32_tflops=p.tf32_tflops,
+                hbm_gbs=p.hbm_gbs,
+                memory_gib=p.memory_gib,
+                source=p.source,
+            )
+            for p in DATASHEET.values()
+        ]
+    )
 
 
 def load_ceilings(cfg: CeilingsLabConfig) -> Ceilings:
-    return get_ceilings(cfg.device, force=cfg.force_ceilings, quick=cfg.quick_ceilings
-                        and pick_device(cfg.device).type == "cpu", progress=True)
+    return get_ceilings(
+        cfg.device,
+        force=cfg.force_ceilings,
+        quick=cfg.quick_ceilings and pick_device(cfg.device).type == "cpu",
+        progress=True,
+    )
 
 
 def roofline_map(points: pd.DataFrame, ceilings: Ceilings):
     """HoloMap over dtype: the roofline with every op's points (interactive in exported HTML).
     Ops that do no arithmetic (copy) have no place on a FLOP roofline: see ``bandwidth_map``."""
-    from .plots import init, roofline_plot
+    from ..plots import init, roofline_plot
 
     hv = init()
     frames = {}
     for dt, g in points[points.ok & (points.flops > 0)].groupby("dtype", sort=False):
-        frames[dt] = roofline_plot(g, ceilings, dtype=DTYPES[dt], label_col="op",
-                                   title=f"Roofline · {ceilings.device_name} · {dt}")
+        frames[dt] = roofline_plot(
+            g, ceilings, dtype=DTYPES[dt], label_col="op", title=f"Roofline · {ceilings.device_name} · {dt}"
+        )
     return hv.HoloMap(frames, kdims=["dtype"])
 
 
 def bandwidth_map(points: pd.DataFrame, ceilings: Ceilings):
     """HoloMap over dtype: achieved GB/s vs size per memory-bound op, the copy ceiling drawn."""
-    from .plots import init
+    from ..plots import init
 
     hv = init()
     frames = {}
     ok = points[points.ok & (points.op != "matmul")]
     for dt, g in ok.groupby("dtype", sort=False):
-        curves = [hv.Curve(gg.sort_values("size"), "size", ["gbs", "time_ms", "p20_ms", "p80_ms"], label=op)
-                  .opts(logx=True, tools=["hover"]) * hv.Scatter(gg, "size", "gbs").opts(size=6)
-                  for op, gg in g.groupby("op", sort=False)]
+        curves = [
+            hv.Curve(gg.sort_values("size"), "size", ["gbs", "time_ms", "p20_ms", "p80_ms"], label=op).opts(
+                logx=True, tools=["hover"]
+            )
+            * hv.Scatter(gg, "size", "gbs").opts(size=6)
+            for op, gg in g.groupby("op", sort=False)
+        ]
         ceil = hv.HLine(ceilings.copy_gbs).opts(color="black", line_dash="dashed")
         frames[dt] = hv.Overlay([*curves, ceil]).opts(
             title=f"Achieved bandwidth · {dt} (dashed: measured copy ceiling {ceilings.copy_gbs:.0f} GB/s)",
-            xlabel="elements", ylabel="GB/s", logx=True, legend_position="bottom_right")
+            xlabel="elements",
+            ylabel="GB/s",
+            logx=True,
+            legend_position="bottom_right",
+        )
     return hv.HoloMap(frames, kdims=["dtype"])
