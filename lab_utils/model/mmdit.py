@@ -53,6 +53,7 @@ from einops import rearrange
 from torch import nn
 
 from ..config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int, check_int_list
+from .checkpointing import CHECKPOINT_POLICIES, run_block
 
 # --------------------------------------------------------------------------------------
 # Presets
@@ -135,13 +136,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 #: Presets too large to allocate on this 2-core CPU box (build on "meta").
 LARGE_PRESETS = ("medium", "flux-schnell", "flux-dev")
-
-#: Activation-checkpoint policies:
-#: none: keep all activations; full: recompute every block; double / single: only
-#: that block kind; every_other: every second block (both kinds); selective: every block
-#: with torch's selective checkpointing that saves matmul/attention outputs and
-#: recomputes the cheap elementwise/norm ops.
-CHECKPOINT_POLICIES = ("none", "full", "double", "single", "every_other", "selective")
 
 #: The fused ops the blocks call through the kernel seam.
 KERNEL_OPS = ("rms_norm", "layer_norm_modulate", "gated_residual", "gelu_tanh", "rope", "qk_norm_rope")
@@ -712,44 +706,6 @@ class FinalLayer(nn.Module):
 # --------------------------------------------------------------------------------------
 
 
-def _block_policy(policy: str, kind: str, index: int) -> bool:
-    if policy == "none":
-        return False
-    if policy in ("full", "selective"):
-        return True
-    if policy == "double":
-        return kind == "double"
-    if policy == "single":
-        return kind == "single"
-    if policy == "every_other":
-        return index % 2 == 0
-    raise ConfigError("checkpoint", policy, "one of " + ", ".join(CHECKPOINT_POLICIES))
-
-
-def _selective_context():
-    """Save matmul / attention outputs, recompute everything else (norms, activations)."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    aten = torch.ops.aten
-    save = {
-        aten.mm.default,
-        aten.addmm.default,
-        aten.bmm.default,
-        aten.linear.default,
-        aten._scaled_dot_product_flash_attention.default,
-        aten._scaled_dot_product_efficient_attention.default,
-    }
-    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        save.add(aten._scaled_dot_product_flash_attention_for_cpu.default)
-    if hasattr(aten, "_scaled_dot_product_cudnn_attention"):
-        save.add(aten._scaled_dot_product_cudnn_attention.default)
-
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
-
-
 class MMDiT(nn.Module):
     """FLUX-style MMDiT.  ``forward(img, img_ids, txt, txt_ids, timesteps, y, guidance=None)``
     in FLUX's calling convention:
@@ -784,13 +740,8 @@ class MMDiT(nn.Module):
         return [*self.double_blocks, *self.single_blocks]
 
     def _ckpt(self, block, kind, index, *args):
-        if not (self.training and torch.is_grad_enabled() and _block_policy(self.cfg.checkpoint, kind, index)):
-            return block(*args)
-        from torch.utils.checkpoint import checkpoint
-
-        if self.cfg.checkpoint == "selective":
-            return checkpoint(block, *args, use_reentrant=False, context_fn=_selective_context)
-        return checkpoint(block, *args, use_reentrant=False)
+        active = self.training and torch.is_grad_enabled()
+        return run_block(self.cfg.checkpoint, block, kind, index, *args, active=active)
 
     def conditioning(self, timesteps, y, guidance=None):
         """vec (B, D) = time MLP + guidance MLP + pooled-text MLP."""
