@@ -7,6 +7,7 @@ never stand in for them: rooflines and %-of-ceiling use the measured numbers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
@@ -170,3 +171,18 @@ def datasheet_for(info: DeviceInfo | str | None) -> DatasheetPeak | None:
         if key in up:
             return DATASHEET[key]
     return None
+
+
+@contextlib.contextmanager
+def annotate(name: str, device: torch.device | str | None = None):
+    """A named range in both the torch profiler (``record_function``) and, on CUDA, NVTX
+    (what Nsight Systems shows); on CPU the NVTX part is skipped (no CUDA runtime)."""
+    cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+    with torch.profiler.record_function(name):
+        if cuda:
+            torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            if cuda:
+                torch.cuda.nvtx.range_pop()

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from diffusers.models.transformers import transformer_flux as diffusers_flux
 
+from lab_kernels import get_variant
+from lab_utils import model as mmdit
 from lab_utils.checks import assert_close, rel_error
 from lab_utils.config import ConfigError
-from lab_utils.model import mmdit
-from lab_utils.model.mmdit import (
+from lab_utils.model import (
     PRESETS,
     MMDiTConfig,
     analytic_param_count,
@@ -20,8 +22,6 @@ from lab_utils.model.mmdit import (
     text_ids,
     unpatchify,
 )
-
-diffusers_flux = pytest.importorskip("diffusers.models.transformers.transformer_flux")
 
 
 @pytest.fixture(autouse=True)
@@ -159,7 +159,7 @@ def test_rope_pair_layout_matches_formula():
     )
     ang = torch.rand(5, 4, generator=gen, dtype=torch.float64) * 6
     cos, sin = ang.cos(), ang.sin()
-    qo, _ = mmdit.torch_rope(q, k, cos, sin)
+    qo, _ = get_variant("rope", "reference")(q, k, cos, sin)
     expect = torch.empty_like(q)
     expect[..., 0::2] = q[..., 0::2] * cos - q[..., 1::2] * sin
     expect[..., 1::2] = q[..., 0::2] * sin + q[..., 1::2] * cos
@@ -300,14 +300,12 @@ def test_seams_fall_back_or_refuse():
     with pytest.raises(ConfigError) as e:
         MMDiTConfig.from_preset("tiny", checkpoint="sometimes")
     assert e.value.param == "checkpoint"
-    if mmdit.attention_paths() is not None:
-        with pytest.raises(ConfigError) as e:
-            MMDiTConfig.from_preset("tiny", attention_path="no-such-path")
-        assert e.value.param == "attention_path"
-    if mmdit.recipe_names() is not None:
-        with pytest.raises(ConfigError) as e:
-            MMDiTConfig.from_preset("tiny", recipe="no-such-recipe")
-        assert e.value.param == "recipe"
+    with pytest.raises(ConfigError) as e:
+        MMDiTConfig.from_preset("tiny", attention_path="no-such-path")
+    assert e.value.param == "attention_path"
+    with pytest.raises(ConfigError) as e:
+        MMDiTConfig.from_preset("tiny", recipe="no-such-recipe")
+    assert e.value.param == "recipe"
 
 
 @pytest.mark.parametrize(
@@ -329,13 +327,11 @@ def test_seams_swap_implementations(kw):
             alt.seams["kernels.qk_norm_rope"].startswith("composed")
             and "rope/reference" in alt.seams["kernels.qk_norm_rope"]
         )
-    if kw.get("attention_path") == "math" and mmdit.attention_paths() is not None:
+    if kw.get("attention_path") == "math":
         assert alt.seams["attention_path"] == "math"
     with torch.no_grad():
         a, b = ref(*batch_args), alt(*batch_args)
     if "recipe" in kw:
-        if mmdit.recipe_names() is None:
-            pytest.skip("lab_utils.precision not importable")
         assert alt.seams["recipe"] == "fp8_tensor"
         assert 0 < rel_error(b, a) < 0.1  # fp8 matmuls: close, not equal
     else:

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from .mmdit import MMDiTConfig, patchify, resolve_config
+from .config import MMDiTConfig, resolve_config
+from .layers import patchify
 
 #: Encoder shapes per MMDiT preset (T5 d_model == context_dim, CLIP hidden == pooled_dim).
 ENCODER_PRESETS: dict[str, dict] = {

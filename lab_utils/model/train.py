@@ -29,10 +29,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import record_function
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int
-from .mmdit import PRESETS, MMDiT, MMDiTConfig, build_model, image_ids, patchify, resolve_config, text_ids
+from ..device import annotate, pick_device
+from .config import PRESETS, MMDiTConfig, resolve_config
+from .data import SyntheticImageCaptions, forever, make_loader, normalize_buckets
+from .encoders import Encoders, precompute, text_vocab
+from .layers import image_ids, patchify, text_ids
+from .mmdit import MMDiT, build_model
 
 PHASES = ("data_loading", "text_encoding", "image_encoding", "forward", "backward", "optimizer", "checkpoint")
 CKPT_FORMATS = ("torch", "dcp", "dcp_async")
@@ -160,7 +166,6 @@ def synthetic_batch(
 
 
 def _check_buckets(value, mcfg: MMDiTConfig) -> list[tuple[int, int]]:
-    from .data import normalize_buckets
 
     bk = normalize_buckets(value, "buckets")
     for h, w in bk:
@@ -262,7 +267,6 @@ class Checkpointer:
         self.saved: list[Path] = []
 
     def _state(self, model, opt):
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         msd, osd = get_state_dict(model, opt)
         return {"model": msd, "optim": osd}
@@ -273,8 +277,6 @@ class Checkpointer:
             path = self.dir / f"step_{step:06d}.pt"
             torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, path)
         else:
-            import torch.distributed.checkpoint as dcp
-
             path = self.dir / f"step_{step:06d}"
             state = self._state(model, opt)
             if self.fmt == "dcp":
@@ -307,9 +309,6 @@ class Checkpointer:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optim"])
         else:
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import set_state_dict
-
             state = self._state(model, opt)
             dcp.load(state, checkpoint_id=str(path))
             set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -348,9 +347,6 @@ class Trainer:
     history: list[StepResult] = field(init=False, default_factory=list)
 
     def __post_init__(self):
-        from ..device import pick_device
-        from .data import SyntheticImageCaptions, forever, make_loader
-        from .encoders import Encoders, precompute, text_vocab
 
         c = self.cfg
         self.device = pick_device(c.device)
@@ -437,7 +433,7 @@ class Trainer:
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        with record_function(name):
+        with annotate(name, self.device):
             yield
             self._sync()
 
