@@ -13,16 +13,19 @@ under ``$PERFLAB_CACHE`` (default ``~/.cache/perflab``); ``force=True`` (CLI:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from .device import DeviceInfo, datasheet_for, device_info, pick_device
-from .timing import BenchError, bench
+from .timing import BenchError, Timing, bench
 
 CACHE_VERSION = 1
 
@@ -43,6 +46,7 @@ class Ceilings:
     seconds_to_measure: float = 0.0
     quick: bool = False
     version: int = CACHE_VERSION
+    unstable: dict[str, str] = field(default_factory=dict)  # quantity -> why its timing was unstable
 
     def matmul(self, dtype: str | torch.dtype) -> float | None:
         """Measured dense matmul TFLOP/s for a dtype (fp16 falls back to bf16)."""
@@ -94,6 +98,9 @@ class Ceilings:
             )
         for r in rows:
             r.setdefault("note", "")
+            why = self.unstable.get(r["quantity"].replace("copy bandwidth", "copy"))
+            if why:
+                r["note"] = (r["note"] + "; " if r["note"] else "") + f"UNSTABLE timing: {why}"
             r["measured/datasheet"] = r["measured"] / r["datasheet"] if r["measured"] and r["datasheet"] else None
         return rows
 
@@ -115,13 +122,19 @@ def _cache_path(info: DeviceInfo, quick: bool) -> Path:
     return cache_dir() / "ceilings" / f"{info.key()}{'-quick' if quick else ''}.json"
 
 
-def measure_copy(dev: torch.device, nbytes: int) -> tuple[float, int]:
+def measure_copy(dev: torch.device, nbytes: int, *, unstable: dict | None = None) -> tuple[float, int]:
     n = nbytes // 4
     src = torch.randn(n, device=dev)
     dst = torch.empty_like(src)
     t = bench(lambda: dst.copy_(src), name="copy", device=dev, reps=15, check_finite=False)
+    _note_unstable(unstable, "copy", t)
     moved = 2 * src.numel() * src.element_size()
     return moved / (t.median_ms * 1e-3) / 1e9, moved
+
+
+def _note_unstable(unstable: dict | None, key: str, t: Timing) -> None:
+    if unstable is not None and not t.stable:
+        unstable[key] = t.stability.reason
 
 
 def _matmul_fn(dtype_name: str, n: int, dev: torch.device):
@@ -138,12 +151,13 @@ def _matmul_fn(dtype_name: str, n: int, dev: torch.device):
     raise ValueError(dtype_name)
 
 
-def measure_matmul(dtype_name: str, dev: torch.device, n: int) -> float:
+def measure_matmul(dtype_name: str, dev: torch.device, n: int, *, unstable: dict | None = None) -> float:
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = dtype_name == "tf32"
     try:
         fn = _matmul_fn(dtype_name, n, dev)
         t = bench(fn, name=f"matmul-{dtype_name}", device=dev, reps=10, budget_s=60)
+        _note_unstable(unstable, f"matmul {dtype_name}", t)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
     return 2 * n**3 / (t.median_ms * 1e-3) / 1e12
@@ -161,16 +175,12 @@ def measure_ceilings(device=None, *, quick: bool = False, progress: bool = False
         sizes = {"fp32": 512 if quick else 1024, "bf16": 512 if quick else 1024, "fp8": 256 if quick else 512}
     if quick and dev.type == "cuda":
         copy_bytes, sizes = 256 << 20, {k: 4096 for k in sizes}
-    copy_gbs, moved = measure_copy(dev, copy_bytes)
+    unstable: dict[str, str] = {}
+    copy_gbs, moved = measure_copy(dev, copy_bytes, unstable=unstable)
     tflops, ns, unsupported = {}, {}, {}
-    items = list(sizes.items())
-    if progress:
-        from tqdm.auto import tqdm
-
-        items = tqdm(items, desc="matmul ceilings")
-    for k, n in items:
+    for k, n in tqdm(list(sizes.items()), desc="matmul ceilings", disable=not progress):
         try:
-            tflops[k] = measure_matmul(k, dev, n)
+            tflops[k] = measure_matmul(k, dev, n, unstable=unstable)
             ns[k] = n
         except (BenchError, RuntimeError, NotImplementedError, TypeError) as e:
             msg = str(e).splitlines()[0][:200]
@@ -185,7 +195,24 @@ def measure_ceilings(device=None, *, quick: bool = False, progress: bool = False
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         seconds_to_measure=time.perf_counter() - t_start,
         quick=quick,
+        unstable=unstable,
     )
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write JSON so that a reader (another run, a parallel test worker) sees the old file
+    or the new one, never a half-written one: a uniquely named temporary file in the same
+    folder, then ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def get_ceilings(device=None, *, force: bool = False, quick: bool = False, progress: bool = False) -> Ceilings:
@@ -200,8 +227,5 @@ def get_ceilings(device=None, *, force: bool = False, quick: bool = False, progr
         except (json.JSONDecodeError, TypeError):
             pass  # a corrupt cache is re-measured
     c = measure_ceilings(dev, quick=quick, progress=progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # parallel test workers may race here
-    tmp.write_text(json.dumps(c.as_dict(), indent=2))
-    tmp.replace(path)
+    write_json_atomic(path, c.as_dict())
     return c

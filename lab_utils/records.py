@@ -2,6 +2,9 @@
 
 A row is one number: (lab, experiment, variant, shape, dtype, metric, value, unit,
 statistic), optionally the raw ``samples`` it summarises and ``extra`` keys (JSON).
+Rows that come from a timing carry its stability verdict: ``stable`` (True/False) and
+``stability`` (the reason, ``lab_utils.timing.judge_samples``); other rows leave both
+empty (None / "").  Older records without these columns still load (they read as empty).
 The context (device, ceilings, versions, commit, timestamp, parameters) is stored
 once per notebook run and merged onto every row when a report gathers records.
 
@@ -25,7 +28,9 @@ from typing import Any
 import pandas as pd
 import torch
 
-from .timing import BenchFailure, Timing
+from .device import device_info
+from .roofline import roofline
+from .timing import BenchFailure, Timing, judge_samples, timing_context
 
 ROW_COLUMNS = [
     "lab",
@@ -39,6 +44,8 @@ ROW_COLUMNS = [
     "statistic",
     "samples",
     "extra",
+    "stable",
+    "stability",
 ]
 CONTEXT_COLUMNS = ["device", "device_kind", "torch_version", "triton_version", "cuda_version", "commit", "timestamp"]
 RECORDS_FILE = "records.json"
@@ -79,9 +86,8 @@ def git_commit(root: str | Path | None = None) -> str:
 
 
 def run_context(params: dict | None = None, device=None, *, ceilings=None) -> dict:
-    """Everything needed to reproduce and compare a run's numbers."""
-    from .device import device_info
-
+    """Everything needed to reproduce and compare a run's numbers, including how timings
+    were taken (``timing``: the CPU thread policy and its current choice, the stability rules)."""
     info = device_info(device)
     ctx = {
         "device": info.name,
@@ -96,6 +102,7 @@ def run_context(params: dict | None = None, device=None, *, ceilings=None) -> di
         "host": platform.node(),
         "params": _jsonable(params or {}),
         "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
+        "timing": _jsonable(timing_context()) if info.kind == "cpu" else {"method": "triton.testing.do_bench"},
     }
     if ceilings is not None:
         ctx["ceilings"] = ceilings.as_dict()
@@ -142,8 +149,12 @@ class Recorder:
         dtype: Any = "",
         statistic: str = "value",
         samples: Iterable[float] | None = None,
+        stable: bool | None = None,
+        stability: str = "",
         **extra: Any,
     ) -> dict:
+        """One row.  ``stable``/``stability``: the verdict of the timing the value comes
+        from (``add_timing`` fills them); None / "" for values that are not timings."""
         row = dict(
             lab=self.lab,
             experiment=experiment,
@@ -156,6 +167,8 @@ class Recorder:
             statistic=statistic,
             samples=[float(s) for s in samples] if samples is not None else None,
             extra=json.dumps(_jsonable(extra), sort_keys=True) if extra else "",
+            stable=None if stable is None else bool(stable),
+            stability=str(stability or ""),
         )
         self.rows.append(row)
         return row
@@ -175,7 +188,8 @@ class Recorder:
         **extra: Any,
     ):
         """Rows for one timing: time median (samples kept) / p20 / p80, and GB/s, TFLOP/s and
-        % of the measured ceiling when bytes / flops are given.  A failure becomes one
+        % of the measured ceiling when bytes / flops are given, each carrying the timing's
+        stability verdict (and, on CPU, the thread count used).  A failure becomes one
         ``failed`` row carrying its reason."""
         p = metric_prefix
         if not getattr(timing, "ok", False):
@@ -192,7 +206,9 @@ class Recorder:
                 reason=timing.reason,
                 **extra,
             )
-        kw = dict(shape=shape, dtype=dtype, **extra)
+        verdict = timing.stability
+        how = {k: timing.meta[k] for k in ("threads", "attempts") if k in timing.meta}
+        kw = dict(shape=shape, dtype=dtype, stable=verdict.stable, stability=verdict.reason, **how, **extra)
         self.add(
             experiment,
             variant,
@@ -232,8 +248,6 @@ class Recorder:
             )
         c = ceilings or self.ceilings
         if c is not None and (bytes or flops):
-            from .roofline import roofline
-
             pt = roofline(timing, bytes=bytes or 0, flops=flops or 0, ceilings=c, dtype=dtype or "fp32")
             self.add(
                 experiment,
@@ -279,7 +293,7 @@ def load_records(path: str | Path) -> pd.DataFrame:
                 return load_records(path / name)
         raise FileNotFoundError(f"no records.parquet or records.json in {path}")
     if path.suffix == ".parquet":
-        return pd.read_parquet(path)
+        return _with_stability_columns(pd.read_parquet(path))
     data = json.loads(path.read_text())
     if isinstance(data, dict) and "rows" in data:
         df = pd.DataFrame(data["rows"], columns=ROW_COLUMNS)
@@ -287,5 +301,87 @@ def load_records(path: str | Path) -> pd.DataFrame:
         ctx = data.get("context", {})
         for c in CONTEXT_COLUMNS:
             df[c] = ctx.get(c, "")
+        return _with_stability_columns(df)
+    return _with_stability_columns(pd.DataFrame(data))
+
+
+def _stable_value(v: Any) -> bool | None:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return None
+    if isinstance(v, str):
+        return {"true": True, "false": False}.get(v.strip().lower())
+    return bool(v)
+
+
+def _with_stability_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """Records written before rows carried a stability verdict read as "not judged"."""
+    df["stable"] = [_stable_value(v) for v in df["stable"]] if "stable" in df.columns else None
+    df["stability"] = df["stability"].fillna("").astype(str) if "stability" in df.columns else ""
+    return df
+
+
+#: columns that identify the timing a derived row (GB/s, TFLOP/s, % of ceiling) comes from
+TIMING_GROUP = ["lab", "experiment", "variant", "shape", "dtype", "extra"]
+
+
+def fill_stability(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows with kept samples but no verdict (records older than the verdict) are judged
+    from their samples (``judge_samples``, default rules); rows derived from the same
+    timing (same lab, experiment, variant, shape, dtype and extra; GB/s, % of ceiling, ...)
+    take that verdict."""
+    df = _with_stability_columns(df.copy())
+    if "samples" not in df.columns or not len(df):
         return df
-    return pd.DataFrame(data)
+    missing = df["stable"].isna()
+    for i in df.index[missing]:
+        s = df.at[i, "samples"]
+        if s is None or (isinstance(s, float) and math.isnan(s)):
+            continue
+        vals = [float(v) for v in s]
+        if len(vals) >= 3:
+            v = judge_samples(vals)
+            df.at[i, "stable"], df.at[i, "stability"] = v.stable, f"judged from the kept samples: {v.reason}"
+    judged = df[df["stable"].notna() & (df["metric"].astype(str).str.endswith("time"))]
+    verdicts = {}
+    for _, r in judged.iterrows():
+        verdicts.setdefault(tuple(str(r[c]) for c in TIMING_GROUP) + (str(r["metric"])[: -len("time")],), r)
+    for i in df.index[df["stable"].isna()]:
+        r = df.loc[i]
+        metric = str(r["metric"])
+        for suffix in ("bandwidth", "throughput", "pct_of_ceiling", "speedup_vs_eager"):
+            if metric.endswith(suffix):
+                src = verdicts.get(tuple(str(r[c]) for c in TIMING_GROUP) + (metric[: -len(suffix)],))
+                if src is not None:
+                    df.at[i, "stable"], df.at[i, "stability"] = src["stable"], src["stability"]
+                break
+    return df
+
+
+@dataclass(frozen=True)
+class StabilitySummary:
+    """How many timings of a set of records were judged, and how many were unstable."""
+
+    timings: int
+    unstable: int
+    examples: tuple[str, ...]
+
+    @property
+    def share(self) -> float:
+        return self.unstable / self.timings if self.timings else 0.0
+
+    def __str__(self) -> str:
+        return f"{self.unstable} of {self.timings} timings unstable ({self.share:.0%})"
+
+
+def stability_summary(df: pd.DataFrame, *, examples: int = 5) -> StabilitySummary:
+    """Count the timings (time rows with statistic ``median``) that carry a verdict and
+    those that are unstable."""
+    if not len(df) or "stable" not in df.columns:
+        return StabilitySummary(0, 0, ())
+    t = df[df["metric"].astype(str).str.endswith("time") & (df["statistic"] == "median") & df["stable"].notna()]
+    bad = t[t["stable"] == False]  # noqa: E712 - an object column of True/False/None
+    ex = tuple(
+        f"{r['lab']} {r['experiment']}/{r['variant']} {r['shape']} {r['dtype']}: {r['stability']}"
+        for _, r in bad.head(examples).iterrows()
+    )
+    return StabilitySummary(len(t), len(bad), ex)
