@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import triton
 
 
 @dataclass(frozen=True)
@@ -68,12 +69,7 @@ def _mem_total() -> int:
 
 
 def _triton_version() -> str | None:
-    try:
-        import triton
-
-        return triton.__version__
-    except Exception:
-        return None
+    return getattr(triton, "__version__", None)
 
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:
@@ -138,17 +134,18 @@ class DatasheetPeak:
     hbm_gbs: float
     memory_gib: float
     source: str
+    fp32_tflops: float | None = None  # CUDA-core fp32 (no tensor cores: what a matmul gets with TF32 off)
 
 
 # Dense tensor-core peaks from NVIDIA's public datasheets (SXM parts).  Sparse figures
 # on those sheets are exactly twice these and are deliberately not used.
 DATASHEET: dict[str, DatasheetPeak] = {
-    "A100": DatasheetPeak("A100 SXM4 80GB", 312.0, None, None, 156.0, 2039.0, 80, "NVIDIA A100 datasheet (dense)"),
+    "A100": DatasheetPeak("A100 SXM4 80GB", 312.0, None, None, 156.0, 2039.0, 80, "NVIDIA A100 datasheet (dense)", 19.5),
     "H100": DatasheetPeak(
-        "H100 SXM5", 989.4, 1978.9, None, 494.7, 3350.0, 80, "NVIDIA H100 datasheet (dense = half the sparse figure)"
+        "H100 SXM5", 989.4, 1978.9, None, 494.7, 3350.0, 80, "NVIDIA H100 datasheet (dense = half the sparse figure)", 66.9
     ),
     "H200": DatasheetPeak(
-        "H200 SXM", 989.4, 1978.9, None, 494.7, 4800.0, 141, "NVIDIA H200 datasheet (dense = half the sparse figure)"
+        "H200 SXM", 989.4, 1978.9, None, 494.7, 4800.0, 141, "NVIDIA H200 datasheet (dense = half the sparse figure)", 66.9
     ),
     "B200": DatasheetPeak(
         "B200 (HGX)",
@@ -159,6 +156,7 @@ DATASHEET: dict[str, DatasheetPeak] = {
         8000.0,
         180,
         "NVIDIA HGX B200 datasheet (dense = half the sparse figure)",
+        75.0,
     ),
 }
 

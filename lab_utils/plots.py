@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import math
 
+import holoviews as hv
 import pandas as pd
+from bokeh.settings import settings
+
+from .ceilings import dtype_key
+from .roofline import roofline_curve
 
 _INITIALISED = False
 
@@ -20,11 +25,7 @@ _INITIALISED = False
 def init(width: int = 700, height: int = 380):
     """Load holoviews + bokeh with inline resources; returns the holoviews module."""
     global _INITIALISED
-    import holoviews as hv
-
     if not _INITIALISED:
-        from bokeh.settings import settings
-
         settings.resources = "inline"
         hv.extension("bokeh", inline=True, logo=False)
         hv.opts.defaults(
@@ -48,12 +49,7 @@ def roofline_plot(
 ):
     """Log-log roofline of the measured ceilings with points (columns ``intensity``,
     ``tflops`` and ``label_col``); the ridge point is marked."""
-    hv = init()
-    import numpy as np
-
-    from .ceilings import dtype_key
-    from .roofline import roofline_curve
-
+    init()
     bw = ceilings.copy_gbs
     peak = ceilings.matmul(dtype) or ceilings.matmul("fp32")
     dtype = dtype_key(dtype)
@@ -82,5 +78,4 @@ def roofline_plot(
         xlabel="arithmetic intensity (FLOP/byte)",
         ylabel="TFLOP/s",
     )
-    _ = np  # numpy imported for roofline_curve's arrays
     return ov

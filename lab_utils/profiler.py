@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import re
 import time
 from collections import defaultdict
@@ -43,8 +44,13 @@ from typing import Any
 
 import pandas as pd
 import torch
+from torch.cuda._memory_viz import trace_plot
+from torch.profiler import ProfilerActivity, profile, schedule
+from torch.utils.flop_counter import FlopCounterMode
 
-from .model.train import PHASES, Trainer, artifacts_dir, synthetic_batch
+from .config import ConfigError
+from .model import build_model
+from .model.train import PHASES, Trainer, artifacts_dir, rf_loss, synthetic_batch
 
 CATEGORIES = (
     "matmul",
@@ -367,8 +373,6 @@ def _cpu_sdpa_flop_mapping() -> dict:
 
 def count_flops(fn, *, device_kind: str = "meta") -> tuple[int, dict[str, int]]:
     """FLOPs of ``fn()`` by ``torch.utils.flop_counter``; returns (total, per-op)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     with FlopCounterMode(display=False, custom_mapping=_cpu_sdpa_flop_mapping()) as fc:
         fn()
     per_op = {str(k): int(v) for k, v in fc.get_flop_counts().get("Global", {}).items()}
@@ -381,9 +385,6 @@ _FLOP_CACHE: dict[tuple, int] = {}
 def training_step_flops(model_cfg, batch_size: int, grid: tuple[int, int], txt_len: int) -> int:
     """Model FLOPs of one training step (forward + backward of the MMDiT) at this shape,
     counted on a meta-device copy (nothing is computed or allocated)."""
-    from .model.mmdit import build_model
-    from .model.train import rf_loss
-
     cfg = model_cfg.replace(kernels="eager", attention_path="sdpa", checkpoint="none", recipe="bf16")
     key = (cfg, batch_size, tuple(grid), txt_len)
     if key not in _FLOP_CACHE:
@@ -436,16 +437,18 @@ class ProfileReport:
                 )
             )
         if datasheet is not None:
+            # fp32 matmuls run with TF32 off here (lab_utils.ceilings measures "fp32" that way),
+            # so their peak is the CUDA-core fp32 figure, not the TF32 tensor-core one.
             ds = {
                 "bf16": datasheet.bf16_tflops,
                 "fp16": datasheet.bf16_tflops,
                 "tf32": datasheet.tf32_tflops,
-                "fp32": datasheet.tf32_tflops,
+                "fp32": datasheet.fp32_tflops,
             }.get(dtype)
             if ds:
                 rows.append(
                     dict(
-                        quantity="datasheet peak" + (" (tf32)" if dtype == "fp32" else ""),
+                        quantity="datasheet peak" + (" (fp32, TF32 off)" if dtype == "fp32" else ""),
                         dtype=dtype,
                         tflops=ds,
                         pct=100 * achieved / ds,
@@ -601,12 +604,8 @@ def profile_training(
     memory: bool = True,
 ) -> ProfileReport:
     """Profile ``wait + warmup + active`` trainer steps; analyse the active ones."""
-    from torch.profiler import ProfilerActivity, profile, schedule
-
     for p, v in (("steps", active), ("warmup_steps", warmup)):
         if isinstance(v, bool) or not isinstance(v, int) or v < (1 if p == "steps" else 0):
-            from .config import ConfigError
-
             raise ConfigError(p, v, "an integer >= " + ("1" if p == "steps" else "0"))
     out = Path(out_dir) if out_dir is not None else artifacts_dir() / "traces"
     out.mkdir(parents=True, exist_ok=True)
@@ -639,12 +638,8 @@ def profile_training(
         if cuda and memory:
             try:
                 snap = torch.cuda.memory._snapshot()
-                import pickle
-
                 snap_path = out / f"{name}-{stamp}.memory_snapshot.pickle"
                 snap_path.write_bytes(pickle.dumps(snap))
-                from torch.cuda._memory_viz import trace_plot
-
                 html_path = out / f"{name}-{stamp}.memory.html"
                 html_path.write_text(trace_plot(snap))
                 notes.append("memory.html is torch's MemoryViz; it loads its viewer script from the web")
@@ -659,156 +654,14 @@ def profile_training(
     return ProfileReport(analysis, trace_path, flops, snap_path, html_path, peak, notes)
 
 
-# --------------------------------------------------------------------------------------
-# The lab's parameters and plots (plots read the report's tables; they never measure)
-# --------------------------------------------------------------------------------------
-
-from dataclasses import dataclass as _dataclass  # noqa: E402
-
-from .config import check_bool as _check_bool  # noqa: E402
-from .config import check_int as _check_int
-from .model.train import TrainConfig  # noqa: E402
-
-
-@_dataclass(frozen=True)
-class TrainingStepLabConfig(TrainConfig):
-    """Parameters of ``labs/01_training_step.ipynb``: the step's plus the profile schedule."""
-
-    warmup_steps: int = 1  # profiled but not analysed (compile, first-call effects)
-    steps: int = 3  # active, analysed steps
-    quick_ceilings: bool = True
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check_int("warmup_steps", self.warmup_steps, min=0)
-        _check_int("steps", self.steps, min=1)
-        _check_bool("quick_ceilings", self.quick_ceilings)
-
-    def train_config(self) -> TrainConfig:
-        names = set(TrainConfig.param_names())
-        return TrainConfig(**{k: v for k, v in self.to_dict().items() if k in names})
-
-
-PHASE_COLORS = dict(zip(PHASES, ("#8c8c8c", "#e377c2", "#bcbd22", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd")))
-
-
-def phase_bars(report: ProfileReport):
-    """Stacked bar of phases per profiled step (hover shows ms)."""
-    import holoviews as hv
-
-    df = report.analysis.phases.copy()
-    df["step"] = df.step.astype(str)
-    return hv.Bars(df, ["step", "phase"], "ms").opts(
-        stacked=True,
-        cmap=PHASE_COLORS,
-        tools=["hover"],
-        xlabel="profiled step",
-        ylabel="ms",
-        title="Phases per step (stacked)",
-        legend_position="right",
-        width=760,
-    )
-
-
-def category_map(report: ProfileReport):
-    """Time per kernel category, for all steps together and per step (HoloMap slider)."""
-    import holoviews as hv
-
-    a = report.analysis
-    frames = {"all": a.categories[["category", "ms"]]}
-    for k, g in a.categories_by_step.groupby("step"):
-        frames[f"step {k}"] = g[["category", "ms"]]
-    els = {
-        k: hv.Bars(v, "category", "ms").opts(
-            tools=["hover"], xrotation=35, width=760, title=f"Where the time goes ({a.source})"
-        )
-        for k, v in frames.items()
-    }
-    return hv.HoloMap(els, kdims=["steps"])
-
-
-def top_ops_table(report: ProfileReport):
-    import holoviews as hv
-
-    t = report.analysis.top_ops.copy()
-    t["ms"] = t.ms.round(3)
-    t["pct_of_step"] = t.pct_of_step.round(2)
-    return hv.Table(t, ["name"], ["category", "calls", "ms", "pct_of_step"]).opts(width=760, height=380)
-
-
-def memory_curve(report: ProfileReport):
-    import holoviews as hv
-
-    a = report.analysis
-    what = "allocated (CUDA caching allocator)" if a.device_kind == "cuda" else "allocated since profiling began (CPU)"
-    curve = hv.Curve(a.memory, "t_ms", "allocated_mb").opts(
-        tools=["hover"], width=760, xlabel="ms since first step", ylabel="MiB", title=f"Memory: {what}"
-    )
-    # dotted lines at step boundaries (the memory clock starts at the first step's start)
-    bounds = [0.0, *a.steps.step_ms.cumsum().tolist()]
-    lines = [hv.VLine(t).opts(color="gray", line_dash="dotted") for t in bounds]
-    return hv.Overlay([curve, *lines])
-
-
-def mfu_bars(mfu: pd.DataFrame):
-    import holoviews as hv
-
-    df = mfu[mfu.pct.notna()].copy()
-    if not len(df):
-        return hv.Div("<p>No peak to compare with on this device.</p>")
-    df["pct"] = df.pct.astype(float)
-    return hv.Bars(df, "quantity", ["pct", "tflops"]).opts(
-        tools=["hover"], ylabel="% of peak", width=500, title="MFU: achieved / peak"
-    )
-
-
-def mfu_dtype(train_cfg) -> str:
-    """The matmul dtype the step runs in, for MFU's peak (autocast bf16 or bf16 weights)."""
-    return "bf16" if train_cfg.autocast == "bf16" or train_cfg.dtype == "bfloat16" else "fp32"
-
-
 __all__ = [
     "CATEGORIES",
     "IDLE",
-    "categorize",
-    "analyse_trace",
-    "TraceAnalysis",
-    "count_flops",
-    "training_step_flops",
     "ProfileReport",
+    "TraceAnalysis",
+    "analyse_trace",
+    "categorize",
+    "count_flops",
     "profile_training",
-    "mfu_dtype",
-    "TrainingStepLabConfig",
-    "phase_bars",
-    "category_map",
-    "top_ops_table",
-    "memory_curve",
-    "mfu_bars",
-    "mfu_table",
-    "steps_frame",
+    "training_step_flops",
 ]
-
-
-def _sig(v, digits: int = 4):
-    """Round to significant digits (tiny CPU throughputs must not print as 0.0)."""
-    try:
-        return float(f"{float(v):.{digits}g}")
-    except (TypeError, ValueError):
-        return v
-
-
-def steps_frame(report: ProfileReport) -> pd.DataFrame:
-    """Per profiled step: time, phase coverage, busy/idle, FLOPs and TFLOP/s (4 significant digits)."""
-    df = report.steps
-    for c in ("step_ms", "phase_sum_ms", "coverage", "busy_ms", "idle_ms", "tflops"):
-        df[c] = df[c].map(_sig)
-    return df
-
-
-def mfu_table(mfu: pd.DataFrame):
-    import holoviews as hv
-
-    t = mfu.copy()
-    t["tflops"] = t.tflops.map(lambda v: f"{v:.3g}")
-    t["pct"] = t.pct.map(lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3g}")
-    return hv.Table(t, "quantity", ["dtype", "tflops", "pct", "reference"]).opts(width=700, height=150)

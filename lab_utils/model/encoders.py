@@ -25,6 +25,7 @@ from torch import nn
 
 from ..config import ConfigError
 from .config import MMDiTConfig, resolve_config
+from .data import CachedLatents, collate
 from .layers import patchify
 
 #: Encoder shapes per MMDiT preset (T5 d_model == context_dim, CLIP hidden == pooled_dim).
@@ -62,7 +63,8 @@ def encoder_preset(cfg: MMDiTConfig) -> dict:
 
 
 def build_t5(cfg: MMDiTConfig, device="cpu", dtype=torch.float32) -> nn.Module:
-    from transformers import T5Config, T5EncoderModel
+    # transformers costs seconds to import and is absent on bare GPU machines (precomputed mode needs none)
+    from transformers import T5Config, T5EncoderModel  # noqa: PLC0415
 
     p = encoder_preset(cfg)["t5"]
     tcfg = T5Config(
@@ -78,7 +80,7 @@ def build_t5(cfg: MMDiTConfig, device="cpu", dtype=torch.float32) -> nn.Module:
 
 
 def build_clip(cfg: MMDiTConfig, device="cpu", dtype=torch.float32) -> nn.Module:
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextConfig, CLIPTextModel  # noqa: PLC0415  (optional, heavy: see build_t5)
 
     p = encoder_preset(cfg)["clip"]
     ccfg = CLIPTextConfig(
@@ -96,7 +98,7 @@ def build_clip(cfg: MMDiTConfig, device="cpu", dtype=torch.float32) -> nn.Module
 
 
 def build_vae(cfg: MMDiTConfig, device="cpu", dtype=torch.float32) -> nn.Module:
-    from diffusers import AutoencoderKL
+    from diffusers import AutoencoderKL  # noqa: PLC0415  (optional, heavy: see build_t5)
 
     p = dict(encoder_preset(cfg)["vae"])
     boc = tuple(p.pop("block_out_channels"))
@@ -198,7 +200,6 @@ def precompute(
     """Run the encoders once over ``dataset`` (a ``lab_utils.model.data.SyntheticImageCaptions``)
     and return a ``CachedLatents`` dataset holding latents, T5 states and pooled CLIP
     vectors per item (T5 states trimmed to each caption's length)."""
-    from .data import CachedLatents, collate
 
     items = []
     dev = torch.device(device)

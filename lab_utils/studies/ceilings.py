@@ -18,10 +18,12 @@ from dataclasses import dataclass
 
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
 from ..ceilings import Ceilings, get_ceilings
-from ..config import LabConfig, check_bool, check_choice, check_choices, check_int, check_int_list
-from ..device import pick_device
+from ..config import ConfigError, LabConfig, check_bool, check_choice, check_choices, check_int, check_int_list
+from ..device import DATASHEET, pick_device
+from ..plots import init, roofline_plot
 from ..records import Recorder
 from ..roofline import roofline
 from ..timing import try_bench
@@ -52,8 +54,6 @@ class CeilingsLabConfig(LabConfig):
         check_bool("quick_ceilings", self.quick_ceilings)
         check_bool("force_ceilings", self.force_ceilings)
         if self.device == "cuda" and not torch.cuda.is_available():
-            from ..config import ConfigError
-
             raise ConfigError("device", self.device, "'auto' or 'cpu' (no CUDA device is visible here)")
 
 
@@ -100,10 +100,14 @@ def sweep_plan(cfg: CeilingsLabConfig) -> list[tuple[str, str, int]]:
     return plan
 
 
+def measured_table(points: pd.DataFrame) -> pd.DataFrame:
+    """The successful points with their times, throughputs and % of the binding ceiling."""
+    cols = ["op", "dtype", "shape", "time_ms", "p20_ms", "p80_ms", "gbs", "tflops", "bound", "pct_of_ceiling"]
+    return points[points.ok][cols].round(4)
+
+
 def run_sweep(cfg: CeilingsLabConfig, rec: Recorder, ceilings: Ceilings, progress: bool = True) -> pd.DataFrame:
     """Time every (op, dtype, size); record rows; return one roofline point per measurement."""
-    from tqdm.auto import tqdm
-
     dev = pick_device(cfg.device)
     gen = torch.Generator().manual_seed(0)
     pts = []
@@ -148,13 +152,32 @@ def run_sweep(cfg: CeilingsLabConfig, rec: Recorder, ceilings: Ceilings, progres
     return pd.DataFrame(pts)
 
 
+def record_ceilings(rec: Recorder, ceilings: Ceilings) -> None:
+    """The measured ceilings as records (copy bandwidth, one matmul throughput per dtype)."""
+    rec.add("ceilings", "copy", "bandwidth", ceilings.copy_gbs, "GB/s", statistic="median", bytes=ceilings.copy_bytes)
+    for k, v in ceilings.matmul_tflops.items():
+        rec.add("ceilings", f"matmul-{k}", "throughput", v, "TFLOP/s", statistic="median", n=ceilings.matmul_n[k])
+
+
+def op_cost_lines(cfg: CeilingsLabConfig) -> list[str]:
+    """Bytes, FLOPs and arithmetic intensity of each reference op at a fixed size (the
+    roofline's x axis), and how many points the sweep will measure."""
+    lines = []
+    for op, n in [("copy", 1 << 20), ("add", 1 << 20), ("gelu", 1 << 20), ("matmul", 512)]:
+        for dt in (torch.float32, torch.bfloat16):
+            b, f = op_cost(op, n, dt)
+            lines.append(
+                f"{op:6s} n={n:<8d} {str(dt)[6:]:8s} bytes={b:<10d} flops={f:<10d} intensity={f / b:.3g} FLOP/B"
+            )
+    lines.append(f"sweep points: {len(sweep_plan(cfg))}")
+    return lines
+
+
 def ceilings_table(ceilings: Ceilings) -> pd.DataFrame:
     return pd.DataFrame(ceilings.summary_rows())
 
 
 def datasheet_table() -> pd.DataFrame:
-    from ..device import DATASHEET
-
     return pd.DataFrame(
         [
             dict(
@@ -184,8 +207,6 @@ def load_ceilings(cfg: CeilingsLabConfig) -> Ceilings:
 def roofline_map(points: pd.DataFrame, ceilings: Ceilings):
     """HoloMap over dtype: the roofline with every op's points (interactive in exported HTML).
     Ops that do no arithmetic (copy) have no place on a FLOP roofline: see ``bandwidth_map``."""
-    from ..plots import init, roofline_plot
-
     hv = init()
     frames = {}
     for dt, g in points[points.ok & (points.flops > 0)].groupby("dtype", sort=False):
@@ -197,8 +218,6 @@ def roofline_map(points: pd.DataFrame, ceilings: Ceilings):
 
 def bandwidth_map(points: pd.DataFrame, ceilings: Ceilings):
     """HoloMap over dtype: achieved GB/s vs size per memory-bound op, the copy ceiling drawn."""
-    from ..plots import init
-
     hv = init()
     frames = {}
     ok = points[points.ok & (points.op != "matmul")]

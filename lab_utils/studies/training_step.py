@@ -1,0 +1,249 @@
+"""Lab 01 (``labs/01_training_step.ipynb``): its parameters, tables and plots.
+
+The measuring is :mod:`lab_utils.profiler`'s; the plots here read a
+:class:`~lab_utils.profiler.ProfileReport`'s tables and never measure.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import holoviews as hv
+import pandas as pd
+import torch
+
+from ..ceilings import get_ceilings
+from ..config import ConfigError, check_bool, check_int
+from ..device import DeviceInfo, datasheet_for
+from ..model import (
+    PRESETS,
+    MMDiTConfig,
+    analytic_param_count,
+    build_model,
+    diffusers_block_errors,
+    forward_flops,
+    num_params,
+)
+from ..model.encoders import Encoders
+from ..model.train import PHASES, TrainConfig, Trainer, fit_fixed_batch, synthetic_batch
+from ..profiler import ProfileReport, profile_training, training_step_flops
+from ..records import Recorder
+
+
+@dataclass(frozen=True)
+class TrainingStepLabConfig(TrainConfig):
+    """Parameters of ``labs/01_training_step.ipynb``: the step's plus the profile schedule."""
+
+    warmup_steps: int = 1  # profiled but not analysed (compile, first-call effects)
+    steps: int = 3  # active, analysed steps
+    quick_ceilings: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int("warmup_steps", self.warmup_steps, min=0)
+        check_int("steps", self.steps, min=1)
+        check_bool("quick_ceilings", self.quick_ceilings)
+
+    def train_config(self) -> TrainConfig:
+        names = set(TrainConfig.param_names())
+        return TrainConfig(**{k: v for k, v in self.to_dict().items() if k in names})
+
+
+PHASE_COLORS = dict(zip(PHASES, ("#8c8c8c", "#e377c2", "#bcbd22", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd")))
+
+
+def phase_bars(report: ProfileReport):
+    """Stacked bar of phases per profiled step (hover shows ms)."""
+    df = report.analysis.phases.copy()
+    df["step"] = df.step.astype(str)
+    return hv.Bars(df, ["step", "phase"], "ms").opts(
+        stacked=True,
+        cmap=PHASE_COLORS,
+        tools=["hover"],
+        xlabel="profiled step",
+        ylabel="ms",
+        title="Phases per step (stacked)",
+        legend_position="right",
+        width=760,
+    )
+
+
+def category_map(report: ProfileReport):
+    """Time per kernel category, for all steps together and per step (HoloMap slider)."""
+    a = report.analysis
+    frames = {"all": a.categories[["category", "ms"]]}
+    for k, g in a.categories_by_step.groupby("step"):
+        frames[f"step {k}"] = g[["category", "ms"]]
+    els = {
+        k: hv.Bars(v, "category", "ms").opts(
+            tools=["hover"], xrotation=35, width=760, title=f"Where the time goes ({a.source})"
+        )
+        for k, v in frames.items()
+    }
+    return hv.HoloMap(els, kdims=["steps"])
+
+
+def top_ops_table(report: ProfileReport):
+    t = report.analysis.top_ops.copy()
+    t["ms"] = t.ms.round(3)
+    t["pct_of_step"] = t.pct_of_step.round(2)
+    return hv.Table(t, ["name"], ["category", "calls", "ms", "pct_of_step"]).opts(width=760, height=380)
+
+
+def memory_curve(report: ProfileReport):
+    a = report.analysis
+    what = "allocated (CUDA caching allocator)" if a.device_kind == "cuda" else "allocated since profiling began (CPU)"
+    curve = hv.Curve(a.memory, "t_ms", "allocated_mb").opts(
+        tools=["hover"], width=760, xlabel="ms since first step", ylabel="MiB", title=f"Memory: {what}"
+    )
+    # dotted lines at step boundaries (the memory clock starts at the first step's start)
+    bounds = [0.0, *a.steps.step_ms.cumsum().tolist()]
+    lines = [hv.VLine(t).opts(color="gray", line_dash="dotted") for t in bounds]
+    return hv.Overlay([curve, *lines])
+
+
+def mfu_bars(mfu: pd.DataFrame):
+    df = mfu[mfu.pct.notna()].copy()
+    if not len(df):
+        return hv.Div("<p>No peak to compare with on this device.</p>")
+    df["pct"] = df.pct.astype(float)
+    return hv.Bars(df, "quantity", ["pct", "tflops"]).opts(
+        tools=["hover"], ylabel="% of peak", width=500, title="MFU: achieved / peak"
+    )
+
+
+def mfu_dtype(train_cfg) -> str:
+    """The matmul dtype the step runs in, for MFU's peak (autocast bf16 or bf16 weights)."""
+    return "bf16" if train_cfg.autocast == "bf16" or train_cfg.dtype == "bfloat16" else "fp32"
+
+
+def _sig(v, digits: int = 4):
+    """Round to significant digits (tiny CPU throughputs must not print as 0.0)."""
+    try:
+        return float(f"{float(v):.{digits}g}")
+    except (TypeError, ValueError):
+        return v
+
+
+def steps_frame(report: ProfileReport) -> pd.DataFrame:
+    """Per profiled step: time, phase coverage, busy/idle, FLOPs and TFLOP/s (4 significant digits)."""
+    df = report.steps
+    for c in ("step_ms", "phase_sum_ms", "coverage", "busy_ms", "idle_ms", "tflops"):
+        df[c] = df[c].map(_sig)
+    return df
+
+
+def mfu_table(mfu: pd.DataFrame):
+    t = mfu.copy()
+    t["tflops"] = t.tflops.map(lambda v: f"{v:.3g}")
+    t["pct"] = t.pct.map(lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3g}")
+    return hv.Table(t, "quantity", ["dtype", "tflops", "pct", "reference"]).opts(width=700, height=150)
+
+
+# --------------------------------------------------------------------------------------
+# The lab's checked facts (deterministic text; each check asserts)
+# --------------------------------------------------------------------------------------
+
+
+def preset_lines() -> list[str]:
+    """One line per preset (built on meta: nothing allocated), parameter counts checked
+    against the analytic count, plus flux-dev's encoders."""
+    lines = []
+    for name in PRESETS:
+        m = build_model(name, device="meta")
+        c = m.cfg
+        n = num_params(m)
+        assert n == analytic_param_count(c), f"{name}: built {n:,d} != analytic {analytic_param_count(c):,d}"
+        lines.append(
+            f"{name:13s} {c.depth_double:2d}+{c.depth_single:2d} blocks  width {c.hidden_size:4d}"
+            f"  heads {c.num_heads:2d}  params {n:>14,d} ({n / 1e9:.3f} B)"
+        )
+    enc = Encoders("flux-dev", device="meta").param_counts()
+    lines.append("flux-dev encoders: " + ", ".join(f"{k} {v / 1e9:.3f} B" for k, v in enc.items()))
+    return lines
+
+
+def faithfulness_lines(seed: int = 0) -> list[str]:
+    """The model against diffusers' FLUX blocks, and a tiny model that must learn a fixed batch."""
+    errs = diffusers_block_errors(seed=seed)
+    same = {k: v < 1e-5 for k, v in errs.items()}
+    torch.manual_seed(seed)
+    tiny = build_model("tiny", seed=seed).train()
+    fixed = synthetic_batch("tiny", 2, height=64, width=48, txt_len=9, generator=torch.Generator().manual_seed(3))
+    losses = fit_fixed_batch(tiny, fixed, 30, lr=1e-3)
+    learns = losses[-1] < 0.3 * losses[0]
+    assert all(same.values()), f"the MMDiT differs from diffusers' FLUX blocks: {errs}"
+    assert learns, f"loss did not fall on a fixed batch: {losses[0]:.4g} -> {losses[-1]:.4g}"
+    return [
+        f"diffusers equality at float32, relative error < 1e-5: {same}",
+        f"loss decreased over 30 steps on a fixed batch (last < 0.3 x first): {learns}",
+    ]
+
+
+def flop_lines() -> list[str]:
+    """A tiny step's counted FLOPs against the analytic forward, and flux-dev's forward at 1024 px."""
+    tc = MMDiTConfig.from_preset("tiny")
+    step_flops = training_step_flops(tc, 2, (4, 4), 16)
+    fwd = forward_flops(tc, 2, 16, 16)["total"]
+    fd = MMDiTConfig.from_preset("flux-dev")
+    return [
+        f"tiny, batch 2, 64x64 px (16 image tokens), 16 text tokens: {step_flops:,d} FLOPs per step "
+        f"= {step_flops / fwd:.3f} x the forward's {int(fwd):,d}",
+        f"flux-dev forward, batch 1, 1024x1024 px (4096 image tokens) + 512 text tokens: "
+        f"{forward_flops(fd, 1, 4096, 512)['total'] / 1e12:.1f} TFLOP",
+    ]
+
+
+def bad_input_lines() -> list[str]:
+    """What a bad parameter is told (each must be refused before any work starts)."""
+    out = []
+    for make in (
+        lambda: TrainConfig(preset="flux-ultra"),
+        lambda: TrainConfig(buckets=[[64, 72]]),
+        lambda: TrainConfig(batch_size=0),
+        lambda: MMDiTConfig.from_preset("tiny", num_heads=128),
+    ):
+        try:
+            make()
+        except ConfigError as e:
+            out.append(str(e))
+        else:
+            raise AssertionError("a bad parameter was accepted")
+    return out
+
+
+@dataclass
+class StepProfile:
+    """One profiled configuration of the step: the report, its records and the MFU dtype."""
+
+    report: ProfileReport
+    rec: Recorder
+    seams: dict
+    mfu_dtype: str
+    mfu: pd.DataFrame
+
+
+def profile_step(cfg: TrainingStepLabConfig, info: DeviceInfo, *, lab: str = "01_training_step") -> StepProfile:
+    """Build the trainer from the lab's parameters, profile it, record every number."""
+    trainer = Trainer(cfg.train_config())
+    seams = dict(trainer.model.seams)
+    try:
+        report = profile_training(trainer, active=cfg.steps, warmup=cfg.warmup_steps)
+    finally:
+        trainer.close()
+    ceilings = get_ceilings(info.torch_device, quick=cfg.quick_ceilings)
+    rec = Recorder(lab=lab, params=cfg.to_dict(), device=info.torch_device, ceilings=ceilings)
+    mdt = mfu_dtype(cfg)
+    sheet = datasheet_for(info)
+    report.record(rec, ceilings=ceilings, datasheet=sheet, dtype=mdt, shape=f"b{cfg.batch_size}")
+    return StepProfile(report, rec, seams, mdt, report.mfu(ceilings, sheet, mdt))
+
+
+def artifact_lines(p: StepProfile) -> list[str]:
+    r = p.report
+    lines = [f"trace: {r.trace_path}"]
+    if r.memory_html_path is not None:
+        lines.append(f"CUDA memory history: {r.memory_html_path}")
+    lines += [f"note: {n}" for n in r.notes]
+    return lines
