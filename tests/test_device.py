@@ -3,7 +3,9 @@ import re
 import pytest
 import torch
 
+from lab_utils import device as D
 from lab_utils.device import DATASHEET, datasheet_for, device_info, pick_device
+from lab_utils.model import build_model, image_ids, text_ids
 
 
 def test_cpu_info():
@@ -45,3 +47,49 @@ def test_datasheet_is_dense():
         assert p.bf16_tflops < 1000
     assert DATASHEET["B200"].fp4_tflops == pytest.approx(2 * DATASHEET["B200"].fp8_tflops)
     assert datasheet_for("AMD EPYC 7B13") is None
+
+
+def test_annotate_is_a_profiler_range_and_nvtx_only_on_cuda(monkeypatch):
+    """Named ranges reach Nsight Systems through NVTX on CUDA; on CPU they must not touch
+    the CUDA runtime, and they always show in the torch profiler."""
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: calls.append(("push", name)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append(("pop",)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with D.annotate("forward"):
+            torch.ones(3).sum()
+    assert calls == []
+    assert any(e.name == "forward" for e in prof.events())
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with D.annotate("double_blocks.0", "cuda"):
+        pass
+    with D.annotate("cpu-side", "cpu"):  # a CPU tensor's range on a CUDA machine: no NVTX
+        pass
+    assert calls == [("push", "double_blocks.0"), ("pop",)]
+
+
+def test_model_blocks_and_trainer_phases_open_named_ranges():
+
+    m = build_model("tiny", seed=0)
+    c = m.cfg
+    g = torch.Generator().manual_seed(0)
+    img = torch.randn(1, 4, c.in_channels, generator=g)
+    txt = torch.randn(1, 3, c.context_dim, generator=g)
+    args = (
+        img,
+        image_ids(2, 2),
+        txt,
+        text_ids(3),
+        torch.rand(1, generator=g),
+        torch.randn(1, c.pooled_dim, generator=g),
+    )
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        m(*args, guidance=torch.ones(1))
+    names = {e.name for e in prof.events()}
+    expected = {f"double_blocks.{i}" for i in range(c.depth_double)} | {
+        f"single_blocks.{i}" for i in range(c.depth_single)
+    }
+    assert expected <= names, f"missing block ranges: {sorted(expected - names)}"

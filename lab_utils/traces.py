@@ -1,0 +1,311 @@
+"""Reading a torch.profiler Chrome trace: steps, phases, kernel categories, top
+operators and the allocation curve (what :mod:`lab_utils.profiler` reports).
+
+* steps: ``ProfilerStep#k`` ranges; phases: the named ranges the trainer opens
+  (``lab_utils.model.train.PHASES``), summed per step, from the host timeline only
+  (CUDA traces repeat them as ``gpu_user_annotation``).
+* categories: on CUDA from device kernels (kernel name, else the op that launched it);
+  on CPU from operators' *self* time (nesting removed, so nothing is counted twice).
+  ``idle/gap`` is step time not covered by any kernel (CUDA) or operator (CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from .model.train import PHASES
+
+CATEGORIES = (
+    "matmul",
+    "attention",
+    "normalization",
+    "elementwise/activation",
+    "reduction",
+    "copy/cast",
+    "communication",
+    "optimizer",
+    "other",
+)
+IDLE = "idle/gap"
+
+_RULES: list[tuple[str, re.Pattern]] = [
+    (
+        "communication",
+        re.compile(
+            r"nccl|all_?reduce|all_?gather|reduce_?scatter|c10d|alltoall|broadcast_coalesced"
+            r"|record_param_comms|\bsend\b|\brecv\b"
+        ),
+    ),
+    ("optimizer", re.compile(r"_foreach_|fused_adam|multi_tensor_apply|adamw?_|optimizer")),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|softmax|scaled_dot_product|cudnn_.*attn")),
+    ("normalization", re.compile(r"layer_?norm|rms_?norm|group_?norm|batch_?norm|instance_?norm")),
+    ("matmul", re.compile(r"gemm|\bmm\b|addmm|bmm|matmul|linear|conv|xmma|cutlass|cublas|wgmma|sm\d+_|baddbmm")),
+    (
+        "reduction",
+        re.compile(
+            r"reduce|\bsum\b|mean|\bmax\b|\bmin\b|argmax|argmin|vector_norm|\bnorm\b|\bvar\b|\bstd\b"
+            r"|cumsum|topk|\ball\b|\bany\b|mse_loss"
+        ),
+    ),
+    (
+        "copy/cast",
+        re.compile(
+            r"copy|memcpy|memset|_to_copy|\bto\b|contiguous|clone|\bcat\b|stack|index|gather"
+            r"|scatter|pad|fill|zero_|repeat|expand|transpose|permute|reshape|view|slice|select"
+            r"|unfold|flip|roll|split|chunk|narrow|empty|as_strided|detach|unbind|resize|squeeze|\bt\b|alias"
+            r"|full|zeros|ones|arange|scalar_tensor|lift_fresh|type_as|meshgrid|embedding"
+        ),
+    ),
+    (
+        "elementwise/activation",
+        re.compile(
+            r"elementwise|vectorized|unrolled|gelu|silu|relu|sigmoid|tanh|\badd|\bsub"
+            r"|\bmul|\bdiv|exp|log|pow|rsqrt|sqrt|\bsin\b|\bcos\b|where|neg|abs|clamp"
+            r"|rand|normal|uniform|bernoulli|dropout|lerp|addcmul|addcdiv|sign|erf"
+            r"|maximum|minimum|\beq\b|\bne\b|\bgt\b|\blt\b|\bge\b|\ble\b|logical|rsub|reciprocal|bitwise"
+            r"|__and__|__or__"
+        ),
+    ),
+]
+
+
+_AUTOGRAD = re.compile(r"^(autograd::|torch::autograd::)|Backward\d+$")
+
+
+def categorize(name: str, op: str = "", under_optimizer: bool = False) -> str:
+    """Kernel-category of a kernel or operator name (``op``: the operator that launched a
+    kernel, used when the kernel's own name says nothing)."""
+    if under_optimizer:
+        return "optimizer"
+    if _AUTOGRAD.search(name):
+        return "other"  # autograd-engine wrappers: their self time is bookkeeping
+    for text in (name, op):
+        if not text:
+            continue
+        t = text.lower().replace("aten::", " ").replace("::", " ")
+        for cat, rx in _RULES:
+            if rx.search(t):
+                return cat
+    return "other"
+
+
+# --------------------------------------------------------------------------------------
+# Trace parsing
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Ev:
+    name: str
+    cat: str
+    ts: float
+    dur: float
+    tid: Any
+    ext: Any = None
+    child: float = 0.0
+    opt: bool = False
+    phase: str | None = None
+    parent_op: str = ""
+
+    @property
+    def end(self) -> float:
+        return self.ts + self.dur
+
+    @property
+    def self_us(self) -> float:
+        return max(self.dur - self.child, 0.0)
+
+
+def _nest(events: list[_Ev]) -> None:
+    """Per thread: direct-children time, optimizer ancestry, enclosing phase, launching op."""
+    by_tid: dict[Any, list[_Ev]] = defaultdict(list)
+    for e in events:
+        by_tid[e.tid].append(e)
+    for evs in by_tid.values():
+        evs.sort(key=lambda e: (e.ts, -e.dur))
+        stack: list[_Ev] = []
+        for e in evs:
+            while stack and stack[-1].end <= e.ts + 1e-3:
+                stack.pop()
+            if stack:
+                p = stack[-1]
+                p.child += e.dur
+                e.opt = p.opt
+                e.phase = p.phase
+                e.parent_op = p.parent_op if p.cat != "cpu_op" else (p.parent_op or p.name)
+            if e.name.startswith("Optimizer.step") or e.name.startswith("Optimizer.zero_grad"):
+                e.opt = True
+            if e.name in PHASES:
+                e.phase = e.name
+            stack.append(e)
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+@dataclass
+class TraceAnalysis:
+    device_kind: str  # "cuda" | "cpu"
+    source: str  # "cuda kernels" | "cpu operators (self time)"
+    steps: pd.DataFrame  # step, step_ms, phase_sum_ms, coverage, busy_ms, idle_ms
+    phases: pd.DataFrame  # step, phase, ms
+    categories: pd.DataFrame  # category, ms, pct_of_step
+    top_ops: pd.DataFrame  # name, category, calls, ms, pct_of_step
+    memory: pd.DataFrame  # t_ms, allocated_mb
+    peak_allocated_bytes: float
+    categories_by_step: pd.DataFrame  # step, category, ms
+
+
+def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int = 15) -> TraceAnalysis:
+    """Analyse a Chrome trace written by ``torch.profiler`` (see the module note)."""
+    data = json.loads(Path(path).read_text())
+    raw = data["traceEvents"] if isinstance(data, dict) else data
+    xs = [e for e in raw if e.get("ph") == "X" and "dur" in e]
+    kernel_cats = {"kernel", "gpu_memcpy", "gpu_memset"}
+    kernels = [e for e in xs if e.get("cat") in kernel_cats]
+    if device_kind is None:
+        device_kind = "cuda" if kernels else "cpu"
+    # host-side step ranges only (CUDA traces repeat them as "gpu_user_annotation" on the device timeline)
+    step_evs = sorted(
+        (e for e in xs if e.get("cat") == "user_annotation" and re.fullmatch(r"ProfilerStep#\d+", e.get("name", ""))),
+        key=lambda e: e["ts"],
+    )
+    if not step_evs:
+        raise ValueError(f"{path}: no ProfilerStep#k ranges; was the profiler stepped with prof.step()?")
+    host = [
+        _Ev(
+            e["name"],
+            e.get("cat", ""),
+            float(e["ts"]),
+            float(e["dur"]),
+            (e.get("pid"), e.get("tid")),
+            (e.get("args") or {}).get("External id"),
+        )
+        for e in xs
+        if e.get("cat") in ("cpu_op", "user_annotation", "python_function")
+    ]
+    _nest(host)
+    windows = [(int(e["name"].split("#")[1]), float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in step_evs]
+
+    def step_of(ts: float):
+        for k, s, t in windows:
+            if s <= ts < t:
+                return k
+        return None
+
+    # phases ---------------------------------------------------------------------------
+    prow = []
+    for e in host:
+        if e.cat == "user_annotation" and e.name in PHASES:
+            k = step_of(e.ts)
+            if k is not None:
+                prow.append(dict(step=k, phase=e.name, ms=e.dur / 1e3))
+    phases = pd.DataFrame(prow, columns=["step", "phase", "ms"])
+    if len(phases):
+        phases = phases.groupby(["step", "phase"], as_index=False, sort=False)["ms"].sum()
+
+    # work items: (name, launching op, category, duration us, start, end, step) ----------
+    items = []
+    if device_kind == "cuda":
+        by_ext = {e.ext: e for e in host if e.cat == "cpu_op" and e.ext is not None}
+        for k in kernels:
+            ext = (k.get("args") or {}).get("External id")
+            op = by_ext.get(ext)
+            opname = op.name if op is not None else ""
+            cat = categorize(k["name"], opname, bool(op and op.opt))
+            ts, dur = float(k["ts"]), float(k["dur"])
+            items.append((k["name"], opname or k["name"], cat, dur, ts, ts + dur, step_of(ts)))
+        source = "cuda kernels"
+    else:
+        for e in host:
+            if e.cat != "cpu_op":
+                continue
+            cat = categorize(e.name, e.parent_op, e.opt)
+            items.append((e.name, e.name, cat, e.self_us, e.ts, e.end, step_of(e.ts)))
+        source = "cpu operators (self time)"
+
+    srow = []
+    for k, s, t in windows:
+        step_us = t - s
+        mine = [it for it in items if it[6] == k]
+        if device_kind == "cuda":
+            busy = _union_us([(max(it[4], s), min(it[5], t)) for it in mine])
+        else:
+            busy = _union_us([(it[4], min(it[5], t)) for it in mine])
+        ph = phases[phases.step == k].ms.sum() if len(phases) else 0.0
+        srow.append(
+            dict(
+                step=k,
+                step_ms=step_us / 1e3,
+                phase_sum_ms=ph,
+                coverage=ph / (step_us / 1e3),
+                busy_ms=busy / 1e3,
+                idle_ms=max(step_us - busy, 0.0) / 1e3,
+            )
+        )
+    steps = pd.DataFrame(srow)
+    total_step_ms = float(steps.step_ms.sum())
+
+    in_steps = [it for it in items if it[6] is not None]
+    cat_ms = defaultdict(float)
+    per_step = defaultdict(float)
+    for it in in_steps:
+        cat_ms[it[2]] += it[3] / 1e3
+        per_step[(it[6], it[2])] += it[3] / 1e3
+    by_step = [dict(step=k, category=c, ms=per_step.get((k, c), 0.0)) for k, _, _ in windows for c in CATEGORIES]
+    by_step += [dict(step=r.step, category=IDLE, ms=r.idle_ms) for r in steps.itertuples()]
+    categories_by_step = pd.DataFrame(by_step)
+    crow = [dict(category=c, ms=cat_ms.get(c, 0.0)) for c in CATEGORIES]
+    crow.append(dict(category=IDLE, ms=float(steps.idle_ms.sum())))
+    categories = pd.DataFrame(crow)
+    categories["pct_of_step"] = 100 * categories.ms / total_step_ms
+
+    agg: dict[str, list] = {}
+    for it in in_steps:
+        a = agg.setdefault(it[1], [it[2], 0, 0.0])
+        a[1] += 1
+        a[2] += it[3] / 1e3
+    top_ops = pd.DataFrame(
+        [dict(name=n, category=c, calls=cnt, ms=ms) for n, (c, cnt, ms) in agg.items()],
+        columns=["name", "category", "calls", "ms"],
+    )
+    top_ops = top_ops.sort_values("ms", ascending=False).head(top).reset_index(drop=True)
+    top_ops["pct_of_step"] = 100 * top_ops.ms / total_step_ms
+
+    # memory ----------------------------------------------------------------------------
+    want = 1 if device_kind == "cuda" else 0
+    t0 = windows[0][1]
+    mrow = []
+    for e in raw:
+        if e.get("name") == "[memory]":
+            a = e.get("args") or {}
+            if a.get("Device Type") == want and "Total Allocated" in a:
+                mrow.append((float(e["ts"]), float(a["Total Allocated"])))
+    mrow.sort()
+    memory = pd.DataFrame(
+        [dict(t_ms=(ts - t0) / 1e3, allocated_mb=b / 2**20) for ts, b in mrow], columns=["t_ms", "allocated_mb"]
+    )
+    peak = max((b for _, b in mrow), default=float("nan"))
+    if len(memory) > 3000:  # keep plots light: the running max per bin preserves peaks
+        memory["bin"] = (memory.t_ms / (memory.t_ms.max() / 1500 + 1e-9)).astype(int)
+        memory = memory.groupby("bin", as_index=False).agg(t_ms=("t_ms", "first"), allocated_mb=("allocated_mb", "max"))
+        memory = memory.drop(columns="bin")
+    return TraceAnalysis(device_kind, source, steps, phases, categories, top_ops, memory, peak, categories_by_step)
