@@ -7,7 +7,7 @@ SUITE   ?= smoke
 PARAMS  ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup report test lab ceilings clean
+.PHONY: setup report test lint lab ceilings clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,8 +24,13 @@ setup: $(STAMP)
 report: $(STAMP)
 	$(BIN)/perflab run $(SUITE) $(PARAMS)
 
-## Every test: unit tests, runner, browser tests (skipped without Chromium), nbval over labs/.
-test: $(STAMP)
+## The linter and the formatter (ruff, configured in pyproject.toml), over the whole tree.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+## Every test: lint, unit tests, runner, browser tests (skipped without Chromium), nbval over labs/.
+test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 ## JupyterLab on labs/.
