@@ -39,15 +39,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pandas as pd
 import torch
+import torch._dynamo.config as dynamo_config
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import flex_attention
 
-import lab_kernels  # noqa: F401  (sets TRITON_INTERPRET before kernels are defined)
-from lab_kernels import attention as _ka
+import lab_kernels  # (sets TRITON_INTERPRET before kernels are defined)
+from lab_kernels import attention as kernel
 
 from .checks import compare, tolerance
 from .config import ConfigError
-from .masks import Mask, causal, dense_mask
+from .dtypes import dtype_name
+from .masks import Mask, attention_flops, causal, dense_mask, flex_block_mask, make_mask, packed_mask
+from .timing import try_bench
 
 PATHS = ("reference", "sdpa", "math", "flash", "efficient", "cudnn", "flex", "flex_eager", "triton", "flash_attn")
 MASK_KINDS = ("full", "causal", "custom")
@@ -142,7 +148,7 @@ def check_inputs(q, k, v, *, mask=None, cu_seqlens=None, max_seqlen=None) -> Pro
                     f"the shape of q {tuple(q.shape)} (packed attention is self-attention)",
                 )
         try:
-            _ka._check_cu_seqlens(cu_seqlens, q.shape[0])
+            kernel.check_cu_seqlens(cu_seqlens, q.shape[0])
         except ValueError as e:
             raise AttentionError(
                 "cu_seqlens",
@@ -274,7 +280,8 @@ class AttentionPath:
             if r:
                 return r
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
-            return f"path {self.name!r} takes dtypes {', '.join(_dt(d) for d in self.dtypes)}, not {_dt(dtype)}"
+            names = ", ".join(dtype_name(d) for d in self.dtypes)
+            return f"path {self.name!r} takes dtypes {names}, not {dtype_name(dtype)}"
         if layout not in self.layouts:
             return f"path {self.name!r} supports layouts {', '.join(self.layouts)}, not {layout!r}"
         if mask not in self.masks:
@@ -290,10 +297,6 @@ class AttentionPath:
                 device=device, dtype=dtype, mask=mask, head_dim=head_dim, backward=backward, layout=layout
             )
         return None
-
-
-def _dt(d) -> str:
-    return str(d).replace("torch.", "")
 
 
 REGISTRY: dict[str, AttentionPath] = {}
@@ -334,8 +337,6 @@ def available_paths(
 
 def path_table(device="cpu", dtype=torch.float32, head_dim: int = 64):
     """One row per path x mask kind x layout x direction: supported here, or why not."""
-    import pandas as pd
-
     rows = []
     for name, p in REGISTRY.items():
         for layout in LAYOUTS:
@@ -396,7 +397,7 @@ def _packed_loop(fn, q, k, v, mask, scale, cu_seqlens):
         qi, ki, vi = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # 1 H l Dh
         m = mask
         if isinstance(mask, Mask) and mask.kind == "custom" and i:
-            m = _cached(("shift", id(mask), i), mask, lambda: _shift_batch(mask, i))
+            m = _cached(("shift", id(mask), i), mask, lambda mask=mask, i=i: _shift_batch(mask, i))
         outs.append(fn(qi, ki, vi, m, scale)[0].transpose(0, 1))
     return torch.cat(outs, 0)
 
@@ -416,7 +417,7 @@ def _reference(q, k, v, mask, scale):
         dm = mask
     elif isinstance(mask, Mask) and mask.kind != "full":
         dm = dense_mask(mask, B, 1, Lq, Lk, device=q.device)
-    return _ka.reference_attention(q64, k64, v64, scale=_scale(q, scale), mask=dm).to(dt)
+    return kernel.reference_attention(q64, k64, v64, scale=_scale(q, scale), mask=dm).to(dt)
 
 
 _SDPA_BACKENDS = {
@@ -438,8 +439,6 @@ def _sdpa_call(q, k, v, mask, scale, backend: str | None):
             kw["attn_mask"] = _dense_for(mask, q.shape[0], q.shape[2], k.shape[2], q.device)
     if backend is None:
         return F.scaled_dot_product_attention(q, k, v, **kw)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     with sdpa_kernel(getattr(SDPBackend, _SDPA_BACKENDS[backend])):
         return F.scaled_dot_product_attention(q, k, v, **kw)
 
@@ -467,7 +466,7 @@ def _probe_sdpa(
     except Exception as e:  # noqa: BLE001 - the reason is the answer
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return (
-            f"SDPA backend {backend!r} cannot run this on {device} ({_dt(dtype)}, Dh {head_dim}"
+            f"SDPA backend {backend!r} cannot run this on {device} ({dtype_name(dtype)}, Dh {head_dim}"
             f"{', mask' if custom_mask else ''}{', causal' if is_causal else ''}{', backward' if backward else ''}): "
             f"{msg[:160]}"
         )
@@ -505,50 +504,25 @@ _FLEX_COMPILED = None
 
 def _flex_fn(compiled: bool):
     global _FLEX_COMPILED
-    from torch.nn.attention.flex_attention import flex_attention
-
     if not compiled:
         return flex_attention
     if _FLEX_COMPILED is None:
         # Every (shape, mask_mod) is a recompilation; past dynamo's recompile limit (8) it
         # would silently fall back to the *unfused* eager flex and the sweep would time the
         # wrong thing.  Raise the limits (names differ across torch versions).
-        import torch._dynamo.config as dcfg
-
         for name, value in (
             ("recompile_limit", 1024),
             ("cache_size_limit", 1024),
             ("accumulated_recompile_limit", 4096),
             ("accumulated_cache_size_limit", 4096),
         ):
-            if hasattr(dcfg, name):
-                setattr(dcfg, name, max(getattr(dcfg, name), value))
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, max(getattr(dynamo_config, name), value))
         _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
     return _FLEX_COMPILED
 
 
-def _packed_mask(mask: Mask | None, lengths: tuple[int, ...]) -> Mask:
-    """Packed positions -> (sequence index, position inside it); same document AND mask."""
-    from .masks import _OnDevice
-
-    ids = _OnDevice(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)))
-    starts = _OnDevice(torch.tensor([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()]))
-    inner = mask.mask_mod if mask is not None else None
-
-    def mod(b, h, q, k):
-        d, s = ids.on(q.device), starts.on(q.device)
-        same = d[q] == d[k]
-        if inner is None:
-            return same
-        return same & inner(d[q], h, q - s[d[q]], k - s[d[k]])
-
-    name = f"packed({len(lengths)} seqs{', ' + mask.name if mask is not None else ''})"
-    return Mask(name, mod, "custom", {"lengths": list(lengths)}, length=int(sum(lengths)))
-
-
 def _flex_block_mask(mask: Mask, B, Lq, Lk, device, compiled: bool, key_extra=()):
-    from .masks import flex_block_mask
-
     return _cached(
         ("block", id(mask), B, Lq, Lk, str(device), *key_extra),
         mask,
@@ -563,7 +537,7 @@ def _make_flex(compiled: bool):
         fn = _flex_fn(compiled)
         if cu_seqlens is not None:
             lengths = tuple(int(x) for x in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
-            pm = _cached(("packedmask", id(mask), lengths), mask, lambda: _packed_mask(mask, lengths))
+            pm = _cached(("packedmask", id(mask), lengths), mask, lambda: packed_mask(mask, lengths))
             T = q.shape[0]
             bm = _flex_block_mask(pm, 1, T, T, q.device, compiled)
             qq, kk, vv = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # 1 H T Dh
@@ -593,18 +567,10 @@ def _make_flex(compiled: bool):
     return run
 
 
-def _flex_available() -> str | None:
-    try:
-        import torch.nn.attention.flex_attention  # noqa: F401
-    except ImportError as e:  # pragma: no cover - torch >= 2.5 has it
-        return f"FlexAttention is not in this torch: {e}"
-    return None
-
-
 # triton -------------------------------------------------------------------------------
 def _run_triton(q, k, v, mask, scale, cu_seqlens=None, max_seqlen=None):
     is_causal = isinstance(mask, Mask) and mask.kind == "causal"
-    return _ka.attention(q, k, v, causal=is_causal, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    return kernel.attention(q, k, v, causal=is_causal, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
 
 
 # flash-attn ---------------------------------------------------------------------------
@@ -615,7 +581,7 @@ def _flash_attn_available() -> str | None:
 
 
 def _run_flash_attn(q, k, v, mask, scale, cu_seqlens=None, max_seqlen=None):
-    import flash_attn
+    import flash_attn  # noqa: PLC0415  (optional CUDA-only package, absent on most machines)
 
     is_causal = isinstance(mask, Mask) and mask.kind == "causal"
     if cu_seqlens is not None:
@@ -684,7 +650,6 @@ _register(
         _make_flex(True),
         dtypes=_FLOATS,
         backward_devices=("cuda",),
-        available=_flex_available,
     )
 )
 _register(
@@ -698,7 +663,6 @@ _register(
         _make_flex(False),
         dtypes=(*_FLOATS, torch.float64),
         backward_devices=("cuda",),
-        available=_flex_available,
     )
 )
 _register(
@@ -710,8 +674,8 @@ _register(
         ("cpu", "cuda"),
         "lab_kernels.attention: hand-written FlashAttention-2 fwd+bwd (CPU: interpreter, correctness only)",
         _run_triton,
-        dtypes=_ka.TRITON_DTYPES,
-        head_dims=_ka.HEAD_DIMS,
+        dtypes=kernel.TRITON_DTYPES,
+        head_dims=kernel.HEAD_DIMS,
     )
 )
 _register(
@@ -776,7 +740,7 @@ def _describe(param, mask, q, path):
             else mask
         )
     if param == "q":
-        return f"{_dt(q.dtype)} (B,H,L,Dh)={tuple(q.shape)}"
+        return f"{dtype_name(q.dtype)} (B,H,L,Dh)={tuple(q.shape)}"
     if param == "cu_seqlens":
         return "packed layout"
     return path
@@ -861,41 +825,6 @@ def check_path(path: str, inputs: dict, *, mask=None, backward: bool = True, sca
     return res + skipped
 
 
-def correctness_table(
-    paths,
-    *,
-    mask=None,
-    B=1,
-    H=2,
-    L=97,
-    head_dim=64,
-    dtype=torch.float32,
-    device="cpu",
-    lengths=None,
-    backward=True,
-    seed=0,
-):
-    """DataFrame: each path vs the float64 reference (out, dq, dk, dv) on one fixed-seed problem."""
-    import pandas as pd
-
-    inputs = random_qkv(B, H, L, head_dim, dtype=dtype, device=device, seed=seed, lengths=lengths)
-    rows = []
-    for path in paths:
-        for r in check_path(path, inputs, mask=mask, backward=backward):
-            rows.append(
-                dict(
-                    path=r.path,
-                    tensor=r.tensor,
-                    verdict="skipped" if r.ok is None else ("ok" if r.ok else "FAIL"),
-                    max_abs_err=r.max_abs,
-                    atol=r.atol,
-                    rtol=r.rtol,
-                    note=(r.note.splitlines()[0] if r.note else ""),
-                )
-            )
-    return pd.DataFrame(rows)
-
-
 # --------------------------------------------------------------------------- speed sweep
 #: paths that materialise the (B, H, Lq, Lk) scores; the sweep skips them above ``score_limit_gb``
 MATERIALISING = ("reference", "math", "flex_eager")
@@ -936,9 +865,6 @@ def sweep(
     experiment "sweep"; the block-mask build time of each mask as experiment
     "block_mask_build".  Returns one summary dict per case (with the reason when a case
     did not run).  Triton on CPU is never timed (interpreter)."""
-    from .masks import attention_flops, flex_block_mask, make_mask
-    from .timing import try_bench
-
     device = str(device)
     dev_type = torch.device(device).type
     elt = torch.empty((), dtype=dtype).element_size()
@@ -953,7 +879,9 @@ def sweep(
                 base = dict(seq_len=L, head_dim=D, mask=mname, shape=shape, density=fl.density)
                 if block_mask_cost and mask.kind != "full":
                     t = try_bench(
-                        lambda: flex_block_mask(mask, batch, None, L, L, device=device, compile=dev_type == "cuda"),
+                        lambda mask=mask, L=L: flex_block_mask(
+                            mask, batch, None, L, L, device=device, compile=dev_type == "cuda"
+                        ),
                         name=f"block_mask/{mname}",
                         device=device,
                         reps=max(3, reps // 2),
@@ -1007,7 +935,7 @@ def sweep(
                             continue
                         qq, kk, vv = (t.detach().requires_grad_(bwd) for t in (q, k, v))
 
-                        def fn(qq=qq, kk=kk, vv=vv, bwd=bwd, path=path):
+                        def fn(qq=qq, kk=kk, vv=vv, bwd=bwd, path=path, mask=mask, do=do):
                             if not bwd:
                                 with torch.no_grad():
                                     return attend(qq, kk, vv, path=path, mask=mask)
@@ -1064,135 +992,3 @@ def sweep(
                         )
                         del fn
     return out
-
-
-# --------------------------------------------------------------------------- the lab's config
-from .config import (
-    LabConfig,
-    check_bool,
-    check_choice,
-    check_choices,
-    check_float,  # noqa: E402
-    check_int,
-    check_int_list,
-)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class AttentionLabConfig(LabConfig):
-    """Parameters of labs/03_attention.ipynb (names == the notebook's parameters)."""
-
-    device: str = "auto"
-    dtype: str = "float32"
-    mask: str = "mmdit"  # the mask of the pictures and the correctness table
-    masks: tuple = ("full", "causal", "mmdit", "neighborhood")  # the sweep and the HoloMap
-    check_paths: tuple = ("sdpa", "math", "flash", "flex_eager", "triton")
-    paths: tuple = ("sdpa", "math", "flash")  # timed paths
-    check_len: int = 97
-    check_head_dim: int = 64
-    check_lengths: tuple = (37, 97, 58)  # packed varlen correctness
-    seq_lens: tuple = (128, 256)
-    head_dims: tuple = (64,)
-    heads: int = 2
-    batch: int = 1
-    directions: tuple = ("fwd", "fwd+bwd")
-    picture_len: int = 96
-    block_size: int = 16
-    varlen_batch: int = 4
-    varlen_buckets: tuple = ((256, 256), (224, 288), (128, 128), (96, 160))
-    txt_len: tuple = (16, 64)
-    pixels_per_token: int = 16
-    varlen_heads: int = 2
-    reps: int = 5
-    budget_s: float = 10.0
-    quick_ceilings: bool = True
-
-    def __post_init__(self):
-        from .masks import MASK_NAMES
-
-        check_choice("device", self.device, ("auto", "cpu", "cuda"))
-        check_choice("dtype", self.dtype, tuple(_DTYPES))
-        check_choice("mask", self.mask, MASK_NAMES)
-        check_choices("masks", self.masks, MASK_NAMES)
-        check_choices("check_paths", self.check_paths, PATHS)
-        check_choices("paths", self.paths, PATHS)
-        for p in ("check_len", "picture_len"):
-            check_int(p, getattr(self, p), min=8)
-        check_choice("check_head_dim", self.check_head_dim, (16, 32, 64, 128, 256))
-        check_int_list("check_lengths", self.check_lengths, min=1)
-        check_int_list("seq_lens", self.seq_lens, min=8)
-        check_int_list("head_dims", self.head_dims, min=8)
-        for p in ("heads", "batch", "varlen_batch", "varlen_heads", "pixels_per_token"):
-            check_int(p, getattr(self, p), min=1)
-        check_int("block_size", self.block_size, min=1)
-        check_choices("directions", self.directions, ("fwd", "fwd+bwd"))
-        if (
-            isinstance(self.txt_len, (str, bytes))
-            or not isinstance(self.txt_len, (list, tuple))
-            or len(self.txt_len) != 2
-        ):
-            raise ConfigError("txt_len", self.txt_len, "a pair [min, max] of caption token counts")
-        check_int_list("txt_len", self.txt_len, min=0)
-        if self.txt_len[0] > self.txt_len[1]:
-            raise ConfigError("txt_len", self.txt_len, "[min, max] with min <= max")
-        from .model.data import normalize_buckets
-
-        normalize_buckets(self.varlen_buckets, "varlen_buckets")
-        check_int("reps", self.reps, min=3)
-        check_float("budget_s", self.budget_s, min=0, min_exclusive=True)
-        check_bool("quick_ceilings", self.quick_ceilings)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
-
-
-# --------------------------------------------------------------------------- plots (read rows, never measure)
-def sweep_plot(df, metric: str = "time", *, title: str = ""):
-    """HoloMap over masks of ``metric`` (median) vs sequence length; one curve per path and
-    direction (and head dim when several; dashed = forward+backward).  ``df``: Recorder
-    rows of experiment "sweep".  Few frames on purpose: every frame is embedded in HTML."""
-    import json
-
-    import holoviews as hv
-
-    d = df[(df.experiment == "sweep") & (df.metric == metric) & (df.statistic == "median")].copy()
-    if d.empty:
-        return hv.Div(f"<p>no {metric} rows to plot</p>")
-    ex = d.extra.map(json.loads)
-    for k in ("mask", "direction", "seq_len", "head_dim"):
-        d[k] = ex.map(lambda e, k=k: e.get(k))
-    unit = d.unit.iloc[0]
-    several_d = d.head_dim.nunique() > 1
-    frames = {}
-    for m, g in d.groupby("mask", sort=False):
-        curves = []
-        for (p, direction, hd), gg in g.groupby(["variant", "direction", "head_dim"], sort=False):
-            label = f"{p} {direction}" + (f" Dh{hd}" if several_d else "")
-            curves.append(
-                hv.Curve(gg.sort_values("seq_len"), "seq_len", ("value", f"{metric} ({unit})"), label=label).opts(
-                    line_dash="dashed" if direction == "fwd+bwd" else "solid"
-                )
-            )
-        frames[m] = hv.Overlay(curves).opts(
-            hv.opts.Curve(tools=["hover"], line_width=2),
-            hv.opts.Overlay(
-                logx=True, logy=metric == "time", legend_position="top_left", title=title or f"{metric} ({unit})"
-            ),
-        )
-    return hv.HoloMap(frames, kdims=["mask"])
-
-
-def sweep_table(df, metric: str = "pct_of_matmul"):
-    """Median ``metric`` of the sweep as a (mask, direction, head_dim, seq_len) x path table."""
-    import json
-
-    d = df[(df.experiment == "sweep") & (df.metric == metric) & (df.statistic == "median")].copy()
-    ex = d.extra.map(json.loads)
-    for k in ("mask", "direction", "seq_len", "head_dim"):
-        d[k] = ex.map(lambda e, k=k: e.get(k))
-    return d.pivot_table(
-        index=["mask", "direction", "head_dim", "seq_len"], columns="variant", values="value", sort=False
-    ).round(3)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 from .config import ConfigError
 
@@ -226,6 +227,25 @@ def spatial_neighborhood(height: int, width: int, kernel_size: int, *, offset: i
     )
 
 
+def packed_mask(mask: Mask | None, lengths: Sequence[int]) -> Mask:
+    """The mask of a packed batch (sequences of ``lengths`` concatenated): a token sees
+    only its own sequence, and inside it ``mask`` applies to positions within the
+    sequence (its ``b`` index is the sequence index).  ``None`` = full inside each."""
+    ids = _OnDevice(_ids_from_lengths(list(lengths), "lengths"))
+    starts = _OnDevice(torch.tensor([0, *torch.tensor(list(lengths)).cumsum(0)[:-1].tolist()]))
+    inner = mask.mask_mod if mask is not None else None
+
+    def mod(b, h, q, k):
+        d, s = ids.on(q.device), starts.on(q.device)
+        same = d[q] == d[k]
+        if inner is None:
+            return same
+        return same & inner(d[q], h, q - s[d[q]], k - s[d[k]])
+
+    name = f"packed({len(lengths)} seqs{', ' + mask.name if mask is not None else ''})"
+    return Mask(name, mod, "custom", {"lengths": list(lengths)}, length=int(sum(lengths)))
+
+
 MASK_NAMES = ("full", "causal", "sliding_window", "document", "prefix_lm", "mmdit", "neighborhood")
 
 
@@ -387,47 +407,5 @@ def flex_block_mask(
 ):
     """FlexAttention ``BlockMask`` of a mask (``B``/``H`` None = broadcast).  ``compile``
     builds it with torch.compile (what long sequences on GPU need)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     mask.check_length(Lq, Lk)
     return create_block_mask(mask.mask_mod, B, H, Lq, Lk, device=device, BLOCK_SIZE=block_size, _compile=compile)
-
-
-# --------------------------------------------------------------------------- pictures (holoviews)
-def mask_picture(mask: Mask, L: int, *, block_size: int = 16, b: int = 0):
-    """Dense mask and block states side by side (holoviews Images, query rows down)."""
-    import holoviews as hv
-
-    d = dense_mask(mask, b + 1, 1, L, L)[b, 0]
-    st = block_states(d, block_size, block_size).float()
-    dense = hv.Image(d.float().flip(0).numpy(), bounds=(0, 0, L, L), kdims=["key", "query"], vdims=["allowed"]).opts(
-        cmap="Blues",
-        title=f"{mask.name}: dense ({float(d.float().mean()):.0%} allowed)",
-        width=330,
-        height=330,
-        invert_yaxis=False,
-        tools=["hover"],
-        colorbar=False,
-    )
-    n = st.shape[0]
-    blocks = hv.Image(
-        st.flip(0).numpy(), bounds=(0, 0, st.shape[1], n), kdims=["key block", "query block"], vdims=["state"]
-    ).opts(
-        cmap=["white", "orange", "steelblue"],
-        clim=(0, 2),
-        width=330,
-        height=330,
-        tools=["hover"],
-        title=f"blocks {block_size}x{block_size}: full {int((st == 2).sum())} partial {int((st == 1).sum())} "
-        f"empty {int((st == 0).sum())}",
-    )
-    return dense + blocks
-
-
-def mask_holomap(names, L: int, *, block_size: int = 16):
-    """HoloMap over mask names of :func:`mask_picture` (every frame embedded)."""
-    import holoviews as hv
-
-    return hv.HoloMap(
-        {n: mask_picture(make_mask(n, L), L, block_size=block_size) for n in names}, kdims=["mask"]
-    ).collate()

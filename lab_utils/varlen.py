@@ -28,8 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import attend, get_path
 from .config import ConfigError, check_int
 from .model.data import normalize_buckets, tokens_for
+from .timing import try_bench
 
 #: FLUX-style ~1 megapixel aspect-ratio buckets (height, width in pixels).
 BUCKETS_1MP = [
@@ -179,9 +181,6 @@ def time_padding_vs_packing(
     TFLOP/s are *useful* (packed) FLOPs / time for both, so padding's waste shows as a
     lower rate.  Paths that cannot run a layout, or cannot be timed here (Triton on
     CPU), give a row with the reason.  With ``rec`` every timing is recorded."""
-    from .attention import attend, get_path
-    from .timing import try_bench
-
     costs = {c.layout: c for c in pad_pack_costs(batch, heads, head_dim, dtype)}
     useful = costs["packed"].fwd_flops + (costs["packed"].bwd_flops if backward else 0.0)
     inp = make_inputs(batch, heads, head_dim, dtype=dtype, device=device, requires_grad=backward)
@@ -215,7 +214,7 @@ def time_padding_vs_packing(
                 rows.append({**row, "time_ms": math.nan, "note": why})
                 continue
 
-            def fn(args=args, kw=kw):
+            def fn(args=args, kw=kw, path=path):
                 o = attend(*args, path=path, **kw)
                 if backward:
                     torch.autograd.grad(o, args, torch.ones_like(o))
