@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ..config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int
 from ..device import annotate, pick_device
+from ..dtypes import DTYPES
 from .config import PRESETS, MMDiTConfig, resolve_config
 from .data import SyntheticImageCaptions, forever, make_loader, normalize_buckets
 from .encoders import Encoders, precompute, text_vocab
@@ -42,7 +43,8 @@ from .mmdit import MMDiT, build_model
 
 PHASES = ("data_loading", "text_encoding", "image_encoding", "forward", "backward", "optimizer", "checkpoint")
 CKPT_FORMATS = ("torch", "dcp", "dcp_async")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: parameter storage dtypes a training run offers
+TRAIN_DTYPES = ("float32", "bfloat16")
 
 
 # --------------------------------------------------------------------------------------
@@ -212,7 +214,7 @@ class TrainConfig(LabConfig):
         check_choice("pad_captions", self.pad_captions, ("longest", "max"))
         check_choice("encoders", self.encoders, ("live", "precomputed"))
         check_int("num_samples", self.num_samples, min=self.batch_size)
-        check_choice("dtype", self.dtype, tuple(DTYPES))
+        check_choice("dtype", self.dtype, TRAIN_DTYPES)
         check_choice("autocast", self.autocast, ("none", "bf16"))
         check_bool("compile", self.compile)
         check_int("num_workers", self.num_workers, min=0)

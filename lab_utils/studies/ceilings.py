@@ -23,13 +23,13 @@ from tqdm.auto import tqdm
 from ..ceilings import Ceilings, get_ceilings
 from ..config import ConfigError, LabConfig, check_bool, check_choice, check_choices, check_int, check_int_list
 from ..device import DATASHEET, pick_device
+from ..dtypes import DTYPES, LAB_DTYPES
 from ..plots import init, roofline_plot
 from ..records import Recorder
 from ..roofline import roofline
 from ..timing import try_bench
 
 OPS = ("copy", "add", "gelu", "matmul")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GELU_FLOPS_PER_ELT = 8
 
 
@@ -47,7 +47,7 @@ class CeilingsLabConfig(LabConfig):
     def __post_init__(self):
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
         check_choices("ops", list(self.ops), OPS)
-        check_choices("dtypes", list(self.dtypes), list(DTYPES))
+        check_choices("dtypes", list(self.dtypes), LAB_DTYPES)
         check_int_list("elementwise_sizes", list(self.elementwise_sizes), min=1)
         check_int_list("matmul_sizes", list(self.matmul_sizes), min=1)
         check_int("reps", self.reps, min=3, max=10_000)
