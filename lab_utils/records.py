@@ -316,7 +316,7 @@ def _stable_value(v: Any) -> bool | None:
 def _with_stability_columns(df: pd.DataFrame) -> pd.DataFrame:
     """Records written before rows carried a stability verdict read as "not judged"."""
     df["stable"] = [_stable_value(v) for v in df["stable"]] if "stable" in df.columns else None
-    df["stability"] = df["stability"].fillna("").astype(str) if "stability" in df.columns else ""
+    df["stability"] = [v if isinstance(v, str) else "" for v in df["stability"]] if "stability" in df.columns else ""
     return df
 
 

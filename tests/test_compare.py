@@ -16,6 +16,7 @@ import pytest
 from lab_utils.config import ConfigError
 from lab_utils.records import CONTEXT_COLUMNS, ROW_COLUMNS
 from lab_utils.run import compare as C
+from lab_utils.run.compare import baselines as baselines_module
 
 CPU = {
     "device": "Test CPU 9000",
@@ -180,15 +181,20 @@ def test_noise_only_differences_are_same(tmp_path):
         rb, rc = np.random.default_rng(100 + seed), np.random.default_rng(200 + seed)
         b = sum((timing_rows("l", "e", f"v{i}", 1.0 + i, rng=rb, noise=0.08, n=15, bytes=1e8) for i in range(6)), [])
         c = sum((timing_rows("l", "e", f"v{i}", 1.0 + i, rng=rc, noise=0.08, n=15, bytes=1e8) for i in range(6)), [])
-        cmp = C.compare(write_report(tmp_path / f"b{seed}", b, CPU), write_report(tmp_path / f"c{seed}", c, CPU))
-        assert set(cmp.rows["verdict"]) == {"same"}, cmp.summary_text()
+        cmp = C.compare(
+            write_report(tmp_path / f"b{seed}", b, CPU),
+            write_report(tmp_path / f"c{seed}", c, CPU),
+            max_unstable_share=1.0,  # this test is about verdicts; the share of unstable rows has its own
+        )
+        # a draw whose own spread is over the stability rule is "noisy": still never slower/faster
+        assert set(cmp.rows["verdict"]) <= {"same", "noisy"}, cmp.summary_text()
         assert cmp.exit_code == C.EXIT_OK
     # the same small shift with and without enough samples: significance needs samples
     rng = np.random.default_rng(5)
     tiny_b = timing_rows("l", "e", "v", 1.0, rng=rng, noise=0.2, n=5)
     tiny_c = timing_rows("l", "e", "v", 1.08, rng=rng, noise=0.2, n=5)
     cmp = C.compare(write_report(tmp_path / "tb", tiny_b, CPU), write_report(tmp_path / "tc", tiny_c, CPU))
-    assert find(cmp, metric="time")["verdict"] == "same"
+    assert find(cmp, metric="time")["verdict"] in ("same", "noisy")  # never slower on 5 noisy samples
 
 
 def test_threshold_is_settable(runs):
@@ -392,7 +398,7 @@ def test_html_is_self_contained(tmp_path, runs):
 
 def test_baseline_refresh_check_show(tmp_path, runs, monkeypatch, capsys):
     base, cand = runs
-    monkeypatch.setattr(C, "baselines_root", lambda: tmp_path / "baselines")
+    monkeypatch.setenv("PERFLAB_BASELINES", str(tmp_path / "baselines"))
     assert C.baseline_kind(CPU) == "cpu" and C.baseline_kind(GPU) == "cuda-nvidia-h200"
     assert C.baseline_main(["refresh", "--report", str(base)]) == 0
     stored = tmp_path / "baselines" / "cpu"
@@ -443,8 +449,8 @@ def test_baseline_refresh_and_check_run_the_suite(tmp_path, runs, monkeypatch):
         path = base if len(calls) == 1 else cand
         return SimpleNamespace(path=path, ok=True, run_id=path.name, index=path / "index.html")
 
-    monkeypatch.setattr(C, "baselines_root", lambda: tmp_path / "baselines")
-    monkeypatch.setattr(C, "_run_suite", fake_run)
+    monkeypatch.setenv("PERFLAB_BASELINES", str(tmp_path / "baselines"))
+    monkeypatch.setattr(baselines_module, "run_for_baseline", fake_run)
     assert C.baseline_main(["refresh", "--suite", "smoke", "--param", "reps=3"]) == 0
     assert C.baseline_main(["check", "--only", "01_norms", "--out", str(tmp_path / "o")]) == C.EXIT_REGRESSION
     assert calls == [("smoke", ["reps=3"], None, None), ("smoke", None, None, ["01_norms"])]
@@ -481,3 +487,79 @@ def test_rows_told_apart_by_extra(tmp_path):
     assert find(cmp, ident="mask=full")["verdict"] == "same"
     assert any("told apart by their extra field(s): mask" in f for f in cmp.flags)
     assert "[mask=causal]" in cmp.summary_text()
+
+
+def flag_rows(rows: list[dict], variant: str, reason: str) -> list[dict]:
+    """Mark one variant's timing rows unstable, as Recorder.add_timing does for an unstable timing."""
+    out = []
+    for r in rows:
+        r = dict(r)
+        if r["metric"] in ("time", "bandwidth"):
+            bad = r["variant"] == variant
+            r["stable"], r["stability"] = (False, reason) if bad else (True, "p80/p20 = 1.05")
+        out.append(r)
+    return out
+
+
+def test_unstable_rows_are_noisy_never_slower(tmp_path):
+    """A 1.5x slower timing that its own run flagged unstable is "noisy", not "slower"; a stable
+    regression beside it is still caught; a record without the verdict (older schema) still reads."""
+    rng = np.random.default_rng(11)
+    base, cand = [], []
+    for i in range(5):
+        base += timing_rows("02", "sweep", f"v{i}", 1.0 + i, rng=rng, noise=0.01, bytes=1e8)
+        cand += timing_rows(
+            "02", "sweep", f"v{i}", (1.0 + i) * (1.5 if i in (0, 1) else 1.0), rng=rng, noise=0.01, bytes=1e8
+        )
+    reason = "3 of 25 samples stalled (up to 32 ms against a median of 1.5 ms)"
+    cmp = C.compare(
+        write_report(tmp_path / "b", flag_rows(base, "none", ""), CPU),
+        write_report(tmp_path / "c", flag_rows(cand, "v0", reason), CPU),
+    )
+    t = find(cmp, variant="v0", metric="time")
+    assert t["verdict"] == C.NOISY and not t["regression"] and "stalled" in t["note"] and "slower" in t["note"]
+    assert find(cmp, variant="v0", metric="bandwidth")["verdict"] == C.NOISY
+    assert find(cmp, variant="v1", metric="time")["verdict"] == "slower"  # stable: a real regression
+    assert cmp.exit_code == C.EXIT_REGRESSION and set(cmp.regressions["variant"]) == {"v1"}
+    assert cmp.stability["candidate"].unstable == 1 and cmp.stability["candidate"].timings == 5
+    assert "noisy: unstable timings, not judged (2)" in cmp.summary_text()
+    assert 'data-verdict="noisy" class="noisy"' in cmp.to_html()
+    assert cmp.to_json()["stability"]["candidate"]["share"] == pytest.approx(0.2)
+
+
+def test_a_run_with_many_unstable_timings_is_not_comparable(tmp_path, capsys):
+    rng = np.random.default_rng(12)
+    base, cand = [], []
+    for i in range(4):
+        base += timing_rows("02", "sweep", f"v{i}", 1.0 + i, rng=rng, noise=0.01)
+        cand += timing_rows("02", "sweep", f"v{i}", (1.0 + i) * (1.6 if i == 3 else 1.0), rng=rng, noise=0.01)
+    b = write_report(tmp_path / "b", base, CPU)
+    flagged = flag_rows(flag_rows(cand, "v0", "dispersion p80/p20 = 3.1 > 1.2"), "v1", "bimodal")
+    flagged = [
+        dict(r, stable=False, stability="bimodal") if r["variant"] == "v0" and "stable" in r else r for r in flagged
+    ]
+    c = write_report(tmp_path / "c", flagged, CPU)  # v0 and v1 unstable: 2 of 4 timings
+    cmp = C.compare(b, c)
+    assert cmp.exit_code == C.EXIT_INCOMPARABLE and "candidate" in cmp.too_noisy
+    assert "50%" in cmp.result_line() and "NOT COMPARABLE" in cmp.result_line()
+    # the stable 1.6x slower row is shown as slower but not gated: this run's timings are no evidence
+    t = find(cmp, variant="v3", metric="time")
+    assert t["verdict"] == "slower" and not t["regression"]
+    assert C.main([str(b), str(c), "--out", str(tmp_path / "o"), "--quiet"]) == C.EXIT_INCOMPARABLE
+    assert "too many unstable timings" in capsys.readouterr().out
+    assert C.compare(b, c, max_unstable_share=0.6).exit_code == C.EXIT_REGRESSION
+    # accuracy rows are unaffected by a busy machine: comparing only them is fine
+    assert C.compare(b, c, only="accuracy").exit_code == C.EXIT_OK
+    with pytest.raises(ConfigError, match="max_unstable_share"):
+        C.Options(max_unstable_share=1.5)
+
+
+def test_old_records_and_the_stored_baseline_still_read():
+    """Records written before rows carried a verdict load, and their timings are judged from samples."""
+    from lab_utils.records import load_records
+
+    root = Path(__file__).resolve().parents[1] / "parameterized" / "baselines" / "cpu"
+    side = C.load_side(root, "baseline")
+    assert len(side.rows) and "stable" in side.rows.columns
+    old = load_records(root)
+    assert "stable" in old.columns and old["stable"].isna().all()

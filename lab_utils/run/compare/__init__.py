@@ -1,0 +1,131 @@
+"""Compare two runs (a baseline and a candidate) row by row, and gate on regressions.
+
+Design note
+-----------
+* Rows are matched on ``KEY = (lab, experiment, variant, shape, dtype, metric,
+  statistic)``.  Rows sharing a key are told apart by the categorical ``extra`` fields
+  that differ between them (a mask, a layout; never outcomes such as ``verdict`` or
+  floats), and what still repeats is numbered (``#2``) in order and flagged, never
+  averaged.  ``p20``/``p80`` rows are summaries of the same samples as the
+  ``median`` row and are left out unless asked for (``--statistics all``).
+* Which way is better is decided once, by metric name first and unit second
+  (``direction()``; the table is ``METRIC_RULES`` + ``UNIT_RULES``): time is lower-is-
+  better ("faster"/"slower"), GB/s, TFLOP/s, % of ceiling higher-is-better; error
+  figures lower-is-better and SQNR (dB) higher-is-better ("more/less accurate");
+  memory lower-is-better; anything else is only "changed"/"same" and never gates.
+* Noise: a row whose kept ``samples`` exist on both sides gets a bootstrap interval of
+  the ratio of medians (resampling each side, fixed seed, so a comparison is
+  reproducible) or, with ``method="rank"``, a Mann-Whitney U test.  GB/s, TFLOP/s and
+  % of ceiling are ``bytes / time`` style figures: they borrow the interval of their
+  sibling time row.  A verdict other than "same" needs both: the difference is
+  significant (interval excludes 1 / p < 1 - confidence) *and* beyond the threshold.
+  Rows without samples (fixed-seed error figures, counts) are deterministic: only the
+  threshold applies.
+* The ratio is always ``candidate / base``; ``gain`` is the same ratio oriented so
+  that > 1 means the candidate is better (``base / candidate`` for lower-is-better).
+  dB figures are compared by difference and drawn as the power ratio 10^(Δ/10).
+* Runs on different devices are flagged and their performance rows are *not*
+  compared (verdict "device differs", exit code 3) unless ``allow_device_mismatch``;
+  a side whose rows come from several devices is refused.  Software differences
+  (torch, triton, CUDA, commit) are shown, since comparing them is often the point.
+* Performance rows without samples (and no time row to borrow from) get a verdict from
+  the threshold alone but never fail the gate: with no noise estimate a load swing on
+  the machine would.  Error figures without samples are deterministic (fixed seeds) and
+  do gate.
+* Stability: a timing row carries the verdict of the timing primitive (``stable``,
+  ``stability``; older records are judged here from their kept samples).  A performance
+  row that was unstable on either side gets the verdict "noisy", never "slower" or
+  "faster".  A side whose share of unstable timings is over ``max_unstable_share``
+  (default 25%) is not comparable: its performance rows do not gate and the exit code
+  is 3, with the share in the message.
+* Exit codes: 0 no regression; 1 a regression beyond the threshold (including a row
+  that ran in the base and failed in the candidate); 2 bad arguments / unreadable
+  inputs; 3 not comparable (device mismatch on performance rows, or too many unstable
+  timings).
+
+Modules: ``rules`` (directions, names), ``sides`` (reading and normalising a side),
+``stats`` (bootstrap, rank test, the verdict rule), ``comparison`` (``compare``,
+``Comparison``, ``Options``), ``text`` and ``html`` (outputs), ``cli`` (``perflab
+compare``) and ``baselines`` (``perflab baseline``).
+
+Baselines live in ``parameterized/baselines/<kind>/`` (``records.json``,
+``context.json``, ``baseline.json``) with ``<kind>`` = ``cpu`` or
+``cuda-<gpu-model>`` (``baseline_kind()``), written by ``perflab baseline refresh``.
+"""
+
+from __future__ import annotations
+
+from .baselines import PERFORMANCE_KINDS, baseline_main, run_for_baseline, store_baseline, timing_free
+from .cli import add_compare_options, main, options_from
+from .comparison import OUT_COLUMNS, Comparison, Options, compare, context_flags
+from .html import render_html
+from .rules import (
+    EXIT_INCOMPARABLE,
+    EXIT_OK,
+    EXIT_REGRESSION,
+    EXIT_USAGE,
+    HIGHER_DB,
+    HIGHER_PERF,
+    KEY,
+    LOWER_ERROR,
+    LOWER_MEMORY,
+    LOWER_TIME,
+    METRIC_RULES,
+    NEUTRAL,
+    NOISY,
+    UNIT_RULES,
+    WORSE_VERDICTS,
+    CompareError,
+    Direction,
+    direction,
+    direction_table,
+)
+from .sides import Side, baseline_kind, baselines_root, identity_keys, load_side, resolve_source
+from .stats import bootstrap_ratio, judge, rank_pvalues
+from .text import summary_text
+
+__all__ = [
+    "EXIT_INCOMPARABLE",
+    "EXIT_OK",
+    "EXIT_REGRESSION",
+    "EXIT_USAGE",
+    "HIGHER_DB",
+    "HIGHER_PERF",
+    "KEY",
+    "LOWER_ERROR",
+    "LOWER_MEMORY",
+    "LOWER_TIME",
+    "METRIC_RULES",
+    "NEUTRAL",
+    "NOISY",
+    "OUT_COLUMNS",
+    "PERFORMANCE_KINDS",
+    "UNIT_RULES",
+    "WORSE_VERDICTS",
+    "CompareError",
+    "Comparison",
+    "Direction",
+    "Options",
+    "Side",
+    "add_compare_options",
+    "baseline_kind",
+    "baseline_main",
+    "baselines_root",
+    "bootstrap_ratio",
+    "compare",
+    "context_flags",
+    "direction",
+    "direction_table",
+    "identity_keys",
+    "judge",
+    "load_side",
+    "main",
+    "options_from",
+    "rank_pvalues",
+    "render_html",
+    "resolve_source",
+    "run_for_baseline",
+    "store_baseline",
+    "summary_text",
+    "timing_free",
+]

@@ -1,0 +1,210 @@
+"""Stored baselines per device kind: ``parameterized/baselines/<kind>/`` (``records.json``,
+``context.json``, ``status.json``, ``baseline.json``), with ``<kind>`` = ``cpu`` or
+``cuda-<gpu-model>`` (``baseline_kind()``); ``perflab baseline refresh|check|show``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ...config import ConfigError
+from ...records import load_records
+from ..runner import SuiteError, parse_overrides, run_suite
+from .cli import add_compare_options, finish, options_from
+from .comparison import Options, compare
+from .rules import EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, CompareError, direction
+from .sides import baseline_kind, baselines_root, first_value, load_side
+
+PERFORMANCE_KINDS = ("performance", "memory")
+
+
+def timing_free(rows: pd.DataFrame) -> pd.DataFrame:
+    """Rows that do not depend on machine load: accuracy figures, counts, shapes."""
+    keep = [direction(m, u).kind not in PERFORMANCE_KINDS for m, u in zip(rows["metric"], rows["unit"].fillna(""))]
+    return rows[keep]
+
+
+def store_baseline(
+    report: str | Path,
+    *,
+    kind: str | None = None,
+    timing_free_only: bool = False,
+    allow_failed: bool = False,
+    root: Path | None = None,
+    command: str = "",
+) -> Path:
+    """Copy a finished report's records into ``parameterized/baselines/<kind>/``."""
+    report = Path(report)
+    if not report.is_dir() or not ((report / "records.json").exists() or (report / "records.parquet").exists()):
+        raise CompareError(f"{report} is not a finished report folder (no records.json / records.parquet)")
+    ctx = json.loads((report / "context.json").read_text()) if (report / "context.json").exists() else {}
+    status = json.loads((report / "status.json").read_text()) if (report / "status.json").exists() else []
+    failed = [s.get("notebook") for s in status if s.get("status") != "ok"]
+    if failed and not allow_failed:
+        raise CompareError(
+            f"{report}: notebook(s) failed ({', '.join(map(str, failed))}); a baseline must come from "
+            f"a clean run (or pass --allow-failed)"
+        )
+    rows = load_records(report)
+    if not ctx.get("device_kind"):
+        ctx["device_kind"] = first_value(rows, "device_kind")
+        ctx["device"] = first_value(rows, "device")
+    kind = kind or baseline_kind(ctx)
+    if timing_free_only:
+        rows = timing_free(rows)
+    rows = rows.copy()
+    if "samples" in rows.columns:
+        rows["samples"] = [
+            None
+            if s is None or (isinstance(s, float) and math.isnan(s))
+            else [float(x) for x in np.asarray(s, dtype=float).ravel()]
+            for s in rows["samples"]
+        ]
+    dest = (root or baselines_root()) / kind
+    tmp = dest.with_name(f".tmp-{kind}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    (tmp / "records.json").write_text(rows.to_json(orient="records", indent=0) + "\n")
+    keep_ctx = {k: v for k, v in ctx.items() if k not in ("notebooks",)}
+    (tmp / "context.json").write_text(json.dumps(keep_ctx, indent=1, default=str) + "\n")
+    (tmp / "status.json").write_text(json.dumps(status, indent=1) + "\n")
+    meta = {
+        "kind": kind,
+        "run_id": ctx.get("run_id") or report.name,
+        "suite": ctx.get("suite"),
+        "device": ctx.get("device"),
+        "timing_free": timing_free_only,
+        "rows": int(len(rows)),
+        "stored": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "source": str(report),
+        "command": command or "perflab baseline refresh",
+    }
+    (tmp / "baseline.json").write_text(json.dumps(meta, indent=1) + "\n")
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp.rename(dest)
+    return dest
+
+
+def run_for_baseline(suite: str, params: list[str] | None, out: str | None, only: list[str] | None = None):
+    return run_suite(suite, overrides=parse_overrides(params), out_dir=out, only=only)
+
+
+def baseline_main(argv: Sequence[str] | None = None) -> int:
+    """``perflab baseline refresh|check|show``."""
+    ap = argparse.ArgumentParser(
+        prog="perflab baseline", description="Stored baselines per device kind in parameterized/baselines/<kind>/."
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser(
+        "refresh", help="run a suite (or take a finished report) and store it as this device kind's baseline"
+    )
+    r.add_argument("--suite", default="smoke")
+    r.add_argument("--report", default=None, help="store this finished report instead of running the suite")
+    r.add_argument("--param", action="append", metavar="KEY=VALUE", help="parameter override for the run")
+    r.add_argument("--only", action="append", metavar="NOTEBOOK", help="run only this notebook of the suite")
+    r.add_argument("--kind", default=None, help="baseline kind (default: cpu or cuda-<gpu model> of the run)")
+    r.add_argument(
+        "--timing-free",
+        action="store_true",
+        help="store only rows that do not depend on machine load (accuracy figures, counts)",
+    )
+    r.add_argument("--allow-failed", action="store_true", help="store even if some notebooks failed")
+    r.add_argument("--out", default=None, help="reports folder for the run (default reports/)")
+    c = sub.add_parser(
+        "check", help="compare a fresh run (or --report) with the stored baseline; exit 1 on a regression"
+    )
+    c.add_argument("--suite", default="smoke")
+    c.add_argument("--report", default=None, help="compare this finished report instead of running the suite")
+    c.add_argument("--param", action="append", metavar="KEY=VALUE")
+    c.add_argument(
+        "--only",
+        action="append",
+        metavar="NOTEBOOK",
+        help="run only this notebook of the suite (the baseline's other notebooks then show as 'only in base')",
+    )
+    c.add_argument("--kind", default=None, help="baseline kind (default: the candidate's)")
+    c.add_argument("--run-out", default=None, help="reports folder for the fresh run (default reports/)")
+    add_compare_options(c)
+    s = sub.add_parser("show", help="list stored baselines")
+    s.add_argument("--kind", default=None)
+    a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        if a.cmd == "show":
+            root = baselines_root()
+            kinds = [a.kind] if a.kind else sorted(p.name for p in root.glob("*") if (p / "baseline.json").exists())
+            if not kinds:
+                print(f"no baselines under {root}")
+            for k in kinds:
+                f = root / k / "baseline.json"
+                if not f.exists():
+                    print(f"{k}: no baseline ({f} missing)")
+                    continue
+                m = json.loads(f.read_text())
+                print(
+                    f"{k}: {m.get('rows')} rows from run {m.get('run_id')} (suite {m.get('suite')}, "
+                    f"{'timing-free' if m.get('timing_free') else 'full'}) on {m.get('device')}, stored "
+                    f"{m.get('stored')}"
+                )
+            return EXIT_OK
+        if a.cmd == "refresh":
+            report = a.report
+            if report is None:
+                res = run_for_baseline(a.suite, a.param, a.out, a.only)
+                report = res.path
+                if not res.ok and not a.allow_failed:
+                    print(
+                        f"perflab baseline: the run {res.run_id} had failures; baseline not stored (see {res.index})",
+                        file=sys.stderr,
+                    )
+                    return EXIT_REGRESSION
+            cmdline = "perflab baseline refresh " + " ".join(argv if argv is not None else sys.argv[1:])
+            dest = store_baseline(
+                report,
+                kind=a.kind,
+                timing_free_only=a.timing_free,
+                allow_failed=a.allow_failed,
+                command=cmdline.strip(),
+            )
+            m = json.loads((dest / "baseline.json").read_text())
+            print(f"perflab baseline: stored {m['rows']} rows of {m['run_id']} as {dest}")
+            return EXIT_OK
+        # check
+        if a.report is None:
+            res = run_for_baseline(a.suite, a.param, a.run_out, a.only)
+            cand_ref = res.path
+        else:
+            cand_ref = a.report
+        cand = load_side(cand_ref, "candidate")
+        kind = a.kind or baseline_kind(cand.context)
+        bdir = baselines_root() / kind
+        if not (bdir / "baseline.json").exists():
+            print(
+                f"perflab baseline: no stored baseline for kind {kind!r} ({bdir}); create one with "
+                f"`perflab baseline refresh`",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        base = load_side(bdir, "baseline")
+        o = options_from(a)
+        if base.meta.get("timing_free") and o.only == "all":
+            o = Options(**{**o.__dict__, "only": "accuracy"})
+            print(f"perflab baseline: the {kind} baseline is timing-free: comparing accuracy rows only")
+        cmp = compare(base, cand, o)
+        return finish(cmp, a, "perflab baseline check")
+    except (CompareError, ConfigError) as e:
+        print(f"perflab baseline: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except SuiteError as e:
+        print(f"perflab baseline: {e}", file=sys.stderr)
+        return EXIT_USAGE

@@ -1,0 +1,547 @@
+"""The comparison: options, row-by-row verdicts, flags and the exit code."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from ...config import ConfigError
+from ...records import StabilitySummary, stability_summary
+from .html import render_html
+from .rules import (
+    EXIT_INCOMPARABLE,
+    EXIT_OK,
+    EXIT_REGRESSION,
+    KEY,
+    NOISY,
+    PER_TIME_SUFFIXES,
+    QUANTILE_STATISTICS,
+    WORSE_VERDICTS,
+    direction,
+)
+from .sides import Side, identity_keys, load_side, with_identity
+from .stats import bootstrap_ratio, judge, rank_pvalues
+from .text import summary_text
+
+
+@dataclass(frozen=True)
+class Options:
+    threshold: float = 0.05  # performance and memory: relative change that counts
+    accuracy_threshold: float = 0.10  # error figures (ratio metrics)
+    db_threshold: float = 0.5  # SQNR and other dB figures: absolute change in dB
+    confidence: float = 0.99
+    method: str = "bootstrap"  # "bootstrap" | "rank"
+    bootstrap: int = 2000
+    min_samples: int = 3
+    statistics: str = "default"  # "default" (no p20/p80) | "all"
+    only: str = "all"  # "all" | "performance" | "accuracy" (accuracy + other)
+    gate: str = "all"  # which kinds fail the gate: "all" | "performance" | "accuracy" | "none"
+    allow_device_mismatch: bool = False
+    max_unstable_share: float = 0.25  # a side with more unstable timings than this is not comparable
+
+    def __post_init__(self):
+        for name in ("threshold", "accuracy_threshold", "db_threshold"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ConfigError(name, v, "a finite number >= 0")
+        if not (0.5 <= self.confidence < 1):
+            raise ConfigError("confidence", self.confidence, "a number in [0.5, 1)")
+        if self.method not in ("bootstrap", "rank"):
+            raise ConfigError("method", self.method, "'bootstrap' or 'rank'")
+        if self.statistics not in ("default", "all"):
+            raise ConfigError("statistics", self.statistics, "'default' or 'all'")
+        if self.only not in ("all", "performance", "accuracy"):
+            raise ConfigError("only", self.only, "'all', 'performance' or 'accuracy'")
+        if self.gate not in ("all", "performance", "accuracy", "none"):
+            raise ConfigError("gate", self.gate, "'all', 'performance', 'accuracy' or 'none'")
+        v = self.max_unstable_share
+        if isinstance(v, bool) or not (isinstance(v, (int, float)) and 0 <= v <= 1):
+            raise ConfigError("max_unstable_share", v, "a number in [0, 1]")
+        if not (isinstance(self.bootstrap, int) and self.bootstrap >= 100):
+            raise ConfigError("bootstrap", self.bootstrap, "an integer >= 100")
+
+
+OUT_COLUMNS = [
+    "lab",
+    "experiment",
+    "variant",
+    "shape",
+    "dtype",
+    "metric",
+    "statistic",
+    "ident",
+    "occurrence",
+    "unit",
+    "kind",
+    "better",
+    "base",
+    "candidate",
+    "ratio",
+    "gain",
+    "lo",
+    "hi",
+    "p_value",
+    "n_base",
+    "n_cand",
+    "noise",
+    "verdict",
+    "note",
+    "regression",
+    "improvement",
+    "base_stable",
+    "cand_stable",
+    "base_stability",
+    "cand_stability",
+    "base_samples",
+    "cand_samples",
+]
+
+
+def kind_selected(kind: str, only: str) -> bool:
+    if only == "all":
+        return True
+    if only == "performance":
+        return kind in ("performance", "memory")
+    return kind in ("accuracy", "other")
+
+
+@dataclass
+class Comparison:
+    base: Side
+    cand: Side
+    options: Options
+    rows: pd.DataFrame  # one row per matched or one-sided key
+    flags: list[str]
+    device_mismatch: bool
+    failed_notebooks: list[str] = field(default_factory=list)  # ran in base, failed in candidate
+    stability: dict[str, StabilitySummary] = field(default_factory=dict)  # side label -> its timings' stability
+
+    @property
+    def too_noisy(self) -> dict[str, StabilitySummary]:
+        """Sides whose share of unstable timings is over ``max_unstable_share`` (when
+        performance rows are compared at all)."""
+        if self.options.only == "accuracy":
+            return {}
+        return {k: v for k, v in self.stability.items() if v.share > self.options.max_unstable_share}
+
+    # --- verdict summary
+    @property
+    def regressions(self) -> pd.DataFrame:
+        return self.rows[self.rows["regression"]]
+
+    @property
+    def improvements(self) -> pd.DataFrame:
+        return self.rows[self.rows["improvement"]]
+
+    def counts(self) -> dict[str, int]:
+        return {str(k): int(v) for k, v in self.rows["verdict"].value_counts().items()}
+
+    @property
+    def exit_code(self) -> int:
+        if len(self.regressions) or (self.failed_notebooks and self.options.gate != "none"):
+            return EXIT_REGRESSION
+        if self.device_mismatch and (self.rows["verdict"] == "device differs").any():
+            return EXIT_INCOMPARABLE
+        if self.too_noisy:
+            return EXIT_INCOMPARABLE
+        return EXIT_OK
+
+    def result_line(self) -> str:
+        n = len(self.regressions)
+        if n or self.exit_code == EXIT_REGRESSION:
+            nb = (
+                f"; notebook(s) that ran in the base failed in the candidate: {', '.join(self.failed_notebooks)}"
+                if self.failed_notebooks
+                else ""
+            )
+            return f"FAIL: {n} regression{'s' * (n != 1)} beyond threshold{nb} (exit {EXIT_REGRESSION})"
+        if self.exit_code == EXIT_INCOMPARABLE and self.device_mismatch:
+            return (
+                f"NOT COMPARABLE: devices differ ({self.base.device} vs {self.cand.device}); performance rows "
+                f"were not compared (--allow-device-mismatch to compare them) (exit {EXIT_INCOMPARABLE})"
+            )
+        if self.exit_code == EXIT_INCOMPARABLE:
+            sides = "; ".join(f"{k}: {v}" for k, v in self.too_noisy.items())
+            return (
+                f"NOT COMPARABLE: too many unstable timings ({sides}; limit {self.options.max_unstable_share:.0%}); "
+                f"their machine was too busy to time on, performance rows were not gated (exit {EXIT_INCOMPARABLE})"
+            )
+        return "OK: no regression beyond threshold (exit 0)"
+
+    # --- outputs
+    def summary_text(self, limit: int = 40) -> str:
+        return summary_text(self, limit=limit)
+
+    def to_html(self) -> str:
+        return render_html(self)
+
+    def to_json(self) -> dict:
+        cols = [c for c in self.rows.columns if c not in ("base_samples", "cand_samples")]
+        recs = json.loads(self.rows[cols].to_json(orient="records"))
+        return {
+            "base": side_json(self.base),
+            "candidate": side_json(self.cand),
+            "options": self.options.__dict__,
+            "flags": self.flags,
+            "counts": self.counts(),
+            "exit_code": self.exit_code,
+            "result": self.result_line(),
+            "stability": {
+                k: {"timings": v.timings, "unstable": v.unstable, "share": v.share, "examples": list(v.examples)}
+                for k, v in self.stability.items()
+            },
+            "rows": recs,
+        }
+
+    def write(self, out_dir: str | Path) -> dict[str, Path]:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = {"html": out / "compare.html", "text": out / "summary.txt", "json": out / "compare.json"}
+        paths["html"].write_text(self.to_html(), encoding="utf-8")
+        paths["text"].write_text(self.summary_text(limit=10_000), encoding="utf-8")
+        paths["json"].write_text(json.dumps(self.to_json(), indent=1, default=str), encoding="utf-8")
+        return paths
+
+
+def side_json(s: Side) -> dict:
+    keep = (
+        "device",
+        "device_kind",
+        "torch_version",
+        "triton_version",
+        "cuda_version",
+        "python_version",
+        "commit",
+        "timestamp",
+        "run_id",
+        "suite",
+        "host",
+    )
+    return {
+        "label": s.label,
+        "source": s.source,
+        "context": {k: s.context.get(k) for k in keep if k in s.context},
+        "meta": s.meta,
+    }
+
+
+SOFTWARE_FIELDS = ("torch_version", "triton_version", "cuda_version", "python_version", "triton_interpret")
+
+
+def context_flags(base: Side, cand: Side) -> tuple[list[str], bool]:
+    flags = []
+    bd, cd = base.context.get("device", ""), cand.context.get("device", "")
+    mismatch = bool(bd and cd and bd != cd) or (
+        base.context.get("device_kind")
+        and cand.context.get("device_kind")
+        and base.context.get("device_kind") != cand.context.get("device_kind")
+    )
+    if mismatch:
+        flags.append(
+            f"DEVICE DIFFERS: base ran on {bd or '?'} ({base.context.get('device_kind')}), candidate on "
+            f"{cd or '?'} ({cand.context.get('device_kind')})"
+        )
+    bi, ci = base.context.get("device_info") or {}, cand.context.get("device_info") or {}
+    if not mismatch and bi and ci:
+        for k in ("units", "memory_bytes", "capability", "threads"):
+            if k in bi and k in ci and bi[k] != ci[k]:
+                flags.append(f"device setup differs: {k} {bi[k]} -> {ci[k]}")
+    for k in SOFTWARE_FIELDS:
+        b, c = base.context.get(k), cand.context.get(k)
+        if (b or c) and str(b) != str(c):
+            flags.append(f"software differs: {k.replace('_version', '')} {b} -> {c}")
+    b, c = base.context.get("commit"), cand.context.get("commit")
+    if b and c and b != c:
+        flags.append(f"commit differs: {b} -> {c}")
+    for side in (base, cand):
+        for k, vals in getattr(side, "mixed", {}).items():
+            flags.append(
+                f"{side.label}: its rows come from different {k.replace('_version', '')} values "
+                f"({', '.join(vals)}): a run that spanned commits, or records gathered from several runs?"
+            )
+        bad = [s.get("notebook") for s in side.status if s.get("status") != "ok"]
+        if bad:
+            flags.append(f"{side.label}: notebook(s) failed, their rows are missing: {', '.join(map(str, bad))}")
+    return flags, bool(mismatch)
+
+
+def compare(base: Side | str | Path, cand: Side | str | Path, options: Options | None = None, **kw) -> Comparison:
+    """Compare two runs.  ``base``/``cand``: a ``Side`` or anything ``load_side`` reads."""
+    o = options or Options(**kw)
+    if not isinstance(base, Side):
+        base = load_side(base, "base")
+    if not isinstance(cand, Side):
+        cand = load_side(cand, "candidate")
+    flags, mismatch = context_flags(base, cand)
+    b, c = base.rows, cand.rows
+    if o.statistics == "default":
+        b = b[~b["statistic"].isin(QUANTILE_STATISTICS)]
+        c = c[~c["statistic"].isin(QUANTILE_STATISTICS)]
+    ids = identity_keys(b, c)
+    b, c = with_identity(b, ids), with_identity(c, ids)
+    key = KEY + ["ident", "occurrence"]
+    m = b.merge(c, on=key, how="outer", suffixes=("_b", "_c"), indicator=True)
+    if ids:
+        flags.append(f"rows sharing a key are told apart by their extra field(s): {', '.join(ids)}")
+    for side_df, lab in ((b, "base"), (c, "candidate")):
+        dups = side_df[side_df["occurrence"] > 1]
+        if len(dups):
+            flags.append(
+                f"{lab}: {len(dups)} row(s) repeat a key (lab, experiment, variant, shape, dtype, metric, "
+                f"statistic, extra); they are matched in order of appearance and numbered, not averaged"
+            )
+
+    # noise of time rows, borrowed by the per-time rows of the same group
+    out = []
+    group_cols = ["lab", "experiment", "variant", "shape", "dtype", "ident", "occurrence"]
+    time_gain: dict[tuple, tuple[float, float, float, float, bool]] = {}
+
+    def row_base(r) -> dict:
+        unit = next((u for u in (r.get("unit_b"), r.get("unit_c")) if isinstance(u, str) and u), "")
+        d = direction(r["metric"], unit)
+        return dict(
+            lab=r["lab"],
+            experiment=r["experiment"],
+            variant=r["variant"],
+            shape=r["shape"],
+            dtype=r["dtype"],
+            metric=r["metric"],
+            statistic=r["statistic"],
+            ident=r["ident"],
+            occurrence=int(r["occurrence"]),
+            unit=unit,
+            kind=d.kind,
+            better=d.better,
+            base=r.get("value_b"),
+            candidate=r.get("value_c"),
+            ratio=math.nan,
+            gain=math.nan,
+            lo=math.nan,
+            hi=math.nan,
+            p_value=math.nan,
+            n_base=0,
+            n_cand=0,
+            noise="",
+            verdict="",
+            note="",
+            regression=False,
+            improvement=False,
+            base_stable=stable_flag(r.get("stable_b")),
+            cand_stable=stable_flag(r.get("stable_c")),
+            base_stability=reason_text(r.get("stability_b")),
+            cand_stability=reason_text(r.get("stability_c")),
+            base_samples=None,
+            cand_samples=None,
+        ), d
+
+    pending_derived = []
+    for _, r in m.iterrows():
+        row, d = row_base(r)
+        if not kind_selected(d.kind, o.only):
+            continue
+        if r["_merge"] == "left_only":
+            row.update(verdict="only in base", note="missing in candidate", base=r["value_b"], candidate=math.nan)
+            out.append(row)
+            continue
+        if r["_merge"] == "right_only":
+            row.update(verdict="only in candidate", note="new in candidate", base=math.nan, candidate=r["value_c"])
+            out.append(row)
+            continue
+        fb, fc = bool(r["failed_b"]), bool(r["failed_c"])
+        if fb or fc:
+            v = {(True, True): "failed both", (False, True): "failed", (True, False): "fixed"}[(fb, fc)]
+            row.update(
+                verdict=v,
+                note="ran in base, failed in candidate"
+                if v == "failed"
+                else ("failed in base, runs in candidate" if v == "fixed" else ""),
+            )
+            out.append(row)
+            continue
+        if mismatch and d.kind in ("performance", "memory") and not o.allow_device_mismatch:
+            row.update(verdict="device differs", note="not compared: runs on different devices")
+            out.append(row)
+            continue
+        vb, vc = float(r["value_b"]), float(r["value_c"])
+        sb, sc = r["samples_b"], r["samples_c"]
+        row.update(
+            n_base=0 if sb is None else int(sb.size),
+            n_cand=0 if sc is None else int(sc.size),
+            base_samples=sb,
+            cand_samples=sc,
+        )
+        if not (math.isfinite(vb) and math.isfinite(vc)):
+            row.update(verdict="no value", note="a value is NaN or infinite")
+            out.append(row)
+            continue
+        delta = None
+        if d.scale == "db":
+            delta = vc - vb
+            row["ratio"] = vc / vb if vb != 0 else math.nan
+            gain = 10 ** ((delta if d.better == "higher" else -delta) / 10)
+        elif vb == 0 or vc == 0:
+            if vb == vc:
+                gain, row["ratio"] = 1.0, 1.0
+            else:
+                row["ratio"] = math.inf if vb == 0 else 0.0
+                worse = (vc > vb) if d.better == "lower" else (vc < vb)
+                gain = 0.0 if worse else math.inf
+        else:
+            row["ratio"] = vc / vb
+            gain = vb / vc if d.better == "lower" else vc / vb
+        row["gain"] = gain
+        have = sb is not None and sc is not None and sb.size >= o.min_samples and sc.size >= o.min_samples
+        lo = hi = pw = pb = math.nan
+        if have and d.scale == "ratio" and vb > 0 and vc > 0:
+            rlo, rhi = bootstrap_ratio(sb, sc, n=o.bootstrap, confidence=o.confidence)
+            lo, hi = (1 / rhi, 1 / rlo) if d.better == "lower" else (rlo, rhi)
+            if o.method == "rank":
+                thr = o.accuracy_threshold if d.kind == "accuracy" else o.threshold
+                pw, pb = rank_pvalues(sb, sc, 1 + thr, d.better)
+            row["noise"] = f"bootstrap {int(o.confidence * 100)}%" + (" + rank test" if o.method == "rank" else "")
+            time_gain[tuple(r[c] for c in group_cols) + (r["metric"],)] = (gain, lo, hi, pw, pb)
+        elif have:
+            row["note"] = "samples kept but not usable for a ratio"
+        if d.kind == "performance" and not have and r["metric"].endswith(PER_TIME_SUFFIXES):
+            pending_derived.append((row, d, delta, r))
+            out.append(row)
+            continue
+        verdict, note = judge(gain, lo, hi, pw, pb, d, o, delta=delta)
+        row.update(lo=lo, hi=hi, p_value=min(pw, pb), verdict=verdict, note=note or row["note"])
+        out.append(row)
+
+    for row, d, delta, r in pending_derived:
+        suffix = next(s for s in PER_TIME_SUFFIXES if r["metric"].endswith(s))
+        tkey = tuple(r[c] for c in group_cols) + (r["metric"][: -len(suffix)] + "time",)
+        lo = hi = pw = pb = math.nan
+        if tkey in time_gain:
+            tg, tlo, thi, tpw, tpb = time_gain[tkey]
+            g = row["gain"]
+            if math.isfinite(g) and g > 0 and tg > 0:
+                # same bytes (flops) over the same times: the ratio moves with the time's ratio
+                lo, hi, pw, pb = g * tlo / tg, g * thi / tg, tpw, tpb
+                row["noise"] = "from the time row's samples"
+        verdict, note = judge(row["gain"], lo, hi, pw, pb, d, o, delta=delta)
+        row.update(lo=lo, hi=hi, p_value=min(pw, pb), verdict=verdict, note=note)
+
+    df = pd.DataFrame(out, columns=OUT_COLUMNS)
+    stability = {side.label: stability_summary(side.rows) for side in (base, cand)}
+    too_noisy = o.only != "accuracy" and any(v.share > o.max_unstable_share for v in stability.values())
+    for label, v in stability.items():
+        if v.unstable:
+            over = v.share > o.max_unstable_share
+            flags.append(
+                f"{label}: {v}"
+                + (
+                    f", over the limit of {o.max_unstable_share:.0%}: not comparable, performance rows not gated"
+                    if over
+                    else ": their rows are 'noisy', never slower or faster"
+                )
+            )
+    if len(df):
+        mark_noisy(df)
+        gated = df["kind"].map(
+            lambda k: (
+                o.gate == "all"
+                or (o.gate == "performance" and k in ("performance", "memory"))
+                or (o.gate == "accuracy" and k == "accuracy")
+            )
+        )
+        # a performance figure without kept samples has no noise estimate: shown, never gated
+        # (a machine-load swing would fail the gate); deterministic accuracy figures do gate
+        unmeasured_noise = (
+            df["kind"].isin(("performance", "memory")) & (df["noise"] == "") & (df["verdict"] != "failed")
+        )
+        df.loc[unmeasured_noise & df["verdict"].isin(WORSE_VERDICTS), "note"] = (
+            "no samples, so no noise estimate: not gated"
+        )
+        df["regression"] = df["verdict"].isin(WORSE_VERDICTS) & gated & ~unmeasured_noise
+        if too_noisy:  # timings of a run this noisy are no evidence; accuracy figures still gate
+            df.loc[df["kind"] == "performance", "regression"] = False
+        df["improvement"] = df["verdict"].isin(("faster", "more accurate", "less memory", "fixed"))
+        order = {
+            "failed": 0,
+            "slower": 1,
+            "less accurate": 1,
+            "more memory": 1,
+            "changed": 2,
+            NOISY: 2,
+            "device differs": 3,
+            "only in base": 4,
+            "only in candidate": 5,
+            "no value": 6,
+            "failed both": 6,
+            "faster": 7,
+            "more accurate": 7,
+            "less memory": 7,
+            "fixed": 7,
+            "same": 8,
+        }
+        df["_o"] = df["verdict"].map(order).fillna(9)
+        df = (
+            df.sort_values(["_o", "lab", "experiment", "variant", "shape", "dtype", "metric"], kind="stable")
+            .drop(columns="_o")
+            .reset_index(drop=True)
+        )
+    n_b, n_c = (df["verdict"] == "only in base").sum(), (df["verdict"] == "only in candidate").sum()
+    if n_b or n_c:
+        flags.append(f"{n_b} row(s) only in base, {n_c} only in candidate: listed, not compared")
+    return Comparison(
+        base=base,
+        cand=cand,
+        options=o,
+        rows=df,
+        flags=flags,
+        device_mismatch=mismatch,
+        failed_notebooks=newly_failed(base, cand),
+        stability=stability,
+    )
+
+
+def stable_flag(v) -> bool | None:
+    """True / False / None (not a timing, or not judged) from a merged column's value."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return None
+    return bool(v)
+
+
+def reason_text(v) -> str:
+    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+
+
+#: verdicts a noisy timing does not override: they are about the row's presence or failure
+KEEP_VERDICTS = ("failed", "fixed", "failed both", "only in base", "only in candidate", "device differs", "no value")
+
+
+def mark_noisy(df: pd.DataFrame) -> None:
+    """Performance rows whose timing was unstable on either side get the verdict "noisy"
+    (never slower/faster); the note names the side and the reason, and what the point
+    estimate alone would have said."""
+    for i in df.index:
+        r = df.loc[i]
+        if r["kind"] != "performance" or r["verdict"] in KEEP_VERDICTS:
+            continue
+        bad = [side for side in ("base", "cand") if stable_flag(r[f"{side}_stable"]) is False]
+        if not bad:
+            continue
+        why = "; ".join(
+            f"{'base' if side == 'base' else 'candidate'}: {r[f'{side}_stability'] or 'unstable'}" for side in bad
+        )
+        was = f" (the point estimate alone: {r['verdict']})" if r["verdict"] not in ("same", "") else ""
+        df.at[i, "verdict"] = NOISY
+        df.at[i, "note"] = f"unstable timing, not judged{was}: {why}"
+
+
+def newly_failed(base: Side, cand: Side) -> list[str]:
+    """Notebooks that failed in the candidate but ran (or left rows) in the base."""
+    ok_in_base = {s.get("notebook") for s in base.status if s.get("status") == "ok"}
+    if "notebook" in base.rows.columns:
+        ok_in_base |= {str(n) for n in base.rows["notebook"].dropna().unique()}
+    ok_in_base |= {str(n) for n in base.rows["lab"].unique()}
+    return sorted(
+        str(s.get("notebook")) for s in cand.status if s.get("status") != "ok" and s.get("notebook") in ok_in_base
+    )
