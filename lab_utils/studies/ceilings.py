@@ -6,7 +6,7 @@ Bytes and FLOPs are counted, never inferred from time:
 |--------|----------------------------------------|----------------|
 | copy   | 2·N·s   (read N, write N)              | 0              |
 | add    | 3·N·s   (read 2N, write N)             | N              |
-| gelu   | 2·N·s                                  | 8·N (tanh form, counted as 8 ops/elt) |
+| gelu   | 2·N·s                                  | 9·N (tanh form: `lab_utils.flops.GELU_TANH_FLOPS`) |
 | matmul | 3·n²·s  (read A and B, write C)        | 2·n³           |
 
 N elements, s bytes per element, n×n matrices.
@@ -24,13 +24,13 @@ from ..ceilings import Ceilings, get_ceilings
 from ..config import ConfigError, LabConfig, check_bool, check_choice, check_choices, check_int, check_int_list
 from ..device import DATASHEET, pick_device
 from ..dtypes import DTYPES, LAB_DTYPES
+from ..flops import GELU_TANH_FLOPS, matmul_flops
 from ..plots import init, roofline_plot
 from ..records import Recorder
 from ..roofline import roofline
 from ..timing import try_bench
 
 OPS = ("copy", "add", "gelu", "matmul")
-GELU_FLOPS_PER_ELT = 8
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,9 @@ def op_cost(op: str, size: int, dtype: torch.dtype) -> tuple[int, int]:
     if op == "add":
         return 3 * size * s, size
     if op == "gelu":
-        return 2 * size * s, GELU_FLOPS_PER_ELT * size
+        return 2 * size * s, GELU_TANH_FLOPS * size
     if op == "matmul":
-        return 3 * size * size * s, 2 * size**3
+        return 3 * size * size * s, int(matmul_flops(size, size, size))
     raise ValueError(f"op={op!r} is not one of {OPS}")
 
 
