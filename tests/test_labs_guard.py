@@ -4,6 +4,7 @@ checked (a changed output fails nbval under the project's own pytest options).""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -174,3 +175,30 @@ def test_every_parameter_is_seen_by_papermill(lab):
         f"{path.name}: papermill cannot parse the parameter line(s) of {missing} "
         f"(keep ':' and '=' out of their comments)"
     )
+
+
+MAX_CELL_LINES = 15
+
+
+def test_cells_are_calls_into_a_study_module(lab):
+    """Beyond the parameters, a cell is a few calls and a plot: no functions or classes
+    defined, no loops, no records written by hand (``rec.add``), no long cells. Logic a test
+    would want to call belongs in ``lab_utils.studies``."""
+    path, nb = lab
+    code = [c for c in nb.cells if c.cell_type == "code"][1:]
+    problems = []
+    for i, cell in enumerate(code, start=2):
+        src = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!")))
+        tree = ast.parse(src)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                problems.append(f"code cell {i} defines {node.name!r}")
+            elif isinstance(node, (ast.For, ast.While, ast.AsyncFor)):
+                problems.append(f"code cell {i} has a loop (line {node.lineno})")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add":
+                if isinstance(node.func.value, ast.Name) and node.func.value.id == "rec":
+                    problems.append(f"code cell {i} writes records by hand (rec.add, line {node.lineno})")
+        n = len([line for line in cell.source.splitlines() if line.strip() and not line.strip().startswith("#")])
+        if n > MAX_CELL_LINES:
+            problems.append(f"code cell {i} has {n} lines (at most {MAX_CELL_LINES})")
+    assert not problems, f"{path.name}: " + "; ".join(problems)
