@@ -1,0 +1,12 @@
+"""Distributed training of the MMDiT on torch.distributed (gloo on CPU, NCCL on GPUs).
+
+``spec`` (what a run does, validated), ``launch`` (ranks on this machine, watchdog),
+``worker`` (one rank; also what torchrun starts), ``parallel`` (DDP / FSDP2 / HSDP / TP
+on a DeviceMesh), ``context_parallel`` (ring and Ulysses attention), ``comm`` (collectives
+and overlap from traces, alpha-beta model), ``projection`` (flux-dev at 8..1024 GPUs).
+"""
+
+from .launch import DistResult, DistRunError, launch
+from .spec import COMPONENTS, STRATEGIES, DistConfig, Mesh, components
+
+__all__ = ["COMPONENTS", "STRATEGIES", "DistConfig", "DistResult", "DistRunError", "Mesh", "components", "launch"]

@@ -1,0 +1,192 @@
+"""Context parallelism for the MMDiT's joint text+image attention.
+
+Design note
+-----------
+Each context-parallel (CP) rank holds a contiguous shard of the text tokens and a
+shard of the image tokens; the model concatenates them into its local part of the
+joint sequence.  Every token-wise op (norms, modulation, projections, RoPE with the
+shard's own position ids, the MLP) is then local; only attention needs all keys.
+FLUX's joint attention is unmasked and not causal, so the order of the key shards does
+not matter and the local ``cat([txt_shard, img_shard])`` is a valid shard.
+
+Two schemes, both swapped in for ``F.scaled_dot_product_attention`` by
+:class:`ContextParallelAttention`, a ``TorchFunctionMode`` active over forward *and*
+backward (activation checkpointing recomputes attention inside the backward):
+
+* ring attention (:class:`RingAttention`): K/V blocks travel round the CP ring by
+  point-to-point send/recv (the next exchange is posted before the current block is
+  computed, so it overlaps); each block's partial softmax is merged online with its
+  log-sum-exp.  The backward sends (K, V, dK, dV) round the ring again: each rank adds
+  its block's contribution to dK/dV, which arrive back at their owner after CP hops.
+* Ulysses: an all-to-all turns (heads, sequence shard) into (head shard, full
+  sequence), attention runs locally on H/CP heads, and the inverse all-to-all goes
+  back.  Needs heads (per TP rank) divisible by CP.
+
+Math runs in float32 (float64 stays float64); outputs take the input dtype.
+Shapes: B batch, H heads, Lq/Lk local tokens, Dh head dim, n = CP degree.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+CP_SCHEMES = ("ring", "ulysses")
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _ring_exchange(group, tensors: list[torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
+    """Post send of ``tensors`` to the next rank and recv of the same shapes from the previous one."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    nxt = dist.get_global_rank(group, (me + 1) % n)
+    prv = dist.get_global_rank(group, (me - 1) % n)
+    tensors = [t.contiguous() for t in tensors]
+    recv = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, prv, group) for r in recv]
+    return dist.batch_isend_irecv(ops), recv
+
+
+def _block_attention(q, k, v, scale):
+    """Partial attention of q over one K/V block: (out (B H Lq Dh), lse (B H Lq))."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # B H Lq Lk
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse[..., None]), v), lse
+
+
+class RingAttention(torch.autograd.Function):
+    """Exact softmax attention over the K/V shards of every rank in ``group`` (no mask)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale):
+        dt = _math_dtype(q.dtype)
+        qf, kf, vf = q.to(dt), k.to(dt), v.to(dt)
+        n = dist.get_world_size(group)
+        out = lse = None
+        cur_k, cur_v = kf.contiguous(), vf.contiguous()
+        for step in range(n):
+            reqs, nxt = _ring_exchange(group, [cur_k, cur_v]) if step < n - 1 else ([], None)
+            o_b, lse_b = _block_attention(qf, cur_k, cur_v, scale)
+            if out is None:
+                out, lse = o_b, lse_b
+            else:  # online-softmax merge of two normalised partial results
+                new = torch.logaddexp(lse, lse_b)
+                out = out * torch.exp(lse - new)[..., None] + o_b * torch.exp(lse_b - new)[..., None]
+                lse = new
+            for r in reqs:
+                r.wait()
+            if nxt is not None:
+                cur_k, cur_v = nxt
+        ctx.save_for_backward(qf, kf, vf, out, lse)
+        ctx.group, ctx.scale, ctx.in_dtype = group, scale, q.dtype
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        qf, kf, vf, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        n = dist.get_world_size(group)
+        do = d_out.to(qf.dtype)
+        delta = (do * out).sum(-1)  # B H Lq
+        dq = torch.zeros_like(qf)
+        cur = [kf.contiguous(), vf.contiguous(), torch.zeros_like(kf), torch.zeros_like(vf)]
+        for step in range(n):
+            k_b, v_b, dk_b, dv_b = cur
+            p = torch.exp(torch.matmul(qf, k_b.transpose(-1, -2)) * scale - lse[..., None])  # B H Lq Lk
+            dv_b = dv_b + torch.matmul(p.transpose(-1, -2), do)
+            ds = p * (torch.matmul(do, v_b.transpose(-1, -2)) - delta[..., None])
+            dq = dq + torch.matmul(ds, k_b) * scale
+            dk_b = dk_b + torch.matmul(ds.transpose(-1, -2), qf) * scale
+            # K/V are not needed after the last hop; their gradients travel home.
+            send = [k_b, v_b, dk_b, dv_b] if step < n - 1 else [dk_b, dv_b]
+            reqs, recv = _ring_exchange(group, send)
+            for r in reqs:
+                r.wait()
+            cur = recv if step < n - 1 else [None, None, *recv]
+        dk, dv = cur[2], cur[3]
+        dt = ctx.in_dtype
+        return dq.to(dt), dk.to(dt), dv.to(dt), None, None
+
+
+def ring_attention(q, k, v, group, scale: float | None = None) -> torch.Tensor:
+    """Attention of local q (B H Lq Dh) over the keys of all ranks in ``group``."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if dist.get_world_size(group) == 1:
+        return _block_attention(
+            q.to(_math_dtype(q.dtype)), k.to(_math_dtype(q.dtype)), v.to(_math_dtype(q.dtype)), scale
+        )[0].to(q.dtype)
+    return RingAttention.apply(q, k, v, group, scale)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Equal-split all_to_all_single along dim 0; its adjoint is the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        out = torch.empty_like(g)
+        dist.all_to_all_single(out, g, group=ctx.group)
+        return out, None
+
+
+def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, H, Ls, Dh) sequence shard -> (B, H/n, n*Ls, Dh) head shard (shards in rank order)."""
+    n = dist.get_world_size(group)
+    b, h, ls, d = x.shape
+    send = x.reshape(b, n, h // n, ls, d).permute(1, 0, 2, 3, 4)  # n B H/n Ls Dh: chunk j goes to rank j
+    recv = _AllToAll.apply(send, group)  # n B H/n Ls Dh: chunk j came from rank j
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * ls, d)
+
+
+def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of :func:`seq_to_heads`: (B, H/n, n*Ls, Dh) -> (B, H, Ls, Dh)."""
+    n = dist.get_world_size(group)
+    b, hn, lfull, d = x.shape
+    send = x.reshape(b, hn, n, lfull // n, d).permute(2, 0, 1, 3, 4)  # n B H/n Ls Dh
+    recv = _AllToAll.apply(send, group)
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, n * hn, lfull // n, d)
+
+
+def ulysses_attention(q, k, v, group, scale: float | None = None) -> torch.Tensor:
+    """Attention over the full sequence via all-to-all: local heads, all tokens."""
+    qh, kh, vh = (seq_to_heads(t, group) for t in (q, k, v))
+    o = F.scaled_dot_product_attention(qh, kh, vh, scale=scale)
+    return heads_to_seq(o, group)
+
+
+class ContextParallelAttention(TorchFunctionMode):
+    """Within this mode, ``F.scaled_dot_product_attention`` (unmasked, non-causal) runs
+    as ring or Ulysses attention over the sequence shards of ``group``."""
+
+    def __init__(self, group, scheme: str = "ring"):
+        super().__init__()
+        if scheme not in CP_SCHEMES:
+            raise ValueError(f"scheme {scheme!r} is not one of {CP_SCHEMES}")
+        self.group, self.scheme, self.calls = group, scheme, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        if mask is not None or kwargs.get("is_causal") or kwargs.get("dropout_p", 0.0):
+            raise NotImplementedError("context-parallel attention takes no mask, causal flag or dropout")
+        self.calls += 1
+        fn = ring_attention if self.scheme == "ring" else ulysses_attention
+        return fn(q, k, v, self.group, kwargs.get("scale"))

@@ -1,0 +1,203 @@
+"""Start the ranks of a run on this machine, watch them, and collect what they wrote.
+
+:func:`launch` is what the notebook and ``python -m lab_utils.distributed run`` call.
+It starts ``world_size`` processes of ``python -m lab_utils.distributed worker`` with
+the environment torchrun would give them (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``; ``OMP_NUM_THREADS=1``), each in its
+own session so that the whole process group of a rank can be ended.  While they run it
+tails their progress files (live progress bar) and ends the run, reporting why, when
+
+* a rank exits with an error: its traceback (``error-rank{r}.txt``) is the report;
+* no rank reports progress for ``hang_timeout_s`` (watchdog: a hung rank stalls every
+  collective, so the whole run stops progressing);
+* the run exceeds ``timeout_s``.
+
+Every rank is then sent SIGTERM, and SIGKILL after a grace period; :func:`launch`
+returns only when every process it started has exited.
+
+More than one machine: the same worker runs under torchrun's rendezvous, e.g. on each
+of 2 nodes with 8 GPUs::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint HEAD_NODE:29500 --rdzv-id perflab-06 \\
+        -m lab_utils.distributed worker --spec spec.json --out runs/fsdp
+
+with ``spec.json`` from ``DistConfig(...).to_json()`` (``world_size`` = nodes x GPUs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .comm import CollectiveEvent
+from .spec import DistConfig
+
+GRACE_S = 3.0
+POLL_S = 0.1
+
+
+class DistRunError(RuntimeError):
+    """A run that ended early: ``kind`` is "raised", "hang" or "timeout"; ``rank`` the failing rank if known."""
+
+    def __init__(self, kind: str, message: str, rank: int | None = None, out: Path | None = None):
+        self.kind, self.rank, self.out = kind, rank, out
+        super().__init__(message)
+
+
+@dataclass
+class DistResult:
+    cfg: DistConfig
+    out: Path
+    wall_s: float
+    ranks: list[dict] = field(default_factory=list)  # result-rank{r}.json, in rank order
+    pids: list[int] = field(default_factory=list)
+
+    @property
+    def losses(self) -> list[float]:
+        lo = self.ranks[0]["losses"]
+        return [lo[k] for k in sorted(lo, key=int)]
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        return torch.load(self.out / "grads.pt")
+
+    def collectives(self, rank: int) -> list[CollectiveEvent]:
+        return [CollectiveEvent(**c) for c in self.ranks[rank].get("collectives", [])]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.05))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+class _Tail:
+    """New lines of the ranks' progress files since the last call."""
+
+    def __init__(self, out: Path, world: int):
+        self.files = [out / f"progress-rank{r}.jsonl" for r in range(world)]
+        self.offsets = [0] * world
+
+    def read(self) -> list[dict]:
+        events = []
+        for i, f in enumerate(self.files):
+            if not f.exists():
+                continue
+            with f.open() as fh:
+                fh.seek(self.offsets[i])
+                chunk = fh.read()
+            complete = chunk[: chunk.rfind("\n") + 1]
+            self.offsets[i] += len(complete)
+            events += [json.loads(line) for line in complete.splitlines() if line.strip()]
+        return events
+
+
+def launch(cfg: DistConfig, out: str | Path | None = None, *, progress: bool = True, desc: str = "") -> DistResult:
+    """Run ``cfg`` on ``cfg.world_size`` local processes; raise :class:`DistRunError` when it fails."""
+    out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="perflab-dist-"))
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*-rank*.*"):
+        old.unlink()
+    spec = out / "spec.json"
+    spec.write_text(cfg.to_json())
+    port, world = free_port(), cfg.world_size
+    root = Path(__file__).resolve().parents[2]
+    procs: list[subprocess.Popen] = []
+    t0 = time.monotonic()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm  # noqa: PLC0415  (progress bar only when asked; tqdm imports ipywidgets in notebooks)
+
+        bar = tqdm(total=cfg.steps * world, desc=desc or f"{cfg.strategy} x{world}", leave=False)
+    try:
+        for r in range(world):
+            env = {
+                **os.environ,
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+            }
+            log = (out / f"log-rank{r}.txt").open("w")
+            cmd = [sys.executable, "-m", "lab_utils.distributed", "worker", "--spec", str(spec), "--out", str(out)]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            log.close()
+        tail = _Tail(out, world)
+        last_progress = time.monotonic()
+        last_step = dict.fromkeys(range(world), 0)
+        while True:
+            time.sleep(POLL_S)
+            now = time.monotonic()
+            for ev in tail.read():
+                last_progress = now
+                if ev["event"] == "step":
+                    last_step[ev["rank"]] = ev["step"]
+                    if bar is not None:
+                        bar.update(1)
+                        if ev["rank"] == 0:
+                            bar.set_postfix(loss=f"{ev['loss']:.4f}")
+            codes = [p.poll() for p in procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                r = failed[0]
+                err = out / f"error-rank{r}.txt"
+                why = err.read_text().strip() if err.exists() else (out / f"log-rank{r}.txt").read_text()[-4000:]
+                raise DistRunError(
+                    "raised", f"rank {r} failed (exit code {codes[r]}) and the run was ended:\n{why}", r, out
+                )
+            if all(c == 0 for c in codes):
+                break
+            if now - last_progress > cfg.hang_timeout_s:
+                raise DistRunError(
+                    "hang",
+                    f"watchdog: no rank reported progress for {cfg.hang_timeout_s:g} s (last step per rank: "
+                    f"{last_step}); the run was ended",
+                    None,
+                    out,
+                )
+            if now - t0 > cfg.timeout_s:
+                raise DistRunError(
+                    "timeout", f"the run exceeded timeout_s = {cfg.timeout_s:g} s and was ended", None, out
+                )
+    finally:
+        _kill_all(procs)
+        if bar is not None:
+            bar.close()
+    ranks = [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(world)]
+    return DistResult(cfg, out, time.monotonic() - t0, ranks, [p.pid for p in procs])

@@ -1,0 +1,197 @@
+"""One rank of a distributed run: ``python -m lab_utils.distributed worker --spec FILE --out DIR``.
+
+The rank reads its identity from the environment torchrun (or :mod:`.launch`) sets
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), joins the
+process group, builds the MMDiT with the single-process seed, wraps it per strategy,
+and trains ``steps`` steps on deterministic synthetic batches: every rank draws the
+*global* batch, noise and timesteps of step ``s`` from the same seed and keeps its
+data-parallel rows and context-parallel token shards, so the run is comparable with
+the single-process one element by element.
+
+It writes into DIR: ``progress-rank{r}.jsonl`` (one line per event, read live by the
+launcher's watchdog), ``result-rank{r}.json`` (losses, step times, communication),
+``trace-rank{r}.json`` (profiler trace of the last step), ``grads.pt`` (rank 0: full
+gradients after step 1) and, on failure, ``error-rank{r}.txt`` with the traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from ..model.train import sample_timesteps, synthetic_batch
+from . import comm
+from .parallel import build_parallel, full_gradients, sync_grads
+from .spec import DistConfig
+
+
+class Progress:
+    """Append-only JSON lines the launcher tails (progress bar and watchdog)."""
+
+    def __init__(self, out: Path, rank: int):
+        self.path = out / f"progress-rank{rank}.jsonl"
+        self.rank = rank
+
+    def __call__(self, event: str, **kw) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"rank": self.rank, "event": event, "t": time.time(), **kw}) + "\n")
+
+
+def step_inputs(cfg: DistConfig, step: int, rank: int, device: torch.device) -> dict:
+    """This rank's slice of step ``step``'s global batch (see the module note)."""
+    g = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
+    b = synthetic_batch(
+        cfg.preset, cfg.batch_size, height=cfg.height, width=cfg.width, txt_len=cfg.txt_len, generator=g
+    )
+    t = sample_timesteps(cfg.batch_size, g)
+    noise = torch.randn(b.img.shape, generator=g)
+    tt = t[:, None, None]
+    x_t = (1 - tt) * b.img + tt * noise
+    target = noise - b.img
+    mesh = cfg.mesh
+    r, s, c, _ = mesh.coords(rank)
+    d = r * mesh.dp_shard + s
+    bl = cfg.batch_size // mesh.dp
+    rows = slice(d * bl, (d + 1) * bl)
+    li, lt = b.img.shape[1] // mesh.cp, b.txt.shape[1] // mesh.cp
+    img_tok, txt_tok = slice(c * li, (c + 1) * li), slice(c * lt, (c + 1) * lt)
+    dt = torch.float32 if cfg.dtype == "float32" else torch.bfloat16
+
+    def mv(x):
+        return x.to(device)
+
+    return dict(
+        img=mv(x_t[rows, img_tok].to(dt)),
+        img_ids=mv(b.img_ids[img_tok]),
+        txt=mv(b.txt[rows, txt_tok].to(dt)),
+        txt_ids=mv(b.txt_ids[txt_tok]),
+        timesteps=mv(t[rows]),
+        y=mv(b.y[rows].to(dt)),
+        guidance=mv(b.guidance[rows]) if b.guidance is not None else None,
+        target=mv(target[rows, img_tok]),
+    )
+
+
+def train_step(pm, inputs: dict) -> torch.Tensor:
+    """Forward + backward of one step on this rank's shard; returns the local loss (detached)."""
+    target = inputs.pop("target")
+    pred = pm.module(**inputs)
+    loss = torch.nn.functional.mse_loss(pred.float(), target.float())
+    loss.backward()
+    sync_grads(pm)
+    return loss.detach()
+
+
+def _optimizer(cfg: DistConfig, params):
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+
+
+def _inject(cfg: DistConfig, rank: int, step: int) -> None:
+    if cfg.fault == "none" or rank != cfg.fault_rank or step != cfg.fault_step:
+        return
+    if cfg.fault == "raise":
+        raise RuntimeError(f"injected fault: rank {rank} raised at step {step}")
+    while True:  # "hang": never returns; the launcher's watchdog must end the run
+        time.sleep(1.0)
+
+
+def run(cfg: DistConfig, out: Path) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    progress = Progress(out, rank)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if world != cfg.world_size:
+        raise RuntimeError(f"WORLD_SIZE={world} but the spec asks for world_size={cfg.world_size}")
+    use_cuda = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
+    device = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.timeout_s))
+    progress("init", backend=dist.get_backend())
+    pm = build_parallel(cfg, device)
+    opt = _optimizer(cfg, pm.module.parameters())
+    start = 0
+    if cfg.resume:
+        start = load_checkpoint(pm, opt, Path(cfg.ckpt_dir))
+        progress("resumed", step=start)
+    losses, step_ms = {}, {}
+    result: dict = {"rank": rank, "world_size": world, "strategy": cfg.strategy, "mesh": list(cfg.mesh.shape)}
+    for step in range(start + 1, cfg.steps + 1):
+        _inject(cfg, rank, step)
+        inputs = step_inputs(cfg, step, rank, device)
+        prof = None
+        if cfg.profile and step == cfg.steps:
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
+            prof = profile(activities=acts, record_shapes=True)
+            prof.__enter__()
+        dist.barrier()
+        t0 = time.perf_counter()
+        with record_function(comm.STEP_MARK):
+            loss = train_step(pm, inputs)
+            if step == 1 and cfg.keep_grads:
+                grads = full_gradients(pm)
+                if rank == 0:
+                    torch.save(grads, out / "grads.pt")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if use_cuda:
+                torch.cuda.synchronize(device)
+        step_ms[step] = (time.perf_counter() - t0) * 1e3
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            trace = out / f"trace-rank{rank}.json"
+            prof.export_chrome_trace(str(trace))
+            events = comm.load_trace(trace)
+            result["overlap"] = comm.summary_dict(comm.overlap(events))
+            result["collectives"] = [vars(c) for c in comm.collectives(events)]
+        dist.all_reduce(loss)
+        losses[step] = float(loss) / world
+        progress("step", step=step, loss=losses[step], ms=step_ms[step])
+        if step == cfg.save_step:
+            save_checkpoint(pm, opt, Path(cfg.ckpt_dir), step)
+            progress("saved", step=step)
+    result |= {"losses": losses, "step_ms": step_ms}
+    (out / f"result-rank{rank}.json").write_text(json.dumps(result))
+    progress("done")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def save_checkpoint(pm, opt, path: Path, step: int) -> None:
+    """DCP checkpoint of model + optimizer (fully qualified names, resharded on load)."""
+    model_sd, optim_sd = get_state_dict(pm.module, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / f"step{step}"))
+    if dist.get_rank() == 0:
+        (path / "latest").write_text(str(step))
+
+
+def load_checkpoint(pm, opt, path: Path) -> int:
+    step = int((path / "latest").read_text())
+    model_sd, optim_sd = get_state_dict(pm.module, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path / f"step{step}"))
+    set_state_dict(pm.module, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return step
+
+
+def main(spec: Path, out: Path) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        run(DistConfig.from_json(spec.read_text()), out)
+    except BaseException:  # noqa: BLE001 - reported to the launcher, then the rank exits
+        (out / f"error-rank{rank}.txt").write_text(traceback.format_exc())
+        return 1
+    return 0
