@@ -1,20 +1,57 @@
-"""Shared test set-up.  Importing lab_kernels first sets TRITON_INTERPRET on CPU-only machines."""
+"""Shared test set-up.  Importing lab_kernels first sets TRITON_INTERPRET on CPU-only machines.
+
+Random inputs: the ``gen`` fixture seeds a fresh generator per test (``PERFLAB_SEED=<n>``
+replays one seed) and a failing test's report carries a "perflab seed" section with the
+command to reproduce it.
+"""
+
+import os
+import random
 
 import pytest
 import torch
 
 import lab_kernels  # noqa: F401
 
+SEED_ENV = "PERFLAB_SEED"
+
+
+def draw_seed() -> int:
+    """``PERFLAB_SEED`` when set (replay), else a fresh random seed."""
+    env = os.environ.get(SEED_ENV)
+    return int(env) if env else random.SystemRandom().randrange(2**31)
+
 
 @pytest.fixture
-def gen():
-    """A fresh, differently seeded generator per test: inputs are random every run."""
-    g = torch.Generator()
-    g.seed()
-    return g
+def gen(request):
+    """A fresh, differently seeded generator per test; the seed is reported on failure."""
+    seed = draw_seed()
+    request.node.perflab_seed = seed
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    seed = getattr(item, "perflab_seed", None)
+    if seed is not None and report.failed:
+        report.sections.append(
+            ("perflab seed", f"random inputs drawn with seed {seed}; replay: {SEED_ENV}={seed} pytest '{item.nodeid}'")
+        )
+    return report
 
 
 @pytest.fixture
 def tmp_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PERFLAB_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: tiny shapes gain nothing from more, and on a shared
+    2-core box a second thread waits on a descheduled core (multi-ms stalls)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -23,14 +23,7 @@ from lab_utils.model import (
     unpatchify,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny shapes gain nothing from intra-op threads and suffer on a shared 2-core box
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # heads 3, head_dim 16 (axes 4+6+6): irregular on purpose.
