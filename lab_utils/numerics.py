@@ -23,9 +23,12 @@ import pandas as pd
 import torch
 from torch import nn
 
+import lab_kernels
+from lab_kernels import lowp_matmul as L
 from lab_kernels import quant as Q
 
 from .checks import rel_error, sqnr_db
+from .timing import try_bench
 
 DISTRIBUTIONS = ("gaussian", "laplace", "student_t", "outlier_channels")
 
@@ -76,6 +79,16 @@ def error_metrics(q: torch.Tensor, x: torch.Tensor) -> dict:
     )
 
 
+def _codes_like(qt: Q.QuantizedTensor, x: torch.Tensor) -> torch.Tensor:
+    """The element codes of ``qt`` in ``x``'s layout (``codes()`` is the quantized axis last,
+    padded to whole blocks; a 2-D tiling pads the rows too): crop, then move the axis back."""
+    moved = x.movedim(qt.axis, -1).shape
+    rows = math.prod(moved[:-1])
+    c = qt.codes()
+    c = c.reshape(-1, c.shape[-1])[:rows, : moved[-1]]
+    return c.reshape(moved).movedim(-1, qt.axis)
+
+
 def error_stats(x: torch.Tensor, fmt: str, **kw) -> ErrorStats:
     """Quantize ``x`` (``fake_quantize`` keywords) and measure the error; NaN/Inf inputs refused."""
     if not bool(torch.isfinite(x).all()):
@@ -88,8 +101,8 @@ def error_stats(x: torch.Tensor, fmt: str, **kw) -> ErrorStats:
     if had is None:
         qt = Q.quantize(x.float(), fmt, pad=True, **kw)
         F = Q.FORMATS[fmt]
-        at_max = (qt._codes & ((1 << (F.elem_format.ebits + F.elem_format.mbits)) - 1)) == _MAX_CODE[F.elem]
-        at_max = Q._from_groups(at_max.to(torch.uint8), qt._layout).bool().reshape(x.shape)
+        codes = _codes_like(qt, x)
+        at_max = (codes & ((1 << (F.elem_format.ebits + F.elem_format.mbits)) - 1)) == _MAX_CODE[F.elem]
         step = 2.0 ** -(F.elem_format.mbits + 2)
         sat = at_max & (xd.abs() > q.abs() * (1 + step))
         saturated = float(sat.sum()) / max(1, xd.numel())
@@ -228,10 +241,9 @@ def format_grid_histogram(x: torch.Tensor, fmt: str, **kw) -> pd.DataFrame:
     qt = Q.quantize(x.float(), fmt, pad=True, **kw)
     F = Q.FORMATS[fmt].elem_format
     nb = F.ebits + F.mbits
-    codes = qt._codes.reshape(-1).to(torch.int64) & ((1 << nb) - 1)
-    n_real = x.numel()  # padding slots hold zeros that are not part of x: drop them below
+    codes = _codes_like(qt, x).reshape(-1).to(torch.int64) & ((1 << nb) - 1)
+    n_real = x.numel()
     counts = torch.bincount(codes, minlength=1 << nb).double()
-    counts[0] -= codes.numel() - n_real
     vals = Q.decode_codes(torch.arange(1 << nb, dtype=torch.uint8), F.name).double()
     keep = torch.isfinite(vals)
     df = pd.DataFrame(
@@ -253,10 +265,7 @@ def matmul_sweep(
     ``torch._scaled_mm`` where it runs), and the time of bf16 ``F.linear``, the emulated
     path (quantize + dequantize + fp32 matmul: on CPU this times *emulation*, not a
     low-precision unit) and ``_scaled_mm``.  Rows go to ``rec`` when given."""
-    from lab_kernels import lowp_matmul as L
-
-    from .timing import try_bench
-
+    triton_fp8 = lab_kernels.get_variant("lowp_matmul", "triton")
     dev = torch.device(device)
     rows = []
     for M, K, N in shapes:
@@ -267,7 +276,13 @@ def matmul_sweep(
         shape = (M, K, N)
         flops = 2.0 * M * K * N
         ab, bb = a.bfloat16(), b.bfloat16()
-        t = try_bench(lambda: torch.nn.functional.linear(ab, bb), name="bf16", device=dev, reps=reps, budget_s=budget_s)
+        t = try_bench(
+            lambda ab=ab, bb=bb: torch.nn.functional.linear(ab, bb),
+            name="bf16",
+            device=dev,
+            reps=reps,
+            budget_s=budget_s,
+        )
         e_bf16 = error_metrics(torch.nn.functional.linear(ab, bb).float(), ref.float())
         rows.append(
             dict(shape=shape, path="bf16 linear", fmt="bf16", time_ms=getattr(t, "median_ms", math.nan), **e_bf16)
@@ -279,7 +294,11 @@ def matmul_sweep(
             y = L.emulated_matmul(a, b, fmt, out_dtype=torch.float32)
             e = error_metrics(y, ref)
             t = try_bench(
-                lambda: L.emulated_matmul(a, b, fmt), name=f"emulated {fmt}", device=dev, reps=reps, budget_s=budget_s
+                lambda a=a, b=b, fmt=fmt: L.emulated_matmul(a, b, fmt),
+                name=f"emulated {fmt}",
+                device=dev,
+                reps=reps,
+                budget_s=budget_s,
             )
             rows.append(dict(shape=shape, path="emulated", fmt=fmt, time_ms=getattr(t, "median_ms", math.nan), **e))
             if rec is not None:
@@ -293,12 +312,12 @@ def matmul_sweep(
                     note="quantize+dequantize+fp32 matmul (emulation)",
                 )
                 rec.add("matmul", f"emulated {fmt}", "sqnr", e["sqnr_db"], "dB", shape=shape, dtype=fmt)
-            if dev.type == "cuda" and fmt in ("fp8_e4m3", "fp8_e5m2") and not L._triton_fp8_why_not(dev, fmt=fmt):
+            if dev.type == "cuda" and fmt in ("fp8_e4m3", "fp8_e5m2") and not triton_fp8.why_not(dev, fmt=fmt):
                 p = L.prepare_scaled_mm_any(a, b, fmt, granularity="tensor")
-                y = L.triton_fp8_matmul(p[1], p[2], p[3], p[4])
+                y = L.fp8_matmul_forward(p[1], p[2], p[3], p[4])
                 e = error_metrics(y, ref)
                 t = try_bench(
-                    lambda: L.triton_fp8_matmul(p[1], p[2], p[3], p[4], out_dtype=torch.bfloat16),
+                    lambda p=p: L.fp8_matmul_forward(p[1], p[2], p[3], p[4], out_dtype=torch.bfloat16),
                     name=f"triton {fmt}",
                     device=dev,
                     reps=reps,
@@ -325,7 +344,9 @@ def matmul_sweep(
                 y = L.scaled_mm(a, b, fmt, granularity=gran, out_dtype=torch.float32, prepared=p)
                 e = error_metrics(y, ref)
                 t = try_bench(
-                    lambda: L.scaled_mm(a, b, fmt, granularity=gran, out_dtype=torch.bfloat16, prepared=p),
+                    lambda a=a, b=b, fmt=fmt, gran=gran, p=p: L.scaled_mm(
+                        a, b, fmt, granularity=gran, out_dtype=torch.bfloat16, prepared=p
+                    ),
                     name=f"_scaled_mm {fmt}/{gran}",
                     device=dev,
                     reps=reps,
@@ -357,8 +378,6 @@ def accumulation_sweep(
 ) -> pd.DataFrame:
     """Relative error vs float64 of the accumulation models as K grows (operands in ``fmt``,
     so only the accumulation differs between rows of one K; the fp32 row is the floor)."""
-    from lab_kernels import lowp_matmul as L
-
     rows = []
     for K in ks:
         g = torch.Generator().manual_seed(seed)
@@ -369,71 +388,3 @@ def accumulation_sweep(
             y = L.accumulate_matmul(a, b, acc)
             rows.append(dict(K=K, accumulation=acc, rel_error=rel_error(y, ref), sqnr_db=sqnr_db(y, ref)))
     return pd.DataFrame(rows)
-
-
-# --------------------------------------------------------------------------- plots (read frames; never measure)
-
-
-def grid_histogram_map(x: torch.Tensor, variants: Mapping[str, dict]):
-    """HoloMap over format variants: fraction of elements on each grid value (log2 axis)."""
-    import holoviews as hv
-
-    frames = {}
-    for name, kw in variants.items():
-        kw = dict(kw)
-        fmt = kw.pop("fmt")
-        kw.pop("hadamard", None)
-        h = format_grid_histogram(x, fmt, **kw)
-        h = h.assign(label=[f"{v:g}" for v in h["value"]])
-        frames[name] = hv.Bars(h, kdims=["label"], vdims=["frac", "count", "value"]).opts(
-            xrotation=90,
-            tools=["hover"],
-            xlabel="grid value (units of the group scale)",
-            ylabel="fraction",
-            title=f"{name}: where the scaled elements land",
-        )
-    return hv.HoloMap(frames, kdims=["format"])
-
-
-def sqnr_heatmap(
-    df: pd.DataFrame, *, x: str = "tensor", y: str = "variant", value: str = "sqnr_db", labels: bool = True
-):
-    """Heat map of ``value`` over ``x`` x ``y`` (an exact SQNR of inf is drawn as 99 dB)."""
-    import holoviews as hv
-
-    d = df[[x, y, value]].copy()
-    d[value] = d[value].replace([math.inf], 99.0).round(1)
-    hm = hv.HeatMap(d, kdims=[x, y], vdims=[value])
-    return (hm * hv.Labels(d, kdims=[x, y], vdims=[value]) if labels else hm).opts(
-        hv.opts.HeatMap(
-            cmap="viridis", colorbar=True, tools=["hover"], xrotation=30, title=f"{value} (higher is better)"
-        )
-    )
-
-
-def record_table(
-    rec,
-    experiment: str,
-    df: pd.DataFrame,
-    metrics: Mapping[str, str],
-    *,
-    variant_col: str = "variant",
-    dtype_col: str = "fmt",
-    shape="",
-    extra_cols=("tensor",),
-) -> int:
-    """Write one record row per (table row, metric); non-finite values (an exact SQNR of
-    inf, a saturated fraction that is not defined under a Hadamard rotation) are left
-    out of the records and stay visible in the table.  Returns the number of rows written."""
-    n = 0
-    for row in df.to_dict("records"):
-        for metric, unit in metrics.items():
-            v = row.get(metric)
-            if v is None or not math.isfinite(float(v)):
-                continue
-            extra = {c: row[c] for c in extra_cols if c in row}
-            rec.add(
-                experiment, row[variant_col], metric, float(v), unit, shape=shape, dtype=row.get(dtype_col, ""), **extra
-            )
-            n += 1
-    return n

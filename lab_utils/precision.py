@@ -33,6 +33,7 @@ gap in nats with a t-interval over seeds, loss by timestep bucket, and divergenc
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 import time
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pandas as pd
 import torch
+from scipy import stats
 from torch import nn
 
 from lab_kernels import quant as Q
@@ -57,24 +59,49 @@ class TensorQuant:
     granularity: str | None = None
     scale_rule: str = "floor"
     rounding: str = "nearest"
-    hadamard: int | None = None
+    hadamard: int | None = None  # random Hadamard rotation of this many points along the quantized axis
 
     def __post_init__(self):
-        Q._plan(self.fmt, self.granularity, None, self.scale_rule, self.rounding)
+        h = self.hadamard
+        if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h < 2 or h & (h - 1)):
+            raise ConfigError("hadamard", h, "None or a power of two >= 2 (the rotation size)")
+        # a tiny quantization: the quantizer refuses a bad fmt / granularity / scale_rule / rounding by name
+        Q.fake_quantize(
+            torch.zeros(1, 32),
+            self.fmt,
+            granularity=self.granularity,
+            scale_rule=self.scale_rule,
+            rounding=self.rounding,
+            generator=torch.Generator().manual_seed(0),
+        )
+
+    def why_not(self, length: int) -> str | None:
+        """None when this operand can be quantized along an axis of ``length``, else why not
+        (a Hadamard rotation needs whole blocks of its size)."""
+        if self.hadamard is not None and length % self.hadamard:
+            return (
+                f"its {self.hadamard}-point Hadamard rotation needs an axis divisible by {self.hadamard}, not {length}"
+            )
+        return None
 
     def apply(self, t: torch.Tensor, axis: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        gran = self.granularity
-        had = self.hadamard
-        if had is not None and t.shape[axis] % had:
-            had = None  # Hadamard needs whole blocks; skip on odd axes
+        """Fake-quantize ``t`` along ``axis``.  An axis the rotation cannot cover is refused
+        (ConfigError 'hadamard'): quantizing without it would not be the recipe."""
+        why = self.why_not(t.shape[axis])
+        if why:
+            raise ConfigError(
+                "hadamard",
+                self.hadamard,
+                f"a size dividing the quantized axis ({why}; shape {tuple(t.shape)})",
+            )
         return Q.fake_quantize(
             t,
             self.fmt,
             axis=axis,
-            granularity=gran,
+            granularity=self.granularity,
             scale_rule=self.scale_rule,
             rounding=self.rounding,
-            hadamard=had,
+            hadamard=self.hadamard,
             generator=generator,
         )
 
@@ -108,6 +135,22 @@ class Recipe:
     def __post_init__(self):
         if self.kind not in ("none", "emulated", "torchao_float8"):
             raise ConfigError("kind", self.kind, "'none', 'emulated' or 'torchao_float8'")
+
+    def why_not(self, in_features: int, out_features: int) -> str | None:
+        """None when every operand whose axis is fixed by the layer (K = ``in_features`` for
+        the forward, N = ``out_features`` for the input gradient) can be quantized, else why
+        not.  The weight-gradient operands run along the token axis, checked per call."""
+        for op, axis_len in (
+            ("fwd_x", in_features),
+            ("fwd_w", in_features),
+            ("dgrad_dy", out_features),
+            ("dgrad_w", out_features),
+        ):
+            tq = getattr(self, op)
+            why = tq.why_not(axis_len) if tq is not None else None
+            if why:
+                return f"operand {op}: {why}"
+        return None
 
     def keeps(self, name: str) -> bool:
         return any(fnmatch.fnmatch(name, p) for p in self.keep_high_precision)
@@ -320,6 +363,9 @@ def apply_recipe(model: nn.Module, recipe: str | Recipe, *, seed: int = 0) -> nn
                 if r.keeps(full):
                     rows.append(dict(module=full, converted=False, reason="keep_high_precision"))
                     continue
+                why = r.why_not(child.in_features, child.out_features)
+                if why:
+                    raise ConfigError("recipe", r.name, f"a recipe that can convert {full!r}: {why}")
                 setattr(mod, cname, QuantLinear.from_linear(child, r, seed=seed * 1000 + i))
                 rows.append(dict(module=full, converted=True, reason=r.name))
                 i += 1
@@ -335,7 +381,8 @@ def _set_report(model, rows):
 
 
 def _apply_torchao(model: nn.Module, r: Recipe) -> nn.Module:
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    # torchao is an optional, heavy dependency (absent from the GPU check machine)
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: PLC0415
 
     cfg = Float8LinearConfig.from_recipe_name(r.torchao_recipe)
     on_cuda = any(p.is_cuda for p in model.parameters())
@@ -385,58 +432,6 @@ class TrainTask:
     name: str
     make_model: Callable[[int], nn.Module]
     loss: Callable[[nn.Module, int, int], tuple[torch.Tensor, torch.Tensor]]
-
-
-def mmdit_task(
-    preset: str = "tiny",
-    *,
-    batch_size: int = 8,
-    latent_hw: int = 8,
-    txt_len: int = 8,
-    n_examples: int = 32,
-    device: str | torch.device = "cpu",
-) -> TrainTask:
-    """Rectified-flow training of the MMDiT on a small fixed synthetic dataset.
-
-    Data: ``n_examples`` smooth latents (low-frequency sinusoids, fixed seed 1234) each
-    paired with a caption embedding; a batch draws examples, noise ``x1`` and
-    ``t ~ sigmoid(N(0,1))`` from a generator seeded by (seed, step), ``x_t = (1-t) x0 + t x1``,
-    target ``x1 - x0``; per-sample MSE (FLUX's objective)."""
-    from .model import mmdit as M
-
-    cfg = M.resolve_config(preset)
-    C, p = cfg.latent_channels, cfg.patch_size
-    g = torch.Generator().manual_seed(1234)
-    yy, xx = torch.meshgrid(torch.linspace(0, 1, latent_hw), torch.linspace(0, 1, latent_hw), indexing="ij")
-    freqs = torch.randint(1, 3, (n_examples, C, 2), generator=g).float()
-    phase = torch.rand(n_examples, C, 1, 1, generator=g) * 6.28
-    amp = 0.5 + torch.rand(n_examples, C, 1, 1, generator=g)
-    lat = amp * torch.sin(6.28 * (freqs[..., 0, None, None] * yy + freqs[..., 1, None, None] * xx) + phase)
-    data = M.patchify(lat, p)  # (n, L, C p p)
-    caps = torch.randn(n_examples, txt_len, cfg.context_dim, generator=g)
-    pooled = torch.randn(n_examples, cfg.pooled_dim, generator=g)
-    h = w = latent_hw // p
-    dev = torch.device(device)
-    img_ids, txt_ids = M.image_ids(h, w).to(dev), M.text_ids(txt_len).to(dev)
-    data, caps, pooled = data.to(dev), caps.to(dev), pooled.to(dev)
-
-    def make_model(seed: int) -> nn.Module:
-        torch.manual_seed(seed)
-        return M.build_model(cfg, device="cpu", dtype=torch.float32).to(dev)
-
-    def loss(model, step, seed):
-        bg = torch.Generator().manual_seed(seed * 100_003 + step)
-        idx = torch.randint(0, n_examples, (batch_size,), generator=bg)
-        x0 = data[idx.to(dev)]
-        x1 = torch.randn(x0.shape, generator=bg).to(dev)
-        t = torch.sigmoid(torch.randn(batch_size, generator=bg)).to(dev)
-        xt = (1 - t[:, None, None]) * x0 + t[:, None, None] * x1
-        kw = dict(guidance=torch.full((batch_size,), 3.5, device=dev)) if cfg.guidance_embed else {}
-        v = model(xt, img_ids, caps[idx.to(dev)], txt_ids, t, pooled[idx.to(dev)], **kw)
-        per = ((v.float() - (x1 - x0)) ** 2).mean(dim=(1, 2))
-        return per, t
-
-    return TrainTask(f"mmdit-{preset}", make_model, loss)
 
 
 def mlp_task(*, dim: int = 64, hidden: int = 256, batch_size: int = 32) -> TrainTask:
@@ -489,8 +484,6 @@ class ConvergenceResult:
 
     def band(self, smooth: int = 1) -> pd.DataFrame:
         """Mean loss per (recipe, step) with a 95% t-band over seeds (optionally smoothed)."""
-        from scipy import stats
-
         c = self.curves.sort_values(["recipe", "seed", "step"]).copy()
         if smooth > 1:
             c["loss"] = c.groupby(["recipe", "seed"])["loss"].transform(
@@ -525,8 +518,6 @@ def run_convergence(
     the loss above ``diverge_factor`` x the run's first loss after step 5; that run stops
     and is reported.  Final gap: per seed, mean loss over the last ``window`` steps of
     recipe minus baseline (paired by seed), mean and 95% t-interval over seeds."""
-    from scipy import stats
-
     seeds = list(seeds)
     names = [baseline] + [get_recipe(r).name for r in recipes if get_recipe(r).name != baseline]
     window = window or max(1, steps // 4)
@@ -544,7 +535,7 @@ def run_convergence(
             last_per, last_t = [], []
             for step in range(steps):
                 dev_type = next(model.parameters()).device.type
-                ctx = torch.autocast(dev_type, dtype=autocast_dtype) if autocast_dtype else _null()
+                ctx = torch.autocast(dev_type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
                 with ctx:
                     per, t = task.loss(model, step, seed)
                 loss = per.mean()
@@ -617,14 +608,6 @@ def run_convergence(
     return ConvergenceResult(curves, pd.DataFrame(bucket_rows), pd.DataFrame(gap_rows), divs, baseline, window, secs)
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
 def matmul_share_from_analysis(analysis) -> float:
     """The matmul category's share of the profiled step time, from
     ``lab_utils.profiler`` (a ``ProfileReport`` or its ``TraceAnalysis``)."""
@@ -633,158 +616,3 @@ def matmul_share_from_analysis(analysis) -> float:
     if "matmul" not in cat.index:
         return 0.0
     return float(cat.loc["matmul", "pct_of_step"]) / 100.0
-
-
-# --------------------------------------------------------------------------- the lab's parameters
-
-from dataclasses import dataclass as _dc  # noqa: E402
-from dataclasses import field as _field
-
-from .config import (
-    LabConfig,
-    check_bool,
-    check_choice,
-    check_choices,
-    check_float,  # noqa: E402
-    check_int,
-    check_int_list,
-)
-
-
-@_dc(frozen=True)
-class LowPrecisionLabConfig(LabConfig):
-    """Parameters of ``labs/04_low_precision.ipynb`` (names = the notebook's parameters)."""
-
-    device: str = "auto"
-    cpu_threads: int = 1
-    format_variants: list = _field(
-        default_factory=lambda: [
-            "fp8_e4m3/tensor",
-            "fp8_e4m3/row",
-            "fp8_e4m3/block128",
-            "fp8_e5m2/tensor",
-            "mxfp8_e4m3/floor",
-            "mxfp8_e4m3/rceil",
-            "mxfp4/floor",
-            "mxfp4/floor+hadamard32",
-            "nvfp4",
-            "nvfp4+hadamard16",
-        ]
-    )
-    distributions: list = _field(default_factory=lambda: ["gaussian", "laplace", "student_t", "outlier_channels"])
-    tensor_shape: list = _field(default_factory=lambda: [128, 256])
-    explorer_tensor: str = "outlier_channels"
-    capture_preset: str = "tiny"
-    capture_modules: int = 6
-    matmul_shapes: list = _field(default_factory=lambda: [[128, 256, 128], [256, 512, 256]])
-    matmul_formats: list = _field(default_factory=lambda: ["fp8_e4m3", "mxfp8_e4m3", "mxfp4", "nvfp4"])
-    accum_ks: list = _field(default_factory=lambda: [256, 1024, 4096])
-    accumulations: list = _field(default_factory=lambda: ["fp32", "bf16", "fp8_fast", "fp8_fast_promote128"])
-    reps: int = 5
-    matmul_shares: list = _field(default_factory=lambda: [0.3, 0.6, 0.8])
-    preset: str = "tiny"
-    recipes: list = _field(default_factory=lambda: ["fp8_tensor", "mxfp8"])
-    steps: int = 10
-    seeds: list = _field(default_factory=lambda: [0, 1])
-    batch_size: int = 4
-    lr: float = 1e-3
-    autocast: bool = True
-
-    def __post_init__(self):
-        from .model import mmdit as M
-        from .numerics import DISTRIBUTIONS, FORMAT_VARIANTS
-
-        check_choice("device", self.device, ["auto", "cpu", "cuda"])
-        check_int("cpu_threads", self.cpu_threads, min=0)
-        check_choices("format_variants", self.format_variants, list(FORMAT_VARIANTS))
-        check_choices("distributions", self.distributions, list(DISTRIBUTIONS))
-        check_int_list("tensor_shape", self.tensor_shape, min=1)
-        if len(self.tensor_shape) != 2:
-            raise ConfigError("tensor_shape", self.tensor_shape, "[rows, cols]")
-        check_choice("explorer_tensor", self.explorer_tensor, list(DISTRIBUTIONS))
-        check_choice("capture_preset", self.capture_preset, [p for p in M.PRESETS if p not in M.LARGE_PRESETS])
-        check_int("capture_modules", self.capture_modules, min=1)
-        if not isinstance(self.matmul_shapes, (list, tuple)) or not self.matmul_shapes:
-            raise ConfigError("matmul_shapes", self.matmul_shapes, "a non-empty list of [M, K, N]")
-        for s in self.matmul_shapes:
-            if (
-                not isinstance(s, (list, tuple))
-                or len(s) != 3
-                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in s)
-            ):
-                raise ConfigError("matmul_shapes", self.matmul_shapes, "a list of [M, K, N] positive integers")
-        check_choices("matmul_formats", self.matmul_formats, list(Q.FORMATS))
-        check_int_list("accum_ks", self.accum_ks, min=1)
-        from lab_kernels.lowp_matmul import ACCUMULATIONS
-
-        check_choices("accumulations", self.accumulations, list(ACCUMULATIONS))
-        check_int("reps", self.reps, min=1)
-        if (
-            not isinstance(self.matmul_shares, (list, tuple))
-            or not self.matmul_shares
-            or any(
-                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1 for v in self.matmul_shares
-            )
-        ):
-            raise ConfigError("matmul_shares", self.matmul_shares, "a non-empty list of fractions in [0, 1]")
-        check_choice("preset", self.preset, [p for p in M.PRESETS if p not in M.LARGE_PRESETS])
-        check_choices("recipes", self.recipes, [r for r in RECIPES if r != "bf16"])
-        check_int("steps", self.steps, min=2)
-        check_int_list("seeds", self.seeds, min=0)
-        check_int("batch_size", self.batch_size, min=1)
-        check_float("lr", self.lr, min=0, min_exclusive=True)
-        check_bool("autocast", self.autocast)
-
-
-def convergence_plot(res: ConvergenceResult, smooth: int = 3):
-    """Mean loss per recipe with its 95% band over seeds (overlay)."""
-    import holoviews as hv
-
-    b = res.band(smooth=smooth)
-    layers = []
-    for name, d in b.groupby("recipe", sort=False):
-        layers.append(hv.Area(d, kdims=["step"], vdims=["low", "high"], label=name).opts(alpha=0.2))
-        layers.append(hv.Curve(d, kdims=["step"], vdims=["mean"], label=name).opts(tools=["hover"]))
-    return hv.Overlay(layers).opts(
-        legend_position="top_right",
-        ylabel="RF loss (mean over seeds)",
-        title=f"loss curves, {smooth}-step smoothed, 95% t-band over seeds",
-    )
-
-
-def bucket_plot(res: ConvergenceResult):
-    import holoviews as hv
-
-    d = res.buckets.groupby(["bucket", "recipe"], as_index=False)["loss"].mean()
-    return hv.Bars(d, kdims=["bucket", "recipe"], vdims=["loss"]).opts(
-        tools=["hover"], xrotation=30, title=f"loss by timestep bucket (last {res.window} steps)"
-    )
-
-
-def record_convergence(rec, res: ConvergenceResult) -> None:
-    """Loss rows per (recipe, seed, step), the final gaps with their intervals, the
-    per-bucket losses and the divergences (finite values only; a diverged recipe's gap
-    row carries ``diverged=True`` and no value)."""
-    for r in res.curves.itertuples():
-        if math.isfinite(r.loss):
-            rec.add("convergence", r.recipe, "loss", r.loss, "loss", statistic="value", step=r.step, seed=r.seed)
-    for r in res.gaps.itertuples():
-        if math.isfinite(r.gap):
-            extra = dict(ci_low=r.ci_low, ci_high=r.ci_high) if math.isfinite(r.ci_low) else {}
-            rec.add(
-                "convergence",
-                r.recipe,
-                "final_gap_vs_" + res.baseline,
-                r.gap,
-                "loss",
-                statistic="mean",
-                n_seeds=r.n_seeds,
-                window=res.window,
-                **extra,
-            )
-        else:
-            rec.add("convergence", r.recipe, "diverged", 1.0, "", statistic="count")
-    for r in res.buckets.itertuples():
-        rec.add("convergence", r.recipe, "loss_by_t", r.loss, "loss", statistic="mean", bucket=r.bucket, seed=r.seed)
-    for r in res.divergences.itertuples():
-        rec.add("convergence", r.recipe, "divergence_step", float(r.step), "step", seed=r.seed, reason=r.reason)

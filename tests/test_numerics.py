@@ -9,6 +9,7 @@ from torch import nn
 import lab_kernels  # noqa: F401
 from lab_kernels import quant as Q
 from lab_utils import numerics as N
+from lab_utils.studies.low_precision import mmdit_task
 
 
 def test_representable_input_has_no_error():
@@ -90,9 +91,7 @@ def test_capture_linear_tensors_small_model(gen):
 
 
 def test_capture_from_mmdit_tiny():
-    from lab_utils import precision as P
-
-    task = P.mmdit_task("tiny", batch_size=2)
+    task = mmdit_task("tiny", batch_size=2)
     model = task.make_model(0)
     cap = N.capture_linear_tensors(
         model,
@@ -102,3 +101,19 @@ def test_capture_from_mmdit_tiny():
     assert set(k.split(":")[0] for k in cap.tensors) == {"weight", "activation", "gradient"}
     assert cap.by_kind("activation")["single_blocks.0.linear2"].shape[-1] == 320
     assert all(bool(torch.isfinite(v).all()) for v in cap.tensors.values())
+
+
+def test_saturation_and_histogram_on_padded_axes_and_tiles():
+    """Codes are read in the tensor's own layout: a block that padding completes (40 = 32 + 8)
+    along axis 0, and 128x128 tiles over a 130 x 7 matrix."""
+    x = torch.zeros(40, 3)
+    x[33, 1], x[34, 1], x[35, 1] = 7.9, 1.0, 0.2  # last (padded) block of column 1: scale 1
+    s = N.error_stats(x, "mxfp4", axis=0)
+    assert s.saturated_frac == pytest.approx(1 / 120) and s.flushed_frac == pytest.approx(1 / 120)
+    h = N.format_grid_histogram(x, "mxfp4", axis=0)
+    assert h["count"].sum() == 120 and h.set_index("value").loc[6.0, "count"] == 1
+    y = torch.ones(130, 7)
+    y[129, 6] = 1e6  # the amax of its 128x128 tile (rows 128..129): at the top code, not saturated
+    t = N.error_stats(y, "fp8_e4m3", granularity="block2d")
+    assert t.saturated_frac == 0
+    assert t.flushed_frac == pytest.approx(13 / 910)  # the tile's 13 ones fall below 1e6 / 448 * 2^-9

@@ -2,14 +2,21 @@
 
 import math
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
+from scipy import stats
 from torch import nn
+from torchao.float8.float8_linear import Float8Linear
 
 import lab_kernels  # noqa: F401
 from lab_utils import precision as P
 from lab_utils.checks import assert_bitwise_equal, assert_close
 from lab_utils.config import ConfigError
+from lab_utils.model import build_model, resolve_config
+from lab_utils.model.config import RECIPES as MODEL_RECIPES
+from lab_utils.studies.low_precision import mmdit_task
 
 
 def _manual(x, w, b, dy, r: P.Recipe):
@@ -77,7 +84,7 @@ def test_autocast_output_dtype(gen):
 
 
 def test_apply_recipe_to_mmdit_respects_keep_list():
-    task = P.mmdit_task("tiny", batch_size=2)
+    task = mmdit_task("tiny", batch_size=2)
     m = P.apply_recipe(task.make_model(0), "mxfp8")
     rep = m.precision_report.set_index("module")
     assert not rep.loc["img_in", "converted"] and not rep.loc["final_layer.linear", "converted"]
@@ -92,21 +99,17 @@ def test_apply_recipe_to_mmdit_respects_keep_list():
 
 
 def test_model_config_recipe_seam():
-    from lab_utils.model import mmdit as M
-
-    assert "fp8_tensor" in (M.recipe_names() or ())
-    model = M.build_model(M.resolve_config("tiny", recipe="fp8_tensor"))
+    assert "fp8_tensor" in MODEL_RECIPES
+    model = build_model(resolve_config("tiny", recipe="fp8_tensor"))
     assert isinstance(model.double_blocks[0].img_mlp.fc1, P.QuantLinear)
     with pytest.raises(ConfigError, match="'recipe'"):
-        M.resolve_config("tiny", recipe="fp3")
+        resolve_config("tiny", recipe="fp3")
 
 
 def test_torchao_float8_recipe_runs_emulated_on_cpu():
-    task = P.mmdit_task("tiny", batch_size=2)
+    task = mmdit_task("tiny", batch_size=2)
     m = P.apply_recipe(task.make_model(0), "torchao_float8_tensorwise")
     assert m.precision_report["converted"].sum() > 0
-    from torchao.float8.float8_linear import Float8Linear
-
     assert isinstance(m.double_blocks[0].img_attn.qkv, Float8Linear)
     per, _ = task.loss(m, 0, 0)
     per.mean().backward()
@@ -143,9 +146,19 @@ def test_convergence_runner_on_mlp():
     assert len(res.curves) == 3 * 2 * 8
     g = res.gaps.set_index("recipe")
     assert g.loc["fp8_tensor", "n_seeds"] == 2 and not g.loc["fp8_tensor", "diverged"]
-    assert g.loc["fp8_tensor", "ci_low"] <= g.loc["fp8_tensor", "gap"] <= g.loc["fp8_tensor", "ci_high"]
-    band = res.band()
-    assert bool((band["low"] <= band["mean"]).all()) and bool((band["mean"] <= band["high"]).all())
+    # the gap and its interval, recomputed from the curves: per seed, mean of the last
+    # `window` losses of the recipe minus the baseline's; a 95% t-interval over seeds
+    c = res.curves[res.curves.step >= 8 - 4].groupby(["recipe", "seed"])["loss"].mean()
+    d = np.array([c["fp8_tensor", s] - c["bf16", s] for s in (0, 1)])
+    half = stats.t.ppf(0.975, 1) * d.std(ddof=1) / math.sqrt(2)
+    assert g.loc["fp8_tensor", "gap"] == pytest.approx(d.mean(), rel=1e-12, abs=1e-15)
+    assert g.loc["fp8_tensor", "ci_low"] == pytest.approx(d.mean() - half, rel=1e-12, abs=1e-15)
+    assert g.loc["fp8_tensor", "ci_high"] == pytest.approx(d.mean() + half, rel=1e-12, abs=1e-15)
+    band = res.band().set_index(["recipe", "step"])
+    one = res.curves[(res.curves.recipe == "mxfp4_fwd") & (res.curves.step == 3)].loss.to_numpy()
+    half = stats.t.ppf(0.975, 1) * one.std(ddof=1) / math.sqrt(2)
+    assert band.loc[("mxfp4_fwd", 3), "mean"] == pytest.approx(one.mean(), rel=1e-12)
+    assert band.loc[("mxfp4_fwd", 3), "high"] - band.loc[("mxfp4_fwd", 3), "low"] == pytest.approx(2 * half, rel=1e-9)
     assert res.buckets["n"].sum() == 3 * 2 * 4 * 16
     # same seed + recipe -> identical curve (determinism of data and init)
     again = P.run_convergence(task, [], steps=3, seeds=(0,), lr=3e-3)
@@ -160,3 +173,51 @@ def test_divergence_detected():
     g = res.gaps.set_index("recipe")
     assert g.loc["fp8_tensor", "diverged"] or "bf16" in set(res.divergences.recipe)
     assert math.isnan(g.loc["fp8_tensor", "gap"]) or "bf16" in set(res.divergences.recipe)
+
+
+def test_hadamard_that_cannot_apply_is_refused(gen):
+    """A rotation over an axis its size does not divide used to be dropped silently (the
+    operand was quantized without it while the recipe table still showed it)."""
+    tq = P.TensorQuant("nvfp4", hadamard=16)
+    x = torch.randn(24, 40, generator=gen)
+    assert tq.why_not(40) and tq.why_not(32) is None
+    with pytest.raises(ConfigError, match="'hadamard'") as ei:
+        tq.apply(x, axis=-1)  # 40 % 16 != 0
+    assert "40" in str(ei.value)
+    with pytest.raises(ConfigError, match="'hadamard'"):
+        tq.apply(x, axis=0)  # 24 % 16 != 0
+    y = tq.apply(torch.randn(32, 40, generator=gen), axis=0)  # 32 tokens: rotated and quantized
+    assert y.shape == (32, 40) and bool(torch.isfinite(y).all())
+    with pytest.raises(ConfigError, match="'hadamard'"):
+        P.TensorQuant("nvfp4", hadamard=12)
+
+
+def test_recipe_with_a_rotation_its_layer_cannot_take_is_refused():
+    rotated = P.TensorQuant("mxfp4", hadamard=32)
+    r = P.Recipe("rht_fwd", "emulated", fwd_x=rotated, fwd_w=rotated)
+    assert r.why_not(64, 40) is None and "fwd_x" in r.why_not(48, 64)
+    with pytest.raises(ConfigError, match="'recipe'") as ei:
+        P.apply_recipe(nn.Sequential(nn.Linear(48, 64)), r)
+    assert "'0'" in str(ei.value) and "48" in str(ei.value)
+    ok = P.apply_recipe(nn.Sequential(nn.Linear(64, 40)), r)
+    assert isinstance(ok[0], P.QuantLinear)
+
+
+def test_nvfp4_weight_gradient_refuses_a_token_count_its_rotation_cannot_cover(gen):
+    ql = P.QuantLinear.from_linear(nn.Linear(64, 32), P.RECIPES["nvfp4"])
+    x = torch.randn(20, 64, generator=gen, requires_grad=True)  # 20 tokens: 20 % 16 != 0
+    with pytest.raises(ConfigError, match="'hadamard'"):
+        ql(x).sum().backward()
+
+
+def test_matmul_share_from_analysis():
+    class Analysis:
+        categories = pd.DataFrame(
+            dict(category=["matmul", "attention", "other"], ms=[3.0, 5.0, 2.0], pct_of_step=[30.0, 50.0, 20.0])
+        )
+
+    class Report:
+        analysis = Analysis()
+
+    assert P.matmul_share_from_analysis(Report()) == pytest.approx(0.3)
+    assert P.matmul_share_from_analysis(Analysis()) == pytest.approx(0.3)
