@@ -29,78 +29,30 @@ from .checkpointing import CHECKPOINT_POLICIES
 
 #: Named shapes.  ``tiny``/``small`` are CPU sizes; ``flux-dev``/``flux-schnell`` are the
 #: released FLUX.1 transformer shapes (build them on ``device="meta"`` here).
+# The fields every preset shares (FLUX's: 2x2 latent packing, 8x VAE, MLP ratio 4).
+_COMMON = dict(mlp_ratio=4.0, patch_size=2, vae_downsample=8, guidance_embed=True)
+# flux-dev's transformer; flux-schnell differs only in having no guidance embedder.
+_FLUX = dict(
+    hidden_size=3072, num_heads=24, depth_double=19, depth_single=38, latent_channels=16,
+    context_dim=4096, pooled_dim=768, axes_dim=(16, 56, 56),
+)  # fmt: skip
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
-        hidden_size=64,
-        num_heads=4,
-        depth_double=2,
-        depth_single=2,
-        mlp_ratio=4.0,
-        latent_channels=4,
-        patch_size=2,
-        context_dim=32,
-        pooled_dim=24,
-        axes_dim=(4, 6, 6),
-        guidance_embed=True,
-        vae_downsample=8,
+        _COMMON, hidden_size=64, num_heads=4, depth_double=2, depth_single=2, latent_channels=4,
+        context_dim=32, pooled_dim=24, axes_dim=(4, 6, 6),
     ),
     "small": dict(
-        hidden_size=384,
-        num_heads=6,
-        depth_double=2,
-        depth_single=4,
-        mlp_ratio=4.0,
-        latent_channels=16,
-        patch_size=2,
-        context_dim=512,
-        pooled_dim=256,
-        axes_dim=(8, 28, 28),
-        guidance_embed=True,
-        vae_downsample=8,
+        _COMMON, hidden_size=384, num_heads=6, depth_double=2, depth_single=4, latent_channels=16,
+        context_dim=512, pooled_dim=256, axes_dim=(8, 28, 28),
     ),
     "medium": dict(
-        hidden_size=1536,
-        num_heads=12,
-        depth_double=8,
-        depth_single=16,
-        mlp_ratio=4.0,
-        latent_channels=16,
-        patch_size=2,
-        context_dim=4096,
-        pooled_dim=768,
-        axes_dim=(16, 56, 56),
-        guidance_embed=True,
-        vae_downsample=8,
+        _COMMON, hidden_size=1536, num_heads=12, depth_double=8, depth_single=16, latent_channels=16,
+        context_dim=4096, pooled_dim=768, axes_dim=(16, 56, 56),
     ),
-    "flux-schnell": dict(
-        hidden_size=3072,
-        num_heads=24,
-        depth_double=19,
-        depth_single=38,
-        mlp_ratio=4.0,
-        latent_channels=16,
-        patch_size=2,
-        context_dim=4096,
-        pooled_dim=768,
-        axes_dim=(16, 56, 56),
-        guidance_embed=False,
-        vae_downsample=8,
-    ),
-    "flux-dev": dict(
-        hidden_size=3072,
-        num_heads=24,
-        depth_double=19,
-        depth_single=38,
-        mlp_ratio=4.0,
-        latent_channels=16,
-        patch_size=2,
-        context_dim=4096,
-        pooled_dim=768,
-        axes_dim=(16, 56, 56),
-        guidance_embed=True,
-        vae_downsample=8,
-    ),
-}
+    "flux-schnell": dict(_COMMON, **_FLUX, guidance_embed=False),
+    "flux-dev": dict(_COMMON, **_FLUX),
+}  # fmt: skip
 
 #: Presets too large to allocate on this 2-core CPU box (build on "meta").
 LARGE_PRESETS = ("medium", "flux-schnell", "flux-dev")
