@@ -27,14 +27,25 @@ Design note
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -264,7 +275,7 @@ def _qk_extra(n_tokens: int, d: int, s: int) -> int:
     return 2 * n_tokens * d * 4 + (0 if s == 4 else 2 * n_tokens * d * s)
 
 
-def double_block_bytes(cfg: MMDiTConfig, sh: StepShape, s: int) -> dict[str, int]:
+def double_block_bytes(cfg: MMDiTConfig, sh: StepShape, s: int, stat: int | None = None) -> dict[str, int]:
     """Bytes a double-stream block saves with no checkpointing, by part: ``own`` (made and
     freed inside the block) and ``output`` (img and txt out, kept by whoever reads them)."""
     b, d, m, h, dh = sh.batch, cfg.hidden_size, cfg.mlp_hidden, cfg.num_heads, cfg.head_dim
@@ -274,7 +285,7 @@ def double_block_bytes(cfg: MMDiTConfig, sh: StepShape, s: int) -> dict[str, int
         own += 8 * rows * d * s  # 2 LN outs, 2 modulated inputs, attn out slice, proj out, residual, fc2 out
         own += 2 * rows * m * s  # fc1 out (GELU input), GELU out (fc2 input)
         own += 9 * b * d * s  # SiLU(vec), adaLN out (6D), two (1 + scale)
-        own += 4 * rows * s  # LayerNorm mean and rstd, twice
+        own += 4 * rows * (stat or s)  # LayerNorm mean and rstd, twice
         own += 2 * b * h * n * 4  # RMSNorm rrms of q and k (float32)
         own += 2 * n * dh * 8  # RoPE 2x2 rotation tables of q and k (float32)
         own += _qk_extra(rows, d, s) + (3 * rows * d * s if s == 4 else 0)  # float32: q/k are views of qkv
@@ -283,7 +294,7 @@ def double_block_bytes(cfg: MMDiTConfig, sh: StepShape, s: int) -> dict[str, int
     return {"own": own, "output": rows * d * s}
 
 
-def single_block_bytes(cfg: MMDiTConfig, sh: StepShape, s: int) -> dict[str, int]:
+def single_block_bytes(cfg: MMDiTConfig, sh: StepShape, s: int, stat: int | None = None) -> dict[str, int]:
     """Bytes a single-stream block saves with no checkpointing (see :func:`double_block_bytes`)."""
     b, d, m, h, dh = sh.batch, cfg.hidden_size, cfg.mlp_hidden, cfg.num_heads, cfg.head_dim
     n = sh.tokens
@@ -293,7 +304,7 @@ def single_block_bytes(cfg: MMDiTConfig, sh: StepShape, s: int) -> dict[str, int
     own += rows * (d + m) * s  # cat(attn, GELU(mlp)), linear2's input
     own += b * h * n * 4  # attention logsumexp
     own += 5 * b * d * s  # SiLU(vec), adaLN out (3D), (1 + scale)
-    own += 2 * rows * s + 2 * b * h * n * 4 + 2 * n * dh * 8  # LN stats, rrms, RoPE tables
+    own += 2 * rows * (stat or s) + 2 * b * h * n * 4 + 2 * n * dh * 8  # LN stats, rrms, RoPE tables
     own += _qk_extra(rows, d, s)
     return {"own": own, "output": rows * d * s}
 
@@ -315,15 +326,18 @@ def selective_cache_bytes(cfg: MMDiTConfig, sh: StepShape, s: int, kind: str, po
 
 
 def saved_bytes_formula(
-    cfg: MMDiTConfig, sh: StepShape, dtype: str | torch.dtype, policy: str | None = None
+    cfg: MMDiTConfig, sh: StepShape, dtype: str | torch.dtype, policy: str | None = None, device_type: str = "cpu"
 ) -> dict[str, int]:
     """Bytes kept for the backward after the forward of one rectified-flow step, per region,
     from the config alone (device bytes: under ``offload`` what sits in host memory is left
     out).  Equals :func:`measure_saved` exactly on CPU for every policy in
-    :data:`FORMULA_POLICIES` (tests); on CUDA attention saves a few more bytes (RNG state)."""
+    :data:`FORMULA_POLICIES` (tests).  ``device_type="cuda"`` keeps LayerNorm statistics in
+    float32 as CUDA's kernels do (CPU keeps them in the input dtype); flash attention's few
+    RNG-state bytes are left out."""
     policy = policy or cfg.checkpoint
     check_choice("checkpoint", policy, FORMULA_POLICIES)
     s = parse_dtype("dtype", dtype).itemsize
+    stat = s if device_type == "cpu" else 4
     b, d, c = sh.batch, cfg.hidden_size, cfg.in_channels
     li, lt, n = sh.img_tokens, sh.txt_tokens, sh.tokens
     nd, ns = cfg.depth_double, cfg.depth_single
@@ -331,7 +345,7 @@ def saved_bytes_formula(
     out: dict[str, int] = {}
     kinds = [("double", i) for i in range(nd)] + [("single", i) for i in range(ns)]
     for kind, i in kinds:
-        parts = (double_block_bytes if kind == "double" else single_block_bytes)(cfg, sh, s)
+        parts = (double_block_bytes if kind == "double" else single_block_bytes)(cfg, sh, s, stat)
         treated = block_policy(policy, kind, i)
         if not treated:
             own = parts["own"]
@@ -359,7 +373,7 @@ def saved_bytes_formula(
     out["model"] = b * d * s + (2 if cfg.guidance_embed else 1) * b * 256 * s + (b * n * d * s if cat_kept else 0)
     ckpt_inputs = policy in RECOMPUTE_POLICIES and any(block_policy(policy, k, i) for k, i in kinds)
     out["pe_embedder"] = 4 * n * cfg.head_dim if ckpt_inputs else 0
-    out["final_layer"] = 2 * b * d * s + 2 * b * li * s + 2 * b * li * d * s + (b * li * c * 4 if s == 4 else 0)
+    out["final_layer"] = 2 * b * d * s + 2 * b * li * stat + 2 * b * li * d * s + (b * li * c * 4 if s == 4 else 0)
     out["loss"] = b * li * c * s + (1 if s == 4 else 2) * b * li * c * 4
     out["input"] = b * lt * cfg.context_dim * s + b * cfg.pooled_dim * s
     return {k: v for k, v in out.items() if v}
@@ -413,3 +427,235 @@ def _batch(cfg: MMDiTConfig, sh: StepShape, dt: torch.dtype, dev: torch.device, 
     return synthetic_batch(
         cfg, sh.batch, height=h * ppt, width=w * ppt, txt_len=sh.txt_tokens, generator=gen, device=dev, dtype=dt
     )
+
+
+# --------------------------------------------------------------------------------------
+# State: parameters, gradients, optimizer
+# --------------------------------------------------------------------------------------
+
+#: Memory classes of a training step, in stacking order.
+CLASSES = ("parameters", "gradients", "optimizer", "master_weights", "activations", "transient")
+
+
+def block_of(param_name: str) -> str:
+    """Region of a parameter name: "double_blocks.3", "single_blocks.0", "img_in", ..."""
+    parts = param_name.split(".")
+    return ".".join(parts[:2]) if parts[0] in ("double_blocks", "single_blocks") else parts[0]
+
+
+def state_bytes(model: nn.Module, dtype: str | torch.dtype | None = None) -> dict[str, dict[str, int]]:
+    """Per region: parameter, gradient and AdamW bytes (two fp32 moments and, for 16-bit
+    parameters, fp32 master weights the optimizer updates).  Works on ``meta``."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(CLASSES[:4], 0))
+    for name, p in model.named_parameters():
+        dt = parse_dtype("dtype", dtype) if dtype is not None else p.dtype
+        n, s = p.numel(), dt.itemsize
+        row = out[block_of(name)]
+        row["parameters"] += n * s
+        row["gradients"] += n * s
+        row["optimizer"] += 2 * n * 4  # moments live beside the fp32 (master) weights
+        row["master_weights"] += n * 4 if s < 4 else 0
+    return dict(out)
+
+
+def state_totals(cfg: MMDiTConfig, dtype: str | torch.dtype) -> dict[str, int]:
+    """Parameter, gradient, optimizer and master-weight bytes of a preset (built on meta)."""
+    model = build_model(cfg, device="meta", dtype=parse_dtype("dtype", dtype))
+    tot = dict.fromkeys(CLASSES[:4], 0)
+    for row in state_bytes(model).values():
+        for k, v in row.items():
+            tot[k] += v
+    return tot
+
+
+def transient_bytes(cfg: MMDiTConfig, sh: StepShape, dtype: str | torch.dtype, policy: str) -> int:
+    """Model of the transient peak above the saved activations during the backward: the
+    gradients of the widest activation (in and out, 2 x B·L·(3D+M)) plus, when a block is
+    recomputed, that block's re-materialised activations."""
+    s = parse_dtype("dtype", dtype).itemsize
+    rows = sh.batch * sh.tokens
+    widest = rows * (3 * cfg.hidden_size + cfg.mlp_hidden) * s
+    recompute = 0
+    if policy in RECOMPUTE_POLICIES or policy == "offload":
+        recompute = max(
+            single_block_bytes(cfg, sh, s)["own"] if cfg.depth_single else 0,
+            double_block_bytes(cfg, sh, s)["own"] if cfg.depth_double else 0,
+        )
+    return 2 * widest + recompute
+
+
+def predicted_peak(
+    cfg: MMDiTConfig, sh: StepShape, dtype: str | torch.dtype, policy: str, *, shards: int = 1, state=None
+) -> dict[str, int]:
+    """Per class, the predicted peak of one AdamW step (state sharded over ``shards`` ranks)."""
+    dev_type = "cuda"
+    pol = "none" if policy == "compile_budget" else policy  # the partitioner's choice: bounded by none
+    st = state if state is not None else state_totals(cfg, dtype)
+    out = {k: int(math.ceil(v / shards)) for k, v in st.items()}
+    out["activations"] = sum(saved_bytes_formula(cfg, sh, dtype, pol, device_type=dev_type).values())
+    out["transient"] = transient_bytes(cfg, sh, dtype, pol)
+    out["total"] = sum(out[k] for k in CLASSES)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# FSDP per-rank projection
+# --------------------------------------------------------------------------------------
+
+
+def fsdp_rank_state(model: nn.Module, world_size: int, rank: int = 0, dtype=None) -> dict[str, int]:
+    """Per-rank parameter, gradient and AdamW bytes under ``fully_shard`` over ``world_size``
+    ranks: each parameter is split on dim 0 in ``ceil(rows / N)``-row chunks (the last ranks
+    may hold fewer rows, or none)."""
+    check_int("world_size", world_size, min=1)
+    check_int("rank", rank, min=0, max=world_size - 1)
+    out = dict.fromkeys(CLASSES[:4], 0)
+    for p in model.parameters():
+        dt = parse_dtype("dtype", dtype) if dtype is not None else p.dtype
+        rows = p.shape[0] if p.dim() else 1
+        per_row = p.numel() // max(rows, 1)
+        chunk = math.ceil(rows / world_size)
+        mine = max(0, min(chunk, rows - rank * chunk))
+        n, s = mine * per_row, dt.itemsize
+        out["parameters"] += n * s
+        out["gradients"] += n * s
+        out["optimizer"] += 2 * n * 4
+        out["master_weights"] += n * 4 if s < 4 else 0
+    return out
+
+
+def gpus_needed(
+    cfg: MMDiTConfig, sh: StepShape, dtype, policy: str, device_bytes: int, max_gpus: int = 64
+) -> int | None:
+    """Fewest ranks (FSDP: state sharded, activations not) whose per-rank peak fits ``device_bytes``."""
+    check_float("device_memory_gb", device_bytes, min=0, min_exclusive=True)
+    st = state_totals(cfg, dtype)
+    for n in range(1, max_gpus + 1):
+        if predicted_peak(cfg, sh, dtype, policy, shards=n, state=st)["total"] <= device_bytes:
+            return n
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# What fits
+# --------------------------------------------------------------------------------------
+
+
+def default_device_bytes() -> int:
+    """The current CUDA device's memory, else one H200's (141 GB)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return H200_BYTES
+
+
+def what_fits(
+    cfg: MMDiTConfig,
+    dtype,
+    policy: str,
+    device_bytes: int,
+    resolutions: Iterable[int] = (256, 512, 768, 1024, 1536, 2048),
+    txt_len: int = 512,
+    max_batch: int = 1024,
+    shards: int = 1,
+) -> list[dict]:
+    """For each square resolution, the largest batch whose predicted peak fits (0 = none)."""
+    check_float("device_memory_gb", device_bytes, min=0, min_exclusive=True)
+    st = state_totals(cfg, dtype)
+    rows = []
+    for res in resolutions:
+        sh1 = step_shape(cfg, 1, res, res, txt_len)
+        lo, hi = 0, max_batch
+        while lo < hi:  # largest b with peak(b) <= device_bytes
+            mid = (lo + hi + 1) // 2
+            peak = predicted_peak(cfg, StepShape(mid, sh1.img_tokens, txt_len), dtype, policy, shards=shards, state=st)
+            lo, hi = (mid, hi) if peak["total"] <= device_bytes else (lo, mid - 1)
+        best = lo
+        peak = predicted_peak(
+            cfg, StepShape(max(best, 1), sh1.img_tokens, txt_len), dtype, policy, shards=shards, state=st
+        )
+        rows.append(
+            dict(
+                preset=cfg.preset,
+                policy=policy,
+                resolution=res,
+                img_tokens=sh1.img_tokens,
+                max_batch=best,
+                predicted_peak_bytes=peak["total"] if best else None,
+            )
+        )
+    return rows
+
+
+def _fsdp_worker(rank: int, world_size: int, preset: str, port: int, out_dir: str) -> None:
+    """One rank: fully_shard every block and the root, one AdamW step on gloo, then write
+    this rank's local parameter, gradient and optimizer-state bytes."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        model = build_model(preset, seed=0)
+        for blk in model.blocks():
+            fully_shard(blk)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        batch = synthetic_batch(
+            preset, 1, height=32, width=32, txt_len=4, generator=torch.Generator().manual_seed(rank)
+        )
+        rf_loss(model, batch, torch.Generator().manual_seed(rank)).backward()
+        opt.step()
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        got = dict(
+            rank=rank,
+            world_size=world_size,
+            parameters=sum(local(p).numel() * p.element_size() for p in model.parameters()),
+            gradients=sum(local(p.grad).numel() * p.grad.element_size() for p in model.parameters()),
+            optimizer=sum(
+                local(v).numel() * v.element_size()
+                for st in opt.state.values()
+                for k, v in st.items()
+                if k != "step" and torch.is_tensor(v)
+            ),
+        )
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(got))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_fsdp(preset: str = "tiny", world_size: int = 2, timeout_s: float = 180.0) -> list[dict]:
+    """Per-rank state bytes of a real ``fully_shard`` AdamW step over ``world_size`` gloo
+    processes (``python -m lab_utils.memory fsdp``), with the projection beside each.  The
+    process group is killed on timeout, so no process is left behind."""
+    check_int("world_size", world_size, min=1, max=16)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "lab_utils.memory", "fsdp", preset, str(world_size), tmp]
+        proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            log, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise RuntimeError(f"FSDP run at world_size={world_size} timed out after {timeout_s} s") from None
+        if proc.returncode:
+            raise RuntimeError(f"FSDP run at world_size={world_size} failed:\n{log.decode()[-3000:]}")
+        got = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
+    model = build_model(preset, device="meta")
+    for row in got:
+        proj = fsdp_rank_state(model, world_size, row["rank"])
+        for k in ("parameters", "gradients", "optimizer"):
+            row[f"projected_{k}"] = proj[k]
+    return got
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":  # python -m lab_utils.memory fsdp PRESET WORLD_SIZE OUT_DIR
+    if len(sys.argv) == 5 and sys.argv[1] == "fsdp":
+        ws = int(sys.argv[3])
+        mp.start_processes(
+            _fsdp_worker, args=(ws, sys.argv[2], _free_port(), sys.argv[4]), nprocs=ws, start_method="spawn"
+        )
+    else:
+        sys.exit("usage: python -m lab_utils.memory fsdp PRESET WORLD_SIZE OUT_DIR")
