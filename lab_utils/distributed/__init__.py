@@ -6,7 +6,17 @@ on a DeviceMesh), ``context_parallel`` (ring and Ulysses attention), ``comm`` (c
 and overlap from traces, alpha-beta model), ``projection`` (flux-dev at 8..1024 GPUs).
 """
 
-from .launch import DistResult, DistRunError, launch
+from .launch import DistResult, DistRunError, launch, launch_cases
 from .spec import COMPONENTS, STRATEGIES, DistConfig, Mesh, components
 
-__all__ = ["COMPONENTS", "STRATEGIES", "DistConfig", "DistResult", "DistRunError", "Mesh", "components", "launch"]
+__all__ = [
+    "COMPONENTS",
+    "STRATEGIES",
+    "DistConfig",
+    "DistResult",
+    "DistRunError",
+    "Mesh",
+    "components",
+    "launch",
+    "launch_cases",
+]

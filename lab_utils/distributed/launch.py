@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import ConfigError
 from .comm import CollectiveEvent
 from .spec import DistConfig
 
@@ -126,12 +127,24 @@ class _Tail:
 
 def launch(cfg: DistConfig, out: str | Path | None = None, *, progress: bool = True, desc: str = "") -> DistResult:
     """Run ``cfg`` on ``cfg.world_size`` local processes; raise :class:`DistRunError` when it fails."""
+    return launch_cases([cfg], out, progress=progress, desc=desc)[0]
+
+
+def launch_cases(
+    cfgs: list[DistConfig], out: str | Path | None = None, *, progress: bool = True, desc: str = ""
+) -> list[DistResult]:
+    """Run several cases of one world size in one spawn (the ranks join the process group once and
+    run the cases in order); the run's timeout is the sum of the cases', its watchdog the longest."""
+    if not cfgs or len({c.world_size for c in cfgs}) != 1:
+        raise ConfigError("world_size", [c.world_size for c in cfgs], "one world size shared by every case")
+    cfg = cfgs[0]
+    timeout_s, hang_s = sum(c.timeout_s for c in cfgs), max(c.hang_timeout_s for c in cfgs)
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="perflab-dist-"))
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("*-rank*.*"):
+    for old in [*out.glob("*-rank*.*"), *out.glob("case*/*-rank*.*")]:
         old.unlink()
     spec = out / "spec.json"
-    spec.write_text(cfg.to_json())
+    spec.write_text(json.dumps([json.loads(c.to_json()) for c in cfgs]))
     port, world = free_port(), cfg.world_size
     root = Path(__file__).resolve().parents[2]
     procs: list[subprocess.Popen] = []
@@ -140,7 +153,7 @@ def launch(cfg: DistConfig, out: str | Path | None = None, *, progress: bool = T
     if progress:
         from tqdm.auto import tqdm  # noqa: PLC0415  (progress bar only when asked; tqdm imports ipywidgets in notebooks)
 
-        bar = tqdm(total=cfg.steps * world, desc=desc or f"{cfg.strategy} x{world}", leave=False)
+        bar = tqdm(total=sum(c.steps for c in cfgs) * world, desc=desc or f"{cfg.strategy} x{world}", leave=False)
     try:
         for r in range(world):
             env = {
@@ -160,14 +173,14 @@ def launch(cfg: DistConfig, out: str | Path | None = None, *, progress: bool = T
             log.close()
         tail = _Tail(out, world)
         last_progress = time.monotonic()
-        last_step = dict.fromkeys(range(world), 0)
+        last_step = dict.fromkeys(range(world), (0, 0))  # (case, step)
         while True:
             time.sleep(POLL_S)
             now = time.monotonic()
             for ev in tail.read():
                 last_progress = now
                 if ev["event"] == "step":
-                    last_step[ev["rank"]] = ev["step"]
+                    last_step[ev["rank"]] = (ev.get("case", 0), ev["step"])
                     if bar is not None:
                         bar.update(1)
                         if ev["rank"] == 0:
@@ -183,21 +196,24 @@ def launch(cfg: DistConfig, out: str | Path | None = None, *, progress: bool = T
                 )
             if all(c == 0 for c in codes):
                 break
-            if now - last_progress > cfg.hang_timeout_s:
+            if now - last_progress > hang_s:
                 raise DistRunError(
                     "hang",
-                    f"watchdog: no rank reported progress for {cfg.hang_timeout_s:g} s (last step per rank: "
+                    f"watchdog: no rank reported progress for {hang_s:g} s (last (case, step) per rank: "
                     f"{last_step}); the run was ended",
                     None,
                     out,
                 )
-            if now - t0 > cfg.timeout_s:
-                raise DistRunError(
-                    "timeout", f"the run exceeded timeout_s = {cfg.timeout_s:g} s and was ended", None, out
-                )
+            if now - t0 > timeout_s:
+                raise DistRunError("timeout", f"the run exceeded timeout_s = {timeout_s:g} s and was ended", None, out)
     finally:
         _kill_all(procs)
         if bar is not None:
             bar.close()
-    ranks = [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(world)]
-    return DistResult(cfg, out, time.monotonic() - t0, ranks, [p.pid for p in procs])
+    wall = time.monotonic() - t0
+    results = []
+    for i, c in enumerate(cfgs):
+        d = out / f"case{i}" if len(cfgs) > 1 else out
+        ranks = [json.loads((d / f"result-rank{r}.json").read_text()) for r in range(world)]
+        results.append(DistResult(c, d, wall, ranks, [p.pid for p in procs]))
+    return results

@@ -50,7 +50,7 @@ class ParallelModel:
 
     module: nn.Module  # what to call (DDP / FSDP / plain)
     model: MMDiT  # the underlying MMDiT (same object for FSDP2, .module for DDP)
-    mesh: DeviceMesh
+    mesh: DeviceMesh | None
     cfg: DistConfig
     cp_group: object | None = None
     tp_group: object | None = None
@@ -176,6 +176,8 @@ def build_parallel(cfg: DistConfig, device: torch.device) -> ParallelModel:
     parts, mesh_deg = cfg.parts, cfg.mesh
     mcfg = resolve_config(cfg.preset, checkpoint=cfg.checkpoint)
     model = build_model(mcfg, device=device, dtype=DTYPES[cfg.dtype], seed=cfg.seed)
+    if cfg.strategy == "single":
+        return ParallelModel(module=model, model=model, mesh=None, cfg=cfg)
     mesh = init_device_mesh(device.type, mesh_deg.shape, mesh_dim_names=MESH_DIMS)
     pm = ParallelModel(module=model, model=model, mesh=mesh, cfg=cfg)
     if mesh_deg.tp > 1:

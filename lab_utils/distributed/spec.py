@@ -121,6 +121,8 @@ class DistConfig(LabConfig):
     resume: bool = False  # load the DCP checkpoint from ``ckpt_dir`` and continue after its step
     ckpt_dir: str = ""
     keep_grads: bool = True  # rank 0 writes the full gradients after step 1 (for equality checks)
+    comm_sweep: bool = False  # after training, time every collective over message sizes (alpha-beta fit)
+    sweep_reps: int = 5
 
     def __post_init__(self):
         comps = components(self.strategy)
@@ -137,7 +139,18 @@ class DistConfig(LabConfig):
         check_float("lr", self.lr, min=0, min_exclusive=True)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("dtype", self.dtype, ("float32", "bfloat16"))
-        for name in ("mixed_precision", "reshard_after_forward", "prefetch", "profile", "resume", "keep_grads"):
+        check_int("sweep_reps", self.sweep_reps, min=1, max=1000)
+        if (self.save_step or self.resume) and "tp" in comps:
+            raise ConfigError("strategy", self.strategy, "a strategy without tp for DCP save/resume")
+        for name in (
+            "mixed_precision",
+            "reshard_after_forward",
+            "prefetch",
+            "profile",
+            "resume",
+            "keep_grads",
+            "comm_sweep",
+        ):
             check_bool(name, getattr(self, name))
         check_choice("checkpoint", self.checkpoint, CHECKPOINT_POLICIES)
         check_choice("backend", self.backend, BACKENDS)

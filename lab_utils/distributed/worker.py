@@ -16,6 +16,7 @@ gradients after step 1) and, on failure, ``error-rank{r}.txt`` with the tracebac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -107,19 +108,40 @@ def _inject(cfg: DistConfig, rank: int, step: int) -> None:
         time.sleep(1.0)
 
 
-def run(cfg: DistConfig, out: Path) -> None:
+def run(cfgs: list[DistConfig], out: Path) -> None:
+    """Join the process group once and run every case in ``cfgs`` (results under ``out/case{i}``
+    when there are several), so one spawn serves many strategies."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     progress = Progress(out, rank)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if world != cfg.world_size:
-        raise RuntimeError(f"WORLD_SIZE={world} but the spec asks for world_size={cfg.world_size}")
-    use_cuda = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
+    for cfg in cfgs:
+        if world != cfg.world_size:
+            raise RuntimeError(f"WORLD_SIZE={world} but the spec asks for world_size={cfg.world_size}")
+    backend = cfgs[0].backend
+    use_cuda = backend == "nccl" or (backend == "auto" and torch.cuda.is_available())
     device = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.timeout_s))
+    timeout = timedelta(seconds=max(c.timeout_s for c in cfgs))
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
     progress("init", backend=dist.get_backend())
+    for i, cfg in enumerate(cfgs):
+        case_out = out / f"case{i}" if len(cfgs) > 1 else out
+        case_out.mkdir(parents=True, exist_ok=True)
+        result = run_case(cfg, case_out, device, lambda ev, _i=i, **kw: progress(ev, case=_i, **kw))
+        (case_out / f"result-rank{rank}.json").write_text(json.dumps(result))
+    progress("done")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_case(cfg: DistConfig, out: Path, device: torch.device, progress=None) -> dict:
+    """Train ``cfg.steps`` steps with ``cfg``'s strategy; return this rank's result.  Without an
+    initialised process group (``single`` in the caller's process) no collective is called."""
+    distributed = dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    progress = progress or (lambda *a, **k: None)
     pm = build_parallel(cfg, device)
     opt = _optimizer(cfg, pm.module.parameters())
     start = 0
@@ -133,10 +155,11 @@ def run(cfg: DistConfig, out: Path) -> None:
         inputs = step_inputs(cfg, step, rank, device)
         prof = None
         if cfg.profile and step == cfg.steps:
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
             prof = profile(activities=acts, record_shapes=True)
             prof.__enter__()
-        dist.barrier()
+        if distributed:
+            dist.barrier()
         t0 = time.perf_counter()
         with record_function(comm.STEP_MARK):
             loss = train_step(pm, inputs)
@@ -146,7 +169,7 @@ def run(cfg: DistConfig, out: Path) -> None:
                     torch.save(grads, out / "grads.pt")
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if use_cuda:
+            if device.type == "cuda":
                 torch.cuda.synchronize(device)
         step_ms[step] = (time.perf_counter() - t0) * 1e3
         if prof is not None:
@@ -156,17 +179,35 @@ def run(cfg: DistConfig, out: Path) -> None:
             events = comm.load_trace(trace)
             result["overlap"] = comm.summary_dict(comm.overlap(events))
             result["collectives"] = [vars(c) for c in comm.collectives(events)]
-        dist.all_reduce(loss)
+        if distributed:
+            dist.all_reduce(loss)
         losses[step] = float(loss) / world
         progress("step", step=step, loss=losses[step], ms=step_ms[step])
         if step == cfg.save_step:
             save_checkpoint(pm, opt, Path(cfg.ckpt_dir), step)
             progress("saved", step=step)
+    if cfg.comm_sweep and distributed:
+        result["sweep"] = _profiled_sweep(cfg, out, rank, device)
+        progress("swept")
     result |= {"losses": losses, "step_ms": step_ms}
-    (out / f"result-rank{rank}.json").write_text(json.dumps(result))
-    progress("done")
-    dist.barrier()
-    dist.destroy_process_group()
+    return result
+
+
+def _profiled_sweep(cfg: DistConfig, out: Path, rank: int, device: torch.device) -> list[dict]:
+    sizes = [1 << k for k in range(12, 23, 2)]  # 4 KiB .. 4 MiB
+    comm.sweep_collectives(sizes[:1], 1, device)  # first calls set up buffers and connections
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        comm.sweep_collectives(sizes, cfg.sweep_reps, device)
+    trace = out / f"sweep-rank{rank}.json"
+    prof.export_chrome_trace(str(trace))
+    return [vars(c) for c in comm.collectives(comm.load_trace(trace))]
+
+
+def single_process_run(cfg: DistConfig, out: Path) -> dict:
+    """The reference: ``cfg``'s model, batches and optimizer in this process, no process group."""
+    out.mkdir(parents=True, exist_ok=True)
+    ref = dataclasses.replace(cfg, strategy="single", world_size=1, mixed_precision=False, profile=False)
+    return run_case(ref, out, torch.device("cpu"))
 
 
 def save_checkpoint(pm, opt, path: Path, step: int) -> None:
@@ -186,11 +227,16 @@ def load_checkpoint(pm, opt, path: Path) -> int:
     return step
 
 
+def load_spec(path: Path) -> list[DistConfig]:
+    data = json.loads(path.read_text())
+    return [DistConfig(**d) for d in (data if isinstance(data, list) else [data])]
+
+
 def main(spec: Path, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
     try:
-        run(DistConfig.from_json(spec.read_text()), out)
+        run(load_spec(spec), out)
     except BaseException:  # noqa: BLE001 - reported to the launcher, then the rank exits
         (out / f"error-rank{rank}.txt").write_text(traceback.format_exc())
         return 1
