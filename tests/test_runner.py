@@ -2,12 +2,16 @@
 
 import json
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
 from lab_utils.config import ConfigError
-from lab_utils.run import cli
+from lab_utils.run import cli, runner
 from lab_utils.run.nbtools import make_notebook
 from lab_utils.run.runner import SuiteError, load_suite, parse_overrides, plan, run_suite
 
@@ -159,3 +163,122 @@ def test_real_suites_are_valid():
     smoke = {e.stem for e in load_suite("smoke").entries}
     labs = {p.stem for p in (Path(__file__).resolve().parents[1] / "labs").glob("[0-9][0-9]_*.ipynb")}
     assert labs <= smoke, f"labs missing from the smoke suite: {sorted(labs - smoke)}"
+
+
+# ------------------------------------------------------------------ run-room robustness
+ART_BODY = (
+    "import os, pathlib\nfrom lab_utils.records import Recorder\n"
+    "d = pathlib.Path(os.environ['PERFLAB_ARTIFACTS_DIR']) / 'traces'\nd.mkdir(parents=True, exist_ok=True)\n"
+    "trace = d / 'step.trace.json'\ntrace.write_text('{\"traceEvents\": []}')\n"
+    "rec = Recorder('art', params={'reps': reps})\n"
+    "rec.add('artifacts', 'profile', 'trace_file', trace.stat().st_size, 'bytes', statistic='file', path=str(trace))\n"
+    "rec.save()\nprint('trace:', trace)"
+)
+
+
+@pytest.fixture
+def art_suite(suite_dir):
+    """A suite of one fast notebook that leaves a profiler-like trace under its artifacts folder."""
+    _write_nb(suite_dir / "labs" / "art.ipynb", ART_BODY)
+    (suite_dir / "parameterized" / "art.yaml").write_text(
+        yaml.safe_dump({"description": "artifacts", "notebooks": [{"notebook": str(suite_dir / "labs" / "art.ipynb")}]})
+    )
+    return suite_dir
+
+
+def test_artifact_links_point_into_the_final_report(art_suite):
+    """The trace's path in the records, the notebook's printed path and the index link all name
+    the file inside the finished report folder, not the temporary folder that is gone."""
+    res = run_suite("art", out_dir=art_suite / "reports", progress=False)
+    assert res.ok
+    recs = json.loads((res.path / "records.json").read_text())
+    path = json.loads(recs[0]["extra"])["path"]
+    assert ".tmp-" not in path and Path(path).is_file() and Path(path).is_relative_to(res.path)
+    for f in ("records.json", "html/art.html", "notebooks/art.ipynb", "index.html"):
+        assert ".tmp-" not in (res.path / f).read_text(), f
+    index = (res.path / "index.html").read_text()
+    assert 'href="artifacts/art/traces/step.trace.json"' in index
+    assert (
+        str(res.path / "artifacts" / "art" / "traces" / "step.trace.json") in (res.path / "html/art.html").read_text()
+    )
+
+
+def test_run_ids_are_unique_within_a_second(art_suite, monkeypatch):
+    monkeypatch.setattr(runner.time, "strftime", lambda *a, **k: "20260101-000000")
+    ids = {runner.new_run_id("art") for _ in range(50)}
+    assert len(ids) == 50
+    out = art_suite / "r"
+    rid, tmp = runner._make_run_dir(out, "fixed-id", "art")
+    with pytest.raises(SuiteError, match="in use"):
+        runner._make_run_dir(out, "fixed-id", "art")  # never share another run's temporary folder
+
+
+def test_two_runs_started_at_once(art_suite):
+    """Two `perflab run`s in the same second (the clock pinned to one second in both) each get
+    their own run id, temporary folder and complete report."""
+    out = art_suite / "reports"
+    code = (
+        "import sys, time\ntime.strftime = lambda *a, **k: '20260101-000000'\n"
+        "from lab_utils.run.cli import main\n"
+        f"sys.exit(main(['run', 'art', '--out', {str(out)!r}, '--no-progress']))"
+    )
+    root = Path(__file__).resolve().parents[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    reports = sorted(p for p in out.iterdir() if p.is_dir() and not p.is_symlink())
+    assert len(reports) == 2 and not list(out.glob(".tmp-*")), reports
+    run_ids = set()
+    for r in reports:
+        recs = json.loads((r / "records.json").read_text())
+        assert len(recs) == 1 and recs[0]["run_id"] == r.name  # each report holds its own run's rows only
+        assert Path(json.loads(recs[0]["extra"])["path"]).is_relative_to(r)
+        run_ids.add(r.name)
+    assert len(run_ids) == 2 and (out / "latest").resolve().name in run_ids
+
+
+def test_interrupted_run_cleans_up_and_says_where(suite_dir, monkeypatch, capsys):
+    """Ctrl-C during the second notebook: `latest` still names the last complete run, no
+    `.tmp-` folder is left, the finished notebook is kept, and the CLI prints one line."""
+    out = suite_dir / "reports"
+    calls = []
+
+    def fake_execute(src, dst, **kw):
+        calls.append(Path(src).stem)
+        if len(calls) in (2, 4):  # the second notebook of each interrupted run
+            raise KeyboardInterrupt
+        shutil.copy(src, dst)
+
+    first = run_suite("mini", out_dir=out, progress=False, only=["good"])  # a complete run to keep as latest
+    monkeypatch.setattr(runner.pm, "execute_notebook", fake_execute)
+    with pytest.raises(runner.RunInterrupted) as e:
+        run_suite("mini", out_dir=out, progress=False)
+    msg = str(e.value)
+    assert "interrupted during good" in msg and "1 of 2 notebooks done" in msg and "unchanged" in msg
+    assert (out / "latest").resolve() == first.path.resolve()
+    assert not list(out.glob(".tmp-*")) and not list(out.glob(".latest-*"))
+    kept = next(out.glob("*-interrupted"))
+    assert str(kept) in msg and (kept / "notebooks" / "bad.ipynb").exists()
+    assert not (kept / "notebooks" / "good.ipynb").exists() and not (kept / "records" / "good").exists()
+    assert (kept / "INTERRUPTED.txt").exists()
+    capsys.readouterr()
+    assert cli.main(["run", "mini", "--out", str(out), "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "interrupted during good" in err
+    assert (out / "latest").resolve() == first.path.resolve() and not list(out.glob(".tmp-*"))
+
+
+def test_timing_threads_option_is_validated_and_recorded(art_suite):
+    with pytest.raises(ValueError, match="timing_threads"):
+        run_suite("art", out_dir=art_suite / "never", timing_threads="many")
+    assert not (art_suite / "never").exists() or not any((art_suite / "never").iterdir())
+    res = run_suite("art", out_dir=art_suite / "reports", progress=False, timing_threads=1)
+    ctx = json.loads((res.path / "context.json").read_text())
+    if ctx["device_kind"] == "cpu":
+        assert ctx["timing"]["cpu_threads"] == {**ctx["timing"]["cpu_threads"], "threads": 1}
+    assert "unstable timings" in (res.path / "index.html").read_text()

@@ -1,11 +1,11 @@
 """The ``perflab`` command.
 
-perflab run SUITE [--param key=value ...] [--only NOTEBOOK ...] [--out DIR]
+perflab run SUITE [--param key=value ...] [--only NOTEBOOK ...] [--out DIR] [--timing-threads N|auto]
 perflab run --list
 perflab ceilings [--force] [--quick]
 perflab nb refresh LAB.ipynb ...
 perflab compare BASE CANDIDATE [...]      (lab_utils.run.compare)
-perflab baseline refresh|check [...]      (lab_utils.run.compare)
+perflab baseline refresh|check [...]      (lab_utils.run.compare.baselines)
 """
 
 from __future__ import annotations
@@ -13,11 +13,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..ceilings import get_ceilings
+from ..config import ConfigError
+from .compare import baseline_main
+from .compare import main as compare_main
+from .nbtools import refresh
+from .runner import RunInterrupted, SuiteError, list_suites, load_suite, parse_overrides, run_suite
+
 
 def _cmd_run(a) -> int:
-    from ..config import ConfigError
-    from .runner import SuiteError, list_suites, load_suite, parse_overrides, run_suite
-
     if a.list:
         for name in list_suites():
             try:
@@ -35,11 +39,19 @@ def _cmd_run(a) -> int:
         return 2
     try:
         res = run_suite(
-            a.suite, overrides=parse_overrides(a.param), out_dir=a.out, only=a.only, progress=not a.no_progress
+            a.suite,
+            overrides=parse_overrides(a.param),
+            out_dir=a.out,
+            only=a.only,
+            progress=not a.no_progress,
+            timing_threads=a.timing_threads,
         )
-    except (SuiteError, ConfigError) as e:
+    except (SuiteError, ConfigError, ValueError) as e:
         print(f"perflab run: {e}", file=sys.stderr)
         return 2
+    except RunInterrupted as e:
+        print(f"perflab run: {e}", file=sys.stderr)
+        return 130
     for s in res.statuses:
         line = f"  {s.status:6s} {s.notebook} ({s.seconds:.1f} s, {s.rows} records)"
         if s.error:
@@ -53,8 +65,6 @@ def _cmd_run(a) -> int:
 
 
 def _cmd_ceilings(a) -> int:
-    from ..ceilings import get_ceilings
-
     c = get_ceilings(a.device, force=a.force, quick=a.quick, progress=True)
     print(f"{c.device_name} (measured {c.measured_at}{', quick' if c.quick else ''})")
     for r in c.summary_rows():
@@ -65,8 +75,6 @@ def _cmd_ceilings(a) -> int:
 
 
 def _cmd_nb(a) -> int:
-    from .nbtools import refresh
-
     for p in a.paths:
         refresh(p)
         print(f"refreshed {p}")
@@ -76,12 +84,8 @@ def _cmd_nb(a) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "compare":
-        from .compare import main as compare_main
-
         return compare_main(argv[1:])
     if argv and argv[0] == "baseline":
-        from .compare import baseline_main
-
         return baseline_main(argv[1:])
     ap = argparse.ArgumentParser(
         prog="perflab", description="perflab: a performance lab for diffusion-transformer training"
@@ -94,6 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--only", action="append", metavar="NOTEBOOK", help="run only this notebook of the suite")
     r.add_argument("--out", default=None, help="reports folder (default: reports/)")
     r.add_argument("--no-progress", action="store_true")
+    r.add_argument(
+        "--timing-threads",
+        default=None,
+        metavar="N|auto",
+        help="CPU threads every lab times with (default: auto, the cores other processes leave free; "
+        "recorded in each report's context)",
+    )
     r.set_defaults(fn=_cmd_run)
     c = sub.add_parser("ceilings", help="measure (or show cached) copy and matmul ceilings")
     c.add_argument("--force", action="store_true", help="re-measure even if cached")

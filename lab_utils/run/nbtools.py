@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import nbformat
+from nbclient import NotebookClient
 
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
 
@@ -73,8 +74,6 @@ def strip_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 
 
 def execute(nb: nbformat.NotebookNode, cwd: str | Path, timeout: int = 1200) -> nbformat.NotebookNode:
-    from nbclient import NotebookClient
-
     NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
     return nb
 

@@ -8,12 +8,18 @@ widget manager) is dropped, since the labs' outputs need neither.
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 import re
 from pathlib import Path
 
+import nbformat
 import pandas as pd
+from nbconvert import HTMLExporter
+
+from ..ceilings import Ceilings, get_ceilings
+from ..records import CONTEXT_COLUMNS, ROW_COLUMNS, load_records, run_context, stability_summary
 
 EXTERNAL_SCRIPT = re.compile(r"<script[^>]*\bsrc=[\"'](?:https?:)?//[^\"']*[\"'][^>]*>\s*</script>", re.I)
 EXTERNAL_LINK = re.compile(r"<link[^>]*\bhref=[\"'](?:https?:)?//[^\"']*[\"'][^>]*/?>", re.I)
@@ -25,9 +31,7 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 def _panel_css_data_uri(m: re.Match) -> str:
     """Panel's widgets reference their stylesheets on a CDN; inline the installed copy."""
-    import base64
-
-    import panel
+    import panel  # noqa: PLC0415  (heavy; only pages whose widgets reference panel's CDN need it)
 
     f = Path(panel.__file__).parent / "dist" / m.group(1)
     if not f.is_file():
@@ -54,10 +58,21 @@ def _drop_widget_views(nb) -> None:
         cell.outputs = [o for o in cell.outputs if "data" not in o or o["data"]]
 
 
-def export_html(ipynb: Path, out: Path, *, title: str | None = None) -> Path:
-    import nbformat
-    from nbconvert import HTMLExporter
+def relocate_text(text: str, tmp: Path, final: Path) -> str:
+    """Paths under the run's temporary folder, as they will be once it is renamed."""
+    return text.replace(str(tmp), str(final))
 
+
+def relocate_file(path: Path, tmp: Path, final: Path) -> None:
+    """Rewrite a text file (an executed notebook) so that the paths it printed into the
+    temporary folder name the final report folder, where the files will be."""
+    text = path.read_text(encoding="utf-8")
+    moved = relocate_text(text, tmp, final)
+    if moved != text:
+        path.write_text(moved, encoding="utf-8")
+
+
+def export_html(ipynb: Path, out: Path, *, title: str | None = None) -> Path:
     nb = nbformat.read(ipynb, as_version=4)
     if title:
         nb.metadata["title"] = title
@@ -74,16 +89,20 @@ def export_html(ipynb: Path, out: Path, *, title: str | None = None) -> Path:
     return out
 
 
-def gather_records(run_dir: Path, statuses, run_id: str) -> pd.DataFrame:
-    """Merge every successful notebook's records (context columns on each row)."""
-    from ..records import CONTEXT_COLUMNS, ROW_COLUMNS, load_records
-
+def gather_records(run_dir: Path, statuses, run_id: str, *, relocate: tuple[Path, Path] | None = None) -> pd.DataFrame:
+    """Merge every successful notebook's records (context columns on each row).
+    ``relocate=(tmp, final)``: paths in the rows' ``extra`` (e.g. a profiler trace written
+    under the temporary folder) are rewritten to where they are once the report is final."""
     frames = []
     for st in statuses:
         f = run_dir / "records" / st.notebook / "records.json"
         if st.status != "ok" or not f.exists():
             continue
         df = load_records(f)
+        if relocate is not None:
+            df["extra"] = [relocate_text(e, *relocate) if isinstance(e, str) else e for e in df["extra"]]
+        summary = stability_summary(df)
+        st.timings, st.unstable = summary.timings, summary.unstable
         df["notebook"] = st.notebook
         df["run_id"] = run_id
         st.rows = len(df)
@@ -102,10 +121,11 @@ def gather_records(run_dir: Path, statuses, run_id: str) -> pd.DataFrame:
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em;color:#222;max-width:1200px}
-table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top}
+table{border-collapse:collapse;margin:1em 0}
+td,th{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top}
 th{background:#f3f3f3}.ok{color:#0a7d28;font-weight:600}.failed{color:#b00020;font-weight:600}
 code,pre{font-family:ui-monospace,Menlo,monospace;font-size:90%}pre{white-space:pre-wrap;margin:0}
-.muted{color:#666}
+.muted{color:#666}.unstable{color:#bc4c00;font-weight:600}
 """
 
 
@@ -118,9 +138,6 @@ def _fmt(v) -> str:
 
 
 def write_index(run_dir: Path, suite, statuses, run_id: str, overrides: dict) -> Path:
-    from ..ceilings import Ceilings, get_ceilings
-    from ..records import run_context
-
     ctx = run_context({"suite": suite.name, "overrides": overrides})
     ceil: Ceilings | None = None
     try:
@@ -146,7 +163,8 @@ def write_index(run_dir: Path, suite, statuses, run_id: str, overrides: dict) ->
         params = ", ".join(f"{k}={v!r}" for k, v in s.params.items())
         rows.append(
             f'<tr><td>{link} <span class="muted">{nb}</span></td><td class="{s.status}">{s.status}</td>'
-            f"<td>{s.seconds:.1f} s</td><td>{s.rows}</td><td><code>{html.escape(params)}</code>{err}</td></tr>"
+            f"<td>{s.seconds:.1f} s</td><td>{s.rows}</td>{_unstable_cell(s)}"
+            f"<td><code>{html.escape(params)}</code>{err}</td></tr>"
         )
     ceil_rows = ""
     if ceil is not None:
@@ -185,8 +203,11 @@ def write_index(run_dir: Path, suite, statuses, run_id: str, overrides: dict) ->
 <p class="{"ok" if n_ok == len(statuses) else "failed"}">{verdict}</p>
 <h2>Context</h2><table>{info_html}</table>
 <h2>Notebooks</h2>
-<table><tr><th>notebook</th><th>status</th><th>time</th><th>records</th><th>parameters / error</th></tr>
+<table><tr><th>notebook</th><th>status</th><th>time</th><th>records</th><th>unstable timings</th>
+<th>parameters / error</th></tr>
 {"".join(rows)}</table>
+{_unstable_section(run_dir)}
+{_artifacts_section(run_dir)}
 <h2>Ceilings</h2>
 <p class="muted">Measured on this machine (copy: bytes read + written over time; matmul: 2n³ FLOPs over time),
 beside the vendor datasheet's dense peaks, which are references, not measurements.</p>
@@ -195,3 +216,45 @@ beside the vendor datasheet's dense peaks, which are references, not measurement
     out = run_dir / "index.html"
     out.write_text(page, encoding="utf-8")
     return out
+
+
+def _unstable_cell(s) -> str:
+    timings, unstable = getattr(s, "timings", 0), getattr(s, "unstable", 0)
+    if not timings:
+        return '<td class="muted">—</td>'
+    cls = ' class="unstable"' if unstable else ""
+    return f"<td{cls}>{unstable} of {timings}</td>"
+
+
+def _unstable_section(run_dir: Path, limit: int = 50) -> str:
+    """Every unstable timing of the run with its reason: these rows are not measurements
+    to act on (``perflab compare`` calls them "noisy")."""
+    f = run_dir / "records.parquet"
+    if not f.exists():
+        return ""
+    df = load_records(f)
+    summary = stability_summary(df, examples=limit)
+    if not summary.unstable:
+        note = f"all {summary.timings} timings stable" if summary.timings else "no timings in this run"
+        return f'<h2>Unstable timings</h2><p class="muted">{note}.</p>'
+    items = "".join(f"<li>{html.escape(e)}</li>" for e in summary.examples)
+    more = f"<li>… {summary.unstable - limit} more (records: stable = false)</li>" if summary.unstable > limit else ""
+    return (
+        f'<h2>Unstable timings</h2><p class="unstable">{html.escape(str(summary))}: the machine disturbed them; '
+        f"their medians are not measurements to act on, and comparisons call them noisy.</p><ul>{items}{more}</ul>"
+    )
+
+
+def _artifacts_section(run_dir: Path) -> str:
+    """Links to the files the labs left (profiler traces, memory timelines), inside the
+    report folder, relative, so they work wherever the report is moved."""
+    root = run_dir / "artifacts"
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+    if not files:
+        return ""
+    items = "".join(
+        f'<li><a href="{html.escape(p.relative_to(run_dir).as_posix())}">{html.escape(p.relative_to(root).as_posix())}'
+        f'</a> <span class="muted">{p.stat().st_size / 2**20:.2f} MiB</span></li>'
+        for p in files
+    )
+    return f"<h2>Artifacts</h2><ul>{items}</ul>"

@@ -10,14 +10,21 @@ one the notebook declares in its ``parameters`` cell, and the lab's config class
 (notebook metadata ``perflab.config``) accepts the values.  Notebooks then run one
 after another with papermill; a failing notebook is recorded (status, error) and the
 suite goes on; the command exits non-zero if any failed.  The report is written to
-``reports/.tmp-<run-id>/`` and renamed to ``reports/<run-id>/`` only when complete.
+``reports/.tmp-<run-id>/`` (created exclusively; run ids carry the pid and a random
+suffix, so two runs started in the same second never share it) and renamed to
+``reports/<run-id>/`` only when complete; paths written while running (records' ``path``
+fields, printed trace locations) are rewritten to the final folder.  ``latest`` is
+repointed atomically, and only to a complete report.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
+import json
 import os
+import secrets
 import shutil
 import sys
 import time
@@ -26,11 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import nbformat
+import papermill as pm
 import yaml
+from tqdm.auto import tqdm
 
 from ..config import ConfigError
+from ..timing import THREADS_ENV, choose_cpu_threads
+from . import report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository: lab_utils/run/runner.py -> ../../..
 
 
 class SuiteError(ValueError):
@@ -122,9 +134,7 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
 
 def notebook_parameters(path: Path) -> dict[str, Any]:
     """The defaults of a notebook's ``parameters`` cell, as Python values."""
-    import papermill
-
-    info = papermill.inspect_notebook(str(path))
+    info = pm.inspect_notebook(str(path))
     if not info:
         raise SuiteError(f"notebook {path.name} has no cell tagged 'parameters'")
     out = {}
@@ -137,8 +147,6 @@ def notebook_parameters(path: Path) -> dict[str, Any]:
 
 
 def notebook_config_class(path: Path):
-    import nbformat
-
     nb = nbformat.read(path, as_version=4)
     spec = nb.metadata.get("perflab", {}).get("config")
     if not spec:
@@ -205,6 +213,8 @@ class NotebookStatus:
     ipynb: str | None = None
     rows: int = 0
     params: dict = field(default_factory=dict)
+    timings: int = 0  # timing rows (median) with a stability verdict
+    unstable: int = 0  # of which unstable
 
 
 @dataclass
@@ -228,6 +238,79 @@ def _error_of(exc: BaseException) -> str:
     return f"{ename}: {evalue}".strip()
 
 
+def new_run_id(suite_name: str) -> str:
+    """``<date>-<time>-<suite>-<pid>-<random>``: unique even for runs started in the same second."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{suite_name}-p{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A run stopped by Ctrl-C; the message says what was interrupted and what was kept."""
+
+
+def _make_run_dir(out_dir: Path, run_id: str | None, suite_name: str) -> tuple[str, Path]:
+    """Create ``.tmp-<run-id>`` exclusively (never reuse another run's folder)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for _ in range(5):
+        rid = run_id or new_run_id(suite_name)
+        if (out_dir / rid).exists():
+            if run_id:
+                raise SuiteError(f"report folder {out_dir / rid} already exists")
+            continue
+        tmp = out_dir / f".tmp-{rid}"
+        try:
+            tmp.mkdir()
+        except FileExistsError:
+            if run_id:
+                raise SuiteError(f"another run is writing {tmp} (run id {rid!r} is in use)") from None
+            continue
+        for sub in ("notebooks", "html", "records", "artifacts"):
+            (tmp / sub).mkdir()
+        return rid, tmp
+    raise SuiteError(f"could not create a fresh report folder under {out_dir}")
+
+
+def _point_latest(out_dir: Path, run_id: str) -> None:
+    """Repoint ``latest`` atomically (a new link renamed over the old one)."""
+    latest = out_dir / "latest"
+    tmp_link = out_dir / f".latest-{run_id}"
+    try:
+        tmp_link.symlink_to(run_id)
+        os.replace(tmp_link, latest)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp_link.unlink()
+
+
+def _keep_finished(tmp: Path, out_dir: Path, run_id: str, statuses, current: str | None) -> Path | None:
+    """After an interrupt: drop the notebook that was running, keep the finished ones in
+    ``<run-id>-interrupted/`` (never ``latest``), remove the temporary folder."""
+    if current:
+        for part in (
+            f"notebooks/{current}.ipynb",
+            f"html/{current}.html",
+            f"records/{current}",
+            f"artifacts/{current}",
+        ):
+            f = tmp / part
+            if f.is_dir():
+                shutil.rmtree(f, ignore_errors=True)
+            elif f.exists():
+                f.unlink()
+    if not statuses:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return None
+    (tmp / "status.json").write_text(
+        json.dumps([{k: v for k, v in vars(s).items() if k != "params"} for s in statuses], indent=1)
+    )
+    (tmp / "INTERRUPTED.txt").write_text(
+        f"run {run_id} was interrupted{f' during {current}' if current else ''}; "
+        f"these notebooks had finished: {', '.join(s.notebook for s in statuses)}\n"
+    )
+    keep = out_dir / f"{run_id}-interrupted"
+    tmp.rename(keep)
+    return keep
+
+
 def run_suite(
     suite: str | Suite,
     *,
@@ -237,99 +320,113 @@ def run_suite(
     progress: bool = True,
     timeout_s: int = 1800,
     run_id: str | None = None,
+    timing_threads: int | str | None = None,
 ) -> RunResult:
     """Run every notebook of a suite and write the report.  Validation errors raise
-    before anything runs; notebook failures are recorded and the suite goes on."""
-    import papermill as pm
-    from tqdm.auto import tqdm
+    before anything runs; notebook failures are recorded and the suite goes on.
 
-    from . import report
-
+    ``timing_threads``: the CPU thread count every lab times with ("auto": chosen from
+    the cores free when each timing starts; see ``lab_utils.timing.choose_cpu_threads``).
+    Ctrl-C raises :class:`RunInterrupted` after cleaning up: ``latest`` is untouched, the
+    temporary folder is gone, finished notebooks are kept in ``<run-id>-interrupted/``."""
     s = suite if isinstance(suite, Suite) else load_suite(suite)
     planned = plan(s, overrides, only)
+    if timing_threads is not None:
+        choose_cpu_threads(timing_threads)  # validates before anything runs
     out_dir = Path(out_dir or ROOT / "reports")
-    run_id = run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{s.name}"
+    run_id, tmp = _make_run_dir(out_dir, run_id, s.name)
     final = out_dir / run_id
-    if final.exists():
-        raise SuiteError(f"report folder {final} already exists")
-    tmp = out_dir / f".tmp-{run_id}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    for sub in ("notebooks", "html", "records", "artifacts"):
-        (tmp / sub).mkdir(parents=True)
 
     statuses: list[NotebookStatus] = []
-    bar = tqdm(planned, desc=f"perflab {s.name}", unit="notebook", disable=not progress, file=sys.stderr)
-    saved_env = {
-        k: os.environ.get(k) for k in ("PERFLAB_RECORDS_DIR", "PERFLAB_ARTIFACTS_DIR", "PERFLAB_RUN_ID", "TQDM_DISABLE")
-    }
+    current: str | None = None
+    saved_env = {k: os.environ.get(k) for k in RUN_ENV}
     # Inside headless kernels progress bars would be frozen widgets in the report; the
     # runner's own bar shows progress instead.
     os.environ["TQDM_DISABLE"] = "1"
+    os.environ["PERFLAB_RUN_ID"] = run_id
+    if timing_threads is not None:
+        os.environ[THREADS_ENV] = str(timing_threads)
     try:
+        bar = tqdm(planned, desc=f"perflab {s.name}", unit="notebook", disable=not progress, file=sys.stderr)
         for p in bar:
-            stem = p.entry.stem
-            bar.set_postfix_str(stem)
-            st = NotebookStatus(
-                notebook=stem,
-                path=str(p.entry.notebook.relative_to(ROOT))
-                if p.entry.notebook.is_relative_to(ROOT)
-                else str(p.entry.notebook),
-                params=p.resolved,
-            )
-            rec_dir, art_dir = tmp / "records" / stem, tmp / "artifacts" / stem
-            rec_dir.mkdir(parents=True)
-            art_dir.mkdir(parents=True)
-            os.environ["PERFLAB_RECORDS_DIR"] = str(rec_dir)
-            os.environ["PERFLAB_ARTIFACTS_DIR"] = str(art_dir)
-            os.environ["PERFLAB_RUN_ID"] = run_id
-            out_nb = tmp / "notebooks" / f"{stem}.ipynb"
-            t0 = time.perf_counter()
-            try:
-                pm.execute_notebook(
-                    str(p.entry.notebook),
-                    str(out_nb),
-                    parameters=p.params,
-                    cwd=str(p.entry.notebook.parent),
-                    kernel_name="python3",
-                    progress_bar=False,
-                    execution_timeout=timeout_s,
-                    log_output=False,
-                    report_mode=False,
-                )
-                st.status = "ok"
-            except Exception as e:  # noqa: BLE001 - a failing notebook is recorded, the suite goes on
-                st.status = "failed"
-                st.error = _error_of(e)
-            st.seconds = time.perf_counter() - t0
-            if out_nb.exists():
-                st.ipynb = f"notebooks/{stem}.ipynb"
-                try:
-                    report.export_html(out_nb, tmp / "html" / f"{stem}.html", title=stem)
-                    st.html = f"html/{stem}.html"
-                except Exception as e:  # noqa: BLE001
-                    st.error = (st.error + "; " if st.error else "") + f"HTML export failed: {_error_of(e)}"
-                    st.status = "failed"
-            statuses.append(st)
+            current = p.entry.stem
+            bar.set_postfix_str(current)
+            statuses.append(_run_one(p, tmp, final, timeout_s))
+            current = None
+        current = "the report (index, gathered records)"
+        report.gather_records(tmp, statuses, run_id, relocate=(tmp, final))
+        report.write_index(tmp, s, statuses, run_id, overrides or {})
+        current = None
+    except KeyboardInterrupt:
+        running = current if current and current in {p.entry.stem for p in planned} else None
+        kept = _keep_finished(tmp, out_dir, run_id, statuses, running)
+        where = (
+            f"the {len(statuses)} finished notebook(s) ({', '.join(st.notebook for st in statuses)}) are in {kept}"
+            if kept
+            else "no notebook had finished, nothing was kept"
+        )
+        raise RunInterrupted(
+            f"run {run_id} interrupted during {current or 'start-up'} "
+            f"({len(statuses)} of {len(planned)} notebooks done); {where}; {out_dir / 'latest'} is unchanged"
+        ) from None
+    except Exception:  # a report we cannot finish is not passed off as finished
+        (tmp / "REPORT_INCOMPLETE.txt").write_text(traceback.format_exc())
+        raise
     finally:
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-    try:
-        report.gather_records(tmp, statuses, run_id)
-        report.write_index(tmp, s, statuses, run_id, overrides or {})
-    except Exception:  # noqa: BLE001 - a report we cannot finish is not passed off as finished
-        (tmp / "REPORT_INCOMPLETE.txt").write_text(traceback.format_exc())
-        raise
     tmp.rename(final)
-    latest = out_dir / "latest"
-    try:
-        if latest.is_symlink() or latest.exists():
-            latest.unlink()
-        latest.symlink_to(run_id)
-    except OSError:
-        pass
+    _point_latest(out_dir, run_id)
     return RunResult(run_id, final, statuses)
+
+
+RUN_ENV = ("PERFLAB_RECORDS_DIR", "PERFLAB_ARTIFACTS_DIR", "PERFLAB_RUN_ID", "TQDM_DISABLE", THREADS_ENV)
+
+
+def _run_one(p: Planned, tmp: Path, final: Path, timeout_s: int) -> NotebookStatus:
+    """Execute one notebook into ``tmp`` and export its HTML, paths already pointing into ``final``."""
+    stem = p.entry.stem
+    st = NotebookStatus(
+        notebook=stem,
+        path=str(p.entry.notebook.relative_to(ROOT))
+        if p.entry.notebook.is_relative_to(ROOT)
+        else str(p.entry.notebook),
+        params=p.resolved,
+    )
+    rec_dir, art_dir = tmp / "records" / stem, tmp / "artifacts" / stem
+    rec_dir.mkdir(parents=True)
+    art_dir.mkdir(parents=True)
+    os.environ["PERFLAB_RECORDS_DIR"] = str(rec_dir)
+    os.environ["PERFLAB_ARTIFACTS_DIR"] = str(art_dir)
+    out_nb = tmp / "notebooks" / f"{stem}.ipynb"
+    t0 = time.perf_counter()
+    try:
+        pm.execute_notebook(
+            str(p.entry.notebook),
+            str(out_nb),
+            parameters=p.params,
+            cwd=str(p.entry.notebook.parent),
+            kernel_name="python3",
+            progress_bar=False,
+            execution_timeout=timeout_s,
+            log_output=False,
+            report_mode=False,
+        )
+        st.status = "ok"
+    except Exception as e:  # noqa: BLE001 - a failing notebook is recorded, the suite goes on
+        st.status = "failed"
+        st.error = _error_of(e)
+    st.seconds = time.perf_counter() - t0
+    if out_nb.exists():
+        st.ipynb = f"notebooks/{stem}.ipynb"
+        report.relocate_file(out_nb, tmp, final)
+        try:
+            report.export_html(out_nb, tmp / "html" / f"{stem}.html", title=stem)
+            st.html = f"html/{stem}.html"
+        except Exception as e:  # noqa: BLE001
+            st.error = (st.error + "; " if st.error else "") + f"HTML export failed: {_error_of(e)}"
+            st.status = "failed"
+    return st
