@@ -7,7 +7,10 @@ lab_utils.checks (gradients: GRAD_SCALE x the dtype's tolerance)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,6 +21,8 @@ from lab_utils import attention as A
 from lab_utils import masks as M
 from lab_utils.checks import assert_close, poison_, tolerance
 from lab_utils.config import ConfigError
+from lab_utils.model import build_model
+from lab_utils.model.train import synthetic_batch
 
 CUDA = torch.cuda.is_available()
 
@@ -121,13 +126,13 @@ MASKS = ["full", "causal", "sliding_window", "document", "prefix_lm", "mmdit", "
 
 
 @pytest.mark.parametrize("mask_name", MASKS)
-def test_every_path_matches_reference(mask_name):
+def test_every_path_matches_reference(mask_name, gen):
     """Output and dq/dk/dv of each path that honours the mask; paths that cannot (or have
     no backward here) are reported as skipped with a reason, never compared silently."""
     L = 97
     mask = M.make_mask(mask_name, L)
     paths = [p for p in CPU_PATHS if p != "triton" or mask.kind != "custom"]
-    inputs = A.random_qkv(1, 2, L, 64, seed=None)  # fresh random inputs
+    inputs = A.random_qkv(1, 2, L, 64, seed=gen.initial_seed())  # fresh random inputs, seed reported on failure
     ran = 0
     for path in paths + ["efficient", "cudnn", "flash_attn"]:
         for r in A.check_path(path, inputs, mask=mask):
@@ -140,18 +145,18 @@ def test_every_path_matches_reference(mask_name):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_paths(dtype):
-    inputs = A.random_qkv(2, 2, 67, 64, dtype=dtype)
+def test_low_precision_paths(dtype, gen):
+    inputs = A.random_qkv(2, 2, 67, 64, dtype=dtype, seed=gen.initial_seed())
     for path in ("sdpa", "math", "flash", "triton"):
         res = A.check_path(path, inputs, mask="causal")
         assert all(r.ok for r in res), [r.note for r in res if not r.ok]
 
 
 @pytest.mark.parametrize("mask_name", ["causal", "sliding_window"])
-def test_packed_paths_equal_each_sequence_alone(mask_name):
+def test_packed_paths_equal_each_sequence_alone(mask_name, gen):
     lengths = [41, 97, 64]
     mask = M.causal() if mask_name == "causal" else M.sliding_window(7)
-    inp = A.random_qkv(0, 2, 0, 64, lengths=lengths, requires_grad=False)
+    inp = A.random_qkv(0, 2, 0, 64, lengths=lengths, requires_grad=False, seed=gen.initial_seed())
     cu = inp["cu_seqlens"]
     paths = ["reference", "sdpa", "math", "flash", "flex_eager"] + (["triton"] if mask.kind != "custom" else [])
     for path in paths:
@@ -161,7 +166,7 @@ def test_packed_paths_equal_each_sequence_alone(mask_name):
             alone = A.attend(*one, path="reference", mask=mask)[0].transpose(0, 1)
             assert_close(packed[s:e], alone, dtype=torch.float32, name=f"{path} packed[{s}:{e}]")
         # and the reference itself vs float64 with full gradients through check_path
-    res = A.check_path("sdpa", A.random_qkv(0, 2, 0, 64, lengths=lengths), mask=mask)
+    res = A.check_path("sdpa", A.random_qkv(0, 2, 0, 64, lengths=lengths, seed=gen.initial_seed() + 1), mask=mask)
     assert all(r.ok for r in res)
 
 
@@ -285,37 +290,66 @@ def test_compiled_flex_matches_reference():
     assert all(r.ok for r in res) if CUDA else res[0].ok
 
 
+#: paths that must run (forward and backward) on a Hopper GPU with the pinned torch
+GPU_DENSE_PATHS = ("sdpa", "flash", "efficient", "cudnn", "triton")
+GPU_PACKED_PATHS = ("triton", "flex")
+
+
+def _assert_ran_and_matched(results, what: str) -> None:
+    """Every tensor (out, dq, dk, dv) was computed and matched: a skipped one is a failure."""
+    assert len(results) == 4, f"{what}: {[(r.tensor, r.ok) for r in results]}"
+    bad = [
+        (r.tensor, "skipped" if r.ok is None else "mismatch", r.note.splitlines()[0] if r.note else "")
+        for r in results
+        if r.ok is not True
+    ]
+    assert not bad, f"{what}: {bad}"
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device: GPU paths at real tile sizes")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_paths_at_tile_sizes(dtype):
+def test_gpu_paths_at_tile_sizes(dtype, gen):
+    """Each named path must run here (a path that skips fails the test); flash-attn is
+    named only when the package is installed."""
     lengths = [1000, 3001, 517]
+    has_flash_attn = importlib.util.find_spec("flash_attn") is not None
+    seed = gen.initial_seed()
     for mask in ("full", "causal"):
-        inputs = A.random_qkv(2, 4, 1531, 128, dtype=dtype, device="cuda")
-        for path in ("sdpa", "flash", "efficient", "cudnn", "triton", "flash_attn"):
-            for r in A.check_path(path, inputs, mask=mask):
-                assert r.ok is not False, r.note
-        packed = A.random_qkv(0, 4, 0, 64, dtype=dtype, device="cuda", lengths=lengths)
-        for path in ("triton", "flash_attn", "flex"):
-            for r in A.check_path(path, packed, mask=mask):
-                assert r.ok is not False, r.note
+        inputs = A.random_qkv(2, 4, 1531, 128, dtype=dtype, device="cuda", seed=seed)
+        for path in GPU_DENSE_PATHS + (("flash_attn",) if has_flash_attn else ()):
+            _assert_ran_and_matched(A.check_path(path, inputs, mask=mask), f"{path} dense {mask} {dtype}")
+        packed = A.random_qkv(0, 4, 0, 64, dtype=dtype, device="cuda", lengths=lengths, seed=seed + 1)
+        for path in GPU_PACKED_PATHS + (("flash_attn",) if has_flash_attn else ()):
+            _assert_ran_and_matched(A.check_path(path, packed, mask=mask), f"{path} packed {mask} {dtype}")
+    if not has_flash_attn:
+        r = A.check_path("flash_attn", inputs, mask="causal")
+        assert all(x.ok is None and "not installed" in x.note for x in r), r
+
+
+def test_ran_and_matched_refuses_a_skipped_path():
+    """The GPU test's own check: a skipped tensor or a missing gradient is a failure."""
+    inputs = A.random_qkv(1, 2, 40, 64, seed=0)
+    _assert_ran_and_matched(A.check_path("sdpa", inputs, mask="causal"), "sdpa")
+    with pytest.raises(AssertionError, match="skipped"):
+        _assert_ran_and_matched(A.check_path("flex_eager", inputs, mask="causal"), "flex_eager")  # no CPU backward
+    with pytest.raises(AssertionError, match="skipped"):
+        _assert_ran_and_matched(A.check_path("efficient", inputs, mask="causal"), "efficient")  # CUDA only
 
 
 def test_model_calls_attend_through_its_config():
     """The model helper's seam: MMDiT(attention_path=...) routes every block through attend()."""
-    mmdit = pytest.importorskip("lab_utils.model.mmdit")
-    train = pytest.importorskip("lab_utils.model.train")
-    b = train.synthetic_batch("tiny", 2, height=64, width=48, txt_len=7, generator=torch.Generator().manual_seed(0))
+    b = synthetic_batch("tiny", 2, height=64, width=48, txt_len=7, generator=torch.Generator().manual_seed(0))
     txt_mask = torch.ones(2, 7, dtype=torch.bool)
     txt_mask[1, 4:] = False
     outs = {}
     for path in ("sdpa", "math", "reference"):
-        model = mmdit.build_model("tiny", seed=0, attention_path=path)
+        model = build_model("tiny", seed=0, attention_path=path)
         t = torch.full((2,), 0.5)
         outs[path] = model(b.img, b.img_ids, b.txt, b.txt_ids, t, b.y, b.guidance, txt_mask=txt_mask)
     assert_close(outs["math"], outs["sdpa"], dtype=torch.float32, name="math vs sdpa")
     assert_close(outs["reference"], outs["sdpa"], atol=1e-4, rtol=1e-3, name="reference vs sdpa")
     with pytest.raises(ConfigError, match="'mask'"):
-        model = mmdit.build_model("tiny", seed=0, attention_path="triton")  # Dh 16 + key mask: refused
+        model = build_model("tiny", seed=0, attention_path="triton")  # Dh 16 + key mask: refused
         model(b.img, b.img_ids, b.txt, b.txt_ids, torch.full((2,), 0.5), b.y, b.guidance, txt_mask=txt_mask)
 
 
@@ -349,9 +383,6 @@ for kern, kind in ((ka._attention_fwd_kernel, "fwd"), (ka._attention_bwd_dkdv_ke
 def test_triton_kernels_compile_for_hopper(dt, D, causal, varlen):
     """No GPU is needed to compile: the kernels at their GPU tile sizes must lower to sm_90
     code and fit Hopper's shared memory (the interpreter never exercises that path)."""
-    import subprocess
-    import sys
-
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run(
         [sys.executable, "-c", _AOT, dt, str(D), causal, varlen], capture_output=True, text=True, env=env, timeout=300

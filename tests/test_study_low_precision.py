@@ -1,0 +1,80 @@
+"""Lab 04's study module: its config, the Amdahl table from a measured matmul share (the
+constant shares only as labelled what-ifs), and the emulation proof that raises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lab_kernels import quant as Q
+from lab_utils import precision as P
+from lab_utils.config import ConfigError
+from lab_utils.records import Recorder
+from lab_utils.studies import low_precision as S
+
+
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        (dict(profile_steps=0), "profile_steps"),
+        (dict(matmul_shares=[0.5, 1.5]), "matmul_shares"),
+        (dict(recipes=["bf16"]), "recipes"),
+        (dict(preset="flux-dev"), "preset"),
+        (dict(format_variants=["fp8_e4m3/tensor", "fp6"]), "format_variants"),
+    ],
+)
+def test_config_refuses_bad_values_by_name(kw, param):
+    with pytest.raises(ConfigError) as ei:
+        S.LowPrecisionLabConfig(**kw)
+    assert ei.value.param == param
+
+
+def test_amdahl_table_starts_from_the_measured_share():
+    measured = S.MatmulShare(0.2284, "measured: 2-step profile of tiny on cpu")
+    amd = S.amdahl_table(measured, [0.3, 0.8], speedups=(2.0, 4.0))
+    assert len(amd) == 6
+    first = amd.iloc[:2]
+    assert (first.share_source == measured.source).all() and (first.matmul_share == 0.228).all()
+    assert first.step_speedup_bound.tolist() == pytest.approx(
+        [P.amdahl_speedup(0.2284, 2.0), P.amdahl_speedup(0.2284, 4.0)]
+    )
+    assert (amd.iloc[2:].share_source == "what-if").all()
+    rec = Recorder(lab="04_low_precision")
+    S.record_amdahl(rec, amd)
+    assert [r["variant"] for r in rec.rows[:2]] == ["measured share=0.228"] * 2
+    assert all(r["variant"].startswith("what-if") for r in rec.rows[2:])
+    view = S.amdahl_view(amd)
+    assert view.index[0] == (measured.source, 0.228)
+
+
+def test_measured_matmul_share_profiles_the_lab_preset(tmp_path, monkeypatch):
+    monkeypatch.setenv("PERFLAB_ARTIFACTS_DIR", str(tmp_path))
+    cfg = S.LowPrecisionLabConfig(profile_steps=1, batch_size=2, autocast=False)
+    rec = Recorder(lab="04_low_precision")
+    share = S.measured_matmul_share(cfg, "cpu", rec)
+    assert 0.0 < share.share < 1.0 and share.source.startswith("measured: 1-step profile of tiny")
+    assert [(r["metric"], r["value"]) for r in rec.rows] == [("matmul_share", share.share)]
+    assert list(tmp_path.rglob("*.trace.json")), "the profile's trace is kept beside the run's artifacts"
+
+
+def test_emulation_proof_raises_when_an_implementation_differs(monkeypatch, capsys):
+    real = Q.torchao_fake_quantize
+
+    def off_by_one_ulp(x, fmt, **kw):
+        y = real(x, fmt, **kw)
+        return y if fmt != "mxfp4" else torch.nextafter(y, torch.full_like(y, float("inf")))
+
+    monkeypatch.setattr(Q, "torchao_fake_quantize", off_by_one_ulp)
+    with pytest.raises(AssertionError, match="mxfp4/floor"):
+        S.emulation_proof()
+    assert "mxfp4       floor   reference == triton: True   == torchao: False" in capsys.readouterr().out
+
+
+def test_mmdit_task_is_deterministic_per_seed_and_step():
+    task = S.mmdit_task("tiny", batch_size=2)
+    m = task.make_model(0)
+    a, ta = task.loss(m, 3, 1)
+    b, tb = task.loss(m, 3, 1)
+    assert torch.equal(a, b) and torch.equal(ta, tb)
+    c, _ = task.loss(m, 4, 1)
+    assert not torch.equal(a, c)
