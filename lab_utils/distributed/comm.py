@@ -194,30 +194,37 @@ class AlphaBeta:
 
 
 def fit_alpha_beta(events: list[CollectiveEvent]) -> dict[str, AlphaBeta]:
-    """Least-squares ``dur = alpha + beta * bytes`` per kind (alpha and beta clipped at 0)."""
-    kinds = sorted({e.kind for e in events})
-    out = {}
-    for k in kinds:
-        xs = np.array([e.bytes for e in events if e.kind == k], dtype=float)
-        ys = np.array([e.dur_us for e in events if e.kind == k], dtype=float)
-        if len(xs) < 3 or np.ptp(xs) == 0:
+    """Least-squares ``dur = alpha + beta * bytes`` per kind over the median duration at each
+    message size (medians, because a loaded machine adds stalls to single calls; alpha and
+    beta clipped at 0).  ``send``/``recv`` fit as one ``send_recv`` kind; barriers carry no payload."""
+    groups: dict[str, dict[int, list[float]]] = {}
+    for e in events:
+        k = _SWEEP_ALIAS.get(e.kind, e.kind)
+        if k == "barrier":
             continue
-        beta, alpha = np.polyfit(xs, ys, 1)
+        groups.setdefault(k, {}).setdefault(e.bytes, []).append(e.dur_us)
+    out = {}
+    for k, by in sorted(groups.items()):
+        if len(by) < 3:
+            continue
+        xs = np.array(sorted(by), dtype=float)
+        ys = np.array([np.median(by[int(x)]) for x in xs], dtype=float)
+        beta, alpha = np.polyfit(xs, ys, 1, w=1 / np.maximum(ys, 1e-9))  # relative-error weighting
         alpha, beta = max(float(alpha), 0.0), max(float(beta), 0.0)
         pred = alpha + beta * xs
         ss = float(((ys - ys.mean()) ** 2).sum())
         r2 = 1 - float(((ys - pred) ** 2).sum()) / ss if ss > 0 else float("nan")
         err = float(np.median(np.abs(pred - ys) / np.maximum(ys, 1e-9))) * 100
-        out[k] = AlphaBeta(k, alpha, beta, len(xs), r2, err)
+        out[k] = AlphaBeta(k, alpha, beta, sum(len(v) for v in by.values()), r2, err)
     return out
 
 
 def predict_comm_ms(events: list[CollectiveEvent], model: dict[str, AlphaBeta]) -> tuple[float, float, int]:
-    """(predicted ms, measured ms, events without a model) summed over ``events``."""
+    """(predicted ms, measured ms, events without a model) summed over ``events`` that have a model."""
     pred = meas = 0.0
     missing = 0
     for e in events:
-        m = model.get(e.kind) or model.get(_SWEEP_ALIAS.get(e.kind, ""))
+        m = model.get(_SWEEP_ALIAS.get(e.kind, e.kind))
         if m is None:
             missing += 1
             continue
@@ -226,7 +233,17 @@ def predict_comm_ms(events: list[CollectiveEvent], model: dict[str, AlphaBeta]) 
     return pred / 1e3, meas / 1e3, missing
 
 
-_SWEEP_ALIAS = {"send": "send_recv", "recv": "send_recv", "_allgather_base": "all_gather", "allreduce": "all_reduce"}
+_SWEEP_ALIAS = {
+    "send": "send_recv",
+    "recv": "send_recv",
+    "_allgather_base": "all_gather",
+    "allgather": "all_gather",
+    "allreduce": "all_reduce",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter",
+    "alltoall": "all_to_all",
+    "all_to_all_single": "all_to_all",
+}
 
 
 def sweep_collectives(sizes_bytes: list[int], reps: int, device: torch.device, group=None) -> None:

@@ -53,6 +53,7 @@ class DistRunError(RuntimeError):
 
     def __init__(self, kind: str, message: str, rank: int | None = None, out: Path | None = None):
         self.kind, self.rank, self.out = kind, rank, out
+        self.pids: list[int] = []  # the ranks' process ids (each leads its own process group), all ended
         super().__init__(message)
 
 
@@ -206,6 +207,9 @@ def launch_cases(
                 )
             if now - t0 > timeout_s:
                 raise DistRunError("timeout", f"the run exceeded timeout_s = {timeout_s:g} s and was ended", None, out)
+    except DistRunError as e:
+        e.pids = [p.pid for p in procs]
+        raise
     finally:
         _kill_all(procs)
         if bar is not None:
