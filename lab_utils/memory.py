@@ -30,17 +30,21 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -48,12 +52,15 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+from tqdm.auto import tqdm
 
 from .config import ConfigError, check_choice, check_float, check_int
 from .dtypes import dtype_name, parse_dtype
-from .model import CHECKPOINT_POLICIES, PRESETS, MMDiTConfig, build_model, resolve_config
+from .model import CHECKPOINT_POLICIES, MMDiTConfig, build_model, resolve_config
 from .model.checkpointing import RECOMPUTE_POLICIES, SELECTIVE_POLICIES, block_policy, capture
 from .model.train import rf_loss, synthetic_batch
+from .timing import try_bench
 
 #: The dtypes the memory lab accounts for (parameters and activations in one dtype).
 MEMORY_DTYPES = ("float32", "bfloat16")
@@ -659,3 +666,235 @@ if __name__ == "__main__":  # python -m lab_utils.memory fsdp PRESET WORLD_SIZE 
         )
     else:
         sys.exit("usage: python -m lab_utils.memory fsdp PRESET WORLD_SIZE OUT_DIR")
+
+
+# --------------------------------------------------------------------------------------
+# AC policies on the same step: peak, saved bytes, time, recomputed FLOPs, gradients
+# --------------------------------------------------------------------------------------
+
+#: Gradient tolerance of a policy against no checkpointing, per dtype (atol, rtol): recompute
+#: replays the same kernels, so on CPU the gradients agree to rounding of reordered sums.
+GRAD_TOL = {"float32": (1e-6, 1e-5), "bfloat16": (2e-2, 2e-2)}
+
+
+def step_grads(cfg: MMDiTConfig, sh: StepShape, dtype, policy: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Gradients of one rectified-flow step under ``policy`` (same weights and batch for every policy)."""
+    dt = parse_dtype("dtype", dtype)
+    model = build_model(cfg.replace(checkpoint=policy), dtype=dt, seed=seed)
+    model.train()
+    gen = torch.Generator().manual_seed(seed)
+    batch = _batch(cfg, sh, dt, torch.device("cpu"), gen)
+    rf_loss(model, batch, gen).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def grad_mismatch(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], dtype) -> list[str]:
+    """Names of parameters whose gradient differs beyond :data:`GRAD_TOL` (empty = equal)."""
+    atol, rtol = GRAD_TOL[dtype_name(dtype)]
+    return [n for n in ref if not torch.allclose(got[n].float(), ref[n].float(), atol=atol, rtol=rtol)]
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    policy: str
+    saved_bytes: int  # measured by the saved-tensor hooks
+    formula_bytes: int | None  # the analytic model (None for compile_budget)
+    peak_bytes: int  # allocator peak of one step above the state before it
+    flops: float  # counted FLOPs of forward + backward
+    timing: object  # lab_utils.timing Timing or BenchFailure
+    grads_equal: bool
+
+
+def step_flops(model: nn.Module, batch, gen_seed: int = 0) -> float:
+    with FlopCounterMode(display=False) as fc:
+        rf_loss(model, batch, torch.Generator(device=batch.img.device).manual_seed(gen_seed)).backward()
+    model.zero_grad(set_to_none=True)
+    return float(fc.get_total_flops())
+
+
+def step_peak(model: nn.Module, batch, seed: int = 0) -> int:
+    """Peak bytes allocated during one forward + backward above what was live before: CUDA's
+    allocator statistics, or on CPU the profiler's memory events (their running sum)."""
+    dev = batch.img.device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        rf_loss(model, batch, gen).backward()
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            df = profiled_timeline(lambda: rf_loss(model, batch, gen).backward(), Path(tmp) / "timeline.json")
+        total = df[list(TIMELINE_CATEGORIES)].sum(axis=1)
+        peak = float(total.max() - total.iloc[0]) if len(total) else 0.0
+    model.zero_grad(set_to_none=True)
+    return int(peak)
+
+
+def compare_policies(
+    cfg: MMDiTConfig,
+    sh: StepShape,
+    dtype,
+    policies: Iterable[str],
+    *,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    reps: int = 5,
+    progress: bool = True,
+) -> list[PolicyResult]:
+    """Every policy on the same weights and batch: saved bytes (hooks and formula), allocator
+    peak, counted FLOPs, step time (``lab_utils.timing``) and its gradients against no
+    checkpointing (a mismatch raises)."""
+    dt = parse_dtype("dtype", dtype)
+    dev = torch.device(device)
+    policies = list(policies)
+    ref = step_grads(cfg, sh, dt, "none", seed) if dev.type == "cpu" else None
+    out = []
+    for pol in tqdm(policies, desc="AC policies", disable=not progress):
+        pcfg = cfg.replace(checkpoint=pol)
+        model = build_model(pcfg, device=dev, dtype=dt, seed=seed)
+        model.train()
+        batch = _batch(pcfg, sh, dt, dev, torch.Generator(device="cpu").manual_seed(seed))
+        saved = measure_saved(pcfg, sh, dt, device=dev, seed=seed, model=model).total
+        formula = (
+            sum(saved_bytes_formula(pcfg, sh, dt, device_type=dev.type).values()) if pol in FORMULA_POLICIES else None
+        )
+        peak = step_peak(model, batch, seed)
+        flops = step_flops(model, batch, seed)
+
+        def step(model=model, batch=batch):
+            rf_loss(model, batch, torch.Generator(device=dev).manual_seed(seed)).backward()
+            model.zero_grad(set_to_none=True)
+
+        timing = try_bench(step, name=f"step-{pol}", device=dev, reps=reps, budget_s=60, check_finite=False)
+        equal = True
+        if ref is not None:
+            bad = grad_mismatch(ref, step_grads(cfg, sh, dt, pol, seed), dt)
+            if bad:
+                raise AssertionError(f"policy {pol!r}: gradients differ from no checkpointing in {bad[:5]}")
+        out.append(PolicyResult(pol, saved, formula, peak, flops, timing, equal))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Timelines
+# --------------------------------------------------------------------------------------
+
+#: Categories of the profiler's memory timeline (torch.profiler's memory profile).
+TIMELINE_CATEGORIES = (
+    "parameters",
+    "optimizer",
+    "inputs",
+    "temporaries",
+    "activations",
+    "gradients",
+    "autograd",
+    "unknown",
+)
+
+
+def profiled_timeline(fn, path: str | Path) -> pd.DataFrame:
+    """Run ``fn()`` under the profiler's memory events (``profile_memory=True``), categorized by
+    torch's memory profile; the full timeline is written to ``path`` (JSON) and returned as a
+    frame: time (ms from the first event) and live bytes per category."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        fn()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():  # deprecated for CUDA in favour of the snapshot, which CPU lacks
+        warnings.simplefilter("ignore", FutureWarning)
+        prof.export_memory_timeline(str(path), device="cpu")
+    times, sizes = json.loads(path.read_text())
+    # each row: a leading unused slot, then one column per category in torch's order
+    df = pd.DataFrame([row[1 : 1 + len(TIMELINE_CATEGORIES)] for row in sizes], columns=list(TIMELINE_CATEGORIES))
+    df.insert(0, "time_ms", (pd.Series(times, dtype=float) - (times[0] if times else 0)) / 1e3)
+    return df
+
+
+def cpu_timeline(model: nn.Module, batch, opt: torch.optim.Optimizer, path: str | Path, seed: int = 0) -> pd.DataFrame:
+    """One AdamW step's categorized memory timeline on CPU (see :func:`profiled_timeline`)."""
+    gen = torch.Generator(device=batch.img.device).manual_seed(seed)
+
+    def step():
+        rf_loss(model, batch, gen).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return profiled_timeline(step, path)
+
+
+def cuda_timeline(model: nn.Module, batch, opt: torch.optim.Optimizer, path: str | Path, seed: int = 0) -> pd.DataFrame:
+    """One AdamW step under ``torch.cuda.memory._record_memory_history``; the snapshot goes to
+    ``path`` (pickle, for pytorch.org/memory_viz) and its trace is categorized by address:
+    parameters, gradients and optimizer state are known tensors, the rest is activations
+    (alive at the end of the forward) or temporaries."""
+    dev = batch.img.device
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    try:
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        loss = rf_loss(model, batch, gen)
+        torch.cuda.synchronize(dev)
+        fwd_end = time.monotonic_ns()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        torch.cuda.synchronize(dev)
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(pickle.dumps(snap))
+    known = {}
+    for p in model.parameters():
+        known[p.data_ptr()] = "parameters"
+        if p.grad is not None:
+            known[p.grad.data_ptr()] = "gradients"
+    for st in opt.state.values():
+        for v in st.values():
+            if torch.is_tensor(v) and v.is_cuda:
+                known[v.data_ptr()] = "optimizer"
+    live: dict[int, tuple[str, int]] = {}
+    rows = []
+    totals = defaultdict(int)
+    t0 = None
+    for trace in snap.get("device_traces", []):
+        for ev in trace:
+            if ev["action"] not in ("alloc", "free_completed"):
+                continue
+            t = ev.get("time_us", 0)
+            t0 = t if t0 is None else t0
+            addr, size = ev["addr"], ev["size"]
+            if ev["action"] == "alloc":
+                cat = known.get(addr) or ("activations" if t * 1000 <= fwd_end else "temporaries")
+                live[addr] = (cat, size)
+                totals[cat] += size
+            elif addr in live:
+                cat, size = live.pop(addr)
+                totals[cat] -= size
+            rows.append({"time_ms": (t - t0) / 1e3, **{c: totals[c] for c in CUDA_CATEGORIES}})
+    return pd.DataFrame(rows, columns=["time_ms", *CUDA_CATEGORIES])
+
+
+CUDA_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+
+
+def downsample(df: pd.DataFrame, max_points: int = 2000) -> pd.DataFrame:
+    """At most ``max_points`` rows for a plot, keeping each bucket's maximum total (peaks survive)."""
+    if len(df) <= max_points:
+        return df
+    cats = [c for c in df.columns if c != "time_ms"]
+    bucket = (pd.Series(range(len(df))) * max_points // len(df)).to_numpy()
+    total = df[cats].sum(axis=1).to_numpy()
+    keep = pd.DataFrame({"b": bucket, "t": total}).groupby("b")["t"].idxmax().to_numpy()
+    return df.iloc[keep].reset_index(drop=True)
+
+
+def largest_live(report: SavedReport, top: int = 10) -> list[SavedTensor]:
+    """The largest storages kept for the backward (what is live at the end of the forward,
+    where an AC step's memory peaks), with the region and op that made them."""
+    return sorted(report.tensors, key=lambda t: -t.nbytes)[:top]
