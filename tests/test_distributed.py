@@ -1,0 +1,145 @@
+"""Distributed strategies on real gloo process groups at world size 2 (4 for DCP resharding).
+
+Every strategy's losses over the steps and gradients after step 1 equal the single-process
+run within the tolerances of ``lab_utils.distributed.verify``; a DCP checkpoint written at
+world size 2 resumes at 1 and 4 with the uninterrupted losses; a raising and a hanging rank
+end the run within its timeout and leave no process behind; bad input is refused before
+any process starts.  The world-2 strategies share one spawn (one process group).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from lab_utils.config import ConfigError
+from lab_utils.distributed import DistConfig, DistRunError, launch, launch_cases
+from lab_utils.distributed.verify import compare
+from lab_utils.distributed.worker import single_process_run
+
+STEPS = 3
+BASE = dict(world_size=2, steps=STEPS, profile=False, timeout_s=120.0, hang_timeout_s=60.0)
+CASES = [
+    dict(strategy="ddp"),
+    dict(strategy="fsdp"),
+    dict(strategy="fsdp", reshard_after_forward=False, prefetch=False),
+    dict(strategy="fsdp", checkpoint="selective"),
+    dict(strategy="fsdp", mixed_precision=True),
+    dict(strategy="hsdp"),
+    dict(strategy="tp"),
+    dict(strategy="tp", checkpoint="every_other"),
+    dict(strategy="cp_ring"),
+    dict(strategy="cp_ring", checkpoint="full"),
+    dict(strategy="cp_ulysses"),
+    # the uninterrupted run of the DCP round trip: writes its checkpoint after step 2
+    dict(strategy="fsdp", steps=4, save_step=2, keep_grads=False, profile=True),
+]
+
+
+def _case_id(c: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in c.items() if k not in ("keep_grads", "profile"))
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    ckpt = root / "ckpt"
+    ckpt.mkdir()
+    cfgs = [DistConfig(**{**BASE, **c, **({"ckpt_dir": str(ckpt)} if c.get("save_step") else {})}) for c in CASES]
+    ref = single_process_run(DistConfig(**{**BASE, "strategy": "ddp"}), root / "reference")
+    ref_losses = [ref["losses"][k] for k in sorted(ref["losses"])]
+    ref_grads = torch.load(root / "reference" / "grads.pt")
+    results = launch_cases(cfgs, root / "runs", progress=False)
+    return dict(cfgs=cfgs, results=results, ref_losses=ref_losses, ref_grads=ref_grads, ckpt=ckpt, root=root)
+
+
+@pytest.mark.parametrize("i", range(len(CASES) - 1), ids=[_case_id(c) for c in CASES[:-1]])
+def test_strategy_reproduces_single_process(world2, i):
+    cfg, res = world2["cfgs"][i], world2["results"][i]
+    a = compare(cfg, res.losses, res.grads(), world2["ref_losses"], world2["ref_grads"])
+    assert a.ok, a
+
+
+def test_profiled_step_has_collectives_and_overlap(world2):
+    res = world2["results"][-1]
+    for rank in res.ranks:
+        ov = rank["overlap"]
+        assert ov["collectives"] > 0 and ov["comm_bytes"] > 0
+        assert 0.0 <= ov["overlap_fraction"] <= 1.0
+        assert ov["compute_ms"] > 0 and ov["exposed_ms"] >= 0 and ov["idle_ms"] >= 0
+        kinds = {c["kind"] for c in rank["collectives"]}
+        assert "all_gather" in kinds, kinds  # FSDP2 gathers parameters
+
+
+@pytest.mark.parametrize(("strategy", "world"), [("single", 1), ("fsdp", 4)])
+def test_dcp_checkpoint_from_world_2_resumes(world2, tmp_path, strategy, world):
+    full = world2["results"][-1].losses  # steps 1..4, checkpoint after step 2
+    cfg = DistConfig(
+        strategy=strategy,
+        world_size=world,
+        steps=4,
+        resume=True,
+        ckpt_dir=str(world2["ckpt"]),
+        profile=False,
+        keep_grads=False,
+        timeout_s=120.0,
+        hang_timeout_s=60.0,
+    )
+    res = launch(cfg, tmp_path, progress=False)
+    assert res.losses == pytest.approx(full[2:], rel=1e-5)
+
+
+def _all_gone(pids: list[int]) -> bool:
+    for pid in pids:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            continue
+        return False
+    return True
+
+
+def test_raising_rank_ends_run_with_its_error(tmp_path):
+    cfg = DistConfig(strategy="ddp", world_size=2, steps=2, fault="raise", fault_rank=1, fault_step=2, profile=False)
+    t0 = time.monotonic()
+    with pytest.raises(DistRunError) as ei:
+        launch(cfg, tmp_path, progress=False)
+    assert ei.value.kind == "raised" and ei.value.rank == 1
+    assert "injected fault: rank 1 raised at step 2" in str(ei.value)
+    assert time.monotonic() - t0 < cfg.timeout_s
+    assert len(ei.value.pids) == 2 and _all_gone(ei.value.pids)
+
+
+def test_hanging_rank_is_ended_by_the_watchdog(tmp_path):
+    cfg = DistConfig(
+        strategy="ddp", world_size=2, steps=2, fault="hang", fault_rank=0, fault_step=2, profile=False, hang_timeout_s=4
+    )
+    t0 = time.monotonic()
+    with pytest.raises(DistRunError) as ei:
+        launch(cfg, tmp_path, progress=False)
+    assert ei.value.kind == "hang" and "watchdog" in str(ei.value)
+    assert time.monotonic() - t0 < cfg.timeout_s
+    assert _all_gone(ei.value.pids)
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        (dict(strategy="fsdp+tp", world_size=3), "world_size"),  # mesh 2 x tp does not divide 3
+        (dict(strategy="tp", world_size=3), "tp_degree"),  # 4 heads not divisible by 3
+        (dict(strategy="cp_ring", world_size=2, txt_len=7), "txt_len"),
+        (dict(strategy="cp_ring", world_size=4, height=48, width=48), "height"),  # 9 image tokens, cp 4
+        (dict(strategy="pipeline", world_size=2), "strategy"),
+        (dict(strategy="ddp+fsdp", world_size=2), "strategy"),
+        (dict(strategy="hsdp", world_size=4, replicate_degree=3), "replicate_degree"),
+        (dict(strategy="cp_ulysses", world_size=8), "cp_degree"),  # 4 heads over 8 ranks
+        (dict(strategy="ddp", world_size=2, batch_size=3), "batch_size"),
+    ],
+)
+def test_bad_input_is_refused_before_any_process_starts(params, param):
+    with pytest.raises(ConfigError) as ei:
+        DistConfig(**params)
+    assert ei.value.param == param
