@@ -1,0 +1,1245 @@
+"""The one-command GPU check: correctness of every Triton kernel and the figures that matter, in minutes.
+
+Run on a GPU machine that has little more than torch, triton and pandas (no Jupyter, papermill,
+holoviews, diffusers, transformers or torchao are imported; the repository need not be installed):
+
+    python3 benchmarks/gpu_check.py                       # every section, ~8 min on one H200
+    python3 benchmarks/gpu_check.py --sections fused,fp8   # a subset
+    python3 benchmarks/gpu_check.py --device cpu           # tiny sizes, Triton through the interpreter
+    python3 benchmarks/gpu_check.py --from-records DIR --update-readme   # re-print / re-table a finished run
+
+Sections (each guarded: one that raises is recorded as failed and the others still run):
+
+* ``ceilings``: device-to-device copy (bytes read + written) and the bf16 / fp8 (``_scaled_mm``,
+  e4m3, per-tensor scales) matmul throughput, measured now (``lab_utils.ceilings``).
+* ``fused``: every Triton fused op of ``lab_kernels`` checked forward and backward against
+  float64 at flux-dev widths with an irregular token count (4096 + 512 + 7), then timed (GB/s,
+  % of the measured copy ceiling) beside eager and ``torch.compile`` (``lab_utils.fused``).
+* ``attention``: the Triton flash attention checked forward and backward (full, causal, varlen)
+  against float64 beside SDPA's flash and cuDNN backends, then each timed forward and backward
+  at 4k / 8k / 16k tokens, 24 heads x 128 (TFLOP/s from ``lab_utils.masks.attention_flops``,
+  % of the measured bf16 matmul ceiling).
+* ``fp8``: ``torch._scaled_mm`` (e4m3, per-tensor and row-wise scales) and the Triton FP8 GEMM
+  checked against float64 of the dequantized operands, and timed beside bf16 at 4096^3, 8192^3.
+* ``train``: a few training steps of the ``medium`` MMDiT (synthetic batch: no encoder library)
+  eager, compiled, and each replayed as one CUDA graph: phases (torch.profiler), step time,
+  MFU and peak memory; where a CUDA graph cannot be captured the reason is recorded.
+
+Method: every timing goes through ``lab_utils.timing`` (first call, i.e. compilation and
+autotuning, outside the statistics; median with p20/p80; samples kept).  Triton is never
+timed on CPU (the interpreter): such rows say "not timed: interpreted".  Checks draw their
+inputs from ``--seed`` (printed; 0 unless given, so that recorded error figures compare
+between runs) and fail the run: exit code 1 when any correctness check failed, 2 when a
+section raised but no check failed, 0 otherwise.  Targets are benchmarks, not tests: a missed
+target is reported as MISSED and does not change the exit code.
+
+Output (``--out``, default ``benchmarks/results/gpu_check-<kind>-<date>``): ``records.json``
+(+ ``records.parquet`` when pyarrow is present) in the layout of a ``perflab run`` report
+(context columns on every row), ``context.json``, ``status.json`` (one entry per section),
+``summary.txt`` and ``artifacts/`` (profiler traces: not for committing).  ``perflab compare``
+and ``perflab baseline refresh --report DIR`` read the folder; its device kind is
+``cuda-<model>``, e.g. ``cuda-nvidia-h200`` (the baselines folder's name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# Runnable from a bare checkout (no `pip install -e .`): the repository root goes on the path.
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, schedule  # noqa: E402
+
+import lab_kernels  # noqa: E402  (sets TRITON_INTERPRET on a machine without a GPU, before Triton loads)
+from lab_kernels import get_variant  # noqa: E402
+from lab_kernels import lowp_matmul as LM  # noqa: E402
+from lab_utils import attention as A  # noqa: E402
+from lab_utils import fused as F  # noqa: E402
+from lab_utils import masks as MK  # noqa: E402
+from lab_utils.ceilings import Ceilings, get_ceilings, measure_copy, measure_matmul  # noqa: E402
+from lab_utils.checks import rel_error  # noqa: E402
+from lab_utils.config import ConfigError  # noqa: E402
+from lab_utils.device import annotate, datasheet_for, device_info, pick_device  # noqa: E402
+from lab_utils.model import build_model, resolve_config  # noqa: E402
+from lab_utils.model.train import compile_blocks, rf_loss, synthetic_batch  # noqa: E402
+from lab_utils.profiler import analyse_trace, training_step_flops  # noqa: E402
+from lab_utils.records import CONTEXT_COLUMNS, ROW_COLUMNS, Recorder, load_records  # noqa: E402
+from lab_utils.timing import BenchError, try_bench  # noqa: E402
+
+LAB = "gpu_check"
+SECTIONS = ("ceilings", "fused", "attention", "fp8", "train")
+#: Share of the whole budget each section is planned to take (seconds of 480 on one H200):
+#: compile time dominates `fused` (7 ops x 2 directions) and `train` (the medium MMDiT's blocks).
+SHARES = {"ceilings": 25, "fused": 115, "attention": 90, "fp8": 40, "train": 210}
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_SECTION_FAILED = 0, 1, 2
+README_BEGIN, README_END = "<!-- gpu_check:table:begin -->", "<!-- gpu_check:table:end -->"
+INTERPRETED = "not timed: interpreted (Triton on CPU runs in its interpreter: correctness only)"
+
+
+# ------------------------------------------------------------------------------------ the plan
+@dataclass(frozen=True)
+class Plan:
+    """Sizes of one run.  Token counts are irregular on purpose (4096 + 512 + 7)."""
+
+    name: str
+    budget_s: float
+    reps: int
+    item_budget_s: float  # per timed item (first call incl. compilation must fit)
+    copy_bytes: int
+    matmul_n: int
+    matmul_n_fp8: int
+    dtype: str  # fused ops and attention
+    fused_check: tuple[int, int, int, int]  # batch, tokens, hidden, head_dim
+    fused_time: tuple[int, int, int, int]
+    fused_directions: tuple[str, ...]
+    fused_variants: tuple[str, ...]  # timed beside triton
+    attn_heads: int
+    attn_head_dim: int
+    attn_check_len: int
+    attn_check_lengths: tuple[int, ...]  # packed (varlen) check
+    attn_seq_lens: tuple[int, ...]
+    attn_masks: tuple[str, ...]
+    attn_paths: tuple[str, ...]
+    attn_varlen_lengths: tuple[int, ...]
+    fp8_shapes: tuple[tuple[int, int, int], ...]  # M, K, N
+    train_preset: str
+    train_batch: int
+    train_hw: tuple[int, int]  # pixels
+    train_txt_len: int
+    train_warmup: int
+    train_active: int
+    train_reps: int
+    train_compile: bool
+    skip_notes: dict = field(default_factory=dict)  # variant -> why it is not run with this plan
+
+
+PLANS = {
+    "cuda": Plan(
+        name="cuda",
+        budget_s=480.0,
+        reps=20,
+        item_budget_s=60.0,
+        copy_bytes=1 << 30,
+        matmul_n=8192,
+        matmul_n_fp8=8192,
+        dtype="bfloat16",
+        fused_check=(1, 4096 + 512 + 7, 3072, 128),
+        fused_time=(4, 4096 + 512 + 7, 3072, 128),
+        fused_directions=("fwd", "fwd+bwd"),
+        fused_variants=("eager", "compile", "triton"),
+        attn_heads=24,
+        attn_head_dim=128,
+        attn_check_len=4096 + 512 + 7,
+        attn_check_lengths=(1031, 4096 + 512 + 7, 517),
+        attn_seq_lens=(4096, 8192, 16384),
+        attn_masks=("full", "causal"),
+        attn_paths=("triton", "flash", "cudnn"),
+        attn_varlen_lengths=(8192 + 7, 4096 + 512, 2048 + 1, 1024 + 3, 509),
+        fp8_shapes=((4096, 4096, 4096), (8192, 8192, 8192)),
+        train_preset="medium",
+        train_batch=2,
+        train_hw=(1024, 1024),
+        train_txt_len=512,
+        train_warmup=2,
+        train_active=3,
+        train_reps=10,
+        train_compile=True,
+    ),
+    "cpu": Plan(
+        name="cpu",
+        budget_s=170.0,
+        reps=3,
+        item_budget_s=10.0,
+        copy_bytes=8 << 20,
+        matmul_n=128,
+        matmul_n_fp8=32,  # torch's CPU _scaled_mm with per-tensor scales is very slow
+        dtype="bfloat16",
+        fused_check=(1, 45, 192, 64),
+        fused_time=(1, 45, 192, 64),
+        fused_directions=("fwd", "fwd+bwd"),
+        fused_variants=("eager", "triton"),
+        attn_heads=2,
+        attn_head_dim=64,
+        attn_check_len=67,
+        attn_check_lengths=(23, 41, 9),
+        attn_seq_lens=(80,),
+        attn_masks=("full", "causal"),
+        attn_paths=("triton", "flash", "cudnn"),
+        attn_varlen_lengths=(23, 41, 9),
+        fp8_shapes=((72, 96, 40),),
+        train_preset="tiny",
+        train_batch=1,
+        train_hw=(64, 48),
+        train_txt_len=7,
+        train_warmup=1,
+        train_active=2,
+        train_reps=3,
+        train_compile=False,
+        skip_notes={
+            "compile": "not run on cpu by this check: Inductor's C++ build would take most of its time budget",
+        },
+    ),
+}
+
+
+# ------------------------------------------------------------------------------- run state
+class CheckFailed(AssertionError):
+    """A correctness check failed (the section goes on; the exit code becomes 1)."""
+
+
+@dataclass
+class Run:
+    dev: torch.device
+    plan: Plan
+    seed: int
+    out: Path
+    t0: float
+    budget_s: float
+    ceilings: Ceilings | None = None
+    failures: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    checks: int = 0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def log(self, msg: str) -> None:
+        print(f"[{self.elapsed():6.1f} s] {msg}", flush=True)
+
+
+@dataclass
+class Section:
+    """What a section function gets: the run, its own recorder and its deadline."""
+
+    run: Run
+    name: str
+    rec: Recorder
+    deadline: float  # seconds since the run's start
+
+    @property
+    def dev(self) -> torch.device:
+        return self.run.dev
+
+    @property
+    def plan(self) -> Plan:
+        return self.run.plan
+
+    def log(self, msg: str) -> None:
+        self.run.log(f"{self.name}: {msg}")
+
+    def over_budget(self, what: str) -> bool:
+        """True (and the item recorded as skipped) once the section's time is spent."""
+        if self.run.elapsed() < self.deadline:
+            return False
+        note = f"{self.name}: {what} skipped: over the section's budget ({self.deadline:.0f} s into the run)"
+        self.run.skipped.append(note)
+        self.log(f"{what}: SKIPPED (over budget)")
+        return True
+
+    def check(self, ok: bool, what: str, detail: str = "") -> bool:
+        """Record one correctness verdict; a failure is kept for the exit code, never hidden."""
+        self.run.checks += 1
+        if not ok:
+            msg = f"{self.name}: {what} FAILED" + (f"\n{detail}" if detail else "")
+            self.run.failures.append(msg)
+            self.log(msg)
+        return ok
+
+    def not_timed(self, experiment: str, variant: str, reason: str, **extra) -> None:
+        self.rec.add(experiment, variant, "time", math.nan, "ms", statistic="not_timed", reason=reason, **extra)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _extra(row: dict) -> dict:
+    return json.loads(row["extra"]) if row.get("extra") else {}
+
+
+# ----------------------------------------------------------------------------- ceilings
+def section_ceilings(s: Section) -> None:
+    """Copy bandwidth and bf16 / fp8 matmul throughput, measured now."""
+    dev, p = s.dev, s.plan
+    copy_gbs, moved = measure_copy(dev, p.copy_bytes)
+    s.rec.add(
+        "ceilings",
+        "copy",
+        "bandwidth",
+        copy_gbs,
+        "GB/s",
+        shape=f"{p.copy_bytes}B",
+        statistic="median",
+        formula="(bytes read + bytes written) / time",
+        bytes=moved,
+    )
+    s.log(f"copy {copy_gbs:.1f} GB/s ({p.copy_bytes / 2**20:.0f} MiB buffer)")
+    tflops, ns, unsupported = {}, {}, {}
+    for k, n in (("bf16", p.matmul_n), ("fp8", p.matmul_n_fp8)):
+        try:
+            tflops[k] = measure_matmul(k, dev, n)
+            ns[k] = n
+        except (BenchError, RuntimeError, NotImplementedError, TypeError) as e:
+            unsupported[k] = f"not measured here: {str(e).splitlines()[0][:200]}"
+            s.rec.add(
+                "ceilings", "matmul", "throughput", math.nan, "TFLOP/s", dtype=k, statistic="failed", reason=str(e)
+            )
+            s.log(f"matmul {k}: {unsupported[k]}")
+            continue
+        s.rec.add(
+            "ceilings",
+            "matmul",
+            "throughput",
+            tflops[k],
+            "TFLOP/s",
+            shape=(n, n, n),
+            dtype=k,
+            statistic="median",
+            formula="2 n^3 / time",
+        )
+        s.log(f"matmul {k} {n}^3: {tflops[k]:.4g} TFLOP/s")
+    s.run.ceilings = Ceilings(
+        device=device_info(dev).as_dict(),
+        copy_gbs=copy_gbs,
+        copy_bytes=moved,
+        matmul_tflops=tflops,
+        matmul_n=ns,
+        unsupported=unsupported,
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        seconds_to_measure=s.run.elapsed(),
+        quick=s.dev.type == "cpu",
+    )
+    s.rec.ceilings = s.run.ceilings
+
+
+# -------------------------------------------------------------------------------- fused ops
+def section_fused(s: Section) -> None:
+    """Every Triton fused op: fwd + bwd against float64, then GB/s beside eager / compile."""
+    dev, p = s.dev, s.plan
+    dt = F.as_dtype(p.dtype)
+    pc, pt = F.Problem(*p.fused_check), F.Problem(*p.fused_time)
+    timed = [v for v in p.fused_variants if v != "triton" or get_variant("rms_norm", "triton").timeable(dev)]
+    copy = s.run.ceilings.copy_gbs if s.run.ceilings else None
+    for op in F.OP_NAMES:
+        if s.over_budget(op):
+            continue
+        rows = F.check_variant(op, "triton", dt, pc, device=dev, seed=s.run.seed)
+        for r in rows:
+            s.rec.add(
+                "fused_check",
+                "triton",
+                "max_abs_err",
+                r.max_abs,
+                "",
+                shape=r.shape,
+                dtype=dt,
+                statistic="max",
+                op=op,
+                tensor=r.tensor,
+                ok=r.ok,
+                n_bad=r.n_bad,
+                seed=r.seed,
+            )
+        bad = [r for r in rows if not r.ok]
+        worst = max(rows, key=lambda r: r.max_rel if math.isfinite(r.max_rel) else math.inf)
+        if s.check(not bad, f"{op} triton fwd+bwd vs float64 at {rows[0].shape}", "\n".join(r.message for r in bad)):
+            s.log(f"{op} triton fwd+bwd ok at {rows[0].shape} ({len(rows)} tensors, worst {worst.tensor})")
+        for variant in p.fused_variants:
+            if variant not in timed:
+                s.not_timed("fused_time", variant, INTERPRETED, op=op)
+        for variant, why in p.skip_notes.items():
+            s.not_timed("fused_time", variant, why, op=op)
+        for direction in p.fused_directions:
+            if s.over_budget(f"{op} {direction} timing"):
+                continue
+            first = len(s.rec.rows)
+            F.sweep(
+                s.rec,
+                [op],
+                [pt],
+                [dt],
+                [direction],
+                device=dev,
+                variant_names=timed,
+                reps=p.reps,
+                budget_s=p.item_budget_s,
+                experiment="fused_time",
+            )
+            parts = []
+            for row in list(s.rec.rows[first:]):
+                ex = _extra(row)
+                if row["metric"] == "time" and row["statistic"] == "failed":
+                    parts.append(f"{row['variant']} failed ({ex.get('reason', '')[:80]})")
+                if row["metric"] != "bandwidth" or not copy:
+                    continue
+                pct = 100 * row["value"] / copy
+                s.rec.add(
+                    "fused_time",
+                    row["variant"],
+                    "pct_of_copy_ceiling",
+                    pct,
+                    "%",
+                    shape=row["shape"],
+                    dtype=row["dtype"],
+                    statistic="median",
+                    formula="GB/s / measured copy GB/s",
+                    op=op,
+                    direction=direction,
+                    copy_gbs=copy,
+                )
+                parts.append(f"{row['variant']} {row['value']:.0f} GB/s ({pct:.0f}%)")
+            s.log(f"{op} {direction} {pt.label()}: " + (", ".join(parts) or "no timed variant"))
+
+
+# -------------------------------------------------------------------------------- attention
+def _attn_flops(mask: str, lengths, heads: int, head_dim: int) -> tuple[float, float]:
+    """(fwd, bwd) FLOPs of self-attention over these sequences (one convention: lab_utils.masks)."""
+    fwd = bwd = 0.0
+    for n in lengths:
+        f = MK.attention_flops(MK.causal() if mask == "causal" else MK.full(), 1, heads, n, n, head_dim)
+        fwd, bwd = fwd + f.fwd, bwd + f.bwd
+    return fwd, bwd
+
+
+def _attn_timing(s: Section, path: str, q, k, v, do, *, mask, cu=None, shape: str, extra: dict, flops) -> list[str]:
+    """Time one path forward and backward; rows with TFLOP/s and % of the measured bf16 ceiling."""
+    parts = []
+    kw = dict(path=path, mask=mask, cu_seqlens=cu)
+    qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+    peak = s.run.ceilings.matmul("bf16") if s.run.ceilings else None
+    for direction, fl in (("fwd", flops[0]), ("bwd", flops[1])):
+        if direction == "fwd":
+
+            def fn():
+                with torch.no_grad():
+                    return A.attend(q, k, v, **kw)
+        else:
+            out = A.attend(qq, kk, vv, **kw)
+
+            def fn(out=out):
+                return torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True)
+
+        t = try_bench(
+            fn, name=f"attention/{path}/{direction}", device=s.dev, reps=s.plan.reps, budget_s=s.plan.item_budget_s
+        )
+        s.rec.add_timing("attention_time", path, t, shape=shape, dtype=q.dtype, flops=fl, direction=direction, **extra)
+        if not t.ok:
+            parts.append(f"{path} {direction} failed: {t.reason[:80]}")
+            continue
+        tf = fl / (t.median_ms * 1e-3) / 1e12
+        if peak:
+            s.rec.add(
+                "attention_time",
+                path,
+                "pct_of_bf16_matmul",
+                100 * tf / peak,
+                "%",
+                shape=shape,
+                dtype=q.dtype,
+                statistic="median",
+                formula="attention FLOPs / time / measured bf16 matmul TFLOP/s",
+                direction=direction,
+                bf16_tflops=peak,
+                **extra,
+            )
+        parts.append(f"{path} {direction} {tf:.4g} TFLOP/s" + (f" ({100 * tf / peak:.0f}%)" if peak else ""))
+    return parts
+
+
+def section_attention(s: Section) -> None:
+    """Triton flash attention vs SDPA flash / cuDNN: float64 checks, then fwd and bwd timings."""
+    dev, p = s.dev, s.plan
+    dt = F.as_dtype(p.dtype)
+    H, D = p.attn_heads, p.attn_head_dim
+    cases = [(m, None) for m in p.attn_masks] + [("varlen", p.attn_check_lengths)]
+    for case, lengths in cases:
+        if s.over_budget(f"check {case}"):
+            continue
+        L = p.attn_check_len
+        inputs = A.random_qkv(
+            len(lengths) if lengths else 1,
+            H,
+            max(lengths) if lengths else L,
+            D,
+            dtype=dt,
+            device=dev,
+            seed=s.run.seed,
+            lengths=list(lengths) if lengths else None,
+        )
+        shape = f"T{sum(lengths)}xH{H}xD{D}" if lengths else f"B1xH{H}xL{L}xD{D}"
+        mask = None if lengths else case
+        for path in p.attn_paths:
+            res = A.check_path(path, inputs, mask=mask, backward=True)
+            ran = [r for r in res if r.ok is not None]
+            for r in res:
+                s.rec.add(
+                    "attention_check",
+                    path,
+                    "max_abs_err",
+                    r.max_abs,
+                    "",
+                    shape=shape,
+                    dtype=dt,
+                    statistic="max" if r.ok is not None else "skipped",
+                    mask=case,
+                    tensor=r.tensor,
+                    ok=r.ok,
+                    seed=s.run.seed,
+                    note=r.note.splitlines()[0][:200] if r.note else "",
+                )
+            if path == "triton":  # the kernel this lab owns must run every check it is given
+                s.check(
+                    len(ran) == len(res),
+                    f"triton {case} ran every check",
+                    "; ".join(r.note for r in res if r.ok is None),
+                )
+            if not ran:
+                s.log(f"check {case} {path}: not available ({res[0].note.splitlines()[0][:90]})")
+                continue
+            bad = [r for r in ran if not r.ok]
+            if s.check(not bad, f"{path} {case} {shape} vs float64", "\n".join(r.note for r in bad)):
+                s.log(f"check {case} {path} {shape}: {', '.join(r.tensor for r in ran)} ok")
+        del inputs
+    g = torch.Generator(device=dev).manual_seed(s.run.seed)
+    for L in p.attn_seq_lens:
+        if s.over_budget(f"timing L={L}"):
+            continue
+        q, k, v, do = (torch.randn(1, H, L, D, generator=g, device=dev, dtype=dt) for _ in range(4))
+        shape = f"B1xH{H}xL{L}xD{D}"
+        for mask in p.attn_masks:
+            flops = _attn_flops(mask, [L], H, D)
+            for path in p.attn_paths:
+                extra = dict(mask=mask, seq_len=L, head_dim=D, heads=H)
+                why = A.get_path(path).why_not(
+                    device=dev, dtype=dt, mask=mask, layout="bhld", head_dim=D, lq=L, lk=L, backward=True
+                )
+                if path == "triton" and dev.type == "cpu":
+                    why = INTERPRETED
+                if why:
+                    s.not_timed("attention_time", path, why, **extra)
+                    continue
+                parts = _attn_timing(s, path, q, k, v, do, mask=mask, shape=shape, extra=extra, flops=flops)
+                s.log(f"L={L} {mask}: " + "; ".join(parts))
+        del q, k, v, do
+    lengths = p.attn_varlen_lengths
+    if not s.over_budget("varlen timing"):
+        T = sum(lengths)
+        q, k, v, do = (torch.randn(T, H, D, generator=g, device=dev, dtype=dt) for _ in range(4))
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        shape = f"T{T}xH{H}xD{D}"
+        flops = _attn_flops("full", lengths, H, D)
+        for path in p.attn_paths:
+            extra = dict(mask="varlen", seq_len=max(lengths), head_dim=D, heads=H, lengths=list(lengths))
+            why = A.get_path(path).why_not(
+                device=dev, dtype=dt, mask="full", layout="packed", head_dim=D, backward=True
+            )
+            if path == "triton" and dev.type == "cpu":
+                why = INTERPRETED
+            if why:
+                s.not_timed("attention_time", path, why, **extra)
+                continue
+            parts = _attn_timing(s, path, q, k, v, do, mask=None, cu=cu, shape=shape, extra=extra, flops=flops)
+            s.log(f"varlen {lengths}: " + "; ".join(parts))
+
+
+# -------------------------------------------------------------------------------- fp8 GEMMs
+def _dequant_reference(da, db, sa, sb) -> torch.Tensor:
+    """float64 (da * sa) @ (db * sb)^T for fp8 operands and per-tensor or per-row multipliers."""
+    a = da.double() * (sa.double().reshape(-1, 1) if sa.numel() > 1 else sa.double().reshape(()))
+    b = db.double() * (sb.double().reshape(-1, 1) if sb.numel() > 1 else sb.double().reshape(()))
+    return a @ b.t()
+
+
+#: bf16 output rounds each element to 8 significant bits (relative error <= 2^-9); the
+#: Frobenius relative error of a correct GEMM stays well under this bound.
+FP8_REL_TOL = 1e-2
+
+
+def section_fp8(s: Section) -> None:
+    """_scaled_mm (tensor / row scales) and the Triton FP8 GEMM beside bf16."""
+    for M, K, N in s.plan.fp8_shapes:
+        if not s.over_budget(f"{M}x{K}x{N}"):
+            _fp8_shape(s, M, K, N)
+
+
+def _fp8_shape(s: Section, M: int, K: int, N: int) -> None:
+    dev, p = s.dev, s.plan
+    fmt, out = "fp8_e4m3", torch.bfloat16
+    triton_v = get_variant("lowp_matmul", "triton")
+    shape, flops = (M, K, N), 2.0 * M * K * N
+    g = torch.Generator(device=dev).manual_seed(s.run.seed)
+    a = torch.randn(M, K, generator=g, device=dev)
+    b = torch.randn(N, K, generator=g, device=dev) / math.sqrt(K)
+    ab, bb = a.bfloat16(), b.bfloat16()
+    t_bf16 = try_bench(lambda: torch.mm(ab, bb.t()), name="bf16 mm", device=dev, reps=p.reps, budget_s=p.item_budget_s)
+    s.rec.add_timing("fp8_gemm", "bf16", t_bf16, shape=shape, dtype="bfloat16", flops=flops)
+    parts = [_tflops_text("bf16", t_bf16, flops)]
+    for gran in ("tensor", "row"):
+        extra = dict(fmt=fmt, granularity=gran)
+        t_sm = None
+        why = LM.scaled_mm_why_not(dev, fmt=fmt, granularity=gran, out_dtype=out)
+        if why:
+            s.rec.add("fp8_gemm", f"scaled_mm/{gran}", "time", math.nan, "ms", statistic="n/a", reason=why, **extra)
+            parts.append(f"_scaled_mm/{gran} n/a ({why[:60]})")
+        else:
+            pr = LM.prepare_scaled_mm(a, b, fmt, granularity=gran)
+            y = LM.scaled_mm(a, b, fmt, granularity=gran, out_dtype=out, prepared=pr)
+            _fp8_check(s, f"scaled_mm/{gran}", y, _dequant_reference(*pr[1:]), shape, extra)
+            t_sm = try_bench(
+                lambda pr=pr, gran=gran: LM.scaled_mm(a, b, fmt, granularity=gran, out_dtype=out, prepared=pr),
+                name=f"_scaled_mm/{gran}",
+                device=dev,
+                reps=p.reps,
+                budget_s=p.item_budget_s,
+            )
+            s.rec.add_timing("fp8_gemm", f"scaled_mm/{gran}", t_sm, shape=shape, dtype=fmt, flops=flops, **extra)
+            parts.append(_tflops_text(f"_scaled_mm/{gran}", t_sm, flops))
+            if t_sm.ok and t_bf16.ok:
+                s.rec.add(
+                    "fp8_gemm",
+                    f"scaled_mm/{gran}",
+                    "speedup_vs_bf16",
+                    t_bf16.median_ms / t_sm.median_ms,
+                    "x",
+                    shape=shape,
+                    dtype=fmt,
+                    statistic="median",
+                    formula="bf16 median / _scaled_mm median",
+                    **extra,
+                )
+        why = triton_v.why_not(dev, fmt=fmt, granularity=gran)
+        if why:
+            s.rec.add("fp8_gemm", f"triton/{gran}", "time", math.nan, "ms", statistic="n/a", reason=why, **extra)
+            continue
+        pa = LM.prepare_scaled_mm_any(a, b, fmt, granularity=gran)
+        y = LM.triton_fp8_matmul(pa[1], pa[2], pa[3], pa[4], out_dtype=out)
+        _fp8_check(s, f"triton/{gran}", y, _dequant_reference(*pa[1:]), shape, extra)
+        if not triton_v.timeable(dev):
+            s.not_timed("fp8_gemm", f"triton/{gran}", INTERPRETED, **extra)
+            continue
+        t_tr = try_bench(
+            lambda pa=pa: LM.triton_fp8_matmul(pa[1], pa[2], pa[3], pa[4], out_dtype=out),
+            name=f"triton fp8/{gran}",
+            device=dev,
+            reps=p.reps,
+            budget_s=p.item_budget_s,
+        )
+        s.rec.add_timing("fp8_gemm", f"triton/{gran}", t_tr, shape=shape, dtype=fmt, flops=flops, **extra)
+        parts.append(_tflops_text(f"triton/{gran}", t_tr, flops))
+        if t_tr.ok and t_sm is not None and t_sm.ok:
+            s.rec.add(
+                "fp8_gemm",
+                f"triton/{gran}",
+                "vs_scaled_mm",
+                t_sm.median_ms / t_tr.median_ms,
+                "x",
+                shape=shape,
+                dtype=fmt,
+                statistic="median",
+                formula="_scaled_mm median / Triton median (throughput ratio)",
+                **extra,
+            )
+    s.log(f"{M}x{K}x{N}: " + "; ".join(parts))
+
+
+def _tflops_text(name: str, t, flops: float) -> str:
+    if not t.ok:
+        return f"{name} failed ({t.reason[:60]})"
+    return f"{name} {flops / (t.median_ms * 1e-3) / 1e12:.4g} TFLOP/s"
+
+
+def _fp8_check(s: Section, variant: str, y: torch.Tensor, ref: torch.Tensor, shape, extra: dict) -> None:
+    err = rel_error(y.float(), ref) if bool(torch.isfinite(y).all()) else math.inf
+    s.rec.add(
+        "fp8_check",
+        variant,
+        "rel_error",
+        err,
+        "",
+        shape=shape,
+        dtype="float8_e4m3fn",
+        statistic="value",
+        formula="||y - ref||_F / ||ref||_F, ref = float64 of the dequantized operands",
+        tolerance=FP8_REL_TOL,
+        seed=s.run.seed,
+        **extra,
+    )
+    s.check(err <= FP8_REL_TOL, f"{variant} {shape} vs float64 (rel error {err:.3g} > {FP8_REL_TOL})")
+
+
+# ------------------------------------------------------------------------------- train step
+PHASES = ("forward", "backward", "optimizer")
+
+
+class SyntheticStep:
+    """One rectified-flow step of the MMDiT on a fixed synthetic batch (no encoders, no loader):
+    forward under bf16 autocast, backward, gradient clipping, AdamW.  Phases are named ranges
+    (torch profiler and NVTX); ``sync`` ends each phase with a device synchronisation so that a
+    phase's range covers the GPU work it launched."""
+
+    def __init__(self, model, batch, opt, dev: torch.device, *, sync: bool):
+        self.model, self.batch, self.opt, self.dev, self.sync = model, batch, opt, dev, sync
+        self.loss: torch.Tensor | None = None
+
+    def _end(self):
+        if self.sync:
+            _sync(self.dev)
+
+    def body(self, zero_grad: bool = True) -> torch.Tensor:
+        # cache_enabled=False: autocast's weight-cast cache must not outlive a CUDA graph capture
+        with annotate("forward", self.dev):
+            with torch.autocast(self.dev.type, dtype=torch.bfloat16, cache_enabled=False):
+                loss = rf_loss(self.model, self.batch)
+            self._end()
+        with annotate("backward", self.dev):
+            loss.backward()
+            self._end()
+        with annotate("optimizer", self.dev):
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+            if zero_grad:
+                self.opt.zero_grad(set_to_none=True)
+            self._end()
+        self.loss = loss.detach()
+        return self.loss
+
+    def __call__(self) -> torch.Tensor:
+        return self.body()
+
+
+def _capture_graph(step: SyntheticStep, dev: torch.device):
+    """Capture one whole step (forward, backward, clipping, AdamW) as a CUDA graph; warm-up runs
+    on a side stream first, as capture requires.  Returns (graph, the static loss tensor)."""
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step.body()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    step.opt.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step.body(zero_grad=False)  # grads are allocated inside the capture; replays overwrite them
+    return graph, loss
+
+
+def section_train(s: Section) -> None:
+    """The medium MMDiT's training step: eager, compiled, each with and without a CUDA graph."""
+    dev, p = s.dev, s.plan
+    cuda = dev.type == "cuda"
+    mcfg = resolve_config(p.train_preset)
+    model = build_model(mcfg, dev, torch.float32, seed=s.run.seed).train()
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    h, w = p.train_hw
+    gen = torch.Generator(device=dev).manual_seed(s.run.seed)
+    batch = synthetic_batch(mcfg, p.train_batch, height=h, width=w, txt_len=p.train_txt_len, generator=gen, device=dev)
+    flops = training_step_flops(mcfg, p.train_batch, batch.grid, p.train_txt_len)
+    shape = f"{p.train_preset}:B{p.train_batch}x{h}x{w}px+txt{p.train_txt_len}"
+    bf16_peak = s.run.ceilings.matmul("bf16") if s.run.ceilings else None
+    sheet = datasheet_for(device_info(dev).name)
+    s.log(f"{shape}: {sum(t.numel() for t in model.parameters()) / 1e9:.3g} B params, {flops / 1e12:.4g} TFLOP/step")
+    first_loss: dict[str, float] = {}
+    compiled = False
+    for variant in ("eager", "eager+cuda_graph", "compile", "compile+cuda_graph"):
+        graph = variant.endswith("cuda_graph")
+        wants_compile = variant.startswith("compile")
+        if wants_compile and not p.train_compile:
+            s.not_timed("train_step", variant, p.skip_notes.get("compile", "compile not run with this plan"))
+            continue
+        if graph and not cuda:
+            s.not_timed("train_step", variant, "not applicable: CUDA graphs need a CUDA device")
+            continue
+        if s.over_budget(variant):
+            continue
+        if wants_compile and not compiled:
+            compile_blocks(model)
+            compiled = True
+        model.load_state_dict(init)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda, capturable=cuda)
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+        torch.manual_seed(s.run.seed)
+        step = SyntheticStep(model, batch, opt, dev, sync=cuda)
+        if graph:
+            try:
+                g, static_loss = _capture_graph(step, dev)
+            except Exception as e:  # noqa: BLE001 - the reason a step cannot be captured is the finding
+                reason = f"not applicable: capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                s.not_timed("train_step", variant, reason)
+                s.log(f"{variant}: {reason}")
+                del opt, step
+                continue
+            g.replay()
+            s.check(bool(torch.isfinite(static_loss).all()), f"{variant}: replayed loss is finite")
+            t = try_bench(g.replay, name=variant, device=dev, reps=p.train_reps, flush_l2=False, budget_s=120.0)
+            phases_note = "one graph replay: phases are not separable"
+            trace_rows = None
+        else:
+            step.sync = False
+            loss0 = float(step())
+            first_loss[variant] = loss0
+            s.check(math.isfinite(loss0), f"{variant}: first loss is finite ({loss0})")
+            for _ in range(p.train_warmup - 1):
+                step()
+            step.sync = cuda
+            trace_rows = _profile_steps(s, step, variant)
+            step.sync = False
+            t = try_bench(step, name=variant, device=dev, reps=p.train_reps, flush_l2=False, budget_s=120.0)
+            phases_note = ""
+        s.rec.add_timing(
+            "train_step", variant, t, shape=shape, dtype="bfloat16", flops=flops, preset=p.train_preset, autocast="bf16"
+        )
+        parts = []
+        if t.ok:
+            ach = flops / (t.median_ms * 1e-3) / 1e12
+            parts.append(f"step {t.median_ms:.4g} ms, {ach:.4g} TFLOP/s")
+            for ref_name, ref in (
+                ("measured bf16 matmul ceiling", bf16_peak),
+                ("datasheet bf16", sheet and sheet.bf16_tflops),
+            ):
+                if ref:
+                    s.rec.add(
+                        "train_step",
+                        variant,
+                        "mfu",
+                        100 * ach / ref,
+                        "%",
+                        shape=shape,
+                        dtype="bfloat16",
+                        statistic="median",
+                        reference=ref_name,
+                        peak_tflops=ref,
+                        formula="model FLOPs per step (fwd+bwd, meta count) / step time / peak",
+                    )
+                    parts.append(f"MFU {100 * ach / ref:.1f}% of {ref_name}")
+        else:
+            parts.append(f"failed: {t.reason[:100]}")
+        if cuda:
+            peak = torch.cuda.max_memory_allocated(dev)
+            s.rec.add(
+                "train_step",
+                variant,
+                "peak_memory",
+                peak / 2**30,
+                "GiB",
+                shape=shape,
+                statistic="max",
+                source="torch.cuda.max_memory_allocated",
+            )
+            parts.append(f"peak {peak / 2**30:.1f} GiB")
+        if trace_rows:
+            parts.append(trace_rows)
+        if phases_note:
+            parts.append(phases_note)
+        s.log(f"{variant}: " + "; ".join(parts))
+        del step, opt
+        if graph:
+            del g, static_loss
+    if "eager" in first_loss and "compile" in first_loss:
+        le, lc = first_loss["eager"], first_loss["compile"]
+        s.rec.add("train_step", "compile", "first_loss_rel_diff_vs_eager", abs(lc - le) / abs(le), "", shape=shape)
+        s.check(abs(lc - le) <= 0.05 * abs(le), f"compiled step's first loss {lc:.5g} agrees with eager {le:.5g}")
+
+
+def _profile_steps(s: Section, step: SyntheticStep, variant: str) -> str:
+    """One warm-up and ``train_active`` profiled steps; phases, step time and peak memory from the trace."""
+    dev, p = s.dev, s.plan
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    trace = s.run.out / "artifacts" / f"train-{variant}.trace.json"
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    with profile(
+        activities=acts,
+        schedule=schedule(wait=0, warmup=1, active=p.train_active, repeat=1),
+        profile_memory=True,
+        on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace)),
+    ) as prof:
+        for _ in range(1 + p.train_active):
+            step()
+            prof.step()
+    a = analyse_trace(trace, dev.type)
+    shape = f"{p.train_preset}:B{p.train_batch}"
+    med = a.phases.groupby("phase", sort=False)["ms"].median() if len(a.phases) else pd.Series(dtype=float)
+    for phase, ms in med.items():
+        s.rec.add("train_phases", variant, "time", float(ms), "ms", shape=shape, statistic="median", phase=str(phase))
+    if len(a.steps):
+        s.rec.add(
+            "train_phases",
+            variant,
+            "profiled_step_time",
+            float(a.steps.step_ms.median()),
+            "ms",
+            shape=shape,
+            statistic="median",
+            samples=[float(x) for x in a.steps.step_ms],
+            source="torch.profiler ProfilerStep ranges (phases synchronised)",
+        )
+    if not math.isnan(a.peak_allocated_bytes):
+        s.rec.add(
+            "train_phases",
+            variant,
+            "profiler_peak_allocated",
+            a.peak_allocated_bytes / 2**20,
+            "MiB",
+            shape=shape,
+            statistic="max",
+            source="profiler [memory] events",
+        )
+    s.rec.add("artifacts", variant, "trace_file", trace.stat().st_size, "bytes", statistic="file", path=str(trace))
+    return "phases " + ", ".join(f"{k} {v:.4g} ms" for k, v in med.items())
+
+
+SECTION_FNS: dict[str, Callable[[Section], None]] = {
+    "ceilings": section_ceilings,
+    "fused": section_fused,
+    "attention": section_attention,
+    "fp8": section_fp8,
+    "train": section_train,
+}
+
+
+# ---------------------------------------------------------------------------- targets
+@dataclass(frozen=True)
+class Target:
+    key: str
+    figure: str
+    target: str
+    threshold: float
+    pick: Callable[[pd.DataFrame], pd.DataFrame]  # rows whose value is held to the threshold
+    label: Callable[[pd.Series], str]
+
+
+def _rows(df: pd.DataFrame, experiment: str, metric: str, **extra) -> pd.DataFrame:
+    d = df[(df["experiment"] == experiment) & (df["metric"] == metric) & (df["statistic"] == "median")]
+    if not len(d):
+        return d
+    ex = d["extra"].map(lambda e: json.loads(e) if isinstance(e, str) and e else {})
+    keep = ex.map(lambda e: all(_match(e.get(k), v) for k, v in extra.items()))
+    return d[keep.astype(bool)].assign(_extra=ex[keep.astype(bool)])
+
+
+def _match(value, want) -> bool:
+    return want(value) if callable(want) else value == want
+
+
+TARGETS = (
+    Target(
+        "fused_fwd",
+        "Triton fused op, forward: % of measured copy GB/s",
+        ">= 85%",
+        85.0,
+        lambda df: _rows(df, "fused_time", "pct_of_copy_ceiling", direction="fwd").query("variant == 'triton'"),
+        lambda r: f"{r['_extra']['op']} {r['shape']}",
+    ),
+    Target(
+        "fused_fwdbwd",
+        "Triton fused op, forward+backward: % of measured copy GB/s",
+        ">= 75%",
+        75.0,
+        lambda df: _rows(df, "fused_time", "pct_of_copy_ceiling", direction="fwd+bwd").query("variant == 'triton'"),
+        lambda r: f"{r['_extra']['op']} {r['shape']}",
+    ),
+    Target(
+        "attn_fwd",
+        "Triton attention forward, >= 8k tokens: % of measured bf16 matmul",
+        ">= 60%",
+        60.0,
+        lambda df: _rows(
+            df, "attention_time", "pct_of_bf16_matmul", direction="fwd", seq_len=lambda n: (n or 0) >= 8192
+        ).query("variant == 'triton'"),
+        lambda r: f"{r['_extra']['mask']} {r['shape']}",
+    ),
+    Target(
+        "attn_bwd",
+        "Triton attention backward, >= 8k tokens: % of measured bf16 matmul",
+        ">= 45%",
+        45.0,
+        lambda df: _rows(
+            df, "attention_time", "pct_of_bf16_matmul", direction="bwd", seq_len=lambda n: (n or 0) >= 8192
+        ).query("variant == 'triton'"),
+        lambda r: f"{r['_extra']['mask']} {r['shape']}",
+    ),
+    Target(
+        "fp8_triton",
+        "Triton FP8 GEMM throughput / _scaled_mm's (same scales)",
+        ">= 0.70x",
+        0.70,
+        lambda df: _rows(df, "fp8_gemm", "vs_scaled_mm"),
+        lambda r: f"{r['_extra']['granularity']} {r['shape']}",
+    ),
+    Target(
+        "fp8_rowwise",
+        "_scaled_mm FP8 row-wise speed-up over bf16 at 8192^3",
+        ">= 1.6x",
+        1.6,
+        lambda df: _rows(df, "fp8_gemm", "speedup_vs_bf16", granularity="row").query("shape == '8192x8192x8192'"),
+        lambda r: f"row {r['shape']}",
+    ),
+)
+
+
+def evaluate_targets(df: pd.DataFrame) -> list[dict]:
+    """One line per target: the worst measured figure, its case, and met / MISSED / not measured."""
+    out = []
+    for t in TARGETS:
+        d = t.pick(df) if len(df) else df
+        d = d[d["value"].map(lambda v: isinstance(v, (int, float)) and math.isfinite(v))] if len(d) else d
+        if not len(d):
+            out.append(dict(key=t.key, figure=t.figure, target=t.target, measured="", case="", verdict="not measured"))
+            continue
+        worst = d.loc[d["value"].idxmin()]
+        unit = "%" if t.target.endswith("%") else "x"
+        misses = int((d["value"] < t.threshold).sum())
+        out.append(
+            dict(
+                key=t.key,
+                figure=t.figure,
+                target=t.target,
+                measured=f"{worst['value']:.3g}{unit}",
+                case=f"worst of {len(d)}: {t.label(worst)}",
+                verdict="met" if misses == 0 else f"MISSED ({misses} of {len(d)})",
+            )
+        )
+    return out
+
+
+def summary_text(df: pd.DataFrame, ctx: dict, status: list[dict], failures: list[str], skipped: list[str]) -> str:
+    lines = [
+        f"gpu_check on {ctx.get('device')} ({ctx.get('baseline_kind')}), torch {ctx.get('torch_version')}, "
+        f"triton {ctx.get('triton_version')}, commit {ctx.get('commit')}, run {ctx.get('run_id')}",
+    ]
+    ce = df[(df["experiment"] == "ceilings") & (df["statistic"] == "median")]
+    if len(ce):
+        lines.append(
+            "ceilings (measured): "
+            + ", ".join(
+                f"{r.variant} {r.dtype or ''} {r.value:.4g} {r.unit}".replace("  ", " ") for r in ce.itertuples()
+            )
+        )
+    lines.append(
+        "sections: "
+        + ", ".join(f"{st['notebook'].split(':')[-1]} {st['status']} ({st['seconds']:.0f} s)" for st in status)
+    )
+    lines.append(f"correctness: {ctx.get('checks', 0)} checks, {len(failures)} failed")
+    lines += [f"  {f.splitlines()[0]}" for f in failures]
+    lines.append("targets (benchmarks, not tests):")
+    for e in evaluate_targets(df):
+        lines.append(
+            f"  {e['figure']}: {e['measured'] or '-'} (target {e['target']}) {e['verdict']} {e['case']}".rstrip()
+        )
+    nt = df[df["statistic"] == "not_timed"] if len(df) else df
+    if len(nt):
+        lines.append(f"not timed: {len(nt)} row(s), e.g. {_extra(nt.iloc[0].to_dict()).get('reason', '')[:100]}")
+    lines += [f"skipped: {sk}" for sk in skipped]
+    return "\n".join(lines)
+
+
+def readme_table(df: pd.DataFrame, ctx: dict) -> str:
+    head = (
+        f"Run `{ctx.get('run_id')}` on {ctx.get('device')} (torch {ctx.get('torch_version')}, "
+        f"triton {ctx.get('triton_version')}, commit {ctx.get('commit')}):"
+    )
+    rows = ["| figure | target | measured (worst case) | verdict |", "| --- | --- | --- | --- |"]
+    for e in evaluate_targets(df):
+        meas = f"{e['measured']} ({e['case']})" if e["measured"] else "-"
+        rows.append(f"| {e['figure']} | {e['target']} | {meas} | {e['verdict']} |")
+    return head + "\n\n" + "\n".join(rows)
+
+
+def update_readme(path: Path, table: str) -> None:
+    text = path.read_text()
+    pat = re.compile(re.escape(README_BEGIN) + r".*?" + re.escape(README_END), re.S)
+    if not pat.search(text):
+        raise ValueError(f"{path}: no {README_BEGIN} ... {README_END} block to replace")
+    path.write_text(pat.sub(lambda _m: f"{README_BEGIN}\n{table}\n{README_END}", text))
+
+
+# ------------------------------------------------------------------------------- the run
+def baseline_kind(context: dict) -> str:
+    """The device kind ``perflab compare`` / ``baseline`` give a run: ``cpu`` or ``cuda-<model>``
+    (the rule of ``lab_utils.run.compare.baseline_kind``, which cannot be imported here: that
+    package loads the notebook runner; a test holds the two equal)."""
+    kind = str(context.get("device_kind") or "unknown")
+    if kind == "cpu":
+        return "cpu"
+    slug = lambda s: re.sub(r"[^a-z0-9]+", "-", str(s).lower()).strip("-") or "unknown"  # noqa: E731
+    return f"{slug(kind)}-{slug(context.get('device') or 'unknown')}"
+
+
+def plan_budgets(sections, total: float) -> dict[str, float]:
+    share = sum(SHARES[x] for x in sections)
+    return {x: total * SHARES[x] / share for x in sections}
+
+
+def default_out(kind: str) -> Path:
+    base = ROOT / "benchmarks" / "results" / f"{LAB}-{kind}-{time.strftime('%Y%m%d')}"
+    out, i = base, 2
+    while out.exists():
+        out, i = base.with_name(f"{base.name}-{i}"), i + 1
+    return out
+
+
+def write_outputs(out: Path, frames: list[pd.DataFrame], ctx: dict, status: list[dict]) -> pd.DataFrame:
+    cols = ROW_COLUMNS + CONTEXT_COLUMNS + ["notebook", "run_id"]
+    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=cols)
+    for c in CONTEXT_COLUMNS:
+        df[c] = ctx.get(c, "")
+    df["run_id"] = ctx["run_id"]
+    df = df.reindex(columns=cols)
+    df["value"] = pd.to_numeric(df["value"], errors="coerce").astype(float)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "records.json").write_text(df.to_json(orient="records", indent=1))
+    try:
+        df.to_parquet(out / "records.parquet", index=False)
+    except ImportError:  # no pyarrow on this machine: records.json alone is complete
+        pass
+    (out / "context.json").write_text(json.dumps(ctx, indent=1, default=str) + "\n")
+    (out / "status.json").write_text(json.dumps(status, indent=1) + "\n")
+    return df
+
+
+def run_check(args) -> int:
+    dev = args.dev
+    plan = PLANS[dev.type]
+    seed = args.seed
+    budget = float(args.budget_s or plan.budget_s)
+    info = device_info(dev)
+    kind = baseline_kind({"device_kind": info.kind, "device": info.name})
+    out = Path(args.out) if args.out else default_out(kind)
+    run_id = f"{LAB}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    run = Run(dev=dev, plan=plan, seed=seed, out=out, t0=time.perf_counter(), budget_s=budget)
+    budgets = plan_budgets(args.sections, budget)
+    print(
+        f"gpu_check {run_id}: {info.name} ({kind}), torch {info.torch_version}, triton {info.triton_version}, "
+        f"interpreted={lab_kernels.TRITON_INTERPRETED}, seed {seed}, out {out}",
+        flush=True,
+    )
+    print("budget plan: " + ", ".join(f"{k} {v:.0f} s" for k, v in budgets.items()) + f" (total {budget:.0f} s)")
+    frames, status = [], []
+    deadline = 0.0
+    params = {"plan": asdict(plan), "sections": list(args.sections), "budget_s": budget, "seed": seed}
+    for name in args.sections:
+        deadline = max(deadline, run.elapsed()) + budgets[name]  # unspent time carries to the next section
+        if name != "ceilings" and run.ceilings is None:
+            run.ceilings = _fallback_ceilings(run)
+        rec = Recorder(lab=LAB, params=params, device=dev, ceilings=run.ceilings)
+        sec = Section(run, name, rec, deadline)
+        n_fail = len(run.failures)
+        t_start = time.perf_counter()
+        run.log(f"== {name} (budget {budgets[name]:.0f} s, until {deadline:.0f} s)")
+        st = dict(notebook=f"{LAB}:{name}", path=str(Path(__file__).relative_to(ROOT)), status="ok", error=None)
+        try:
+            SECTION_FNS[name](sec)
+        except Exception as e:  # noqa: BLE001 - a section that raises is recorded; the others still run
+            st.update(status="failed", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            run.log(f"{name} RAISED {st['error']}")
+            traceback.print_exc()
+        if len(run.failures) > n_fail and st["status"] == "ok":
+            st.update(status="failed", error=f"{len(run.failures) - n_fail} correctness check(s) failed")
+        st.update(seconds=time.perf_counter() - t_start, rows=len(rec.rows))
+        status.append(st)
+        df = rec.frame()
+        df["notebook"] = st["notebook"]
+        frames.append(df)
+        run.log(f"== {name} {st['status']} in {st['seconds']:.1f} s, {len(rec.rows)} rows")
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    ctx = Recorder(lab=LAB, params=params, device=dev, ceilings=run.ceilings).context()
+    ctx.update(
+        run_id=run_id,
+        suite=LAB,
+        baseline_kind=kind,
+        checks=run.checks,
+        failures=run.failures,
+        skipped=run.skipped,
+        seconds=run.elapsed(),
+        command="python3 benchmarks/gpu_check.py " + " ".join(args.argv),
+    )
+    df = write_outputs(out, frames, ctx, status)
+    text = summary_text(df, ctx, status, run.failures, run.skipped)
+    (out / "summary.txt").write_text(text + "\n")
+    if args.update_readme:
+        update_readme(Path(args.readme), readme_table(df, ctx))
+    print(text)
+    print(f"{len(df)} rows -> {out} in {run.elapsed():.0f} s")
+    if run.failures:
+        return EXIT_CHECK_FAILED
+    return EXIT_SECTION_FAILED if any(st["status"] != "ok" for st in status) else EXIT_OK
+
+
+def _fallback_ceilings(run: Run) -> Ceilings | None:
+    """Ceilings when the `ceilings` section was not run (or failed): this machine's cache."""
+    try:
+        return get_ceilings(run.dev, quick=run.dev.type == "cpu")
+    except (BenchError, RuntimeError) as e:
+        run.log(f"no ceilings: {e}")
+        return None
+
+
+def from_records(args) -> int:
+    src = Path(args.from_records)
+    df = load_records(src)
+    ctx = json.loads((src / "context.json").read_text()) if (src / "context.json").exists() else {}
+    status = json.loads((src / "status.json").read_text()) if (src / "status.json").exists() else []
+    for st in status:
+        st.setdefault("seconds", 0.0)
+    print(summary_text(df, ctx, status, ctx.get("failures", []), ctx.get("skipped", [])))
+    if args.update_readme:
+        update_readme(Path(args.readme), readme_table(df, ctx))
+        print(f"table updated in {args.readme}")
+    return EXIT_OK
+
+
+def parse_args(argv: list[str]):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="auto", help="auto (CUDA when present), cuda or cpu")
+    ap.add_argument("--out", default=None, help="output folder (default benchmarks/results/gpu_check-<kind>-<date>)")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
+    ap.add_argument(
+        "--budget-s", type=float, default=None, help="whole-run budget in seconds (default 480 GPU, 170 CPU)"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="seed of every check's inputs (printed, recorded)")
+    ap.add_argument("--update-readme", action="store_true", help="rewrite the figures table in --readme")
+    ap.add_argument("--readme", default=str(ROOT / "benchmarks" / "results" / "README.md"))
+    ap.add_argument("--from-records", default=None, help="summarise a finished run's folder instead of running")
+    a = ap.parse_args(argv)
+    a.argv = list(argv)
+    secs = [x.strip() for x in a.sections.split(",") if x.strip()]
+    bad = [x for x in secs if x not in SECTIONS]
+    if bad or not secs:
+        raise ConfigError("sections", a.sections, f"a comma-separated subset of {', '.join(SECTIONS)}")
+    a.sections = [x for x in SECTIONS if x in secs]
+    if a.budget_s is not None and not a.budget_s > 0:
+        raise ConfigError("budget_s", a.budget_s, "a number of seconds > 0")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        a = parse_args(argv)
+        if not a.from_records:
+            a.dev = pick_device(a.device)
+    except (ConfigError, ValueError, RuntimeError) as e:  # refused before any work starts
+        print(f"gpu_check: {e}", file=sys.stderr)
+        return EXIT_SECTION_FAILED
+    return from_records(a) if a.from_records else run_check(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
