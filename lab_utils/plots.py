@@ -3,7 +3,9 @@
 Plots read records (DataFrames of tidy rows); they never measure.
 
 ``init()`` loads the bokeh extension with its JS/CSS *inline* so that an exported
-notebook renders with no network.  Interactivity that must survive export uses
+notebook renders with no network, and tells panel (which renders holoviews objects and
+their widgets) to inline its component stylesheets too: otherwise, in a live JupyterLab,
+every panel widget asks panel's CDN for its stylesheet.  Interactivity that must survive export uses
 ``hv.HoloMap`` (every frame embedded, bokeh widgets) rather than ``DynamicMap``
 (needs a live kernel) or ipywidgets.
 """
@@ -14,7 +16,11 @@ import math
 
 import holoviews as hv
 import pandas as pd
+import panel as pn
+from bokeh.models import UIElement
 from bokeh.settings import settings
+from panel.io.notebook import patch_inline_stylesheets
+from panel.viewable import Viewable
 
 from .ceilings import dtype_key
 from .roofline import roofline_curve
@@ -22,11 +28,22 @@ from .roofline import roofline_curve
 _INITIALISED = False
 
 
+def _inline_stylesheets(viewable, root) -> None:
+    """Panel hook run on every model tree it renders or updates: stylesheets that point at
+    panel's CDN become inline ones, read from panel's own dist folder (holoviews renders
+    through panel without the inlining panel applies to its own objects)."""
+    for model in root.select({"type": UIElement}):
+        patch_inline_stylesheets(model)
+
+
 def init(width: int = 700, height: int = 380):
     """Load holoviews + bokeh with inline resources; returns the holoviews module."""
     global _INITIALISED
     if not _INITIALISED:
         settings.resources = "inline"
+        pn.config.inline = True
+        if _inline_stylesheets not in Viewable._preprocessing_hooks:
+            Viewable._preprocessing_hooks.append(_inline_stylesheets)
         hv.extension("bokeh", inline=True, logo=False)
         hv.opts.defaults(
             hv.opts.Curve(width=width, height=height, tools=["hover"], show_grid=True),

@@ -1,0 +1,191 @@
+"""Lab 01's explorer: change the step's seams -> profile a few steps -> phase bars, MFU and
+peak memory beside the earlier configurations (the A/B a performance engineer runs all day).
+
+Every configuration is the lab's own :class:`~lab_utils.studies.training_step.TrainingStepLabConfig`
+with the seams replaced (so it is validated like the parameters cell), profiled by
+``studies.training_step.profile_step`` (``lab_utils.profiler.profile_training``).  Its records
+join the lab's recorder with the configuration's label in front of each variant, so the
+configurations of one afternoon stay apart in ``rec.save()`` and ``perflab compare``.
+
+The precision control picks the step's storage dtype and autocast; the model's layer
+recipes (``MMDiTConfig.recipe``) are not a field of the training config, so they are not
+offered here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import holoviews as hv
+import pandas as pd
+import torch
+
+from ...attention import PATHS as ATTENTION_PATHS
+from ...attention import get_path
+from ...config import ConfigError
+from ...device import DeviceInfo, device_info
+from ...model import CHECKPOINT_POLICIES
+from ...model.train import PHASES
+from ..training_step import PHASE_COLORS, TrainingStepLabConfig, profile_step
+from .base import Control, Explorer, Progress, Result
+
+#: precision choice -> (parameter storage dtype, autocast)
+PRECISIONS = {"fp32": ("float32", "none"), "bf16 autocast": ("float32", "bf16"), "bf16 weights": ("bfloat16", "none")}
+KERNELS = ("eager", "compile", "triton")
+BATCHES = (1, 2, 4)
+BUCKETS = ("48x80", "64x64", "64x96", "96x96", "128x128")
+INTERPRETED = (
+    "runs in Triton's interpreter on CPU: a profile would time the interpreter (correctness only, never timed)"
+)
+
+
+def _bucket(b) -> str:
+    return f"{int(b[0])}x{int(b[1])}"
+
+
+@dataclass
+class TrainingStepExplorer(Explorer):
+    """``TrainingStepExplorer.for_lab(cfg, info, rec).show()``: the lab's step with other seams."""
+
+    base: TrainingStepLabConfig | None = None
+    info: DeviceInfo | None = None
+
+    lab: ClassVar[str] = "01_training_step"
+    title: ClassVar[str] = "Explore: the training step's seams (A/B)"
+    live_help: ClassVar[str] = "change a seam: a few steps are profiled and land beside the earlier configurations"
+    controls: ClassVar[tuple[Control, ...]] = (
+        Control("activation_checkpoint", CHECKPOINT_POLICIES, "none", "checkpointing"),
+        Control("compile", (), False, "torch.compile"),
+        Control("kernels", KERNELS, "eager"),
+        Control("attention_path", ATTENTION_PATHS, "sdpa", "attention path"),
+        Control("precision", tuple(PRECISIONS), "fp32"),
+        Control("batch", BATCHES, 2),
+        Control("bucket", BUCKETS, "64x64"),
+    )
+
+    @classmethod
+    def for_lab(cls, cfg: TrainingStepLabConfig, info: DeviceInfo | None = None, rec=None) -> TrainingStepExplorer:
+        """The explorer starting at the lab's own parameters (its first bucket)."""
+        precision = next((k for k, v in PRECISIONS.items() if v == (cfg.dtype, cfg.autocast)), "fp32")
+        defaults = dict(
+            activation_checkpoint=cfg.activation_checkpoint,
+            compile=cfg.compile,
+            kernels=cfg.kernels if cfg.kernels in KERNELS else "eager",
+            attention_path=cfg.attention_path,
+            precision=precision,
+            batch=cfg.batch_size if cfg.batch_size in BATCHES else 2,
+            bucket=_bucket(cfg.buckets[0]) if _bucket(cfg.buckets[0]) in BUCKETS else "64x64",
+        )
+        return cls(rec=rec, defaults=defaults, base=cfg, info=info)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.base = self.base or TrainingStepLabConfig(steps=2, warmup_steps=1)
+        self.info = self.info or device_info(self.base.device)
+
+    def label(self, cfg: dict) -> str:
+        return (
+            f"ac={cfg['activation_checkpoint']} compile={int(cfg['compile'])} k={cfg['kernels']} "
+            f"attn={cfg['attention_path']} {cfg['precision']} b{cfg['batch']} {cfg['bucket']}"
+        )
+
+    def step_config(self, cfg: dict) -> TrainingStepLabConfig:
+        dtype, autocast = PRECISIONS[cfg["precision"]]
+        h, w = (int(s) for s in cfg["bucket"].split("x"))
+        return dataclasses.replace(
+            self.base,
+            activation_checkpoint=cfg["activation_checkpoint"],
+            compile=cfg["compile"],
+            kernels=cfg["kernels"],
+            attention_path=cfg["attention_path"],
+            dtype=dtype,
+            autocast=autocast,
+            batch_size=cfg["batch"],
+            num_samples=max(self.base.num_samples, cfg["batch"]),
+            buckets=[[h, w]],
+        )
+
+    def why_not(self, cfg: dict) -> str | None:
+        try:
+            sc = self.step_config(cfg)
+        except ConfigError as e:
+            return str(e)
+        dev = self.info.torch_device
+        cpu = torch.device(dev).type == "cpu"
+        if cpu and cfg["kernels"] == "triton":
+            return f"kernels='triton' {INTERPRETED}"
+        if cpu and cfg["attention_path"] == "triton":
+            return f"attention path 'triton' {INTERPRETED}"
+        mc = sc.model_config()
+        low = sc.autocast == "bf16" or sc.dtype == "bfloat16"
+        return get_path(cfg["attention_path"]).why_not(
+            device=dev,
+            dtype=torch.bfloat16 if low else torch.float32,
+            mask="custom",  # caption padding masks the joint attention
+            head_dim=mc.head_dim,
+            backward=True,
+        )
+
+    def measure(self, cfg: dict, progress: Progress) -> Result:
+        sc = self.step_config(cfg)
+        progress(0, 1, f"profiling {sc.warmup_steps} + {sc.steps} steps")
+        p = profile_step(sc, self.info, lab=self.lab)
+        progress(1, 1, "profiled")
+        label = self.label(cfg)
+        for r in p.rec.rows:
+            self.rec.rows.append(
+                {**r, "experiment": f"explore_{r['experiment']}", "variant": f"{label} | {r['variant']}"}
+            )
+        rep = p.report
+        steps = rep.steps
+        mfu = p.mfu.set_index("quantity")
+        pct = mfu.pct.get("measured matmul ceiling", math.nan)
+        peak = rep.cuda_peak_bytes if rep.cuda_peak_bytes is not None else rep.analysis.peak_allocated_bytes
+        phases = rep.analysis.phases.groupby("phase", sort=False).ms.median().reindex(list(PHASES)).fillna(0.0)
+        row = dict(
+            config=label,
+            step_ms=float(steps.step_ms.median()),
+            tflops=float(mfu.tflops.get("achieved", math.nan)),
+            mfu_pct_of_measured=float(pct) if pct is not None else math.nan,
+            peak_mib=float(peak) / 2**20 if peak is not None else math.nan,
+            **{f"{k}_ms": float(v) for k, v in phases.items()},
+        )
+        return Result(0, cfg, row, data=dict(phases=phases))
+
+    def figures(self, results: list[Result]) -> list:
+        names = [f"#{r.index}" for r in results]
+        ph = pd.DataFrame(
+            [dict(config=n, phase=k, ms=float(v)) for n, r in zip(names, results) for k, v in r.data["phases"].items()],
+            columns=["config", "phase", "ms"],
+        )
+        bars = hv.Bars(ph, ["config", "phase"], "ms").opts(
+            stacked=True,
+            cmap=PHASE_COLORS,
+            tools=["hover"],
+            xlabel="configuration (# in the table)",
+            ylabel="ms (median step)",
+            title="Phases per configuration",
+            legend_position="right",
+            framewise=True,
+        )
+        summary = pd.DataFrame(
+            [
+                dict(config=n, **{k: r.row[k] for k in ("mfu_pct_of_measured", "tflops", "peak_mib", "step_ms")})
+                for n, r in zip(names, results)
+            ],
+            columns=["config", "mfu_pct_of_measured", "tflops", "peak_mib", "step_ms"],
+        )
+        mfu = hv.Bars(summary, "config", ["mfu_pct_of_measured", "tflops", "step_ms"]).opts(
+            tools=["hover"], ylabel="% of measured matmul ceiling", title="MFU", framewise=True, width=380
+        )
+        mem = hv.Bars(summary, "config", ["peak_mib", "step_ms"]).opts(
+            tools=["hover"], ylabel="MiB", title=self._memory_title(), framewise=True, width=380, color="#9467bd"
+        )
+        return [bars, mfu, mem]
+
+    def _memory_title(self) -> str:
+        cuda = torch.device(self.info.torch_device).type == "cuda" if self.info is not None else False
+        return "Peak memory" + ("" if cuda else " (allocated while profiling, CPU)")
