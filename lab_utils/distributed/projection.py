@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from ..model import analytic_param_count, forward_flops, resolve_config
+from ..model import analytic_param_count, build_model, forward_flops, resolve_config
 from .comm import AlphaBeta
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -112,11 +112,20 @@ def comm_plan(
     if cp > 1:
         kv = batch_per_dp * (L / cp) * (d / tp) * act_bytes  # one of K or V, local shard
         if "cp_ring" in parts:
-            hops = cp - 1
-            plan.append(Comm("send_recv", kv, n_blocks * hops * (2 + 4), cp, "cp", False))
+            # forward: K and V per hop; backward: K, V, dK, dV per hop, then dK, dV home
+            pairs = (cp - 1) * 2 + (cp - 1) * 4 + 2
+            plan.append(Comm("send_recv", kv, n_blocks * pairs, cp, "cp", False))
         else:
-            plan.append(Comm("all_to_all", kv, n_blocks * 8, cp, "cp", True))
+            plan.append(Comm("all_to_all", kv, n_blocks * 8, cp, "cp", True))  # q, k, v, out; both ways
+        if not parts & {"ddp", "fsdp", "hsdp"}:  # gradients averaged over CP one tensor at a time
+            tensors = sum(1 for _ in build_model(mcfg, device="meta").parameters())
+            plan.append(Comm("all_reduce", p_total / tp * grad_bytes / tensors, tensors, cp, "dp", False))
     return plan
+
+
+def events_per_call(c: Comm) -> int:
+    """Profiler events one call leaves on a rank: a send/recv pair leaves a send and a recv."""
+    return 2 if c.kind == "send_recv" else 1
 
 
 def plan_time_fitted(plan: list[Comm], model: dict[str, AlphaBeta]) -> float:
@@ -124,7 +133,7 @@ def plan_time_fitted(plan: list[Comm], model: dict[str, AlphaBeta]) -> float:
     us = 0.0
     for c in plan:
         m = model.get(c.kind) or model.get("all_reduce")
-        us += c.calls * m.predict_us(c.payload_bytes)
+        us += c.calls * events_per_call(c) * m.predict_us(c.payload_bytes)
     return us / 1e3
 
 

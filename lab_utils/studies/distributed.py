@@ -1,0 +1,502 @@
+"""Lab 06 (``labs/06_distributed.ipynb``): its parameters, runs, tables, plots and records.
+
+The runs are real: :mod:`lab_utils.distributed` launches the ranks on torch.distributed
+(gloo here, NCCL on GPUs).  Each world size is one spawn that runs every strategy in
+turn; the single-process reference runs in this process.  Plots read the ranks'
+results and never measure.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import holoviews as hv
+import pandas as pd
+import torch
+
+from ..config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int, check_int_list
+from ..distributed import DistConfig, DistResult, DistRunError, launch, launch_cases
+from ..distributed.comm import AlphaBeta, CollectiveEvent, fit_alpha_beta, predict_comm_ms
+from ..distributed.projection import Links, comm_plan, events_per_call, fastest, plan_time_fitted, project
+from ..distributed.spec import COMPONENTS
+from ..distributed.verify import Agreement, compare
+from ..distributed.worker import single_process_run
+from ..model import CHECKPOINT_POLICIES, PRESETS
+from ..records import Recorder
+
+#: Suffixes of a case name: "fsdp/no_reshard/bf16" is FSDP2 without reshard-after-forward, in bf16.
+CASE_FLAGS = {
+    "no_reshard": {"reshard_after_forward": False},
+    "no_prefetch": {"prefetch": False},
+    "bf16": {"mixed_precision": True},
+}
+
+
+def case_params(name: str) -> dict:
+    """DistConfig fields of a case name (strategy plus ``/flag`` suffixes)."""
+    strategy, *flags = name.split("/")
+    out: dict = {"strategy": strategy}
+    for f in flags:
+        if f not in CASE_FLAGS:
+            raise ConfigError("strategies", name, f"a strategy with optional suffixes from {', '.join(CASE_FLAGS)}")
+        out |= CASE_FLAGS[f]
+    return out
+
+
+@dataclass(frozen=True)
+class DistributedLabConfig(LabConfig):
+    world_sizes: tuple = (1, 2)
+    strategies: tuple = ("ddp", "fsdp", "fsdp/no_reshard", "fsdp/bf16", "hsdp", "tp", "cp_ring", "cp_ulysses")
+    preset: str = "tiny"
+    batch_size: int = 4
+    height: int = 64
+    width: int = 64
+    txt_len: int = 8
+    steps: int = 3
+    checkpoint: str = "none"
+    backend: str = "auto"
+    sweep_reps: int = 5
+    timeout_s: float = 240.0
+    hang_timeout_s: float = 60.0
+    fault_demo: bool = True
+    projection_preset: str = "flux-dev"
+    projection_gpus: tuple = (8, 16, 32, 64, 128, 256, 512, 1024)
+    nvlink_gbps: float = 450.0
+    ib_gbps: float = 50.0
+    gpus_per_node: int = 8
+    peak_tflops: float = 989.0
+    mfu: float = 0.4
+    hbm_gb: float = 141.0
+
+    def __post_init__(self):
+        check_int_list("world_sizes", list(self.world_sizes), min=1)
+        if isinstance(self.strategies, str) or not self.strategies:
+            raise ConfigError("strategies", self.strategies, "a non-empty list of strategy names")
+        for s in self.strategies:
+            if not isinstance(s, str):
+                raise ConfigError("strategies", self.strategies, "strategy names as strings")
+            case_params(s)
+            for part in s.split("/")[0].split("+"):
+                if part not in COMPONENTS:
+                    raise ConfigError(
+                        "strategies", self.strategies, f"'+'-joined components from {', '.join(COMPONENTS)} ({s!r})"
+                    )
+        check_choice("preset", self.preset, PRESETS)
+        check_choice("projection_preset", self.projection_preset, PRESETS)
+        check_choice("checkpoint", self.checkpoint, CHECKPOINT_POLICIES)
+        check_int("steps", self.steps, min=1, max=1000)
+        check_int("sweep_reps", self.sweep_reps, min=1, max=100)
+        check_int_list("projection_gpus", list(self.projection_gpus), min=1)
+        check_int("gpus_per_node", self.gpus_per_node, min=1)
+        check_bool("fault_demo", self.fault_demo)
+        for name in ("timeout_s", "hang_timeout_s", "nvlink_gbps", "ib_gbps", "peak_tflops", "hbm_gb"):
+            check_float(name, getattr(self, name), min=0, min_exclusive=True)
+        check_float("mfu", self.mfu, min=0, max=1, min_exclusive=True)
+        for c in self.cases():  # every run is validated here, before any process starts
+            c.mesh  # noqa: B018  (property validates)
+
+    def dist_config(self, name: str, world: int, **extra) -> DistConfig:
+        return DistConfig(
+            world_size=world,
+            preset=self.preset,
+            batch_size=self.batch_size,
+            height=self.height,
+            width=self.width,
+            txt_len=self.txt_len,
+            steps=self.steps,
+            checkpoint=self.checkpoint,
+            backend=self.backend,
+            sweep_reps=self.sweep_reps,
+            timeout_s=self.timeout_s,
+            hang_timeout_s=self.hang_timeout_s,
+            **{**case_params(name), **extra},
+        )
+
+    def cases(self) -> list[DistConfig]:
+        """Every run: ``single`` at world size 1, each strategy at each world size >= 2; the first
+        case of the largest world size also sweeps message sizes for the alpha-beta fit."""
+        out = []
+        big = max((w for w in self.world_sizes if w > 1), default=None)
+        for w in sorted(set(self.world_sizes)):
+            if w == 1:
+                out.append(self.dist_config("single", 1))
+                continue
+            for i, s in enumerate(self.strategies):
+                out.append(self.dist_config(s, w, comm_sweep=(w == big and i == 0)))
+        return out
+
+
+def case_name(c: DistConfig) -> str:
+    flags = [f for f, kv in CASE_FLAGS.items() if all(getattr(c, k) == v for k, v in kv.items())]
+    return "/".join([c.strategy, *flags])
+
+
+def plan_lines(cfg: DistributedLabConfig) -> list[str]:
+    """The runs, their mesh (dp_replicate x dp_shard x cp x tp) and shards: deterministic text."""
+    lines = []
+    for c in cfg.cases():
+        m = c.mesh
+        lines.append(
+            f"world {c.world_size}  {case_name(c):<18} mesh {'x'.join(map(str, m.shape))}  "
+            f"samples/rank {c.batch_size // m.dp}  tokens/rank {(c.height // 16) * (c.width // 16) // m.cp}+"
+            f"{c.txt_len // m.cp}"
+        )
+    return lines
+
+
+def bad_input_lines() -> list[str]:
+    """What the launcher refuses before any process starts (the parameter each error names)."""
+    cases = [
+        dict(strategy="fsdp+tp", world_size=3),
+        dict(strategy="tp", world_size=3),
+        dict(strategy="cp_ring", world_size=2, txt_len=7),
+        dict(strategy="pipeline", world_size=2),
+    ]
+    out = []
+    for kw in cases:
+        try:
+            DistConfig(**kw)
+        except ConfigError as e:
+            out.append(f"{kw}: refused, parameter {e.param!r}")
+        else:
+            raise AssertionError(f"{kw} was accepted")
+    return out
+
+
+@dataclass
+class LabRuns:
+    reference: dict
+    reference_grads: dict
+    results: list[DistResult] = field(default_factory=list)
+    agreements: list[Agreement] = field(default_factory=list)
+    sweep: list[CollectiveEvent] = field(default_factory=list)
+    out: Path | None = None
+
+    @property
+    def reference_losses(self) -> list[float]:
+        lo = self.reference["losses"]
+        return [lo[k] for k in sorted(lo, key=int)]
+
+
+def run_lab(cfg: DistributedLabConfig, rec: Recorder, out: str | Path | None = None) -> LabRuns:
+    """The single-process reference here, then one spawn per world size; records as it goes."""
+    out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="perflab-06-"))
+    ref = single_process_run(cfg.dist_config("single", 1), out / "reference")
+    runs = LabRuns(ref, torch.load(out / "reference" / "grads.pt"), out=out)
+    for w in sorted({c.world_size for c in cfg.cases()}):
+        cases = [c for c in cfg.cases() if c.world_size == w]
+        runs.results += launch_cases(cases, out / f"world{w}", desc=f"world size {w}")
+    for r in runs.results:
+        a = compare(r.cfg, r.losses, r.grads(), runs.reference_losses, runs.reference_grads)
+        runs.agreements.append(a)
+        for rank in r.ranks:
+            runs.sweep += [CollectiveEvent(**e) for e in rank.get("sweep", [])]
+    record_runs(rec, runs)
+    return runs
+
+
+def agreement_lines(runs: LabRuns) -> list[str]:
+    """PASS/FAIL per run against the single-process reference; raises when one fails."""
+    lines = [a.verdict() for a in runs.agreements]
+    bad = [a for a in runs.agreements if not a.ok]
+    if bad:
+        raise AssertionError("runs disagree with the single-process reference:\n" + "\n".join(map(str, bad)))
+    return lines
+
+
+def record_runs(rec: Recorder, runs: LabRuns) -> None:
+    for r, a in zip(runs.results, runs.agreements):
+        v, w = case_name(r.cfg), r.cfg.world_size
+        for step, loss in enumerate(r.losses, start=1):
+            rec.add("losses", v, "loss", loss, "", world_size=w, step=step)
+        rec.add("agreement", v, "loss_rel_diff", a.loss_rel, "", world_size=w, tolerance=a.tolerance)
+        rec.add("agreement", v, "grad_rel_error", a.grad_rel_all, "", world_size=w, tolerance=a.tolerance)
+        for rank in r.ranks:
+            ov = rank.get("overlap")
+            if ov:
+                for k in ("step_ms", "compute_ms", "comm_ms", "hidden_ms", "exposed_ms", "idle_ms"):
+                    rec.add("overlap", v, k.removesuffix("_ms"), ov[k], "ms", world_size=w, rank=rank["rank"])
+                rec.add("overlap", v, "overlap_fraction", ov["overlap_fraction"], "", world_size=w, rank=rank["rank"])
+                rec.add("overlap", v, "comm_bytes", ov["comm_bytes"], "B", world_size=w, rank=rank["rank"])
+
+
+def overlap_frame(runs: LabRuns) -> pd.DataFrame:
+    rows = []
+    for r in runs.results:
+        for rank in r.ranks:
+            ov = rank.get("overlap")
+            if ov:
+                rows.append(dict(run=f"{case_name(r.cfg)} x{r.cfg.world_size}", rank=rank["rank"], **ov))
+    return pd.DataFrame(rows)
+
+
+def overlap_bars(df: pd.DataFrame):
+    """Per run and rank: compute / exposed communication / idle milliseconds of the profiled step."""
+    if df.empty:
+        return hv.Div("<p>No profiled step.</p>")
+    long = df.melt(
+        id_vars=["run", "rank"], value_vars=["compute_ms", "exposed_ms", "idle_ms"], var_name="part", value_name="ms"
+    )
+    long["part"] = long["part"].str.removesuffix("_ms")
+    long["run_rank"] = long["run"] + " r" + long["rank"].astype(str)
+    return hv.Bars(long, ["run_rank", "part"], "ms").opts(
+        stacked=True,
+        width=820,
+        height=380,
+        xrotation=45,
+        tools=["hover"],
+        title="Profiled step per rank: compute, exposed communication, idle (measured, CPU)",
+        cmap={"compute": "#1f77b4", "exposed": "#d62728", "idle": "#bbbbbb"},
+    )
+
+
+def overlap_table(df: pd.DataFrame) -> pd.DataFrame:
+    cols = ["run", "rank", "collectives", "comm_bytes", "comm_ms", "hidden_ms", "exposed_ms", "overlap_fraction"]
+    return df[cols].round(3) if not df.empty else df
+
+
+def collectives_frame(runs: LabRuns) -> pd.DataFrame:
+    """Each profiled collective's kind, bytes and time, summed per run, rank and kind."""
+    rows = []
+    for r in runs.results:
+        for rank in r.ranks:
+            for c in rank.get("collectives", []):
+                rows.append(dict(run=f"{case_name(r.cfg)} x{r.cfg.world_size}", rank=rank["rank"], **c))
+    if not rows:
+        return pd.DataFrame(columns=["run", "rank", "kind", "calls", "bytes", "ms"])
+    df = pd.DataFrame(rows)
+    g = df.groupby(["run", "rank", "kind"]).agg(calls=("bytes", "size"), bytes=("bytes", "sum"), ms=("dur_us", "sum"))
+    g["ms"] = g["ms"] / 1e3
+    return g.reset_index().round(3)
+
+
+def alpha_beta(runs: LabRuns) -> dict[str, AlphaBeta]:
+    return fit_alpha_beta(runs.sweep)
+
+
+def record_alpha_beta(rec: Recorder, fit: dict[str, AlphaBeta]) -> None:
+    for k, m in fit.items():
+        rec.add("alpha_beta", k, "alpha", m.alpha_us, "us", formula="time = alpha + beta * bytes")
+        rec.add("alpha_beta", k, "bandwidth", m.gbps, "GB/s", formula="1 / beta")
+        rec.add("alpha_beta", k, "fit_median_error", m.median_abs_err_pct, "%")
+
+
+def alpha_beta_table(fit: dict[str, AlphaBeta]) -> pd.DataFrame:
+    return pd.DataFrame(
+        [
+            dict(
+                kind=k,
+                alpha_us=m.alpha_us,
+                GBps=m.gbps,
+                r2=m.r2,
+                fit_median_err_pct=m.median_abs_err_pct,
+                events=m.n_events,
+            )
+            for k, m in fit.items()
+        ]
+    ).round(3)
+
+
+def alpha_beta_plot(runs: LabRuns, fit: dict[str, AlphaBeta]):
+    """Measured collective durations against message size, with the fitted lines."""
+    if not runs.sweep:
+        return hv.Div("<p>No sweep (world sizes above 1 run it).</p>")
+    df = pd.DataFrame([vars(e) for e in runs.sweep if e.kind != "barrier"])
+    df["kind"] = df["kind"].replace({"send": "send_recv", "recv": "send_recv"})
+    pts = hv.Scatter(df, "bytes", ["dur_us", "kind"]).opts(
+        color="kind", cmap="Category10", size=4, alpha=0.5, logx=True, logy=True, tools=["hover"]
+    )
+    xs = sorted(df["bytes"].unique())
+    lines = [hv.Curve([(x, m.predict_us(x)) for x in xs], "bytes", "dur_us", label=k) for k, m in fit.items()]
+    return (pts * hv.Overlay(lines)).opts(
+        width=760, height=380, title="Collectives on this machine: alpha-beta fit over message sizes"
+    )
+
+
+def prediction_frame(runs: LabRuns, fit: dict[str, AlphaBeta]) -> pd.DataFrame:
+    """Per profiled run and rank: measured communication time (sum of collective durations)
+    against the alpha-beta model applied to (a) the trace's own collectives and (b) the
+    projection's analytic plan of the same strategy; and the plan's bytes against the trace's."""
+    rows = []
+    for r in runs.results:
+        c = r.cfg
+        if c.world_size == 1:
+            continue
+        m = c.mesh
+        plan = comm_plan(
+            c.preset,
+            c.strategy,
+            m.shape,
+            batch_per_dp=c.batch_size // m.dp,
+            img_tokens=(c.height // 16) * (c.width // 16),
+            txt_tokens=c.txt_len,
+            reshard_after_forward=c.reshard_after_forward,
+            param_bytes=2 if c.mixed_precision else 4,
+        )
+        plan_ms = plan_time_fitted(plan, fit) if fit else math.nan
+        plan_bytes = sum(p.payload_bytes * p.calls * events_per_call(p) for p in plan)
+        # Per call, the rank that arrives last waits least: the minimum over ranks is the transfer.
+        per_rank = [[e for e in rank.get("collectives", []) if e["kind"] != "barrier"] for rank in r.ranks]
+        same = len({len(p) for p in per_rank}) == 1
+        transfer_ms = (
+            sum(min(col) for col in zip(*[[e["dur_us"] for e in p] for p in per_rank])) / 1e3 if same else math.nan
+        )
+        for rank in r.ranks:
+            ev = [CollectiveEvent(**e) for e in rank.get("collectives", []) if e["kind"] != "barrier"]
+            if not ev:
+                continue
+            pred, meas, missing = predict_comm_ms(ev, fit)
+            trace_bytes = sum(e.bytes for e in ev)
+            rows.append(
+                dict(
+                    run=f"{case_name(c)} x{c.world_size}",
+                    rank=rank["rank"],
+                    measured_ms=meas,
+                    transfer_ms=transfer_ms,
+                    model_on_trace_ms=pred,
+                    trace_error_pct=100 * (pred - meas) / meas if meas else math.nan,
+                    transfer_error_pct=100 * (pred - transfer_ms) / transfer_ms if transfer_ms else math.nan,
+                    model_on_plan_ms=plan_ms,
+                    plan_error_pct=100 * (plan_ms - meas) / meas if meas else math.nan,
+                    trace_bytes=trace_bytes,
+                    plan_bytes=plan_bytes,
+                    bytes_error_pct=100 * (plan_bytes - trace_bytes) / trace_bytes if trace_bytes else math.nan,
+                    unmodelled_events=missing,
+                )
+            )
+    return pd.DataFrame(rows).round(2)
+
+
+def record_prediction(rec: Recorder, df: pd.DataFrame) -> None:
+    for row in df.itertuples():
+        kw = dict(rank=row.rank)
+        rec.add("prediction", row.run, "measured_comm", row.measured_ms, "ms", **kw)
+        rec.add("prediction", row.run, "model_on_trace_error", row.trace_error_pct, "%", **kw)
+        rec.add("prediction", row.run, "model_vs_transfer_error", row.transfer_error_pct, "%", **kw)
+        rec.add("prediction", row.run, "model_on_plan_error", row.plan_error_pct, "%", **kw)
+        rec.add("prediction", row.run, "plan_bytes_error", row.bytes_error_pct, "%", **kw)
+
+
+def projection(cfg: DistributedLabConfig) -> pd.DataFrame:
+    links = Links(cfg.nvlink_gbps, cfg.ib_gbps, cfg.gpus_per_node)
+    return project(
+        cfg.projection_preset,
+        tuple(cfg.projection_gpus),
+        links=links,
+        peak_tflops=cfg.peak_tflops,
+        mfu=cfg.mfu,
+        hbm_gb=cfg.hbm_gb,
+    )
+
+
+def record_projection(rec: Recorder, df: pd.DataFrame) -> None:
+    for row in df.itertuples():
+        kw = dict(gpus=row.gpus, mesh=row.mesh, projection=True, fits=bool(row.fits))
+        rec.add("projection", row.strategy, "step", row.step_ms, "ms", **kw)
+        rec.add("projection", row.strategy, "memory_per_rank", row.memory_gb, "GB", **kw)
+        rec.add("projection", row.strategy, "samples_per_s", row.samples_per_s, "1/s", **kw)
+
+
+def projection_plot(df: pd.DataFrame):
+    ok = df[df["fits"]].copy()
+    best = ok.loc[ok.groupby(["gpus", "strategy"])["samples_per_s"].idxmax()]
+    curves = [
+        hv.Curve(g, "gpus", "samples_per_s", label=s).opts(logx=True, logy=True, tools=["hover"])
+        for s, g in best.groupby("strategy")
+    ]
+    return hv.Overlay(curves).opts(
+        width=760,
+        height=400,
+        legend_position="top_left",
+        title="PROJECTION (model, not measured): flux-dev samples/s vs GPUs, best mesh per strategy",
+    )
+
+
+def fastest_table(df: pd.DataFrame) -> pd.DataFrame:
+    return fastest(df).round(2).reset_index(drop=True)
+
+
+def fault_lines(cfg: DistributedLabConfig, out: str | Path | None = None) -> list[str]:
+    """A raising rank and a hanging rank at world size 2: both runs end, reported, no process left."""
+    if not cfg.fault_demo:
+        return ["fault demo skipped (fault_demo = False)"]
+    out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="perflab-06-faults-"))
+    lines = []
+    for fault, rank, hang in (("raise", 1, cfg.hang_timeout_s), ("hang", 0, 5.0)):
+        c = DistConfig(
+            strategy="ddp",
+            world_size=2,
+            preset=cfg.preset,
+            steps=2,
+            profile=False,
+            fault=fault,
+            fault_rank=rank,
+            fault_step=2,
+            hang_timeout_s=hang,
+            timeout_s=cfg.timeout_s,
+        )
+        try:
+            launch(c, out / fault, progress=False)
+        except DistRunError as e:
+            gone = all(_gone(p) for p in e.pids)
+            if not gone:
+                raise AssertionError(f"fault {fault!r}: processes left behind: {e.pids}") from e
+            first = str(e).splitlines()[0].split(" (")[0] if e.kind == "hang" else f"rank {e.rank} failed"
+            lines.append(f"fault {fault!r} on rank {rank}: run ended ({e.kind}: {first}); processes left: 0")
+        else:
+            raise AssertionError(f"fault {fault!r} did not end the run")
+    return lines
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def closing_note(runs: LabRuns, fit: dict[str, AlphaBeta], pred: pd.DataFrame, proj: pd.DataFrame) -> str:
+    """The numbers this run measured and projected, as markdown."""
+    ov = overlap_frame(runs)
+    lines = ["### What this run measured (CPU, gloo; timings on a shared machine are noisy)", ""]
+    if not ov.empty:
+        frac = ov.groupby("run")["overlap_fraction"].mean()
+        lines.append("Overlap fraction (communication hidden under compute, mean over ranks): ")
+        lines.append(", ".join(f"{k} {v:.2f}" for k, v in frac.items()) + ".")
+        lines.append("")
+    if fit:
+        lines.append(
+            "Alpha-beta fit: "
+            + "; ".join(
+                f"{k} alpha {m.alpha_us:.0f} us, {m.gbps:.2f} GB/s (fit error {m.median_abs_err_pct:.0f}%)"
+                for k, m in fit.items()
+            )
+            + "."
+        )
+        lines.append("")
+    if not pred.empty:
+        lines.append(
+            "Prediction of a step's communication by the alpha-beta model: median |error| "
+            f"{pred['trace_error_pct'].abs().median():.0f}% against the summed collective durations (which include "
+            f"waiting for the slowest rank), {pred['transfer_error_pct'].abs().median():.0f}% against the transfer "
+            f"time (per call, the shortest duration over ranks); from the analytic plan instead of the trace "
+            f"{pred['plan_error_pct'].abs().median():.0f}% (its bytes off by a median "
+            f"{pred['bytes_error_pct'].abs().median():.0f}%)."
+        )
+        lines.append("")
+    lines.append("PROJECTION (not measured) for flux-dev, fastest configuration that fits in memory:")
+    lines.append("")
+    lines.append(_markdown_table(fastest_table(proj)))
+    return "\n".join(lines)
+
+
+def _markdown_table(df: pd.DataFrame) -> str:
+    head = "| " + " | ".join(map(str, df.columns)) + " |"
+    rule = "|" + "---|" * len(df.columns)
+    body = ["| " + " | ".join(str(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join([head, rule, *body])
