@@ -43,7 +43,6 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pandas as pd
 import torch
-from scipy import stats
 from torch import nn
 
 from lab_kernels import quant as Q
@@ -472,6 +471,14 @@ def mlp_task(*, dim: int = 64, hidden: int = 256, batch_size: int = 32) -> Train
     return TrainTask("mlp", make_model, loss)
 
 
+def _t975(dof: int) -> float:
+    """The 97.5% quantile of Student's t with ``dof`` degrees of freedom (95% two-sided)."""
+    # scipy is not on a bare GPU machine, where the model (and so this module) must import
+    from scipy import stats  # noqa: PLC0415
+
+    return float(stats.t.ppf(0.975, dof))
+
+
 @dataclass
 class ConvergenceResult:
     curves: pd.DataFrame  # recipe, seed, step, loss
@@ -491,7 +498,7 @@ class ConvergenceResult:
             )
         g = c.groupby(["recipe", "step"])["loss"]
         out = g.agg(["mean", "std", "count"]).reset_index()
-        tq = out["count"].map(lambda n: stats.t.ppf(0.975, n - 1) if n > 1 else float("nan"))
+        tq = out["count"].map(lambda n: _t975(n - 1) if n > 1 else float("nan"))
         half = tq * out["std"] / np.sqrt(out["count"])
         out["low"], out["high"] = out["mean"] - half.fillna(0), out["mean"] + half.fillna(0)
         return out
@@ -601,7 +608,7 @@ def run_convergence(
         n = len(d)
         mean = float(d.mean()) if n else float("nan")
         if n > 1:
-            half = float(stats.t.ppf(0.975, n - 1) * d.std(ddof=1) / math.sqrt(n))
+            half = float(_t975(n - 1) * d.std(ddof=1) / math.sqrt(n))
         else:
             half = float("nan")
         gap_rows.append(dict(recipe=name, gap=mean, ci_low=mean - half, ci_high=mean + half, n_seeds=n, diverged=False))
