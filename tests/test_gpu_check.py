@@ -176,6 +176,32 @@ def test_failing_check_exits_1(gc, monkeypatch, tmp_path, capsys):
     assert "triton/tensor" in (tmp_path / "r" / "summary.txt").read_text()
 
 
+def test_fp8_gpu_branch_records_the_target_figures(gc, monkeypatch, tmp_path):
+    """The branch that times the Triton GEMM (GPU only) writes the figures the targets read.
+    Exercised with a plain-torch stand-in for the kernel, so no interpreted kernel is timed."""
+
+    class Timeable:
+        def why_not(self, *a, **k):
+            return None
+
+        def timeable(self, device):
+            return True
+
+    def stand_in(a, b, sa, sb, *, out_dtype=None):
+        return gc._dequant_reference(a, b, sa, sb).to(out_dtype)
+
+    monkeypatch.setattr(gc, "get_variant", lambda op, name: Timeable())
+    monkeypatch.setattr(gc.LM, "triton_fp8_matmul", stand_in)
+    rc = gc.main(["--device", "cpu", "--sections", "ceilings,fp8", "--out", str(tmp_path / "r")])
+    assert rc == gc.EXIT_OK
+    df = load_records(tmp_path / "r")
+    ratios = df[(df["metric"] == "vs_scaled_mm") & (df["statistic"] == "median")]
+    assert set(ratios["variant"]) == {"triton/tensor", "triton/row"} and (ratios["value"] > 0).all()
+    assert len(df[df["metric"] == "speedup_vs_bf16"]) == 2
+    ev = {e["key"]: e for e in gc.evaluate_targets(df)}
+    assert ev["fp8_triton"]["measured"] and ev["fp8_rowwise"]["verdict"] == "not measured"  # 8192^3 only
+
+
 def test_raising_section_is_recorded_and_the_rest_run(gc, monkeypatch, tmp_path):
     def boom(s):
         raise RuntimeError("planted failure")
