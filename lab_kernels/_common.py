@@ -10,6 +10,9 @@ tensors have no data pointer, so compiling fails with "Cannot access data pointe
 There we register the same Python body as an opaque ``torch.library.custom_op``
 with a fake (meta) implementation; compile then composes with it as an opaque call.
 Numerically the two registrations run the same kernels.
+
+This module also holds the package's one interpreter predicate, :func:`interpreted`
+(``lab_kernels/__init__`` sets ``TRITON_INTERPRET`` before Triton is first imported).
 """
 
 from __future__ import annotations
@@ -21,20 +24,25 @@ from collections.abc import Callable, Sequence
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: Whether this process's kernels run in Triton's interpreter (fixed when the package is imported).
+INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 NAMESPACE = "lab_kernels"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Widest row a single-pass row kernel holds in registers (elements, power of two).
 MAX_ROW = 65536
 
 
+def interpreted() -> bool:
+    """True when the package's Triton kernels run through the interpreter (CPU, correctness only)."""
+    return INTERPRETED
+
+
 def launch(kernel):
     """The launchable form of a kernel inside a registered op: ``wrap_triton`` on a GPU."""
     if INTERPRETED:
         return kernel
-    from torch.library import wrap_triton
-
     return wrap_triton(kernel)
 
 
@@ -46,8 +54,6 @@ def kernel_op(name: str, fake: Callable):
             op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(fn)
             op.register_fake(fake)
         else:
-            from torch.library import triton_op
-
             op = triton_op(f"{NAMESPACE}::{name}", mutates_args=())(fn)
         return op
 

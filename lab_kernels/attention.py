@@ -30,14 +30,16 @@ writes dQ, dK, dV — no L x L matrix is ever stored.  FLOPs (full mask):
 from __future__ import annotations
 
 import math
-import os
+import operator
 
 import torch
 import triton
 import triton.language as tl
 
+from . import _common as C
 from .registry import register
 
+OP = "attention"
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -61,7 +63,7 @@ def reference_attention(
     tensor broadcastable to (B, H, Lq, Lk), True = may attend (dense layout only).
     A row with no allowed key returns zeros (not NaN)."""
     if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, q.shape[0])
+        check_cu_seqlens(cu_seqlens, q.shape[0])
         outs = []
         bounds = cu_seqlens.tolist()
         for s, e in zip(bounds[:-1], bounds[1:]):
@@ -86,7 +88,8 @@ def reference_attention(
 
 
 # --------------------------------------------------------------------------- checks
-def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> None:
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> None:
+    """Refuse a ``cu_seqlens`` that is not [0, l0, l0+l1, ..., total] with every l > 0."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(
             f"parameter 'cu_seqlens' must be a 1-D integer tensor [0, l0, l0+l1, ..., T] "
@@ -103,6 +106,38 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> None:
         raise ValueError(
             f"parameter 'cu_seqlens' must end at the packed length {total} (q.shape[0]), got {c[-1]} (cu_seqlens={c})"
         )
+
+
+_check_cu_seqlens = check_cu_seqlens  # lab_utils.attention still calls the private name
+
+
+def check_max_seqlen(cu_seqlens: torch.Tensor | None, max_seqlen) -> int | None:
+    """The launch length of a packed problem: ``max_seqlen``, validated, or the longest sequence.
+
+    The kernels launch ``cdiv(max_seqlen, BLOCK)`` blocks per sequence, so a ``max_seqlen``
+    below the longest sequence would leave that sequence's tail rows unwritten."""
+    if max_seqlen is None:
+        if cu_seqlens is None:
+            return None
+        return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    if cu_seqlens is None:
+        raise ValueError(
+            f"parameter 'max_seqlen' = {max_seqlen!r} is given without 'cu_seqlens'; it describes "
+            "the packed (T, H, Dh) layout only (leave it None for (B, H, L, Dh))"
+        )
+    try:
+        if isinstance(max_seqlen, bool):
+            raise TypeError
+        max_seqlen = operator.index(max_seqlen)
+    except TypeError:
+        raise ValueError(f"parameter 'max_seqlen' must be an int, got {max_seqlen!r}") from None
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    if max_seqlen < longest:
+        raise ValueError(
+            f"parameter 'max_seqlen' = {max_seqlen} is smaller than the longest packed sequence ({longest} "
+            f"rows, cu_seqlens={cu_seqlens.tolist()}); it must be >= {longest}"
+        )
+    return max_seqlen
 
 
 def _check_qkv(q, k, v, cu_seqlens):
@@ -131,6 +166,14 @@ def _check_qkv(q, k, v, cu_seqlens):
         raise ValueError(f"parameter 'q' has head dim {q.shape[-1]}; the Triton kernel supports {HEAD_DIMS}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"parameters 'q', 'k', 'v' are on different devices ({q.device}, {k.device}, {v.device})")
+    C.check_device(OP, ("q", q), ("k", k), ("v", v))
+
+
+def _check_varlen(q, cu_seqlens, max_seqlen) -> int | None:
+    """Every check of the packed layout's inputs; the validated launch length (None when dense)."""
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, q.shape[0])
+    return check_max_seqlen(cu_seqlens, max_seqlen)
 
 
 def triton_check(*, device=None, dtype=None, head_dim=None, mask=None, causal=None, layout=None, lq=None, lk=None, **_):
@@ -163,7 +206,7 @@ def _attention_fwd_kernel(
     Q,
     K,
     V,
-    O,
+    OUT,
     LSE,
     CU_SEQLENS,
     stride_qb,
@@ -231,8 +274,8 @@ def _attention_fwd_kernel(
         acc += _mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
         m_i = m_new
     acc = acc / l_i[:, None]
-    o_base = O + b.to(tl.int64) * stride_ob + h * stride_oh + row0 * stride_om
-    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], acc.to(O.dtype.element_ty), mask=m_ok[:, None])
+    o_base = OUT + b.to(tl.int64) * stride_ob + h * stride_oh + row0 * stride_om
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], acc.to(OUT.dtype.element_ty), mask=m_ok[:, None])
     lse_base = LSE + b.to(tl.int64) * stride_lb + h * stride_lh + row0
     tl.store(lse_base + offs_m, m_i + tl.log2(l_i), mask=m_ok)
 
@@ -394,15 +437,11 @@ def _attention_bwd_dq_kernel(
 
 
 # --------------------------------------------------------------------------- host side
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _blocks(kind: str, head_dim: int, dtype: torch.dtype) -> dict:
     """Tile sizes.  Interpreter: 32x32 (several blocks even at L ~ 100, so the loop and
     boundary masks are exercised).  GPU (Hopper/Ampere-sized shared memory): FA2-style
     tiles, smaller for head dim 128 and float32 so a tile set fits in shared memory."""
-    if _interpreted():
+    if C.interpreted():
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
     big = head_dim > 64 or dtype == torch.float32
     if kind == "fwd":
@@ -422,7 +461,7 @@ def _blocks(kind: str, head_dim: int, dtype: torch.dtype) -> dict:
 
 def _dot_args(dtype) -> dict:
     # fp32 inputs: true fp32 dots ("ieee"), so float32 meets its tolerance (no TF32).
-    upcast = _interpreted() and dtype == torch.bfloat16
+    upcast = C.interpreted() and dtype == torch.bfloat16
     return dict(DOT_PRECISION="ieee" if (dtype == torch.float32 or upcast) else "tf32", UPCAST=upcast)
 
 
@@ -431,10 +470,7 @@ def _layout(q, cu_seqlens, max_seqlen):
     if cu_seqlens is None:
         B, H, L, _ = q.shape
         return B, H, L
-    n_seq = cu_seqlens.numel() - 1
-    if max_seqlen is None:
-        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return n_seq, q.shape[1], int(max_seqlen)
+    return cu_seqlens.numel() - 1, q.shape[1], int(max_seqlen)
 
 
 def _same_strides(q, k, v):
@@ -472,8 +508,8 @@ def attention_forward(
     ``out`` may be a preallocated buffer shaped and strided like q (tests poison it)."""
     varlen = cu_seqlens is not None
     _check_qkv(q, k, v, cu_seqlens)
+    max_seqlen = _check_varlen(q, cu_seqlens, max_seqlen)
     if varlen:
-        _check_cu_seqlens(cu_seqlens, q.shape[0])
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     q, k, v = _same_strides(q, k, v)
     n_seq, H, L = _layout(q, cu_seqlens, max_seqlen)
@@ -525,6 +561,8 @@ def attention_backward(
     """Launch the backward kernels; returns (dq, dk, dv).  ``grads`` may be preallocated
     buffers shaped and strided like q, k, v (tests poison them)."""
     varlen = cu_seqlens is not None
+    _check_qkv(q, k, v, cu_seqlens)
+    max_seqlen = _check_varlen(q, cu_seqlens, max_seqlen)
     if varlen:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     q, k, v = _same_strides(q, k, v)
@@ -585,7 +623,9 @@ def attention_backward(
     return dq, dk, dv
 
 
-class _TritonAttention(torch.autograd.Function):
+class AttentionFunction(torch.autograd.Function):
+    """Flash attention forward / backward through the Triton kernels (saves O and the LSE)."""
+
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, cu_seqlens, max_seqlen):
         out, lse = attention_forward(q, k, v, causal=causal, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
@@ -617,12 +657,11 @@ def attention(
     """Triton flash attention with autograd.  q, k, v: (B, H, L, Dh), or (T, H, Dh) packed
     with ``cu_seqlens``; Dh in (64, 128); float16 / bfloat16 / float32."""
     _check_qkv(q, k, v, cu_seqlens)
-    if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, q.shape[0])
-    return _TritonAttention.apply(q, k, v, bool(causal), scale, cu_seqlens, max_seqlen)
+    max_seqlen = _check_varlen(q, cu_seqlens, max_seqlen)
+    return AttentionFunction.apply(q, k, v, bool(causal), scale, cu_seqlens, max_seqlen)
 
 
-def _sdpa_eager(
+def eager_attention(
     q,
     k,
     v,
@@ -635,7 +674,7 @@ def _sdpa_eager(
     """torch SDPA (default backend choice); packed input runs one call per sequence."""
     if cu_seqlens is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    _check_cu_seqlens(cu_seqlens, q.shape[0])
+    check_cu_seqlens(cu_seqlens, q.shape[0])
     b = cu_seqlens.tolist()
     outs = [
         torch.nn.functional.scaled_dot_product_attention(
@@ -653,7 +692,7 @@ def _kernel_mask_check(*, mask=None, **_):
 
 
 register(
-    "attention",
+    OP,
     "reference",
     reference_attention,
     kind="reference",
@@ -661,15 +700,15 @@ register(
     check=_kernel_mask_check,
 )
 register(
-    "attention",
+    OP,
     "eager",
-    _sdpa_eager,
+    eager_attention,
     kind="eager",
     description="torch.nn.functional.scaled_dot_product_attention, default backend",
     check=_kernel_mask_check,
 )
 register(
-    "attention",
+    OP,
     "triton",
     attention,
     kind="triton",

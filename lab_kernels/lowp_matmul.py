@@ -13,7 +13,7 @@ weights (``F.linear`` layout), both quantized along K.
   scales.  Runs on CPU here (e4m3, e5m2, mixed; per tensor and per row), on CUDA
   sm_89+.  MX (E8M0 per 32, swizzled) scales need sm_100 (Blackwell); that path is
   written against torchao's ``to_blocked`` layout and gated by capability.
-* :func:`triton_fp8_matmul` a tiled FP8 GEMM with an fp32 accumulator and per-tensor
+* :func:`fp8_matmul_forward` (also ``triton_fp8_matmul``) a tiled FP8 GEMM with an fp32 accumulator and per-tensor
   or per-row dequant scales applied in the epilogue (sm_89+ on GPU; the interpreter
   on CPU, for correctness only).
 
@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _common as C
 from . import quant as Q
 from .registry import register
 
@@ -67,6 +68,20 @@ ACCUMULATIONS: dict[str, Accumulation] = {
 
 def _err(param, value, allowed):
     return ValueError(f"parameter {param!r} = {value!r} is not allowed: expected {allowed}")
+
+
+def _check_operands(a, b) -> None:
+    """a (M, K), b (N, K) floating-point tensors on one device; each refusal names its parameter."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 2:
+            what = (
+                type(t).__name__ if not isinstance(t, torch.Tensor) else f"{t.dtype} tensor of shape {tuple(t.shape)}"
+            )
+            raise _err(name, what, f"a 2-D floating-point tensor ({'M' if name == 'a' else 'N'}, K)")
+    if a.shape[1] != b.shape[1]:
+        raise _err("b", tuple(b.shape), f"a 2-D (N, K) tensor with K = a.shape[1] = {a.shape[1]}")
+    if a.device != b.device:
+        raise _err("b", f"on {b.device}", f"on a's device {a.device}")
 
 
 def round_mantissa(x: torch.Tensor, bits: int, rounding: str = "nearest") -> torch.Tensor:
@@ -152,8 +167,10 @@ def emulated_matmul(
     128x128 tiles for b, as in DeepSeek-V3 / torchao blockwise).  ``hadamard=n`` rotates
     both operands along K first (the rotation cancels in the product).
     """
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
-        raise _err("b", tuple(b.shape), f"a 2-D (N, K) tensor with K = a.shape[1] = {a.shape[-1]}")
+    _check_operands(a, b)
+    Q.check_format(fmt)
+    if fmt_b is not None:
+        Q.check_format(fmt_b, param="fmt_b")
     fmt_b = fmt_b or fmt
     gb = granularity
     if granularity == "block":
@@ -180,11 +197,36 @@ def _cuda_cap(device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(d)
 
 
-def scaled_mm_why_not(device=None, dtype=None, granularity="tensor", fmt="fp8_e4m3", **_) -> str | None:
+# Row-wise FP8 _scaled_mm with float32 output: torch takes cuBLAS's row-wise (outer-vector)
+# scaling, which may write float32, only on CUDA >= 12.9 builds and sm_90; elsewhere it falls
+# back to its CUTLASS row-wise kernel, which has written bfloat16 only ("Only bf16 high
+# precision output types are supported for row-wise scaling") in most releases.  The guard
+# therefore allows float32 output with row-wise scales only on a CUDA >= 12.9 build on sm_90.
+ROWWISE_FP32_OUT_MIN_CUDA = (12, 9)
+
+
+def _cuda_version() -> tuple[int, ...] | None:
+    v = torch.version.cuda
+    return tuple(int(x) for x in v.split(".")[:2]) if v else None
+
+
+def scaled_mm_why_not(
+    device=None, dtype=None, granularity="tensor", fmt="fp8_e4m3", *, fmt_b=None, out_dtype=None, **_
+) -> str | None:
+    """None when ``torch._scaled_mm`` can run this problem here, else the reason in words.
+
+    ``fmt``/``fmt_b``: the formats of a and b (b defaults to a's); ``out_dtype``: the
+    requested output dtype (row-wise float32 output needs a recent cuBLAS, see above)."""
     dev = torch.device(device or "cpu")
     if not hasattr(torch, "_scaled_mm"):
         return "this torch has no torch._scaled_mm"
-    fam = Q.FORMATS[fmt].family if fmt in Q.FORMATS else None
+    fmt_b = fmt_b or fmt
+    for name, f in (("fmt", fmt), ("fmt_b", fmt_b)):
+        if f not in Q.FORMATS:
+            return f"parameter {name!r} = {f!r} is not a format of the lab ({', '.join(Q.FORMATS)})"
+    fam, fam_b = Q.FORMATS[fmt].family, Q.FORMATS[fmt_b].family
+    if fam != fam_b:
+        return f"_scaled_mm multiplies operands of one family, not {fmt} x {fmt_b}"
     if fam == "nvfp4":
         return "nvfp4 _scaled_mm needs sm_100 and swizzled e4m3 scales; not wired here"
     if dev.type == "cpu":
@@ -198,8 +240,20 @@ def scaled_mm_why_not(device=None, dtype=None, granularity="tensor", fmt="fp8_e4
         return None if cap >= (10, 0) else f"MX scaled_mm needs sm_100+ (Blackwell); this GPU is sm_{cap[0]}{cap[1]}"
     if cap < (8, 9):
         return f"FP8 scaled_mm needs sm_89+ (Ada/Hopper); this GPU is sm_{cap[0]}{cap[1]}"
+    if Q.FORMATS[fmt].elem == "e5m2" and Q.FORMATS[fmt_b].elem == "e5m2":
+        return (
+            "cuBLASLt refuses fp8_e5m2 x fp8_e5m2 ('Multiplication of two Float8_e5m2 matrices is not "
+            "supported'); use e4m3 for one operand (e4m3 x e5m2 is the usual backward recipe)"
+        )
     if granularity not in ("tensor", "row"):
         return "blockwise (1x128 / 128x128) scaled_mm is not wired here; use the emulated path"
+    if granularity == "row" and out_dtype == torch.float32:
+        cu = _cuda_version()
+        if cu is None or cu < ROWWISE_FP32_OUT_MIN_CUDA or cap != (9, 0):
+            return (
+                f"row-wise _scaled_mm with float32 output needs the cuBLAS path (CUDA >= 12.9 build on sm_90); "
+                f"this is CUDA {torch.version.cuda} on sm_{cap[0]}{cap[1]}: ask for out_dtype=bfloat16"
+            )
     return None
 
 
@@ -217,18 +271,23 @@ def scaled_mm(
     """Real ``torch._scaled_mm``: quantize a (M, K), b (N, K) along K and multiply.
 
     ``prepared`` = the result of :func:`prepare_scaled_mm` (to time the GEMM alone)."""
+    if prepared is None:
+        why = scaled_mm_why_not(a.device, granularity=granularity, fmt=fmt, fmt_b=fmt_b, out_dtype=out_dtype)
+        if why:
+            raise RuntimeError(why)
     p = prepared or prepare_scaled_mm(a, b, fmt, fmt_b=fmt_b, granularity=granularity)
     return _run_scaled_mm(p, out_dtype, use_fast_accum)
 
 
 def prepare_scaled_mm(a, b, fmt="fp8_e4m3", *, fmt_b=None, granularity="tensor"):
     fmt_b = fmt_b or fmt
-    why = scaled_mm_why_not(a.device, granularity=granularity, fmt=fmt)
+    _check_operands(a, b)
+    why = scaled_mm_why_not(a.device, granularity=granularity, fmt=fmt, fmt_b=fmt_b)
     if why:
         raise RuntimeError(why)
     fam = Q.FORMATS[fmt].family
     if fam == "mx":
-        from torchao.prototype.mx_formats.utils import to_blocked
+        from torchao.prototype.mx_formats.utils import to_blocked  # noqa: PLC0415  (optional dependency)
 
         qa = Q.quantize(a, fmt, axis=-1)
         qb = Q.quantize(b, fmt_b, axis=-1)
@@ -252,8 +311,22 @@ def _run_scaled_mm(p, out_dtype, use_fast_accum=False):
 # ------------------------------------------------------------------ Triton FP8 GEMM
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Hopper tiles for the FP8 GEMM (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps): 128-wide
+# tiles with K steps of 64+ fp8 elements and a 3-4 stage pipeline lower to wgmma on sm_90
+# (tests/test_lowp_matmul.py compiles each for sm_90 and checks); the autotuner picks one per
+# (M, N, K) on the GPU.  The interpreter runs the small INTERPRETER_TILE (correctness only).
+FP8_TILES: tuple[tuple[int, int, int, int, int], ...] = (
+    (128, 128, 64, 4, 8),
+    (128, 256, 64, 3, 8),
+    (128, 128, 128, 3, 8),
+    (64, 128, 64, 4, 4),
+)
+INTERPRETER_TILE = (32, 32, 32)
+
+
 @triton.jit
-def _fp8_matmul_kernel(
+def _fp8_matmul_fwd_kernel(
     a_ptr,
     b_ptr,
     c_ptr,
@@ -306,17 +379,54 @@ def _fp8_matmul_kernel(
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def triton_fp8_matmul(
+#: The configs the GPU autotunes over (tests compile exactly these for sm_90).
+FP8_AUTOTUNE_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=st, num_warps=nw)
+    for bm, bn, bk, st, nw in FP8_TILES
+]
+_fp8_matmul_fwd_autotuned = triton.autotune(configs=FP8_AUTOTUNE_CONFIGS, key=["M", "N", "K", "ROW_SCALES"])(
+    _fp8_matmul_fwd_kernel
+)
+
+
+def _check_fp8_operands(a_fp8, b_fp8, sa, sb) -> None:
+    op = "lowp_matmul"
+    for name, t in (("a_fp8", a_fp8), ("b_fp8", b_fp8)):
+        C.check_tensor(op, name, t, dtypes=FP8_DTYPES)
+        if t.dim() != 2:
+            raise ValueError(
+                f"{op}: parameter {name!r} must be 2-D ({'M' if name == 'a_fp8' else 'N'}, K), got {tuple(t.shape)}"
+            )
+    if a_fp8.shape[1] != b_fp8.shape[1]:
+        raise ValueError(
+            f"{op}: parameter 'b_fp8' has K = {b_fp8.shape[1]} (shape {tuple(b_fp8.shape)}), but a_fp8 has "
+            f"K = {a_fp8.shape[1]}: both operands are (rows, K) with one K"
+        )
+    M, N = a_fp8.shape[0], b_fp8.shape[0]
+    for name, t, rows in (("sa", sa, M), ("sb", sb, N)):
+        C.check_tensor(op, name, t, dtypes=(torch.float32, torch.bfloat16, torch.float16))
+        if t.numel() not in (1, rows):
+            raise ValueError(
+                f"{op}: parameter {name!r} has {t.numel()} elements; expected 1 (per tensor) or {rows} (per row)"
+            )
+    C.check_device(op, ("a_fp8", a_fp8), ("b_fp8", b_fp8), ("sa", sa), ("sb", sb))
+
+
+def fp8_matmul_forward(
     a_fp8: torch.Tensor,
     b_fp8: torch.Tensor,
     sa: torch.Tensor,
     sb: torch.Tensor,
     *,
     out_dtype: torch.dtype = torch.float32,
-    block=(32, 32, 32),
+    block: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """FP8 GEMM: a_fp8 (M, K), b_fp8 (N, K) ``torch.float8_*``; sa/sb dequant multipliers
-    (0-dim per tensor, or (M,)/(N,) per row)."""
+    """FP8 GEMM: a_fp8 (M, K), b_fp8 (N, K) ``torch.float8_e4m3fn``/``float8_e5m2``; sa/sb
+    dequant multipliers (one element per tensor, or (M,)/(N,) per row) -> (M, N) ``out_dtype``.
+
+    ``block`` = (BLOCK_M, BLOCK_N, BLOCK_K) runs that tile; by default the GPU autotunes over
+    :data:`FP8_TILES` and the interpreter runs :data:`INTERPRETER_TILE`."""
+    _check_fp8_operands(a_fp8, b_fp8, sa, sb)
     M, K = a_fp8.shape
     N = b_fp8.shape[0]
     c = torch.empty(M, N, dtype=torch.float32, device=a_fp8.device)
@@ -326,33 +436,27 @@ def triton_fp8_matmul(
     if row:
         sa_ = sa_.expand(M).contiguous() if sa_.numel() == 1 else sa_
         sb_ = sb_.expand(N).contiguous() if sb_.numel() == 1 else sb_
-    BM, BN, BK = block
-    _fp8_matmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
-        a_fp8,
-        b_fp8,
-        c,
-        sa_,
-        sb_,
-        M,
-        N,
-        K,
-        a_fp8.stride(0),
-        a_fp8.stride(1),
-        b_fp8.stride(0),
-        b_fp8.stride(1),
-        c.stride(0),
-        c.stride(1),
-        ROW_SCALES=row,
-        BLOCK_M=BM,
-        BLOCK_N=BN,
-        BLOCK_K=BK,
-    )
+    args = (a_fp8, b_fp8, c, sa_, sb_, M, N, K, *a_fp8.stride(), *b_fp8.stride(), *c.stride())
+    if block is None and not C.interpreted():
+
+        def grid(meta):
+            return (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))
+
+        _fp8_matmul_fwd_autotuned[grid](*args, ROW_SCALES=row)
+    else:
+        BM, BN, BK = block or INTERPRETER_TILE
+        _fp8_matmul_fwd_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+            *args, ROW_SCALES=row, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK
+        )
     return c.to(out_dtype)
+
+
+triton_fp8_matmul = fp8_matmul_forward  # the name callers used first (lab_utils.numerics)
 
 
 def triton_fp8_linear(a, b, fmt="fp8_e4m3", *, granularity="tensor", out_dtype=torch.float32, **_):
     p = prepare_scaled_mm_any(a, b, fmt, granularity=granularity)
-    return triton_fp8_matmul(p[1], p[2], p[3], p[4], out_dtype=out_dtype)
+    return fp8_matmul_forward(p[1], p[2], p[3], p[4], out_dtype=out_dtype)
 
 
 def prepare_scaled_mm_any(a, b, fmt="fp8_e4m3", *, fmt_b=None, granularity="tensor"):

@@ -32,11 +32,11 @@ OP = "qk_norm_rope"
 
 @triton.jit
 def _row_offsets(rows, H, L, sxb, sxh, sxl):
-    l = rows % L
+    pos = rows % L
     bh = rows // L
     h = bh % H
     b = bh // H
-    return b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + l.to(tl.int64) * sxl, b, l
+    return b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + pos.to(tl.int64) * sxl, b, pos
 
 
 @triton.jit
@@ -61,7 +61,7 @@ def _qk_norm_rope_fwd_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    xoff, b, l = _row_offsets(rows, H, L, sxb, sxh, sxl)
+    xoff, b, pos = _row_offsets(rows, H, L, sxb, sxh, sxl)
     i = tl.arange(0, BLOCK_H)
     imask = i < HALF
     mask = rmask[:, None] & imask[None, :]
@@ -73,7 +73,7 @@ def _qk_norm_rope_fwd_kernel(
     w1 = tl.load(w_ptr + 2 * i + 1, mask=imask, other=0.0).to(tl.float32)
     n0 = x0 * rstd[:, None] * w0[None, :]
     n1 = x1 * rstd[:, None] * w1[None, :]
-    coff = b.to(tl.int64) * cos_sb + l * HALF
+    coff = b.to(tl.int64) * cos_sb + pos * HALF
     c = tl.load(cos_ptr + coff[:, None] + i[None, :], mask=mask, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + coff[:, None] + i[None, :], mask=mask, other=0.0).to(tl.float32)
     op = out_ptr + rows.to(tl.int64)[:, None] * (2 * HALF) + 2 * i[None, :]
@@ -118,15 +118,15 @@ def _qk_norm_rope_bwd_kernel(
         rows = t * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < R
         mask = rmask[:, None] & imask[None, :]
-        xoff, b, l = _row_offsets(rows, H, L, sxb, sxh, sxl)
-        yoff, b, l = _row_offsets(rows, H, L, syb, syh, syl)
+        xoff, b, pos = _row_offsets(rows, H, L, sxb, sxh, sxl)
+        yoff, b, pos = _row_offsets(rows, H, L, syb, syh, syl)
         xp = x_ptr + xoff[:, None] + 2 * i[None, :]
         yp = dy_ptr + yoff[:, None] + 2 * i[None, :]
         x0 = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
         x1 = tl.load(xp + 1, mask=mask, other=0.0).to(tl.float32)
         d0 = tl.load(yp, mask=mask, other=0.0).to(tl.float32)
         d1 = tl.load(yp + 1, mask=mask, other=0.0).to(tl.float32)
-        coff = b.to(tl.int64) * cos_sb + l * HALF
+        coff = b.to(tl.int64) * cos_sb + pos * HALF
         c = tl.load(cos_ptr + coff[:, None] + i[None, :], mask=mask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + coff[:, None] + i[None, :], mask=mask, other=0.0).to(tl.float32)
         dn0 = d0 * c + d1 * s  # transposed rotation

@@ -10,7 +10,7 @@ Triton kernel share one definition of the numerics:
    padding is cropped again), and view the tensor as ``(n_groups, G)`` rows, one
    scaling group per row (``block2d`` tiles are rearranged into rows first).
 2. *Quantize a group* (reference: :func:`reference_quantize_groups`; Triton:
-   ``_quant_groups_kernel``): amax -> scale -> scaled values -> element rounding ->
+   ``_quant_fwd_kernel``): amax -> scale -> scaled values -> element rounding ->
    codes and the dequantized values.  Both use only exact operations (power-of-two
    products, IEEE division, floor, compare), so they agree bit for bit.
 3. *Pack* (host): fp8 codes viewed as ``torch.float8_*``; fp4 codes two per byte,
@@ -78,6 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _common as C
 from .registry import register
 
 # --------------------------------------------------------------------------- formats
@@ -152,9 +153,10 @@ def _err(param: str, value, allowed: str) -> ValueError:
     return ValueError(f"parameter {param!r} = {value!r} is not allowed: expected {allowed}")
 
 
-def check_format(fmt: str) -> Format:
-    if fmt not in FORMATS:
-        raise _err("fmt", fmt, "one of " + ", ".join(repr(f) for f in FORMATS))
+def check_format(fmt: str, param: str = "fmt") -> Format:
+    """The :class:`Format` named ``fmt``; a ValueError naming ``param`` and the allowed names otherwise."""
+    if not isinstance(fmt, str) or fmt not in FORMATS:
+        raise _err(param, fmt, "one of " + ", ".join(repr(f) for f in FORMATS))
     return FORMATS[fmt]
 
 
@@ -373,7 +375,7 @@ def _round_elem_tl(
 
 
 @triton.jit
-def _quant_groups_kernel(
+def _quant_fwd_kernel(
     x_ptr,
     r_ptr,
     deq_ptr,
@@ -486,7 +488,7 @@ def _quant_groups_kernel(
     tl.store(scale_ptr + rows, scale, mask=rmask)
 
 
-def triton_quantize_groups(
+def quant_forward(
     g: torch.Tensor,
     elem: str,
     scaling: int,
@@ -498,6 +500,7 @@ def triton_quantize_groups(
 ):
     """Triton twin of :func:`reference_quantize_groups` (same arguments and results)."""
     f = ELEM_FORMATS[elem]
+    C.check_device("quant", ("g", g))
     g = g.contiguous().float()
     n, G = g.shape
     deq = torch.empty_like(g)
@@ -512,7 +515,7 @@ def triton_quantize_groups(
     block = min(max(triton.next_power_of_2(max(G, 1)), 16), 1024)
     rows = max(1, min(64, 4096 // block)) if G <= block else 1
     if n and G:
-        _quant_groups_kernel[(triton.cdiv(n, rows),)](
+        _quant_fwd_kernel[(triton.cdiv(n, rows),)](
             g,
             r,
             deq,
@@ -535,7 +538,8 @@ def triton_quantize_groups(
     return deq, code, scale
 
 
-_BACKENDS = {"reference": reference_quantize_groups, "triton": triton_quantize_groups}
+triton_quantize_groups = quant_forward  # the launcher's descriptive name
+_BACKENDS = {"reference": reference_quantize_groups, "triton": quant_forward}
 
 # ------------------------------------------------------------------ layout
 
@@ -693,9 +697,16 @@ def _plan(fmt: str, granularity: str | None, block_size, scale_rule: str, roundi
         gran = granularity or "tensor"
         if gran not in GRANULARITIES:
             raise _err("granularity", gran, "one of " + ", ".join(map(repr, GRANULARITIES)))
-        bs = block_size if gran in ("block", "block2d") else None
-        if gran in ("block", "block2d") and bs is None:
-            bs = F.block_size
+        if gran in ("block", "block2d"):
+            bs = F.block_size if block_size is None else block_size
+        elif block_size is not None:
+            raise _err(
+                "block_size",
+                block_size,
+                f"None with granularity={gran!r} (one scale per {gran}); a block size needs 'block' or 'block2d'",
+            )
+        else:
+            bs = None
     else:
         if granularity not in (None, "block"):
             raise _err("granularity", granularity, f"'block' (or None) for {fmt}: its scaling is per block")
@@ -906,7 +917,9 @@ def fake_quantize(
     return deq.reshape(x.shape).to(x.dtype)
 
 
-class _FakeQuantSTE(torch.autograd.Function):
+class QuantFunction(torch.autograd.Function):
+    """Fake quantization forward, straight-through (identity) gradient backward."""
+
     @staticmethod
     def forward(ctx, x, kw):
         return fake_quantize(x, **kw)
@@ -918,7 +931,7 @@ class _FakeQuantSTE(torch.autograd.Function):
 
 def fake_quantize_ste(x: torch.Tensor, fmt: str, **kw) -> torch.Tensor:
     """fake_quantize with a straight-through gradient (identity), for training recipes."""
-    return _FakeQuantSTE.apply(x, dict(fmt=fmt, **kw))
+    return QuantFunction.apply(x, dict(fmt=fmt, **kw))
 
 
 def cast_elements(x: torch.Tensor, elem: str, *, rounding: str = "nearest", seed: int = 0, backend: str = "reference"):
@@ -961,7 +974,7 @@ register(
 
 def _torchao_check(device=None, dtype=None, fmt=None, **_):
     try:
-        import torchao  # noqa: F401
+        import torchao  # noqa: F401, PLC0415  (optional: absent on a bare GPU machine; slow to import)
     except Exception as e:  # pragma: no cover
         return f"torchao is not importable: {e}"
     if fmt is not None and fmt not in TORCHAO_FORMATS:
@@ -979,7 +992,7 @@ def torchao_fake_quantize(
     F = check_format(fmt)
     x2 = x.movedim(axis, -1).contiguous()
     if F.family == "fp8":
-        from torchao.float8.float8_utils import ScalingGranularity, tensor_to_scale, to_fp8_saturated
+        from torchao.float8.float8_utils import ScalingGranularity, tensor_to_scale, to_fp8_saturated  # noqa: PLC0415  (optional dependency)
 
         gran = granularity or "tensor"
         if gran == "tensor":
@@ -993,16 +1006,16 @@ def torchao_fake_quantize(
         d = to_fp8_saturated(x2.float() * s, F.elem_format.torch_dtype)
         out = d.float() / s
     elif F.family == "mx":
-        from torchao.prototype.mx_formats.config import ScaleCalculationMode
-        from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: PLC0415  (optional dependency)
+        from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx  # noqa: PLC0415  (optional dependency)
 
         ed = F.elem_format.torch_dtype if F.elem != "e2m1" else torch.float4_e2m1fn_x2
         mode = ScaleCalculationMode.FLOOR if scale_rule == "floor" else ScaleCalculationMode.RCEIL
         s, d = to_mx(x2.float(), ed, 32, mode)
         out = to_dtype(d, s, ed, 32, torch.float32)
     else:
-        from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
-        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+        from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4  # noqa: PLC0415  (optional dependency)
+        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale  # noqa: PLC0415  (optional dependency)
 
         x2d = x2.float().reshape(-1, x2.shape[-1])
         pts = per_tensor_amax_to_scale(x2d.abs().amax())

@@ -6,26 +6,26 @@ and library implementations when installed.  A notebook asks
 ``variants("rms_norm", device="cpu", dtype=torch.bfloat16)`` for every variant that
 can run there; ``why_not`` says in words why one cannot.
 
-Op names equal module names, so asking for an op imports its module lazily.
+Op names equal module names.  ``lab_kernels/__init__`` imports every op module, so by the
+time anyone can ask, every op of the package has registered its variants.
+
+Public API: :func:`register`, :func:`get_variant`, :func:`variants`,
+:func:`variant_names`, :func:`list_ops`, :func:`unregister` and :class:`Variant`.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ._common import interpreted
+
 KINDS = ("reference", "eager", "compile", "triton", "library")
 
 _REGISTRY: dict[str, dict[str, Variant]] = {}
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -53,12 +53,12 @@ class Variant:
         dev = torch.device(device).type if device is not None else None
         if dev is not None and dev not in self.devices:
             return f"{self.op}/{self.name} runs on {', '.join(self.devices)}, not {dev}"
-        if self.kind == "triton" and dev == "cpu" and not _interpreted():
+        if self.kind == "triton" and dev == "cpu" and not interpreted():
             return (
                 f"{self.op}/{self.name} is a Triton kernel; on CPU it needs "
                 "TRITON_INTERPRET=1 set before lab_kernels is imported"
             )
-        if self.kind == "triton" and dev == "cuda" and _interpreted():
+        if self.kind == "triton" and dev == "cuda" and interpreted():
             return f"{self.op}/{self.name}: TRITON_INTERPRET=1 is set, kernels would not run on the GPU"
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
             allowed = ", ".join(str(d).replace("torch.", "") for d in self.dtypes)
@@ -111,32 +111,37 @@ def register(
     return _do(fn) if fn is not None else _do
 
 
-def _ensure(op: str) -> None:
-    if op not in _REGISTRY:
-        try:
-            importlib.import_module(f"lab_kernels.{op}")
-        except ModuleNotFoundError as e:
-            if e.name != f"lab_kernels.{op}":
-                raise
-    if op not in _REGISTRY:
-        raise KeyError(f"op={op!r} is not registered; known ops: {', '.join(list_ops()) or 'none'}")
+def unregister(op: str, name: str) -> Variant:
+    """Remove a variant (tests that register a deliberately wrong one clean up with this)."""
+    ops = _ops_of(op)
+    if name not in ops:
+        raise KeyError(f"variant={name!r} is not a variant of {op}; known: {', '.join(ops)}")
+    return ops.pop(name)
+
+
+def _ops_of(op: str) -> dict[str, Variant]:
+    try:
+        return _REGISTRY[op]
+    except KeyError:
+        raise KeyError(f"op={op!r} is not registered; known ops: {', '.join(list_ops()) or 'none'}") from None
 
 
 def list_ops() -> list[str]:
-    """Ops registered so far plus op modules present in the package."""
-    here = os.path.dirname(__file__)
-    mods = {
-        f[:-3] for f in os.listdir(here) if f.endswith(".py") and not f.startswith("_") and f not in ("registry.py",)
-    }
-    return sorted(set(_REGISTRY) | mods)
+    """Every registered op (the package's op modules and any op registered since)."""
+    return sorted(_REGISTRY)
+
+
+def variant_names(op: str) -> tuple[str, ...]:
+    """Names of every variant registered for ``op``, in registration order (whatever can run here)."""
+    return tuple(_ops_of(op))
 
 
 def get_variant(op: str, name: str) -> Variant:
-    _ensure(op)
+    ops = _ops_of(op)
     try:
-        return _REGISTRY[op][name]
+        return ops[name]
     except KeyError:
-        raise KeyError(f"variant={name!r} is not a variant of {op}; known: {', '.join(_REGISTRY[op])}") from None
+        raise KeyError(f"variant={name!r} is not a variant of {op}; known: {', '.join(ops)}") from None
 
 
 def variants(
@@ -149,9 +154,8 @@ def variants(
     **problem,
 ) -> list[Variant]:
     """All variants of ``op`` that can run on ``device``/``dtype`` for this problem."""
-    _ensure(op)
     out = []
-    for v in _REGISTRY[op].values():
+    for v in _ops_of(op).values():
         if kinds is not None and v.kind not in kinds:
             continue
         if include_unavailable or v.why_not(device, dtype, **problem) is None:

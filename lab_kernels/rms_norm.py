@@ -108,7 +108,7 @@ def _fwd_fake(x2, weight, eps):
 
 
 @C.kernel_op("rms_norm_fwd", _fwd_fake)
-def _rms_norm_fwd_op(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_op(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     y, rstd = _fwd_fake(x2, weight, eps)
     return _launch_fwd(x2, weight, eps, y, rstd)
 
@@ -118,7 +118,7 @@ def _bwd_fake(dy2, x2, weight, rstd):
 
 
 @C.kernel_op("rms_norm_bwd", _bwd_fake)
-def _rms_norm_bwd_op(
+def _bwd_op(
     dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dx, dw = _bwd_fake(dy2, x2, weight, rstd)

@@ -47,17 +47,17 @@ def _rope_rows(
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    l = rows % L
+    pos = rows % L
     bh = rows // L
     h = bh % H
     b = bh // H
-    xoff = b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + l.to(tl.int64) * sxl  # (BLOCK_R,)
+    xoff = b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + pos.to(tl.int64) * sxl  # (BLOCK_R,)
     i = tl.arange(0, BLOCK_H)
     mask = rmask[:, None] & (i < HALF)[None, :]
     xp = x_ptr + xoff[:, None] + 2 * i[None, :]
     x0 = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
     x1 = tl.load(xp + 1, mask=mask, other=0.0).to(tl.float32)
-    coff = b.to(tl.int64) * cos_sb + l * HALF
+    coff = b.to(tl.int64) * cos_sb + pos * HALF
     c = tl.load(cos_ptr + coff[:, None] + i[None, :], mask=mask, other=0.0).to(tl.float32)
     s = sign * tl.load(sin_ptr + coff[:, None] + i[None, :], mask=mask, other=0.0).to(tl.float32)
     op = out_ptr + rows.to(tl.int64)[:, None] * (2 * HALF) + 2 * i[None, :]

@@ -1,9 +1,12 @@
 """lab_kernels.lowp_matmul: accumulation model, emulated / _scaled_mm / Triton FP8 paths."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
-import lab_kernels  # noqa: F401
 from lab_kernels import lowp_matmul as L
 from lab_kernels import quant as Q
 from lab_kernels.registry import variants
@@ -93,17 +96,67 @@ def test_scaled_mm_matches_emulation_on_cpu(fmt, gran, gen):
     assert_close(y, e, atol=1e-4, rtol=1e-4, name=f"_scaled_mm {fmt}/{gran}")
 
 
-def test_triton_fp8_matmul_matches_scaled_mm(gen):
+@pytest.mark.parametrize("gran", ["tensor", "row"])
+def test_triton_fp8_matmul_matches_scaled_mm(gran, gen):
+    """The Triton FP8 GEMM against torch._scaled_mm itself on the same fp8 operands and scales
+    (both accumulate in fp32; only the summation order differs)."""
+    if L.scaled_mm_why_not("cpu", granularity=gran, out_dtype=torch.float32):
+        pytest.skip(L.scaled_mm_why_not("cpu", granularity=gran, out_dtype=torch.float32))
     a, b = torch.randn(37, 80, generator=gen), torch.randn(45, 80, generator=gen)
-    for gran in ("tensor", "row"):
-        p = L.prepare_scaled_mm_any(a, b, "fp8_e4m3", granularity=gran)
-        t = L.triton_fp8_matmul(p[1], p[2], p[3], p[4])
-        ref = (
-            (p[1].float() @ p[2].float().T)
-            * (p[3].reshape(-1, 1) if gran == "row" else p[3])
-            * (p[4].reshape(1, -1) if gran == "row" else p[4])
-        )
-        assert_close(t, ref, dtype=torch.float32, name=f"triton fp8 {gran}")
+    p = L.prepare_scaled_mm(a, b, "fp8_e4m3", granularity=gran)
+    ref = L.scaled_mm(a, b, prepared=p, out_dtype=torch.float32)
+    got = L.fp8_matmul_forward(p[1], p[2], p[3], p[4])
+    assert_close(got, ref, atol=1e-4, rtol=1e-5, name=f"triton fp8 vs _scaled_mm ({gran})")
+    assert L.triton_fp8_matmul is L.fp8_matmul_forward
+
+
+def test_triton_fp8_matmul_refuses_bad_operands(gen):
+    a8 = torch.randn(16, 64, generator=gen).to(torch.float8_e4m3fn)
+    b8 = torch.randn(24, 64, generator=gen).to(torch.float8_e4m3fn)
+    one = torch.ones(())
+    with pytest.raises(ValueError, match="'b_fp8' has K = 48"):
+        L.fp8_matmul_forward(a8, b8[:, :48], one, one)  # used to read past the end of b
+    with pytest.raises(TypeError, match="'a_fp8' has dtype float32.*float8_e4m3fn, float8_e5m2"):
+        L.fp8_matmul_forward(a8.float(), b8, one, one)
+    with pytest.raises(ValueError, match="'sb' has 5 elements; expected 1 .* or 24"):
+        L.fp8_matmul_forward(a8, b8, one, torch.ones(5))
+
+
+_AOT_FP8 = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import lab_kernels.lowp_matmul as L
+kern = L._fp8_matmul_fwd_kernel
+for dt in ("fp8e4nv", "fp8e5"):
+    for cfg in L.FP8_AUTOTUNE_CONFIGS:
+        const = dict(ROW_SCALES=True, **cfg.kwargs)
+        p = dict(a_ptr="*" + dt, b_ptr="*" + dt, c_ptr="*fp32", sa_ptr="*fp32", sb_ptr="*fp32")
+        sig = {a: "constexpr" if a in const else p.get(a, "i32") for a in kern.arg_names}
+        k = triton.compile(ASTSource(fn=kern, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        mma = "wgmma" if "wgmma.mma_async" in k.asm["ptx"] else "mma.sync" if "mma.sync" in k.asm["ptx"] else "none"
+        print(dt, tuple(cfg.kwargs.values()), cfg.num_stages, cfg.num_warps, mma, k.metadata.shared)
+"""
+
+
+def test_fp8_gemm_runtime_tiles_compile_to_wgmma_for_hopper():
+    """Every config the GPU autotunes over must lower to Hopper's wgmma (a 32x32x32 tile lowers
+    to mma.sync) and fit sm_90's shared memory; compiled ahead of time, no GPU needed."""
+    assert [tuple(c.kwargs.values()) + (c.num_stages, c.num_warps) for c in L.FP8_AUTOTUNE_CONFIGS] == list(L.FP8_TILES)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    r = subprocess.run([sys.executable, "-c", _AOT_FP8], capture_output=True, text=True, env=env, timeout=300)
+    if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr:
+        pytest.skip("this triton install has no ptxas to compile with")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 2 * len(L.FP8_TILES), r.stdout
+    for line in lines:
+        *_, mma, shared = line.split()
+        assert mma == "wgmma", line
+        assert int(shared) <= 227 * 1024, line
 
 
 def test_capability_reasons():
@@ -118,6 +171,47 @@ def test_capability_reasons():
 def test_bad_shapes_name_parameter():
     with pytest.raises(ValueError, match="'b'"):
         L.emulated_matmul(torch.randn(4, 32), torch.randn(5, 16))
+    with pytest.raises(ValueError, match="parameter 'a'"):
+        L.emulated_matmul(torch.randn(4, 32, 2), torch.randn(5, 32))
+    with pytest.raises(ValueError, match="parameter 'a'"):
+        L.emulated_matmul(torch.ones(4, 32, dtype=torch.int32), torch.randn(5, 32))
+
+
+def test_unknown_format_names_the_parameter_and_the_allowed_values():
+    a, b = torch.randn(4, 32), torch.randn(5, 32)
+    with pytest.raises(ValueError, match="parameter 'fmt' = 'fp7' is not allowed: expected one of 'fp8_e4m3'"):
+        L.emulated_matmul(a, b, "fp7")
+    with pytest.raises(ValueError, match="parameter 'fmt_b' = 'fp7'"):
+        L.emulated_matmul(a, b, "fp8_e4m3", fmt_b="fp7")
+    assert "'fmt' = 'fp7' is not a format" in L.scaled_mm_why_not("cpu", fmt="fp7")
+    assert "'fmt_b'" in L.scaled_mm_why_not("cpu", fmt="fp8_e4m3", fmt_b="int8")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Pretend a CUDA device of a given capability and CUDA version exists (for why_not only)."""
+
+    def set_(cap, cuda_version):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
+        monkeypatch.setattr(torch.version, "cuda", cuda_version)
+
+    return set_
+
+
+def test_scaled_mm_knows_what_cublas_refuses(fake_cuda):
+    fake_cuda((9, 0), "12.4")
+    why = L.scaled_mm_why_not("cuda", fmt="fp8_e5m2")
+    assert "Multiplication of two Float8_e5m2 matrices is not supported" in why
+    assert L.scaled_mm_why_not("cuda", fmt="fp8_e4m3", fmt_b="fp8_e5m2") is None
+    # row-wise scales with float32 output: only on the cuBLAS path (CUDA >= 12.9 build, sm_90)
+    assert "CUDA >= 12.9" in L.scaled_mm_why_not("cuda", granularity="row", out_dtype=torch.float32)
+    assert L.scaled_mm_why_not("cuda", granularity="row", out_dtype=torch.bfloat16) is None
+    assert L.scaled_mm_why_not("cuda", granularity="tensor", out_dtype=torch.float32) is None
+    fake_cuda((9, 0), "12.9")
+    assert L.scaled_mm_why_not("cuda", granularity="row", out_dtype=torch.float32) is None
+    fake_cuda((8, 9), "12.9")
+    assert "sm_89" in L.scaled_mm_why_not("cuda", granularity="row", out_dtype=torch.float32)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sm_89+ for FP8, sm_100 for MX)")

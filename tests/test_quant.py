@@ -360,6 +360,14 @@ def test_sqnr_floor(fmt, gran, gen):
     assert s > SQNR_FLOORS[(fmt, gran)], f"{fmt}: {s:.2f} dB"
 
 
+def test_block_size_needs_a_block_granularity():
+    x = torch.randn(4, 64)
+    for gran in ("tensor", "row", "none"):
+        with pytest.raises(ValueError, match=f"parameter 'block_size' = 7 .*granularity='{gran}'"):
+            Q.fake_quantize(x, "fp8_e4m3", granularity=gran, block_size=7)
+    assert Q.fake_quantize(x, "fp8_e4m3", granularity="block", block_size=16).shape == x.shape
+
+
 def test_ste_gradient_is_identity(gen):
     x = torch.randn(6, 64, generator=gen, requires_grad=True)
     g = torch.randn(6, 64, generator=gen)
@@ -380,7 +388,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import lab_kernels.quant as Q
-import lab_kernels.lowp_matmul as L
 ptr = dict(x_ptr="*fp32", r_ptr="*i32", deq_ptr="*fp32", code_ptr="*u8", scale_ptr="*fp32", ts_ptr="*fp32")
 cases = [("e4m3", s, st, 32, 32 if s >= 3 else 128) for s in range(6) for st in (False, True) if not (s == 5)]
 cases += [("e2m1", 5, False, 64, 16), ("e2m1", 5, True, 64, 16), ("e2m1", 3, False, 64, 32), ("e5m2", 4, True, 64, 32),
@@ -390,15 +397,8 @@ for elem, scaling, st, rows, block in cases:
     f = Q.ELEM_FORMATS[elem]
     const = dict(MBITS=f.mbits, EMIN=f.emin, MAXV=f.max, EBITS=f.ebits, EMAX=f.emax, NAN_CODE=f.nan_code,
                  SCALING=scaling, STOCHASTIC=st, ROWS=rows, BLOCK=block)
-    kern = Q._quant_groups_kernel
+    kern = Q._quant_fwd_kernel
     sig = {a: "constexpr" if a in const else ptr.get(a, "i32") for a in kern.arg_names}
-    triton.compile(ASTSource(fn=kern, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
-    n += 1
-for dt in ("fp8e4nv", "fp8e5"):
-    kern = L._fp8_matmul_kernel
-    const = dict(ROW_SCALES=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)
-    p = dict(a_ptr="*" + dt, b_ptr="*" + dt, c_ptr="*fp32", sa_ptr="*fp32", sb_ptr="*fp32")
-    sig = {a: "constexpr" if a in const else p.get(a, "i32") for a in kern.arg_names}
     triton.compile(ASTSource(fn=kern, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
     n += 1
 print("compiled", n)
@@ -406,8 +406,9 @@ print("compiled", n)
 
 
 def test_triton_kernels_compile_for_hopper():
-    """No GPU is lent here: the quantizer (every scaling mode, both roundings) and the FP8 GEMM
-    must at least lower to sm_90 code (the interpreter never exercises that path).  The
+    """Without a GPU the quantizer (every scaling mode, both roundings) must at least lower to
+    sm_90 code (the interpreter never exercises that path; the FP8 GEMM's tiles are compiled
+    in test_lowp_matmul.py).  The
     quantizer's arithmetic is exact even under FMA contraction (products by powers of two),
     so the GPU build keeps the bit-exactness the interpreter tests show."""
     import os
@@ -419,4 +420,4 @@ def test_triton_kernels_compile_for_hopper():
     if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr:
         pytest.skip("this triton install has no ptxas to compile with")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "compiled 17" in r.stdout, r.stdout
+    assert "compiled 15" in r.stdout, r.stdout
