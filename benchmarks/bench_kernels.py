@@ -6,11 +6,13 @@ Rerun on a GPU (the figures that go in the repo; H100/H200):
 CPU smoke (small; Triton excluded — the interpreter is never timed):
     python benchmarks/bench_kernels.py --preset cpu --out /tmp/kernels_cpu.parquet
 
-Method: ``lab_utils.fused`` — inputs drawn once per case, every timeable variant
+Method: ``lab_utils.fused`` — every (op, variant, dtype) checked against float64 (forward
+and gradients, irregular shape) before it is timed (the script exits non-zero if one
+fails), inputs drawn once per case, every timeable variant
 through the lab's one timing primitive (``lab_utils.timing.bench``: first call — compile,
 autotune — out of the statistics, L2 flushed on CUDA), median with p20/p80.  GB/s from the
 bytes each op must move (each input read once, each output written once; formulas in each
-op module's docstring and ``kernel_bench.OPS``), % of the *measured* copy ceiling
+op module's docstring and ``lab_utils.flops.fused_bytes``), % of the *measured* copy ceiling
 (``lab_utils.ceilings``), speedup over eager, peak memory above the inputs (CUDA).  The
 summary printed at the end lists, per op/direction/dtype, each variant's GB/s and % of the
 copy ceiling at the largest size (the issue asks Triton to reach >= 85% there).
@@ -33,6 +35,7 @@ from lab_utils import fused as kb
 from lab_utils.ceilings import get_ceilings
 from lab_utils.device import device_info, pick_device
 from lab_utils.records import Recorder, run_context
+from lab_utils.studies.fused_kernels import BLOCK_TOLERANCE, sweep_frame
 
 PRESETS = {
     # FLUX-dev widths (hidden 3072, MLP 12288, head dim 128); 1024² image = 4096 tokens (+512 text).
@@ -83,7 +86,7 @@ def _write(df, out: Path) -> None:
 
 def summary(df, ceilings) -> str:
     """Per op/direction/dtype: each variant's GB/s and % of the copy ceiling at the largest size."""
-    sw = kb.sweep_frame(df)
+    sw = sweep_frame(df)
     if sw.empty:
         return "no timed rows"
     lines = [f"copy ceiling {ceilings.copy_gbs:.0f} GB/s (measured); largest size per op:"]
@@ -139,6 +142,7 @@ def main(argv=None) -> int:
             variant_names=p["variants"],
             reps=p["reps"],
             budget_s=p["budget_s"],
+            check=kb.Problem(1, 37, 781, 62),
         )
         print(f"  {op} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     if not a.no_block:
@@ -150,7 +154,10 @@ def main(argv=None) -> int:
             dtype=kb.as_dtype(p["block_dtype"]),
             device=dev,
         )
+        tol = BLOCK_TOLERANCE[p["block_dtype"]]
         for r in kb.block_agreement(cases):
+            if r["max_abs_diff"] > tol:
+                raise AssertionError(f"{r['kind']}/{r['provider']} block differs from eager by {r['max_abs_diff']:.3g}")
             rec.add(
                 "block_agreement",
                 r["provider"],

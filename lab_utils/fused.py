@@ -5,8 +5,9 @@ Design note
 One :class:`Problem` describes a size for every op of ``lab_kernels`` (batch, tokens,
 hidden; heads × head_dim for the rope ops).  :data:`OPS` maps each op to an
 :class:`OpSpec`: how to draw its inputs (float64, from a seeded generator), which of
-them are differentiable, and the bytes the op must move (each input read once, each
-output written once — the formulas are the ones in each op module's docstring).
+them are differentiable; the bytes it must move and its FLOPs are counted in
+``lab_utils.flops`` (each input read once, each output written once; the formulas are
+repeated in each op module's docstring).
 
 * :func:`check_variant` runs a variant forward and backward and compares every output
   and every gradient with the reference computed in float64 on the same (rounded)
@@ -33,33 +34,33 @@ an ulp; the bfloat16 tolerance (1.6e-2 relative, two ulps) covers it.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
-import lab_kernels
 from lab_kernels import get_variant, variants
 
+from . import flops as F
 from .checks import compare, tolerance
-from .config import LabConfig, check_bool, check_choice, check_choices, check_float, check_int, check_int_list
+from .dtypes import LAB_DTYPES, parse_dtype
+from .model import PRESETS, DoubleStreamBlock, KernelSet, MMDiTConfig, Seams, SingleStreamBlock
 from .records import Recorder, fmt_dtype
 from .timing import BenchFailure, try_bench
 
-OP_NAMES = ("rms_norm", "layer_norm_modulate", "gated_residual", "gelu_tanh", "swiglu", "rope", "qk_norm_rope")
-DIRECTIONS = ("fwd", "bwd", "fwd+bwd")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+OP_NAMES = F.FUSED_OPS
+DIRECTIONS = F.DIRECTIONS
+DTYPES = {name: parse_dtype("dtype", name) for name in LAB_DTYPES}
 GRAD_TOL_SCALE = 2.0
 
 
 def as_dtype(d) -> torch.dtype:
-    if isinstance(d, torch.dtype):
-        return d
-    try:
-        return DTYPES[d]
-    except KeyError:
-        raise ValueError(f"dtype {d!r} is not one of {', '.join(DTYPES)}") from None
+    """A lab dtype name (or a torch.dtype) as a torch.dtype; ConfigError naming 'dtype' otherwise."""
+    return parse_dtype("dtype", d, LAB_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -95,35 +96,40 @@ class OpInputs:
 @dataclass(frozen=True)
 class OpSpec:
     op: str
-    make: Callable[[Problem, torch.Generator], OpInputs]
-    bytes_fwd: Callable[[Problem, int], float]
-    bytes_bwd: Callable[[Problem, int], float]
+    make: Callable[[Problem, Draw], OpInputs]
     n_outputs: int = 1
     problem_kw: Callable[[Problem], dict] = field(default=lambda p: {"shape": (p.batch, p.tokens, p.hidden)})
 
     def bytes(self, p: Problem, dtype, direction: str) -> float:
+        """Bytes one call must move (``lab_utils.flops.fused_bytes``)."""
         s = torch.empty((), dtype=as_dtype(dtype)).element_size()
-        if direction == "fwd":
-            return self.bytes_fwd(p, s)
-        if direction == "bwd":
-            return self.bytes_bwd(p, s)
-        return self.bytes_fwd(p, s) + self.bytes_bwd(p, s)
+        return F.fused_bytes(
+            self.op, direction, batch=p.batch, tokens=p.tokens, hidden=p.hidden, head_dim=p.head_dim, elem_size=s
+        )
 
 
-# Inputs are drawn in float64 on the CPU for checks; benchmarks draw them in float32 on the
-# generator's device (drawing GB-sized float64 tensors on the host would dominate a GPU sweep).
-_DRAW = {"dtype": torch.float64}
+@dataclass(frozen=True)
+class Draw:
+    """Where inputs are drawn: float64 on the CPU for checks; benchmarks draw float32 on the
+    device (drawing GB-sized float64 tensors on the host would dominate a GPU sweep)."""
+
+    gen: torch.Generator
+    dtype: torch.dtype = torch.float64
+
+    @property
+    def device(self) -> torch.device:
+        return self.gen.device
 
 
-def _randn(g, *shape, scale=1.0, offset=0.0):
-    return torch.randn(*shape, generator=g, dtype=_DRAW["dtype"], device=g.device) * scale + offset
+def _randn(g: Draw, *shape, scale=1.0, offset=0.0):
+    return torch.randn(*shape, generator=g.gen, dtype=g.dtype, device=g.device) * scale + offset
 
 
 def _tables(p: Problem, g):
     # FLUX-like angles: position × frequency 10000^(-2i/Dh), positions shuffled per draw.
     half = p.head_dim // 2
-    pos = torch.randperm(max(p.tokens, 1) * 4, generator=g, device=g.device)[: p.tokens].to(_DRAW["dtype"])
-    freq = 10000.0 ** (-torch.arange(half, dtype=_DRAW["dtype"], device=g.device) * 2 / p.head_dim)
+    pos = torch.randperm(max(p.tokens, 1) * 4, generator=g.gen, device=g.device)[: p.tokens].to(g.dtype)
+    freq = 10000.0 ** (-torch.arange(half, dtype=g.dtype, device=g.device) * 2 / p.head_dim)
     ang = pos[:, None] * freq[None, :]
     return torch.cos(ang), torch.sin(ang)
 
@@ -190,79 +196,27 @@ def _make_qknr(p, g):
     )
 
 
-def _n(p):
-    return p.batch * p.tokens * p.hidden
-
-
-def _nqk(p):
-    return p.batch * p.heads * p.tokens * p.head_dim
-
-
 def _rope_kw(p):
     return {"shape": (p.batch, p.heads, p.tokens, p.head_dim), "head_dim": p.head_dim}
 
 
-_T = lambda p: p.tokens * (p.head_dim // 2)  # noqa: E731  (elements of one rope table)
-
-# Bytes each op must move (each input read once, each output written once); s = element size.
+# How each op's inputs are drawn; its bytes and FLOPs are counted in lab_utils.flops.
 OPS: dict[str, OpSpec] = {
-    "rms_norm": OpSpec(
-        "rms_norm",
-        _make_rms,
-        lambda p, s: 2 * _n(p) * s + p.hidden * s,
-        lambda p, s: 3 * _n(p) * s + 2 * p.hidden * s + 4 * p.rows,
-    ),
-    "layer_norm_modulate": OpSpec(
-        "layer_norm_modulate",
-        _make_lnm,
-        lambda p, s: 2 * _n(p) * s + 2 * p.batch * p.hidden * s,
-        lambda p, s: 3 * _n(p) * s + 4 * p.batch * p.hidden * s + 8 * p.rows,
-    ),
-    "gated_residual": OpSpec(
-        "gated_residual",
-        _make_gr,
-        lambda p, s: 3 * _n(p) * s + p.batch * p.hidden * s,
-        lambda p, s: 3 * _n(p) * s + 2 * p.batch * p.hidden * s,
-    ),
-    "gelu_tanh": OpSpec("gelu_tanh", _make_gelu, lambda p, s: 2 * _n(p) * s, lambda p, s: 3 * _n(p) * s),
-    "swiglu": OpSpec("swiglu", _make_swiglu, lambda p, s: 3 * _n(p) * s, lambda p, s: 5 * _n(p) * s),
-    "rope": OpSpec(
-        "rope",
-        _make_rope,
-        lambda p, s: 4 * _nqk(p) * s + 8 * _T(p),
-        lambda p, s: 4 * _nqk(p) * s + 8 * _T(p),
-        n_outputs=2,
-        problem_kw=_rope_kw,
-    ),
-    "qk_norm_rope": OpSpec(
-        "qk_norm_rope",
-        _make_qknr,
-        lambda p, s: 4 * _nqk(p) * s + 2 * p.head_dim * s + 8 * _T(p),
-        lambda p, s: 6 * _nqk(p) * s + 4 * p.head_dim * s + 8 * _T(p) + 8 * p.batch * p.heads * p.tokens,
-        n_outputs=2,
-        problem_kw=_rope_kw,
-    ),
-}
-
-
-# Arithmetic per element of the main tensor(s) as our kernels count it (fwd, bwd):
-# transcendental functions count as one.  Only used to place points on the roofline:
-# every op here sits far left of the ridge point.
-FLOPS_PER_ELEMENT: dict[str, tuple[float, float]] = {
-    "rms_norm": (4, 9),
-    "layer_norm_modulate": (8, 14),
-    "gated_residual": (2, 3),
-    "gelu_tanh": (9, 15),
-    "swiglu": (4, 9),
-    "rope": (6, 6),
-    "qk_norm_rope": (10, 18),
+    "rms_norm": OpSpec("rms_norm", _make_rms),
+    "layer_norm_modulate": OpSpec("layer_norm_modulate", _make_lnm),
+    "gated_residual": OpSpec("gated_residual", _make_gr),
+    "gelu_tanh": OpSpec("gelu_tanh", _make_gelu),
+    "swiglu": OpSpec("swiglu", _make_swiglu),
+    "rope": OpSpec("rope", _make_rope, n_outputs=2, problem_kw=_rope_kw),
+    "qk_norm_rope": OpSpec("qk_norm_rope", _make_qknr, n_outputs=2, problem_kw=_rope_kw),
 }
 
 
 def flops(op: str, problem: Problem, direction: str) -> float:
-    n = _nqk(problem) * 2 if op in ("rope", "qk_norm_rope") else _n(problem)
-    f, b = FLOPS_PER_ELEMENT[op]
-    return n * {"fwd": f, "bwd": b, "fwd+bwd": f + b}[direction]
+    """FLOPs of one call (``lab_utils.flops.fused_flops``: per-element counts documented there)."""
+    return F.fused_flops(
+        op, direction, batch=problem.batch, tokens=problem.tokens, hidden=problem.hidden, head_dim=problem.head_dim
+    )
 
 
 def spec(op: str) -> OpSpec:
@@ -297,13 +251,8 @@ def make_inputs(
     ``fast``: draw in float32 directly on ``device`` (benchmarks; values differ from the
     float64 draw of the same seed)."""
     g, seed = _generator(seed)
-    if fast:
-        g = torch.Generator(device=device).manual_seed(seed)
-        _DRAW["dtype"] = torch.float32
-    try:
-        inp = spec(op).make(problem, g)
-    finally:
-        _DRAW["dtype"] = torch.float64
+    draw = Draw(torch.Generator(device=device).manual_seed(seed), torch.float32) if fast else Draw(g)
+    inp = spec(op).make(problem, draw)
     dt = as_dtype(dtype)
     args = []
     for name, a in zip(inp.names, inp.args):
@@ -361,60 +310,36 @@ def check_variant(
     douts = [d.to(device=device, dtype=dt) for d in douts64]
     ref_douts = [d.to(torch.float64) for d in douts]  # the same rounded upstream gradient
     out = _tuple(v(*args))
-    rows = []
+    rows: list[CheckRow] = []
     shape = "x".join(map(str, inp.shape))
     # An unfused variant that rounds an intermediate to the dtype (declared at
     # registration as tol_scale) is held to a proportionally wider tolerance.
     tol_scale = float(v.extra.get("tol_scale", 1.0))
     atol, rtol = tolerance(dt, tol_scale)
 
-    def add(tensor, actual, expected, a_tol, r_tol):
-        rep = compare(
-            actual,
-            expected,
-            atol=a_tol,
-            rtol=r_tol,
-            name=f"{op}/{variant} {fmt_dtype(dt)} {shape} {tensor} (seed {seed})",
+    def fail(tensor: str, numel: int, message: str) -> None:
+        rows.append(
+            CheckRow(op, variant, fmt_dtype(dt), shape, tensor, math.inf, math.inf, -1, numel, False, message, seed)
         )
+
+    def add(tensor, actual, expected, a_tol, r_tol):
+        name = f"{op}/{variant} {fmt_dtype(dt)} {shape} {tensor} (seed {seed})"
+        rep = compare(actual, expected, atol=a_tol, rtol=r_tol, name=name)
         rows.append(
             CheckRow(
-                op,
-                variant,
-                fmt_dtype(dt),
-                shape,
-                tensor,
-                rep.max_abs,
-                rep.max_rel,
-                rep.n_bad,
-                rep.numel,
-                rep.ok,
-                rep.message,
-                seed,
+                op, variant, fmt_dtype(dt), shape, tensor, rep.max_abs, rep.max_rel, rep.n_bad, rep.numel, rep.ok,
+                rep.message, seed,
             )
-        )
+        )  # fmt: skip
 
     if len(out) != len(ref_out):
         raise AssertionError(f"{op}/{variant} returned {len(out)} outputs, the reference {len(ref_out)}")
     for i, (o, r) in enumerate(zip(out, ref_out)):
+        tensor = "out" if len(out) == 1 else f"out{i}"
         if o.dtype != dt:
-            rows.append(
-                CheckRow(
-                    op,
-                    variant,
-                    fmt_dtype(dt),
-                    shape,
-                    f"out{i}",
-                    math.inf,
-                    math.inf,
-                    -1,
-                    o.numel(),
-                    False,
-                    f"{op}/{variant}: output {i} has dtype {o.dtype}, expected {dt}",
-                    seed,
-                )
-            )
+            fail(tensor, o.numel(), f"{op}/{variant}: output {i} has dtype {o.dtype}, expected {dt} (seed {seed})")
             continue
-        add("out" if len(out) == 1 else f"out{i}", o, r.detach(), atol, rtol)
+        add(tensor, o, r.detach(), atol, rtol)
     if grads:
         diff = [(n, a, r) for n, a, r in zip(inp.names, args, ref_args) if n in inp.grads]
         got = torch.autograd.grad(out, [a for _, a, _ in diff], douts, allow_unused=True)
@@ -422,27 +347,12 @@ def check_variant(
         ga, gr = tolerance(dt, grad_tol_scale * tol_scale)
         n_out = out[0].numel()
         for (n, _, _), a, e in zip(diff, got, exp):
+            if a is None:
+                fail(f"grad {n}", 0, f"{op}/{variant}: no gradient for {n!r} (seed {seed})")
+                continue
             # A broadcast parameter's gradient is a sum over the rows it was broadcast to:
             # rounding errors of n terms grow like sqrt(n), so its atol does too.
             n_sum = max(1, n_out // max(e.numel(), 1))
-            if a is None:
-                rows.append(
-                    CheckRow(
-                        op,
-                        variant,
-                        fmt_dtype(dt),
-                        shape,
-                        f"grad {n}",
-                        math.inf,
-                        math.inf,
-                        -1,
-                        0,
-                        False,
-                        f"{op}/{variant}: no gradient for {n!r}",
-                        seed,
-                    )
-                )
-                continue
             add(f"grad {n}", a, e, ga * math.sqrt(n_sum), gr)
     return rows
 
@@ -469,8 +379,6 @@ def correctness_table(
 ):
     """A DataFrame: one row per (variant, dtype) with the worst error over outputs and
     gradients and the verdict; variants that cannot run here are listed with the reason."""
-    import pandas as pd
-
     recs = []
     for d in dtypes:
         dt = as_dtype(d)
@@ -594,15 +502,21 @@ def sweep(
     budget_s: float = 20.0,
     experiment: str = "op_sweep",
     progress: bool = False,
-) -> None:
+    check: Problem | None = None,
+    check_seed: int | None = 0,
+) -> list[tuple[str, str, str]]:
     """Providers × sweep: every timeable variant of each op on each problem, dtype and
     direction -> rows (time median/p20/p80, GB/s, % of copy ceiling, speedup over eager,
-    peak memory).  Untimeable variants (Triton on CPU) get no rows."""
-    items = [(op, p, d, dr) for op in ops for p in problems for d in dtypes for dr in directions]
-    if progress:
-        from tqdm.auto import tqdm
+    peak memory).  Untimeable variants (Triton on CPU) get no rows.
 
-        items = tqdm(items, desc="sweep")
+    ``check``: before a variant is timed for the first time (per op and dtype), it is checked
+    against float64 on this problem (or on the timed one where it cannot run this one), the
+    gradients too when a direction includes the backward; a failure raises AssertionError and
+    nothing more is timed.  Returns the (op, variant, dtype) triples checked."""
+    items = [(op, p, d, dr) for op in ops for p in problems for d in dtypes for dr in directions]
+    items = tqdm(items, desc="sweep", disable=not progress)
+    grads = any(d != "fwd" for d in directions)
+    checked: list[tuple[str, str, str]] = []
     for op, p, d, direction in items:
         dt = as_dtype(d)
         kw = spec(op).problem_kw(p)
@@ -612,6 +526,10 @@ def sweep(
         for v in vs:
             if variant_names is not None and v.name not in variant_names and v.name != "eager":
                 continue
+            if check is not None and (op, v.name, fmt_dtype(dt)) not in checked:
+                where = check if v.can_run(device, dt, **spec(op).problem_kw(check)) else p
+                assert_variant_ok(op, v.name, dt, where, device=device, seed=check_seed, grads=grads)
+                checked.append((op, v.name, fmt_dtype(dt)))
             t, mem = bench_variant(op, v.name, p, dt, direction, device=device, reps=reps, budget_s=budget_s)
             nbytes = bytes_moved(op, p, dt, direction)
             extra = dict(
@@ -657,6 +575,7 @@ def sweep(
                     formula="max_memory_allocated - allocated before the call",
                     **extra,
                 )
+    return checked
 
 
 # ---------------------------------------------------------------------------------------------
@@ -664,12 +583,10 @@ def sweep(
 
 
 def preset_dims(preset: str) -> dict:
-    """hidden size, heads, head dim and MLP hidden of a model preset (``lab_utils.model.mmdit``)."""
-    from .model import mmdit
-
-    if preset not in mmdit.PRESETS:
-        raise ValueError(f"parameter 'preset' = {preset!r} is not allowed: expected one of {', '.join(mmdit.PRESETS)}")
-    p = mmdit.PRESETS[preset]
+    """hidden size, heads, head dim and MLP hidden of a model preset (``lab_utils.model.PRESETS``)."""
+    if preset not in PRESETS:
+        raise ValueError(f"parameter 'preset' = {preset!r} is not allowed: expected one of {', '.join(PRESETS)}")
+    p = PRESETS[preset]
     hidden, heads = int(p["hidden_size"]), int(p["num_heads"])
     return dict(hidden=hidden, heads=heads, head_dim=hidden // heads, mlp_hidden=int(hidden * p["mlp_ratio"]))
 
@@ -749,28 +666,24 @@ def block_cases(
     seed: int = 0,
 ) -> list[BlockCase]:
     """One MMDiT block per kind (weights shared by every provider), wrapped per provider."""
-    import copy
-
-    from .model import mmdit
-
     dt = as_dtype(dtype)
     for p in providers:
         if p not in BLOCK_PROVIDERS:
             raise ValueError(f"parameter 'block_providers' has {p!r}; allowed: {', '.join(BLOCK_PROVIDERS)}")
-    cfg = mmdit.MMDiTConfig.from_preset(preset)
+    cfg = MMDiTConfig.from_preset(preset)
     out = []
     for kind in kinds:
         if kind not in ("double", "single"):
             raise ValueError(f"parameter 'block_kinds' has {kind!r}; allowed: 'double', 'single'")
-        cls = mmdit.DoubleStreamBlock if kind == "double" else mmdit.SingleStreamBlock
+        cls = DoubleStreamBlock if kind == "double" else SingleStreamBlock
         torch.manual_seed(seed)
-        base = cls(cfg, mmdit._Seams(mmdit.KernelSet("eager"), cfg.attention_path)).to(device=device, dtype=dt)
+        base = cls(cfg, Seams(KernelSet("eager"), cfg.attention_path)).to(device=device, dtype=dt)
         inputs = _block_inputs(cfg, kind, batch, img_tokens, txt_tokens, dt, device, seed)
         diff = [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
         for p in providers:
             kernels, comp = BLOCK_PROVIDERS[p]
             blk = copy.deepcopy(base)
-            seams = mmdit._Seams(mmdit.KernelSet(kernels, device=device, dtype=dt), cfg.attention_path)
+            seams = Seams(KernelSet(kernels, device=device, dtype=dt), cfg.attention_path)
             for m in blk.modules():
                 if hasattr(m, "_seams"):
                     m._seams = seams
@@ -864,231 +777,32 @@ def block_compare(
             )
 
 
-# ---------------------------------------------------------------------------------------------
-# The lab's parameters (labs/02_fused_kernels.ipynb; parameterized/sets/02_fused_kernels/*.yaml)
-
-
-@dataclass(frozen=True)
-class FusedKernelsConfig(LabConfig):
-    """Parameters of ``labs/02_fused_kernels.ipynb``; defaults are the small CPU set."""
-
-    device: str = "auto"
-    op: str = "rms_norm"  # the op of the correctness table and roofline
-    dtype: str = "float32"  # the sweep's dtype
-    directions: tuple = ("fwd", "fwd+bwd")
-    check_dtypes: tuple = ("float32", "bfloat16", "float16")
-    check_tokens: int = 37  # correctness problem: irregular on purpose
-    check_hidden: int = 781
-    check_head_dim: int = 62
-    check_variants: tuple = ("eager", "triton", "torch")  # "compile" adds one compile per dtype
-    sweep_ops: tuple = ("rms_norm", "gelu_tanh")
-    sweep_variants: tuple = ("eager", "torch")  # plus "compile", "triton" (GPU), library names
-    preset: str = "small"  # hidden sizes (and MLP width) from the model preset
-    tokens: tuple = (128, 1024)
-    batch: int = 1
-    reps: int = 5
-    budget_s: float = 5.0
-    block_preset: str = "tiny"
-    block_kinds: tuple = ("double", "single")
-    block_providers: tuple = ("eager", "triton")
-    block_img_tokens: int = 64
-    block_txt_tokens: int = 16
-    block_dtype: str = "float32"
-    compare_compile: bool = True  # eager vs torch.compile of `op`, forward, largest size
-    seed: int = 0
-    quick_ceilings: bool = True
-
-    def __post_init__(self):
-        from .model import mmdit
-
-        check_choice("device", self.device, ("auto", "cpu", "cuda"))
-        check_choice("op", self.op, OP_NAMES)
-        check_choice("dtype", self.dtype, tuple(DTYPES))
-        check_choices("directions", self.directions, DIRECTIONS)
-        check_choices("check_dtypes", self.check_dtypes, tuple(DTYPES))
-        check_int("check_tokens", self.check_tokens, min=1)
-        check_int("check_hidden", self.check_hidden, min=2)
-        check_int("check_head_dim", self.check_head_dim, min=2)
-        if self.check_head_dim % 2:
-            from .config import ConfigError
-
-            raise ConfigError("check_head_dim", self.check_head_dim, "an even integer (rope rotates pairs)")
-        check_choices("sweep_ops", self.sweep_ops, OP_NAMES)
-        check_choice("preset", self.preset, tuple(mmdit.PRESETS))
-        check_int_list("tokens", self.tokens, min=1)
-        check_int("batch", self.batch, min=1)
-        check_int("reps", self.reps, min=3)
-        check_float("budget_s", self.budget_s, min=0, min_exclusive=True)
-        check_choice("block_preset", self.block_preset, tuple(mmdit.PRESETS))
-        check_choices("block_kinds", self.block_kinds, ("double", "single"))
-        check_choices("block_providers", self.block_providers, tuple(BLOCK_PROVIDERS))
-        check_int("block_img_tokens", self.block_img_tokens, min=1)
-        check_int("block_txt_tokens", self.block_txt_tokens, min=1)
-        check_choice("block_dtype", self.block_dtype, tuple(DTYPES))
-        check_int("seed", self.seed, min=0)
-        check_bool("quick_ceilings", self.quick_ceilings)
-        check_bool("compare_compile", self.compare_compile)
-        known = set()
-        for op in OP_NAMES:
-            known |= {v.name for v in variants(op, include_unavailable=True)}
-        check_choices("check_variants", self.check_variants, sorted(known - {"reference"}))
-        check_choices("sweep_variants", self.sweep_variants, sorted(known - {"reference"}))
-
-    @property
-    def check_problem(self) -> Problem:
-        return Problem(1, self.check_tokens, self.check_hidden, self.check_head_dim)
-
-    def problems(self) -> list[Problem]:
-        return problems_for([self.preset], self.tokens, batch=self.batch)
-
-
-def sweep_frame(df, experiment: str | None = "op_sweep"):
-    """Median GB/s rows of a sweep with their size columns unpacked (for plots)."""
-    import json
-
-    import pandas as pd
-
-    d = df[(df.metric == "bandwidth") & (df.statistic == "median")].copy()
-    if experiment is not None:
-        d = d[d.experiment == experiment]
-    if d.empty:
-        return pd.DataFrame(columns=["op", "variant", "dtype", "direction", "tokens", "hidden", "bytes", "gbs"])
-    ex = d["extra"].map(json.loads)
-    for k in ("op", "direction", "tokens", "hidden", "bytes", "kind"):
-        d[k] = ex.map(lambda e, k=k: e.get(k))
-    d["gbs"] = d["value"]
-    d["MB"] = d["bytes"] / 1e6
-    return d[["op", "variant", "kind", "dtype", "direction", "tokens", "hidden", "shape", "bytes", "MB", "gbs"]]
-
-
-# ---------------------------------------------------------------------------------------------
-# Views of the rows for the lab's plots (plots read records; they never measure)
-
-
-def roofline_points(df, ceilings):
-    """One roofline point per (op, variant, direction, dtype, shape) from a sweep's median time rows."""
-    import json
-
-    import pandas as pd
-
-    from .roofline import roofline
-
-    d = df[(df.metric == "time") & (df.statistic == "median") & (df.experiment == "op_sweep")]
-    pts = []
-    for _, r in d.iterrows():
-        e = json.loads(r["extra"])
-        p = Problem(e["batch"], e["tokens"], e["hidden"], e["head_dim"])
-        b, f = bytes_moved(e["op"], p, r["dtype"], e["direction"]), flops(e["op"], p, e["direction"])
-        pt = roofline(r["value"], bytes=b, flops=f, ceilings=ceilings, dtype=r["dtype"])
-        pts.append(
-            dict(
-                op=e["op"],
-                variant=f"{e['op']}/{r['variant']} {e['direction']}",
-                dtype=r["dtype"],
-                shape=r["shape"],
-                intensity=pt.intensity,
-                tflops=pt.tflops,
-                gbs=pt.gbs,
-                time_ms=pt.time_ms,
-                pct_of_ceiling=pt.pct_of_ceiling,
-            )
-        )
-    return pd.DataFrame(pts)
-
-
-def bandwidth_holomap(df, ceilings):
-    """GB/s vs bytes moved per variant, the measured copy ceiling drawn; one frame per
-    (op, dtype, direction)."""
-    from .plots import init
-
-    hv = init()
-    d = sweep_frame(df)
-    frames = {}
-    for (op, dt, dr), g in d.groupby(["op", "dtype", "direction"], sort=True):
-        layers = [hv.HLine(ceilings.copy_gbs).opts(color="black", line_dash="dashed", line_width=2)]
-        layers.append(
-            hv.Text(
-                float(g["MB"].min()),
-                ceilings.copy_gbs * 1.03,
-                f"copy ceiling {ceilings.copy_gbs:.0f} GB/s",
-                halign="left",
-                fontsize=9,
-            )
-        )
-        for v, gv in g.groupby("variant", sort=True):
-            gv = gv.sort_values("MB")
-            layers.append(
-                hv.Curve(gv, "MB", ["gbs", "shape"], label=v) * hv.Scatter(gv, "MB", ["gbs", "shape"], label=v)
-            )
-        frames[(op, dt, dr)] = hv.Overlay(layers).opts(
-            logx=True,
-            xlabel="MB moved per call",
-            ylabel="GB/s",
-            legend_position="bottom_right",
-            title=f"{op} {dt} {dr}: achieved bandwidth",
-        )
-    if not frames:
-        return hv.Div("<p>no timed rows (nothing timeable on this device)</p>")
-    return hv.HoloMap(frames, kdims=["op", "dtype", "direction"])
-
-
-def speedup_table(df, experiment: str = "op_sweep"):
-    """op × shape × direction rows, one column per variant: median speedup over eager."""
-    import json
-
-    sp = df[(df.metric == "speedup_vs_eager") & (df.experiment == experiment)].copy()
-    if sp.empty:
-        return sp
-    ex = sp["extra"].map(json.loads)
-    sp["op"], sp["direction"] = ex.map(lambda e: e["op"]), ex.map(lambda e: e["direction"])
-    return sp.pivot_table(index=["op", "shape", "dtype", "direction"], columns="variant", values="value").round(2)
-
-
-def block_bars(df):
-    """Forward + backward time of each block provider (median with p20/p80 in the hover)."""
-    import json
-
-    from .plots import init
-
-    hv = init()
-    d = df[(df.experiment == "block") & (df.metric == "time") & (df.statistic == "median")].copy()
-    if d.empty:
-        return hv.Div("<p>no block timings</p>")
-    d["kind"] = d["extra"].map(lambda e: json.loads(e)["kind"])
-    d["ms"] = d["value"]
-    return hv.Bars(d, ["kind", "variant"], ["ms", "shape"]).opts(
-        title="MMDiT block forward + backward (median)", ylabel="ms", xlabel="block / provider", multi_level=True
-    )
-
-
 __all__ = [
-    "OPS",
-    "OP_NAMES",
+    "BLOCK_PROVIDERS",
     "DIRECTIONS",
     "DTYPES",
-    "Problem",
-    "OpSpec",
+    "OPS",
+    "OP_NAMES",
+    "BlockCase",
     "CheckRow",
-    "bytes_moved",
-    "flops",
-    "check_variant",
-    "correctness_table",
+    "Draw",
+    "OpInputs",
+    "OpSpec",
+    "Problem",
+    "as_dtype",
     "assert_variant_ok",
     "bench_variant",
-    "sweep",
-    "make_inputs",
-    "problems_for",
-    "preset_dims",
-    "peak_memory_bytes",
-    "BLOCK_PROVIDERS",
-    "block_cases",
     "block_agreement",
+    "block_cases",
     "block_compare",
-    "FusedKernelsConfig",
-    "sweep_frame",
-    "roofline_points",
-    "bandwidth_holomap",
-    "block_bars",
-    "speedup_table",
-    "lab_kernels",
+    "bytes_moved",
+    "check_variant",
+    "correctness_table",
+    "flops",
+    "make_inputs",
+    "peak_memory_bytes",
+    "preset_dims",
+    "problems_for",
+    "spec",
+    "sweep",
 ]
