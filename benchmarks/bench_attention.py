@@ -10,7 +10,8 @@ path through ``attend`` (mask preprocessing cached after the first call, so timi
 are attention only; the FlexAttention block-mask build is timed on its own), the one
 timing primitive (``lab_utils.timing.bench``: first call out of the statistics,
 L2 flushed on CUDA), median with p20/p80.  FLOPs are mask-aware (allowed pairs x 4 x Dh
-forward, 2.5x backward); TFLOP/s and % of the *measured* matmul ceiling of the dtype
+forward; backward 2.5x, the "kernel" convention of ``lab_utils.flops``, recorded on every
+row as ``flop_convention``); TFLOP/s and % of the *measured* matmul ceiling of the dtype
 (``lab_utils.ceilings``).  Also writes the padding-vs-packing comparison of one
 bucketed batch.  Rows: benchmarks/results/attention_<device-kind>_<dtype>.{json,csv}
 (tidy rows, same columns as every Recorder) unless ``--out`` says otherwise.
@@ -29,6 +30,7 @@ from lab_utils import attention as A
 from lab_utils import varlen as V
 from lab_utils.ceilings import get_ceilings
 from lab_utils.device import device_info, pick_device
+from lab_utils.dtypes import LAB_DTYPES, parse_dtype
 from lab_utils.records import Recorder
 
 PRESETS = {
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=tuple(PRESETS), default="gpu" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--dtype", choices=LAB_DTYPES)
     ap.add_argument("--seq-lens", type=int, nargs="+")
     ap.add_argument("--head-dims", type=int, nargs="+")
     ap.add_argument("--masks", nargs="+")
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
         if getattr(a, k) is not None:
             p[k] = getattr(a, k)
     dev = pick_device(a.device)
-    dtype = getattr(torch, p["dtype"])
+    dtype = parse_dtype("dtype", p["dtype"], LAB_DTYPES)
     info = device_info(dev)
     ceilings = get_ceilings(dev, quick=not a.full_ceilings and dev.type == "cpu", progress=True)
     params = {**p, "directions": a.directions, "device": str(dev), "preset": a.preset}

@@ -16,8 +16,10 @@ are recognised through composition (``causal() & full()`` is causal); everything
 else is "custom" and needs a path that takes a dense mask or a mask_mod.
 
 Token order of the joint MMDiT sequence follows FLUX: ``[text | image]``.
-FLOPs: attention over ``P`` allowed pairs costs ``4 * P * Dh`` per head forward
-(QK^T and PV, 2 FLOPs per multiply-add) and 2.5x that backward.
+FLOPs follow :mod:`lab_utils.flops`: attention over ``P`` allowed pairs costs ``4 * P * Dh``
+per head forward (QK^T and PV, 2 FLOPs per multiply-add); the backward is 2.5x that under the
+"kernel" convention (the matmuls a flash backward runs: a kernel's TFLOP/s) and 2x under the
+"model" convention (what MFU counts).  :class:`AttentionFlops` says which one it holds.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
+from . import flops as F
 from .config import ConfigError
 
 MaskMod = Callable[[Any, Any, Any, Any], Any]
@@ -336,20 +339,27 @@ class AttentionFlops:
     pairs: int  # allowed (b, h, q, k) pairs
     dense_pairs: int  # B * H * Lq * Lk
     fwd: float  # 4 * pairs * Dh
-    bwd: float  # 2.5 * fwd  (dS, dP, dQ, dK, dV: 5 matmuls vs 2)
+    bwd: float  # flops.ATTENTION_BWD_FACTOR[convention] * fwd
     density: float  # pairs / dense_pairs
+    convention: str = "kernel"  # lab_utils.flops: "kernel" (2.5x backward) | "model" (2x)
 
     @property
     def fwd_bwd(self) -> float:
         return self.fwd + self.bwd
 
 
-def attention_flops(mask: Mask | None, B: int, H: int, Lq: int, Lk: int, head_dim: int) -> AttentionFlops:
-    """Mask-aware FLOPs: only allowed pairs are counted, not the dense L x L."""
+def attention_flops(
+    mask: Mask | None, B: int, H: int, Lq: int, Lk: int, head_dim: int, *, convention: str = "kernel"
+) -> AttentionFlops:
+    """Mask-aware FLOPs (:func:`lab_utils.flops.attention_flops` over the allowed pairs only,
+    not the dense L x L); the backward by ``convention`` ("kernel" or "model")."""
+    if convention not in F.ATTENTION_CONVENTIONS:
+        raise ConfigError("convention", convention, "one of " + ", ".join(map(repr, F.ATTENTION_CONVENTIONS)))
     mask = mask or full()
     pairs = count_pairs(mask, B, H, Lq, Lk)
-    fwd = 4.0 * pairs * head_dim
-    return AttentionFlops(pairs, B * H * Lq * Lk, fwd, 2.5 * fwd, pairs / (B * H * Lq * Lk))
+    fwd = F.attention_flops(1, 1, Lq, Lk, head_dim, pairs=pairs, direction="fwd", convention=convention)
+    bwd = F.attention_flops(1, 1, Lq, Lk, head_dim, pairs=pairs, direction="bwd", convention=convention)
+    return AttentionFlops(pairs, B * H * Lq * Lk, fwd, bwd, pairs / (B * H * Lq * Lk), convention)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ differ in length.  Two ways to run attention on it:
 * packing: sequences concatenated into (T, H, Dh), T = sum(L_i), with ``cu_seqlens``;
   a varlen kernel computes ``sum(L_i^2)`` pairs (block-diagonal).
 
-FLOPs (forward, per head): 4 * Dh * pairs; the backward is 2.5x.  "Useful" FLOPs are
+FLOPs (forward, per head): 4 * Dh * pairs; the backward by ``lab_utils.flops``' convention
+("kernel" 2.5x by default, "model" 2x).  "Useful" FLOPs are
 the packed ones: padding wastes ``1 - sum(L_i^2) / (B * Lmax^2)`` of its work.  Memory:
 q, k, v, o activations scale with the token count (B * Lmax vs T); a path that
 materialises scores (SDPA math, reference) also holds H * B * Lmax^2 (padded) vs
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import flops as F
 from .attention import attend, get_path
 from .config import ConfigError, check_int
 from .model.data import normalize_buckets, tokens_for
@@ -104,16 +106,21 @@ class PadPackCost:
     tokens: int  # rows of q (B * Lmax or T)
     pairs: int  # (q, k) pairs computed, all heads
     fwd_flops: float
-    bwd_flops: float
+    bwd_flops: float  # by ``convention``
     useful_fraction: float  # useful pairs / computed pairs
     activation_bytes: int  # q, k, v, o
     score_bytes: int  # materialised fp32 scores of a math-style path (peak)
+    convention: str = "kernel"  # lab_utils.flops attention convention of bwd_flops
 
 
-def pad_pack_costs(batch: VarlenBatch, heads: int, head_dim: int, dtype=torch.bfloat16) -> list[PadPackCost]:
+def pad_pack_costs(
+    batch: VarlenBatch, heads: int, head_dim: int, dtype=torch.bfloat16, *, convention: str = "kernel"
+) -> list[PadPackCost]:
     """Computed (not measured) FLOPs and bytes of the padded and the packed layout."""
     check_int("heads", heads, min=1)
     check_int("head_dim", head_dim, min=1)
+    if convention not in F.ATTENTION_CONVENTIONS:
+        raise ConfigError("convention", convention, "one of " + ", ".join(map(repr, F.ATTENTION_CONVENTIONS)))
     elt = torch.empty((), dtype=dtype).element_size()
     useful = heads * sum(n * n for n in batch.lengths)
     padded_pairs = heads * batch.batch * batch.max_len**2
@@ -122,12 +129,10 @@ def pad_pack_costs(batch: VarlenBatch, heads: int, head_dim: int, dtype=torch.bf
         ("padded", batch.batch * batch.max_len, padded_pairs, padded_pairs * 4),
         ("packed", batch.total, useful, heads * max(batch.lengths) ** 2 * 4),
     ):
-        fwd = 4.0 * pairs * head_dim
-        out.append(
-            PadPackCost(
-                layout, tokens, pairs, fwd, 2.5 * fwd, useful / pairs, 4 * tokens * heads * head_dim * elt, scores
-            )
-        )
+        fwd = F.attention_flops(1, 1, 1, 1, head_dim, pairs=pairs, direction="fwd", convention=convention)
+        bwd = F.attention_flops(1, 1, 1, 1, head_dim, pairs=pairs, direction="bwd", convention=convention)
+        act = 4 * tokens * heads * head_dim * elt
+        out.append(PadPackCost(layout, tokens, pairs, fwd, bwd, useful / pairs, act, scores, convention))
     return out
 
 
@@ -233,6 +238,7 @@ def time_padding_vs_packing(
                     direction="fwd+bwd" if backward else "fwd",
                     computed_pairs=costs[layout].pairs,
                     useful_fraction=costs[layout].useful_fraction,
+                    flop_convention=costs[layout].convention,
                 )
             ok = getattr(t, "ok", False)
             rows.append(

@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 
+from lab_utils import flops
 from lab_utils import masks as M
 from lab_utils.config import ConfigError
 
@@ -146,3 +147,18 @@ def test_bad_mask_parameters(call, param):
     with pytest.raises(ConfigError) as ei:
         call()
     assert ei.value.param == param
+
+
+def test_flops_say_which_backward_convention_they_use():
+    """One convention table (lab_utils.flops): "kernel" (2.5x, what a flash backward runs)
+    for an attention kernel's TFLOP/s, "model" (2x) for MFU; the count says which it holds."""
+    pairs = 50 * 51 // 2
+    k = M.attention_flops(M.causal(), 2, 3, 50, 50, 64)
+    m = M.attention_flops(M.causal(), 2, 3, 50, 50, 64, convention="model")
+    assert (k.convention, m.convention) == ("kernel", "model")
+    assert k.fwd == m.fwd == flops.attention_flops(2, 3, 50, 50, 64, pairs=pairs)
+    assert k.bwd == flops.attention_flops(2, 3, 50, 50, 64, pairs=pairs, direction="bwd", convention="kernel")
+    assert m.bwd == 2.0 * m.fwd and k.bwd == 2.5 * k.fwd
+    with pytest.raises(ConfigError) as ei:
+        M.attention_flops(M.causal(), 1, 1, 8, 8, 64, convention="paper")
+    assert ei.value.param == "convention"

@@ -111,6 +111,8 @@ def test_sweep_tables_read_the_records():
     cost = S.block_mask_cost(sweep_df)
     assert list(cost["mask"]) == ["causal", "mmdit"] and "sdpa_fwd_ms" in cost.columns
     frame = rec.frame()
+    extra = frame[frame.experiment == "sweep"].extra.map(json.loads)
+    assert set(extra.map(lambda e: e["flop_convention"])) == {"kernel"}
     table = S.sweep_table(frame, "time")
     assert table.shape == (2, 1) and list(table.index.get_level_values("mask")) == ["causal", "mmdit"]
     assert S.not_run(sweep_df).empty

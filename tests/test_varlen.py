@@ -84,3 +84,12 @@ def test_bad_parameters(kw, param):
     with pytest.raises(ConfigError) as ei:
         V.bucket_batch(**kw)
     assert ei.value.param == param
+
+
+def test_pad_pack_costs_follow_the_flop_convention():
+    b = V.VarlenBatch((10, 30, 20), (5, 25, 15), (5, 5, 5), ((1, 1),) * 3)
+    for convention, factor in (("kernel", 2.5), ("model", 2.0)):
+        for c in V.pad_pack_costs(b, heads=2, head_dim=8, convention=convention):
+            assert c.convention == convention and c.bwd_flops == factor * c.fwd_flops
+    with pytest.raises(ConfigError, match="'convention'"):
+        V.pad_pack_costs(b, heads=2, head_dim=8, convention="paper")
