@@ -126,7 +126,7 @@ def measure_copy(dev: torch.device, nbytes: int, *, unstable: dict | None = None
     n = nbytes // 4
     src = torch.randn(n, device=dev)
     dst = torch.empty_like(src)
-    t = bench(lambda: dst.copy_(src), name="copy", device=dev, reps=15, check_finite=False)
+    t = bench(lambda: dst.copy_(src), name="copy", device=dev, reps=15, check_finite=False, retries=1)
     _note_unstable(unstable, "copy", t)
     moved = 2 * src.numel() * src.element_size()
     return moved / (t.median_ms * 1e-3) / 1e9, moved
@@ -156,7 +156,7 @@ def measure_matmul(dtype_name: str, dev: torch.device, n: int, *, unstable: dict
     torch.backends.cuda.matmul.allow_tf32 = dtype_name == "tf32"
     try:
         fn = _matmul_fn(dtype_name, n, dev)
-        t = bench(fn, name=f"matmul-{dtype_name}", device=dev, reps=10, budget_s=60)
+        t = bench(fn, name=f"matmul-{dtype_name}", device=dev, reps=10, budget_s=60, retries=1)
         _note_unstable(unstable, f"matmul {dtype_name}", t)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev

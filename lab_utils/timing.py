@@ -390,7 +390,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _cuda_samples(
+def cuda_samples(
     fn,
     *,
     reps: int,
@@ -408,15 +408,16 @@ def _cuda_samples(
     if not flush_l2 and not cuda_graph:
         return _event_loop(fn, reps=reps, warmup_ms=warmup_ms, est_ms=est_ms), "events"
     t0 = time.perf_counter()
+    asked_ms = 0.0  # what the do_bench calls were given: their warm-up and measuring time
     samples: list[float] = []
     while len(samples) < reps:
-        spent_ms = (time.perf_counter() - t0) * 1e3
-        left_ms = limit_ms - spent_ms
+        left_ms = limit_ms - max((time.perf_counter() - t0) * 1e3, asked_ms)
         if samples and left_ms <= est_ms:
             break
         # do_bench repeats for rep / (its estimate of one call): ask for the samples still missing
         want_ms = max(rep_ms if not samples else 0.0, (reps - len(samples)) * est_ms * 1.2)
         rep = max(min(want_ms, left_ms), est_ms)
+        asked_ms += rep + (0.0 if cuda_graph else warmup_ms)
         if cuda_graph:
             got = tt.do_bench_cudagraph(fn, rep=rep, grad_to_none=grad_to_none, return_mode="all")
         else:
@@ -499,7 +500,7 @@ def bench(
         meta = {"flush_l2": flush_l2 and not cuda_graph, "cuda_graph": cuda_graph, "time_limit_ms": limit_ms}
 
         def measure() -> tuple[list[float], str, dict]:
-            s, method = _cuda_samples(
+            s, method = cuda_samples(
                 fn,
                 reps=reps,
                 warmup_ms=warmup_ms,

@@ -45,3 +45,45 @@ def test_lookup_and_summary():
     rows = {r["quantity"]: r for r in c.summary_rows()}
     assert rows["copy bandwidth"]["datasheet"] == 4800.0
     assert rows["matmul bf16"]["measured/datasheet"] == pytest.approx(700 / 989.4)
+
+
+def test_cache_is_written_atomically(tmp_path):
+    """Many writers at once (runs sharing the cache): every read sees a whole JSON file, and no
+    temporary file is left behind."""
+    import threading
+
+    path = tmp_path / "ceilings" / "k.json"
+    errors = []
+
+    def writer(i):
+        for j in range(20):
+            C.write_json_atomic(path, {"writer": i, "j": j, "pad": "x" * 20000})
+
+    def reader():
+        for _ in range(200):
+            if path.exists():
+                try:
+                    json.loads(path.read_text())
+                except json.JSONDecodeError as e:
+                    errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)] + [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and json.loads(path.read_text())["j"] == 19
+    assert [p.name for p in path.parent.iterdir()] == ["k.json"]
+
+
+def test_unstable_ceiling_timings_are_noted():
+    c = C.Ceilings(
+        device={"name": "t"},
+        copy_gbs=10.0,
+        copy_bytes=1,
+        matmul_tflops={"fp32": 1.0},
+        matmul_n={},
+        unstable={"copy": "dispersion p80/p20 = 1.5 > 1.2"},
+    )
+    rows = {r["quantity"]: r for r in c.summary_rows()}
+    assert "UNSTABLE timing: dispersion" in rows["copy bandwidth"]["note"] and rows["matmul fp32"]["note"] == ""

@@ -5,7 +5,15 @@ import pandas as pd
 import torch
 
 from lab_utils.ceilings import Ceilings
-from lab_utils.records import CONTEXT_COLUMNS, ROW_COLUMNS, Recorder, load_records, run_context
+from lab_utils.records import (
+    CONTEXT_COLUMNS,
+    ROW_COLUMNS,
+    Recorder,
+    fill_stability,
+    load_records,
+    run_context,
+    stability_summary,
+)
 from lab_utils.timing import BenchFailure, Timing
 
 CEIL = Ceilings(device={"name": "t"}, copy_gbs=100.0, copy_bytes=1, matmul_tflops={"fp32": 1.0}, matmul_n={})
@@ -54,3 +62,71 @@ def test_context_has_versions():
     for k in ("device", "torch_version", "triton_version", "cuda_version", "commit", "timestamp", "params"):
         assert k in ctx
     assert isinstance(pd.DataFrame([ctx["device_info"]]), pd.DataFrame)
+
+
+def test_timing_rows_carry_the_stability_verdict():
+    rec = Recorder("99_test", ceilings=CEIL)
+    steady = Timing("k", "cpu", "test", (1.0, 1.01, 0.99, 1.0, 1.02), 1.0, meta={"threads": 1, "attempts": 1})
+    stalled = Timing("k", "cpu", "test", (0.4,) * 7 + (31.9, 32.0, 31.8), 1.0, meta={"threads": 2, "attempts": 3})
+    rec.add_timing("exp", "steady", steady, shape=(4, 8), bytes=1e6)
+    rec.add_timing("exp", "stalled", stalled, shape=(4, 8), bytes=1e6)
+    rec.add("exp", "steady", "max_abs_err", 0.0)
+    df = rec.frame()
+    timed = df[df.metric != "max_abs_err"]
+    assert set(timed[timed.variant == "steady"].stable) == {True}
+    bad = timed[timed.variant == "stalled"]
+    assert set(bad.stable) == {False} and all("stalled" in s for s in bad.stability)
+    assert set(bad.metric) == {"time", "bandwidth", "pct_of_ceiling"}
+    assert json.loads(bad.iloc[0].extra)["threads"] == 2
+    other = df[df.metric == "max_abs_err"].iloc[0]
+    assert other.stable is None and other.stability == ""
+    s = stability_summary(df)
+    assert (s.timings, s.unstable, s.share) == (2, 1, 0.5) and "stalled" in s.examples[0]
+
+
+def test_old_records_load_and_are_judged_from_samples(tmp_path):
+    """A records file written before the verdict columns existed still loads; its timings are
+    judged from the kept samples and the derived rows follow their time row."""
+    old_cols = [c for c in ROW_COLUMNS if c not in ("stable", "stability")]
+    rows = [
+        dict(
+            lab="l",
+            experiment="e",
+            variant="v",
+            shape="4",
+            dtype="float32",
+            metric="time",
+            value=0.4,
+            unit="ms",
+            statistic="median",
+            samples=[0.4] * 7 + [31.9, 32.0, 31.8],
+            extra="",
+        ),
+        dict(
+            lab="l",
+            experiment="e",
+            variant="v",
+            shape="4",
+            dtype="float32",
+            metric="bandwidth",
+            value=9.0,
+            unit="GB/s",
+            statistic="median",
+            samples=None,
+            extra="",
+        ),
+    ]
+    f = tmp_path / "records.json"
+    f.write_text(json.dumps({"context": {}, "rows": [{k: r[k] for k in old_cols} for r in rows]}))
+    df = load_records(f)
+    assert df.stable.isna().all() and list(df.stability) == ["", ""]
+    judged = fill_stability(df)
+    assert list(judged.stable) == [False, False] and "judged from the kept samples" in judged.stability[0]
+    pd.DataFrame([{k: r[k] for k in old_cols} for r in rows]).to_parquet(tmp_path / "old.parquet")
+    assert "stable" in load_records(tmp_path / "old.parquet").columns
+
+
+def test_context_records_the_timing_policy():
+    ctx = run_context({})
+    if ctx["device_kind"] == "cpu":
+        assert ctx["timing"]["cpu_threads"]["threads"] >= 1 and ctx["timing"]["cpu_threads"]["reason"]
