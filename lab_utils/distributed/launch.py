@@ -28,6 +28,7 @@ with ``spec.json`` from ``DistConfig(...).to_json()`` (``world_size`` = nodes x 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -189,11 +190,18 @@ def launch_cases(
             codes = [p.poll() for p in procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                r = failed[0]
+                # a rank's failure makes its peers fail too (closed connections); the earliest
+                # error file is the cause
+                def written(rank: int) -> float:
+                    f = out / f"error-rank{rank}.txt"
+                    return f.stat().st_mtime if f.exists() else math.inf
+
+                errs = {k for k in range(world) if (out / f"error-rank{k}.txt").exists()}
+                r = min(set(failed) | errs, key=lambda k: (written(k), k))
                 err = out / f"error-rank{r}.txt"
                 why = err.read_text().strip() if err.exists() else (out / f"log-rank{r}.txt").read_text()[-4000:]
                 raise DistRunError(
-                    "raised", f"rank {r} failed (exit code {codes[r]}) and the run was ended:\n{why}", r, out
+                    "raised", f"rank {r} failed and the run was ended:\n{why}", r, out
                 )
             if all(c == 0 for c in codes):
                 break

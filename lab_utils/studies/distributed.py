@@ -201,7 +201,10 @@ def run_lab(cfg: DistributedLabConfig, rec: Recorder, out: str | Path | None = N
 
 def agreement_lines(runs: LabRuns) -> list[str]:
     """PASS/FAIL per run against the single-process reference; raises when one fails."""
-    lines = [a.verdict() for a in runs.agreements]
+    lines = [
+        f"{case_name(r.cfg):<18} x{r.cfg.world_size}  {a.tolerance:<12}  {'PASS' if a.ok else 'FAIL'}"
+        for r, a in zip(runs.results, runs.agreements)
+    ]
     bad = [a for a in runs.agreements if not a.ok]
     if bad:
         raise AssertionError("runs disagree with the single-process reference:\n" + "\n".join(map(str, bad)))
