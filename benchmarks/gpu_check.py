@@ -1192,6 +1192,8 @@ def run_check(args) -> int:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     ctx = Recorder(lab=LAB, params=params, device=dev, ceilings=run.ceilings).context()
+    if args.commit:  # a copy of the tree without .git (a lent GPU machine) cannot name its commit
+        ctx["commit"] = args.commit
     ctx.update(
         run_id=run_id,
         suite=LAB,
@@ -1251,6 +1253,7 @@ def parse_args(argv: list[str]):
     ap.add_argument("--seed", type=int, default=0, help="seed of every check's inputs (printed, recorded)")
     ap.add_argument("--update-readme", action="store_true", help="rewrite the figures table in --readme")
     ap.add_argument("--readme", default=str(ROOT / "benchmarks" / "results" / "README.md"))
+    ap.add_argument("--commit", default=None, help="commit to record when the tree has no .git (default: git's)")
     ap.add_argument("--from-records", default=None, help="summarise a finished run's folder instead of running")
     a = ap.parse_args(argv)
     a.argv = list(argv)

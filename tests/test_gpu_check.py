@@ -207,8 +207,11 @@ def test_raising_section_is_recorded_and_the_rest_run(gc, monkeypatch, tmp_path)
         raise RuntimeError("planted failure")
 
     monkeypatch.setitem(gc.SECTION_FNS, "fused", boom)
-    rc = gc.main(["--device", "cpu", "--sections", "ceilings,fused,fp8", "--out", str(tmp_path / "r")])
+    rc = gc.main(
+        ["--device", "cpu", "--sections", "ceilings,fused,fp8", "--out", str(tmp_path / "r"), "--commit", "abc123"]
+    )
     assert rc == gc.EXIT_SECTION_FAILED
+    assert set(load_records(tmp_path / "r")["commit"]) == {"abc123"}
     status = {s["notebook"]: s for s in json.loads((tmp_path / "r" / "status.json").read_text())}
     assert status["gpu_check:fused"]["status"] == "failed"
     assert "planted failure" in status["gpu_check:fused"]["error"]
