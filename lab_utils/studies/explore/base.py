@@ -271,15 +271,22 @@ class Explorer:
         if not self.results:
             self.run()
         if not live:
-            display(HTML(f'<p class="perflab-explore-note"><b>{html.escape(self.title)}.</b> {LIVE_NOTE}</p>'))
-            if self.status.startswith("cannot run"):
-                display(HTML(f"<p>{html.escape(self.status)}</p>"))
-            display(self.table())
-            display(self.figure())
+            for obj in self.static():
+                display(obj)
             return None
         display(self.widget())
         display(self.live_figure())
         return None
+
+    def static(self) -> list:
+        """What a headless run displays: the note, the reason when the configuration cannot
+        run, the table and the static figure."""
+        if not self.results and not self.status:
+            self.run()
+        out = [HTML(f'<p class="perflab-explore-note"><b>{html.escape(self.title)}.</b> {LIVE_NOTE}</p>')]
+        if self.status.startswith("cannot run"):
+            out.append(HTML(f"<p>{html.escape(self.status)}</p>"))
+        return [*out, self.table(), self.figure()]
 
     def widget(self) -> W.VBox:
         ui = self._ui

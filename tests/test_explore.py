@@ -1,0 +1,214 @@
+"""The live explorers without a browser: the shared machinery (cache by configuration,
+reasons, records, interruption, the widget path driven from Python) on a toy explorer, and
+each lab's explorer: its headless static render and one live measurement."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import holoviews as hv
+import pandas as pd
+import pytest
+from IPython.display import HTML
+
+from lab_utils.ceilings import Ceilings
+from lab_utils.config import ConfigError
+from lab_utils.records import Recorder, load_records
+from lab_utils.studies.explore import LIVE_NOTE, Control, Explorer, Progress, Result, Unavailable, is_live
+
+CEIL = Ceilings(
+    device={"name": "test cpu"},
+    copy_gbs=20.0,
+    copy_bytes=1 << 24,
+    matmul_tflops={"fp32": 0.2, "bf16": 0.1},
+    matmul_n={"fp32": 256, "bf16": 256},
+)
+
+
+@dataclass
+class Toy(Explorer):
+    """Measures nothing heavy: counts its calls, can be told to wait for Stop."""
+
+    lab: ClassVar[str] = "toy"
+    title: ClassVar[str] = "Toy"
+    controls: ClassVar[tuple[Control, ...]] = (Control("n", (1, 2, 3, 99), 1), Control("slow", (), False))
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.calls = 0
+
+    def why_not(self, cfg):
+        return "99 is too many" if cfg["n"] == 99 else None
+
+    def measure(self, cfg, progress: Progress) -> Result:
+        self.calls += 1
+        steps = 50 if cfg["slow"] else 1
+        for _ in progress.iter(list(range(steps)), "step"):
+            if cfg["slow"]:
+                time.sleep(0.02)
+        self.rec.add("explore", f"n{cfg['n']}", "square", cfg["n"] ** 2, "", statistic="value")
+        return Result(0, cfg, dict(n=cfg["n"], square=cfg["n"] ** 2))
+
+    def figures(self, results):
+        df = pd.DataFrame([dict(n=r.row["n"], square=r.row["square"]) for r in results], columns=["n", "square"])
+        return [hv.Scatter(df, "n", "square")]
+
+
+def _render(obj):
+    hv.renderer("bokeh").get_plot(obj)  # raises when the figure cannot be drawn
+
+
+def test_cache_reason_and_validation():
+    ex = Toy()
+    assert ex.run().ok and ex.calls == 1
+    again = ex.run()
+    assert again.cached and again.result is ex.results[0] and ex.calls == 1, "a repeated choice must not re-measure"
+    assert ex.run(n=2).ok and ex.calls == 2 and len(ex.table()) == 2
+    no = ex.run(n=99)
+    assert not no.ok and no.reason == "99 is too many" and ex.status == "cannot run: 99 is too many"
+    assert ex.run(n=99).cached and len(ex.results) == 2, "a configuration that cannot run adds no result"
+    with pytest.raises(ConfigError, match="'n'"):
+        ex.run(n=7)
+    with pytest.raises(ConfigError, match="'slow'"):
+        ex.run(slow="yes")
+    with pytest.raises(ConfigError, match="nope"):
+        Toy(defaults={"nope": 1})
+    assert list(ex.table()["#"]) == [1, 2]
+
+
+def test_unavailable_raised_while_measuring_is_a_reason():
+    @dataclass
+    class Fails(Toy):
+        def measure(self, cfg, progress):
+            raise Unavailable("not on this device")
+
+    ex = Fails()
+    out = ex.run()
+    assert not out.ok and out.reason == "not on this device" and not ex.results
+
+
+def test_every_result_is_a_record_that_save_keeps(tmp_path):
+    rec = Recorder(lab="toy")
+    ex = Toy(rec=rec)
+    ex.run()
+    ex.run(n=3)
+    ex.run(n=3)  # cached: no new record
+    df = load_records(rec.save(tmp_path / "records.json"))
+    assert list(df.variant) == ["n1", "n3"] and list(df.value) == [1.0, 9.0]
+
+
+def test_stop_interrupts_at_a_checkpoint():
+    ex = Toy()
+    stop = threading.Event()
+    stop.set()
+    out = ex.run(Progress(stop), slow=True)
+    assert out.interrupted and not out.ok and ex.status.startswith("interrupted")
+    assert ex.run(slow=True).ok, "an interrupted configuration is not cached"
+
+
+def test_headless_static_render():
+    assert not is_live(), "pytest has no kernel: explorers render statically"
+    ex = Toy()
+    objs = ex.static()
+    assert isinstance(objs[0], HTML) and LIVE_NOTE in objs[0].data
+    assert isinstance(objs[-2], pd.DataFrame) and len(objs[-2]) == 1
+    _render(objs[-1])
+
+
+def test_widget_change_measures_in_the_background():
+    """The live path without a browser: a control's change runs the measurement in a worker,
+    the table gains a row, the plot's stream gets the new results, a reason is shown."""
+    ex = Toy()
+    ex.run()
+    box = ex.widget()
+    ex.live_figure()
+    seen = []
+    ex._pipe.add_subscriber(lambda data: seen.append(len(data)))
+    ex._ui["controls"]["n"].value = 2
+    _wait(lambda: ex._worker is None and len(ex.results) == 2)
+    assert ex._ui["table"].value.count("</tr>") == 3  # header + 2 rows
+    assert seen and seen[-1] == 2
+    ex._ui["controls"]["n"].value = 99
+    _wait(lambda: ex._worker is None and "cannot run" in ex._ui["status"].value)
+    assert "perflab-explore-reason" in ex._ui["status"].value and "99 is too many" in ex._ui["status"].value
+    assert box.children
+
+
+def _wait(cond, timeout_s: float = 20):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "the explorer's worker did not finish"
+        time.sleep(0.02)
+
+
+# ------------------------------------------------------------------ each lab's explorer
+
+
+def _check_lab(ex, change: dict, unavailable: dict):
+    """Headless render of the default state, one live measurement, one reason, records kept."""
+    objs = ex.static()
+    assert LIVE_NOTE in objs[0].data and len(ex.results) == 1, ex.status
+    _render(objs[-1])
+    n_rows = len(ex.rec.rows)
+    out = ex.run(**change)
+    assert out.ok and not out.cached, ex.status
+    assert len(ex.rec.rows) > n_rows, "a live measurement writes records"
+    assert len(ex.table()) == 2
+    _render(ex.figure())
+    no = ex.run(**unavailable)
+    assert not no.ok and no.reason, f"{unavailable} should not run here"
+    return out.result
+
+
+def test_ceilings_explorer():
+    from lab_utils.studies.explore.ceilings import CeilingsExplorer
+
+    ex = CeilingsExplorer(ceilings=CEIL, device="cpu", reps=5, defaults=dict(size=4096))
+    r = _check_lab(ex, dict(op="matmul", size=64), dict(op="matmul", size=4194304))
+    assert r.row["bound"] in ("memory", "compute") and r.row["tflops"] > 0
+    assert {"explore"} == {row["experiment"] for row in ex.rec.rows}
+
+
+def test_fused_explorer_checks_then_times_and_never_times_triton_on_cpu():
+    from lab_utils.studies.explore.fused_kernels import NOT_TIMED, FusedExplorer
+
+    ex = FusedExplorer(ceilings=CEIL, device="cpu", reps=5, defaults=dict(tokens=61, hidden=96, head_dim=32))
+    r = _check_lab(ex, dict(op="rope"), dict(op="gelu_tanh", variant="torch"))
+    assert r.row["check"] == "ok" and r.row["gbs"] > 0
+    t = ex.run(variant="triton", op="rms_norm").result
+    assert t.row["check"] == "ok" and math.isnan(t.row["time_ms"]) and NOT_TIMED in t.row["note"]
+
+
+def test_attention_explorer():
+    from lab_utils.studies.explore.attention import AttentionExplorer
+
+    ex = AttentionExplorer(ceilings=CEIL, device="cpu", reps=4, defaults=dict(seq_len=64))
+    r = _check_lab(ex, dict(mask="document", seq_len=127), dict(path="efficient"))
+    assert r.row["check"] == "ok" and 0 < r.row["density"] < 1
+    assert r.data["picture"].shape == (127, 127)
+
+
+def test_low_precision_explorer():
+    from lab_utils.studies.explore.low_precision import LowPrecisionExplorer
+
+    ex = LowPrecisionExplorer()
+    r = _check_lab(ex, dict(hadamard=128), dict(hadamard="off", block_size=16))
+    assert r.row["sqnr_db"] > ex.results[0].row["sqnr_db"], "rotating outlier channels raises the SQNR (seed 0)"
+    assert math.isclose(r.data["hist"]["frac"].sum(), 1.0, rel_tol=1e-6)
+
+
+def test_training_step_explorer():
+    from lab_utils.studies.explore.training_step import TrainingStepExplorer
+    from lab_utils.studies.training_step import TrainingStepLabConfig
+
+    cfg = TrainingStepLabConfig(device="cpu", steps=1, warmup_steps=0, num_samples=4)
+    ex = TrainingStepExplorer.for_lab(cfg)
+    r = _check_lab(ex, dict(batch=1), dict(attention_path="efficient"))
+    assert r.row["step_ms"] > 0 and r.row["peak_mib"] >= 0
+    assert ex.run(kernels="triton").reason.startswith("kernels='triton' runs in Triton's interpreter")
+    variants = {row["variant"].split(" | ")[0] for row in ex.rec.rows}
+    assert len(variants) == 2, "each configuration's records carry its label"
