@@ -6,6 +6,7 @@ perflab ceilings [--force] [--quick]
 perflab nb refresh LAB.ipynb ...
 perflab compare BASE CANDIDATE [...]      (lab_utils.run.compare)
 perflab baseline refresh|check [...]      (lab_utils.run.compare.baselines)
+perflab numdiff A B [--variant-a V] [...]  (lab_utils.telemetry: where two runs' telemetry parts)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 
 from ..ceilings import get_ceilings
 from ..config import ConfigError
+from ..telemetry import numdiff_main
 from .compare import baseline_main
 from .compare import main as compare_main
 from .nbtools import refresh
@@ -87,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         return compare_main(argv[1:])
     if argv and argv[0] == "baseline":
         return baseline_main(argv[1:])
+    if argv and argv[0] == "numdiff":
+        return numdiff_main(argv[1:])
     ap = argparse.ArgumentParser(
         prog="perflab", description="perflab: a performance lab for diffusion-transformer training"
     )
@@ -118,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     rf.set_defaults(fn=_cmd_nb)
     sub.add_parser("compare", help="compare two reports (see `perflab compare --help`)")
     sub.add_parser("baseline", help="stored baselines (see `perflab baseline --help`)")
+    sub.add_parser("numdiff", help="where two reports' telemetry first differs (see `perflab numdiff --help`)")
     a = ap.parse_args(argv)
     return a.fn(a)
 
