@@ -28,9 +28,10 @@ Stability
 ---------
 Every timing carries a verdict (:class:`Stability`) from :func:`judge_samples`: its
 dispersion (p80/p20), bimodality (two clusters of samples), stalls (samples several ms
-and several times above the median: a descheduled thread, a scheduler quantum) and
-drift (a trend across the samples in the order they were taken: a clock or a load that
-changed).  An unstable measurement is taken again, at most ``retries`` more times and
+and several times above the median: a descheduled thread, a scheduler quantum), drift
+(a trend across the samples in the order they were taken: a clock or a load that
+changed) and, for single-threaded CPU timing, the share of the time the thread was
+actually on a CPU.  An unstable measurement is taken again, at most ``retries`` more times and
 within the budget; if none is stable the steadiest attempt is kept and the verdict says
 so.  The thresholds are :class:`StabilityRules`.
 """
@@ -81,6 +82,9 @@ class StabilityRules:
       somewhere between the 20th and 80th percentile.
     * drift (>= 9 samples): the last third's median differs from the first third's by more
       than ``max_drift`` and the samples trend with their order (|Spearman rho| >= ``min_rho``).
+    * descheduled (CPU, one thread): the timed thread was on a CPU for less than
+      ``min_on_cpu`` of the wall time it measured.  A core shared with another busy process
+      slows every sample alike, which no dispersion test sees; the CPU time does.
     """
 
     max_spread: float = 1.2
@@ -91,13 +95,14 @@ class StabilityRules:
     max_drift: float = 0.10
     min_rho: float = 0.5
     min_samples: int = 3
+    min_on_cpu: float = 0.85
 
     def __post_init__(self):
         for name in ("max_spread", "stall_factor", "bimodal_gap"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 1):
                 raise ValueError(f"parameter {name!r} = {v!r} is not allowed: expected a number > 1")
-        for name in ("stall_ms", "max_stall_share", "max_drift", "min_rho"):
+        for name in ("stall_ms", "max_stall_share", "max_drift", "min_rho", "min_on_cpu"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0):
                 raise ValueError(f"parameter {name!r} = {v!r} is not allowed: expected a number >= 0")
@@ -131,8 +136,12 @@ def _spearman(x: np.ndarray) -> float:
     return float((r * o).sum() / den) if den > 0 else 0.0
 
 
-def judge_samples(samples: Sequence[float], rules: StabilityRules | None = None) -> Stability:
-    """Judge a timing's samples (in the order they were taken); see :class:`StabilityRules`."""
+def judge_samples(
+    samples: Sequence[float], rules: StabilityRules | None = None, *, on_cpu: float | None = None
+) -> Stability:
+    """Judge a timing's samples (in the order they were taken); see :class:`StabilityRules`.
+    ``on_cpu``: the share of the measuring time the timed thread was on a CPU (single-
+    threaded CPU timing), below ``min_on_cpu`` when other processes took the core."""
     r = rules or DEFAULT_RULES
     x = np.asarray([float(s) for s in samples], dtype=float)
     x = x[np.isfinite(x)]
@@ -173,6 +182,11 @@ def judge_samples(samples: Sequence[float], rules: StabilityRules | None = None)
                 f"drift: the last third's median is {b / a - 1:+.0%} against the first third's (Spearman rho "
                 f"{rho:.2f}): a clock or a load that changed while measuring"
             )
+    if on_cpu is not None and math.isfinite(on_cpu) and on_cpu < r.min_on_cpu:
+        problems.append(
+            f"on a CPU only {on_cpu:.0%} of the time it measured (descheduled for the rest: other processes "
+            f"share the cores, so every sample is slowed alike)"
+        )
     if problems:
         return Stability(False, "; ".join(problems), spread, int(stalled.size))
     return Stability(True, f"p80/p20 = {spread:.3f}, no stall, one mode, no drift over {n} samples", spread, 0)
@@ -426,13 +440,19 @@ def cuda_samples(
     return samples, "do_bench_cudagraph" if cuda_graph else "do_bench"
 
 
-def _cpu_samples(fn, *, n: int, number: int, warmup_ms: float, threads: int) -> list[float]:
+def _cpu_samples(fn, *, n: int, number: int, warmup_ms: float, threads: int) -> tuple[list[float], float]:
+    """``n`` samples, and the share of their wall time this thread spent on a CPU."""
     timer = tub.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
     with cpu_threads(threads):
         warm_deadline = time.perf_counter() + warmup_ms / 1e3
         while time.perf_counter() < warm_deadline:
             fn()
-        return [timer.timeit(number).median * 1e3 for _ in range(n)]
+        samples = []
+        c0, w0 = time.thread_time(), time.perf_counter()
+        for _ in range(n):
+            samples.append(timer.timeit(number).median * 1e3)
+        cpu, wall = time.thread_time() - c0, time.perf_counter() - w0
+    return samples, (cpu / wall if wall > 0 else math.nan)
 
 
 def bench(
@@ -529,14 +549,17 @@ def bench(
 
         def measure() -> tuple[list[float], str, dict]:
             choice = choose_cpu_threads(threads)
-            s = _cpu_samples(fn, n=n, number=number, warmup_ms=warmup_ms, threads=choice.threads)
-            return s, "torch.utils.benchmark", {"threads": choice.threads, "threads_reason": choice.reason}
+            s, on_cpu = _cpu_samples(fn, n=n, number=number, warmup_ms=warmup_ms, threads=choice.threads)
+            extra = {"threads": choice.threads, "threads_reason": choice.reason, "on_cpu": round(on_cpu, 3)}
+            return s, "torch.utils.benchmark", extra
 
     attempts: list[tuple[list[float], str, dict, Stability]] = []
     for attempt in range(1 + retries):
         a0 = time.perf_counter()
         samples, method, extra = measure()
-        verdict = judge_samples(samples, rules)
+        # with one thread the op runs on this thread: its CPU time over the wall time says how
+        # long the scheduler kept it off the CPU (with more, idle workers make the figure unreliable)
+        verdict = judge_samples(samples, rules, on_cpu=extra.get("on_cpu") if extra.get("threads") == 1 else None)
         attempts.append((samples, method, extra, verdict))
         if verdict.stable:
             break

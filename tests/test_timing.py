@@ -98,6 +98,10 @@ def test_judge_flags_each_kind_of_disturbance():
     spread = list(np.exp(rng.normal(0, 0.3, 30)))
     assert "dispersion" in judge_samples(spread).reason
     assert not judge_samples([1.0, 1.0]).stable  # too few to judge
+    # every sample slowed alike by a shared core: only the thread's CPU time shows it
+    v = judge_samples(quiet, on_cpu=0.5)
+    assert not v.stable and "on a CPU only 50%" in v.reason
+    assert judge_samples(quiet, on_cpu=0.97).stable
     strict = StabilityRules(max_spread=1.01)
     assert not judge_samples(quiet, strict).stable
     with pytest.raises(ValueError, match="'max_spread'"):
@@ -110,8 +114,8 @@ def test_unstable_measurement_is_retried_then_reported():
     verdicts = iter([False, True])
     real_judge = timing_mod.judge_samples
 
-    def first_attempt_disturbed(samples, rules=None):
-        v = real_judge(samples, rules)
+    def first_attempt_disturbed(samples, rules=None, on_cpu=None):
+        v = real_judge(samples, rules, on_cpu=on_cpu)
         ok = next(verdicts, True)
         return v if ok else timing_mod.Stability(False, "3 of 8 samples stalled", 2.0, 3)
 
@@ -162,6 +166,7 @@ def test_cpu_threads_are_chosen_recorded_and_restored(monkeypatch):
     x = torch.randn(64, 64)
     t = bench(lambda: x @ x, device="cpu", reps=3, warmup_ms=0, threads=1)
     assert t.meta["threads"] == 1 and "set by argument" in t.meta["threads_reason"]
+    assert 0 < t.meta["on_cpu"] <= 1.05
     assert torch.get_num_threads() == before
     monkeypatch.delenv(THREADS_ENV)
     ctx = timing_context()
