@@ -417,14 +417,14 @@ def measure_saved(
         model = build_model(cfg, device=dev, dtype=dt, seed=seed)
     model.train()
     gen = torch.Generator(device="cpu").manual_seed(seed) if dev.type != "meta" else None
-    batch = _batch(cfg, sh, dt, dev, gen)
+    batch = batch_for(cfg, sh, dt, dev, gen)
     with saved_tensor_probe(model) as report:
         loss = rf_loss(model, batch, gen)
     del loss
     return report
 
 
-def _batch(cfg: MMDiTConfig, sh: StepShape, dt: torch.dtype, dev: torch.device, gen):
+def batch_for(cfg: MMDiTConfig, sh: StepShape, dt: torch.dtype, dev: torch.device, gen=None):
     """A synthetic batch of ``sh`` (square-ish grid: img_tokens = 1 x img_tokens when not square)."""
     ppt = cfg.pixels_per_token
     h = int(math.isqrt(sh.img_tokens))
@@ -683,7 +683,7 @@ def step_grads(cfg: MMDiTConfig, sh: StepShape, dtype, policy: str, seed: int = 
     model = build_model(cfg.replace(checkpoint=policy), dtype=dt, seed=seed)
     model.train()
     gen = torch.Generator().manual_seed(seed)
-    batch = _batch(cfg, sh, dt, torch.device("cpu"), gen)
+    batch = batch_for(cfg, sh, dt, torch.device("cpu"), gen)
     rf_loss(model, batch, gen).backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
@@ -756,7 +756,7 @@ def compare_policies(
         pcfg = cfg.replace(checkpoint=pol)
         model = build_model(pcfg, device=dev, dtype=dt, seed=seed)
         model.train()
-        batch = _batch(pcfg, sh, dt, dev, torch.Generator(device="cpu").manual_seed(seed))
+        batch = batch_for(pcfg, sh, dt, dev, torch.Generator(device="cpu").manual_seed(seed))
         saved = measure_saved(pcfg, sh, dt, device=dev, seed=seed, model=model).total
         formula = (
             sum(saved_bytes_formula(pcfg, sh, dt, device_type=dev.type).values()) if pol in FORMULA_POLICIES else None
@@ -878,6 +878,39 @@ def cuda_timeline(model: nn.Module, batch, opt: torch.optim.Optimizer, path: str
                 totals[cat] -= size
             rows.append({"time_ms": (t - t0) / 1e3, **{c: totals[c] for c in CUDA_CATEGORIES}})
     return pd.DataFrame(rows, columns=["time_ms", *CUDA_CATEGORIES])
+
+
+def alloc_conf() -> str:
+    """The CUDA caching allocator's settings (``expandable_segments:True`` cuts fragmentation)."""
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))
+
+
+def bisect_fit(cfg: MMDiTConfig, policy: str, resolution: int, txt_len: int, hi: int = 64) -> tuple[int, int]:
+    """On CUDA, the largest batch whose real bf16 AdamW step runs, by bisection over [0, hi];
+    each OOM is caught (counted, memory released) and the search goes on.  (edge, OOMs)."""
+    dev = torch.device("cuda")
+    model = build_model(cfg.replace(checkpoint=policy), device=dev, dtype=torch.bfloat16)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    sh1 = step_shape(cfg, 1, resolution, resolution, txt_len)
+    lo, ooms = 0, 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        try:
+            batch = batch_for(cfg, StepShape(mid, sh1.img_tokens, txt_len), torch.bfloat16, dev)
+            rf_loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(dev)
+            lo = mid
+        except torch.OutOfMemoryError:
+            ooms += 1
+            hi = mid - 1
+        finally:
+            batch = None
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+    return lo, ooms
 
 
 CUDA_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")

@@ -1,0 +1,412 @@
+"""Lab 05 (memory): where a step's memory goes, what each activation-checkpointing policy
+buys, and what fits.  The lab's config, its tables and sweeps (each writes its records),
+and its plots (which read records)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import holoviews as hv
+import pandas as pd
+import torch
+
+from .. import memory as mem
+from ..config import ConfigError, LabConfig, check_choice, check_choices, check_float, check_int, check_int_list
+from ..device import pick_device
+from ..model import CHECKPOINT_POLICIES, PRESETS, build_model, resolve_config
+from ..model.train import artifacts_dir
+from ..plots import init
+from ..records import Recorder
+
+LAB = "05_memory"
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class MemoryLabConfig(LabConfig):
+    device: str = "auto"
+    preset: str = "tiny"  # the model whose step is measured
+    dtype: str = "float32"
+    batch_size: int = 4
+    resolution: int = 128  # square image, pixels
+    txt_len: int = 8
+    policies: tuple = (
+        "none",
+        "full",
+        "double",
+        "single",
+        "every_other",
+        "selective",
+        "save_matmul",
+        "save_attention",
+        "offload",
+    )
+    account_presets: tuple = ("tiny", "small", "medium", "flux-dev")
+    account_dtypes: tuple = ("float32", "bfloat16")
+    account_resolution: int = 1024  # the step shape the accounting table projects to
+    account_txt_len: int = 512
+    inspect_block: str = "single_blocks.0"  # block whose saved tensors are listed op by op
+    device_memory_gb: float = 0.0  # 0: the current GPU's memory, or an H200's 141 GB
+    fit_resolutions: tuple = (256, 512, 768, 1024, 1536, 2048)
+    fsdp_world_sizes: tuple = (2,)
+    fsdp_preset: str = "tiny"
+    fsdp_gpus: tuple = (1, 2, 4, 8, 16, 32)
+    confirm_fit: bool = False  # on CUDA: bisect a real step to the OOM edge
+    reps: int = 3
+    seed: int = 0
+
+    def __post_init__(self):
+        check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        check_choice("preset", self.preset, PRESETS)
+        check_choice("dtype", self.dtype, mem.MEMORY_DTYPES)
+        check_int("batch_size", self.batch_size, min=1)
+        check_int("txt_len", self.txt_len, min=1)
+        check_choices("policies", list(self.policies), CHECKPOINT_POLICIES)
+        check_choices("account_presets", list(self.account_presets), PRESETS)
+        check_choices("account_dtypes", list(self.account_dtypes), mem.MEMORY_DTYPES)
+        check_int("account_txt_len", self.account_txt_len, min=1)
+        cfg = resolve_config(self.preset)
+        cfg.check_resolution(self.resolution, self.resolution, "resolution")
+        cfg.check_resolution(self.account_resolution, self.account_resolution, "account_resolution")
+        mem.check_block(cfg, self.inspect_block, "inspect_block")
+        check_float("device_memory_gb", self.device_memory_gb, min=0)
+        check_int_list("fit_resolutions", list(self.fit_resolutions), min=16)
+        for r in self.fit_resolutions:
+            cfg.check_resolution(r, r, "fit_resolutions")
+        check_int_list("fsdp_world_sizes", list(self.fsdp_world_sizes), min=1)
+        if max(self.fsdp_world_sizes) > 8:
+            raise ConfigError("fsdp_world_sizes", self.fsdp_world_sizes, "world sizes of at most 8 (gloo on CPU)")
+        check_choice("fsdp_preset", self.fsdp_preset, ("tiny", "small"))
+        check_int_list("fsdp_gpus", list(self.fsdp_gpus), min=1)
+        check_int("reps", self.reps, min=3)
+        check_int("seed", self.seed, min=0)
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device", self.device, "'auto' or 'cpu' (no CUDA device is visible here)")
+
+    @property
+    def device_bytes(self) -> int:
+        return int(self.device_memory_gb * GB) if self.device_memory_gb > 0 else mem.default_device_bytes()
+
+    def step(self) -> mem.StepShape:
+        return mem.step_shape(
+            resolve_config(self.preset), self.batch_size, self.resolution, self.resolution, self.txt_len
+        )
+
+
+def recorder(cfg: MemoryLabConfig) -> Recorder:
+    return Recorder(lab=LAB, params=cfg.to_dict(), device=pick_device(cfg.device))
+
+
+# --------------------------------------------------------------------------------------
+# 1. Accounting: state and saved activations per class, block and op
+# --------------------------------------------------------------------------------------
+
+
+def formula_check(cfg: MemoryLabConfig) -> pd.DataFrame:
+    """Hooks against the analytic model for every formula policy at the lab's step (CPU); a
+    mismatch raises.  One row per policy."""
+    mcfg, sh = resolve_config(cfg.preset), cfg.step()
+    rows = []
+    for pol in mem.FORMULA_POLICIES:
+        meas = mem.measure_saved(mcfg, sh, cfg.dtype, pol, seed=cfg.seed)
+        form = mem.saved_bytes_formula(mcfg, sh, cfg.dtype, pol)
+        if meas.by_region() != form:
+            raise AssertionError(f"policy {pol!r}: hooks {meas.by_region()} != formula {form}")
+        rows.append(
+            dict(policy=pol, saved_tensors=len(meas.tensors), hooks_bytes=meas.total, formula_bytes=sum(form.values()))
+        )
+    return pd.DataFrame(rows)
+
+
+def block_ops(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
+    """Saved bytes of ``inspect_block`` by the op that made them (no checkpointing)."""
+    mcfg, sh = resolve_config(cfg.preset), cfg.step()
+    rep = mem.measure_saved(mcfg, sh, cfg.dtype, "none", seed=cfg.seed)
+    df = pd.DataFrame(rep.rows())
+    df = df[df.region == cfg.inspect_block].groupby(["op", "dtype"], as_index=False)["bytes"].agg(["sum", "count"])
+    df = df.rename(columns={"sum": "bytes", "count": "tensors"}).sort_values("bytes", ascending=False)
+    for r in df.itertuples():
+        rec.add(
+            "saved_by_op",
+            r.op,
+            "saved_bytes",
+            r.bytes,
+            "B",
+            shape=sh_str(sh),
+            dtype=cfg.dtype,
+            block=cfg.inspect_block,
+            tensors=r.tensors,
+        )
+    return df.reset_index(drop=True)
+
+
+def sh_str(sh: mem.StepShape) -> str:
+    return f"{sh.batch}x({sh.img_tokens}+{sh.txt_tokens})"
+
+
+def accounting(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
+    """Per preset x dtype x policy: bytes per class at ``account_resolution`` (state from the
+    model on meta, activations from the formula, transient from its model), batch 1."""
+    rows = []
+    for preset in cfg.account_presets:
+        mcfg = resolve_config(preset)
+        sh = mem.step_shape(mcfg, 1, cfg.account_resolution, cfg.account_resolution, cfg.account_txt_len)
+        for dt in cfg.account_dtypes:
+            st = mem.state_totals(mcfg, dt)
+            for pol in mem.FORMULA_POLICIES:
+                peak = mem.predicted_peak(mcfg, sh, dt, pol, state=st)
+                row = dict(
+                    preset=preset, dtype=dt, policy=pol, **{k: peak[k] for k in mem.CLASSES}, total=peak["total"]
+                )
+                rows.append(row)
+                for k in (*mem.CLASSES, "total"):
+                    rec.add("accounting", pol, f"{k}_bytes", peak[k], "B", shape=sh_str(sh), dtype=dt, preset=preset)
+    return pd.DataFrame(rows)
+
+
+def per_token_table(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
+    """Bytes per token per block (no checkpointing, CUDA's float32 LayerNorm statistics)."""
+    rows = []
+    for preset in cfg.account_presets:
+        mcfg = resolve_config(preset)
+        for dt in cfg.account_dtypes:
+            for kind in ("double", "single"):
+                v = mem.bytes_per_token_per_block(mcfg, dt, kind)
+                rows.append(dict(preset=preset, dtype=dt, block=kind, bytes_per_token=round(v, 1)))
+                rec.add(
+                    "per_token",
+                    kind,
+                    "bytes_per_token_per_block",
+                    v,
+                    "B/token",
+                    dtype=dt,
+                    preset=preset,
+                    tokens="4096+512",
+                )
+    return pd.DataFrame(rows)
+
+
+def block_state_table(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
+    """Parameter/gradient/optimizer bytes per region of the lab's preset (built on meta)."""
+    model = build_model(cfg.preset, device="meta", dtype=mem.parse_dtype("dtype", cfg.dtype))
+    df = pd.DataFrame([dict(region=k, **v) for k, v in mem.state_bytes(model).items()])
+    for r in df.itertuples():
+        rec.add("state", r.region, "parameters_bytes", r.parameters, "B", dtype=cfg.dtype, preset=cfg.preset)
+    return df
+
+
+# --------------------------------------------------------------------------------------
+# 2. AC policies on the same step
+# --------------------------------------------------------------------------------------
+
+
+def compare(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
+    """Every policy on one step: saved bytes (hooks, formula), peak, FLOPs, time; gradients
+    checked equal to no checkpointing (raises otherwise)."""
+    mcfg, sh = resolve_config(cfg.preset), cfg.step()
+    dev = pick_device(cfg.device)
+    res = mem.compare_policies(mcfg, sh, cfg.dtype, cfg.policies, device=dev, seed=cfg.seed, reps=cfg.reps)
+    base = next((r.flops for r in res if r.policy == "none"), None)
+    rows = []
+    for r in res:
+        kw = dict(shape=sh_str(sh), dtype=cfg.dtype, preset=cfg.preset)
+        rec.add("policies", r.policy, "saved_bytes", r.saved_bytes, "B", method="saved_tensors_hooks", **kw)
+        rec.add("policies", r.policy, "peak_bytes", r.peak_bytes, "B", method="allocator peak above start", **kw)
+        rec.add("policies", r.policy, "step_flops", r.flops, "FLOP", method="FlopCounterMode", **kw)
+        rec.add_timing("policies", r.policy, r.timing, **kw)
+        recompute = r.flops - base if base is not None else float("nan")
+        rec.add("policies", r.policy, "recomputed_flops", recompute, "FLOP", formula="flops - flops(none)", **kw)
+        rows.append(
+            dict(
+                policy=r.policy,
+                saved_bytes=r.saved_bytes,
+                formula_bytes=r.formula_bytes,
+                peak_bytes=r.peak_bytes,
+                recomputed_flops=recompute,
+                time_ms=getattr(r.timing, "median_ms", float("nan")),
+                grads_equal=r.grads_equal,
+            )
+        )
+    return pd.DataFrame(rows)
+
+
+def pareto_plot(df: pd.DataFrame):
+    """Peak memory against step time per policy; the Pareto front (no policy both faster and smaller) drawn."""
+    init()
+    d = df.assign(peak_mb=df.peak_bytes / 1e6).sort_values("time_ms")
+    front, best = [], float("inf")
+    for r in d.itertuples():
+        if r.peak_mb < best:
+            front.append(r.Index)
+            best = r.peak_mb
+    pts = hv.Scatter(d, "time_ms", ["peak_mb", "policy", "saved_bytes", "recomputed_flops"]).opts(
+        tools=["hover"], size=10, color="policy", cmap="Category10"
+    )
+    labels = hv.Labels(d, ["time_ms", "peak_mb"], "policy").opts(yoffset=0.02 * d.peak_mb.max(), text_font_size="8pt")
+    line = hv.Curve(d.loc[front], "time_ms", "peak_mb").opts(color="black", line_dash="dashed")
+    return (pts * labels * line).opts(
+        title="AC policies: peak memory vs step time (dashed: Pareto front)",
+        xlabel="step time (ms, median)",
+        ylabel="peak above start (MB)",
+    )
+
+
+def class_bars(df: pd.DataFrame, dtype: str = "bfloat16"):
+    """Stacked bytes per class for each preset x policy (GB), one frame per preset."""
+    init()
+    frames = {}
+    for preset, g in df[df.dtype == dtype].groupby("preset", sort=False):
+        long = g.melt(id_vars=["policy"], value_vars=list(mem.CLASSES), var_name="class", value_name="bytes")
+        long["GB"] = long.bytes / GB
+        frames[preset] = hv.Bars(long, ["policy", "class"], "GB").opts(
+            stacked=True, xrotation=45, title=f"{preset} · {dtype} · batch 1: bytes per class", tools=["hover"]
+        )
+    return hv.HoloMap(frames, kdims=["preset"])
+
+
+# --------------------------------------------------------------------------------------
+# 3. Timeline and what is live at the peak
+# --------------------------------------------------------------------------------------
+
+
+def timeline(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
+    """One AdamW step's categorized memory timeline (profiler on CPU, snapshot on CUDA); the
+    full data goes to the artifacts, the per-category peaks to records."""
+    dev = pick_device(cfg.device)
+    dt = mem.parse_dtype("dtype", cfg.dtype)
+    mcfg, sh = resolve_config(cfg.preset), cfg.step()
+    model = build_model(mcfg, device=dev, dtype=dt, seed=cfg.seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = mem.batch_for(mcfg, sh, dt, dev, torch.Generator().manual_seed(cfg.seed))
+    out = Path(artifacts_dir()) / "memory"
+    if dev.type == "cuda":
+        df = mem.cuda_timeline(model, batch, opt, out / "snapshot.pickle", seed=cfg.seed)
+        df.to_csv(out / "timeline.csv", index=False)
+        rec.add("timeline", "allocator", "reserved_bytes", torch.cuda.max_memory_reserved(dev), "B")
+        rec.add(
+            "timeline",
+            "allocator",
+            "allocated_bytes",
+            torch.cuda.max_memory_allocated(dev),
+            "B",
+            expandable_segments="expandable_segments:True" in mem.alloc_conf(),
+        )
+    else:
+        df = mem.cpu_timeline(model, batch, opt, out / "timeline.json", seed=cfg.seed)
+    for c in df.columns[1:]:
+        rec.add("timeline", c, "peak_bytes", float(df[c].max()), "B", shape=sh_str(sh), dtype=cfg.dtype)
+    return df
+
+
+def timeline_plot(df: pd.DataFrame, max_points: int = 1500):
+    init()
+    d = mem.downsample(df, max_points)
+    cats = [c for c in d.columns if c != "time_ms" and d[c].max() > 0]
+    area = hv.Area.stack(hv.Overlay([hv.Area((d.time_ms, d[c] / 1e6), "time (ms)", "MB", label=c) for c in cats]))
+    return area.opts(
+        title=f"Memory during one step, by category ({len(d)} of {len(df)} points)",
+        legend_position="top_left",
+        width=800,
+    )
+
+
+def peak_table(cfg: MemoryLabConfig, top: int = 10) -> pd.DataFrame:
+    """The largest storages kept for the backward (end of the forward: where memory peaks),
+    with the region and op that made them."""
+    mcfg, sh = resolve_config(cfg.preset), cfg.step()
+    rep = mem.measure_saved(mcfg, sh, cfg.dtype, "none", seed=cfg.seed)
+    return pd.DataFrame([dataclasses.asdict(t) for t in mem.largest_live(rep, top)])
+
+
+# --------------------------------------------------------------------------------------
+# 4. What fits, FSDP
+# --------------------------------------------------------------------------------------
+
+
+def fits(cfg: MemoryLabConfig, rec: Recorder, presets=("medium", "flux-dev"), dtype="bfloat16") -> pd.DataFrame:
+    """Largest batch per square resolution that the predicted peak fits in ``device_bytes``."""
+    rows = []
+    for preset in presets:
+        mcfg = resolve_config(preset)
+        for pol in mem.FORMULA_POLICIES:
+            for r in mem.what_fits(mcfg, dtype, pol, cfg.device_bytes, cfg.fit_resolutions, cfg.account_txt_len):
+                rows.append(r)
+                rec.add(
+                    "what_fits",
+                    pol,
+                    "max_batch",
+                    r["max_batch"],
+                    "samples",
+                    shape=f"{r['resolution']}px",
+                    dtype=dtype,
+                    preset=preset,
+                    device_bytes=cfg.device_bytes,
+                )
+    return pd.DataFrame(rows)
+
+
+def fits_table(df: pd.DataFrame) -> pd.DataFrame:
+    return df.pivot_table(index=["preset", "policy"], columns="resolution", values="max_batch").astype(int)
+
+
+def fsdp_projection(cfg: MemoryLabConfig, rec: Recorder, preset: str = "flux-dev", dtype: str = "bfloat16"):
+    """Per-rank predicted peak at 1024 px, batch 1, for N GPUs (state sharded, activations not),
+    and the fewest GPUs each policy needs."""
+    mcfg = resolve_config(preset)
+    sh = mem.step_shape(mcfg, 1, cfg.account_resolution, cfg.account_resolution, cfg.account_txt_len)
+    st = mem.state_totals(mcfg, dtype)
+    rows = []
+    for pol in mem.FORMULA_POLICIES:
+        need = mem.gpus_needed(mcfg, sh, dtype, pol, cfg.device_bytes)
+        row = dict(policy=pol, gpus_needed=need)
+        for n in cfg.fsdp_gpus:
+            row[f"{n} GPUs (GB)"] = round(mem.predicted_peak(mcfg, sh, dtype, pol, shards=n, state=st)["total"] / GB, 1)
+        rows.append(row)
+        rec.add(
+            "fsdp",
+            pol,
+            "gpus_needed",
+            need if need else float("nan"),
+            "GPUs",
+            shape=sh_str(sh),
+            dtype=dtype,
+            preset=preset,
+            device_bytes=cfg.device_bytes,
+        )
+    return pd.DataFrame(rows)
+
+
+def fsdp_check(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
+    """Real fully_shard AdamW steps on gloo at each world size: per-rank bytes against the
+    projection (a mismatch raises)."""
+    rows = []
+    for ws in cfg.fsdp_world_sizes:
+        for r in mem.run_fsdp(cfg.fsdp_preset, ws):
+            for k in ("parameters", "gradients", "optimizer"):
+                if r[k] != r[f"projected_{k}"]:
+                    raise AssertionError(
+                        f"world_size={ws} rank {r['rank']}: {k} {r[k]} != projected {r[f'projected_{k}']}"
+                    )
+                rec.add("fsdp_check", f"ws{ws}-rank{r['rank']}", f"{k}_bytes", r[k], "B", preset=cfg.fsdp_preset)
+            rows.append(r)
+    return pd.DataFrame(rows)
+
+
+def confirm_fits(cfg: MemoryLabConfig, rec: Recorder, preset: str = "medium", resolution: int = 1024) -> pd.DataFrame:
+    """On CUDA: bisect the batch of a real step to the OOM edge per policy (an OOM is caught,
+    recorded, and the search goes on); beside it the prediction.  Empty on CPU."""
+    if not (cfg.confirm_fit and torch.cuda.is_available()):
+        return pd.DataFrame()
+    rows = []
+    mcfg = resolve_config(preset)
+    for pol in ("none", "full", "selective"):
+        pred = mem.what_fits(mcfg, "bfloat16", pol, cfg.device_bytes, (resolution,), cfg.account_txt_len)[0]
+        edge, ooms = mem.bisect_fit(mcfg, pol, resolution, cfg.account_txt_len, hi=max(2 * pred["max_batch"], 2))
+        rows.append(dict(policy=pol, predicted=pred["max_batch"], measured=edge, ooms=ooms))
+        rec.add(
+            "what_fits", pol, "max_batch_measured", edge, "samples", shape=f"{resolution}px", preset=preset, ooms=ooms
+        )
+    return pd.DataFrame(rows)

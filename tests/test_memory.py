@@ -1,0 +1,119 @@
+"""Memory lab: the analytic model equals the saved-tensor hooks exactly, every AC policy's
+gradients equal no checkpointing, FSDP per-rank bytes equal the projection, bad input is
+refused before work starts."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from lab_utils import memory as mem
+from lab_utils.config import ConfigError
+from lab_utils.model import build_model, resolve_config
+from lab_utils.model.checkpointing import block_policy
+from lab_utils.studies.memory import MemoryLabConfig
+
+# Irregular step shapes: a 4x5 token grid, odd text length, batch 3 (seeded below).
+SHAPES = {"tiny": mem.StepShape(3, 20, 7), "small": mem.StepShape(2, 12, 5)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_formula_equals_hooks_every_policy(preset, dtype):
+    cfg, sh = resolve_config(preset), SHAPES[preset]
+    for policy in mem.FORMULA_POLICIES:
+        measured = mem.measure_saved(cfg, sh, dtype, policy, seed=0).by_region()
+        assert measured == mem.saved_bytes_formula(cfg, sh, dtype, policy), (preset, dtype, policy)
+
+
+def test_views_share_storage_and_parameters_are_not_activations():
+    model = build_model("tiny")
+    x = torch.randn(5, 64, requires_grad=True)  # made outside the probe: region "input"
+    with mem.saved_tensor_probe(model) as rep:
+        y = model.img_in.weight[:, :4].sum() + (x[1:] * x[:-1]).sum()  # views of x saved twice
+    del y
+    keys = [t for t in rep.tensors if t.region == "input"]
+    assert len(keys) == 1 and keys[0].nbytes == 5 * 64 * 4  # one storage, counted once; weight skipped
+
+
+def test_formula_extrapolates_on_meta():
+    """flux-dev-width blocks measured on meta (no memory): the block terms the formula and
+    hooks share; meta runs attention through the math path, so full checkpointing is compared."""
+    cfg = resolve_config("flux-dev", depth_double=1, depth_single=1)
+    sh = mem.StepShape(1, 64, 16)
+    got = mem.measure_saved(cfg, sh, "bfloat16", "full", device="meta").by_region()
+    want = mem.saved_bytes_formula(cfg, sh, "bfloat16", "full", device_type="cuda")
+    assert got == want
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_policy_gradients_equal_no_checkpointing(dtype):
+    seed = 1234
+    print("seed", seed)
+    cfg, sh = resolve_config("tiny"), SHAPES["tiny"]
+    ref = mem.step_grads(cfg, sh, dtype, "none", seed)
+    for policy in mem.FORMULA_POLICIES:
+        assert not mem.grad_mismatch(ref, mem.step_grads(cfg, sh, dtype, policy, seed), dtype), policy
+
+
+def test_block_policy_choices():
+    assert [block_policy("every_other", "single", i) for i in range(4)] == [True, False, True, False]
+    assert block_policy("double", "double", 3) and not block_policy("double", "single", 0)
+    with pytest.raises(ConfigError, match="checkpoint"):
+        block_policy("sometimes", "double", 0)
+    with pytest.raises(ConfigError, match="checkpoint"):
+        resolve_config("tiny", checkpoint="sometimes")
+
+
+def test_fsdp_projection_shards_rows():
+    model = build_model("tiny", device="meta")
+    whole = mem.fsdp_rank_state(model, 1)
+    parts = [mem.fsdp_rank_state(model, 3, r) for r in range(3)]  # 3 does not divide every row count
+    for k in ("parameters", "gradients", "optimizer"):
+        assert sum(p[k] for p in parts) == whole[k]
+    assert whole == {k: v for k, v in mem.state_totals(resolve_config("tiny"), "float32").items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_fsdp_per_rank_bytes_equal_projection(world_size):
+    rows = mem.run_fsdp("tiny", world_size, timeout_s=240)
+    assert len(rows) == world_size
+    for r in rows:
+        for k in ("parameters", "gradients", "optimizer"):
+            assert r[k] == r[f"projected_{k}"], (world_size, r)
+
+
+def test_what_fits_and_gpus_needed():
+    cfg = resolve_config("medium")
+    rows = mem.what_fits(cfg, "bfloat16", "full", mem.H200_BYTES, (512, 1024))
+    assert rows[0]["max_batch"] >= rows[1]["max_batch"] > 0
+    flux = resolve_config("flux-dev")
+    sh = mem.step_shape(flux, 1, 1024, 1024, 512)
+    assert mem.gpus_needed(flux, sh, "bfloat16", "full", mem.H200_BYTES) > 1  # AdamW state alone exceeds 141 GB
+    with pytest.raises(ConfigError, match="device_memory_gb"):
+        mem.what_fits(cfg, "bfloat16", "full", 0)
+
+
+@pytest.mark.parametrize(
+    "bad, param",
+    [
+        (dict(policies=["none", "often"]), "policies"),
+        (dict(inspect_block="single_blocks.9"), "inspect_block"),
+        (dict(device_memory_gb=-1.0), "device_memory_gb"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(resolution=100), "resolution"),
+    ],
+)
+def test_bad_input_names_the_parameter(bad, param):
+    with pytest.raises(ConfigError) as e:
+        MemoryLabConfig(**bad)
+    assert e.value.param == param
+
+
+def test_downsample_keeps_the_peak():
+    df = pd.DataFrame({"time_ms": range(10_000), "activations": [i % 977 for i in range(10_000)]})
+    df.loc[4321, "activations"] = 10**6
+    d = mem.downsample(df, 100)
+    assert len(d) <= 100 and d.activations.max() == 10**6
