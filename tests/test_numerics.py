@@ -12,6 +12,11 @@ from lab_utils import numerics as N
 from lab_utils.studies.low_precision import mmdit_task
 
 
+@pytest.fixture(autouse=True)
+def _seed_global_rng(gen):  # inputs and nn.Linear init draw from it: the seed gen reports replays them
+    torch.manual_seed(gen.initial_seed())
+
+
 def test_representable_input_has_no_error():
     v = Q.representable_values("e4m3")
     x = v.float().reshape(1, -1)
