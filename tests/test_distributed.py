@@ -17,7 +17,7 @@ import torch
 
 from lab_utils.config import ConfigError
 from lab_utils.distributed import DistConfig, DistRunError, launch, launch_cases
-from lab_utils.distributed.verify import compare
+from lab_utils.distributed.verify import ATTENTION_TOL, compare
 from lab_utils.distributed.worker import single_process_run
 
 STEPS = 3
@@ -61,6 +61,16 @@ def test_strategy_reproduces_single_process(world2, i):
     cfg, res = world2["cfgs"][i], world2["results"][i]
     a = compare(cfg, res.losses, res.grads(), world2["ref_losses"], world2["ref_grads"])
     assert a.ok, a
+
+
+@pytest.mark.parametrize("strategy", ["cp_ring", "cp_ulysses"])
+def test_context_parallel_attention_matches_one_process_attention(world2, strategy):
+    """Forward and backward of ring / Ulysses attention on sequence shards against float64 SDPA."""
+    res = next(r for r in world2["results"] if r.cfg.strategy == strategy)
+    for rank in res.ranks:
+        errs = rank["attention_check"]
+        assert set(errs) == {"out", "dq", "dk", "dv"}
+        assert max(errs.values()) <= ATTENTION_TOL, errs
 
 
 def test_profiled_step_has_collectives_and_overlap(world2):

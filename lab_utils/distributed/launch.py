@@ -200,9 +200,7 @@ def launch_cases(
                 r = min(set(failed) | errs, key=lambda k: (written(k), k))
                 err = out / f"error-rank{r}.txt"
                 why = err.read_text().strip() if err.exists() else (out / f"log-rank{r}.txt").read_text()[-4000:]
-                raise DistRunError(
-                    "raised", f"rank {r} failed and the run was ended:\n{why}", r, out
-                )
+                raise DistRunError("raised", f"rank {r} failed and the run was ended:\n{why}", r, out)
             if all(c == 0 for c in codes):
                 break
             if now - last_progress > hang_s:

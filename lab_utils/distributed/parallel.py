@@ -61,7 +61,7 @@ class ParallelModel:
     manual_grad_avg_group: object | None = None  # CP without a data-parallel wrapper
 
 
-def _qkv_perm(dim: int, heads: int, n: int, extra: int = 0) -> torch.Tensor:
+def qkv_permutation(dim: int, heads: int, n: int, extra: int = 0) -> torch.Tensor:
     """Row order putting rank r's (q_r, k_r, v_r[, extra_r]) blocks together; rows are
     (k h d) + ``extra`` trailing MLP rows in the unpermuted layout."""
     dh, hl, el = dim // heads, heads // n, extra // n
@@ -75,7 +75,7 @@ def _qkv_perm(dim: int, heads: int, n: int, extra: int = 0) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def _linear2_perm(dim: int, mlp: int, n: int) -> torch.Tensor:
+def linear2_permutation(dim: int, mlp: int, n: int) -> torch.Tensor:
     """Input-column order of the single block's linear2 ([attn D | mlp M]) in per-rank blocks."""
     dl, ml = dim // n, mlp // n
     cols = []
@@ -100,7 +100,7 @@ def apply_tp(pm: ParallelModel, tp_mesh: DeviceMesh) -> None:
         plan = {}
         for stream in ("img", "txt"):
             attn = getattr(blk, f"{stream}_attn")
-            perm = _qkv_perm(d, h, n)
+            perm = qkv_permutation(d, h, n)
             _permute_(attn.qkv, 0, perm)
             pm.permutations[f"double_blocks.{i}.{stream}_attn.qkv.weight"] = (0, perm)
             if attn.qkv.bias is not None:
@@ -118,7 +118,7 @@ def apply_tp(pm: ParallelModel, tp_mesh: DeviceMesh) -> None:
             }
         parallelize_module(blk, tp_mesh, plan)
     for i, blk in enumerate(model.single_blocks):
-        p1, p2 = _qkv_perm(d, h, n, extra=m), _linear2_perm(d, m, n)
+        p1, p2 = qkv_permutation(d, h, n, extra=m), linear2_permutation(d, m, n)
         _permute_(blk.linear1, 0, p1)
         _permute_(blk.linear2, 1, p2)
         pm.permutations[f"single_blocks.{i}.linear1.weight"] = (0, p1)

@@ -22,6 +22,9 @@ import torch
 from ..checks import rel_error
 from .spec import DistConfig
 
+#: Ring / Ulysses attention (float32 math) against float64 one-process attention: output and grads.
+ATTENTION_TOL = 1e-5
+
 #: (loss relative tolerance, per-parameter gradient tolerance or None, global gradient tolerance)
 TOLERANCES = {
     "float32": (1e-5, 1e-4, 1e-5),

@@ -32,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..model.train import sample_timesteps, synthetic_batch
 from . import comm
+from .context_parallel import check_against_sdpa
 from .parallel import build_parallel, full_gradients, sync_grads
 from .spec import DistConfig
 
@@ -144,12 +145,14 @@ def run_case(cfg: DistConfig, out: Path, device: torch.device, progress=None) ->
     progress = progress or (lambda *a, **k: None)
     pm = build_parallel(cfg, device)
     opt = _optimizer(cfg, pm.module.parameters())
+    result: dict = {"rank": rank, "world_size": world, "strategy": cfg.strategy, "mesh": list(cfg.mesh.shape)}
+    if pm.cp_mode is not None:
+        result["attention_check"] = check_against_sdpa(pm.cp_group, pm.cp_mode.scheme, seed=cfg.seed)
     start = 0
     if cfg.resume:
         start = load_checkpoint(pm, opt, Path(cfg.ckpt_dir))
         progress("resumed", step=start)
     losses, step_ms = {}, {}
-    result: dict = {"rank": rank, "world_size": world, "strategy": cfg.strategy, "mesh": list(cfg.mesh.shape)}
     for step in range(start + 1, cfg.steps + 1):
         _inject(cfg, rank, step)
         inputs = step_inputs(cfg, step, rank, device)

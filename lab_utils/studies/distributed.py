@@ -23,7 +23,7 @@ from ..distributed import DistConfig, DistResult, DistRunError, launch, launch_c
 from ..distributed.comm import AlphaBeta, CollectiveEvent, fit_alpha_beta, predict_comm_ms
 from ..distributed.projection import Links, comm_plan, events_per_call, fastest, plan_time_fitted, project
 from ..distributed.spec import COMPONENTS
-from ..distributed.verify import Agreement, compare
+from ..distributed.verify import ATTENTION_TOL, Agreement, compare
 from ..distributed.worker import single_process_run
 from ..model import CHECKPOINT_POLICIES, PRESETS
 from ..records import Recorder
@@ -206,6 +206,17 @@ def agreement_lines(runs: LabRuns) -> list[str]:
         for r, a in zip(runs.results, runs.agreements)
     ]
     bad = [a for a in runs.agreements if not a.ok]
+    for r in runs.results:
+        checks = [rk["attention_check"] for rk in r.ranks if "attention_check" in rk]
+        if checks:
+            worst = max(max(c.values()) for c in checks)
+            ok = worst <= ATTENTION_TOL
+            lines.append(
+                f"{case_name(r.cfg):<18} x{r.cfg.world_size}  attention vs float64 one-process (fwd+bwd)  "
+                f"{'PASS' if ok else 'FAIL'}"
+            )
+            if not ok:
+                raise AssertionError(f"{case_name(r.cfg)}: attention differs from one-process attention: {checks}")
     if bad:
         raise AssertionError("runs disagree with the single-process reference:\n" + "\n".join(map(str, bad)))
     return lines
