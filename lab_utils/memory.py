@@ -725,10 +725,15 @@ def step_peak(model: nn.Module, batch, seed: int = 0) -> int:
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
     else:
-        with tempfile.TemporaryDirectory() as tmp:
-            df = profiled_timeline(lambda: rf_loss(model, batch, gen).backward(), Path(tmp) / "timeline.json")
-        total = df[list(TIMELINE_CATEGORIES)].sum(axis=1)
-        peak = float(total.max() - total.iloc[0]) if len(total) else 0.0
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            rf_loss(model, batch, gen).backward()
+        events = sorted(
+            (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+        )
+        live = peak = 0
+        for _, nbytes in events:  # +allocation / -free, in time order
+            live += nbytes
+            peak = max(peak, live)
     model.zero_grad(set_to_none=True)
     return int(peak)
 
