@@ -101,7 +101,9 @@ class LowPrecisionExplorer(Explorer):
         curves = None
         if cfg["recipe"] != "none":
             progress(2, total, f"convergence of {cfg['recipe']} against bf16 ({CONVERGENCE_STEPS} steps, seed 0)")
-            conv = run_convergence(mlp_task(hidden=128, batch_size=16), [cfg["recipe"]], steps=CONVERGENCE_STEPS, seeds=(0,))
+            conv = run_convergence(
+                mlp_task(hidden=128, batch_size=16), [cfg["recipe"]], steps=CONVERGENCE_STEPS, seeds=(0,)
+            )
             gap = conv.gaps.set_index("recipe").gap.get(cfg["recipe"], math.nan)
             row["gap_vs_bf16"] = float(gap)
             curves = conv.curves

@@ -1,0 +1,113 @@
+"""Lab 06's explorer (distributed): a strategy and a world size -> the run's losses and its
+communication beside the earlier runs.
+
+Each run is ``distributed.launch`` of a :class:`~lab_utils.distributed.DistConfig`: real
+ranks on this machine (gloo on CPU, NCCL on GPUs), the last step profiled; the collectives
+of rank 0 come from its trace.  A combination the strategy cannot form (a world size its
+mesh does not divide, a single-process strategy on two ranks) says why.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass
+from typing import ClassVar
+
+import holoviews as hv
+import pandas as pd
+
+from ...config import ConfigError
+from ...distributed import STRATEGIES, DistConfig, DistRunError, launch
+from ...model.train import artifacts_dir
+from .base import Control, Explorer, Progress, Result, Unavailable
+
+STEPS = 3
+
+
+@dataclass
+class DistributedExplorer(Explorer):
+    """``DistributedExplorer(rec).show()``."""
+
+    lab: ClassVar[str] = "06_distributed"
+    title: ClassVar[str] = "Explore: a parallelism strategy on local ranks"
+    live_help: ClassVar[str] = "pick strategy and world size: the ranks train a few steps, losses and collectives land"
+    controls: ClassVar[tuple[Control, ...]] = (
+        Control("strategy", STRATEGIES, "ddp"),
+        Control("world_size", (1, 2, 4), 2, "world size"),
+        Control("mixed_precision", (), False, "bf16 compute (FSDP)"),
+    )
+
+    def dist_config(self, cfg: dict) -> DistConfig:
+        return DistConfig(
+            strategy=cfg["strategy"],
+            world_size=cfg["world_size"],
+            mixed_precision=cfg["mixed_precision"],
+            steps=STEPS,
+            keep_grads=False,
+        )
+
+    def why_not(self, cfg: dict) -> str | None:
+        try:
+            self.dist_config(cfg)
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    def measure(self, cfg: dict, progress: Progress) -> Result:
+        dc = self.dist_config(cfg)
+        progress(0, 1, f"{dc.world_size} ranks, {dc.strategy}, {dc.steps} steps")
+        out = artifacts_dir() / "explore_distributed"
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            res = launch(dc, tempfile.mkdtemp(prefix=f"{dc.strategy}-w{dc.world_size}-", dir=out), progress=False)
+        except DistRunError as e:
+            raise Unavailable(f"the run ended early ({e.kind}): {e}") from None
+        progress(1, 1, "done")
+        label = self.label(cfg)
+        coll = res.collectives(0)
+        comm_ms = sum(c.dur_us for c in coll) / 1e3
+        comm_mb = sum(c.bytes for c in coll) / 1e6
+        kw = dict(shape=f"w{dc.world_size}", strategy=dc.strategy, world_size=dc.world_size)
+        for i, loss in enumerate(res.losses):
+            self.rec.add("explore", label, "loss", loss, "", statistic=f"step{i + 1}", **kw)
+        self.rec.add("explore", label, "comm_time", comm_ms, "ms", statistic="sum", rank=0, **kw)
+        self.rec.add("explore", label, "comm_bytes", comm_mb, "MB", statistic="sum", rank=0, **kw)
+        row = dict(
+            strategy=dc.strategy,
+            world_size=dc.world_size,
+            mixed_precision=dc.mixed_precision,
+            final_loss=res.losses[-1] if res.losses else math.nan,
+            collectives=len(coll),
+            comm_mb=comm_mb,
+            comm_ms=comm_ms,
+            wall_s=res.wall_s,
+        )
+        return Result(0, cfg, row, data=dict(losses=list(res.losses)))
+
+    def figures(self, results: list[Result]) -> list:
+        runs = [f"#{r.index} {self.label(r.config)}" for r in results]
+        loss = pd.DataFrame(
+            [dict(run=n, step=i + 1, loss=v) for n, r in zip(runs, results) for i, v in enumerate(r.data["losses"])],
+            columns=["run", "step", "loss"],
+        )
+        curves = hv.Scatter(loss, "step", ["loss", "run"]).opts(
+            color="run",
+            cmap="Category10",
+            size=8,
+            tools=["hover"],
+            show_legend=False,
+            framewise=True,
+            title="Loss per step of each run (same data and seed)",
+        )
+        comm = pd.DataFrame(
+            [
+                dict(run=n.split(" ")[0], label=n, comm_ms=r.row["comm_ms"], comm_mb=r.row["comm_mb"])
+                for n, r in zip(runs, results)
+            ],
+            columns=["run", "label", "comm_ms", "comm_mb"],
+        )
+        bars = hv.Bars(comm, "run", ["comm_ms", "comm_mb", "label"]).opts(
+            tools=["hover"], ylabel="ms in collectives (rank 0, profiled step)", title="Communication", framewise=True
+        )
+        return [curves, bars]
