@@ -37,7 +37,16 @@ from . import (  # noqa: E402  (Triton must see TRITON_INTERPRET, set above, on 
     rope,
     swiglu,
 )
-from .registry import Variant, get_variant, list_ops, register, unregister, variant_names, variants  # noqa: E402
+from .registry import (  # noqa: E402
+    Variant,
+    get_variant,
+    list_ops,
+    register,
+    register_fused_op,
+    unregister,
+    variant_names,
+    variants,
+)
 
 TRITON_INTERPRETED: bool = _common.interpreted()
 
@@ -68,6 +77,7 @@ __all__ = [
     "qk_norm_rope",
     "quant",
     "register",
+    "register_fused_op",
     "rms_norm",
     "rope",
     "swiglu",

@@ -143,6 +143,27 @@ def row_width_reason(op: str, shape, limit: int = MAX_ROW) -> str | None:
     return None
 
 
+def row_width_check(op: str, limit: int = MAX_ROW) -> Callable[..., str | None]:
+    """A registry capability check refusing rows wider than the single-pass limit."""
+
+    def check(device=None, dtype=None, shape=None, **_):
+        return row_width_reason(op, shape, limit)
+
+    return check
+
+
+def even_head_dim_check(op: str) -> Callable[..., str | None]:
+    """A registry capability check refusing an odd head dim (rope rotates pairs)."""
+
+    def check(device=None, dtype=None, shape=None, head_dim=None, **_):
+        dh = head_dim if head_dim is not None else (tuple(shape)[-1] if shape is not None else None)
+        if dh is not None and dh % 2:
+            return f"{op}/triton: head dim {dh} is odd; pairs need an even head dim"
+        return None
+
+    return check
+
+
 def needs_no_grad(op: str, **named: torch.Tensor) -> None:
     for name, t in named.items():
         if t.requires_grad:

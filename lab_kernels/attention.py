@@ -191,6 +191,19 @@ def triton_check(*, device=None, dtype=None, head_dim=None, mask=None, causal=No
 
 # --------------------------------------------------------------------------- kernels
 @triton.jit
+def _sequence(CU_SEQLENS, b, seqlen, IS_VARLEN: tl.constexpr):
+    """(length, first row) of sequence b: from cu_seqlens when packed, else (seqlen, 0)."""
+    if IS_VARLEN:
+        start = tl.load(CU_SEQLENS + b)
+        length = tl.load(CU_SEQLENS + b + 1) - start
+        row0 = start.to(tl.int64)
+    else:
+        length = seqlen
+        row0 = (b * 0).to(tl.int64)
+    return length, row0
+
+
+@triton.jit
 def _mma(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # UPCAST only under the interpreter: Triton 3.9's interpreted tl.dot returns garbage
     # for bfloat16 operands.  Operands are already rounded to their dtype, and a
@@ -232,13 +245,7 @@ def _attention_fwd_kernel(
     bh = tl.program_id(1)
     b = bh // n_heads
     h = bh % n_heads
-    if IS_VARLEN:
-        start = tl.load(CU_SEQLENS + b)
-        L = tl.load(CU_SEQLENS + b + 1) - start
-        row0 = start.to(tl.int64)
-    else:
-        L = seqlen
-        row0 = (b * 0).to(tl.int64)
+    L, row0 = _sequence(CU_SEQLENS, b, seqlen, IS_VARLEN)
     if start_m * BLOCK_M >= L:
         return
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -316,13 +323,7 @@ def _attention_bwd_dkdv_kernel(
     bh = tl.program_id(1)
     b = bh // n_heads
     h = bh % n_heads
-    if IS_VARLEN:
-        start = tl.load(CU_SEQLENS + b)
-        L = tl.load(CU_SEQLENS + b + 1) - start
-        row0 = start.to(tl.int64)
-    else:
-        L = seqlen
-        row0 = (b * 0).to(tl.int64)
+    L, row0 = _sequence(CU_SEQLENS, b, seqlen, IS_VARLEN)
     if start_n * BLOCK_N >= L:
         return
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -396,13 +397,7 @@ def _attention_bwd_dq_kernel(
     bh = tl.program_id(1)
     b = bh // n_heads
     h = bh % n_heads
-    if IS_VARLEN:
-        start = tl.load(CU_SEQLENS + b)
-        L = tl.load(CU_SEQLENS + b + 1) - start
-        row0 = start.to(tl.int64)
-    else:
-        L = seqlen
-        row0 = (b * 0).to(tl.int64)
+    L, row0 = _sequence(CU_SEQLENS, b, seqlen, IS_VARLEN)
     if start_m * BLOCK_M >= L:
         return
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import _common as C
-from .registry import register
+from .registry import register_fused_op
 
 OP = "gated_residual"
 
@@ -175,14 +175,11 @@ def eager_gated_residual(x, gate, y):
     return reference_gated_residual(x, gate, y)
 
 
-register(OP, "reference", reference_gated_residual, kind="reference", description="plain torch, float64-valid")
-register(OP, "eager", eager_gated_residual, kind="eager", description="x + gate[:, None] * y in eager torch")
-register(OP, "compile", C.compiled(eager_gated_residual), kind="compile", description="torch.compile(eager)")
-register(
+register_fused_op(
     OP,
-    "triton",
-    gated_residual,
-    kind="triton",
-    dtypes=C.FLOAT_DTYPES,
-    description="Triton fwd + bwd (dgate by per-tile partials + column sum), custom op",
+    reference=reference_gated_residual,
+    eager=eager_gated_residual,
+    triton=gated_residual,
+    eager_description="x + gate[:, None] * y in eager torch",
+    triton_description="Triton fwd + bwd (dgate by per-tile partials + column sum), custom op",
 )

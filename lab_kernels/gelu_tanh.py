@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import _common as C
-from .registry import register
+from .registry import register_fused_op
 
 OP = "gelu_tanh"
 BLOCK = 1024
@@ -128,7 +128,12 @@ def eager_gelu_tanh(x):
     return F.gelu(x, approximate="tanh")
 
 
-register(OP, "reference", reference_gelu_tanh, kind="reference", description="plain torch formula, float64-valid")
-register(OP, "eager", eager_gelu_tanh, kind="eager", description='F.gelu(approximate="tanh")')
-register(OP, "compile", C.compiled(eager_gelu_tanh), kind="compile", description="torch.compile(eager)")
-register(OP, "triton", gelu_tanh, kind="triton", dtypes=C.FLOAT_DTYPES, description="Triton fwd + bwd, custom op")
+register_fused_op(
+    OP,
+    reference=reference_gelu_tanh,
+    eager=eager_gelu_tanh,
+    triton=gelu_tanh,
+    reference_description="plain torch formula, float64-valid",
+    eager_description='F.gelu(approximate="tanh")',
+    triton_description="Triton fwd + bwd, custom op",
+)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import _common as C
-from .registry import register
+from .registry import register_fused_op
 
 OP = "layer_norm_modulate"
 
@@ -250,19 +250,12 @@ def eager_layer_norm_modulate(x, shift, scale, eps: float = 1e-6):
     return (1 + _bcast(scale)) * F.layer_norm(x, (x.shape[-1],), eps=eps) + _bcast(shift)
 
 
-def _check(device=None, dtype=None, shape=None, **_):
-    return C.row_width_reason(OP, shape)
-
-
-register(OP, "reference", reference_layer_norm_modulate, kind="reference", description="plain torch, float64-valid")
-register(OP, "eager", eager_layer_norm_modulate, kind="eager", description="F.layer_norm then modulation")
-register(OP, "compile", C.compiled(eager_layer_norm_modulate), kind="compile", description="torch.compile(eager)")
-register(
+register_fused_op(
     OP,
-    "triton",
-    layer_norm_modulate,
-    kind="triton",
-    dtypes=C.FLOAT_DTYPES,
-    check=_check,
-    description="Triton fused LayerNorm + modulation, fwd + bwd, custom op",
+    reference=reference_layer_norm_modulate,
+    eager=eager_layer_norm_modulate,
+    triton=layer_norm_modulate,
+    eager_description="F.layer_norm then modulation",
+    triton_description="Triton fused LayerNorm + modulation, fwd + bwd, custom op",
+    check=C.row_width_check(OP),
 )

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import _common as C
-from .registry import register
+from .registry import register_fused_op
 from .rope import check_tables, eager_rope_one, reference_rope_one
 
 OP = "qk_norm_rope"
@@ -338,28 +338,15 @@ def eager_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
     return eager_rope_one(norm(q, q_weight), cos, sin), eager_rope_one(norm(k, k_weight), cos, sin)
 
 
-def _check(device=None, dtype=None, shape=None, head_dim=None, **_):
-    dh = head_dim if head_dim is not None else (tuple(shape)[-1] if shape is not None else None)
-    if dh is not None and dh % 2:
-        return f"{OP}/triton: head dim {dh} is odd; pairs need an even head dim"
-    return None
-
-
-register(OP, "reference", reference_qk_norm_rope, kind="reference", description="plain torch, float64-valid")
 # The unfused path rounds the normalised q/k to the dtype before rotating them: two
 # roundings in a row, so checks hold it to twice the dtype's tolerance (tol_scale).
-register(
-    OP, "eager", eager_qk_norm_rope, kind="eager", description="FLUX QKNorm then apply_rope, unfused", tol_scale=2.0
-)
-register(
-    OP, "compile", C.compiled(eager_qk_norm_rope), kind="compile", description="torch.compile(eager)", tol_scale=2.0
-)
-register(
+register_fused_op(
     OP,
-    "triton",
-    qk_norm_rope,
-    kind="triton",
-    dtypes=C.FLOAT_DTYPES,
-    check=_check,
-    description="Triton fused RMSNorm + rope, fwd + bwd (dw by partials + column sum), custom op",
+    reference=reference_qk_norm_rope,
+    eager=eager_qk_norm_rope,
+    triton=qk_norm_rope,
+    eager_description="FLUX QKNorm then apply_rope, unfused",
+    triton_description="Triton fused RMSNorm + rope, fwd + bwd (dw by partials + column sum), custom op",
+    check=C.even_head_dim_check(OP),
+    eager_tol_scale=2.0,
 )

@@ -881,27 +881,7 @@ def fake_quantize(
     random Hadamard matrix before quantizing and rotates back after (error in the
     original basis).  The dequantized value is computed in fp32 and cast to x.dtype.
     """
-    if hadamard is not None:
-        xr = hadamard_transform(x.float(), hadamard, axis=axis, seed=hadamard_seed)
-        q = quantize(
-            xr,
-            fmt,
-            axis=axis,
-            block_size=block_size,
-            scale_rule=scale_rule,
-            rounding=rounding,
-            granularity=granularity,
-            pad=pad,
-            seed=seed,
-            generator=generator,
-            backend=backend,
-            nonfinite=nonfinite,
-            _deq_only=True,
-        )
-        return hadamard_transform(q, hadamard, axis=axis, seed=hadamard_seed, inverse=True).to(x.dtype)
-    deq = quantize(
-        x,
-        fmt,
+    kw = dict(
         axis=axis,
         block_size=block_size,
         scale_rule=scale_rule,
@@ -914,6 +894,11 @@ def fake_quantize(
         nonfinite=nonfinite,
         _deq_only=True,
     )
+    if hadamard is not None:
+        xr = hadamard_transform(x.float(), hadamard, axis=axis, seed=hadamard_seed)
+        q = quantize(xr, fmt, **kw)
+        return hadamard_transform(q, hadamard, axis=axis, seed=hadamard_seed, inverse=True).to(x.dtype)
+    deq = quantize(x, fmt, **kw)
     return deq.reshape(x.shape).to(x.dtype)
 
 

@@ -10,7 +10,8 @@ Op names equal module names.  ``lab_kernels/__init__`` imports every op module, 
 time anyone can ask, every op of the package has registered its variants.
 
 Public API: :func:`register`, :func:`get_variant`, :func:`variants`,
-:func:`variant_names`, :func:`list_ops`, :func:`unregister` and :class:`Variant`.
+:func:`register_fused_op`, :func:`variant_names`, :func:`list_ops`, :func:`unregister` and
+:class:`Variant`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ._common import interpreted
+from ._common import FLOAT_DTYPES, compiled, interpreted
 
 KINDS = ("reference", "eager", "compile", "triton", "library")
 
@@ -109,6 +110,29 @@ def register(
         return f
 
     return _do(fn) if fn is not None else _do
+
+
+def register_fused_op(
+    op: str,
+    *,
+    reference: Callable,
+    eager: Callable,
+    triton: Callable,
+    eager_description: str,
+    triton_description: str,
+    reference_description: str = "plain torch, float64-valid",
+    check: Callable[..., str | None] | None = None,
+    eager_tol_scale: float | None = None,
+) -> None:
+    """The four variants every fused op registers: its float64-valid reference, eager torch,
+    ``torch.compile`` of the eager function, and the Triton kernels (float dtypes, ``check``).
+    ``eager_tol_scale``: an unfused path that rounds an intermediate to the dtype is held to
+    that multiple of the dtype's tolerance."""
+    tol = {} if eager_tol_scale is None else {"tol_scale": eager_tol_scale}
+    register(op, "reference", reference, kind="reference", description=reference_description)
+    register(op, "eager", eager, kind="eager", description=eager_description, **tol)
+    register(op, "compile", compiled(eager), kind="compile", description="torch.compile(eager)", **tol)
+    register(op, "triton", triton, kind="triton", dtypes=FLOAT_DTYPES, check=check, description=triton_description)
 
 
 def unregister(op: str, name: str) -> Variant:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import _common as C
-from .registry import register
+from .registry import register, register_fused_op
 
 OP = "rms_norm"
 
@@ -197,21 +197,15 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> 
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def _check(device=None, dtype=None, shape=None, **_):
-    return C.row_width_reason(OP, shape)
-
-
-register(OP, "reference", reference_rms_norm, kind="reference", description="plain torch, float64-valid")
-register(OP, "eager", eager_rms_norm, kind="eager", description="FLUX RMSNorm in eager torch")
-register(OP, "compile", C.compiled(eager_rms_norm), kind="compile", description="torch.compile(eager)")
-register(
+register_fused_op(
     OP,
-    "triton",
-    rms_norm,
-    kind="triton",
-    dtypes=C.FLOAT_DTYPES,
-    check=_check,
-    description="Triton fwd + bwd (dw by per-program partials + column sum), custom op",
+    reference=reference_rms_norm,
+    eager=eager_rms_norm,
+    triton=rms_norm,
+    eager_description="FLUX RMSNorm in eager torch",
+    triton_description="Triton fwd + bwd (dw by per-program partials + column sum), custom op",
+    check=C.row_width_check(OP),
 )
+
 if hasattr(F, "rms_norm"):
     register(OP, "torch", torch_rms_norm, kind="library", description="torch.nn.functional.rms_norm")

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import _common as C
-from .registry import register
+from .registry import register_fused_op
 
 OP = "rope"
 
@@ -227,22 +227,13 @@ def eager_rope(q, k, cos, sin):
     return eager_rope_one(q, cos, sin), eager_rope_one(k, cos, sin)
 
 
-def _check(device=None, dtype=None, shape=None, head_dim=None, **_):
-    dh = head_dim if head_dim is not None else (tuple(shape)[-1] if shape is not None else None)
-    if dh is not None and dh % 2:
-        return f"{OP}/triton: head dim {dh} is odd; pairs need an even head dim"
-    return None
-
-
-register(OP, "reference", reference_rope, kind="reference", description="plain torch pair rotation, float64-valid")
-register(OP, "eager", eager_rope, kind="eager", description="FLUX apply_rope (2x2 rotation matrices)")
-register(OP, "compile", C.compiled(eager_rope), kind="compile", description="torch.compile(eager)")
-register(
+register_fused_op(
     OP,
-    "triton",
-    rope,
-    kind="triton",
-    dtypes=C.FLOAT_DTYPES,
-    check=_check,
-    description="Triton fwd + bwd (transposed rotation), strided q/k, custom op",
+    reference=reference_rope,
+    eager=eager_rope,
+    triton=rope,
+    reference_description="plain torch pair rotation, float64-valid",
+    eager_description="FLUX apply_rope (2x2 rotation matrices)",
+    triton_description="Triton fwd + bwd (transposed rotation), strided q/k, custom op",
+    check=C.even_head_dim_check(OP),
 )

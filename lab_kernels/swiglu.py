@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import _common as C
-from .registry import register
+from .registry import register_fused_op
 
 OP = "swiglu"
 BLOCK = 1024
@@ -128,7 +128,12 @@ def eager_swiglu(gate, up):
     return F.silu(gate) * up
 
 
-register(OP, "reference", reference_swiglu, kind="reference", description="plain torch formula, float64-valid")
-register(OP, "eager", eager_swiglu, kind="eager", description="F.silu(gate) * up")
-register(OP, "compile", C.compiled(eager_swiglu), kind="compile", description="torch.compile(eager)")
-register(OP, "triton", swiglu, kind="triton", dtypes=C.FLOAT_DTYPES, description="Triton fwd + bwd, custom op")
+register_fused_op(
+    OP,
+    reference=reference_swiglu,
+    eager=eager_swiglu,
+    triton=swiglu,
+    reference_description="plain torch formula, float64-valid",
+    eager_description="F.silu(gate) * up",
+    triton_description="Triton fwd + bwd, custom op",
+)

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-import lab_kernels  # noqa: F401
+import lab_kernels
 
 SEED_ENV = "PERFLAB_SEED"
 
@@ -39,6 +39,21 @@ def pytest_runtest_makereport(item, call):
             ("perflab seed", f"random inputs drawn with seed {seed}; replay: {SEED_ENV}={seed} pytest '{item.nodeid}'")
         )
     return report
+
+
+@pytest.fixture
+def temporary_variant():
+    """Register eager-kind variants of an op for one test (e.g. a deliberately wrong one);
+    they are unregistered after it."""
+    added = []
+
+    def add(op, name, fn):
+        lab_kernels.register(op, name, fn, kind="eager")
+        added.append((op, name))
+
+    yield add
+    for op, name in added:
+        lab_kernels.unregister(op, name)
 
 
 @pytest.fixture

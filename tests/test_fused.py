@@ -7,23 +7,8 @@ import pytest
 import torch
 
 import lab_kernels
-from lab_kernels import register, unregister
 from lab_utils import fused as kb
 from lab_utils.records import Recorder
-
-
-@pytest.fixture
-def temporary_variant():
-    """Register eager-kind variants for one test; they are removed after it."""
-    added = []
-
-    def add(op, name, fn):
-        register(op, name, fn, kind="eager")
-        added.append((op, name))
-
-    yield add
-    for op, name in added:
-        unregister(op, name)
 
 
 def test_bytes_formulas_by_hand():

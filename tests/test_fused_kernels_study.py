@@ -4,25 +4,10 @@
 import pytest
 import torch
 
-from lab_kernels import register, unregister
 from lab_utils import fused
 from lab_utils.config import ConfigError
 from lab_utils.records import Recorder
 from lab_utils.studies import fused_kernels as study
-
-
-@pytest.fixture
-def wrong_variant():
-    """A deliberately wrong eager-kind variant of an op, registered for one test."""
-    added = []
-
-    def add(op, name, fn):
-        register(op, name, fn, kind="eager")
-        added.append((op, name))
-
-    yield add
-    for op, name in added:
-        unregister(op, name)
 
 
 def _lab(**params) -> study.Lab:
@@ -46,8 +31,8 @@ def test_config_refuses_bad_values_naming_the_parameter():
     assert study.FusedKernelsConfig().check_problem.hidden == 781
 
 
-def test_correctness_raises_with_the_table_when_a_variant_fails(wrong_variant):
-    wrong_variant(
+def test_correctness_raises_with_the_table_when_a_variant_fails(temporary_variant):
+    temporary_variant(
         "rms_norm", "off_by_one_pct", lambda x, w, eps=1e-6: 1.01 * x * torch.rsqrt(x.pow(2).mean(-1, True) + eps) * w
     )
     lab = _lab(check_variants=["eager", "off_by_one_pct"], check_dtypes=["float32"], check_tokens=5, check_hidden=33)
@@ -59,10 +44,10 @@ def test_correctness_raises_with_the_table_when_a_variant_fails(wrong_variant):
     assert set(ok.rec.frame().variant) == {"eager"}
 
 
-def test_sweep_checks_every_op_it_times_not_only_op(wrong_variant):
+def test_sweep_checks_every_op_it_times_not_only_op(temporary_variant):
     """On a GPU the sweep times every op; each (op, variant) it times is checked first, even
     when the correctness table is about another op."""
-    wrong_variant("gelu_tanh", "fast_wrong", lambda x: torch.nn.functional.gelu(x))  # the erf form, not tanh
+    temporary_variant("gelu_tanh", "fast_wrong", lambda x: torch.nn.functional.gelu(x))  # the erf form, not tanh
     lab = _lab(op="rms_norm", sweep_ops=["rms_norm", "gelu_tanh"], sweep_variants=["eager", "fast_wrong"],
                directions=["fwd"], tokens=[8], preset="tiny", check_tokens=7, check_hidden=40, reps=3)  # fmt: skip
     with pytest.raises(AssertionError, match="gelu_tanh/fast_wrong"):

@@ -21,18 +21,9 @@ import torch
 import lab_kernels
 from lab_kernels import get_variant, variants
 
-from .. import fused, plots
+from .. import config, fused, plots
 from ..ceilings import Ceilings, get_ceilings
-from ..config import (
-    ConfigError,
-    LabConfig,
-    check_bool,
-    check_choice,
-    check_choices,
-    check_float,
-    check_int,
-    check_int_list,
-)
+from ..config import LabConfig
 from ..device import pick_device
 from ..model import PRESETS
 from ..records import Recorder
@@ -79,36 +70,36 @@ class FusedKernelsConfig(LabConfig):
     quick_ceilings: bool = True
 
     def __post_init__(self):
-        check_choice("device", self.device, ("auto", "cpu", "cuda"))
-        check_choice("op", self.op, fused.OP_NAMES)
-        check_choice("dtype", self.dtype, tuple(fused.DTYPES))
-        check_choices("directions", self.directions, fused.DIRECTIONS)
-        check_choices("check_dtypes", self.check_dtypes, tuple(fused.DTYPES))
-        check_int("check_tokens", self.check_tokens, min=1)
-        check_int("check_hidden", self.check_hidden, min=2)
-        check_int("check_head_dim", self.check_head_dim, min=2)
+        config.check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        config.check_choice("op", self.op, fused.OP_NAMES)
+        config.check_choice("dtype", self.dtype, tuple(fused.DTYPES))
+        config.check_choices("directions", self.directions, fused.DIRECTIONS)
+        config.check_choices("check_dtypes", self.check_dtypes, tuple(fused.DTYPES))
+        config.check_int("check_tokens", self.check_tokens, min=1)
+        config.check_int("check_hidden", self.check_hidden, min=2)
+        config.check_int("check_head_dim", self.check_head_dim, min=2)
         if self.check_head_dim % 2:
-            raise ConfigError("check_head_dim", self.check_head_dim, "an even integer (rope rotates pairs)")
-        check_choices("sweep_ops", self.sweep_ops, fused.OP_NAMES)
-        check_choice("preset", self.preset, tuple(PRESETS))
-        check_int_list("tokens", self.tokens, min=1)
-        check_int("batch", self.batch, min=1)
-        check_int("reps", self.reps, min=3)
-        check_float("budget_s", self.budget_s, min=0, min_exclusive=True)
-        check_choice("block_preset", self.block_preset, tuple(PRESETS))
-        check_choices("block_kinds", self.block_kinds, ("double", "single"))
-        check_choices("block_providers", self.block_providers, tuple(fused.BLOCK_PROVIDERS))
-        check_int("block_img_tokens", self.block_img_tokens, min=1)
-        check_int("block_txt_tokens", self.block_txt_tokens, min=1)
-        check_choice("block_dtype", self.block_dtype, tuple(fused.DTYPES))
-        check_int("seed", self.seed, min=0)
-        check_bool("quick_ceilings", self.quick_ceilings)
-        check_bool("compare_compile", self.compare_compile)
+            raise config.ConfigError("check_head_dim", self.check_head_dim, "an even integer (rope rotates pairs)")
+        config.check_choices("sweep_ops", self.sweep_ops, fused.OP_NAMES)
+        config.check_choice("preset", self.preset, tuple(PRESETS))
+        config.check_int_list("tokens", self.tokens, min=1)
+        config.check_int("batch", self.batch, min=1)
+        config.check_int("reps", self.reps, min=3)
+        config.check_float("budget_s", self.budget_s, min=0, min_exclusive=True)
+        config.check_choice("block_preset", self.block_preset, tuple(PRESETS))
+        config.check_choices("block_kinds", self.block_kinds, ("double", "single"))
+        config.check_choices("block_providers", self.block_providers, tuple(fused.BLOCK_PROVIDERS))
+        config.check_int("block_img_tokens", self.block_img_tokens, min=1)
+        config.check_int("block_txt_tokens", self.block_txt_tokens, min=1)
+        config.check_choice("block_dtype", self.block_dtype, tuple(fused.DTYPES))
+        config.check_int("seed", self.seed, min=0)
+        config.check_bool("quick_ceilings", self.quick_ceilings)
+        config.check_bool("compare_compile", self.compare_compile)
         known = set()
         for op in fused.OP_NAMES:
             known |= {v.name for v in variants(op, include_unavailable=True)}
-        check_choices("check_variants", self.check_variants, sorted(known - {"reference"}))
-        check_choices("sweep_variants", self.sweep_variants, sorted(known - {"reference"}))
+        config.check_choices("check_variants", self.check_variants, sorted(known - {"reference"}))
+        config.check_choices("sweep_variants", self.sweep_variants, sorted(known - {"reference"}))
 
     @property
     def check_problem(self) -> fused.Problem:
