@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch._dynamo.config as dynamo_config
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import flex_attention
@@ -268,7 +267,9 @@ def _flex_fn(compiled: bool):
     if _FLEX_COMPILED is None:
         # Every (shape, mask_mod) is a recompilation; past dynamo's recompile limit (8) it
         # would silently fall back to the *unfused* eager flex and the sweep would time the
-        # wrong thing.  Raise the limits (names differ across torch versions).
+        # wrong thing.  Raise the limits (names differ across torch versions).  torch loads
+        # torch._dynamo lazily on first use (seconds), so it is reached here, not imported above.
+        dynamo_config = torch._dynamo.config
         for name, value in (
             ("recompile_limit", 1024),
             ("cache_size_limit", 1024),
