@@ -9,15 +9,15 @@ Triton kernel share one definition of the numerics:
    zeros to a multiple of the block (zeros never change a block's amax, and the
    padding is cropped again), and view the tensor as ``(n_groups, G)`` rows, one
    scaling group per row (``block2d`` tiles are rearranged into rows first).
-2. *Quantize a group* (reference: :func:`reference_quantize_groups`; Triton:
+2. *Quantize a group* (reference: ``formats.reference_quantize_groups``; Triton:
    ``_quant_fwd_kernel``): amax -> scale -> scaled values -> element rounding ->
    codes and the dequantized values.  Both use only exact operations (power-of-two
    products, IEEE division, floor, compare), so they agree bit for bit.
 3. *Pack* (host): fp8 codes viewed as ``torch.float8_*``; fp4 codes two per byte,
    first element in the low nibble (torchao's ``pack_uint4`` layout).
 
-Element rounding (``_round_elem``) works on |v| in fp32: ``e = max(floor(log2|v|),
-emin)`` from the exponent bits, ``y = |v| * 2^(m-e)`` (exact), then
+Element rounding (``formats.round_elements_reference`` and the kernel's twin) works
+on |v| in fp32: ``e = max(floor(log2|v|), emin)`` from the exponent bits, ``y = |v| * 2^(m-e)`` (exact), then
 round-to-nearest-even on ``y``'s fraction, or stochastic rounding (round up when
 the fraction exceeds ``u``, a 24-bit uniform drawn from a caller-visible tensor of
 random bits, so reference and kernel consume the same draws).  Values are clamped
@@ -79,254 +79,31 @@ import triton
 import triton.language as tl
 
 from . import _common as C
+from .formats import (
+    ELEM_FORMATS,
+    FORMATS,
+    FP8_EPS,
+    GRANULARITIES,
+    NONFINITE,
+    NVFP4_TENSOR_DIV,
+    ROUNDINGS,
+    SCALE_RULES,
+    SCALING_AMAX,
+    SCALING_GIVEN,
+    SCALING_MX_FLOOR,
+    SCALING_MX_RCEIL,
+    SCALING_NONE,
+    SCALING_NVFP4,
+    ElemFormat,
+    Format,
+    check_format,
+    decode_codes,
+    e8m0_to_f32,
+    param_error,
+    reference_quantize_groups,
+    representable_values,
+)
 from .registry import register
-
-# --------------------------------------------------------------------------- formats
-
-
-@dataclass(frozen=True)
-class ElemFormat:
-    name: str
-    ebits: int
-    mbits: int
-    emin: int  # exponent of the smallest normal
-    max: float  # largest finite magnitude
-    emax: int  # floor(log2(max)), torchao's *_MAX_POW2
-    torch_dtype: torch.dtype | None
-    nan_code: int
-
-    @property
-    def bias(self) -> int:
-        return 1 - self.emin
-
-    @property
-    def n_codes(self) -> int:
-        return 1 << (1 + self.ebits + self.mbits)
-
-
-ELEM_FORMATS = {
-    "e4m3": ElemFormat("e4m3", 4, 3, -6, 448.0, 8, torch.float8_e4m3fn, 0x7F),
-    "e5m2": ElemFormat("e5m2", 5, 2, -14, 57344.0, 15, torch.float8_e5m2, 0x7F),
-    "e2m1": ElemFormat("e2m1", 2, 1, 0, 6.0, 2, None, 0x7),
-}
-_ELEM_ID = {"e4m3": 0, "e5m2": 1, "e2m1": 2}
-
-
-@dataclass(frozen=True)
-class Format:
-    """A quantization format: element type plus how it is scaled."""
-
-    name: str
-    elem: str
-    family: str  # "fp8" | "mx" | "nvfp4"
-    block_size: int | None  # default block (fp8: for granularity block/block2d)
-    bits_per_elem: float  # storage incl. scales amortised over the block
-
-    @property
-    def elem_format(self) -> ElemFormat:
-        return ELEM_FORMATS[self.elem]
-
-
-FORMATS: dict[str, Format] = {
-    "fp8_e4m3": Format("fp8_e4m3", "e4m3", "fp8", 128, 8.0),
-    "fp8_e5m2": Format("fp8_e5m2", "e5m2", "fp8", 128, 8.0),
-    "mxfp8_e4m3": Format("mxfp8_e4m3", "e4m3", "mx", 32, 8.25),
-    "mxfp8_e5m2": Format("mxfp8_e5m2", "e5m2", "mx", 32, 8.25),
-    "mxfp4": Format("mxfp4", "e2m1", "mx", 32, 4.25),
-    "nvfp4": Format("nvfp4", "e2m1", "nvfp4", 16, 4.5),
-}
-GRANULARITIES = ("tensor", "row", "block", "block2d", "none")
-SCALE_RULES = ("floor", "rceil")
-ROUNDINGS = ("nearest", "stochastic")
-NONFINITE = ("propagate", "raise")
-
-FP8_EPS = 1e-12  # torchao float8_utils.EPS
-E4M3_TINY = 2.0**-6  # torch.finfo(float8_e4m3fn).tiny, NVFP4 scale floor
-F32_MIN_NORMAL = 2.0**-126
-NVFP4_TENSOR_DIV = 448.0 * 6.0
-
-# kernel switches
-_SC_NONE, _SC_AMAX, _SC_GIVEN, _SC_MX_FLOOR, _SC_MX_RCEIL, _SC_NVFP4 = range(6)
-
-
-def _err(param: str, value, allowed: str) -> ValueError:
-    return ValueError(f"parameter {param!r} = {value!r} is not allowed: expected {allowed}")
-
-
-def check_format(fmt: str, param: str = "fmt") -> Format:
-    """The :class:`Format` named ``fmt``; a ValueError naming ``param`` and the allowed names otherwise."""
-    if not isinstance(fmt, str) or fmt not in FORMATS:
-        raise _err(param, fmt, "one of " + ", ".join(repr(f) for f in FORMATS))
-    return FORMATS[fmt]
-
-
-# ------------------------------------------------------------------ element grid helpers
-
-
-def representable_values(elem: str, *, positive_only: bool = False) -> torch.Tensor:
-    """Every finite value of an element format, sorted (float64), +0 once."""
-    codes = torch.arange(ELEM_FORMATS[elem].n_codes, dtype=torch.int32)
-    v = decode_codes(codes.to(torch.uint8), elem).double()
-    v = v[torch.isfinite(v)]
-    v = torch.unique(v)  # merges ±0
-    return v[v >= 0] if positive_only else v
-
-
-def decode_codes(codes: torch.Tensor, elem: str) -> torch.Tensor:
-    """uint8 element codes (unpacked, one per byte) -> float32 values (NaN/Inf as the format defines)."""
-    f = ELEM_FORMATS[elem]
-    c = codes.to(torch.int32)
-    nb = f.ebits + f.mbits
-    sign = (c >> nb) & 1
-    ex = (c >> f.mbits) & ((1 << f.ebits) - 1)
-    man = (c & ((1 << f.mbits) - 1)).double()
-    mag = torch.where(
-        ex == 0, man * 2.0 ** (f.emin - f.mbits), (1 + man / (1 << f.mbits)) * torch.exp2((ex - f.bias).double())
-    )
-    if elem == "e4m3":
-        mag = torch.where((ex == 15) & (man == 7), float("nan"), mag)
-    elif elem == "e5m2":
-        mag = torch.where((ex == 31) & (man == 0), float("inf"), mag)
-        mag = torch.where((ex == 31) & (man != 0), float("nan"), mag)
-    return torch.where(sign == 1, -mag, mag).float()
-
-
-# ------------------------------------------------------------------ torch reference numerics
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.int32)
-
-
-def _from_bits(b: torch.Tensor) -> torch.Tensor:
-    return b.to(torch.int32).contiguous().view(torch.float32)
-
-
-_CANON_NAN = 0x7FC00000
-
-
-def _round_elem_ref(v: torch.Tensor, f: ElemFormat, stochastic: bool, rbits: torch.Tensor | None, codes: bool = True):
-    """fp32 v (already scaled) -> (rounded fp32 value, uint8 code or None).  See module note."""
-    a = torch.clamp(v.abs(), max=f.max)  # saturate; NaN stays
-    e = ((_bits(a) >> 23) & 0xFF) - 127
-    e = torch.clamp(e, min=f.emin)
-    inv_ulp = _from_bits((127 + f.mbits - e) << 23)
-    ulp = _from_bits((127 - f.mbits + e) << 23)
-    y = a * inv_ulp
-    fl = torch.floor(y)
-    frac = y - fl
-    if stochastic:
-        u = (rbits & 0xFFFFFF).to(torch.float32) * (2.0**-24)
-        up = frac > u
-    else:
-        odd = (fl - 2.0 * torch.floor(fl * 0.5)) == 1.0
-        up = (frac > 0.5) | ((frac == 0.5) & odd)
-    q = (fl + up.to(torch.float32)) * ulp
-    nan = torch.isnan(q)
-    if not codes:
-        return torch.where(nan, _from_bits(torch.full_like(e, _CANON_NAN)), torch.copysign(q, v)), None
-    sign = (_bits(v) >> 31) & 1
-    # code: subnormal (q < 2^emin) -> mantissa only, else biased exponent | mantissa bits
-    qb = _bits(torch.where(nan, torch.zeros_like(q), q))
-    qe = ((qb >> 23) & 0xFF) - 127
-    normal = q >= 2.0**f.emin
-    code_n = ((qe + f.bias) << f.mbits) | ((qb >> (23 - f.mbits)) & ((1 << f.mbits) - 1))
-    code_s = (torch.clamp(q, max=2.0**f.emin) * 2.0 ** (f.mbits - f.emin)).to(torch.int32)
-    code = torch.where(normal, code_n, torch.where(nan, torch.zeros_like(code_s), code_s))
-    code = torch.where(nan, torch.full_like(code, f.nan_code), code)
-    code = code | (sign << (f.ebits + f.mbits))
-    qs = _from_bits(_bits(torch.where(nan, torch.zeros_like(q), q)) | (sign << 31))
-    qs = torch.where(nan, _from_bits(torch.full_like(sign, _CANON_NAN)), qs)
-    return qs, code.to(torch.uint8)
-
-
-def _ceil_log2_bits(d: torch.Tensor) -> torch.Tensor:
-    """Exact ceil(log2(d)) for finite d >= 0 in fp32 from its bits, floored at -127 (E8M0's least)."""
-    b = _bits(d)
-    ex = (b >> 23) & 0xFF
-    man = b & 0x7FFFFF
-    # subnormal d: in (2^-127, 2^-126) -> -126; <= 2^-127 (mantissa 0x400000) -> -127 (the E8M0 floor)
-    sub = torch.where(man > 0x400000, torch.full_like(ex, -126), torch.full_like(ex, -127))
-    return torch.where(ex == 0, sub, ex - 127 + (man != 0).to(torch.int32))
-
-
-def _e8m0_to_f32(biased: torch.Tensor) -> torch.Tensor:
-    b = biased.to(torch.int32)
-    s = _from_bits(torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23))
-    return torch.where(b == 255, _from_bits(torch.full_like(b, _CANON_NAN)), s)
-
-
-def reference_quantize_groups(
-    g: torch.Tensor,
-    elem: str,
-    scaling: int,
-    *,
-    stochastic: bool = False,
-    rbits: torch.Tensor | None = None,
-    tensor_scale: torch.Tensor | None = None,
-    codes: bool = True,
-):
-    """Quantize rows of ``g`` (n_groups, G) fp32, one scaling group per row.
-
-    Returns (dequantized fp32 (n_groups, G), codes uint8 (n_groups, G), group scale fp32 (n_groups,)):
-    the scale is fp8's multiplier, MX's biased E8M0 exponent (as a float), NVFP4's e4m3 block scale.
-    """
-    f = ELEM_FORMATS[elem]
-    n = g.shape[0]
-    amax = g.abs().amax(dim=1) if g.shape[1] else torch.zeros(n)
-    bad = ~torch.isfinite(amax)
-    nanv = torch.full_like(amax, float("nan"))
-    if scaling == _SC_NONE:
-        q, code = _round_elem_ref(g, f, stochastic, rbits, codes)
-        return q, code, torch.ones(n)
-    if scaling in (_SC_AMAX, _SC_GIVEN):
-        if scaling == _SC_AMAX:
-            scale = (f.max / torch.clamp(amax.double(), min=FP8_EPS)).float()
-            scale = torch.where(bad, nanv, scale)
-        else:
-            scale = tensor_scale.float().expand(n)
-        v = g * scale[:, None]
-        q, code = _round_elem_ref(v, f, stochastic, rbits, codes)
-        return q / scale[:, None], code, scale
-    if scaling == _SC_MX_FLOOR:
-        ex = ((_bits(amax) >> 23) & 0xFF) - 127
-        biased = torch.clamp(ex - f.emax, -127, 128) + 127
-        biased = torch.where(bad, torch.full_like(biased, 255), biased)
-        sc = torch.clamp(_from_bits(biased << 23), min=F32_MIN_NORMAL)  # 255 -> inf
-        rcp = 1.0 / sc  # exact: power of two (or 0 for inf)
-        v = g * rcp[:, None]
-        v = torch.where(bad[:, None], nanv[:, None].expand_as(v), v)
-    elif scaling == _SC_MX_RCEIL:
-        descale = amax / f.max
-        biased = torch.clamp(_ceil_log2_bits(descale), -127, 127) + 127
-        biased = torch.where(bad, torch.full_like(biased, 255), biased)
-        rcp = torch.where(
-            biased == 0,
-            torch.ones_like(descale),
-            torch.where(
-                biased >= 254, torch.full_like(descale, 2.0**-127), _from_bits((254 - biased).clamp(min=0) << 23)
-            ),
-        )
-        v = g * rcp[:, None]
-        v = torch.where(bad[:, None], nanv[:, None].expand_as(v), v)
-    elif scaling == _SC_NVFP4:
-        pts = tensor_scale.float()
-        bs = amax / 6.0
-        sc = torch.clamp(bs / pts, min=E4M3_TINY, max=448.0)
-        sc, _ = _round_elem_ref(sc, ELEM_FORMATS["e4m3"], False, None)
-        recip = (1.0 / pts) / sc
-        v = g * recip[:, None]
-        v = torch.where(bad[:, None], nanv[:, None].expand_as(v), v)
-        q, code = _round_elem_ref(v, f, stochastic, rbits, codes)
-        deq = q * (sc * pts)[:, None]
-        sc = torch.where(bad, nanv, sc)
-        return deq, code, sc
-    else:
-        raise ValueError(f"unknown scaling mode {scaling}")
-    q, code = _round_elem_ref(v, f, stochastic, rbits, codes)
-    deq = q * _e8m0_to_f32(biased)[:, None]
-    return deq, code, biased.to(torch.float32)
-
 
 # ------------------------------------------------------------------ Triton kernel
 
@@ -568,7 +345,7 @@ def _to_groups(x: torch.Tensor, axis: int, group: int | None, pad: bool, block2d
         return g.contiguous(), _Layout(tuple(x.shape), axis, tuple(xm.shape), K, 0)
     pad_k = (-K) % group
     if pad_k and not pad:
-        raise _err(
+        raise param_error(
             "block_size",
             group,
             f"a divisor of the quantized axis (size {K}), or pad=True (pads with zeros, then crops)",
@@ -645,7 +422,7 @@ class QuantizedTensor:
             s = self.scale.float()
             g = _groups_like(vals, lay) / s.reshape(-1, 1)
         elif F.family == "mx":
-            g = _groups_like(vals, lay) * _e8m0_to_f32(self.scale.view(torch.uint8)).reshape(-1, 1)
+            g = _groups_like(vals, lay) * e8m0_to_f32(self.scale.view(torch.uint8)).reshape(-1, 1)
         else:
             mult = self.scale.float() * self.tensor_scale.float()
             g = _groups_like(vals, lay) * mult.reshape(-1, 1)
@@ -660,7 +437,7 @@ def hadamard_matrix(n: int, seed: int | None = 0, dtype=torch.float32) -> torch.
     """Orthonormal (random) Hadamard: ``H_n @ diag(±1) / sqrt(n)``; n a power of two.
     ``seed=None`` gives the plain Sylvester matrix."""
     if n < 1 or n & (n - 1):
-        raise _err("hadamard", n, "a power of two")
+        raise param_error("hadamard", n, "a power of two")
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -678,7 +455,7 @@ def hadamard_transform(
     so the inverse is the transpose and (xH)(wH)^T = x w^T along a shared K axis)."""
     K = x.shape[axis]
     if K % n:
-        raise _err("hadamard", n, f"a divisor of the quantized axis (size {K})")
+        raise param_error("hadamard", n, f"a divisor of the quantized axis (size {K})")
     H = hadamard_matrix(n, seed, torch.float32).to(x.device)
     if inverse:
         H = H.T
@@ -690,17 +467,17 @@ def hadamard_transform(
 def _plan(fmt: str, granularity: str | None, block_size, scale_rule: str, rounding: str):
     F = check_format(fmt)
     if scale_rule not in SCALE_RULES:
-        raise _err("scale_rule", scale_rule, "one of " + ", ".join(map(repr, SCALE_RULES)))
+        raise param_error("scale_rule", scale_rule, "one of " + ", ".join(map(repr, SCALE_RULES)))
     if rounding not in ROUNDINGS:
-        raise _err("rounding", rounding, "one of " + ", ".join(map(repr, ROUNDINGS)))
+        raise param_error("rounding", rounding, "one of " + ", ".join(map(repr, ROUNDINGS)))
     if F.family == "fp8":
         gran = granularity or "tensor"
         if gran not in GRANULARITIES:
-            raise _err("granularity", gran, "one of " + ", ".join(map(repr, GRANULARITIES)))
+            raise param_error("granularity", gran, "one of " + ", ".join(map(repr, GRANULARITIES)))
         if gran in ("block", "block2d"):
             bs = F.block_size if block_size is None else block_size
         elif block_size is not None:
-            raise _err(
+            raise param_error(
                 "block_size",
                 block_size,
                 f"None with granularity={gran!r} (one scale per {gran}); a block size needs 'block' or 'block2d'",
@@ -709,15 +486,15 @@ def _plan(fmt: str, granularity: str | None, block_size, scale_rule: str, roundi
             bs = None
     else:
         if granularity not in (None, "block"):
-            raise _err("granularity", granularity, f"'block' (or None) for {fmt}: its scaling is per block")
+            raise param_error("granularity", granularity, f"'block' (or None) for {fmt}: its scaling is per block")
         gran = "block"
         bs = F.block_size if block_size is None else block_size
         if F.family == "mx" and bs != 32:
-            raise _err("block_size", bs, f"32 for {fmt} (the OCP MX block)")
+            raise param_error("block_size", bs, f"32 for {fmt} (the OCP MX block)")
         if F.family == "nvfp4" and bs != 16:
-            raise _err("block_size", bs, "16 for nvfp4")
+            raise param_error("block_size", bs, "16 for nvfp4")
     if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs < 1):
-        raise _err("block_size", bs, "a positive integer")
+        raise param_error("block_size", bs, "a positive integer")
     return F, gran, bs
 
 
@@ -746,18 +523,18 @@ def quantize(
     ``tensor_scale`` overrides the per-tensor scale (fp8 tensor / NVFP4 amax-derived).
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise _err(
+        raise param_error(
             "x", type(x).__name__ if not isinstance(x, torch.Tensor) else x.dtype, "a floating-point torch.Tensor"
         )
     if backend not in _BACKENDS:
-        raise _err("backend", backend, "one of " + ", ".join(map(repr, _BACKENDS)))
+        raise param_error("backend", backend, "one of " + ", ".join(map(repr, _BACKENDS)))
     if nonfinite not in NONFINITE:
-        raise _err("nonfinite", nonfinite, "one of " + ", ".join(map(repr, NONFINITE)))
+        raise param_error("nonfinite", nonfinite, "one of " + ", ".join(map(repr, NONFINITE)))
     if not isinstance(axis, int) or not -max(x.dim(), 1) <= axis < max(x.dim(), 1):
-        raise _err("axis", axis, f"an integer in [-{max(x.dim(), 1)}, {max(x.dim(), 1)})")
+        raise param_error("axis", axis, f"an integer in [-{max(x.dim(), 1)}, {max(x.dim(), 1)})")
     F, gran, bs = _plan(fmt, granularity, block_size, scale_rule, rounding)
     if nonfinite == "raise" and not bool(torch.isfinite(x).all()):
-        raise _err(
+        raise param_error(
             "x", f"tensor with {int((~torch.isfinite(x)).sum())} NaN/Inf elements", "finite values (nonfinite='raise')"
         )
     axis = axis % max(x.dim(), 1)
@@ -769,10 +546,10 @@ def quantize(
     if F.family == "fp8":
         if gran == "none":
             g, lay = _to_groups(x, axis, None, pad)
-            scaling = _SC_NONE
+            scaling = SCALING_NONE
         elif gran == "tensor":
             g, lay = _to_groups(x, axis, None, pad)
-            scaling = _SC_GIVEN
+            scaling = SCALING_GIVEN
             if tensor_scale is None:
                 amax = g.abs().amax() if g.numel() else torch.zeros(())
                 ts = (F.elem_format.max / torch.clamp(amax.double(), min=FP8_EPS)).float()
@@ -782,16 +559,16 @@ def quantize(
                 ts = tensor_scale.float().reshape(())
         elif gran == "row":
             g, lay = _to_groups(x, axis, None, pad)
-            scaling = _SC_AMAX
+            scaling = SCALING_AMAX
         else:
             g, lay = _to_groups(x, axis, bs, pad, block2d=(gran == "block2d"))
-            scaling = _SC_AMAX
+            scaling = SCALING_AMAX
     elif F.family == "mx":
         g, lay = _to_groups(x, axis, bs, pad)
-        scaling = _SC_MX_FLOOR if scale_rule == "floor" else _SC_MX_RCEIL
+        scaling = SCALING_MX_FLOOR if scale_rule == "floor" else SCALING_MX_RCEIL
     else:
         g, lay = _to_groups(x, axis, bs, pad)
-        scaling = _SC_NVFP4
+        scaling = SCALING_NVFP4
         if tensor_scale is None:
             amax = g.abs().amax() if g.numel() else torch.zeros(())
             ts = amax.float() / NVFP4_TENSOR_DIV
@@ -922,12 +699,12 @@ def fake_quantize_ste(x: torch.Tensor, fmt: str, **kw) -> torch.Tensor:
 def cast_elements(x: torch.Tensor, elem: str, *, rounding: str = "nearest", seed: int = 0, backend: str = "reference"):
     """Unscaled element cast of fp32 values: (rounded values fp32, codes uint8). Saturating."""
     if elem not in ELEM_FORMATS:
-        raise _err("elem", elem, "one of " + ", ".join(map(repr, ELEM_FORMATS)))
+        raise param_error("elem", elem, "one of " + ", ".join(map(repr, ELEM_FORMATS)))
     if rounding not in ROUNDINGS:
-        raise _err("rounding", rounding, "one of " + ", ".join(map(repr, ROUNDINGS)))
+        raise param_error("rounding", rounding, "one of " + ", ".join(map(repr, ROUNDINGS)))
     g = x.float().reshape(1, -1).contiguous()
     rb = _rand_bits(tuple(g.shape), torch.Generator().manual_seed(seed), g.device) if rounding == "stochastic" else None
-    q, c, _ = _BACKENDS[backend](g, elem, _SC_NONE, stochastic=rounding == "stochastic", rbits=rb)
+    q, c, _ = _BACKENDS[backend](g, elem, SCALING_NONE, stochastic=rounding == "stochastic", rbits=rb)
     return q.reshape(x.shape), c.reshape(x.shape)
 
 
@@ -987,7 +764,7 @@ def torchao_fake_quantize(
                 x2, F.elem_format.torch_dtype, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1
             )
         else:
-            raise _err("granularity", gran, "'tensor' or 'row' for the torchao float8 reference")
+            raise param_error("granularity", gran, "'tensor' or 'row' for the torchao float8 reference")
         d = to_fp8_saturated(x2.float() * s, F.elem_format.torch_dtype)
         out = d.float() / s
     elif F.family == "mx":
@@ -1018,3 +795,32 @@ register(
     check=_torchao_check,
     description="torchao 0.18 float8 / MX / NVFP4 references",
 )
+
+
+# The format names live in lab_kernels.formats; quant re-exports them as its own API.
+__all__ = [
+    "ELEM_FORMATS",
+    "FORMATS",
+    "GRANULARITIES",
+    "NONFINITE",
+    "ROUNDINGS",
+    "SCALE_RULES",
+    "TORCHAO_FORMATS",
+    "ElemFormat",
+    "Format",
+    "QuantFunction",
+    "QuantizedTensor",
+    "cast_elements",
+    "check_format",
+    "decode_codes",
+    "fake_quantize",
+    "fake_quantize_ste",
+    "hadamard_matrix",
+    "hadamard_transform",
+    "quant_forward",
+    "quantize",
+    "reference_quantize_groups",
+    "representable_values",
+    "torchao_fake_quantize",
+    "triton_quantize_groups",
+]
