@@ -212,3 +212,39 @@ def test_training_step_explorer():
     assert ex.run(kernels="triton").reason.startswith("kernels='triton' runs in Triton's interpreter")
     variants = {row["variant"].split(" | ")[0] for row in ex.rec.rows}
     assert len(variants) == 2, "each configuration's records carry its label"
+
+
+def test_memory_explorer():
+    from lab_utils.studies.explore.memory import MemoryExplorer
+
+    ex = MemoryExplorer(device="cpu", reps=3, defaults=dict(batch=1))
+    objs = ex.static()
+    assert LIVE_NOTE in objs[0].data and len(ex.results) == 1, ex.status
+    _render(objs[-1])
+    r = ex.results[0].row
+    assert r["saved_mib"] == r["formula_mib"] and r["grads_equal"], "saved bytes: measurement == analytic model"
+    assert not ex.run(policy="offload").ok
+
+
+def test_stability_explorer():
+    from lab_utils.studies.explore.stability import StabilityExplorer
+
+    ex = StabilityExplorer(steps=4)
+    objs = ex.static()
+    assert LIVE_NOTE in objs[0].data and len(ex.results) == 1, ex.status
+    _render(objs[-1])
+    assert len(ex.results[0].data["steps"]) == 4
+    assert any(row["metric"] == "final_loss" for row in ex.rec.rows)
+
+
+@pytest.mark.slow
+def test_distributed_explorer():
+    from lab_utils.studies.explore.distributed import DistributedExplorer
+
+    ex = DistributedExplorer(defaults=dict(strategy="single", world_size=1))
+    objs = ex.static()
+    assert LIVE_NOTE in objs[0].data and len(ex.results) == 1, ex.status
+    _render(objs[-1])
+    out = ex.run(strategy="ddp", world_size=2)
+    assert out.ok and out.result.row["collectives"] > 0, ex.status
+    assert "world_size" in ex.run(strategy="single").reason

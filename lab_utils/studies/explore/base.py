@@ -334,7 +334,11 @@ class Explorer:
         t = self.table()
         if not len(t):
             return "<i>no measurement yet</i>"
-        return t.to_html(index=False, float_format=lambda v: f"{v:.4g}", border=0, classes="perflab-explore-rows")
+        style = (
+            "<style>.perflab-explore-rows td, .perflab-explore-rows th {padding: 1px 8px; text-align: right}</style>"
+        )
+        rows = t.to_html(index=False, float_format=lambda v: f"{v:.4g}", border=0, classes="perflab-explore-rows")
+        return style + rows
 
     def _on_change(self, _change) -> None:
         cfg = {name: w.value for name, w in self._ui["controls"].items()}

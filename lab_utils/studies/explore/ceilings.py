@@ -102,13 +102,24 @@ class CeilingsExplorer(Explorer):
         title = f"Explored points · roof {self.ceilings.copy_gbs:.0f} GB/s, {peak:.3g} TFLOP/s ({last})"
         roof = roofline_plot(on_roof.iloc[0:0], self.ceilings, dtype=DTYPES[last], title=title)
         # fixed layer labels (the numbers are in the title): a live redraw keeps the overlay's keys
-        roof = hv.Overlay([el.relabel(label=f"roof{i}") for i, el in enumerate(roof)]).opts(**roof.opts.get().kwargs)
+        roof = hv.Overlay([el.relabel(label=f"roof{i}").opts(framewise=True) for i, el in enumerate(roof)]).opts(
+            **roof.opts.get().kwargs
+        )
         # one Scatter coloured by point, so that a live redraw keeps the overlay's structure
         pts = hv.Scatter(on_roof, "intensity", ["tflops", "label", "gbs", "time_ms", "shape", "pct_of_ceiling"]).opts(
-            color="label", cmap="Category20", size=11, tools=["hover"], logx=True, logy=True, show_legend=False
+            color="label",
+            cmap="Category20",
+            size=11,
+            tools=["hover"],
+            logx=True,
+            logy=True,
+            show_legend=False,
+            framewise=True,
         )
         bars = hv.Bars(rows, "label", ["gbs", "op", "dtype", "shape", "time_ms"]).opts(
             tools=["hover"], xrotation=30, ylabel="GB/s", xlabel="", title="Achieved bandwidth (dashed: copy ceiling)"
         )
+        top = max([self.ceilings.copy_gbs, *rows.gbs.astype(float)])
+        bars = bars.opts(framewise=True, ylim=(0, 1.15 * top))  # the copy ceiling stays in view
         ceil = hv.HLine(self.ceilings.copy_gbs).opts(color="black", line_dash="dashed")
         return [(roof * pts).opts(framewise=True, show_legend=False), (bars * ceil).opts(framewise=True)]

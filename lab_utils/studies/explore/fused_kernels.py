@@ -137,6 +137,8 @@ class FusedExplorer(Explorer):
             xlabel="MB moved per call",
             ylabel="GB/s",
         )
+        top = max([self.ceilings.copy_gbs if self.ceilings is not None else 0.0, *df.gbs.astype(float)]) or 1.0
+        pts = pts.opts(framewise=True, ylim=(0, 1.15 * top))  # the ceiling stays in view
         layers = [pts]
         if self.ceilings is not None:
             layers.append(hv.HLine(self.ceilings.copy_gbs).opts(color="black", line_dash="dashed"))
