@@ -15,6 +15,7 @@ import torch
 from .. import memory as mem
 from ..config import ConfigError, LabConfig, check_choice, check_choices, check_float, check_int, check_int_list
 from ..device import pick_device
+from ..dtypes import parse_dtype
 from ..model import CHECKPOINT_POLICIES, PRESETS, build_model, resolve_config
 from ..model.train import artifacts_dir
 from ..plots import init
@@ -190,7 +191,7 @@ def per_token_table(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
 
 def block_state_table(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     """Parameter/gradient/optimizer bytes per region of the lab's preset (built on meta)."""
-    model = build_model(cfg.preset, device="meta", dtype=mem.parse_dtype("dtype", cfg.dtype))
+    model = build_model(cfg.preset, device="meta", dtype=parse_dtype("dtype", cfg.dtype))
     df = pd.DataFrame([dict(region=k, **v) for k, v in mem.state_bytes(model).items()])
     for r in df.itertuples():
         rec.add("state", r.region, "parameters_bytes", r.parameters, "B", dtype=cfg.dtype, preset=cfg.preset)
@@ -275,7 +276,7 @@ def timeline(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     """One AdamW step's categorized memory timeline (profiler on CPU, snapshot on CUDA); the
     full data goes to the artifacts, the per-category peaks to records."""
     dev = pick_device(cfg.device)
-    dt = mem.parse_dtype("dtype", cfg.dtype)
+    dt = parse_dtype("dtype", cfg.dtype)
     mcfg, sh = resolve_config(cfg.preset), cfg.step()
     model = build_model(mcfg, device=dev, dtype=dt, seed=cfg.seed)
     model.train()

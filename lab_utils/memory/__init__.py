@@ -1,0 +1,143 @@
+"""Where a training step's memory goes: exact accounting of the MMDiT's state and saved
+activations, an analytic model that the measurement confirms, timelines, what fits.
+
+Design note
+-----------
+* **State** (parameters, gradients, AdamW's two moments, fp32 master weights when the
+  parameters are in a 16-bit dtype) is counted from the model's parameters, per block
+  and per class; it is exact by construction and works on ``meta``.
+* **Saved activations** are measured with ``torch.autograd.graph.saved_tensors_hooks``
+  over one forward of the rectified-flow loss: every tensor autograd saves is seen,
+  parameters are skipped (they are state, not activations), and each *storage* is
+  counted once (views share storage, and what a view keeps alive is its whole base).
+  A checkpointed block keeps its inputs and, under a selective policy, the outputs torch
+  caches; ``lab_utils.model.checkpointing.capture`` reports both.  Each storage is
+  attributed to the region (block, embedder, final layer, loss) and the aten op that
+  *made* it, observed by a ``TorchDispatchMode``.  Everything works on ``meta`` tensors.
+* The **analytic model** (:func:`saved_bytes_formula`) writes the same bytes as a formula
+  of width, heads, MLP ratio, sequence lengths and dtype, per region; tests assert it
+  equals the measurement exactly for ``tiny`` and ``small`` under every policy that
+  ``torch.utils.checkpoint`` or ``save_on_cpu`` implements (``compile_budget`` is the
+  partitioner's choice and is measured only).
+* **FSDP** shards parameters, gradients and optimizer state over N ranks (each flat
+  parameter padded to a multiple of N rows, as ``fully_shard`` does on dim 0);
+  activations are not sharded.  :func:`fsdp_rank_state` is checked against real
+  ``fully_shard`` runs on gloo (``python -m lab_utils.memory fsdp``).
+
+Modules: ``saved`` (hooks, formula) <- ``budget`` (state, peak, FSDP projection, what fits)
+<- ``fsdp`` (gloo runs); ``policies`` (AC policies on one step); ``timeline``.
+"""
+
+from __future__ import annotations
+
+from .budget import (
+    CLASSES,
+    bisect_fit,
+    block_of,
+    default_device_bytes,
+    fsdp_rank_state,
+    gpus_needed,
+    predicted_peak,
+    state_bytes,
+    state_totals,
+    transient_bytes,
+    what_fits,
+)
+from .fsdp import (
+    run_fsdp,
+)
+from .policies import (
+    GRAD_TOL,
+    PolicyResult,
+    compare_policies,
+    grad_mismatch,
+    step_flops,
+    step_grads,
+    step_peak,
+)
+from .saved import (
+    EMBED_REGIONS,
+    FORMULA_POLICIES,
+    H200_BYTES,
+    MEMORY_DTYPES,
+    CreatorMode,
+    RegionTracker,
+    SavedReport,
+    SavedTensor,
+    StepShape,
+    batch_for,
+    block_names,
+    bytes_per_token_per_block,
+    check_block,
+    double_block_bytes,
+    measure_saved,
+    saved_bytes_formula,
+    saved_tensor_probe,
+    selective_cache_bytes,
+    single_block_bytes,
+    step_shape,
+    storage_bytes,
+    storage_key,
+)
+from .timeline import (
+    CUDA_CATEGORIES,
+    TIMELINE_CATEGORIES,
+    alloc_conf,
+    cpu_timeline,
+    cuda_timeline,
+    downsample,
+    largest_live,
+    profiled_timeline,
+)
+
+__all__ = [
+    "CLASSES",
+    "CUDA_CATEGORIES",
+    "CreatorMode",
+    "EMBED_REGIONS",
+    "FORMULA_POLICIES",
+    "GRAD_TOL",
+    "H200_BYTES",
+    "MEMORY_DTYPES",
+    "PolicyResult",
+    "RegionTracker",
+    "SavedReport",
+    "SavedTensor",
+    "StepShape",
+    "TIMELINE_CATEGORIES",
+    "alloc_conf",
+    "batch_for",
+    "bisect_fit",
+    "block_names",
+    "block_of",
+    "bytes_per_token_per_block",
+    "check_block",
+    "compare_policies",
+    "cpu_timeline",
+    "cuda_timeline",
+    "default_device_bytes",
+    "double_block_bytes",
+    "downsample",
+    "fsdp_rank_state",
+    "gpus_needed",
+    "grad_mismatch",
+    "largest_live",
+    "measure_saved",
+    "predicted_peak",
+    "profiled_timeline",
+    "run_fsdp",
+    "saved_bytes_formula",
+    "saved_tensor_probe",
+    "selective_cache_bytes",
+    "single_block_bytes",
+    "state_bytes",
+    "state_totals",
+    "step_flops",
+    "step_grads",
+    "step_peak",
+    "step_shape",
+    "storage_bytes",
+    "storage_key",
+    "transient_bytes",
+    "what_fits",
+]

@@ -1,0 +1,210 @@
+"""State per class, the predicted peak of a step, per-rank bytes under FSDP, what fits a
+device (predicted, and on CUDA bisected to the OOM edge)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ..config import check_float, check_int
+from ..dtypes import parse_dtype
+from ..model import MMDiTConfig, build_model
+from ..model.checkpointing import RECOMPUTE_POLICIES
+from ..model.train import rf_loss
+from .saved import (
+    H200_BYTES,
+    StepShape,
+    batch_for,
+    double_block_bytes,
+    saved_bytes_formula,
+    single_block_bytes,
+    step_shape,
+)
+
+# --------------------------------------------------------------------------------------
+# State: parameters, gradients, optimizer
+# --------------------------------------------------------------------------------------
+
+#: Memory classes of a training step, in stacking order.
+CLASSES = ("parameters", "gradients", "optimizer", "master_weights", "activations", "transient")
+
+
+def block_of(param_name: str) -> str:
+    """Region of a parameter name: "double_blocks.3", "single_blocks.0", "img_in", ..."""
+    parts = param_name.split(".")
+    return ".".join(parts[:2]) if parts[0] in ("double_blocks", "single_blocks") else parts[0]
+
+
+def state_bytes(model: nn.Module, dtype: str | torch.dtype | None = None) -> dict[str, dict[str, int]]:
+    """Per region: parameter, gradient and AdamW bytes (two fp32 moments and, for 16-bit
+    parameters, fp32 master weights the optimizer updates).  Works on ``meta``."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(CLASSES[:4], 0))
+    for name, p in model.named_parameters():
+        dt = parse_dtype("dtype", dtype) if dtype is not None else p.dtype
+        n, s = p.numel(), dt.itemsize
+        row = out[block_of(name)]
+        row["parameters"] += n * s
+        row["gradients"] += n * s
+        row["optimizer"] += 2 * n * 4  # moments live beside the fp32 (master) weights
+        row["master_weights"] += n * 4 if s < 4 else 0
+    return dict(out)
+
+
+def state_totals(cfg: MMDiTConfig, dtype: str | torch.dtype) -> dict[str, int]:
+    """Parameter, gradient, optimizer and master-weight bytes of a preset (built on meta)."""
+    model = build_model(cfg, device="meta", dtype=parse_dtype("dtype", dtype))
+    tot = dict.fromkeys(CLASSES[:4], 0)
+    for row in state_bytes(model).values():
+        for k, v in row.items():
+            tot[k] += v
+    return tot
+
+
+def transient_bytes(cfg: MMDiTConfig, sh: StepShape, dtype: str | torch.dtype, policy: str) -> int:
+    """Model of the transient peak above the saved activations during the backward: the
+    gradients of the widest activation (in and out, 2 x B·L·(3D+M)) plus, when a block is
+    recomputed, that block's re-materialised activations."""
+    s = parse_dtype("dtype", dtype).itemsize
+    rows = sh.batch * sh.tokens
+    widest = rows * (3 * cfg.hidden_size + cfg.mlp_hidden) * s
+    recompute = 0
+    if policy in RECOMPUTE_POLICIES or policy == "offload":
+        recompute = max(
+            single_block_bytes(cfg, sh, s)["own"] if cfg.depth_single else 0,
+            double_block_bytes(cfg, sh, s)["own"] if cfg.depth_double else 0,
+        )
+    return 2 * widest + recompute
+
+
+def predicted_peak(
+    cfg: MMDiTConfig, sh: StepShape, dtype: str | torch.dtype, policy: str, *, shards: int = 1, state=None
+) -> dict[str, int]:
+    """Per class, the predicted peak of one AdamW step (state sharded over ``shards`` ranks)."""
+    dev_type = "cuda"
+    pol = "none" if policy == "compile_budget" else policy  # the partitioner's choice: bounded by none
+    st = state if state is not None else state_totals(cfg, dtype)
+    out = {k: int(math.ceil(v / shards)) for k, v in st.items()}
+    out["activations"] = sum(saved_bytes_formula(cfg, sh, dtype, pol, device_type=dev_type).values())
+    out["transient"] = transient_bytes(cfg, sh, dtype, pol)
+    out["total"] = sum(out[k] for k in CLASSES)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# FSDP per-rank projection
+# --------------------------------------------------------------------------------------
+
+
+def fsdp_rank_state(model: nn.Module, world_size: int, rank: int = 0, dtype=None) -> dict[str, int]:
+    """Per-rank parameter, gradient and AdamW bytes under ``fully_shard`` over ``world_size``
+    ranks: each parameter is split on dim 0 in ``ceil(rows / N)``-row chunks (the last ranks
+    may hold fewer rows, or none)."""
+    check_int("world_size", world_size, min=1)
+    check_int("rank", rank, min=0, max=world_size - 1)
+    out = dict.fromkeys(CLASSES[:4], 0)
+    for p in model.parameters():
+        dt = parse_dtype("dtype", dtype) if dtype is not None else p.dtype
+        rows = p.shape[0] if p.dim() else 1
+        per_row = p.numel() // max(rows, 1)
+        chunk = math.ceil(rows / world_size)
+        mine = max(0, min(chunk, rows - rank * chunk))
+        n, s = mine * per_row, dt.itemsize
+        out["parameters"] += n * s
+        out["gradients"] += n * s
+        out["optimizer"] += 2 * n * 4
+        out["master_weights"] += n * 4 if s < 4 else 0
+    return out
+
+
+def gpus_needed(
+    cfg: MMDiTConfig, sh: StepShape, dtype, policy: str, device_bytes: int, max_gpus: int = 64
+) -> int | None:
+    """Fewest ranks (FSDP: state sharded, activations not) whose per-rank peak fits ``device_bytes``."""
+    check_float("device_memory_gb", device_bytes, min=0, min_exclusive=True)
+    st = state_totals(cfg, dtype)
+    for n in range(1, max_gpus + 1):
+        if predicted_peak(cfg, sh, dtype, policy, shards=n, state=st)["total"] <= device_bytes:
+            return n
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# What fits
+# --------------------------------------------------------------------------------------
+
+
+def default_device_bytes() -> int:
+    """The current CUDA device's memory, else one H200's (141 GB)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return H200_BYTES
+
+
+def what_fits(
+    cfg: MMDiTConfig,
+    dtype,
+    policy: str,
+    device_bytes: int,
+    resolutions: Iterable[int] = (256, 512, 768, 1024, 1536, 2048),
+    txt_len: int = 512,
+    max_batch: int = 1024,
+    shards: int = 1,
+) -> list[dict]:
+    """For each square resolution, the largest batch whose predicted peak fits (0 = none)."""
+    check_float("device_memory_gb", device_bytes, min=0, min_exclusive=True)
+    st = state_totals(cfg, dtype)
+    rows = []
+    for res in resolutions:
+        sh1 = step_shape(cfg, 1, res, res, txt_len)
+        lo, hi = 0, max_batch
+        while lo < hi:  # largest b with peak(b) <= device_bytes
+            mid = (lo + hi + 1) // 2
+            peak = predicted_peak(cfg, StepShape(mid, sh1.img_tokens, txt_len), dtype, policy, shards=shards, state=st)
+            lo, hi = (mid, hi) if peak["total"] <= device_bytes else (lo, mid - 1)
+        best = lo
+        peak = predicted_peak(
+            cfg, StepShape(max(best, 1), sh1.img_tokens, txt_len), dtype, policy, shards=shards, state=st
+        )
+        rows.append(
+            dict(
+                preset=cfg.preset,
+                policy=policy,
+                resolution=res,
+                img_tokens=sh1.img_tokens,
+                max_batch=best,
+                predicted_peak_bytes=peak["total"] if best else None,
+            )
+        )
+    return rows
+
+
+def bisect_fit(cfg: MMDiTConfig, policy: str, resolution: int, txt_len: int, hi: int = 64) -> tuple[int, int]:
+    """On CUDA, the largest batch whose real bf16 AdamW step runs, by bisection over [0, hi];
+    each OOM is caught (counted, memory released) and the search goes on.  (edge, OOMs)."""
+    dev = torch.device("cuda")
+    model = build_model(cfg.replace(checkpoint=policy), device=dev, dtype=torch.bfloat16)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    sh1 = step_shape(cfg, 1, resolution, resolution, txt_len)
+    lo, ooms = 0, 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        try:
+            batch = batch_for(cfg, StepShape(mid, sh1.img_tokens, txt_len), torch.bfloat16, dev)
+            rf_loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(dev)
+            lo = mid
+        except torch.OutOfMemoryError:
+            ooms += 1
+            hi = mid - 1
+        finally:
+            batch = None
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+    return lo, ooms
