@@ -12,11 +12,14 @@ from typing import ClassVar
 
 import holoviews as hv
 import pandas as pd
+import panel as pn
 import pytest
+from bokeh.models import ImportedStyleSheet, UIElement
 from IPython.display import HTML
 
 from lab_utils.ceilings import Ceilings
 from lab_utils.config import ConfigError
+from lab_utils.plots import init
 from lab_utils.records import Recorder, load_records
 from lab_utils.studies.explore import LIVE_NOTE, Control, Explorer, Progress, Result, Unavailable, is_live
 
@@ -136,6 +139,29 @@ def test_widget_change_measures_in_the_background():
     _wait(lambda: ex._worker is None and "cannot run" in ex._ui["status"].value)
     assert "perflab-explore-reason" in ex._ui["status"].value and "99 is too many" in ex._ui["status"].value
     assert box.children
+
+
+def test_stop_button_ends_a_running_measurement():
+    ex = Toy()
+    ex.run()
+    ex.widget()
+    ex.live_figure()
+    ex._ui["controls"]["slow"].value = True
+    _wait(lambda: not ex._ui["stop"].disabled)
+    ex._ui["stop"].click()
+    _wait(lambda: ex._worker is None)
+    assert "interrupted" in ex._ui["status"].value and len(ex.results) == 1
+
+
+def test_panel_stylesheets_are_inlined():
+    """In a live JupyterLab panel (which renders holoviews objects and their widgets) would
+    ask its CDN for each component's stylesheet; after ``plots.init`` none points outside."""
+    init()
+    root = pn.panel(hv.HoloMap({i: hv.Curve([1, i]) for i in range(3)}, "i")).get_root()
+    sheets = [s for m in root.select({"type": UIElement}) for s in m.stylesheets]
+    assert sheets, "panel attached no stylesheet: the check would be vacuous"
+    urls = [s.url for s in sheets if isinstance(s, ImportedStyleSheet)]
+    assert not [u for u in urls if u.startswith("http")], urls
 
 
 def _wait(cond, timeout_s: float = 20):

@@ -328,6 +328,8 @@ class Explorer:
         s = html.escape(self.status)
         if self.status.startswith("cannot run"):
             return f'<span class="perflab-explore-reason" style="color:#b00">{s}</span>'
+        if self.status.startswith(("failed", "interrupted")):
+            return f'<span class="perflab-explore-error" style="color:#b00">{s}</span>'
         return f"<span>{s}</span>"
 
     def _table_html(self) -> str:
