@@ -35,6 +35,7 @@ this module holds the entry point, input checks, the float64 checks and the timi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import pandas as pd
@@ -465,6 +466,7 @@ def sweep(
     score_limit_gb: float = 8.0,
     seed: int = 0,
     flop_convention: str = "kernel",
+    progress: Callable[[list], Iterable] | None = None,
 ) -> list[dict]:
     """Time every (seq_len, head_dim, mask, path, direction) that can run here.
 
@@ -474,135 +476,129 @@ def sweep(
     of the measured matmul ceiling go to ``rec`` (``Recorder.add_timing``) as rows of
     experiment "sweep"; the block-mask build time of each mask as experiment
     "block_mask_build".  Returns one summary dict per case (with the reason when a case
-    did not run).  Triton on CPU is never timed (interpreter)."""
+    did not run).  Triton on CPU is never timed (interpreter).  ``progress`` wraps the list
+    of (seq_len, head_dim, mask) cases (e.g. ``tqdm``) to show progress."""
     device = str(device)
     dev_type = torch.device(device).type
     elt = torch.empty((), dtype=dtype).element_size()
     out = []
     g = torch.Generator().manual_seed(seed)
-    for L in seq_lens:
-        for D in head_dims:
-            for mname in masks:
-                mask = make_mask(mname, L)
-                fl = attention_flops(mask, batch, heads, L, L, D, convention=flop_convention)
-                shape = f"B{batch}xH{heads}xL{L}xD{D}"
-                base = dict(
-                    seq_len=L, head_dim=D, mask=mname, shape=shape, density=fl.density, flop_convention=fl.convention
+    cases = [(L, D, mname) for L in seq_lens for D in head_dims for mname in masks]
+    for L, D, mname in progress(cases) if progress is not None else cases:
+        mask = make_mask(mname, L)
+        fl = attention_flops(mask, batch, heads, L, L, D, convention=flop_convention)
+        shape = f"B{batch}xH{heads}xL{L}xD{D}"
+        base = dict(seq_len=L, head_dim=D, mask=mname, shape=shape, density=fl.density, flop_convention=fl.convention)
+        if block_mask_cost and mask.kind != "full":
+            t = try_bench(
+                lambda mask=mask, L=L: flex_block_mask(
+                    mask, batch, None, L, L, device=device, compile=dev_type == "cuda"
+                ),
+                name=f"block_mask/{mname}",
+                device=device,
+                reps=max(3, reps // 2),
+                budget_s=budget_s,
+                check_finite=False,
+            )
+            if rec is not None:
+                rec.add_timing(
+                    "block_mask_build", "flex", t, shape=shape, dtype=dtype, mask=mname, seq_len=L, head_dim=D
                 )
-                if block_mask_cost and mask.kind != "full":
-                    t = try_bench(
-                        lambda mask=mask, L=L: flex_block_mask(
-                            mask, batch, None, L, L, device=device, compile=dev_type == "cuda"
-                        ),
-                        name=f"block_mask/{mname}",
-                        device=device,
-                        reps=max(3, reps // 2),
-                        budget_s=budget_s,
-                        check_finite=False,
-                    )
-                    if rec is not None:
-                        rec.add_timing(
-                            "block_mask_build", "flex", t, shape=shape, dtype=dtype, mask=mname, seq_len=L, head_dim=D
-                        )
-                    out.append(
-                        dict(
-                            base,
-                            path="block_mask_build",
-                            direction="build",
-                            time_ms=t.median_ms if t.ok else math.nan,
-                            note="" if t.ok else f"{t.kind}: {t.reason}",
-                        )
-                    )
-                q, k, v, do = (
-                    torch.randn(batch, heads, L, D, generator=g).to(device=device, dtype=dtype) for _ in range(4)
+            out.append(
+                dict(
+                    base,
+                    path="block_mask_build",
+                    direction="build",
+                    time_ms=t.median_ms if t.ok else math.nan,
+                    note="" if t.ok else f"{t.kind}: {t.reason}",
                 )
-                for path in paths:
-                    p = get_path(path)
-                    for direction in directions:
-                        bwd = direction == "fwd+bwd"
-                        row = dict(base, path=path, direction=direction)
-                        why = p.why_not(
-                            device=device,
-                            dtype=dtype,
-                            mask=mask.kind,
-                            layout="bhld",
-                            head_dim=D,
-                            lq=L,
-                            lk=L,
-                            backward=bwd,
-                        )
-                        if why is None and p.kind == "triton" and dev_type == "cpu":
-                            why = "Triton runs through the interpreter on CPU: correctness only, never timed"
-                        if (
-                            why is None
-                            and path in MATERIALISING
-                            and batch * heads * L * L * max(elt, 4) > score_limit_gb * 2**30
-                        ):
-                            why = (
-                                f"materialises {batch * heads * L * L * max(elt, 4) / 2**30:.1f} GiB of scores "
-                                f"(> score_limit_gb={score_limit_gb})"
-                            )
-                        if why:
-                            out.append(dict(row, time_ms=math.nan, note=why))
-                            continue
-                        qq, kk, vv = (t.detach().requires_grad_(bwd) for t in (q, k, v))
+            )
+        q, k, v, do = (torch.randn(batch, heads, L, D, generator=g).to(device=device, dtype=dtype) for _ in range(4))
+        for path in paths:
+            p = get_path(path)
+            for direction in directions:
+                bwd = direction == "fwd+bwd"
+                row = dict(base, path=path, direction=direction)
+                why = p.why_not(
+                    device=device,
+                    dtype=dtype,
+                    mask=mask.kind,
+                    layout="bhld",
+                    head_dim=D,
+                    lq=L,
+                    lk=L,
+                    backward=bwd,
+                )
+                if why is None and p.kind == "triton" and dev_type == "cpu":
+                    why = "Triton runs through the interpreter on CPU: correctness only, never timed"
+                if (
+                    why is None
+                    and path in MATERIALISING
+                    and batch * heads * L * L * max(elt, 4) > score_limit_gb * 2**30
+                ):
+                    why = (
+                        f"materialises {batch * heads * L * L * max(elt, 4) / 2**30:.1f} GiB of scores "
+                        f"(> score_limit_gb={score_limit_gb})"
+                    )
+                if why:
+                    out.append(dict(row, time_ms=math.nan, note=why))
+                    continue
+                qq, kk, vv = (t.detach().requires_grad_(bwd) for t in (q, k, v))
 
-                        def fn(qq=qq, kk=kk, vv=vv, bwd=bwd, path=path, mask=mask, do=do):
-                            if not bwd:
-                                with torch.no_grad():
-                                    return attend(qq, kk, vv, path=path, mask=mask)
-                            o = attend(qq, kk, vv, path=path, mask=mask)
-                            return torch.autograd.grad(o, (qq, kk, vv), do)
+                def fn(qq=qq, kk=kk, vv=vv, bwd=bwd, path=path, mask=mask, do=do):
+                    if not bwd:
+                        with torch.no_grad():
+                            return attend(qq, kk, vv, path=path, mask=mask)
+                    o = attend(qq, kk, vv, path=path, mask=mask)
+                    return torch.autograd.grad(o, (qq, kk, vv), do)
 
-                        flops = fl.fwd_bwd if bwd else fl.fwd
-                        t = try_bench(
-                            fn, name=f"{path}/{mname}/{direction}", device=device, reps=reps, budget_s=budget_s
-                        )
-                        if rec is not None:
-                            rec.add_timing(
-                                "sweep",
-                                path,
-                                t,
-                                shape=shape,
-                                dtype=dtype,
-                                flops=flops,
-                                bytes=attention_bytes(batch, heads, L, L, D, dtype, bwd),
-                                ceilings=ceilings,
-                                mask=mname,
-                                direction=direction,
-                                seq_len=L,
-                                head_dim=D,
-                                density=fl.density,
-                                flop_convention=fl.convention,
-                            )
-                        ok = getattr(t, "ok", False)
-                        peak = ceilings.matmul(dtype) if ceilings is not None else None
-                        if rec is not None and ok and peak:
-                            # how close attention comes to the matmul units: achieved over measured dense-matmul TFLOP/s
-                            rec.add(
-                                "sweep",
-                                path,
-                                "pct_of_matmul",
-                                100 * flops / (t.median_ms * 1e-3) / 1e12 / peak,
-                                "%",
-                                shape=shape,
-                                dtype=dtype,
-                                statistic="median",
-                                formula=f"mask-aware {fl.convention}-convention flops / time / measured matmul TFLOP/s",
-                                mask=mname,
-                                direction=direction,
-                                seq_len=L,
-                                head_dim=D,
-                                density=fl.density,
-                                flop_convention=fl.convention,
-                            )
-                        out.append(
-                            dict(
-                                row,
-                                time_ms=t.median_ms if ok else math.nan,
-                                tflops=flops / (t.median_ms * 1e-3) / 1e12 if ok else math.nan,
-                                note="" if ok else f"{t.kind}: {t.reason}",
-                            )
-                        )
-                        del fn
+                flops = fl.fwd_bwd if bwd else fl.fwd
+                t = try_bench(fn, name=f"{path}/{mname}/{direction}", device=device, reps=reps, budget_s=budget_s)
+                if rec is not None:
+                    rec.add_timing(
+                        "sweep",
+                        path,
+                        t,
+                        shape=shape,
+                        dtype=dtype,
+                        flops=flops,
+                        bytes=attention_bytes(batch, heads, L, L, D, dtype, bwd),
+                        ceilings=ceilings,
+                        mask=mname,
+                        direction=direction,
+                        seq_len=L,
+                        head_dim=D,
+                        density=fl.density,
+                        flop_convention=fl.convention,
+                    )
+                ok = getattr(t, "ok", False)
+                peak = ceilings.matmul(dtype) if ceilings is not None else None
+                if rec is not None and ok and peak:
+                    # how close attention comes to the matmul units: achieved over measured dense-matmul TFLOP/s
+                    rec.add(
+                        "sweep",
+                        path,
+                        "pct_of_matmul",
+                        100 * flops / (t.median_ms * 1e-3) / 1e12 / peak,
+                        "%",
+                        shape=shape,
+                        dtype=dtype,
+                        statistic="median",
+                        formula=f"mask-aware {fl.convention}-convention flops / time / measured matmul TFLOP/s",
+                        mask=mname,
+                        direction=direction,
+                        seq_len=L,
+                        head_dim=D,
+                        density=fl.density,
+                        flop_convention=fl.convention,
+                    )
+                out.append(
+                    dict(
+                        row,
+                        time_ms=t.median_ms if ok else math.nan,
+                        tflops=flops / (t.median_ms * 1e-3) / 1e12 if ok else math.nan,
+                        note="" if ok else f"{t.kind}: {t.reason}",
+                    )
+                )
+                del fn
     return out

@@ -516,7 +516,7 @@ def run_convergence(
     window: int | None = None,
     n_buckets: int = 4,
     diverge_factor: float = 3.0,
-    progress: bool = False,
+    progress: Callable[[list], Iterable] | None = None,
 ) -> ConvergenceResult:
     """Train ``steps`` AdamW steps per (seed, recipe) from the same initialisation and data.
 
@@ -524,69 +524,68 @@ def run_convergence(
     converted layers quantize their operands on top.  Divergence: a non-finite loss, or
     the loss above ``diverge_factor`` x the run's first loss after step 5; that run stops
     and is reported.  Final gap: per seed, mean loss over the last ``window`` steps of
-    recipe minus baseline (paired by seed), mean and 95% t-interval over seeds."""
+    recipe minus baseline (paired by seed), mean and 95% t-interval over seeds.
+    ``progress`` wraps the list of (recipe, seed) runs (e.g. ``tqdm``) to show progress."""
     seeds = list(seeds)
     names = [baseline] + [get_recipe(r).name for r in recipes if get_recipe(r).name != baseline]
     window = window or max(1, steps // 4)
     curve_rows, bucket_rows, div_rows = [], [], []
     secs = {}
     edges = torch.linspace(0, 1, n_buckets + 1)
-    for name in names:
+    runs = [(name, seed) for name in names for seed in seeds]
+    for name, seed in progress(runs) if progress is not None else runs:
         t0 = time.perf_counter()
-        for seed in seeds:
-            model = task.make_model(seed)
-            apply_recipe(model, name, seed=seed)
-            model.train()
-            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-            first = None
-            last_per, last_t = [], []
-            for step in range(steps):
-                dev_type = next(model.parameters()).device.type
-                ctx = torch.autocast(dev_type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-                with ctx:
-                    per, t = task.loss(model, step, seed)
-                loss = per.mean()
-                lv = float(loss.detach())
-                if not math.isfinite(lv):
-                    div_rows.append(dict(recipe=name, seed=seed, step=step, reason="non-finite loss"))
-                    break
-                first = lv if first is None else first
-                if step >= 5 and lv > diverge_factor * first:
-                    div_rows.append(
+        model = task.make_model(seed)
+        apply_recipe(model, name, seed=seed)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        first = None
+        last_per, last_t = [], []
+        for step in range(steps):
+            dev_type = next(model.parameters()).device.type
+            ctx = torch.autocast(dev_type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+            with ctx:
+                per, t = task.loss(model, step, seed)
+            loss = per.mean()
+            lv = float(loss.detach())
+            if not math.isfinite(lv):
+                div_rows.append(dict(recipe=name, seed=seed, step=step, reason="non-finite loss"))
+                break
+            first = lv if first is None else first
+            if step >= 5 and lv > diverge_factor * first:
+                div_rows.append(
+                    dict(
+                        recipe=name,
+                        seed=seed,
+                        step=step,
+                        reason=f"loss {lv:.3g} > {diverge_factor} x first {first:.3g}",
+                    )
+                )
+                curve_rows.append(dict(recipe=name, seed=seed, step=step, loss=lv))
+                break
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            curve_rows.append(dict(recipe=name, seed=seed, step=step, loss=lv))
+            if step >= steps - window:
+                last_per.append(per.detach().float())
+                last_t.append(t.detach().float())
+        if last_per:
+            per_all, t_all = torch.cat(last_per), torch.cat(last_t)
+            b = torch.bucketize(t_all, edges[1:-1])
+            for k in range(n_buckets):
+                m = b == k
+                if bool(m.any()):
+                    bucket_rows.append(
                         dict(
                             recipe=name,
                             seed=seed,
-                            step=step,
-                            reason=f"loss {lv:.3g} > {diverge_factor} x first {first:.3g}",
+                            bucket=f"t∈[{edges[k]:.2f},{edges[k + 1]:.2f})",
+                            loss=float(per_all[m].mean()),
+                            n=int(m.sum()),
                         )
                     )
-                    curve_rows.append(dict(recipe=name, seed=seed, step=step, loss=lv))
-                    break
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                curve_rows.append(dict(recipe=name, seed=seed, step=step, loss=lv))
-                if step >= steps - window:
-                    last_per.append(per.detach().float())
-                    last_t.append(t.detach().float())
-            if last_per:
-                per_all, t_all = torch.cat(last_per), torch.cat(last_t)
-                b = torch.bucketize(t_all, edges[1:-1])
-                for k in range(n_buckets):
-                    m = b == k
-                    if bool(m.any()):
-                        bucket_rows.append(
-                            dict(
-                                recipe=name,
-                                seed=seed,
-                                bucket=f"t∈[{edges[k]:.2f},{edges[k + 1]:.2f})",
-                                loss=float(per_all[m].mean()),
-                                n=int(m.sum()),
-                            )
-                        )
-        secs[name] = time.perf_counter() - t0
-        if progress:
-            print(f"{name}: {secs[name]:.1f} s")
+        secs[name] = secs.get(name, 0.0) + time.perf_counter() - t0
     curves = pd.DataFrame(curve_rows)
     divs = pd.DataFrame(div_rows, columns=["recipe", "seed", "step", "reason"])
     final = (

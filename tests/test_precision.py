@@ -166,7 +166,9 @@ def test_convergence_runner_on_mlp():
     assert band.loc[("mxfp4_fwd", 3), "high"] - band.loc[("mxfp4_fwd", 3), "low"] == pytest.approx(2 * half, rel=1e-9)
     assert res.buckets["n"].sum() == 3 * 2 * 4 * 16
     # same seed + recipe -> identical curve (determinism of data and init)
-    again = P.run_convergence(task, [], steps=3, seeds=(0,), lr=3e-3)
+    seen = []
+    again = P.run_convergence(task, [], steps=3, seeds=(0,), lr=3e-3, progress=lambda runs: seen.extend(runs) or runs)
+    assert seen == [("bf16", 0)]
     first = res.curves[(res.curves.recipe == "bf16") & (res.curves.seed == 0)].loss.tolist()[:3]
     assert again.curves.loss.tolist() == first
 
@@ -181,8 +183,8 @@ def test_divergence_detected():
 
 
 def test_hadamard_that_cannot_apply_is_refused(gen):
-    """A rotation over an axis its size does not divide used to be dropped silently (the
-    operand was quantized without it while the recipe table still showed it)."""
+    """A rotation over an axis its size does not divide is refused: quantizing without it
+    would silently not be the recipe its table shows."""
     tq = P.TensorQuant("nvfp4", hadamard=16)
     x = torch.randn(24, 40, generator=gen)
     assert tq.why_not(40) and tq.why_not(32) is None

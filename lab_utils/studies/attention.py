@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import holoviews as hv
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
 from .. import attention as A
 from .. import masks as M
@@ -303,6 +304,7 @@ def run_sweep(cfg: AttentionLabConfig, device, rec: Recorder, ceilings: Ceilings
             ceilings=ceilings,
             reps=cfg.reps,
             budget_s=cfg.budget_s,
+            progress=lambda cases: tqdm(cases, desc="attention sweep (seq_len, head_dim, mask)"),
         )
     )
 

@@ -21,6 +21,7 @@ import holoviews as hv
 import pandas as pd
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from lab_kernels import quant as Q
 from lab_kernels.lowp_matmul import ACCUMULATIONS
@@ -468,6 +469,7 @@ def run_convergence(cfg: LowPrecisionLabConfig, device, rec: Recorder) -> P.Conv
         seeds=cfg.seeds,
         lr=cfg.lr,
         autocast_dtype=torch.bfloat16 if cfg.autocast else None,
+        progress=lambda runs: tqdm(runs, desc="convergence runs (recipe, seed)"),
     )
     record_convergence(rec, res)
     print("divergences:", "none" if res.divergences.empty else "")
