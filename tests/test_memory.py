@@ -117,3 +117,27 @@ def test_downsample_keeps_the_peak():
     df.loc[4321, "activations"] = 10**6
     d = mem.downsample(df, 100)
     assert len(d) <= 100 and d.activations.max() == 10**6
+
+
+def test_cuda_trace_categories():
+    """The snapshot categorizer on a hand-made trace: an activation freed in the backward, a
+    temporary, a gradient allocated at an address an activation used before."""
+    ev = lambda action, addr, size, t: dict(action=action, addr=addr, size=size, time_us=t)  # noqa: E731
+    snap = {
+        "device_traces": [
+            [
+                ev("alloc", 100, 64, 0),  # activation
+                ev("alloc", 200, 32, 1),  # activation, freed in the backward, address reused by a gradient
+                ev("alloc", 999, 512, 2),  # the end-of-forward marker
+                ev("free_completed", 200, 32, 3),
+                ev("alloc", 300, 16, 4),  # temporary
+                ev("alloc", 200, 32, 5),  # gradient
+                ev("free_completed", 300, 16, 6),
+            ]
+        ]
+    }
+    df = mem.categorize_trace(snap, {200: "gradients"}, marker=999, param_bytes=1000)
+    assert df.parameters.eq(1000).all()
+    assert df.activations.tolist() == [64, 96, 96, 64, 64, 64, 64]
+    assert df.temporaries.tolist() == [0, 0, 512, 512, 528, 528, 512]
+    assert df.gradients.tolist() == [0, 0, 0, 0, 0, 32, 32]

@@ -83,6 +83,7 @@ from .timeline import (
     CUDA_CATEGORIES,
     TIMELINE_CATEGORIES,
     alloc_conf,
+    categorize_trace,
     cpu_timeline,
     cuda_timeline,
     downsample,
@@ -91,6 +92,7 @@ from .timeline import (
 )
 
 __all__ = [
+    "categorize_trace",
     "CLASSES",
     "CUDA_CATEGORIES",
     "CreatorMode",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -77,8 +76,7 @@ def cuda_timeline(model: nn.Module, batch, opt: torch.optim.Optimizer, path: str
     try:
         gen = torch.Generator(device=dev).manual_seed(seed)
         loss = rf_loss(model, batch, gen)
-        torch.cuda.synchronize(dev)
-        fwd_end = time.monotonic_ns()
+        marker = torch.empty(1, device=dev)  # its allocation marks the end of the forward in the trace
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
@@ -98,25 +96,40 @@ def cuda_timeline(model: nn.Module, batch, opt: torch.optim.Optimizer, path: str
         for v in st.values():
             if torch.is_tensor(v) and v.is_cuda:
                 known[v.data_ptr()] = "optimizer"
+    param_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())  # allocated before recording
+    return categorize_trace(snap, known, marker.data_ptr(), param_bytes)
+
+
+def categorize_trace(snap: dict, known: dict[int, str], marker: int, param_bytes: int = 0) -> pd.DataFrame:
+    """Live bytes per category after every alloc/free of a CUDA memory snapshot's trace:
+    the last allocation at an address in ``known`` (gradients, optimizer state: alive at the
+    end) takes its category;
+    other allocations made before the marker's allocation (end of the forward) are
+    activations, later ones temporaries.  ``param_bytes`` were allocated before recording."""
+    totals = defaultdict(int)
+    totals["parameters"] = param_bytes
     live: dict[int, tuple[str, int]] = {}
     rows = []
-    totals = defaultdict(int)
     t0 = None
-    for trace in snap.get("device_traces", []):
-        for ev in trace:
-            if ev["action"] not in ("alloc", "free_completed"):
-                continue
-            t = ev.get("time_us", 0)
-            t0 = t if t0 is None else t0
-            addr, size = ev["addr"], ev["size"]
-            if ev["action"] == "alloc":
-                cat = known.get(addr) or ("activations" if t * 1000 <= fwd_end else "temporaries")
-                live[addr] = (cat, size)
-                totals[cat] += size
-            elif addr in live:
-                cat, size = live.pop(addr)
-                totals[cat] -= size
-            rows.append({"time_ms": (t - t0) / 1e3, **{c: totals[c] for c in CUDA_CATEGORIES}})
+    trace = [ev for tr in snap.get("device_traces", []) for ev in tr if ev["action"] in ("alloc", "free_completed")]
+    fwd_end = max(
+        (i for i, ev in enumerate(trace) if ev["action"] == "alloc" and ev["addr"] == marker),
+        default=len(trace),
+    )
+    last = {ev["addr"]: i for i, ev in enumerate(trace) if ev["action"] == "alloc"}
+    for i, ev in enumerate(trace):
+        t = ev.get("time_us", 0)
+        t0 = t if t0 is None else t0
+        addr, size = ev["addr"], ev["size"]
+        if ev["action"] == "alloc":
+            cat = known[addr] if addr in known and last[addr] == i else None
+            cat = cat or ("activations" if i < fwd_end else "temporaries")
+            live[addr] = (cat, size)
+            totals[cat] += size
+        elif addr in live:
+            cat, size = live.pop(addr)
+            totals[cat] -= size
+        rows.append({"time_ms": (t - t0) / 1e3, **{c: totals[c] for c in CUDA_CATEGORIES}})
     return pd.DataFrame(rows, columns=["time_ms", *CUDA_CATEGORIES])
 
 
