@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from lab_utils import fused as kb
+from lab_utils import fused_blocks
 from lab_utils.ceilings import get_ceilings
 from lab_utils.device import device_info, pick_device
 from lab_utils.records import Recorder, run_context
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
         )
         print(f"  {op} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     if not a.no_block:
-        cases = kb.block_cases(
+        cases = fused_blocks.block_cases(
             p["block_preset"],
             providers=p["block_providers"],
             img_tokens=p["block_img_tokens"],
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
             device=dev,
         )
         tol = BLOCK_TOLERANCE[p["block_dtype"]]
-        for r in kb.block_agreement(cases):
+        for r in fused_blocks.block_agreement(cases):
             if r["max_abs_diff"] > tol:
                 raise AssertionError(f"{r['kind']}/{r['provider']} block differs from eager by {r['max_abs_diff']:.3g}")
             rec.add(
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
                 kind=r["kind"],
                 max_abs_ref=r["max_abs_ref"],
             )
-        kb.block_compare(
+        fused_blocks.block_compare(
             rec,
             cases,
             device=dev,

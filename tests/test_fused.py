@@ -8,6 +8,7 @@ import torch
 
 import lab_kernels
 from lab_utils import fused as kb
+from lab_utils import fused_blocks
 from lab_utils.records import Recorder
 
 
@@ -110,12 +111,14 @@ def test_problems_from_presets():
 
 
 def test_block_providers_agree_and_eager_is_timed():
-    cases = kb.block_cases("tiny", kinds=("single",), providers=("eager", "triton"), img_tokens=6, txt_tokens=3)
-    agree = kb.block_agreement(cases)
+    cases = fused_blocks.block_cases(
+        "tiny", kinds=("single",), providers=("eager", "triton"), img_tokens=6, txt_tokens=3
+    )
+    agree = fused_blocks.block_agreement(cases)
     assert {r["provider"] for r in agree} == {"eager", "triton"}
     assert all(r["max_abs_diff"] < 1e-4 for r in agree), agree
     rec = Recorder("test")
-    kb.block_compare(rec, cases, reps=3)
+    fused_blocks.block_compare(rec, cases, reps=3)
     df = rec.frame()
     assert "eager" in set(df[(df.metric == "time") & (df.statistic == "median")].variant)
 

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from lab_utils import fused
+from lab_utils import fused_blocks
 from lab_utils.config import ConfigError
 from lab_utils.records import Recorder
 from lab_utils.studies import fused_kernels as study
@@ -61,7 +61,10 @@ def test_block_agreement_raises_when_a_provider_disagrees():
     lab = _lab(block_kinds=["single"], block_providers=["eager"], block_img_tokens=6, block_txt_tokens=3)
     (case,) = study.block_cases(lab)
     assert "single eager" in study.block_agreement(lab, [case])
-    bad = fused.BlockCase("triton", "single", case.fn, lambda: tuple(o + 1e-2 for o in case.forward()), case.shape,
-                          "triton", False)  # fmt: skip
+
+    def shifted():  # a provider whose outputs are 1e-2 off
+        return tuple(o + 1e-2 for o in case.forward())
+
+    bad = fused_blocks.BlockCase("triton", "single", case.fn, shifted, case.shape, "triton", False)
     with pytest.raises(study.CheckFailed, match="single/triton: max abs diff"):
         study.block_agreement(lab, [case, bad])

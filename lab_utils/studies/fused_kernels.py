@@ -21,7 +21,7 @@ import torch
 import lab_kernels
 from lab_kernels import get_variant, variants
 
-from .. import config, fused, plots
+from .. import config, fused, fused_blocks, plots
 from ..ceilings import Ceilings, get_ceilings
 from ..config import LabConfig
 from ..device import pick_device
@@ -88,7 +88,7 @@ class FusedKernelsConfig(LabConfig):
         config.check_float("budget_s", self.budget_s, min=0, min_exclusive=True)
         config.check_choice("block_preset", self.block_preset, tuple(PRESETS))
         config.check_choices("block_kinds", self.block_kinds, ("double", "single"))
-        config.check_choices("block_providers", self.block_providers, tuple(fused.BLOCK_PROVIDERS))
+        config.check_choices("block_providers", self.block_providers, tuple(fused_blocks.BLOCK_PROVIDERS))
         config.check_int("block_img_tokens", self.block_img_tokens, min=1)
         config.check_int("block_txt_tokens", self.block_txt_tokens, min=1)
         config.check_choice("block_dtype", self.block_dtype, tuple(fused.DTYPES))
@@ -222,21 +222,21 @@ def roofline(lab: Lab):
     return plots.roofline_plot(pts, lab.ceilings, dtype=lab.cfg.dtype, title=f"fused ops on {lab.ceilings.device_name}")
 
 
-def block_cases(lab: Lab) -> list[fused.BlockCase]:
+def block_cases(lab: Lab) -> list[fused_blocks.BlockCase]:
     cfg = lab.cfg
-    return fused.block_cases(
+    return fused_blocks.block_cases(
         cfg.block_preset, kinds=cfg.block_kinds, providers=cfg.block_providers, batch=1,
         img_tokens=cfg.block_img_tokens, txt_tokens=cfg.block_txt_tokens, dtype=fused.as_dtype(cfg.block_dtype),
         device=lab.device, seed=cfg.seed,
     )  # fmt: skip
 
 
-def block_agreement(lab: Lab, cases: Sequence[fused.BlockCase]) -> str:
+def block_agreement(lab: Lab, cases: Sequence[fused_blocks.BlockCase]) -> str:
     """Each provider's block outputs against the eager block's (same weights and inputs),
     recorded; raises :class:`CheckFailed` when one differs by more than :data:`BLOCK_TOLERANCE`."""
     tol = BLOCK_TOLERANCE[lab.cfg.block_dtype]
     lines, bad = [], []
-    for r in fused.block_agreement(cases):
+    for r in fused_blocks.block_agreement(cases):
         ok = r["max_abs_diff"] <= tol
         lab.rec.add("block_agreement", r["provider"], "max_abs_diff_vs_eager", r["max_abs_diff"], kind=r["kind"])
         lines.append(f"{r['kind']:6s} {r['provider']:15s} same outputs as eager (max abs diff <= {tol:g}): {ok}")
@@ -248,10 +248,10 @@ def block_agreement(lab: Lab, cases: Sequence[fused.BlockCase]) -> str:
     return text
 
 
-def block_timings(lab: Lab, cases: Sequence[fused.BlockCase]):
+def block_timings(lab: Lab, cases: Sequence[fused_blocks.BlockCase]):
     """Forward + backward of each block provider (Triton on CPU: checked above, never timed)."""
     cfg = lab.cfg
-    fused.block_compare(
+    fused_blocks.block_compare(
         lab.rec, cases, device=lab.device, dtype=fused.as_dtype(cfg.block_dtype), reps=cfg.reps,
         budget_s=max(cfg.budget_s, 30),
     )  # fmt: skip
