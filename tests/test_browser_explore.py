@@ -11,7 +11,8 @@ leaves the machine (panel's stylesheets included: ``plots.init`` inlines them).
 * lab 02's explorer in a scratch notebook written into a tmp dir (the same call as the
   cell the lab carries).
 
-``PERFLAB_EXPLORER_SCREENSHOT=path.png`` saves a screenshot of lab 02's explorer.
+``PERFLAB_EXPLORER_SCREENSHOT=path.png`` saves a screenshot of lab 02's explorer (and of
+lab 01's beside it, ``path-01.png``).
 """
 
 from __future__ import annotations
@@ -179,7 +180,9 @@ def test_lab01_explorer_in_jupyterlab(chrome, tmp_path):
         page, watch = _open_lab(chrome, srv, src.name)
         try:
             _run_all(page, srv, timeout_s=300)
-            _explore(page, srv, watch, {"batch": 1}, {"attention path": "efficient"}, timeout_s=90)
+            shot = os.environ.get("PERFLAB_EXPLORER_SCREENSHOT")
+            shot = str(Path(shot).with_name(Path(shot).stem + "-01.png")) if shot else None
+            _explore(page, srv, watch, {"batch": 1}, {"attention path": "efficient"}, timeout_s=90, screenshot=shot)
         finally:
             page.close()
     assert srv.proc.poll() is not None, "the JupyterLab server is still running"

@@ -179,13 +179,13 @@ class TrainingStepExplorer(Explorer):
             columns=["config", "mfu_pct_of_measured", "tflops", "peak_mib", "step_ms"],
         )
         mfu = hv.Bars(summary, "config", ["mfu_pct_of_measured", "tflops", "step_ms"]).opts(
-            tools=["hover"], ylabel="% of measured matmul ceiling", title="MFU", framewise=True, width=380
+            tools=["hover"], ylabel="% of measured matmul ceiling", title="MFU", framewise=True, width=500
         )
         mem = hv.Bars(summary, "config", ["peak_mib", "step_ms"]).opts(
-            tools=["hover"], ylabel="MiB", title=self._memory_title(), framewise=True, width=380, color="#9467bd"
+            tools=["hover"], ylabel="MiB", title=self._memory_title(), framewise=True, width=500, color="#9467bd"
         )
         return [bars, mfu, mem]
 
     def _memory_title(self) -> str:
         cuda = torch.device(self.info.torch_device).type == "cuda" if self.info is not None else False
-        return "Peak memory" + ("" if cuda else " (allocated while profiling, CPU)")
+        return "Peak memory" + ("" if cuda else " (CPU: allocated while profiling)")
