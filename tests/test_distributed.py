@@ -31,6 +31,8 @@ CASES = [
     dict(strategy="hsdp"),
     dict(strategy="tp"),
     dict(strategy="tp", checkpoint="every_other"),
+    dict(strategy="tp+sp"),
+    dict(strategy="tp+sp", checkpoint="full"),
     dict(strategy="cp_ring"),
     dict(strategy="cp_ring", checkpoint="full"),
     dict(strategy="cp_ulysses"),
@@ -147,6 +149,7 @@ def test_hanging_rank_is_ended_by_the_watchdog(tmp_path):
         (dict(strategy="hsdp", world_size=4, replicate_degree=3), "replicate_degree"),
         (dict(strategy="cp_ulysses", world_size=8), "cp_degree"),  # 4 heads over 8 ranks
         (dict(strategy="ddp", world_size=2, batch_size=3), "batch_size"),
+        (dict(strategy="fsdp+sp", world_size=2), "strategy"),  # sequence parallelism needs tp
     ],
 )
 def test_bad_input_is_refused_before_any_process_starts(params, param):

@@ -1,4 +1,4 @@
-"""The 2-D compositions at world size 4 (4 gloo processes on the cores there are): FSDP x TP,
+"""The 2-D compositions at world size 4 (4 gloo processes on the cores there are): FSDP x TP (and SP),
 FSDP x ring / Ulysses CP, HSDP 2x2, HSDP x TP, DDP x CP and TP x CP each reproduce the
 single-process run within the float32 tolerances.  One spawn runs every case."""
 
@@ -12,7 +12,16 @@ from lab_utils.distributed.verify import ATTENTION_TOL, compare
 from lab_utils.distributed.worker import single_process_run
 
 BASE = dict(world_size=4, steps=2, profile=False, timeout_s=300.0, hang_timeout_s=120.0)
-STRATEGIES = ("fsdp+tp", "fsdp+cp_ring", "fsdp+cp_ulysses", "hsdp", "hsdp+tp", "ddp+cp_ring", "tp+cp_ring")
+STRATEGIES = (
+    "fsdp+tp",
+    "fsdp+tp+sp",
+    "fsdp+cp_ring",
+    "fsdp+cp_ulysses",
+    "hsdp",
+    "hsdp+tp",
+    "ddp+cp_ring",
+    "tp+cp_ring",
+)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,11 @@ Everything is applied from outside the model, by module names:
   heads, so their gradients are summed over the TP group after the backward.
   :func:`full_gradients` undoes the permutation, so gradients compare name by name with
   the single-process model.
+* SP (with TP): in the single-stream blocks the norm, modulation and gated residual run on
+  the rank's token shard (``linear1`` all-gathers the tokens, ``linear2`` reduce-scatters);
+  the modulation's weights and ``vec`` then get per-shard partial gradients, summed over TP.
+  The double-stream blocks stay TP only: they slice the RoPE table at the text length they
+  see, which a token shard would change (sharding them needs that length passed in).
 * FSDP2: ``fully_shard`` per block and at the root, with ``reshard_after_forward``, an
   optional ``MixedPrecisionPolicy(bf16, fp32 reduce)`` and explicit prefetch of the next
   block (forward) / previous block (backward).  HSDP passes a 2-D (replicate, shard) mesh.
@@ -32,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
@@ -92,7 +97,41 @@ def _permute_(lin: nn.Linear, dim: int, perm: torch.Tensor) -> None:
             lin.bias.copy_(lin.bias.index_select(0, perm))
 
 
-def apply_tp(pm: ParallelModel, tp_mesh: DeviceMesh) -> None:
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over the TP group (the tokens of a
+    sequence-parallel block each contribute only their rows to d(vec))."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def apply_sequence_parallel(blk: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Sequence parallelism for a single-stream block: its norm, modulation and gated residual
+    run on this rank's token shard; ``linear1`` all-gathers the tokens, ``linear2``
+    reduce-scatters them.  The block's input and output stay replicated at its boundary."""
+    group = tp_mesh.get_group()
+
+    def enter(module, args):
+        x, vec, *rest = args
+        x = DTensor.from_local(x, tp_mesh, [Replicate()]).redistribute(tp_mesh, [Shard(1)]).to_local()
+        return (x, _SumGradOverTP.apply(vec, group), *rest)
+
+    def leave(module, args, out):
+        return DTensor.from_local(out, tp_mesh, [Shard(1)]).redistribute(tp_mesh, [Replicate()]).to_local()
+
+    blk.register_forward_pre_hook(enter)
+    blk.register_forward_hook(leave)
+
+
+def apply_tp(pm: ParallelModel, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
     model, n = pm.model, tp_mesh.size()
     cfg = model.cfg
     d, h, m = cfg.hidden_size, cfg.num_heads, cfg.mlp_hidden
@@ -126,7 +165,19 @@ def apply_tp(pm: ParallelModel, tp_mesh: DeviceMesh) -> None:
         pm.permutations[f"single_blocks.{i}.linear2.weight"] = (1, p2)
         blk.heads, blk.dim, blk.mlp_hidden = h // n, d // n, m // n
         pm.tp_partial_grads += [f"single_blocks.{i}.q_norm", f"single_blocks.{i}.k_norm"]
-        parallelize_module(blk, tp_mesh, {"linear1": ColwiseParallel(), "linear2": RowwiseParallel()})
+        if sequence_parallel:
+            plan = {
+                "linear1": ColwiseParallel(input_layouts=Shard(1)),
+                "linear2": RowwiseParallel(output_layouts=Shard(1)),
+            }
+            parallelize_module(blk, tp_mesh, plan)
+            apply_sequence_parallel(blk, tp_mesh)
+            pm.tp_partial_grads += [
+                f"single_blocks.{i}.modulation.lin.weight",
+                f"single_blocks.{i}.modulation.lin.bias",
+            ]
+        else:
+            parallelize_module(blk, tp_mesh, {"linear1": ColwiseParallel(), "linear2": RowwiseParallel()})
 
 
 def attach_cp(model: MMDiT, mode: ContextParallelAttention) -> None:
@@ -182,7 +233,7 @@ def build_parallel(cfg: DistConfig, device: torch.device) -> ParallelModel:
     pm = ParallelModel(module=model, model=model, mesh=mesh, cfg=cfg)
     if mesh_deg.tp > 1:
         pm.tp_group = mesh["tp"].get_group()
-        apply_tp(pm, mesh["tp"])
+        apply_tp(pm, mesh["tp"], sequence_parallel="sp" in parts)
     if mesh_deg.cp > 1:
         pm.cp_group = mesh["cp"].get_group()
         pm.cp_mode = ContextParallelAttention(pm.cp_group, "ring" if "cp_ring" in parts else "ulysses")

@@ -7,6 +7,7 @@ A strategy is a ``+``-joined set of components applied to the MMDiT on one
 * at most one data-parallel wrapper: ``ddp`` (replicate), ``fsdp`` (FSDP2, shard),
   ``hsdp`` (FSDP2 on a 2-D replicate x shard mesh);
 * ``tp``: tensor parallelism (QKV / fc1 / linear1 column-wise, out / fc2 / linear2 row-wise);
+  ``sp`` adds sequence parallelism for the norms and modulation (with ``tp`` only);
 * at most one context-parallel scheme: ``cp_ring`` (ring attention over sequence shards)
   or ``cp_ulysses`` (all-to-all head/sequence exchange).
 
@@ -25,12 +26,12 @@ from ..model import CHECKPOINT_POLICIES, PRESETS, resolve_config
 
 DP_COMPONENTS = ("ddp", "fsdp", "hsdp")
 CP_COMPONENTS = ("cp_ring", "cp_ulysses")
-COMPONENTS = (*DP_COMPONENTS, "tp", *CP_COMPONENTS)
+COMPONENTS = (*DP_COMPONENTS, "tp", "sp", *CP_COMPONENTS)
 BACKENDS = ("auto", "gloo", "nccl")
 FAULTS = ("none", "raise", "hang")
 OPTIMIZERS = ("adamw", "sgd")
 #: Strategies the lab runs by default (world size 2 on CPU); any composition of COMPONENTS is accepted.
-STRATEGIES = ("single", "ddp", "fsdp", "hsdp", "tp", "cp_ring", "cp_ulysses", "fsdp+tp", "fsdp+cp_ring")
+STRATEGIES = ("single", "ddp", "fsdp", "hsdp", "tp", "tp+sp", "cp_ring", "cp_ulysses", "fsdp+tp", "fsdp+cp_ring")
 
 
 def components(strategy: str) -> tuple[str, ...]:
@@ -51,6 +52,8 @@ def components(strategy: str) -> tuple[str, ...]:
         raise ConfigError("strategy", strategy, f"at most one of {', '.join(DP_COMPONENTS)}")
     if sum(p in CP_COMPONENTS for p in parts) > 1:
         raise ConfigError("strategy", strategy, f"at most one of {', '.join(CP_COMPONENTS)}")
+    if "sp" in parts and "tp" not in parts:
+        raise ConfigError("strategy", strategy, "sp together with tp (sequence parallelism shards TP's norms)")
     if "ddp" in parts and "tp" in parts:
         raise ConfigError("strategy", strategy, "tp composed with fsdp or hsdp (DDP does not take DTensor parameters)")
     return parts
@@ -181,6 +184,10 @@ class DistConfig(LabConfig):
             raise ConfigError(
                 "cp_degree", mesh.cp, f"a divisor of the heads per TP rank ({m.num_heads // mesh.tp}) for Ulysses"
             )
+        if "sp" in comps and (h * w + self.txt_len) // mesh.cp % mesh.tp:
+            raise ConfigError(
+                "txt_len", self.txt_len, f"a joint sequence per CP rank divisible by tp = {mesh.tp} (sequence parallel)"
+            )
         if self.batch_size % mesh.dp:
             raise ConfigError("batch_size", self.batch_size, f"a multiple of the data-parallel degree {mesh.dp}")
 
@@ -193,7 +200,7 @@ class DistConfig(LabConfig):
         """The mesh degrees; a mesh that does not divide ``world_size`` is a ConfigError."""
         comps, n = self.parts, self.world_size
         has_dp = any(c in DP_COMPONENTS for c in comps)
-        non_dp = [c for c in comps if c not in DP_COMPONENTS]
+        non_dp = [c for c in comps if c not in DP_COMPONENTS and c != "sp"]
         derive = n if (len(non_dp) == 1 and not has_dp) else 2
         tp = (self.tp_degree or derive) if "tp" in comps else 1
         cp = (self.cp_degree or derive) if any(c in CP_COMPONENTS for c in comps) else 1

@@ -50,7 +50,17 @@ def case_params(name: str) -> dict:
 @dataclass(frozen=True)
 class DistributedLabConfig(LabConfig):
     world_sizes: tuple = (1, 2)
-    strategies: tuple = ("ddp", "fsdp", "fsdp/no_reshard", "fsdp/bf16", "hsdp", "tp", "cp_ring", "cp_ulysses")
+    strategies: tuple = (
+        "ddp",
+        "fsdp",
+        "fsdp/no_reshard",
+        "fsdp/bf16",
+        "hsdp",
+        "tp",
+        "tp+sp",
+        "cp_ring",
+        "cp_ulysses",
+    )
     preset: str = "tiny"
     batch_size: int = 4
     height: int = 64
