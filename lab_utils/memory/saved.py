@@ -3,6 +3,7 @@ region and op that made it) and the analytic model that equals them."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 from collections.abc import Iterator
@@ -169,27 +170,33 @@ class SavedReport:
 
 
 @contextmanager
-def saved_tensor_probe(model: nn.Module) -> Iterator[SavedReport]:
+def saved_tensor_probe(model: nn.Module, *, creators: bool = True) -> Iterator[SavedReport]:
     """Inside: every storage autograd saves (parameters and buffers skipped), every input a
     checkpointed block keeps and every output a selective policy caches, counted once,
-    attributed to the region and op that made it.  The report is complete on exit."""
+    attributed to the region and op that made it.  The report is complete on exit.
+
+    ``creators=False`` attributes a storage to the region running when it was saved (op
+    "saved"): torch.compile runs eager under a dispatch mode, so the compiled policy is
+    measured that way."""
     report = SavedReport()
     state = {storage_key(p) for p in model.parameters()} | {storage_key(b) for b in model.buffers()}
     regions = RegionTracker(model)
-    creators = CreatorMode(regions)
+    mode = CreatorMode(regions) if creators else contextlib.nullcontext()
     seen: dict[int, tuple[torch.Tensor, str]] = {}
+    saved_in: dict[int, tuple[str, str]] = {}
 
     def note(t: torch.Tensor, how: str) -> None:
         k = storage_key(t)
         if k not in state and k not in seen:
             seen[k] = (t, how)
+            saved_in[k] = (regions.current, "saved")
 
     def pack(t):
         note(t, "saved")
         return t
 
     try:
-        with capture() as cap, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), creators:
+        with capture() as cap, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
             yield report
         for _, _, ts in cap.kept_inputs:
             for t in ts:
@@ -202,7 +209,7 @@ def saved_tensor_probe(model: nn.Module) -> Iterator[SavedReport]:
     finally:
         regions.remove()
     for k, (t, how) in seen.items():
-        region, op = creators.made.get(k, ("input", "input"))
+        region, op = mode.made.get(k, ("input", "input")) if creators else saved_in[k]
         report.tensors.append(
             SavedTensor(region, op, how, storage_bytes(t), tuple(t.shape), str(t.dtype).replace("torch.", ""))
         )
@@ -376,7 +383,7 @@ def measure_saved(
     model.train()
     gen = torch.Generator(device="cpu").manual_seed(seed) if dev.type != "meta" else None
     batch = batch_for(cfg, sh, dt, dev, gen)
-    with saved_tensor_probe(model) as report:
+    with saved_tensor_probe(model, creators=cfg.checkpoint != "compile_budget") as report:
         loss = rf_loss(model, batch, gen)
     del loss
     return report
