@@ -145,7 +145,7 @@ def test_cpu_run_records(cpu_run):
 def test_cpu_run_is_read_by_compare_and_baseline(cpu_run, tmp_path):
     proc, out = cpu_run
     assert proc.returncode == 0, proc.stdout[-3000:]
-    cmp = compare(out, out)
+    cmp = compare(out, out, max_unstable_share=1.0)  # a busy CPU's timings may be mostly unstable
     assert cmp.exit_code == 0
     assert (cmp.rows["verdict"] == "same").sum() > 50
     dest = store_baseline(out, root=tmp_path / "baselines")
