@@ -194,6 +194,7 @@ class TrainConfig(LabConfig):
     activation_checkpoint: str = "none"
     kernels: str = "eager"
     attention_path: str = "sdpa"
+    recipe: str = "bf16"  # precision recipe of lab_utils.precision ("bf16": no layer swapped)
     num_workers: int = 0
     pin_memory: bool = False
     prefetch_factor: int = 2
@@ -237,6 +238,7 @@ class TrainConfig(LabConfig):
                 checkpoint=self.activation_checkpoint,
                 kernels=self.kernels,
                 attention_path=self.attention_path,
+                recipe=self.recipe,
             )
         except ConfigError as e:
             if e.param == "checkpoint":
