@@ -1,0 +1,67 @@
+"""Lab 07's config: bad input names the parameter; the parameter sets build valid configs;
+the recipe drift summary reads a numerics diff."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from lab_utils.config import ConfigError
+from lab_utils.studies.stability import StabilityLabConfig, drift_table
+from lab_utils.telemetry import numerics_diff
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "param,value",
+    [
+        ("head_groups", 3),
+        ("preset", "huge"),
+        ("recipes", ["fp9"]),
+        ("recipes", ["bf16"]),
+        ("spike_policies", ["pray"]),
+        ("provoke", "none"),
+        ("provoke_step", 0),
+        ("provoke_step", 40),
+        ("adam_grid", [[1e-8, 0.999]]),
+        ("adam_grid", [[1e-8, 1.5, 1.0]]),
+        ("nan_checks", [["double_blocks.7", "forward"]]),
+        ("nan_checks", [["double_blocks.0", "sideways"]]),
+        ("resolution", 50),
+        ("qk_lr", 0),
+        ("drift_tol", -0.1),
+        ("telemetry_every", 0),
+    ],
+)
+def test_bad_parameter_is_refused_by_name(param, value):
+    with pytest.raises(ConfigError) as e:
+        StabilityLabConfig(**{param: value})
+    assert e.value.param == param, str(e.value)
+
+
+@pytest.mark.parametrize("name", ["smoke", "gpu"])
+def test_parameter_sets_are_valid(name):
+    params = yaml.safe_load((ROOT / "parameterized" / "sets" / "07_stability" / f"{name}.yaml").read_text())
+    if params.get("device") == "cuda":
+        params["device"] = "auto"  # the GPU set's shapes are validated here; the device is not
+    cfg = StabilityLabConfig.from_params(params, strict=True)
+    assert cfg.preset == params["preset"]
+
+
+def test_drift_table_names_the_block_where_drift_starts():
+    rows_a, rows_b = [], []
+    for step in range(4):
+        for i, blk in enumerate(["double_blocks.0", "double_blocks.1", "single_blocks.0"]):
+            for stat in ("act_max", "logit_max", "grad_norm"):
+                v = 1.0 + step + i
+                rows_a.append(dict(step=step, block=blk, stream="", stat=stat, value=v))
+                late = stat == "logit_max" and blk != "double_blocks.0" and step >= 2
+                rows_b.append(dict(step=step, block=blk, stream="", stat=stat, value=v * (1.2 if late else 1.0)))
+    d = numerics_diff(pd.DataFrame(rows_a), pd.DataFrame(rows_b), tol=0.05)
+    t = drift_table({"fp8_tensor": d}).set_index("stat")
+    assert t.loc["logit_max", "drift_starts_in"] == "double_blocks.1" and t.loc["logit_max", "at_step"] == 2
+    assert t.loc["act_max", "drift_starts_in"] == "none" and t.loc["act_max", "at_step"] == -1
