@@ -274,3 +274,17 @@ def test_distributed_explorer():
     out = ex.run(strategy="ddp", world_size=2)
     assert out.ok and out.result.row["collectives"] > 0, ex.status
     assert "world_size" in ex.run(strategy="single").reason
+
+
+def test_training_step_explorer_swaps_the_precision_recipe():
+    from lab_utils.studies.explore.training_step import TrainingStepExplorer
+    from lab_utils.studies.training_step import TrainingStepLabConfig
+
+    cfg = TrainingStepLabConfig(device="cpu", steps=1, warmup_steps=0, num_samples=4, batch_size=1)
+    ex = TrainingStepExplorer.for_lab(cfg)
+    assert ex.step_config(dict(ex.defaults, recipe="fp8_tensor")).model_config().recipe == "fp8_tensor"
+    r = ex.run(recipe="fp8_tensor")
+    assert r.ok, r.reason
+    assert r.result.config["recipe"] == "fp8_tensor"
+    bad = ex.run(recipe="fp7")
+    assert not bad.ok and "recipe" in bad.reason

@@ -7,9 +7,8 @@ with the seams replaced (so it is validated like the parameters cell), profiled 
 join the lab's recorder with the configuration's label in front of each variant, so the
 configurations of one afternoon stay apart in ``rec.save()`` and ``perflab compare``.
 
-The precision control picks the step's storage dtype and autocast; the model's layer
-recipes (``MMDiTConfig.recipe``) are not a field of the training config, so they are not
-offered here.
+The precision control picks the step's storage dtype and autocast; the recipe control
+swaps the model's linear layers for a low-precision recipe of ``lab_utils.precision``.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from ...config import ConfigError
 from ...device import DeviceInfo, device_info
 from ...model import CHECKPOINT_POLICIES
 from ...model.train import PHASES
+from ...precision import RECIPES
 from ..training_step import PHASE_COLORS, TrainingStepLabConfig, profile_step
 from .base import Control, Explorer, Progress, Result
 
@@ -62,6 +62,7 @@ class TrainingStepExplorer(Explorer):
         Control("kernels", KERNELS, "eager"),
         Control("attention_path", ATTENTION_PATHS, "sdpa", "attention path"),
         Control("precision", tuple(PRECISIONS), "fp32"),
+        Control("recipe", tuple(RECIPES), "bf16", "recipe"),
         Control("batch", BATCHES, 2),
         Control("bucket", BUCKETS, "64x64"),
     )
@@ -76,6 +77,7 @@ class TrainingStepExplorer(Explorer):
             kernels=cfg.kernels if cfg.kernels in KERNELS else "eager",
             attention_path=cfg.attention_path,
             precision=precision,
+            recipe=cfg.recipe,
             batch=cfg.batch_size if cfg.batch_size in BATCHES else 2,
             bucket=_bucket(cfg.buckets[0]) if _bucket(cfg.buckets[0]) in BUCKETS else "64x64",
         )
@@ -89,7 +91,7 @@ class TrainingStepExplorer(Explorer):
     def label(self, cfg: dict) -> str:
         return (
             f"ac={cfg['activation_checkpoint']} compile={int(cfg['compile'])} k={cfg['kernels']} "
-            f"attn={cfg['attention_path']} {cfg['precision']} b{cfg['batch']} {cfg['bucket']}"
+            f"attn={cfg['attention_path']} {cfg['precision']} r={cfg['recipe']} b{cfg['batch']} {cfg['bucket']}"
         )
 
     def step_config(self, cfg: dict) -> TrainingStepLabConfig:
@@ -103,6 +105,7 @@ class TrainingStepExplorer(Explorer):
             attention_path=cfg["attention_path"],
             dtype=dtype,
             autocast=autocast,
+            recipe=cfg["recipe"],
             batch_size=cfg["batch"],
             num_samples=max(self.base.num_samples, cfg["batch"]),
             buckets=[[h, w]],
