@@ -578,7 +578,9 @@ def bench(
             True, f"{verdict.reason} (attempt {k}; before: {attempts[0][3].reason})", verdict.spread, 0, k
         )
     elif not verdict.stable:
-        tries = f"unstable in all {k} attempt(s)" if k > 1 else "unstable (no retry allowed)"
+        tries = (
+            f"unstable in all {k} attempt(s)" if k > 1 else ("unstable" if retries else "unstable (no retry allowed)")
+        )
         verdict = Stability(False, f"{tries}; kept the steadiest: {verdict.reason}", verdict.spread, verdict.stalls, k)
     if dev.type == "cuda" and len(samples) < reps:
         verdict = _note(verdict, f"{len(samples)} of {reps} samples within the time limit of {limit_ms / 1e3:.1f} s")

@@ -22,10 +22,12 @@ def test_measure_cache_and_force(tmp_cache, monkeypatch):
 
 
 def test_corrupt_cache_is_remeasured(tmp_cache, monkeypatch):
-    c = C.get_ceilings("cpu", quick=True)
+    first = C.Ceilings(device={"name": "t"}, copy_gbs=2.0, copy_bytes=1, matmul_tflops={"fp32": 1.0}, matmul_n={})
+    monkeypatch.setattr(C, "measure_ceilings", lambda *a, **k: first)  # (measuring is the test above)
+    assert C.get_ceilings("cpu", quick=True).copy_gbs == 2.0
     f = next((tmp_cache / "ceilings").glob("*.json"))
     f.write_text("{not json")
-    fake = C.Ceilings(**{**c.as_dict(), "copy_gbs": 1.0})
+    fake = C.Ceilings(**{**first.as_dict(), "copy_gbs": 1.0})
     monkeypatch.setattr(C, "measure_ceilings", lambda *a, **k: fake)
     assert C.get_ceilings("cpu", quick=True).copy_gbs == 1.0
 
