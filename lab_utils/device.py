@@ -140,12 +140,30 @@ class DatasheetPeak:
 # Dense tensor-core peaks from NVIDIA's public datasheets (SXM parts).  Sparse figures
 # on those sheets are exactly twice these and are deliberately not used.
 DATASHEET: dict[str, DatasheetPeak] = {
-    "A100": DatasheetPeak("A100 SXM4 80GB", 312.0, None, None, 156.0, 2039.0, 80, "NVIDIA A100 datasheet (dense)", 19.5),
+    "A100": DatasheetPeak(
+        "A100 SXM4 80GB", 312.0, None, None, 156.0, 2039.0, 80, "NVIDIA A100 datasheet (dense)", fp32_tflops=19.5
+    ),
     "H100": DatasheetPeak(
-        "H100 SXM5", 989.4, 1978.9, None, 494.7, 3350.0, 80, "NVIDIA H100 datasheet (dense = half the sparse figure)", 66.9
+        "H100 SXM5",
+        989.4,
+        1978.9,
+        None,
+        494.7,
+        3350.0,
+        80,
+        "NVIDIA H100 datasheet (dense = half the sparse figure)",
+        fp32_tflops=66.9,
     ),
     "H200": DatasheetPeak(
-        "H200 SXM", 989.4, 1978.9, None, 494.7, 4800.0, 141, "NVIDIA H200 datasheet (dense = half the sparse figure)", 66.9
+        "H200 SXM",
+        989.4,
+        1978.9,
+        None,
+        494.7,
+        4800.0,
+        141,
+        "NVIDIA H200 datasheet (dense = half the sparse figure)",
+        fp32_tflops=66.9,
     ),
     "B200": DatasheetPeak(
         "B200 (HGX)",

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from .ceilings import Ceilings
 from .timing import Timing
 
@@ -57,8 +59,6 @@ def roofline(time: float | Timing, *, bytes: float, flops: float, ceilings: Ceil
 
 def roofline_curve(ceilings: Ceilings, dtype="fp32", lo: float = 1e-2, hi: float = 1e4, n: int = 64):
     """Points (intensity, attainable TFLOP/s) of the roofline for plotting."""
-    import numpy as np
-
     bw = ceilings.copy_gbs
     peak = ceilings.matmul(dtype) or ceilings.matmul("fp32")
     x = np.logspace(np.log10(lo), np.log10(hi), n)
