@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from lab_utils import cpu_threads as cpu_threads_mod
 from lab_utils import timing as timing_mod
 from lab_utils.timing import (
     THREADS_ENV,
@@ -151,9 +152,9 @@ def test_cpu_threads_are_chosen_recorded_and_restored(monkeypatch):
     cores = usable_cores()
     c = choose_cpu_threads()
     assert 1 <= c.threads <= cores and c.policy == "auto" and "usable core" in c.reason
-    monkeypatch.setattr(timing_mod, "busy_cores", lambda *a, **k: float(cores))  # every core busy elsewhere
+    monkeypatch.setattr(cpu_threads_mod, "busy_cores", lambda *a, **k: float(cores))  # every core busy elsewhere
     assert choose_cpu_threads().threads == 1
-    monkeypatch.setattr(timing_mod, "busy_cores", lambda *a, **k: 0.0)
+    monkeypatch.setattr(cpu_threads_mod, "busy_cores", lambda *a, **k: 0.0)
     assert choose_cpu_threads().threads == cores
     assert choose_cpu_threads(3).threads == 3 and choose_cpu_threads(3).policy == "argument"
     monkeypatch.setenv(THREADS_ENV, "2")

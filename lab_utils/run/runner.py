@@ -39,7 +39,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from ..config import ConfigError
-from ..timing import THREADS_ENV, choose_cpu_threads
+from ..cpu_threads import THREADS_ENV, choose_cpu_threads
 from . import report
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: lab_utils/run/runner.py -> ../../..
