@@ -57,15 +57,15 @@ def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = N
 
 
 def half_ulp(w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Half the spacing of ``dtype`` (default: ``w``'s) at |w|, float32; at zero and in the
-    subnormal range, half the smallest subnormal step."""
+    """Half the spacing of ``dtype`` (default: ``w``'s) above |w|, float32; at zero and in the
+    subnormal range, half the subnormal step.  Read from the exponent bits (a few cheap ops:
+    the telemetry computes it for every weight of a sampled step)."""
     dtype = dtype or w.dtype
     if dtype not in _FLOAT_BITS:
         raise ConfigError("dtype", dtype, "float32, bfloat16 or float16")
     mbits, emin = _FLOAT_BITS[dtype]
-    _, e = torch.frexp(w.detach().float())  # |w| = m * 2^e, m in [0.5, 1)
-    exp = torch.where(w == 0, emin, torch.clamp(e - 1, min=emin))  # unbiased exponent of the leading bit
-    return torch.ldexp(torch.full_like(w, 0.5, dtype=torch.float32), (exp - mbits).to(torch.int32))
+    pow2 = (w.detach().float().contiguous().view(torch.int32) & 0x7F800000).view(torch.float32)  # 2^floor(log2|w|)
+    return pow2.clamp_min(2.0**emin) * 2.0 ** -(mbits + 1)
 
 
 def lost_update_mask(w: torch.Tensor, u: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -73,11 +73,12 @@ def lost_update_mask(w: torch.Tensor, u: torch.Tensor, dtype: torch.dtype | None
     round-to-nearest storage drops them entirely.  Below a power of two the spacing halves,
     so an update towards zero from one is compared with a quarter of the ulp above."""
     dtype = dtype or w.dtype
-    wf, uf = w.detach().float(), u.detach().float()
+    wf, uf = w.detach().float().contiguous(), u.detach().float()
     hu = half_ulp(wf, dtype)
-    m, e = torch.frexp(wf)
-    down = (m.abs() == 0.5) & (e - 1 > _FLOAT_BITS[dtype][1]) & (torch.sign(uf) == -torch.sign(wf))
-    return uf.abs() < torch.where(down, hu / 2, hu)
+    down = (
+        ((wf.view(torch.int32) & 0x007FFFFF) == 0) & (wf.abs() > 2.0 ** _FLOAT_BITS[dtype][1]) & ((uf < 0) != (wf < 0))
+    )
+    return uf.abs() < torch.where(down, hu * 0.5, hu)
 
 
 # ------------------------------------------------------------------------------ optimizer
@@ -135,7 +136,7 @@ class StabilityAdamW(torch.optim.Optimizer):
                     self.last_stats[p] = (
                         u.square().sum(),
                         w32.square().sum(),
-                        lost_update_mask(w32.to(store), u, store).sum(),
+                        lost_update_mask(w32, u, store).sum(),  # w32 is exact in `store`
                         p.numel(),
                     )
                 if "master" in st:

@@ -351,11 +351,12 @@ def closing_lines(qk, prec_t, drift_t, scale_t, spike_t) -> list[str]:
         "loss gap vs fp32: " + ", ".join(f"{k} {v:+.4f}" for k, v in prec_t["loss_gap_vs_fp32"].items() if k != "fp32"),
     ]
     for r in drift_t.itertuples():
-        lines.append(f"{r.recipe}: {r.stat} first beyond tolerance in {r.drift_starts_in} at step {r.at_step}")
+        where = f"in {r.drift_starts_in} at step {r.at_step}" if r.at_step >= 0 else "nowhere in this run"
+        lines.append(f"{r.recipe}: {r.stat} first beyond tolerance {where}")
     for name, r in scale_t.iterrows():
-        lines.append(f"{name}: {r.skipped_steps} skipped steps, final loss {r.final_loss:.4f}")
+        lines.append(f"{name}: {int(r.skipped_steps)} skipped steps, final loss {r.final_loss:.4f}")
     for name, r in spike_t.iterrows():
-        lines.append(f"{name}: final loss {r.final_loss:.4f}, replayed {r.replayed_steps} steps")
+        lines.append(f"{name}: final loss {r.final_loss:.4f}, replayed {int(r.replayed_steps)} steps")
     return lines
 
 
