@@ -30,19 +30,35 @@ writes dQ, dK, dV — no L x L matrix is ever stored.  FLOPs (full mask):
 from __future__ import annotations
 
 import math
-import operator
 
 import torch
 import triton
 import triton.language as tl
 
-from . import _common as C
+# HEAD_DIMS and check_max_seqlen are re-exported: callers read them from this op module
+from ._attention_inputs import (
+    HEAD_DIMS as HEAD_DIMS,
+)
+from ._attention_inputs import (
+    OP,
+    TRITON_DTYPES,
+    check_cu_seqlens,
+    check_qkv,
+    check_varlen,
+    dot_args,
+    launch_config,
+    launch_dims,
+    lse_strides,
+    same_strides,
+    strides,
+    triton_check,
+)
+from ._attention_inputs import (
+    check_max_seqlen as check_max_seqlen,
+)
 from .registry import register
 
-OP = "attention"
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (64, 128)
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # --------------------------------------------------------------------------- reference
@@ -85,108 +101,6 @@ def reference_attention(
     if allowed is not None:
         p = torch.nan_to_num(p, nan=0.0)  # fully-masked rows: zeros, not NaN
     return torch.matmul(p, v)
-
-
-# --------------------------------------------------------------------------- checks
-def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> None:
-    """Refuse a ``cu_seqlens`` that is not [0, l0, l0+l1, ..., total] with every l > 0."""
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(
-            f"parameter 'cu_seqlens' must be a 1-D integer tensor [0, l0, l0+l1, ..., T] "
-            f"with at least 2 entries, got {cu_seqlens!r}"
-        )
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"parameter 'cu_seqlens' must be int32 or int64, got {cu_seqlens.dtype}")
-    c = cu_seqlens.tolist()
-    if c[0] != 0:
-        raise ValueError(f"parameter 'cu_seqlens' must start at 0, got {c[0]} (cu_seqlens={c})")
-    if any(b <= a for a, b in zip(c[:-1], c[1:])):
-        raise ValueError(f"parameter 'cu_seqlens' must be strictly increasing (no empty sequence), got {c}")
-    if c[-1] != total:
-        raise ValueError(
-            f"parameter 'cu_seqlens' must end at the packed length {total} (q.shape[0]), got {c[-1]} (cu_seqlens={c})"
-        )
-
-
-_check_cu_seqlens = check_cu_seqlens  # lab_utils.attention still calls the private name
-
-
-def check_max_seqlen(cu_seqlens: torch.Tensor | None, max_seqlen) -> int | None:
-    """The launch length of a packed problem: ``max_seqlen``, validated, or the longest sequence.
-
-    The kernels launch ``cdiv(max_seqlen, BLOCK)`` blocks per sequence, so a ``max_seqlen``
-    below the longest sequence would leave that sequence's tail rows unwritten."""
-    if max_seqlen is None:
-        if cu_seqlens is None:
-            return None
-        return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    if cu_seqlens is None:
-        raise ValueError(
-            f"parameter 'max_seqlen' = {max_seqlen!r} is given without 'cu_seqlens'; it describes "
-            "the packed (T, H, Dh) layout only (leave it None for (B, H, L, Dh))"
-        )
-    try:
-        if isinstance(max_seqlen, bool):
-            raise TypeError
-        max_seqlen = operator.index(max_seqlen)
-    except TypeError:
-        raise ValueError(f"parameter 'max_seqlen' must be an int, got {max_seqlen!r}") from None
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    if max_seqlen < longest:
-        raise ValueError(
-            f"parameter 'max_seqlen' = {max_seqlen} is smaller than the longest packed sequence ({longest} "
-            f"rows, cu_seqlens={cu_seqlens.tolist()}); it must be >= {longest}"
-        )
-    return max_seqlen
-
-
-def _check_qkv(q, k, v, cu_seqlens):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"parameter {name!r} must be a tensor, got {type(t).__name__}")
-    want = 3 if cu_seqlens is not None else 4
-    layout = "(T, H, Dh) with cu_seqlens" if cu_seqlens is not None else "(B, H, L, Dh)"
-    if q.dim() != want:
-        raise ValueError(f"parameter 'q' must be {layout}, got shape {tuple(q.shape)}")
-    if k.shape != q.shape or v.shape != q.shape:
-        bad = "k" if k.shape != q.shape else "v"
-        raise ValueError(
-            f"parameter {bad!r} has shape {tuple((k if bad == 'k' else v).shape)}; the Triton "
-            f"kernel does self-attention and needs q, k, v of one shape {tuple(q.shape)}"
-        )
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        bad = "k" if k.dtype != q.dtype else "v"
-        raise ValueError(
-            f"parameter {bad!r} has dtype {(k if bad == 'k' else v).dtype}, q has {q.dtype}: "
-            f"q, k, v must share one dtype"
-        )
-    if q.dtype not in TRITON_DTYPES:
-        raise ValueError(f"parameter 'q' has dtype {q.dtype}; the Triton kernel takes float16, bfloat16, float32")
-    if q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"parameter 'q' has head dim {q.shape[-1]}; the Triton kernel supports {HEAD_DIMS}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"parameters 'q', 'k', 'v' are on different devices ({q.device}, {k.device}, {v.device})")
-    C.check_device(OP, ("q", q), ("k", k), ("v", v))
-
-
-def _check_varlen(q, cu_seqlens, max_seqlen) -> int | None:
-    """Every check of the packed layout's inputs; the validated launch length (None when dense)."""
-    if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, q.shape[0])
-    return check_max_seqlen(cu_seqlens, max_seqlen)
-
-
-def triton_check(*, device=None, dtype=None, head_dim=None, mask=None, causal=None, layout=None, lq=None, lk=None, **_):
-    """Capability check for the registry: why the Triton kernel cannot run a problem."""
-    if head_dim is not None and head_dim not in HEAD_DIMS:
-        return f"attention/triton supports head dims {HEAD_DIMS}, not {head_dim}"
-    if mask is not None and mask not in ("full", "causal"):
-        return f"attention/triton supports masks 'full' and 'causal', not {mask!r}"
-    if lq is not None and lk is not None and lq != lk:
-        return "attention/triton does self-attention only (query and key lengths must match)"
-    if layout is not None and layout not in ("bhld", "packed"):
-        return f"attention/triton supports layouts 'bhld' and 'packed', not {layout!r}"
-    return None
 
 
 # --------------------------------------------------------------------------- kernels
@@ -432,62 +346,6 @@ def _attention_bwd_dq_kernel(
 
 
 # --------------------------------------------------------------------------- host side
-def _blocks(kind: str, head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile sizes.  Interpreter: 32x32 (several blocks even at L ~ 100, so the loop and
-    boundary masks are exercised).  GPU (Hopper/Ampere-sized shared memory): FA2-style
-    tiles, smaller for head dim 128 and float32 so a tile set fits in shared memory."""
-    if C.interpreted():
-        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
-    big = head_dim > 64 or dtype == torch.float32
-    if kind == "fwd":
-        # FA2-tutorial-style Hopper defaults; fp32 x Dh 128 halves BLOCK_N to fit shared memory.
-        # Educated defaults, not tuned on a GPU (none was lent); tests compile them for sm_90.
-        f32_128 = dtype == torch.float32 and head_dim > 64
-        return dict(
-            BLOCK_M=128,
-            BLOCK_N=32 if f32_128 else 64,
-            num_warps=8 if head_dim > 64 else 4,
-            num_stages=2 if f32_128 else 3,
-        )
-    return dict(
-        BLOCK_M=64 if not big else 32, BLOCK_N=64, num_warps=4 if not big else 8, num_stages=2 if not big else 1
-    )
-
-
-def _dot_args(dtype) -> dict:
-    # fp32 inputs: true fp32 dots ("ieee"), so float32 meets its tolerance (no TF32).
-    upcast = C.interpreted() and dtype == torch.bfloat16
-    return dict(DOT_PRECISION="ieee" if (dtype == torch.float32 or upcast) else "tf32", UPCAST=upcast)
-
-
-def _layout(q, cu_seqlens, max_seqlen):
-    """(n_seq, n_heads, seqlen_or_max, batch/head/row strides of a (B,H,L,D)/(T,H,D) tensor)."""
-    if cu_seqlens is None:
-        B, H, L, _ = q.shape
-        return B, H, L
-    return cu_seqlens.numel() - 1, q.shape[1], int(max_seqlen)
-
-
-def _same_strides(q, k, v):
-    """The kernels take one set of strides for q, k, v and need a unit last stride;
-    a (B, L, H, D).transpose(1, 2) view is used in place when all three agree."""
-    if q.stride(-1) == 1 and q.stride() == k.stride() == v.stride():
-        return q, k, v
-    return q.contiguous(), k.contiguous(), v.contiguous()
-
-
-def _strides(t, varlen: bool):
-    if varlen:  # (T, H, D): no batch stride, row stride = stride(0)
-        return 0, t.stride(1), t.stride(0)
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
-def _lse_strides(lse, varlen: bool):
-    if varlen:  # (H, T)
-        return 0, lse.stride(0)
-    return lse.stride(0), lse.stride(1)  # (B, H, L)
-
-
 def attention_forward(
     q,
     k,
@@ -502,12 +360,12 @@ def attention_forward(
     """Launch the forward kernel; returns (out, lse2) with lse2 in base-2 units (float32).
     ``out`` may be a preallocated buffer shaped and strided like q (tests poison it)."""
     varlen = cu_seqlens is not None
-    _check_qkv(q, k, v, cu_seqlens)
-    max_seqlen = _check_varlen(q, cu_seqlens, max_seqlen)
+    check_qkv(q, k, v, cu_seqlens)
+    max_seqlen = check_varlen(q, cu_seqlens, max_seqlen)
     if varlen:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
-    q, k, v = _same_strides(q, k, v)
-    n_seq, H, L = _layout(q, cu_seqlens, max_seqlen)
+    q, k, v = same_strides(q, k, v)
+    n_seq, H, L = launch_dims(q, cu_seqlens, max_seqlen)
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if out is None:
@@ -515,7 +373,7 @@ def attention_forward(
     elif out.shape != q.shape or out.stride() != q.stride() or out.dtype != q.dtype:
         raise ValueError("parameter 'out' must have the shape, strides and dtype of q")
     lse = torch.empty((H, q.shape[0]) if varlen else (n_seq, H, L), device=q.device, dtype=torch.float32)
-    cfg = _blocks("fwd", D, q.dtype)
+    cfg = launch_config("fwd", D, q.dtype)
     grid = (triton.cdiv(L, cfg["BLOCK_M"]), n_seq * H)
     _attention_fwd_kernel[grid](
         q,
@@ -524,16 +382,16 @@ def attention_forward(
         out,
         lse,
         cu_seqlens if varlen else q,
-        *_strides(q, varlen),
-        *_strides(out, varlen),
-        *_lse_strides(lse, varlen),
+        *strides(q, varlen),
+        *strides(out, varlen),
+        *lse_strides(lse, varlen),
         H,
         L,
         scale * LOG2E,
         HEAD_DIM=D,
         CAUSAL=causal,
         IS_VARLEN=varlen,
-        **_dot_args(q.dtype),
+        **dot_args(q.dtype),
         **cfg,
     )
     return out, lse
@@ -556,14 +414,14 @@ def attention_backward(
     """Launch the backward kernels; returns (dq, dk, dv).  ``grads`` may be preallocated
     buffers shaped and strided like q, k, v (tests poison them)."""
     varlen = cu_seqlens is not None
-    _check_qkv(q, k, v, cu_seqlens)
-    max_seqlen = _check_varlen(q, cu_seqlens, max_seqlen)
+    check_qkv(q, k, v, cu_seqlens)
+    max_seqlen = check_varlen(q, cu_seqlens, max_seqlen)
     if varlen:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
-    q, k, v = _same_strides(q, k, v)
+    q, k, v = same_strides(q, k, v)
     if do.stride() != q.stride():
         do = do.contiguous() if q.is_contiguous() else torch.empty_like(q).copy_(do)
-    n_seq, H, L = _layout(q, cu_seqlens, max_seqlen)
+    n_seq, H, L = launch_dims(q, cu_seqlens, max_seqlen)
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     # D_i = rowsum(dO * O), in the LSE layout: (B, H, L) or (H, T)
@@ -575,8 +433,8 @@ def attention_backward(
         dq, dk, dv = grads
         if any(g.shape != q.shape or g.stride() != q.stride() or g.dtype != q.dtype for g in grads):
             raise ValueError("parameter 'grads' must be three buffers with the shape, strides and dtype of q")
-    cfg = _blocks("bwd", D, q.dtype)
-    common = dict(HEAD_DIM=D, CAUSAL=causal, IS_VARLEN=varlen, **_dot_args(q.dtype), **cfg)
+    cfg = launch_config("bwd", D, q.dtype)
+    common = dict(HEAD_DIM=D, CAUSAL=causal, IS_VARLEN=varlen, **dot_args(q.dtype), **cfg)
     cu = cu_seqlens if varlen else q
     _attention_bwd_dkdv_kernel[(triton.cdiv(L, cfg["BLOCK_N"]), n_seq * H)](
         q,
@@ -588,9 +446,9 @@ def attention_backward(
         lse,
         delta,
         cu,
-        *_strides(q, varlen),
-        *_strides(dk, varlen),
-        *_lse_strides(lse, varlen),
+        *strides(q, varlen),
+        *strides(dk, varlen),
+        *lse_strides(lse, varlen),
         H,
         L,
         scale * LOG2E,
@@ -606,9 +464,9 @@ def attention_backward(
         lse,
         delta,
         cu,
-        *_strides(q, varlen),
-        *_strides(dq, varlen),
-        *_lse_strides(lse, varlen),
+        *strides(q, varlen),
+        *strides(dq, varlen),
+        *lse_strides(lse, varlen),
         H,
         L,
         scale * LOG2E,
@@ -651,8 +509,8 @@ def attention(
 ) -> torch.Tensor:
     """Triton flash attention with autograd.  q, k, v: (B, H, L, Dh), or (T, H, Dh) packed
     with ``cu_seqlens``; Dh in (64, 128); float16 / bfloat16 / float32."""
-    _check_qkv(q, k, v, cu_seqlens)
-    max_seqlen = _check_varlen(q, cu_seqlens, max_seqlen)
+    check_qkv(q, k, v, cu_seqlens)
+    max_seqlen = check_varlen(q, cu_seqlens, max_seqlen)
     return AttentionFunction.apply(q, k, v, bool(causal), scale, cu_seqlens, max_seqlen)
 
 

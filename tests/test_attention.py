@@ -367,14 +367,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import torch
 import lab_kernels.attention as ka
-ka._interpreted = lambda: False               # GPU tile sizes
 dt, D, causal, varlen = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
 tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
 for kern, kind in ((ka._attention_fwd_kernel, "fwd"), (ka._attention_bwd_dkdv_kernel, "bwd"),
                    (ka._attention_bwd_dq_kernel, "bwd")):
-    cfg = ka._blocks(kind, D, tdt)
+    cfg = ka.launch_config(kind, D, tdt)
     const = dict(HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, IS_VARLEN=varlen,
-                 **ka._dot_args(tdt))
+                 **ka.dot_args(tdt))
     ptrs = {"LSE": "*fp32", "DELTA": "*fp32", "CU_SEQLENS": "*i32"}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "*" + dt) if n.isupper() else
            "fp32" if n in ("qk_scale_log2", "sm_scale") else "i32" for n in kern.arg_names}
