@@ -10,7 +10,7 @@ Triton kernel share one definition of the numerics:
    padding is cropped again), and view the tensor as ``(n_groups, G)`` rows, one
    scaling group per row (``block2d`` tiles are rearranged into rows first).
 2. *Quantize a group* (reference: ``formats.reference_quantize_groups``; Triton:
-   ``_quant_fwd_kernel``): amax -> scale -> scaled values -> element rounding ->
+   ``quant_triton._quant_fwd_kernel``): amax -> scale -> scaled values -> element rounding ->
    codes and the dequantized values.  Both use only exact operations (power-of-two
    products, IEEE division, floor, compare), so they agree bit for bit.
 3. *Pack* (host): fp8 codes viewed as ``torch.float8_*``; fp4 codes two per byte,
@@ -75,10 +75,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import triton
-import triton.language as tl
 
-from . import _common as C
 from .formats import (
     ELEM_FORMATS,
     FORMATS,
@@ -103,217 +100,9 @@ from .formats import (
     reference_quantize_groups,
     representable_values,
 )
+from .quant_torchao import TORCHAO_FORMATS, torchao_check, torchao_fake_quantize
+from .quant_triton import quant_forward
 from .registry import register
-
-# ------------------------------------------------------------------ Triton kernel
-
-
-@triton.jit
-def _round_elem_tl(
-    v,
-    rbits,
-    MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    MAXV: tl.constexpr,
-    EBITS: tl.constexpr,
-    NAN_CODE: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-):
-    a = tl.abs(v)
-    a = tl.where(a > MAXV, MAXV, a)
-    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    e = tl.maximum(e, EMIN)
-    inv_ulp = ((127 + MBITS - e) << 23).to(tl.float32, bitcast=True)
-    ulp = ((127 - MBITS + e) << 23).to(tl.float32, bitcast=True)
-    y = a * inv_ulp
-    fl = tl.floor(y)
-    frac = y - fl
-    if STOCHASTIC:
-        u = (rbits & 0xFFFFFF).to(tl.float32) * (2.0**-24)
-        up = frac > u
-    else:
-        odd = (fl - 2.0 * tl.floor(fl * 0.5)) == 1.0
-        up = (frac > 0.5) | ((frac == 0.5) & odd)
-    q = (fl + up.to(tl.float32)) * ulp
-    nan = q != q
-    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
-    q0 = tl.where(nan, 0.0, q)
-    qb = q0.to(tl.int32, bitcast=True)
-    qe = ((qb >> 23) & 0xFF) - 127
-    normal = q0 >= 2.0**EMIN
-    code_n = ((qe + 1 - EMIN) << MBITS) | ((qb >> (23 - MBITS)) & ((1 << MBITS) - 1))
-    code_s = (tl.minimum(q0, 2.0**EMIN) * 2.0 ** (MBITS - EMIN)).to(tl.int32)  # only used below 2^emin
-    code = tl.where(normal, code_n, code_s)
-    code = tl.where(nan, NAN_CODE, code)
-    code = code | (sign << (EBITS + MBITS))
-    qs = (qb | (sign << 31)).to(tl.float32, bitcast=True)
-    qs = tl.where(nan, float("nan"), qs)
-    return qs, code
-
-
-@triton.jit
-def _quant_fwd_kernel(
-    x_ptr,
-    r_ptr,
-    deq_ptr,
-    code_ptr,
-    scale_ptr,
-    ts_ptr,
-    n_rows,
-    G,
-    MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    MAXV: tl.constexpr,
-    EBITS: tl.constexpr,
-    EMAX: tl.constexpr,
-    NAN_CODE: tl.constexpr,
-    SCALING: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """One program quantizes ROWS scaling groups (rows of G elements; G may exceed BLOCK,
-    then ROWS == 1 and the row is walked in chunks).
-
-    Traffic: reads G fp32 per group (+G int32 random bits when stochastic; twice when
-    G > BLOCK: amax pass, then quantize pass), writes G fp32 + G uint8 + one scale.
-    """
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    rmask = rows < n_rows
-    base = rows * G
-    offs = tl.arange(0, BLOCK)
-    amax = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-    anynan = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
-    if SCALING != 0:
-        if SCALING != 2:
-            for start in range(0, G, BLOCK):
-                m = rmask[:, None] & (start + offs < G)[None, :]
-                x = tl.load(x_ptr + base[:, None] + start + offs[None, :], mask=m, other=0.0)
-                ax = tl.abs(x)
-                anynan = anynan | ((ax != ax) | (ax == float("inf"))).to(tl.int32)
-                amax = tl.maximum(amax, tl.where(ax != ax, 0.0, ax))
-    gmax = tl.max(amax, axis=1)
-    bad = tl.max(anynan, axis=1) > 0
-    # ---- group scale, all [ROWS]
-    scale = tl.full([ROWS], 1.0, tl.float32)
-    rcp = scale
-    mult = scale
-    biased = tl.zeros([ROWS], dtype=tl.int32)
-    if SCALING == 1:
-        scale = (MAXV / tl.maximum(gmax.to(tl.float64), 1e-12)).to(tl.float32)
-        scale = tl.where(bad, float("nan"), scale)
-        rcp = scale
-    elif SCALING == 2:
-        scale = tl.zeros([ROWS], dtype=tl.float32) + tl.load(ts_ptr)
-        rcp = scale
-    elif SCALING == 3:
-        ex = ((gmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        biased = tl.minimum(tl.maximum(ex - EMAX, -127), 128) + 127
-        biased = tl.where(bad, 255, biased)
-        sc = tl.maximum((biased << 23).to(tl.float32, bitcast=True), 2.0**-126)
-        rcp = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sc)
-    elif SCALING == 4:
-        descale = tl.math.div_rn(gmax, tl.full([ROWS], MAXV, tl.float32))
-        db = descale.to(tl.int32, bitcast=True)
-        dex = (db >> 23) & 0xFF
-        cl = tl.where(
-            dex == 0, tl.where((db & 0x7FFFFF) > 0x400000, -126, -127), dex - 127 + ((db & 0x7FFFFF) != 0).to(tl.int32)
-        )
-        biased = tl.minimum(tl.maximum(cl, -127), 127) + 127
-        biased = tl.where(bad, 255, biased)
-        rcp = tl.where(
-            biased == 0,
-            1.0,
-            tl.where(biased >= 254, 2.0**-127, (tl.maximum(254 - biased, 0) << 23).to(tl.float32, bitcast=True)),
-        )
-    elif SCALING == 5:
-        pts = tl.zeros([ROWS], dtype=tl.float32) + tl.load(ts_ptr)
-        bs = tl.math.div_rn(gmax, tl.full([ROWS], 6.0, tl.float32))
-        sc = tl.minimum(tl.maximum(tl.math.div_rn(bs, pts), 2.0**-6), 448.0)
-        sc, _unused = _round_elem_tl(sc, 0, 3, -6, 448.0, 4, 0x7F, False)
-        rcp = tl.math.div_rn(tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), pts), sc)
-        mult = sc * pts
-        scale = tl.where(bad, float("nan"), sc)
-    if SCALING == 3 or SCALING == 4:
-        mult = tl.where(biased == 0, 2.0**-127, (biased << 23).to(tl.float32, bitcast=True))
-        mult = tl.where(biased == 255, float("nan"), mult)
-        scale = biased.to(tl.float32)
-    # ---- quantize pass
-    for start in range(0, G, BLOCK):
-        m = rmask[:, None] & (start + offs < G)[None, :]
-        ptrs = base[:, None] + start + offs[None, :]
-        x = tl.load(x_ptr + ptrs, mask=m, other=0.0)
-        r = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
-        if STOCHASTIC:
-            r = tl.load(r_ptr + ptrs, mask=m, other=0)
-        if SCALING == 0:
-            v = x
-        else:
-            v = x * rcp[:, None]
-        if SCALING >= 3:
-            v = tl.where(bad[:, None], float("nan"), v)
-        q, code = _round_elem_tl(v, r, MBITS, EMIN, MAXV, EBITS, NAN_CODE, STOCHASTIC)
-        if SCALING == 1 or SCALING == 2:
-            d = tl.math.div_rn(q, tl.zeros([ROWS, BLOCK], dtype=tl.float32) + scale[:, None])
-        elif SCALING == 0:
-            d = q
-        else:
-            d = q * mult[:, None]
-        d = tl.where(d != d, float("nan"), d)
-        tl.store(deq_ptr + ptrs, d, mask=m)
-        tl.store(code_ptr + ptrs, code.to(tl.uint8), mask=m)
-    tl.store(scale_ptr + rows, scale, mask=rmask)
-
-
-def quant_forward(
-    g: torch.Tensor,
-    elem: str,
-    scaling: int,
-    *,
-    stochastic: bool = False,
-    rbits: torch.Tensor | None = None,
-    tensor_scale: torch.Tensor | None = None,
-    codes: bool = True,
-):
-    """Triton twin of :func:`reference_quantize_groups` (same arguments and results)."""
-    f = ELEM_FORMATS[elem]
-    C.check_device("quant", ("g", g))
-    g = g.contiguous().float()
-    n, G = g.shape
-    deq = torch.empty_like(g)
-    code = torch.empty(g.shape, dtype=torch.uint8, device=g.device)
-    scale = torch.empty(n, dtype=torch.float32, device=g.device)
-    ts = (
-        tensor_scale.float().reshape(1)
-        if tensor_scale is not None
-        else torch.ones(1, dtype=torch.float32, device=g.device)
-    )
-    r = rbits.contiguous() if stochastic else torch.zeros(1, dtype=torch.int32, device=g.device)
-    block = min(max(triton.next_power_of_2(max(G, 1)), 16), 1024)
-    rows = max(1, min(64, 4096 // block)) if G <= block else 1
-    if n and G:
-        _quant_fwd_kernel[(triton.cdiv(n, rows),)](
-            g,
-            r,
-            deq,
-            code,
-            scale,
-            ts,
-            n,
-            G,
-            MBITS=f.mbits,
-            EMIN=f.emin,
-            MAXV=f.max,
-            EBITS=f.ebits,
-            EMAX=f.emax,
-            NAN_CODE=f.nan_code,
-            SCALING=scaling,
-            STOCHASTIC=bool(stochastic),
-            ROWS=rows,
-            BLOCK=block,
-        )
-    return deq, code, scale
-
 
 triton_quantize_groups = quant_forward  # the launcher's descriptive name
 _BACKENDS = {"reference": reference_quantize_groups, "triton": quant_forward}
@@ -734,65 +523,12 @@ register(
 )
 
 
-def _torchao_check(device=None, dtype=None, fmt=None, **_):
-    try:
-        import torchao  # noqa: F401, PLC0415  (optional: absent on a bare GPU machine; slow to import)
-    except Exception as e:  # pragma: no cover
-        return f"torchao is not importable: {e}"
-    if fmt is not None and fmt not in TORCHAO_FORMATS:
-        return f"torchao has no reference for {fmt} here"
-    return None
-
-
-TORCHAO_FORMATS = ("fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
-
-
-def torchao_fake_quantize(
-    x: torch.Tensor, fmt: str, *, granularity: str | None = None, scale_rule: str = "floor", axis: int = -1, **_
-):
-    """torchao's own quantize + dequantize of the same format (last axis, 2-D, divisible shapes)."""
-    F = check_format(fmt)
-    x2 = x.movedim(axis, -1).contiguous()
-    if F.family == "fp8":
-        from torchao.float8.float8_utils import ScalingGranularity, tensor_to_scale, to_fp8_saturated  # noqa: PLC0415  (optional dependency)
-
-        gran = granularity or "tensor"
-        if gran == "tensor":
-            s = tensor_to_scale(x2, F.elem_format.torch_dtype)
-        elif gran == "row":
-            s = tensor_to_scale(
-                x2, F.elem_format.torch_dtype, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1
-            )
-        else:
-            raise param_error("granularity", gran, "'tensor' or 'row' for the torchao float8 reference")
-        d = to_fp8_saturated(x2.float() * s, F.elem_format.torch_dtype)
-        out = d.float() / s
-    elif F.family == "mx":
-        from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: PLC0415  (optional dependency)
-        from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx  # noqa: PLC0415  (optional dependency)
-
-        ed = F.elem_format.torch_dtype if F.elem != "e2m1" else torch.float4_e2m1fn_x2
-        mode = ScaleCalculationMode.FLOOR if scale_rule == "floor" else ScaleCalculationMode.RCEIL
-        s, d = to_mx(x2.float(), ed, 32, mode)
-        out = to_dtype(d, s, ed, 32, torch.float32)
-    else:
-        from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4  # noqa: PLC0415  (optional dependency)
-        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale  # noqa: PLC0415  (optional dependency)
-
-        x2d = x2.float().reshape(-1, x2.shape[-1])
-        pts = per_tensor_amax_to_scale(x2d.abs().amax())
-        s, d = nvfp4_quantize(x2d, 16, pts)
-        vals = f4_unpacked_to_f32(unpack_uint4(d)).reshape(x2d.shape[0], -1, 16)
-        out = (vals * (pts * s.float()).reshape(x2d.shape[0], -1, 1)).reshape(x2.shape)
-    return out.reshape(x2.shape).movedim(-1, axis).to(x.dtype)
-
-
 register(
     "quant",
     "torchao",
     torchao_fake_quantize,
     kind="library",
-    check=_torchao_check,
+    check=torchao_check,
     description="torchao 0.18 float8 / MX / NVFP4 references",
 )
 

@@ -388,6 +388,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import lab_kernels.quant as Q
+import lab_kernels.quant_triton as QT
 ptr = dict(x_ptr="*fp32", r_ptr="*i32", deq_ptr="*fp32", code_ptr="*u8", scale_ptr="*fp32", ts_ptr="*fp32")
 cases = [("e4m3", s, st, 32, 32 if s >= 3 else 128) for s in range(6) for st in (False, True) if not (s == 5)]
 cases += [("e2m1", 5, False, 64, 16), ("e2m1", 5, True, 64, 16), ("e2m1", 3, False, 64, 32), ("e5m2", 4, True, 64, 32),
@@ -397,7 +398,7 @@ for elem, scaling, st, rows, block in cases:
     f = Q.ELEM_FORMATS[elem]
     const = dict(MBITS=f.mbits, EMIN=f.emin, MAXV=f.max, EBITS=f.ebits, EMAX=f.emax, NAN_CODE=f.nan_code,
                  SCALING=scaling, STOCHASTIC=st, ROWS=rows, BLOCK=block)
-    kern = Q._quant_fwd_kernel
+    kern = QT._quant_fwd_kernel
     sig = {a: "constexpr" if a in const else ptr.get(a, "i32") for a in kern.arg_names}
     triton.compile(ASTSource(fn=kern, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
     n += 1
