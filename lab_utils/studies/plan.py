@@ -1,0 +1,309 @@
+"""Lab 08 (``labs/08_plan.ipynb``): the optimization plan's parameters, tables, plots and
+plain-language recommendations.
+
+The measuring, composing and verifying are :mod:`lab_utils.plan`'s; the plots here read
+its results and never measure.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import holoviews as hv
+import pandas as pd
+
+from ..config import ConfigError, check_choice, check_int
+from ..device import pick_device
+from ..levers import LEVERS, candidates, check_levers
+from ..model.train import TrainConfig
+from ..plan import (
+    ALL_PHASES,
+    STATISTICS,
+    Effect,
+    PlanResult,
+    StepProfile,
+    build_plan,
+    compose,
+    record_plan,
+    verify,
+    waterfall,
+)
+from ..records import Recorder
+
+LAB = "08_plan"
+CPU_LEVERS = ("attention_path", "activation_checkpoint", "encoders", "num_workers", "ckpt_format")
+
+
+@dataclass(frozen=True)
+class PlanLabConfig(TrainConfig):
+    """Parameters of ``labs/08_plan.ipynb``: the measured step's plus the plan's."""
+
+    levers: tuple = CPU_LEVERS  # lever names (lab_utils.levers.LEVERS)
+    steps: int = 6  # profiled steps per measurement
+    warmup_steps: int = 2
+    verify_top: int = 2  # plans run again to check the prediction
+    statistic: str = "median"  # per-phase figure over the profiled steps: "median" | "min"
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "levers", check_levers("levers", list(self.levers) if self.levers else self.levers))
+        check_int("steps", self.steps, min=1)
+        check_int("warmup_steps", self.warmup_steps, min=0)
+        check_int("verify_top", self.verify_top, min=1, max=5)
+        check_choice("statistic", self.statistic, STATISTICS)
+        if self.statistic == "min" and self.steps < 2:
+            raise ConfigError("steps", self.steps, "at least 2 when statistic is 'min'")
+
+    def train_config(self) -> TrainConfig:
+        names = set(TrainConfig.param_names())
+        return TrainConfig(**{k: v for k, v in self.to_dict().items() if k in names})
+
+
+def recorder(cfg: PlanLabConfig) -> Recorder:
+    return Recorder(lab=LAB, params=cfg.to_dict(), device=pick_device(cfg.device))
+
+
+# ------------------------------------------------------------------------------- checked facts
+def lever_table(cfg: PlanLabConfig) -> pd.DataFrame:
+    """Each lever's settings to measure here, and those excluded with their reason."""
+    device = pick_device(cfg.device)
+    rows = []
+    for lv in cfg.levers:
+        ok, out = candidates(lv, cfg.train_config(), device)
+        rows += [dict(lever=lv, setting=str(v), status="measured", reason="") for v in ok]
+        rows += [dict(lever=x.lever, setting=str(x.value), status="excluded", reason=x.reason) for x in out]
+    return pd.DataFrame(rows, columns=["lever", "setting", "status", "reason"])
+
+
+def composition_check() -> pd.DataFrame:
+    """The composition on a synthetic profile with known answers (raises when it is off):
+    forward 40 ms and backward 60 ms both halved by one lever and cut by 25% by another,
+    encoding 30 ms removed, the rest untouched."""
+    phases = dict.fromkeys(ALL_PHASES, 0.0) | dict(text_encoding=30.0, forward=40.0, backward=60.0, optimizer=20.0)
+    base = StepProfile(phases, dict.fromkeys(phases, 0.0), 100.0, 1e12, 1000.0)
+    a = Effect("compile", True, dict(forward=0.5, backward=0.5), -10.0, {})
+    b = Effect("attention_path", "math", dict(forward=0.75, backward=0.75), 0.0, {})
+    c = Effect("encoders", "precomputed", dict(data_loading=1.0, text_encoding=0.0, image_encoding=1.0), -5.0, {})
+    rows = []
+    for effects, total, peak, amdahl in (
+        ([], 150.0, 100.0, 150.0),
+        ([a], 100.0, 90.0, 50.0),
+        ([a, b], 87.5, 90.0, 50.0),
+        ([a, b, c], 57.5, 85.0, 20.0),
+    ):
+        p = compose(base, effects)
+        ok = math.isclose(p.total_ms, total) and math.isclose(p.peak_mib, peak) and math.isclose(p.amdahl_ms, amdahl)
+        assert ok, f"composition of {[e.key for e in effects]}: {p.total_ms}, {p.peak_mib}, {p.amdahl_ms}"
+        rows.append(
+            dict(
+                levers=" + ".join(e.key for e in effects) or "none",
+                predicted=round(p.total_ms, 6),
+                expected=total,
+                amdahl_floor=round(p.amdahl_ms, 6),
+                peak=round(p.peak_mib, 6),
+            )
+        )
+    return pd.DataFrame(rows)
+
+
+# ------------------------------------------------------------------------------- measuring
+def run(cfg: PlanLabConfig, rec: Recorder, progress=None) -> PlanResult:
+    """Measure the step and each lever setting, rank every combination."""
+    res = build_plan(
+        cfg.train_config(),
+        cfg.levers,
+        steps=cfg.steps,
+        warmup=cfg.warmup_steps,
+        progress=progress,
+        statistic=cfg.statistic,
+    )
+    if not res.plans:
+        raise AssertionError("no plan could be composed: every combination was excluded")
+    return res
+
+
+def check(cfg: PlanLabConfig, res: PlanResult, rec: Recorder) -> pd.DataFrame:
+    """Run the top plans again through the same Trainer and profiler (asserting their
+    seams are the predicted ones), record everything, return predicted vs measured."""
+    verify(res, top=cfg.verify_top, steps=cfg.steps, warmup=cfg.warmup_steps, statistic=cfg.statistic)
+    record_plan(rec, res, shape=_shape(cfg))
+    return verify_table(res)
+
+
+def _shape(cfg: PlanLabConfig) -> str:
+    return f"{cfg.preset} b{cfg.batch_size} {'x'.join(str(x) for x in cfg.buckets[0])}"
+
+
+def seams_verdict(res: PlanResult) -> str:
+    """Checked text: which plans were verified and whether each ran its predicted seams."""
+    lines = [f"verified plans: {len(res.verifications)}"]
+    for i, v in enumerate(res.verifications, 1):
+        lines.append(f"  plan {i}: {len(v.plan.choices)} lever(s), seams match the prediction: {v.seams_match}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- tables
+def base_table(res: PlanResult) -> pd.DataFrame:
+    b = res.base
+    df = pd.DataFrame(
+        [dict(phase=p, ms=round(ms, 2), rel_spread=round(b.spread[p], 3)) for p, ms in b.phases.items() if ms > 0]
+    )
+    df.attrs["stability"] = b.stability
+    return df
+
+
+def effects_table(res: PlanResult, batch_size: int | None = None) -> pd.DataFrame:
+    """Each measured lever setting alone: its phase ratios, step time, gain and peak-memory
+    change; where it frees memory, about how many more samples per batch that buys (freed
+    bytes over the measured step's peak per sample, a lower bound since the peak includes state)."""
+    rows = []
+    bs = batch_size or res.base_cfg.batch_size
+    per_sample = res.base.peak_mib / bs if bs else math.nan
+    for e in res.effects:
+        alone = compose(res.base, [e])
+        rows.append(
+            dict(
+                lever=e.key,
+                phases=", ".join(f"{p} x{r:.2f}" for p, r in e.ratios.items()),
+                step_ms=round(alone.total_ms, 2),
+                gain_pct=round(100 * (1 - alone.total_ms / res.base.total_ms), 1),
+                peak_delta_mib=round(e.peak_delta_mib, 2),
+                buys=f"+{int(-e.peak_delta_mib // per_sample)} samples/batch"
+                if e.peak_delta_mib < 0 and per_sample > 0
+                else "",
+                stability=e.profile.stability.split(":")[0] if e.profile else "",
+            )
+        )
+    return pd.DataFrame(rows)
+
+
+def plans_table(res: PlanResult, n: int = 10) -> pd.DataFrame:
+    rows = []
+    for rank, p in enumerate(res.plans[:n], 1):
+        q = p.prediction
+        rows.append(
+            dict(
+                rank=rank,
+                plan=p.name,
+                step_ms=round(q.total_ms, 2),
+                interval=f"{q.low_ms:.1f}..{q.high_ms:.1f}",
+                amdahl_floor_ms=round(q.amdahl_ms, 2),
+                peak_mib=round(q.peak_mib, 2),
+                tokens_per_s=round(q.tokens_per_s, 1),
+                tflops=round(q.tflops, 4),
+                mfu_pct=None if math.isnan(q.mfu_pct) else round(q.mfu_pct, 1),
+            )
+        )
+    return pd.DataFrame(rows)
+
+
+def verify_table(res: PlanResult) -> pd.DataFrame:
+    rows = []
+    for i, v in enumerate(res.verifications, 1):
+        for p, (pred, meas) in v.phase_errors.items():
+            if pred > 0 or meas > 0:
+                rows.append(dict(plan=i, phase=p, predicted_ms=round(pred, 2), measured_ms=round(meas, 2)))
+        rows.append(
+            dict(
+                plan=i,
+                phase="TOTAL",
+                predicted_ms=round(v.plan.prediction.total_ms, 2),
+                measured_ms=round(v.measured.total_ms, 2),
+                error_pct=round(v.error_pct, 1),
+                stability=v.measured.stability,
+                broken=v.broken,
+            )
+        )
+    return pd.DataFrame(rows)
+
+
+# ------------------------------------------------------------------------------- plots
+def waterfall_plot(res: PlanResult):
+    """From the measured step to the best plan, each bar a lever's step-time change."""
+    best = next((p for p in res.plans if p.choices), res.plans[0])
+    df = pd.DataFrame(waterfall(res.base, best))
+    df["lo"], df["hi"] = df[["start", "end"]].min(axis=1), df[["start", "end"]].max(axis=1)
+    df["kind"] = [
+        "total" if b in ("measured step", "plan") else ("gain" if d < 0 else "loss") for b, d in zip(df.bar, df.delta)
+    ]
+    df["x"] = range(len(df))
+    colors = {"total": "#1f77b4", "gain": "#2ca02c", "loss": "#d62728"}
+    segs = hv.Segments(df, ["x", "lo", "x", "hi"], ["bar", "delta", "kind"]).opts(
+        color="kind", cmap=colors, line_width=38, tools=["hover"]
+    )
+    ticks = list(zip(df.x, df.bar))
+    return segs.opts(
+        xticks=ticks,
+        xrotation=20,
+        width=760,
+        height=380,
+        ylabel="step ms",
+        xlabel="",
+        title="Waterfall: measured step to the best plan (green: a lever's gain)",
+    )
+
+
+def prediction_plot(res: PlanResult):
+    """Predicted vs measured per phase and total for each verified plan."""
+    df = verify_table(res)
+    if not len(df):
+        return hv.Div("<p>No plan verified.</p>")
+    long = df.melt(id_vars=["plan", "phase"], value_vars=["predicted_ms", "measured_ms"], var_name="which")
+    opts = dict(tools=["hover"], xrotation=35, width=760, height=340, ylabel="ms")
+    bars = [
+        hv.Bars(g, ["phase", "which"], "value").opts(title=f"Plan {k}: predicted vs measured", **opts)
+        for k, g in long.groupby("plan")
+    ]
+    return hv.Layout(bars).cols(1)
+
+
+# ------------------------------------------------------------------------------- words
+def recommendations(res: PlanResult, n: int = 3) -> str:
+    """Plain-language top ``n``: each lever of the best plans with its measured gain and risk."""
+    scored = sorted(res.effects, key=lambda e: compose(res.base, [e]).total_ms)
+    lines = []
+    for e in scored:
+        gain = 100 * (1 - compose(res.base, [e]).total_ms / res.base.total_ms)
+        if gain <= 0 or any(e.lever == x.split("=")[0] for x in lines):
+            continue
+        lv = LEVERS[e.lever]
+        mem = f"peak memory {e.peak_delta_mib:+.1f} MiB"
+        stab = "" if not e.profile or e.profile.stability.startswith("stable") else " (noisy measurement)"
+        lines.append(
+            f"{e.key}: {lv.what}, measured {gain:.0f}% shorter step{stab}; risk: numerical {lv.numerical}; "
+            f"{mem}; effort {lv.effort}"
+        )
+        if len(lines) == n:
+            break
+    if not lines:
+        return "No lever shortened the measured step here."
+    v = res.verifications[0] if res.verifications else None
+    tail = ""
+    if v is not None:
+        tail = (
+            f"\nBest plan ({v.plan.name}): predicted {v.plan.prediction.total_ms:.1f} ms, "
+            f"measured {v.measured.total_ms:.1f} ms ({v.error_pct:+.1f}%; {v.measured.stability.split(':')[0]})"
+        )
+        if v.broken:
+            tail += f"; {v.broken}"
+    return "\n".join(f"{i}. {s}" for i, s in enumerate(lines, 1)) + tail
+
+
+__all__ = [
+    "CPU_LEVERS",
+    "PlanLabConfig",
+    "base_table",
+    "check",
+    "composition_check",
+    "effects_table",
+    "lever_table",
+    "plans_table",
+    "prediction_plot",
+    "recommendations",
+    "recorder",
+    "run",
+    "seams_verdict",
+    "verify_table",
+    "waterfall_plot",
+]
