@@ -43,7 +43,7 @@ Design note
   inputs; 3 not comparable (device mismatch on performance rows, or too many unstable
   timings).
 
-Modules: ``rules`` (directions, names), ``sides`` (reading and normalising a side),
+Modules: ``rules`` (directions, names), ``options``, ``sides`` (reading and normalising a side),
 ``stats`` (bootstrap, rank test, the verdict rule), ``comparison`` (``compare``,
 ``Comparison``, ``Options``), ``text`` and ``html`` (outputs), ``cli`` (``perflab
 compare``) and ``baselines`` (``perflab baseline``).
@@ -57,8 +57,9 @@ from __future__ import annotations
 
 from .baselines import PERFORMANCE_KINDS, baseline_main, run_for_baseline, store_baseline, timing_free
 from .cli import add_compare_options, main, options_from
-from .comparison import OUT_COLUMNS, Comparison, Options, compare, context_flags
+from .comparison import OUT_COLUMNS, Comparison, compare, context_flags
 from .html import render_html
+from .options import Options
 from .rules import (
     EXIT_INCOMPARABLE,
     EXIT_OK,

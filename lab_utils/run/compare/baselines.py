@@ -20,7 +20,8 @@ from ...config import ConfigError
 from ...records import load_records
 from ..runner import SuiteError, parse_overrides, run_suite
 from .cli import add_compare_options, finish, options_from
-from .comparison import Options, compare
+from .comparison import compare
+from .options import Options
 from .rules import EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, CompareError, direction
 from .sides import baseline_kind, baselines_root, first_value, load_side
 

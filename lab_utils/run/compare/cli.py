@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ...config import ConfigError
 from ..runner import ROOT
-from .comparison import Comparison, Options, compare
+from .comparison import Comparison, compare
+from .options import Options
 from .rules import EXIT_USAGE, CompareError
 from .sides import slug
 

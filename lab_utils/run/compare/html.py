@@ -7,7 +7,6 @@ from __future__ import annotations
 import html
 import math
 import re
-from typing import TYPE_CHECKING
 
 import numpy as np
 from bokeh.embed import components
@@ -17,10 +16,6 @@ from bokeh.resources import Resources
 
 from .rules import NOISY, direction_table
 from .text import fmt_num, row_label
-
-if TYPE_CHECKING:
-    from .comparison import Comparison
-
 
 VERDICT_COLOURS = {
     "faster": "#1a7f37",
@@ -74,7 +69,7 @@ _JS = """
 """
 
 
-def _ratio_plot(cmp: Comparison, max_rows: int = 300):
+def _ratio_plot(cmp, max_rows: int = 300):
     """Bokeh plot of the oriented gain (> 1: candidate better) with its interval, one row per key."""
     df = cmp.rows
     if not len(df):
@@ -152,7 +147,7 @@ def _inline_bokeh(Resources) -> str:
     return re.sub(r"<script[^>]*\bsrc=[^>]*>\s*</script>", "", Resources(mode="inline", components=["bokeh"]).render())
 
 
-def render_html(cmp: Comparison) -> str:
+def render_html(cmp) -> str:
     """One self-contained page: BokehJS inline, no request to anything outside the file."""
     esc = html.escape
     o = cmp.options

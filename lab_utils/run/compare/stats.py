@@ -8,15 +8,12 @@ tests; ``judge`` turns a gain, its interval and the threshold into a verdict.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy.stats import mannwhitneyu
 
+from .options import Options
 from .rules import Direction
-
-if TYPE_CHECKING:
-    from .comparison import Options
 
 
 def bootstrap_ratio(

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from .rules import NOISY, WORSE_VERDICTS
-
-if TYPE_CHECKING:
-    from .comparison import Comparison
-    from .sides import Side
+from .sides import Side
 
 
 def row_label(r) -> str:
@@ -57,7 +53,8 @@ def side_line(s: Side) -> str:
     return f"{s.source} [{s.run_id}]: " + ", ".join(bits)
 
 
-def summary_text(cmp: Comparison, limit: int = 40) -> str:
+def summary_text(cmp, limit: int = 40) -> str:
+    """The printed summary of a ``Comparison`` (``comparison.Comparison``, which calls this)."""
     o = cmp.options
     noise = (
         f"{int(o.confidence * 100)}% bootstrap interval of the ratio of medians ({o.bootstrap} resamples)"
