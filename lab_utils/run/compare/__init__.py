@@ -45,7 +45,7 @@ Design note
 
 Modules: ``rules`` (directions, names), ``options``, ``sides`` (reading and normalising a side),
 ``stats`` (bootstrap, rank test, the verdict rule), ``comparison`` (``compare``,
-``Comparison``, ``Options``), ``text`` and ``html`` (outputs), ``cli`` (``perflab
+``Comparison``), ``text`` and ``html`` (outputs), ``cli`` (``perflab
 compare``) and ``baselines`` (``perflab baseline``).
 
 Baselines live in ``parameterized/baselines/<kind>/`` (``records.json``,
