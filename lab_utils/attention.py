@@ -29,7 +29,8 @@ per Mask object and shape, so timings after the first call measure attention onl
 ``lab_utils.masks.flex_block_mask`` is timed separately as the block-mask build cost.
 
 The paths and their registry live in :mod:`lab_utils.attention_paths` (re-exported here);
-this module holds the entry point, input checks, the float64 checks and the timing sweep.
+the input checks in :mod:`lab_utils.attention_inputs` (re-exported too); this module holds
+the entry point, the float64 checks and the timing sweep.
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from lab_kernels import attention as kernel
-
+from .attention_inputs import Problem, check_inputs, normalize_mask
 from .attention_paths import (
     LAYOUTS,
     MASK_KINDS,
@@ -55,7 +55,7 @@ from .attention_paths import (
 )
 from .checks import compare, tolerance
 from .dtypes import dtype_name
-from .masks import Mask, attention_flops, causal, flex_block_mask, make_mask
+from .masks import Mask, attention_flops, flex_block_mask, make_mask
 from .timing import try_bench
 
 __all__ = [
@@ -80,181 +80,6 @@ __all__ = [
     "random_qkv",
     "sweep",
 ]
-
-
-# --------------------------------------------------------------------------- input checks
-@dataclass(frozen=True)
-class Problem:
-    layout: str  # "bhld" | "packed"
-    B: int  # batch (packed: number of sequences)
-    H: int
-    Lq: int  # packed: longest sequence
-    Lk: int
-    head_dim: int
-    dtype: torch.dtype
-    device: str
-    mask_kind: str  # "full" | "causal" | "custom"
-    requires_grad: bool
-    lengths: tuple[int, ...] = ()  # packed only
-
-    def as_check(self) -> dict:
-        return dict(
-            device=self.device,
-            dtype=self.dtype,
-            head_dim=self.head_dim,
-            mask=self.mask_kind,
-            layout=self.layout,
-            lq=self.Lq,
-            lk=self.Lk,
-            backward=self.requires_grad,
-        )
-
-
-def _mask_kind(mask) -> str:
-    if mask is None:
-        return "full"
-    if isinstance(mask, str):
-        return mask
-    if isinstance(mask, Mask):
-        return mask.kind
-    return "custom"
-
-
-def _normalize_mask(mask):
-    if mask is None or isinstance(mask, Mask):
-        return mask
-    if isinstance(mask, str):
-        if mask == "full":
-            return None
-        if mask == "causal":
-            return causal()
-        raise AttentionError("mask", mask, "None, 'full', 'causal', a lab_utils.masks.Mask or a boolean tensor")
-    if isinstance(mask, torch.Tensor):
-        if mask.dtype != torch.bool:
-            raise AttentionError(
-                "mask",
-                f"tensor of dtype {mask.dtype}",
-                "a boolean tensor (True = may attend); additive float masks are not accepted",
-            )
-        return mask
-    raise AttentionError(
-        "mask", type(mask).__name__, "None, 'full', 'causal', a lab_utils.masks.Mask or a boolean tensor"
-    )
-
-
-def check_inputs(q, k, v, *, mask=None, cu_seqlens=None, max_seqlen=None) -> Problem:
-    """Validate shapes, dtypes, devices, cu_seqlens and the mask; describe the problem."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise AttentionError(name, type(t).__name__, "a tensor")
-        if not t.is_floating_point():
-            raise AttentionError(name, f"dtype {t.dtype}", "a floating-point tensor")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise AttentionError(name, f"dtype {t.dtype}", f"the dtype of q ({q.dtype})")
-        if t.device != q.device:
-            raise AttentionError(name, f"device {t.device}", f"the device of q ({q.device})")
-    packed = cu_seqlens is not None
-    if packed:
-        if q.dim() != 3:
-            raise AttentionError("q", f"shape {tuple(q.shape)}", "(T, H, Dh) when cu_seqlens is given")
-        for name, t in (("k", k), ("v", v)):
-            if t.shape != q.shape:
-                raise AttentionError(
-                    name,
-                    f"shape {tuple(t.shape)}",
-                    f"the shape of q {tuple(q.shape)} (packed attention is self-attention)",
-                )
-        try:
-            kernel.check_cu_seqlens(cu_seqlens, q.shape[0])
-        except ValueError as e:
-            raise AttentionError(
-                "cu_seqlens",
-                cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens,
-                str(e).split(" must ", 1)[-1],
-            ) from None
-        lengths = tuple(int(x) for x in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
-        if max_seqlen is not None and max_seqlen < max(lengths):
-            raise AttentionError("max_seqlen", max_seqlen, f">= the longest sequence ({max(lengths)})")
-        if isinstance(mask, torch.Tensor):
-            raise AttentionError(
-                "mask",
-                "a dense tensor",
-                "a Mask (mask_mod) or 'causal'/'full' in the packed layout (positions inside each sequence)",
-            )
-        if isinstance(mask, Mask) and mask.length is not None and any(n != mask.length for n in lengths):
-            raise AttentionError(
-                "mask",
-                mask.name,
-                f"a mask valid for every packed sequence; it was built for "
-                f"{mask.length} tokens, the sequences have {list(lengths)}",
-            )
-        B, H, L = len(lengths), q.shape[1], max(lengths)
-        return Problem(
-            "packed",
-            B,
-            H,
-            L,
-            L,
-            q.shape[2],
-            q.dtype,
-            q.device.type,
-            _mask_kind(mask),
-            any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled(),
-            lengths,
-        )
-    if q.dim() != 4:
-        raise AttentionError("q", f"shape {tuple(q.shape)}", "(B, H, L, Dh), or (T, H, Dh) with cu_seqlens")
-    if k.dim() != 4 or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
-        raise AttentionError(
-            "k",
-            f"shape {tuple(k.shape)}",
-            f"(B, H, Lk, Dh) = ({q.shape[0]}, {q.shape[1]}, Lk, {q.shape[3]}) to match q {tuple(q.shape)}",
-        )
-    if v.dim() != 4 or v.shape[:3] != k.shape[:3]:
-        raise AttentionError(
-            "v", f"shape {tuple(v.shape)}", f"(B, H, Lk, Dv) with (B, H, Lk) = {tuple(k.shape[:3])} from k"
-        )
-    if v.shape[3] != q.shape[3]:
-        raise AttentionError("v", f"shape {tuple(v.shape)}", f"head dim {q.shape[3]} like q (paths here share Dh)")
-    B, H, Lq, D = q.shape
-    Lk = k.shape[2]
-    kind = _mask_kind(mask)
-    if isinstance(mask, torch.Tensor):
-        try:
-            torch.broadcast_shapes(mask.shape, (B, H, Lq, Lk))
-            ok = mask.dim() <= 4 and torch.broadcast_shapes(mask.shape, (B, H, Lq, Lk)) == (B, H, Lq, Lk)
-        except RuntimeError:
-            ok = False
-        if not ok:
-            raise AttentionError(
-                "mask", f"tensor of shape {tuple(mask.shape)}", f"broadcastable to (B, H, Lq, Lk) = {(B, H, Lq, Lk)}"
-            )
-        if mask.device != q.device:
-            raise AttentionError("mask", f"device {mask.device}", f"the device of q ({q.device})")
-    elif isinstance(mask, Mask):
-        if mask.length is not None and (Lq != mask.length or Lk != mask.length):
-            raise AttentionError(
-                "mask",
-                mask.name,
-                f"a mask for Lq = Lk = {Lq if Lq == Lk else (Lq, Lk)}; it was built for {mask.length} tokens",
-            )
-    if kind == "causal" and Lq != Lk:
-        raise AttentionError(
-            "mask", "causal", f"full or a custom mask when Lq != Lk ({Lq} != {Lk}): causal alignment would be ambiguous"
-        )
-    return Problem(
-        "bhld",
-        B,
-        H,
-        Lq,
-        Lk,
-        D,
-        q.dtype,
-        q.device.type,
-        kind,
-        any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled(),
-    )
 
 
 def available_paths(
@@ -318,7 +143,7 @@ def attend(
     Raises :class:`AttentionError` naming the parameter when the input is malformed or
     the path cannot honour the problem."""
     p = get_path(path)
-    mask = _normalize_mask(mask)
+    mask = normalize_mask(mask)
     prob = check_inputs(q, k, v, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     reason = p.why_not(**prob.as_check())
     if reason:
@@ -404,7 +229,7 @@ def check_path(path: str, inputs: dict, *, mask=None, backward: bool = True, sca
     q, k, v, do, cu = (inputs[n] for n in ("q", "k", "v", "do", "cu_seqlens"))
     dtype = q.dtype
     p = get_path(path)
-    prob = check_inputs(q, k, v, mask=_normalize_mask(mask), cu_seqlens=cu)
+    prob = check_inputs(q, k, v, mask=normalize_mask(mask), cu_seqlens=cu)
     chk = prob.as_check()
     names = ["out", "dq", "dk", "dv"] if backward else ["out"]
     why = p.why_not(**{**chk, "backward": False})
@@ -553,6 +378,15 @@ def sweep(
                     return torch.autograd.grad(o, (qq, kk, vv), do)
 
                 flops = fl.fwd_bwd if bwd else fl.fwd
+                # the context every record of this case carries
+                case = dict(
+                    mask=mname,
+                    direction=direction,
+                    seq_len=L,
+                    head_dim=D,
+                    density=fl.density,
+                    flop_convention=fl.convention,
+                )
                 t = try_bench(fn, name=f"{path}/{mname}/{direction}", device=device, reps=reps, budget_s=budget_s)
                 if rec is not None:
                     rec.add_timing(
@@ -564,12 +398,7 @@ def sweep(
                         flops=flops,
                         bytes=attention_bytes(batch, heads, L, L, D, dtype, bwd),
                         ceilings=ceilings,
-                        mask=mname,
-                        direction=direction,
-                        seq_len=L,
-                        head_dim=D,
-                        density=fl.density,
-                        flop_convention=fl.convention,
+                        **case,
                     )
                 ok = getattr(t, "ok", False)
                 peak = ceilings.matmul(dtype) if ceilings is not None else None
@@ -585,12 +414,7 @@ def sweep(
                         dtype=dtype,
                         statistic="median",
                         formula=f"mask-aware {fl.convention}-convention flops / time / measured matmul TFLOP/s",
-                        mask=mname,
-                        direction=direction,
-                        seq_len=L,
-                        head_dim=D,
-                        density=fl.density,
-                        flop_convention=fl.convention,
+                        **case,
                     )
                 out.append(
                     dict(
