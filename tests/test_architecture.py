@@ -29,7 +29,7 @@ CORE = {
     "plots",
     "flops",
 }
-LOW_LIBRARIES = {"masks", "attention_paths", "attention", "precision", "numerics"}
+LOW_LIBRARIES = {"masks", "attention_paths", "attention_inputs", "attention", "recipes", "precision", "numerics"}
 
 
 def layer(module: str) -> int:
