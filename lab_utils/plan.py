@@ -119,14 +119,16 @@ def measure_step(
 
 def merge_profiles(a: StepProfile, b: StepProfile, *, statistic: str = "median") -> StepProfile:
     """Two measurements of the same step as one: per phase the mean (``median``) or the
-    smaller (``min``) of both, the larger spread, the larger peak, both runs' samples."""
+    smaller (``min``) of both, the larger spread, the smaller peak (on CPU the peak counts from
+    the profiler's start, and the first run in a process carries one-time allocations), both
+    runs' samples."""
     pick = min if statistic == "min" else (lambda x, y: 0.5 * (x + y))
     samples = a.step_samples + b.step_samples
     return dataclasses.replace(
         a,
         phases={p: pick(a.phases[p], b.phases.get(p, a.phases[p])) for p in a.phases},
         spread={p: max(a.spread[p], b.spread.get(p, 0.0)) for p in a.spread},
-        peak_mib=max(a.peak_mib, b.peak_mib),
+        peak_mib=min(a.peak_mib, b.peak_mib),
         step_samples=samples,
         stability=str(judge_samples(samples)),
     )
@@ -389,14 +391,15 @@ def plan_and_verify(
     steps: int = 3,
     warmup: int = 1,
     top: int = 2,
+    measure: Callable[[TrainConfig], StepProfile] | None = None,
 ) -> dict:
     """A short plan-and-verify for ``benchmarks/gpu_check.py``: a small summary dict
     (imports no plotting package). Default: the ``small`` preset on CUDA, every lever."""
     if base_cfg is None:
         base_cfg = TrainConfig(preset="small", device="auto", batch_size=2, buckets=[[256, 256]], num_samples=8)
     levers = list(levers) if levers is not None else [n for n in LEVERS if n != "distributed"]
-    res = build_plan(base_cfg, levers, steps=steps, warmup=warmup)
-    ver = verify(res, top=top, steps=steps, warmup=warmup)
+    res = build_plan(base_cfg, levers, steps=steps, warmup=warmup, measure=measure)
+    ver = verify(res, top=top, steps=steps, warmup=warmup, measure=measure)
     return dict(
         device=res.device,
         measured_ms=round(res.base.total_ms, 3),

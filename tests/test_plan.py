@@ -24,6 +24,7 @@ from lab_utils.plan import (
     judge,
     measure_step,
     merge_profiles,
+    plan_and_verify,
     verify,
     waterfall,
 )
@@ -197,3 +198,10 @@ def test_measure_step_on_the_tiny_cpu_step():
     assert prof.phases["forward"] > 0 and prof.phases["backward"] > 0 and prof.phases["checkpoint"] > 0
     assert prof.total_ms > 0 and len(prof.step_samples) == 2 and prof.threads >= 1
     assert prof.tokens == 2 * 4 * 4 and prof.flops > 0
+
+
+def test_plan_and_verify_summary_for_the_gpu_check():
+    out = plan_and_verify(BASE, ["encoders", "pin_memory"], measure=synthetic_measure([]))
+    assert out["device"] == "cpu" and any("pin_memory" in x for x in out["excluded"])
+    assert out["verified"][0]["plan"] == "encoders=precomputed" and out["verified"][0]["seams_match"]
+    assert out["verified"][0]["error_pct"] == 0.0

@@ -60,7 +60,7 @@ def test_tables_plots_words_and_records(res):
     assert eff.loc["activation_checkpoint=full", "buys"] == "+0 samples/batch"  # 30 MiB freed, 40 MiB/sample
     vt = study.verify_table(res)
     assert (vt[vt.phase == "TOTAL"].error_pct == 0.0).all()
-    assert "seams match the prediction: True" in study.seams_verdict(res)
+    assert study.seams_verdict(res) == "verified plans: 2; each ran exactly its predicted seams: True"
     words = study.recommendations(res)
     assert words.startswith("1. encoders=precomputed") and "risk" in words and "+0.0%" in words
     assert "activation_checkpoint" not in words.splitlines()[0]

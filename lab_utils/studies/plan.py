@@ -136,11 +136,10 @@ def _shape(cfg: PlanLabConfig) -> str:
 
 
 def seams_verdict(res: PlanResult) -> str:
-    """Checked text: which plans were verified and whether each ran its predicted seams."""
-    lines = [f"verified plans: {len(res.verifications)}"]
-    for i, v in enumerate(res.verifications, 1):
-        lines.append(f"  plan {i}: {len(v.plan.choices)} lever(s), seams match the prediction: {v.seams_match}")
-    return "\n".join(lines)
+    """Checked text: how many plans were verified, and that each ran its predicted seams
+    (``verify`` asserts it; which levers the best plans pull depends on the measurement)."""
+    match = all(v.seams_match for v in res.verifications)
+    return f"verified plans: {len(res.verifications)}; each ran exactly its predicted seams: {match}"
 
 
 # ------------------------------------------------------------------------------- tables
