@@ -453,7 +453,16 @@ def record_plan(rec, result: PlanResult, *, shape: str = "") -> None:
             ratios=e.ratios,
             stability=e.profile.stability if e.profile else "",
         )
-        rec.add("effects", e.key, "peak_delta", e.peak_delta_mib, "MiB", shape=shape)
+        rec.add(
+            "effects",
+            e.key,
+            "peak_memory",
+            b.peak_mib + e.peak_delta_mib,
+            "MiB",
+            shape=shape,
+            statistic="max",
+            delta=e.peak_delta_mib,
+        )
     for x in result.excluded:
         rec.add("excluded", f"{x.lever}={x.value}", "excluded", 1, "", reason=x.reason)
     for rank, p in enumerate(result.plans[:10], 1):
