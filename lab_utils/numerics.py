@@ -258,6 +258,19 @@ def format_grid_histogram(x: torch.Tensor, fmt: str, **kw) -> pd.DataFrame:
 # --------------------------------------------------------------------------- matmul sweep
 
 
+GEMM_ONLY = "GEMM only (operands pre-quantized)"
+
+
+def _record_path(rec, variant: str, t, e: dict, *, shape, dtype, flops: float, note=None, sqnr: bool = True) -> None:
+    """One matmul path's timing (and its SQNR against the float64 product) as records."""
+    if rec is None:
+        return
+    extra = {} if note is None else {"note": note}
+    rec.add_timing("matmul", variant, t, shape=shape, dtype=dtype, flops=flops, **extra)
+    if sqnr:
+        rec.add("matmul", variant, "sqnr", e["sqnr_db"], "dB", shape=shape, dtype=dtype)
+
+
 def matmul_sweep(
     shapes, formats, *, device="cpu", reps: int = 10, seed: int = 0, rec=None, budget_s: float = 5.0
 ) -> pd.DataFrame:
@@ -287,9 +300,7 @@ def matmul_sweep(
         rows.append(
             dict(shape=shape, path="bf16 linear", fmt="bf16", time_ms=getattr(t, "median_ms", math.nan), **e_bf16)
         )
-        if rec is not None:
-            rec.add_timing("matmul", "bf16 linear", t, shape=shape, dtype="bfloat16", flops=flops)
-            rec.add("matmul", "bf16 linear", "sqnr", e_bf16["sqnr_db"], "dB", shape=shape, dtype="bfloat16")
+        _record_path(rec, "bf16 linear", t, e_bf16, shape=shape, dtype="bfloat16", flops=flops)
         for fmt in formats:
             y = L.emulated_matmul(a, b, fmt, out_dtype=torch.float32)
             e = error_metrics(y, ref)
@@ -301,17 +312,8 @@ def matmul_sweep(
                 budget_s=budget_s,
             )
             rows.append(dict(shape=shape, path="emulated", fmt=fmt, time_ms=getattr(t, "median_ms", math.nan), **e))
-            if rec is not None:
-                rec.add_timing(
-                    "matmul",
-                    f"emulated {fmt}",
-                    t,
-                    shape=shape,
-                    dtype=fmt,
-                    flops=flops,
-                    note="quantize+dequantize+fp32 matmul (emulation)",
-                )
-                rec.add("matmul", f"emulated {fmt}", "sqnr", e["sqnr_db"], "dB", shape=shape, dtype=fmt)
+            note = "quantize+dequantize+fp32 matmul (emulation)"
+            _record_path(rec, f"emulated {fmt}", t, e, shape=shape, dtype=fmt, flops=flops, note=note)
             if dev.type == "cuda" and fmt in ("fp8_e4m3", "fp8_e5m2") and not triton_fp8.why_not(dev, fmt=fmt):
                 p = L.prepare_scaled_mm_any(a, b, fmt, granularity="tensor")
                 y = L.fp8_matmul_forward(p[1], p[2], p[3], p[4])
@@ -326,16 +328,9 @@ def matmul_sweep(
                 rows.append(
                     dict(shape=shape, path="triton fp8/tensor", fmt=fmt, time_ms=getattr(t, "median_ms", math.nan), **e)
                 )
-                if rec is not None:
-                    rec.add_timing(
-                        "matmul",
-                        f"triton {fmt}/tensor",
-                        t,
-                        shape=shape,
-                        dtype=fmt,
-                        flops=flops,
-                        note="GEMM only (operands pre-quantized)",
-                    )
+                _record_path(
+                    rec, f"triton {fmt}/tensor", t, e, shape=shape, dtype=fmt, flops=flops, note=GEMM_ONLY, sqnr=False
+                )
             for gran in ("tensor", "row"):
                 why = L.scaled_mm_why_not(dev, fmt=fmt, granularity=gran)
                 if why:
@@ -357,17 +352,7 @@ def matmul_sweep(
                         shape=shape, path=f"_scaled_mm/{gran}", fmt=fmt, time_ms=getattr(t, "median_ms", math.nan), **e
                     )
                 )
-                if rec is not None:
-                    rec.add_timing(
-                        "matmul",
-                        f"_scaled_mm {fmt}/{gran}",
-                        t,
-                        shape=shape,
-                        dtype=fmt,
-                        flops=flops,
-                        note="GEMM only (operands pre-quantized)",
-                    )
-                    rec.add("matmul", f"_scaled_mm {fmt}/{gran}", "sqnr", e["sqnr_db"], "dB", shape=shape, dtype=fmt)
+                _record_path(rec, f"_scaled_mm {fmt}/{gran}", t, e, shape=shape, dtype=fmt, flops=flops, note=GEMM_ONLY)
     df = pd.DataFrame(rows)
     df["shape"] = df["shape"].map(lambda s: "x".join(map(str, s)))
     return df
