@@ -84,26 +84,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _kill_all(procs: list[subprocess.Popen]) -> None:
+def _signal_running(procs: list[subprocess.Popen], sig: int) -> None:
+    """Send ``sig`` to the process group of every rank still running."""
     for p in procs:
         if p.poll() is None:
             try:
-                os.killpg(p.pid, signal.SIGTERM)
+                os.killpg(p.pid, sig)
             except ProcessLookupError:
                 pass
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    _signal_running(procs, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
     for p in procs:
         try:
             p.wait(timeout=max(deadline - time.monotonic(), 0.05))
         except subprocess.TimeoutExpired:
             pass
+    _signal_running(procs, signal.SIGKILL)
     for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        p.wait()
 
 
 class _Tail:
