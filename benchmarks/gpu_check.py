@@ -959,6 +959,25 @@ def _match(value, want) -> bool:
     return want(value) if callable(want) else value == want
 
 
+def _attention_target(direction: str, word: str, floor: float) -> Target:
+    """Triton attention on one sequence of >= 8k tokens (full or causal): % of measured bf16 matmul."""
+    return Target(
+        f"attn_{direction}",
+        f"Triton attention {word}, >= 8k tokens: % of measured bf16 matmul",
+        f">= {floor:.0f}%",
+        floor,
+        lambda df: _rows(
+            df,
+            "attention_time",
+            "pct_of_bf16_matmul",
+            direction=direction,
+            seq_len=lambda n: (n or 0) >= 8192,
+            mask=lambda m: m in ("full", "causal"),  # varlen is reported, not held to the target
+        ).query("variant == 'triton'"),
+        lambda r: f"{r['_extra']['mask']} {r['shape']}",
+    )
+
+
 TARGETS = (
     Target(
         "fused_fwd",
@@ -976,36 +995,8 @@ TARGETS = (
         lambda df: _rows(df, "fused_time", "pct_of_copy_ceiling", direction="fwd+bwd").query("variant == 'triton'"),
         lambda r: f"{r['_extra']['op']} {r['shape']}",
     ),
-    Target(
-        "attn_fwd",
-        "Triton attention forward, >= 8k tokens: % of measured bf16 matmul",
-        ">= 60%",
-        60.0,
-        lambda df: _rows(
-            df,
-            "attention_time",
-            "pct_of_bf16_matmul",
-            direction="fwd",
-            seq_len=lambda n: (n or 0) >= 8192,
-            mask=lambda m: m in ("full", "causal"),  # one sequence of >= 8k tokens; varlen is reported, not held
-        ).query("variant == 'triton'"),
-        lambda r: f"{r['_extra']['mask']} {r['shape']}",
-    ),
-    Target(
-        "attn_bwd",
-        "Triton attention backward, >= 8k tokens: % of measured bf16 matmul",
-        ">= 45%",
-        45.0,
-        lambda df: _rows(
-            df,
-            "attention_time",
-            "pct_of_bf16_matmul",
-            direction="bwd",
-            seq_len=lambda n: (n or 0) >= 8192,
-            mask=lambda m: m in ("full", "causal"),  # one sequence of >= 8k tokens; varlen is reported, not held
-        ).query("variant == 'triton'"),
-        lambda r: f"{r['_extra']['mask']} {r['shape']}",
-    ),
+    _attention_target("fwd", "forward", 60.0),
+    _attention_target("bwd", "backward", 45.0),
     Target(
         "fp8_triton",
         "Triton FP8 GEMM throughput / _scaled_mm's (same scales)",
