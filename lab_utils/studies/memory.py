@@ -33,17 +33,8 @@ class MemoryLabConfig(LabConfig):
     batch_size: int = 4
     resolution: int = 128  # square image, pixels
     txt_len: int = 8
-    policies: tuple = (
-        "none",
-        "full",
-        "double",
-        "single",
-        "every_other",
-        "selective",
-        "save_matmul",
-        "save_attention",
-        "offload",
-    )
+    # every policy but compile_budget, which compiles every block (slow on a CPU; the gpu set adds it)
+    policies: tuple = tuple(p for p in CHECKPOINT_POLICIES if p != "compile_budget")
     account_presets: tuple = ("tiny", "small", "medium", "flux-dev")
     account_dtypes: tuple = ("float32", "bfloat16")
     account_resolution: int = 1024  # the step shape the accounting table projects to
