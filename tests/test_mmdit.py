@@ -47,6 +47,13 @@ def _pe(cfg: MMDiTConfig, lt: int, h: int, w: int):
     return ours, theirs
 
 
+def _block_inputs(cfg: MMDiTConfig, gen: torch.Generator, b: int, lt: int, h: int, w: int):
+    """Random image and text tokens, a time embedding and the rotary tables of both sides."""
+    img, txt = torch.randn(b, h * w, D, generator=gen), torch.randn(b, lt, D, generator=gen)
+    temb = torch.randn(b, D, generator=gen)
+    return (img, txt, temb, *_pe(cfg, lt, h, w))
+
+
 def _cfg(**kw) -> MMDiTConfig:
     base = dict(
         hidden_size=D,
@@ -70,9 +77,7 @@ def test_double_block_matches_diffusers():
     blk = model.double_blocks[0]
     blk.load_state_dict(mmdit.convert_double_block_state_dict(ref.state_dict()), strict=True)
     b, lt, h, w = 2, 7, 3, 5
-    img, txt = torch.randn(b, h * w, D, generator=gen), torch.randn(b, lt, D, generator=gen)
-    temb = torch.randn(b, D, generator=gen)
-    ours_pe, their_pe = _pe(cfg, lt, h, w)
+    img, txt, temb, ours_pe, their_pe = _block_inputs(cfg, gen, b, lt, h, w)
     with torch.no_grad():
         r_txt, r_img = ref(img, txt, temb, image_rotary_emb=their_pe)
         o_img, o_txt = blk(img, txt, temb, ours_pe)
@@ -91,9 +96,7 @@ def test_single_block_matches_diffusers():
     blk = build_model(cfg).single_blocks[0]
     blk.load_state_dict(mmdit.convert_single_block_state_dict(ref.state_dict()), strict=True)
     b, lt, h, w = 3, 5, 4, 3
-    img, txt = torch.randn(b, h * w, D, generator=gen), torch.randn(b, lt, D, generator=gen)
-    temb = torch.randn(b, D, generator=gen)
-    ours_pe, their_pe = _pe(cfg, lt, h, w)
+    img, txt, temb, ours_pe, their_pe = _block_inputs(cfg, gen, b, lt, h, w)
     with torch.no_grad():
         r_txt, r_img = ref(img, txt, temb, image_rotary_emb=their_pe)
         out = blk(torch.cat([txt, img], 1), temb, ours_pe)

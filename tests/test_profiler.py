@@ -108,6 +108,19 @@ def test_categorize_cuda_kernel_names():
     assert categorize("void at::native::elementwise_kernel<128, 2>", "aten::add_", under_optimizer=True) == "optimizer"
 
 
+def _memory_event(ts: int, allocated: int) -> dict:
+    """A profiler memory instant event: the CUDA allocator's total at time ``ts``."""
+    return dict(
+        ph="i",
+        cat="cpu_instant_event",
+        name="[memory]",
+        ts=ts,
+        pid=1,
+        tid=1,
+        args={"Total Allocated": allocated, "Device Type": 1},
+    )
+
+
 def test_analyse_synthetic_cuda_trace(tmp_path):
     """The CUDA path on a hand-made trace: kernels categorised through their launching op,
     idle = step time minus the union of kernel intervals."""
@@ -132,24 +145,8 @@ def test_analyse_synthetic_cuda_trace(tmp_path):
             args={"External id": 8},
         ),
         dict(ph="X", cat="kernel", name="flash_fwd_kernel", ts=650, dur=100, pid=0, tid=8),  # overlaps
-        dict(
-            ph="i",
-            cat="cpu_instant_event",
-            name="[memory]",
-            ts=5,
-            pid=1,
-            tid=1,
-            args={"Total Allocated": 1 << 20, "Device Type": 1},
-        ),
-        dict(
-            ph="i",
-            cat="cpu_instant_event",
-            name="[memory]",
-            ts=300,
-            pid=1,
-            tid=1,
-            args={"Total Allocated": 3 << 20, "Device Type": 1},
-        ),
+        _memory_event(5, 1 << 20),
+        _memory_event(300, 3 << 20),
     ]
     p = tmp_path / "t.json"
     p.write_text(json.dumps({"traceEvents": ev}))
