@@ -144,8 +144,7 @@ def diffusers_block_errors(seed: int = 0, *, dim: int = 48, heads: int = 3, axes
     """Relative errors (float32) of this file's double/single blocks against diffusers'
     ``FluxTransformerBlock`` / ``FluxSingleTransformerBlock`` on random weights converted
     with the converters above and random inputs (the tests hold them under 1e-5)."""
-    # diffusers is the reference here only; importing it costs seconds and GPU-only installs lack it
-    from diffusers.models.transformers import transformer_flux as df  # noqa: PLC0415
+    from diffusers.models.transformers import transformer_flux as df  # noqa: PLC0415  (reference only; seconds to import)
 
     g = torch.Generator().manual_seed(seed)
     cfg = MMDiTConfig(

@@ -63,8 +63,7 @@ def encoder_preset(cfg: MMDiTConfig) -> dict:
 
 
 def build_t5(cfg: MMDiTConfig, device="cpu", dtype=torch.float32) -> nn.Module:
-    # transformers costs seconds to import and is absent on bare GPU machines (precomputed mode needs none)
-    from transformers import T5Config, T5EncoderModel  # noqa: PLC0415
+    from transformers import T5Config, T5EncoderModel  # noqa: PLC0415  (seconds to import; absent on bare GPU machines)
 
     p = encoder_preset(cfg)["t5"]
     tcfg = T5Config(
