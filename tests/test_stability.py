@@ -171,7 +171,7 @@ def test_optimizer_plain_fp32_matches_torch_adamw():
 def test_optimizer_storage_modes(mode, lost_max):
     torch.manual_seed(SEED)
     p = torch.nn.Parameter(torch.randn(257, 31).bfloat16())
-    opt = StabilityAdamW([p], lr=1e-5, mode=mode, seed=SEED)
+    opt = StabilityAdamW([p], lr=1e-5, mode=mode, seed=SEED, lost_stride=1)
     opt.track = True
     p.grad = torch.randn_like(p)
     before = p.detach().clone()
@@ -186,6 +186,11 @@ def test_optimizer_storage_modes(mode, lost_max):
     if mode == "plain":  # round to nearest: exactly the lost elements keep their value
         assert int((p.detach() == before).sum()) == int(lost)
     assert frac <= lost_max
+    strided = StabilityAdamW([p], lr=1e-5, mode=mode, seed=SEED, lost_stride=16)
+    strided.track = True
+    strided.step()
+    _, _, lost16, n16 = strided.last_stats[p]
+    assert n16 == -(-p.numel() // 16) and abs(float(lost16) / n16 - frac) < 0.05  # an estimate of the same fraction
 
 
 def test_loss_scaler_backs_off_and_grows():
