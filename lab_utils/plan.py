@@ -329,6 +329,11 @@ class Verification:
     error_pct: float  # (measured - predicted) / predicted, total
     phase_errors: dict  # phase -> (predicted ms, measured ms)
     broken: str  # which assumption broke, where the error is large; "" otherwise
+    # the step measured again just before the plan, and the plan composed on it: what the
+    # prediction would have been on the machine as it was at verification time
+    drift_pct: float = math.nan  # (re-measured step - measured step) / measured step
+    rebased_ms: float = math.nan
+    rebased_error_pct: float = math.nan
 
 
 def interacting(plan: Plan) -> list[tuple[str, str, str]]:
@@ -370,15 +375,28 @@ def verify(
     warmup: int = 1,
     measure: Callable[[TrainConfig], StepProfile] | None = None,
     statistic: str = "median",
+    rebase: bool = True,
 ) -> list[Verification]:
     """Run the ``top`` best plans that change something through the same Trainer and
-    profiler; assert each run's seams are the plan's configuration."""
+    profiler; assert each run's seams are the plan's configuration. ``rebase``: measure
+    the step again just before each plan and compose the plan's levers on it too, so a
+    machine that drifted since the plan was built (a shared CPU) shows as drift, apart
+    from the composition's own error."""
     measure = measure or (lambda c: measure_step(c, steps=steps, warmup=warmup, statistic=statistic))
     chosen = [p for p in result.plans if p.choices][:top]
     out = []
     for p in chosen:
+        fresh = measure(result.base_cfg) if rebase else None
         v = judge(p, measure(p.config))
         assert v.seams_match, f"verification ran {v.measured.seams}, not the predicted {p.config.to_dict()}"
+        if fresh is not None:
+            again = compose(fresh, p.effects).total_ms
+            v = dataclasses.replace(
+                v,
+                drift_pct=100 * (fresh.total_ms / result.base.total_ms - 1),
+                rebased_ms=again,
+                rebased_error_pct=100 * (v.measured.total_ms - again) / again,
+            )
         out.append(v)
     result.verifications = out
     return out
@@ -412,6 +430,9 @@ def plan_and_verify(
                 predicted_ms=round(v.plan.prediction.total_ms, 3),
                 measured_ms=round(v.measured.total_ms, 3),
                 error_pct=round(v.error_pct, 2),
+                step_drift_pct=round(v.drift_pct, 2),
+                rebased_predicted_ms=round(v.rebased_ms, 3),
+                rebased_error_pct=round(v.rebased_error_pct, 2),
                 seams_match=v.seams_match,
                 stability=v.measured.stability,
                 broken=v.broken,
@@ -505,6 +526,18 @@ def record_plan(rec, result: PlanResult, *, shape: str = "") -> None:
             signed=v.error_pct,
             broken=v.broken,
         )
+        if math.isfinite(v.rebased_error_pct):
+            rec.add(
+                "verify",
+                v.plan.name,
+                "rebased_prediction_error",
+                abs(v.rebased_error_pct),
+                "%",
+                shape=shape,
+                statistic="|measured - predicted on the step re-measured just before| / predicted",
+                signed=v.rebased_error_pct,
+                step_drift_pct=v.drift_pct,
+            )
 
 
 __all__ = [

@@ -114,7 +114,9 @@ def test_plan_and_verify_on_a_synthetic_machine_predicts_exactly():
     for v in ver:
         assert v.seams_match and math.isclose(v.error_pct, 0.0, abs_tol=1e-9) and v.broken == ""
     # the verification runs were given exactly the predicted configurations
-    assert calls[-2:] == [ver[0].plan.config, ver[1].plan.config]
+    # each plan's run follows a fresh measurement of the step (drift apart from composition)
+    assert calls[-4:] == [BASE, ver[0].plan.config, BASE, ver[1].plan.config]
+    assert all(v.drift_pct == 0.0 and math.isclose(v.rebased_error_pct, 0.0, abs_tol=1e-9) for v in ver)
     bars = waterfall(res.base, best)
     assert bars[0]["end"] == res.base.total_ms and math.isclose(bars[-1]["end"], expected)
     assert math.isclose(sum(b["delta"] for b in bars[1:-1]), expected - res.base.total_ms)

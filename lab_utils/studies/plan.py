@@ -210,6 +210,9 @@ def verify_table(res: PlanResult) -> pd.DataFrame:
                 predicted_ms=round(v.plan.prediction.total_ms, 2),
                 measured_ms=round(v.measured.total_ms, 2),
                 error_pct=round(v.error_pct, 1),
+                step_drift_pct=round(v.drift_pct, 1),
+                rebased_predicted_ms=round(v.rebased_ms, 2),
+                rebased_error_pct=round(v.rebased_error_pct, 1),
                 stability=v.measured.stability,
                 broken=v.broken,
             )
@@ -284,6 +287,11 @@ def recommendations(res: PlanResult, n: int = 3) -> str:
             f"\nBest plan ({v.plan.name}): predicted {v.plan.prediction.total_ms:.1f} ms, "
             f"measured {v.measured.total_ms:.1f} ms ({v.error_pct:+.1f}%; {v.measured.stability.split(':')[0]})"
         )
+        if math.isfinite(v.rebased_error_pct):
+            tail += (
+                f"; the step re-measured just before it moved {v.drift_pct:+.1f}%, and the plan composed on that "
+                f"step predicted {v.rebased_ms:.1f} ms ({v.rebased_error_pct:+.1f}%)"
+            )
         if v.broken:
             tail += f"; {v.broken}"
     return "\n".join(f"{i}. {s}" for i, s in enumerate(lines, 1)) + tail
