@@ -288,3 +288,23 @@ def test_training_step_explorer_swaps_the_precision_recipe():
     assert r.result.config["recipe"] == "fp8_tensor"
     with pytest.raises(ConfigError, match="'recipe'"):
         ex.run(recipe="fp7")
+
+
+def test_training_step_explorer_reuses_the_labs_own_profile(monkeypatch):
+    """The default configuration is the lab's: its profile becomes result #1, not a second run."""
+    from lab_utils.studies.explore import training_step as ex_mod
+    from lab_utils.studies.training_step import TrainingStepLabConfig, profile_step
+
+    cfg = TrainingStepLabConfig(device="cpu", steps=1, warmup_steps=0, num_samples=4, batch_size=1)
+    measured = profile_step(cfg, ex_mod.device_info("cpu"))
+
+    def no_second_profile(*a, **k):
+        raise AssertionError("the lab's configuration was profiled again")
+
+    monkeypatch.setattr(ex_mod, "profile_step", no_second_profile)
+    ex = ex_mod.TrainingStepExplorer.for_lab(cfg, rec=Recorder(lab="01_training_step"), measured=measured)
+    out = ex.run()
+    assert out.ok and out.result.index == 1
+    assert out.result.row["step_ms"] == pytest.approx(float(measured.report.steps.step_ms.median()))
+    with pytest.raises(AssertionError, match="profiled again"):
+        ex.run(batch=2)
