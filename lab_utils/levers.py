@@ -85,9 +85,11 @@ LEVERS: dict[str, Lever] = {
         ),
         Lever("num_workers", ("data_loading",), "none", "low: a loader argument", "data-loader workers"),
         Lever("pin_memory", ("data_loading",), "none", "low: a loader argument", "pinned host memory"),
+        # an async save writes from a background thread while the next steps run: it acts on
+        # their phases as well as on the blocking part of the save
         Lever(
             "ckpt_format",
-            ("checkpoint",),
+            ("checkpoint", "data_loading", "text_encoding", "image_encoding", "forward", "backward", "optimizer"),
             "none (same state saved)",
             "low: a format name; async needs the previous save awaited",
             "checkpoint format",
