@@ -385,3 +385,25 @@ def stability_summary(df: pd.DataFrame, *, examples: int = 5) -> StabilitySummar
         for _, r in bad.head(examples).iterrows()
     )
     return StabilitySummary(len(t), len(bad), ex)
+
+
+def unstable_timings(df: pd.DataFrame) -> pd.DataFrame:
+    """The timings (median rows) the timing primitive judged unstable, with the reason: what a
+    lab shows right under its timing tables so that no disturbed figure passes for a result.
+    Empty (with the same columns) when every timing was stable."""
+    cols = ["experiment", "variant", "shape", "dtype", "value", "unit", "stability"]
+    if not len(df) or "stable" not in df.columns:
+        return pd.DataFrame(columns=cols)
+    t = df[df["metric"].astype(str).str.endswith("time") & (df["statistic"] == "median")]
+    bad = t[t["stable"] == False]  # noqa: E712 - an object column of True/False/None
+    return bad[cols].rename(columns={"value": "median"}).reset_index(drop=True)
+
+
+def stability_note(df: pd.DataFrame) -> str:
+    """One line on the run's timings: all stable, or how many were not (shown, never hidden)."""
+    s = stability_summary(df)
+    if not s.timings:
+        return "no timings judged"
+    if not s.unstable:
+        return f"all {s.timings} timings stable"
+    return f"{s}: the machine disturbed them; the table below lists them (not results, not compared)"

@@ -130,3 +130,21 @@ def test_context_records_the_timing_policy():
     ctx = run_context({})
     if ctx["device_kind"] == "cpu":
         assert ctx["timing"]["cpu_threads"]["threads"] >= 1 and ctx["timing"]["cpu_threads"]["reason"]
+
+
+def test_unstable_timings_are_listed_with_their_reason():
+    from lab_utils.records import stability_note, unstable_timings
+
+    base = dict(lab="x", shape="8", dtype="float32", unit="ms", statistic="median", metric="time")
+    df = pd.DataFrame(
+        [
+            dict(base, experiment="sweep", variant="eager", value=1.0, stable=True, stability="stable"),
+            dict(base, experiment="sweep", variant="triton", value=9.0, stable=False, stability="stalls: 3 of 20"),
+            dict(base, experiment="sweep", variant="triton", value=9.0, stable=None, stability="", metric="gbs"),
+        ]
+    )
+    bad = unstable_timings(df)
+    assert list(bad.variant) == ["triton"] and bad.stability[0] == "stalls: 3 of 20"
+    assert stability_note(df).startswith("1 of 2 timings unstable")
+    assert stability_note(df.iloc[:1]) == "all 1 timings stable"
+    assert unstable_timings(df.iloc[:1]).empty
