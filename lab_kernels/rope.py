@@ -158,21 +158,23 @@ def _validate(q, k, cos, sin):
     C.needs_no_grad(OP, cos=cos, sin=sin)
 
 
-def rope_forward(x, cos, sin, *, out=None):
-    """Rotate one tensor x (B, H, L, Dh) -> contiguous (B, H, L, Dh)."""
+def _rotate(kernel, op, x, cos, sin, out):
+    """Through the registered custom op, or straight into a caller's ``out`` buffer."""
     x = _unit_last(x)
     cos, sin = cos.contiguous(), sin.contiguous()
     if out is None:
-        return torch.ops.lab_kernels.rope_fwd(x, cos, sin)
-    return _launch(_rope_fwd_kernel, x, cos, sin, out)
+        return op(x, cos, sin)
+    return _launch(kernel, x, cos, sin, out)
+
+
+def rope_forward(x, cos, sin, *, out=None):
+    """Rotate one tensor x (B, H, L, Dh) -> contiguous (B, H, L, Dh)."""
+    return _rotate(_rope_fwd_kernel, torch.ops.lab_kernels.rope_fwd, x, cos, sin, out)
 
 
 def rope_backward(dy, cos, sin, *, out=None):
-    dy = _unit_last(dy)
-    cos, sin = cos.contiguous(), sin.contiguous()
-    if out is None:
-        return torch.ops.lab_kernels.rope_bwd(dy, cos, sin)
-    return _launch(_rope_bwd_kernel, dy, cos, sin, out)
+    """The gradient of the rotation: dy rotated by the inverse angles."""
+    return _rotate(_rope_bwd_kernel, torch.ops.lab_kernels.rope_bwd, dy, cos, sin, out)
 
 
 class RoPEFunction(torch.autograd.Function):
