@@ -150,7 +150,7 @@ class TrainingStepExplorer(Explorer):
             p = profile_step(sc, self.info, lab=self.lab)
             progress(1, 1, "profiled")
         label = self.label(cfg)
-        for r in p.rec.rows:
+        for r in list(p.rec.rows):  # a snapshot: the lab's measured run may write to this same recorder
             self.rec.rows.append(
                 {**r, "experiment": f"explore_{r['experiment']}", "variant": f"{label} | {r['variant']}"}
             )
