@@ -278,27 +278,14 @@ class ProfileReport:
                 statistic="max",
                 source="torch.cuda.max_memory_allocated",
             )
-        rec.add(
-            "artifacts",
-            variant,
-            "trace_file",
-            self.trace_path.stat().st_size,
-            "bytes",
-            statistic="file",
-            path=str(self.trace_path),
-            format="chrome-trace-json",
-        )
+        _record_artifact(rec, variant, "trace_file", self.trace_path, "chrome-trace-json")
         if self.memory_html_path is not None:
-            rec.add(
-                "artifacts",
-                variant,
-                "memory_html",
-                self.memory_html_path.stat().st_size,
-                "bytes",
-                statistic="file",
-                path=str(self.memory_html_path),
-                format="html",
-            )
+            _record_artifact(rec, variant, "memory_html", self.memory_html_path, "html")
+
+
+def _record_artifact(rec, variant: str, metric: str, path: Path, fmt: str) -> None:
+    """A file the profile wrote, as a record of its size with its path and format."""
+    rec.add("artifacts", variant, metric, path.stat().st_size, "bytes", statistic="file", path=str(path), format=fmt)
 
 
 def profile_training(
