@@ -25,7 +25,7 @@ from ...ceilings import Ceilings
 from ...device import pick_device
 from ...masks import MASK_NAMES, attention_flops, dense_mask, make_mask
 from ...timing import try_bench
-from .base import Control, Explorer, Progress, Result, Unavailable
+from .base import Control, Explorer, Progress, Result, Unavailable, explored_scatter
 
 SEQ_LENS = (64, 127, 256, 512, 1024)
 WINDOWS = (8, 32, 128)
@@ -161,12 +161,10 @@ class AttentionExplorer(Explorer):
             ],
             columns=["label", "density", "time_ms", "check"],
         )
-        pts = hv.Scatter(df, "density", ["time_ms", "label", "check"]).opts(
-            color="label",
-            cmap="Category20",
-            size=11,
-            tools=["hover"],
-            show_legend=False,
+        pts = explored_scatter(
+            df,
+            "density",
+            ["time_ms", "label", "check"],
             xlabel="mask density (allowed pairs / L²)",
             ylabel="ms",
             title="Time vs density of the explored cases",

@@ -73,6 +73,13 @@ def is_live() -> bool:
     return ip is not None and getattr(ip, "kernel", None) is not None
 
 
+def explored_scatter(data, kdim: str, vdims: list[str], *, color="label", cmap="Category20", size=11, **opts):
+    """A scatter of the explored results: one colour per run, named on hover (no legend: the table names the runs)."""
+    return hv.Scatter(data, kdim, vdims).opts(
+        color=color, cmap=cmap, size=size, tools=["hover"], show_legend=False, **opts
+    )
+
+
 @dataclass(frozen=True)
 class Control:
     """One parameter of an explorer: a dropdown of ``options`` or, for a bool default, a checkbox."""

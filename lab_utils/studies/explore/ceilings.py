@@ -22,7 +22,7 @@ from ...plots import roofline_plot
 from ...roofline import roofline
 from ...timing import try_bench
 from ..ceilings import OPS, make_op, op_cost
-from .base import Control, Explorer, Progress, Result, Unavailable
+from .base import Control, Explorer, Progress, Result, Unavailable, explored_scatter
 
 #: elements of an elementwise op, or n of an n x n matmul
 SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 16384, 65536, 262144, 1048576, 4194304)
@@ -106,14 +106,12 @@ class CeilingsExplorer(Explorer):
             **roof.opts.get().kwargs
         )
         # one Scatter coloured by point, so that a live redraw keeps the overlay's structure
-        pts = hv.Scatter(on_roof, "intensity", ["tflops", "label", "gbs", "time_ms", "shape", "pct_of_ceiling"]).opts(
-            color="label",
-            cmap="Category20",
-            size=11,
-            tools=["hover"],
+        pts = explored_scatter(
+            on_roof,
+            "intensity",
+            ["tflops", "label", "gbs", "time_ms", "shape", "pct_of_ceiling"],
             logx=True,
             logy=True,
-            show_legend=False,
             framewise=True,
         )
         bars = hv.Bars(rows, "label", ["gbs", "op", "dtype", "shape", "time_ms"]).opts(

@@ -20,7 +20,7 @@ import pandas as pd
 from ...config import ConfigError
 from ...distributed import STRATEGIES, DistConfig, DistRunError, launch
 from ...model.train import artifacts_dir
-from .base import Control, Explorer, Progress, Result, Unavailable
+from .base import Control, Explorer, Progress, Result, Unavailable, explored_scatter
 
 STEPS = 3
 
@@ -91,12 +91,13 @@ class DistributedExplorer(Explorer):
             [dict(run=n, step=i + 1, loss=v) for n, r in zip(runs, results) for i, v in enumerate(r.data["losses"])],
             columns=["run", "step", "loss"],
         )
-        curves = hv.Scatter(loss, "step", ["loss", "run"]).opts(
+        curves = explored_scatter(
+            loss,
+            "step",
+            ["loss", "run"],
             color="run",
             cmap="Category10",
             size=8,
-            tools=["hover"],
-            show_legend=False,
             framewise=True,
             title="Loss per step of each run (same data and seed)",
         )

@@ -22,7 +22,7 @@ from ... import fused
 from ...ceilings import Ceilings
 from ...device import pick_device
 from ...dtypes import LAB_DTYPES
-from .base import Control, Explorer, Progress, Result
+from .base import Control, Explorer, Progress, Result, explored_scatter
 
 VARIANTS = ("eager", "compile", "triton", "torch")
 TOKENS = (61, 256, 1024, 4096)
@@ -127,13 +127,11 @@ class FusedExplorer(Explorer):
             ],
             columns=cols,
         )
-        pts = hv.Scatter(df, "mb", ["gbs", "label", "pct_of_copy", "time_ms", "check", "shape"]).opts(
-            color="label",
-            cmap="Category20",
-            size=11,
-            tools=["hover"],
+        pts = explored_scatter(
+            df,
+            "mb",
+            ["gbs", "label", "pct_of_copy", "time_ms", "check", "shape"],
             logx=True,
-            show_legend=False,
             xlabel="MB moved per call",
             ylabel="GB/s",
         )

@@ -24,7 +24,7 @@ from lab_kernels.quant import FORMATS, SCALE_RULES, hadamard_transform
 
 from ...numerics import DISTRIBUTIONS, error_stats, format_grid_histogram, make_tensor
 from ...precision import RECIPES, mlp_task, run_convergence
-from .base import Control, Explorer, Progress, Result, Unavailable
+from .base import Control, Explorer, Progress, Result, Unavailable, explored_scatter
 
 SCALINGS = ("tensor", "row", "block")
 BLOCKS = ("default", 16, 32, 128)
@@ -142,12 +142,13 @@ class LowPrecisionExplorer(Explorer):
         )
         c = [r.data["curves"].assign(run=f"#{r.index}") for r in results if r.data["curves"] is not None]
         curves = pd.concat(c) if c else pd.DataFrame(columns=["step", "loss", "recipe", "run"])
-        conv = hv.Scatter(curves, "step", ["loss", "recipe", "run"]).opts(
+        conv = explored_scatter(
+            curves,
+            "step",
+            ["loss", "recipe", "run"],
             color="recipe",
             cmap="Category10",
             size=4,
-            tools=["hover"],
-            show_legend=False,
             title=f"Loss of each recipe against bf16 ({CONVERGENCE_STEPS} steps, seed 0)",
             framewise=True,
             width=380,

@@ -13,13 +13,12 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-import holoviews as hv
 import pandas as pd
 
 from ...device import pick_device
 from ...memory import MEMORY_DTYPES, compare_policies, step_shape
 from ...model import CHECKPOINT_POLICIES, MMDiTConfig
-from .base import Control, Explorer, Progress, Result
+from .base import Control, Explorer, Progress, Result, explored_scatter
 
 TXT_LEN = 16
 
@@ -86,12 +85,10 @@ class MemoryExplorer(Explorer):
             [dict(label=f"#{r.index} {self.label(r.config)}", **r.row) for r in results],
             columns=["label", "time_ms", "saved_mib", "peak_mib", "policy"],
         )
-        pts = hv.Scatter(df, "time_ms", ["saved_mib", "label", "peak_mib", "policy"]).opts(
-            color="label",
-            cmap="Category20",
-            size=11,
-            tools=["hover"],
-            show_legend=False,
+        pts = explored_scatter(
+            df,
+            "time_ms",
+            ["saved_mib", "label", "peak_mib", "policy"],
             xlabel="step time (ms)",
             ylabel="saved activations (MiB)",
             title="Memory/time front of the explored policies (lower left is better)",
