@@ -302,8 +302,11 @@ def test_training_step_explorer_reuses_the_labs_own_profile(monkeypatch):
         raise AssertionError("the lab's configuration was profiled again")
 
     monkeypatch.setattr(ex_mod, "profile_step", no_second_profile)
-    ex = ex_mod.TrainingStepExplorer.for_lab(cfg, rec=Recorder(lab="01_training_step"), measured=measured)
+    # the lab hands its own recorder, the one its profile wrote into
+    n_lab_rows = len(measured.rec.rows)
+    ex = ex_mod.TrainingStepExplorer.for_lab(cfg, rec=measured.rec, measured=measured)
     out = ex.run()
+    assert len(measured.rec.rows) == 2 * n_lab_rows, "each lab row copied once into the explorer's records"
     assert out.ok and out.result.index == 1
     assert out.result.row["step_ms"] == pytest.approx(float(measured.report.steps.step_ms.median()))
     with pytest.raises(AssertionError, match="profiled again"):
