@@ -29,6 +29,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -102,10 +103,18 @@ def profile_from_report(
 
 
 def measure_step(
-    cfg: TrainConfig, *, steps: int = 3, warmup: int = 1, statistic: str = "median", out_dir=None
+    cfg: TrainConfig,
+    *,
+    steps: int = 3,
+    warmup: int = 1,
+    statistic: str = "median",
+    out_dir=None,
+    keep_trace: bool = False,
 ) -> StepProfile:
     """Profile ``cfg``'s step with lab 01's profiler (``warmup`` + ``steps`` steps); on CPU
-    with the timing primitive's thread choice (recorded in the profile's seams)."""
+    with the timing primitive's thread choice (recorded in the profile's seams).  A plan
+    profiles the step once per lever setting: the trace files (tens of MB each) are removed
+    once analysed unless ``keep_trace``; the numbers stay in the profile and its records."""
     threads = choose_cpu_threads().threads if pick_device(cfg.device).type == "cpu" else torch.get_num_threads()
     with cpu_threads(threads):
         tr = Trainer(cfg)
@@ -114,6 +123,10 @@ def measure_step(
             prof = profile_from_report(rep, tr.cfg, tr, statistic=statistic)
         finally:
             tr.close()
+    if not keep_trace:
+        for path in (rep.trace_path, rep.memory_snapshot_path, rep.memory_html_path):
+            if path is not None:
+                Path(path).unlink(missing_ok=True)
     return dataclasses.replace(prof, threads=threads)
 
 

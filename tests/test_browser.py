@@ -105,7 +105,8 @@ def _expected_plots(ipynb: Path) -> int:
 def _open(ctx, url: str):
     page = ctx.new_page()
     watch = B.Watch.on(page)
-    page.goto(url, wait_until="load")
+    # generous: a compare page of a full smoke run is several MB, and CI's 2 cores may be busy
+    page.goto(url, wait_until="load", timeout=120_000)
     return page, watch
 
 
