@@ -50,6 +50,7 @@ and ``perflab baseline refresh --report DIR`` read the folder; its device kind i
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -81,16 +82,17 @@ from lab_utils.checks import rel_error  # noqa: E402
 from lab_utils.config import ConfigError  # noqa: E402
 from lab_utils.device import annotate, datasheet_for, device_info, pick_device  # noqa: E402
 from lab_utils.model import build_model, resolve_config  # noqa: E402
-from lab_utils.model.train import compile_blocks, rf_loss, synthetic_batch  # noqa: E402
+from lab_utils.model.train import TrainConfig, compile_blocks, rf_loss, synthetic_batch  # noqa: E402
+from lab_utils.plan import plan_and_verify  # noqa: E402
 from lab_utils.profiler import analyse_trace, training_step_flops  # noqa: E402
 from lab_utils.records import CONTEXT_COLUMNS, ROW_COLUMNS, Recorder, load_records  # noqa: E402
 from lab_utils.timing import BenchError, try_bench  # noqa: E402
 
 LAB = "gpu_check"
-SECTIONS = ("ceilings", "fused", "attention", "fp8", "train")
+SECTIONS = ("ceilings", "fused", "attention", "fp8", "train", "plan")
 #: Share of the whole budget each section is planned to take (seconds of 480; scaled to --budget-s):
 #: compile time dominates `fused` (7 ops x 2 directions) and `train` (the medium MMDiT's blocks).
-SHARES = {"ceilings": 25, "fused": 115, "attention": 90, "fp8": 40, "train": 210}
+SHARES = {"ceilings": 25, "fused": 115, "attention": 90, "fp8": 40, "train": 170, "plan": 40}
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_SECTION_FAILED = 0, 1, 2
 README_BEGIN, README_END = "<!-- gpu_check:table:begin -->", "<!-- gpu_check:table:end -->"
 INTERPRETED = "not timed: interpreted (Triton on CPU runs in its interpreter: correctness only)"
@@ -926,12 +928,67 @@ def _profile_steps(s: Section, step: SyntheticStep, variant: str) -> str:
     return "phases " + ", ".join(f"{k} {v:.4g} ms" for k, v in med.items())
 
 
+#: lab 08's plan needs the training step's Trainer, which builds the text/image encoders
+PLAN_NEEDS = ("transformers", "diffusers")
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def section_plan(s: Section) -> None:
+    """A short plan-and-verify of the training step (lab 08's library): measure the step, each
+    lever's effect, predict the plans, run the best two and record the prediction error."""
+    missing = [m for m in PLAN_NEEDS if not _importable(m)]
+    if missing:
+        reason = f"the Trainer's encoders need {', '.join(missing)} (carry their wheels to run this section)"
+        s.log(f"plan: not run: {reason}")
+        s.rec.add("plan", "plan_and_verify", "prediction_error", math.nan, "%", statistic="not_run", reason=reason)
+        return
+    cuda = s.dev.type == "cuda"
+    cfg = TrainConfig(
+        preset="small" if cuda else "tiny",
+        device=s.dev.type,
+        batch_size=2,
+        buckets=[[512, 512]] if cuda else [[64, 64]],
+        num_samples=8 if cuda else 4,
+        autocast="bf16" if cuda else "none",
+        encoders="precomputed",
+    )
+    levers = (
+        ["attention_path", "activation_checkpoint", "kernels"] if cuda else ["attention_path", "activation_checkpoint"]
+    )
+    summary = plan_and_verify(cfg, levers, steps=3 if cuda else 2, warmup=2 if cuda else 1, top=2)
+    for v in summary["verified"]:
+        s.check(v["seams_match"], f"plan {v['plan']}: the verification ran the predicted configuration")
+        s.rec.add(
+            "plan",
+            v["plan"],
+            "prediction_error",
+            v["error_pct"],
+            "%",
+            statistic="value",
+            predicted_ms=v["predicted_ms"],
+            measured_ms=v["measured_ms"],
+            rebased_error_pct=v["rebased_error_pct"],
+            stability=v["stability"],
+        )
+        s.log(
+            f"plan {v['plan']}: predicted {v['predicted_ms']:.4g} ms, measured {v['measured_ms']:.4g} ms "
+            f"({v['error_pct']:+.1f}%, {v['stability']})"
+        )
+
+
 SECTION_FNS: dict[str, Callable[[Section], None]] = {
     "ceilings": section_ceilings,
     "fused": section_fused,
     "attention": section_attention,
     "fp8": section_fp8,
     "train": section_train,
+    "plan": section_plan,
 }
 
 

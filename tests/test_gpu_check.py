@@ -94,13 +94,15 @@ def test_cpu_run_without_notebook_packages(cpu_run):
     assert "LOADED-BLOCKED: []" in proc.stdout, log
     status = json.loads((out / "status.json").read_text())
     assert [s["notebook"] for s in status] == [
-        f"gpu_check:{x}" for x in ("ceilings", "fused", "attention", "fp8", "train")
+        f"gpu_check:{x}" for x in ("ceilings", "fused", "attention", "fp8", "train", "plan")
     ]
     assert all(s["status"] == "ok" for s in status), status
     summary = (out / "summary.txt").read_text()
     assert "0 failed" in summary and "targets (benchmarks, not tests)" in summary
     for word in ("fused", "attention", "fp8", "train"):  # progress lines carry elapsed time per section
         assert f"s] == {word} ok in" in proc.stdout
+    # the encoder libraries are blocked here as on a bare GPU machine: the plan says why it did not run
+    assert "plan: not run: the Trainer's encoders need transformers, diffusers" in proc.stdout
 
 
 @pytest.mark.slow
