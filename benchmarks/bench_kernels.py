@@ -15,7 +15,7 @@ bytes each op must move (each input read once, each output written once; formula
 op module's docstring and ``lab_utils.flops.fused_bytes``), % of the *measured* copy ceiling
 (``lab_utils.ceilings``), speedup over eager, peak memory above the inputs (CUDA).  The
 summary printed at the end lists, per op/direction/dtype, each variant's GB/s and % of the
-copy ceiling at the largest size (the issue asks Triton to reach >= 85% there).
+copy ceiling at the largest size (the target: Triton >= 85% there).
 
 Rows are the tidy Recorder columns (``.parquet``, ``.csv`` or ``.json`` by the suffix of
 ``--out``), with the run's context (device, versions, commit, ceilings) merged on.
