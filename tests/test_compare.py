@@ -563,3 +563,18 @@ def test_old_records_and_the_stored_baseline_still_read():
     assert len(side.rows) and "stable" in side.rows.columns
     old = load_records(root)
     assert "stable" in old.columns and old["stable"].isna().all()
+
+
+def test_errors_of_timing_models_follow_the_timings():
+    """A fitted communication model's error or a plan's prediction error moves with the machine's
+    load: compared as performance, and never stored in a timing-free baseline."""
+    import pandas as pd
+
+    from lab_utils.run.compare.baselines import timing_free
+    from lab_utils.run.compare.rules import direction
+
+    for metric in ("prediction_error", "rebased_prediction_error", "fit_median_error", "model_on_plan_error"):
+        assert direction(metric, "%").kind == "performance", metric
+    assert direction("max_abs_err", "").kind == "accuracy"
+    rows = pd.DataFrame(dict(metric=["prediction_error", "max_abs_err"], unit=["%", ""]))
+    assert list(timing_free(rows).metric) == ["max_abs_err"]

@@ -43,10 +43,15 @@ LOWER_ERROR = Direction("lower", "accuracy")
 HIGHER_DB = Direction("higher", "accuracy", "db")
 LOWER_MEMORY = Direction("lower", "memory")
 NEUTRAL = Direction("none", "other")
+#: The error of a model of timings (a fitted alpha-beta curve, a plan's predicted step time):
+#: it moves with the machine's load like the timings it is computed from, so it is compared as
+#: performance (and left out of timing-free baselines), not as a format's accuracy.
+TIMING_MODEL_ERROR = Direction("lower", "performance")
 
 #: Metric-name rules, checked first (regex on the metric, case-insensitive).
 METRIC_RULES: list[tuple[str, Direction]] = [
     (r"sqnr", HIGHER_DB),
+    (r"^fit_\w*error|^model_\w*error|prediction_error", TIMING_MODEL_ERROR),
     (
         r"(^|_)(err|error|errors|mse|rmse|mae|ulp|ulps|mismatch(es)?|max_abs|max_rel|abs_diff|rel_diff|nan|inf)(_|$)",
         LOWER_ERROR,
