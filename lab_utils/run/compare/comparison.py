@@ -20,6 +20,7 @@ from .rules import (
     NOISY,
     PER_TIME_SUFFIXES,
     QUANTILE_STATISTICS,
+    SIDE_CONTEXT_KEYS,
     WORSE_VERDICTS,
     direction,
 )
@@ -170,19 +171,7 @@ class Comparison:
 
 
 def side_json(s: Side) -> dict:
-    keep = (
-        "device",
-        "device_kind",
-        "torch_version",
-        "triton_version",
-        "cuda_version",
-        "python_version",
-        "commit",
-        "timestamp",
-        "run_id",
-        "suite",
-        "host",
-    )
+    keep = (*SIDE_CONTEXT_KEYS, "suite", "host")
     return {
         "label": s.label,
         "source": s.source,

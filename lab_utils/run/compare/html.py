@@ -14,7 +14,7 @@ from bokeh.models import BoxAnnotation, ColumnDataSource, HoverTool, Span
 from bokeh.plotting import figure
 from bokeh.resources import Resources
 
-from .rules import NOISY, direction_table
+from .rules import NOISY, SIDE_CONTEXT_KEYS, direction_table
 from .text import fmt_num, row_label
 
 VERDICT_COLOURS = {
@@ -154,17 +154,7 @@ def render_html(cmp) -> str:
     plot = _ratio_plot(cmp)
     script, div = components(plot) if plot is not None else ("", "<p class='muted'>no comparable rows to plot</p>")
     ctx_rows = ""
-    for k in (
-        "device",
-        "device_kind",
-        "torch_version",
-        "triton_version",
-        "cuda_version",
-        "python_version",
-        "commit",
-        "timestamp",
-        "run_id",
-    ):
+    for k in SIDE_CONTEXT_KEYS:
         b, c = cmp.base.context.get(k, ""), cmp.cand.context.get(k, "")
         cls = ' class="flag"' if str(b) != str(c) and k not in ("timestamp", "run_id") else ""
         ctx_rows += f"<tr{cls}><th>{esc(k)}</th><td>{esc(str(b))}</td><td>{esc(str(c))}</td></tr>"

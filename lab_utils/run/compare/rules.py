@@ -48,6 +48,19 @@ NEUTRAL = Direction("none", "other")
 #: performance (and left out of timing-free baselines), not as a format's accuracy.
 TIMING_MODEL_ERROR = Direction("lower", "performance")
 
+#: A run's context fields shown beside each side (the HTML page, compare.json).
+SIDE_CONTEXT_KEYS = (
+    "device",
+    "device_kind",
+    "torch_version",
+    "triton_version",
+    "cuda_version",
+    "python_version",
+    "commit",
+    "timestamp",
+    "run_id",
+)
+
 #: Metric-name rules, checked first (regex on the metric, case-insensitive).
 METRIC_RULES: list[tuple[str, Direction]] = [
     (r"sqnr", HIGHER_DB),
