@@ -88,33 +88,10 @@ def test_old_records_load_and_are_judged_from_samples(tmp_path):
     """A records file written before the verdict columns existed still loads; its timings are
     judged from the kept samples and the derived rows follow their time row."""
     old_cols = [c for c in ROW_COLUMNS if c not in ("stable", "stability")]
+    row = dict(lab="l", experiment="e", variant="v", shape="4", dtype="float32", statistic="median", extra="")
     rows = [
-        dict(
-            lab="l",
-            experiment="e",
-            variant="v",
-            shape="4",
-            dtype="float32",
-            metric="time",
-            value=0.4,
-            unit="ms",
-            statistic="median",
-            samples=[0.4] * 7 + [31.9, 32.0, 31.8],
-            extra="",
-        ),
-        dict(
-            lab="l",
-            experiment="e",
-            variant="v",
-            shape="4",
-            dtype="float32",
-            metric="bandwidth",
-            value=9.0,
-            unit="GB/s",
-            statistic="median",
-            samples=None,
-            extra="",
-        ),
+        dict(row, metric="time", value=0.4, unit="ms", samples=[0.4] * 7 + [31.9, 32.0, 31.8]),
+        dict(row, metric="bandwidth", value=9.0, unit="GB/s", samples=None),
     ]
     f = tmp_path / "records.json"
     f.write_text(json.dumps({"context": {}, "rows": [{k: r[k] for k in old_cols} for r in rows]}))
