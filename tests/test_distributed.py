@@ -125,6 +125,21 @@ def test_raising_rank_ends_run_with_its_error(tmp_path):
     assert len(ei.value.pids) == 2 and _all_gone(ei.value.pids)
 
 
+def test_rank_killed_by_a_signal_is_named_with_every_rank_status(tmp_path):
+    """A rank killed by SIGKILL writes no error file while its peer fails on the closed connection
+    and writes one: the report names the killed rank and the signal, not the peer."""
+    cfg = DistConfig(strategy="ddp", world_size=2, steps=2, fault="kill", fault_rank=1, fault_step=2, profile=False)
+    with pytest.raises(DistRunError) as ei:
+        launch(cfg, tmp_path, progress=False)
+    e = ei.value
+    assert (e.kind, e.rank) == ("killed", 1), str(e)
+    assert str(e).startswith("rank 1 was killed by SIGKILL"), str(e)
+    assert e.statuses[1] == "killed by SIGKILL (exit status -9)", e.statuses
+    assert len(e.statuses) == 2 and e.statuses[0].startswith(("exit code", "running, ended by the launcher"))
+    assert "exit status per rank: rank 0: " in str(e) and "; rank 1: killed by SIGKILL" in str(e)
+    assert _all_gone(e.pids)
+
+
 def test_hanging_rank_is_ended_by_the_watchdog(tmp_path):
     cfg = DistConfig(
         strategy="ddp", world_size=2, steps=2, fault="hang", fault_rank=0, fault_step=2, profile=False, hang_timeout_s=4

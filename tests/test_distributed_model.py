@@ -5,12 +5,15 @@ and the TP row permutations."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from lab_utils.config import ConfigError
 from lab_utils.distributed import DistConfig
+from lab_utils.distributed.__main__ import main as dist_cli
 from lab_utils.distributed.comm import CollectiveEvent, collectives, fit_alpha_beta, overlap, predict_comm_ms
 from lab_utils.distributed.parallel import linear2_permutation, qkv_permutation
 from lab_utils.distributed.projection import comm_plan, fastest, project
@@ -136,3 +139,31 @@ def test_lab_config_refuses_bad_input_before_running():
         "reshard_after_forward": False,
         "mixed_precision": True,
     }
+
+
+def test_cli_refuses_a_bad_configuration_in_one_line_with_exit_code_2():
+    r = subprocess.run(
+        [sys.executable, "-m", "lab_utils.distributed", "run", "--world-size", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    assert r.stdout == "" and "Traceback" not in r.stderr, r.stderr
+    want = "python -m lab_utils.distributed run: parameter 'world_size' = 0 is not allowed: expected an integer >= 1"
+    assert r.stderr == want + "\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "param"),
+    [
+        (["--strategy", "pipeline"], "strategy"),
+        (["--param", "steps=[1"], "steps"),
+        (["--param", "world_size"], "--param"),
+        (["--param", "stepz=3"], "stepz"),
+    ],
+)
+def test_cli_names_the_refused_parameter(capsys, args, param):
+    assert dist_cli([*["run"], *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"python -m lab_utils.distributed run: parameter {param!r} = "), err

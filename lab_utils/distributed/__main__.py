@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from ..config import ConfigError
 from .launch import DistRunError, launch
 from .spec import DistConfig
 from .worker import main as worker_main
@@ -39,6 +40,22 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _params(args: argparse.Namespace) -> dict:
+    params: dict = {}
+    for kv in args.param:
+        k, eq, v = kv.partition("=")
+        if not eq or not k:
+            raise ConfigError("--param", kv, "key=value with a DistConfig field as key")
+        try:
+            params[k] = yaml.safe_load(v)
+        except yaml.YAMLError as e:
+            raise ConfigError(k, v, f"a YAML value ({str(e).splitlines()[0]})") from None
+    for k in ("strategy", "world_size", "steps"):
+        if getattr(args, k) is not None:
+            params[k] = getattr(args, k)
+    return params
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.cmd == "worker":
@@ -46,14 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # a failed rank must not wait on peers in interpreter teardown
-    params: dict = {}
-    for kv in args.param:
-        k, _, v = kv.partition("=")
-        params[k] = yaml.safe_load(v)
-    for k in ("strategy", "world_size", "steps"):
-        if getattr(args, k) is not None:
-            params[k] = getattr(args, k)
-    cfg = DistConfig.from_params(params, strict=True)
+    try:
+        cfg = DistConfig.from_params(_params(args), strict=True)
+    except ConfigError as e:  # a refused configuration is one line and exit code 2, as `perflab` does
+        print(f"python -m lab_utils.distributed run: {e}", file=sys.stderr)
+        return 2
     try:
         res = launch(cfg, args.out)
     except DistRunError as e:

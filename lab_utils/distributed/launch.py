@@ -50,10 +50,21 @@ POLL_S = 0.1
 
 
 class DistRunError(RuntimeError):
-    """A run that ended early: ``kind`` is "raised", "hang" or "timeout"; ``rank`` the failing rank if known."""
+    """A run that ended early: ``kind`` is "raised" (a rank exited with an error), "killed" (a rank
+    was ended by a signal it did not get from the launcher), "hang" or "timeout"; ``rank`` the
+    failing rank if known; ``statuses`` every rank's exit status in words, rank order."""
 
-    def __init__(self, kind: str, message: str, rank: int | None = None, out: Path | None = None):
+    def __init__(
+        self,
+        kind: str,
+        message: str,
+        rank: int | None = None,
+        out: Path | None = None,
+        codes: list[int | None] | None = None,
+    ):
         self.kind, self.rank, self.out = kind, rank, out
+        self.codes = codes  # each rank's exit code when the failure was seen (None: still running)
+        self.statuses: list[str] = []
         self.pids: list[int] = []  # the ranks' process ids (each leads its own process group), all ended
         super().__init__(message)
 
@@ -105,6 +116,59 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
     _signal_running(procs, signal.SIGKILL)
     for p in procs:
         p.wait()
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _status(seen: int | None, final: int | None) -> str:
+    """A rank's exit status in words: ``seen`` when the failure was noticed, ``final`` after the launcher's end."""
+    if seen is None:
+        return "running, ended by the launcher" + (f" ({_status(final, final)})" if final is not None else "")
+    if seen < 0:
+        return f"killed by {_signal_name(seen)} (exit status {seen})"
+    return f"exit code {seen}"
+
+
+def _failure(out: Path, world: int, codes: list[int | None]) -> DistRunError:
+    """Which rank caused a failed run.  A rank killed by a signal (SIGKILL from the OOM killer or a
+    user, SIGSEGV) writes no error file, and its peers then fail on closed connections and do write
+    one: so a rank ended by a signal is the cause first; otherwise the earliest error file."""
+    killed = [r for r, c in enumerate(codes) if c is not None and c < 0]
+    if killed:
+        r = killed[0]
+        log = (out / f"log-rank{r}.txt").read_text().strip()[-2000:]
+        tail = f"\nlast output of rank {r}:\n{log}" if log else f"\nrank {r} wrote no output before it died"
+        return DistRunError(
+            "killed",
+            f"rank {r} was killed by {_signal_name(codes[r])} and the run was ended (the other ranks' errors "
+            f"follow from it: their peer disappeared){tail}",
+            r,
+            out,
+            codes,
+        )
+
+    # a rank's failure makes its peers fail too (closed connections); the earliest error file is the cause
+    def written(rank: int) -> float:
+        f = out / f"error-rank{rank}.txt"
+        return f.stat().st_mtime if f.exists() else math.inf
+
+    failed = {r for r, c in enumerate(codes) if c not in (None, 0)}
+    errs = {k for k in range(world) if (out / f"error-rank{k}.txt").exists()}
+    r = min(failed | errs, key=lambda k: (written(k), k))
+    err = out / f"error-rank{r}.txt"
+    if err.exists():
+        return DistRunError(
+            "raised", f"rank {r} failed and the run was ended:\n{err.read_text().strip()}", r, out, codes
+        )
+    log = (out / f"log-rank{r}.txt").read_text()[-4000:]
+    return DistRunError(
+        "raised", f"rank {r} exited with code {codes[r]} and the run was ended; its output:\n{log}", r, out, codes
+    )
 
 
 class _Tail:
@@ -191,17 +255,7 @@ def launch_cases(
             codes = [p.poll() for p in procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                # a rank's failure makes its peers fail too (closed connections); the earliest
-                # error file is the cause
-                def written(rank: int) -> float:
-                    f = out / f"error-rank{rank}.txt"
-                    return f.stat().st_mtime if f.exists() else math.inf
-
-                errs = {k for k in range(world) if (out / f"error-rank{k}.txt").exists()}
-                r = min(set(failed) | errs, key=lambda k: (written(k), k))
-                err = out / f"error-rank{r}.txt"
-                why = err.read_text().strip() if err.exists() else (out / f"log-rank{r}.txt").read_text()[-4000:]
-                raise DistRunError("raised", f"rank {r} failed and the run was ended:\n{why}", r, out)
+                raise _failure(out, world, codes)
             if all(c == 0 for c in codes):
                 break
             if now - last_progress > hang_s:
@@ -211,11 +265,19 @@ def launch_cases(
                     f"{last_step}); the run was ended",
                     None,
                     out,
+                    codes,
                 )
             if now - t0 > timeout_s:
-                raise DistRunError("timeout", f"the run exceeded timeout_s = {timeout_s:g} s and was ended", None, out)
+                raise DistRunError(
+                    "timeout", f"the run exceeded timeout_s = {timeout_s:g} s and was ended", None, out, codes
+                )
     except DistRunError as e:
         e.pids = [p.pid for p in procs]
+        _kill_all(procs)
+        e.statuses = [_status(c, p.returncode) for c, p in zip(e.codes or [None] * world, procs)]
+        head, _, rest = e.args[0].partition("\n")
+        listed = "exit status per rank: " + "; ".join(f"rank {r}: {s}" for r, s in enumerate(e.statuses))
+        e.args = ("\n".join([head, listed, *([rest] if rest else [])]),)
         raise
     finally:
         _kill_all(procs)

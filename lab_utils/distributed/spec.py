@@ -28,7 +28,7 @@ DP_COMPONENTS = ("ddp", "fsdp", "hsdp")
 CP_COMPONENTS = ("cp_ring", "cp_ulysses")
 COMPONENTS = (*DP_COMPONENTS, "tp", "sp", *CP_COMPONENTS)
 BACKENDS = ("auto", "gloo", "nccl")
-FAULTS = ("none", "raise", "hang")
+FAULTS = ("none", "raise", "hang", "kill")  # kill: the rank sends itself SIGKILL (as the OOM killer would)
 OPTIMIZERS = ("adamw", "sgd")
 #: Strategies the lab runs by default (world size 2 on CPU); any composition of COMPONENTS is accepted.
 STRATEGIES = ("single", "ddp", "fsdp", "hsdp", "tp", "tp+sp", "cp_ring", "cp_ulysses", "fsdp+tp", "fsdp+cp_ring")

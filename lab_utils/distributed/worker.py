@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import time
 import traceback
 from datetime import timedelta
@@ -105,6 +106,8 @@ def _inject(cfg: DistConfig, rank: int, step: int) -> None:
         return
     if cfg.fault == "raise":
         raise RuntimeError(f"injected fault: rank {rank} raised at step {step}")
+    if cfg.fault == "kill":  # no traceback, no error file: what the OOM killer or `kill -9` leaves
+        os.kill(os.getpid(), signal.SIGKILL)
     while True:  # "hang": never returns; the launcher's watchdog must end the run
         time.sleep(1.0)
 

@@ -445,12 +445,13 @@ def fastest_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def fault_lines(cfg: DistributedLabConfig, out: str | Path | None = None) -> list[str]:
-    """A raising rank and a hanging rank at world size 2: both runs end, reported, no process left."""
+    """A raising, a killed (SIGKILL) and a hanging rank at world size 2: each run ends, the cause is
+    named, no process is left."""
     if not cfg.fault_demo:
         return ["fault demo skipped (fault_demo = False)"]
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="perflab-06-faults-"))
     lines = []
-    for fault, rank, hang in (("raise", 1, cfg.hang_timeout_s), ("hang", 0, 5.0)):
+    for fault, rank, hang in (("raise", 1, cfg.hang_timeout_s), ("kill", 1, cfg.hang_timeout_s), ("hang", 0, 5.0)):
         c = DistConfig(
             strategy="ddp",
             world_size=2,
@@ -469,7 +470,7 @@ def fault_lines(cfg: DistributedLabConfig, out: str | Path | None = None) -> lis
             gone = all(_gone(p) for p in e.pids)
             if not gone:
                 raise AssertionError(f"fault {fault!r}: processes left behind: {e.pids}") from e
-            first = str(e).splitlines()[0].split(" (")[0] if e.kind == "hang" else f"rank {e.rank} failed"
+            first = str(e).splitlines()[0].split(" (")[0].split(" and the run")[0]
             lines.append(f"fault {fault!r} on rank {rank}: run ended ({e.kind}: {first}); processes left: 0")
         else:
             raise AssertionError(f"fault {fault!r} did not end the run")
