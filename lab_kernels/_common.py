@@ -39,6 +39,92 @@ def interpreted() -> bool:
     return INTERPRETED
 
 
+# ---------------------------------------------------------------------------------------------
+# Whether this interpreter works at all.  Found on the GPU machine's stack (triton 3.6 with
+# numpy >= 2.4): the interpreter converts a scalar argument to an index with ``int()`` of a
+# 1-element array, which numpy 2.5 refuses ("only 0-dimensional arrays can be converted to
+# Python scalars"), so every kernel with a loop bound taken from an argument raises.  The
+# capability is probed with a tiny call, never assumed from version numbers; triton's own
+# later fix (``int(data.squeeze())``) is applied once when the probe fails that way, and the
+# probe run again.  The verdict (None, or the reason in words) is cached for the process.
+
+
+@triton.jit
+def _interpreter_probe_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    """y[0:BLOCK] = sum over k of x[k*BLOCK : (k+1)*BLOCK] (masked tail): a loop bound from an argument."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(y_ptr + tl.arange(0, BLOCK), acc)
+
+
+def _run_interpreter_probe() -> str | None:
+    n, block = 20, 8
+    x = torch.arange(n, dtype=torch.float32)
+    y = torch.full((block,), float("nan"))
+    try:
+        _interpreter_probe_kernel[(1,)](x, y, n, BLOCK=block)
+    except Exception as e:  # noqa: BLE001 - the failure is the verdict
+        cause = e.__cause__ or e
+        return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+    want = torch.nn.functional.pad(x, (0, 24 - n)).reshape(3, block).sum(0)
+    if not torch.equal(y, want):
+        return f"wrong result: {y.tolist()} instead of {want.tolist()}"
+    return None
+
+
+def _shim_scalar_index() -> bool:
+    """Index a scalar through ``squeeze()`` (triton >= 3.7's own code); False when this triton has no such hook."""
+    try:
+        from triton.runtime import interpreter as ti  # noqa: PLC0415  (only where the interpreter runs)
+    except ImportError:
+        return False
+    orig = getattr(ti, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_perflab_shim", False):
+        return False
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched._perflab_shim = True
+    ti._patch_lang_tensor = patched
+    return True
+
+
+#: What the probe found: None before it ran, else (verdict, note).
+_PROBE: dict = {}
+
+
+def interpreter_why_not() -> str | None:
+    """None when Triton's interpreter runs this package's kernels here, else why not (probed once).
+
+    Only meaningful where :func:`interpreted` is True; a GPU process never calls it."""
+    if "verdict" not in _PROBE:
+        why = _run_interpreter_probe()
+        note = ""
+        if why and "0-dimensional" in why and _shim_scalar_index():
+            first = why
+            why = _run_interpreter_probe()
+            note = f"scalar indices shimmed (without: {first})" if why is None else ""
+        if why:
+            import numpy as np  # noqa: PLC0415  (only to name the version in the reason)
+
+            why = (
+                f"Triton {triton.__version__}'s interpreter cannot run kernels with numpy {np.__version__} "
+                f"here (a tiny probe kernel raised {why})"
+            )
+        _PROBE.update(verdict=why, note=note)
+    return _PROBE["verdict"]
+
+
+def interpreter_note() -> str:
+    """What the probe had to do for the interpreter to work ('' when nothing)."""
+    interpreter_why_not()
+    return _PROBE.get("note", "")
+
+
 def launch(kernel):
     """The launchable form of a kernel inside a registered op: ``wrap_triton`` on a GPU."""
     if INTERPRETED:

@@ -14,8 +14,10 @@ weights (``F.linear`` layout), both quantized along K.
   sm_89+.  MX (E8M0 per 32, swizzled) scales need sm_100 (Blackwell); that path is
   written against torchao's ``to_blocked`` layout and gated by capability.
 * :func:`fp8_matmul_forward` (also ``triton_fp8_matmul``) a tiled FP8 GEMM with an fp32 accumulator and per-tensor
-  or per-row dequant scales applied in the epilogue (sm_89+ on GPU; the interpreter
-  on CPU, for correctness only).
+  or per-row dequant scales applied in the epilogue, which also casts to the output dtype;
+  ``fast_accum`` chooses Hopper's fast accumulation or promotion every BLOCK_K products, the
+  two modes of ``_scaled_mm(use_fast_accum=...)``; :func:`fp8_gemm_tolerance` bounds its
+  error for a given K (sm_89+ on GPU; the interpreter on CPU, for correctness only).
 
 Accumulation model (:func:`accumulate_matmul`)
 ----------------------------------------------
@@ -37,6 +39,7 @@ that many K elements (DeepSeek-V3's "promotion to CUDA cores" every 128);
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -232,7 +235,7 @@ def scaled_mm_why_not(
     if dev.type == "cpu":
         if fam != "fp8" or granularity not in ("tensor", "row"):
             return f"torch._scaled_mm on CPU takes fp8 per-tensor/per-row scales, not {fmt}/{granularity}"
-        return None
+        return _scaled_mm_probe(dev, fmt, fmt_b, granularity, out_dtype)
     cap = _cuda_cap(dev)
     if cap is None:
         return "no CUDA device"
@@ -254,7 +257,41 @@ def scaled_mm_why_not(
                 f"row-wise _scaled_mm with float32 output needs the cuBLAS path (CUDA >= 12.9 build on sm_90); "
                 f"this is CUDA {torch.version.cuda} on sm_{cap[0]}{cap[1]}: ask for out_dtype=bfloat16"
             )
-    return None
+    return _scaled_mm_probe(dev, fmt, fmt_b, granularity, out_dtype)
+
+
+#: Verdicts of :func:`_scaled_mm_probe`, per (device, formats, granularity, output dtype).
+_PROBED: dict[tuple, str | None] = {}
+
+
+def _scaled_mm_probe(dev: torch.device, fmt: str, fmt_b: str, granularity: str, out_dtype) -> str | None:
+    """Try ``torch._scaled_mm`` once on a 16 x 32 x 16 problem of this kind; None when it ran.
+
+    What a torch build accepts changes between releases (torch 2.11's CPU kernel takes
+    per-tensor scales only, 2.13's per-row too), so the rules above are not trusted alone:
+    the call itself is tried, once per process and kind of problem."""
+    key = (str(dev), fmt, fmt_b, granularity, out_dtype)
+    if key not in _PROBED:
+        M, K, N = 16, 32, 16
+        out = out_dtype or torch.bfloat16
+        try:
+            da = torch.ones(M, K, device=dev).to(Q.FORMATS[fmt].elem_format.torch_dtype)
+            db = torch.ones(N, K, device=dev).to(Q.FORMATS[fmt_b].elem_format.torch_dtype)
+            if granularity == "row":
+                sa, sb = torch.ones(M, 1, device=dev), torch.ones(1, N, device=dev)
+            else:
+                sa, sb = torch.ones((), device=dev), torch.ones((), device=dev)
+            y = _run_scaled_mm(("fp8", da, db, sa, sb), out)
+            ok = y.shape == (M, N) and y.dtype == out and bool((y.float() == K).all())
+            _PROBED[key] = None if ok else f"torch._scaled_mm returned a wrong result on a {M}x{K}x{N} probe"
+        except Exception as e:  # noqa: BLE001 - the refusal is the verdict
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            _PROBED[key] = (
+                f"torch {torch.__version__} refuses {granularity}-scaled _scaled_mm {fmt} x {fmt_b} -> "
+                f"{str(out).replace('torch.', '')} on {dev.type} (a {M}x{K}x{N} probe raised {type(e).__name__}: "
+                f"{first[:300]})"
+            )
+    return _PROBED[key]
 
 
 def scaled_mm(
@@ -312,6 +349,26 @@ def _run_scaled_mm(p, out_dtype, use_fast_accum=False):
 
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fp8_gemm_tolerance(K: int, *, fast_accum: bool, out_dtype: torch.dtype = torch.bfloat16) -> float:
+    """Bound on ||y - ref||_F / ||ref||_F of an FP8 GEMM against float64 of its dequantized operands.
+
+    Output rounding: 2^-8 for bfloat16 (2^-9 per element, doubled), 2^-11 for float16, 2^-20 for
+    float32.  Accumulation (the :data:`ACCUMULATIONS` model of Hopper's fp8 adder: 13 explicit
+    mantissa bits, truncated, updated every 32 products): fast accumulation is never promoted,
+    so its error grows with K, (K / 32) * 2^-13; promoted accumulation keeps at most 128
+    products in that adder, 4 * 2^-13, plus fp32's K * 2^-24 over the whole sum."""
+    if isinstance(K, bool) or not isinstance(K, int) or K < 1:
+        raise ValueError(f"parameter 'K' = {K!r} is not allowed: expected a positive integer")
+    out = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-20}.get(out_dtype)
+    if out is None:
+        raise ValueError(f"parameter 'out_dtype' = {out_dtype} is not allowed: expected bfloat16, float16 or float32")
+    acc = math.ceil(K / 32) * 2.0**-13 if fast_accum else 4 * 2.0**-13 + K * 2.0**-24
+    return out + acc
+
+
 # Hopper tiles for the FP8 GEMM (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps): 128-wide
 # tiles with K steps of 64+ fp8 elements and a 3-4 stage pipeline lower to wgmma on sm_90
 # (tests/test_lowp_matmul.py compiles each for sm_90 and checks); the autotuner picks one per
@@ -342,6 +399,7 @@ def _fp8_matmul_fwd_kernel(
     stride_cm,
     stride_cn,
     ROW_SCALES: tl.constexpr,
+    FAST_ACCUM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -349,7 +407,12 @@ def _fp8_matmul_fwd_kernel(
     """C[M, N] = (A[M, K] @ B[N, K]^T) * sa * sb with fp8 A, B and an fp32 accumulator.
 
     sa, sb: dequant multipliers, per tensor (scalars) or per row of A / row of B.
-    Traffic: M*K + N*K bytes of fp8 in (once per tile row/column with reuse), M*N*4 out.
+    ``FAST_ACCUM``: Hopper's fast accumulation (Triton's default for fp8 on sm_90: the whole K
+    loop accumulates inside the tensor cores' limited-precision adder); otherwise each tile's
+    BLOCK_K products are promoted into the fp32 accumulator (``max_num_imprecise_acc=BLOCK_K``),
+    as ``_scaled_mm(use_fast_accum=False)`` promotes periodically.  C is stored in its own dtype
+    (the epilogue casts; no second kernel).
+    Traffic: M*K + N*K bytes of fp8 in (once per tile row/column with reuse), M*N*sizeof(C) out.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -369,14 +432,18 @@ def _fp8_matmul_fwd_kernel(
             mask=(rn[None, :] < N) & (ka[:, None] < K),
             other=0.0,
         )
-        acc = tl.dot(a, b, acc)
+        if FAST_ACCUM:
+            acc = tl.dot(a, b, acc)
+        else:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
     if ROW_SCALES:
         sa = tl.load(sa_ptr + rm, mask=rm < M, other=0.0)
         sb = tl.load(sb_ptr + rn, mask=rn < N, other=0.0)
         acc = acc * sa[:, None] * sb[None, :]
     else:
         acc = acc * tl.load(sa_ptr) * tl.load(sb_ptr)
-    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    c = acc.to(c_ptr.dtype.element_ty)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, c, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 #: The configs the GPU autotunes over (tests compile exactly these for sm_90).
@@ -384,9 +451,9 @@ FP8_AUTOTUNE_CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=st, num_warps=nw)
     for bm, bn, bk, st, nw in FP8_TILES
 ]
-_fp8_matmul_fwd_autotuned = triton.autotune(configs=FP8_AUTOTUNE_CONFIGS, key=["M", "N", "K", "ROW_SCALES"])(
-    _fp8_matmul_fwd_kernel
-)
+_fp8_matmul_fwd_autotuned = triton.autotune(
+    configs=FP8_AUTOTUNE_CONFIGS, key=["M", "N", "K", "ROW_SCALES", "FAST_ACCUM"]
+)(_fp8_matmul_fwd_kernel)
 
 
 def _check_fp8_operands(a_fp8, b_fp8, sa, sb) -> None:
@@ -419,17 +486,27 @@ def fp8_matmul_forward(
     sb: torch.Tensor,
     *,
     out_dtype: torch.dtype = torch.float32,
+    fast_accum: bool = False,
     block: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """FP8 GEMM: a_fp8 (M, K), b_fp8 (N, K) ``torch.float8_e4m3fn``/``float8_e5m2``; sa/sb
-    dequant multipliers (one element per tensor, or (M,)/(N,) per row) -> (M, N) ``out_dtype``.
+    dequant multipliers (one element per tensor, or (M,)/(N,) per row) -> (M, N) ``out_dtype``,
+    written by the kernel itself (float32, bfloat16 or float16).
 
+    ``fast_accum``: accumulate as ``_scaled_mm(use_fast_accum=True)`` does (Hopper's fast
+    accumulation, never promoted); False (default) promotes to fp32 every BLOCK_K products, the
+    counterpart of ``use_fast_accum=False``.  The interpreter accumulates in fp32 either way.
     ``block`` = (BLOCK_M, BLOCK_N, BLOCK_K) runs that tile; by default the GPU autotunes over
     :data:`FP8_TILES` and the interpreter runs :data:`INTERPRETER_TILE`."""
     _check_fp8_operands(a_fp8, b_fp8, sa, sb)
+    if out_dtype not in FP8_OUT_DTYPES:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in FP8_OUT_DTYPES)
+        raise ValueError(f"lowp_matmul: parameter 'out_dtype' = {out_dtype} is not allowed: expected one of {allowed}")
+    if not isinstance(fast_accum, bool):
+        raise ValueError(f"lowp_matmul: parameter 'fast_accum' = {fast_accum!r} is not allowed: expected True or False")
     M, K = a_fp8.shape
     N = b_fp8.shape[0]
-    c = torch.empty(M, N, dtype=torch.float32, device=a_fp8.device)
+    c = torch.empty(M, N, dtype=out_dtype, device=a_fp8.device)
     row = sa.numel() > 1 or sb.numel() > 1
     sa_ = sa.float().reshape(-1).contiguous()
     sb_ = sb.float().reshape(-1).contiguous()
@@ -442,21 +519,21 @@ def fp8_matmul_forward(
         def grid(meta):
             return (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))
 
-        _fp8_matmul_fwd_autotuned[grid](*args, ROW_SCALES=row)
+        _fp8_matmul_fwd_autotuned[grid](*args, ROW_SCALES=row, FAST_ACCUM=fast_accum)
     else:
         BM, BN, BK = block or INTERPRETER_TILE
         _fp8_matmul_fwd_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
-            *args, ROW_SCALES=row, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK
+            *args, ROW_SCALES=row, FAST_ACCUM=fast_accum, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK
         )
-    return c.to(out_dtype)
+    return c
 
 
 triton_fp8_matmul = fp8_matmul_forward  # the name callers used first (lab_utils.numerics)
 
 
-def triton_fp8_linear(a, b, fmt="fp8_e4m3", *, granularity="tensor", out_dtype=torch.float32, **_):
+def triton_fp8_linear(a, b, fmt="fp8_e4m3", *, granularity="tensor", out_dtype=torch.float32, fast_accum=False, **_):
     p = prepare_scaled_mm_any(a, b, fmt, granularity=granularity)
-    return fp8_matmul_forward(p[1], p[2], p[3], p[4], out_dtype=out_dtype)
+    return fp8_matmul_forward(p[1], p[2], p[3], p[4], out_dtype=out_dtype, fast_accum=fast_accum)
 
 
 def prepare_scaled_mm_any(a, b, fmt="fp8_e4m3", *, fmt_b=None, granularity="tensor"):

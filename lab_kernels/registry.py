@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ._common import FLOAT_DTYPES, compiled, interpreted
+from ._common import FLOAT_DTYPES, compiled, interpreted, interpreter_why_not
 
 KINDS = ("reference", "eager", "compile", "triton", "library")
 
@@ -59,6 +59,8 @@ class Variant:
                 f"{self.op}/{self.name} is a Triton kernel; on CPU it needs "
                 "TRITON_INTERPRET=1 set before lab_kernels is imported"
             )
+        if self.kind == "triton" and dev == "cpu" and interpreter_why_not():
+            return f"{self.op}/{self.name}: {interpreter_why_not()}"
         if self.kind == "triton" and dev == "cuda" and interpreted():
             return f"{self.op}/{self.name}: TRITON_INTERPRET=1 is set, kernels would not run on the GPU"
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:

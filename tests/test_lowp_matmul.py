@@ -129,16 +129,21 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import lab_kernels.lowp_matmul as L
+import re
 kern = L._fp8_matmul_fwd_kernel
-for dt in ("fp8e4nv", "fp8e5"):
-    for cfg in L.FP8_AUTOTUNE_CONFIGS:
-        const = dict(ROW_SCALES=True, **cfg.kwargs)
-        p = dict(a_ptr="*" + dt, b_ptr="*" + dt, c_ptr="*fp32", sa_ptr="*fp32", sb_ptr="*fp32")
-        sig = {a: "constexpr" if a in const else p.get(a, "i32") for a in kern.arg_names}
-        k = triton.compile(ASTSource(fn=kern, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-        mma = "wgmma" if "wgmma.mma_async" in k.asm["ptx"] else "mma.sync" if "mma.sync" in k.asm["ptx"] else "none"
-        print(dt, tuple(cfg.kwargs.values()), cfg.num_stages, cfg.num_warps, mma, k.metadata.shared)
+# e4m3 in both accumulation modes, e5m2 in the default (promoted) one; the output is bfloat16
+for dt, modes in (("fp8e4nv", (False, True)), ("fp8e5", (False,))):
+    for fast in modes:
+        for cfg in L.FP8_AUTOTUNE_CONFIGS:
+            const = dict(ROW_SCALES=True, FAST_ACCUM=fast, **cfg.kwargs)
+            p = dict(a_ptr="*" + dt, b_ptr="*" + dt, c_ptr="*bf16", sa_ptr="*fp32", sb_ptr="*fp32")
+            sig = {a: "constexpr" if a in const else p.get(a, "i32") for a in kern.arg_names}
+            k = triton.compile(ASTSource(fn=kern, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+            ptx = k.asm["ptx"]
+            mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
+            imprecise = re.findall(r"maxNumImpreciseAcc = (\d+)", k.asm["ttgir"])
+            print(dt, fast, cfg.kwargs["BLOCK_K"], ",".join(imprecise) or "-", mma, k.metadata.shared)
 """
 
 
@@ -152,11 +157,14 @@ def test_fp8_gemm_runtime_tiles_compile_to_wgmma_for_hopper():
         pytest.skip("this triton install has no ptxas to compile with")
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
-    assert len(lines) == 2 * len(L.FP8_TILES), r.stdout
+    assert len(lines) == 3 * len(L.FP8_TILES), r.stdout
     for line in lines:
-        *_, mma, shared = line.split()
+        _, fast, block_k, imprecise, mma, shared = line.split()
         assert mma == "wgmma", line
         assert int(shared) <= 227 * 1024, line
+        # fast: Triton's sm_90 default (never promoted); else promoted to fp32 every BLOCK_K products,
+        # the counterpart of _scaled_mm(use_fast_accum=False)
+        assert imprecise == (str(2**30) if fast == "True" else block_k), line
 
 
 def test_capability_reasons():
@@ -192,6 +200,7 @@ def fake_cuda(monkeypatch):
     """Pretend a CUDA device of a given capability and CUDA version exists (for why_not only)."""
 
     def set_(cap, cuda_version):
+        monkeypatch.setattr(L, "_scaled_mm_probe", lambda *a: None)  # nothing to call on a pretend device
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
         monkeypatch.setattr(torch.version, "cuda", cuda_version)
@@ -224,3 +233,79 @@ def test_scaled_mm_on_gpu():  # pragma: no cover - no GPU here
             continue
         y = L.scaled_mm(a, b, fmt, granularity=gran, out_dtype=torch.float32)
         assert sqnr_db(y.cpu(), L.reference_matmul(a.cpu(), b.cpu())) > 25
+
+
+def test_fp8_gemm_writes_its_output_dtype_itself(gen, monkeypatch):
+    """The kernel's epilogue stores bfloat16: no float32 (M, N) buffer and no second cast kernel
+    (it used to write float32 and call .to(out_dtype) after, which a fair timing must not include)."""
+    a, b = torch.randn(37, 80, generator=gen), torch.randn(45, 80, generator=gen) / 9
+    p = L.prepare_scaled_mm_any(a, b, "fp8_e4m3", granularity="row")
+    made = []
+    real_empty = torch.empty
+
+    def spy(*size, **kw):
+        t = real_empty(*size, **kw)
+        made.append((tuple(t.shape), t.dtype))
+        return t
+
+    monkeypatch.setattr(torch, "empty", spy)
+    y = L.fp8_matmul_forward(p[1], p[2], p[3], p[4], out_dtype=torch.bfloat16)
+    monkeypatch.undo()
+    assert y.dtype == torch.bfloat16 and y.shape == (37, 45)
+    assert [m for m in made if m[0] == (37, 45)] == [((37, 45), torch.bfloat16)], made
+    a64 = p[1].double() * p[3].double()[:, None]
+    b64 = p[2].double() * p[4].double()[:, None]
+    ref = a64 @ b64.T
+    assert rel_error(y.float(), ref) <= L.fp8_gemm_tolerance(80, fast_accum=False, out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="parameter 'out_dtype' = torch.int32 is not allowed"):
+        L.fp8_matmul_forward(p[1], p[2], p[3], p[4], out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="parameter 'fast_accum' = 1 is not allowed"):
+        L.fp8_matmul_forward(p[1], p[2], p[3], p[4], fast_accum=1)
+
+
+def test_fp8_gemm_tolerance_depends_on_k_and_the_accumulation():
+    """A fixed 1e-2 was too loose at small K and too tight for fast accumulation at large K:
+    Hopper's never-promoted adder (13 bits, truncated) loses about 2^-13 per 32 products."""
+    tol = L.fp8_gemm_tolerance
+    assert tol(8192, fast_accum=True) > tol(4096, fast_accum=True) > tol(96, fast_accum=True)
+    assert tol(8192, fast_accum=True) > 3e-2 > tol(8192, fast_accum=False)  # 256 unpromoted updates
+    assert tol(96, fast_accum=False) < 5e-3  # the bf16 output's rounding dominates a short K
+    assert tol(96, fast_accum=False, out_dtype=torch.float32) < tol(96, fast_accum=False)
+    # the accumulation model of this module stays within the bound it documents (same-sign
+    # products, the worst case for a truncating adder)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.rand(8, 4096, generator=g), torch.rand(6, 4096, generator=g)
+    ref = L.reference_matmul(a, b)
+    fast = rel_error(L.accumulate_matmul(a, b, "fp8_fast"), ref)
+    promoted = rel_error(L.accumulate_matmul(a, b, "fp8_fast_promote128"), ref)
+    assert promoted < tol(4096, fast_accum=False, out_dtype=torch.float32) < fast < tol(4096, fast_accum=True)
+    with pytest.raises(ValueError, match="parameter 'K' = 0"):
+        tol(0, fast_accum=False)
+    with pytest.raises(ValueError, match="parameter 'out_dtype'"):
+        tol(64, fast_accum=False, out_dtype=torch.int8)
+
+
+def test_scaled_mm_why_not_probes_what_this_torch_accepts(monkeypatch):
+    """torch 2.11's CPU _scaled_mm takes per-tensor scales only; the rules alone said row-wise
+    scales run.  The capability is a tiny real call, cached per kind of problem."""
+    real = torch._scaled_mm
+    calls = []
+
+    def torch_2_11(a, b, *, scale_a, scale_b, **kw):
+        calls.append(scale_a.numel())
+        if a.device.type == "cpu" and (scale_a.numel() != 1 or scale_b.numel() != 1):
+            raise RuntimeError(
+                "(scale_a.numel() == 1 && scale_b.numel() == 1) INTERNAL ASSERT FAILED at Blas.cpp:249. "
+                "Now _scaled_mm only supports per-tensor scaling for CPU backend."
+            )
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, **kw)
+
+    monkeypatch.setattr(L, "_PROBED", {})
+    monkeypatch.setattr(torch, "_scaled_mm", torch_2_11)
+    why = L.scaled_mm_why_not("cpu", fmt="fp8_e4m3", granularity="row")
+    assert why and "refuses row-scaled _scaled_mm" in why and "only supports per-tensor scaling" in why
+    assert L.scaled_mm_why_not("cpu", fmt="fp8_e4m3", granularity="tensor") is None
+    n = len(calls)
+    assert L.scaled_mm_why_not("cpu", fmt="fp8_e4m3", granularity="row") == why and len(calls) == n  # cached
+    with pytest.raises(RuntimeError, match="only supports per-tensor"):
+        L.prepare_scaled_mm(torch.randn(4, 32), torch.randn(4, 32), granularity="row")  # refused, with the reason
