@@ -5,8 +5,9 @@ Design note
 -----------
 * A **step profile** (:class:`StepProfile`) is lab 01's profiler run on one
   :class:`~lab_utils.model.train.TrainConfig`: per phase the median over the profiled
-  steps (the checkpoint phase as its mean, so a save every N steps is amortized), the
-  unattributed rest as phase ``other``, peak memory, FLOPs and tokens per step.
+  steps (a checkpoint saved every N steps: its median cost per save / N, the one rule of
+  :func:`lab_utils.profiler.phase_figure` that lab 01 uses too), the unattributed rest as
+  phase ``other``, peak memory, FLOPs and tokens per step.
 * A lever's **effect** is measured at the step's own shapes by profiling the same step
   with only that seam changed: a ratio per phase the lever declares
   (:data:`lab_utils.levers.LEVERS`) and a peak-memory delta.
@@ -38,12 +39,11 @@ from .config import ConfigError
 from .device import datasheet_for, device_info, pick_device
 from .levers import LEVERS, Excluded, candidates, check_levers
 from .model.train import PHASES, TrainConfig, Trainer
-from .profiler import ProfileReport, profile_training
+from .profiler import ProfileReport, phase_figure, profile_training
 from .timing import choose_cpu_threads, cpu_threads, judge_samples
 
 OTHER = "other"
 ALL_PHASES = (*PHASES, OTHER)
-AMORTIZED = ("checkpoint",)  # phases that run on some steps only: their mean, not median
 #: how a phase's per-step times become one figure: "median", or "min" (the least disturbed
 #: step, for a shared CPU where other processes stall some steps)
 STATISTICS = ("median", "min")
@@ -61,6 +61,7 @@ class StepProfile:
     stability: str = ""
     seams: dict = field(default_factory=dict)
     threads: int = 0  # CPU intra-op threads of the measurement
+    periodic: dict = field(default_factory=dict)  # phase -> (N, ms per occurrence): run every N steps
 
     @property
     def total_ms(self) -> float:
@@ -75,21 +76,23 @@ def profile_from_report(
         raise ConfigError("statistic", statistic, "one of " + ", ".join(STATISTICS))
     a = report.analysis
     steps = list(a.steps.step)
-    wide = a.phases.pivot_table(index="step", columns="phase", values="ms", aggfunc="sum").reindex(steps).fillna(0.0)
+    wide = report.phase_frame()
     st = a.steps.set_index("step").reindex(steps)
     wide[OTHER] = (st.step_ms - st.phase_sum_ms).clip(lower=0.0).to_numpy()
-    phases, spread = {}, {}
+    phases, spread, periodic = {}, {}, {}
     for p in ALL_PHASES:
-        x = wide[p].to_numpy(float) if p in wide else np.zeros(len(steps))
-        pick = np.min if statistic == "min" and len(x) else np.median
-        mid = float(x.mean() if p in AMORTIZED else pick(x)) if len(x) else 0.0
-        phases[p] = mid
-        lo, hi = np.quantile(x, [0.2, 0.8]) if len(x) else (0.0, 0.0)
-        spread[p] = float((hi - lo) / mid) if mid > 0 else 0.0
+        f = phase_figure(
+            p, wide[p] if p in wide else np.zeros(len(steps)), report.periods.get(p, 1), statistic=statistic
+        )
+        phases[p] = f.ms  # a checkpoint every N steps: its cost per save / N (profiler.PERIODIC_RULE)
+        lo, hi = np.quantile(f.samples, [0.2, 0.8]) if f.samples else (0.0, 0.0)
+        spread[p] = float((hi - lo) / f.per_event_ms) if f.per_event_ms > 0 else 0.0
+        if f.periodic:
+            periodic[p] = (f.every, f.per_event_ms)
     hist = trainer.history[-len(steps) :] if trainer is not None else []
     tokens = float(np.mean([cfg.batch_size * r.grid[0] * r.grid[1] for r in hist])) if hist else math.nan
     peak = a.peak_allocated_bytes if report.cuda_peak_bytes is None else report.cuda_peak_bytes
-    samples = tuple(float(s) for s in st.step_ms)
+    samples = tuple(float(s) for s in report.amortised_step_ms)
     return StepProfile(
         phases=phases,
         spread=spread,
@@ -99,6 +102,7 @@ def profile_from_report(
         step_samples=samples,
         stability=str(judge_samples(samples)),
         seams=cfg.to_dict(),
+        periodic=periodic,
     )
 
 
@@ -142,6 +146,7 @@ def merge_profiles(a: StepProfile, b: StepProfile, *, statistic: str = "median")
         phases={p: pick(a.phases[p], b.phases.get(p, a.phases[p])) for p in a.phases},
         spread={p: max(a.spread[p], b.spread.get(p, 0.0)) for p in a.spread},
         peak_mib=min(a.peak_mib, b.peak_mib),
+        periodic={p: (n, n * pick(a.phases[p], b.phases.get(p, a.phases[p]))) for p, (n, _) in a.periodic.items()},
         step_samples=samples,
         stability=str(judge_samples(samples)),
     )

@@ -23,6 +23,14 @@ the trace it links.
   compute; model FLOPs, so activation recompute is not counted).  Achieved TFLOP/s =
   FLOPs / profiled step time; MFU against the measured matmul ceiling
   (``lab_utils.ceilings``) and the datasheet peak (``lab_utils.device``).
+* noise: every figure is kept per profiled step (the ``samples`` of its record) and judged
+  like any timing (:func:`lab_utils.timing.judge_samples`), so ``perflab compare`` calls a
+  disturbed figure noisy instead of slower or faster.
+* periodic phases (a checkpoint saved every N steps): one rule, :func:`phase_figure`, for
+  every lab: the phase's cost per step is the median cost of one occurrence (over the
+  profiled steps that ran it) divided by N, shown beside that full per-event cost; its
+  samples are the occurrences.  The step time is amortised the same way (each profiled
+  step without its periodic phases, plus their amortised cost).
 * memory: the profiler's allocation events give "allocated bytes" over time (on CPU
   this counts allocations made while profiling, relative to its start; on CUDA it is
   the caching allocator's total).  On CUDA the allocator's history is also recorded
@@ -35,9 +43,11 @@ import math
 import os
 import pickle
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 from torch.cuda._memory_viz import trace_plot
@@ -46,7 +56,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .config import ConfigError
 from .model import build_model
-from .model.train import Trainer, artifacts_dir, rf_loss, synthetic_batch
+from .model.train import PHASES, Trainer, artifacts_dir, rf_loss, synthetic_batch
+from .timing import Stability, judge_samples
 from .traces import CATEGORIES, IDLE, TraceAnalysis, analyse_trace, categorize
 
 # --------------------------------------------------------------------------------------
@@ -106,6 +117,65 @@ def training_step_flops(model_cfg, batch_size: int, grid: tuple[int, int], txt_l
 
 
 # --------------------------------------------------------------------------------------
+# Phases that run every N steps: one rule for every lab
+# --------------------------------------------------------------------------------------
+
+PERIODIC_RULE = "a phase run every N steps counts as its median cost per occurrence / N per step"
+
+
+@dataclass(frozen=True)
+class PhaseFigure:
+    """One phase's time per step, with the samples and the verdict it is judged by.
+
+    ``every`` = 1: ``samples`` are the phase's time in each profiled step and ``ms`` their
+    median (or minimum).  ``every`` = N > 1 (a checkpoint every N steps): ``samples`` are the
+    occurrences' costs, ``per_event_ms`` their median and ``ms`` = ``per_event_ms`` / N, the
+    cost amortised per step (:data:`PERIODIC_RULE`)."""
+
+    phase: str
+    ms: float  # per step (amortised when every > 1)
+    every: int
+    per_event_ms: float  # the full cost of one occurrence (NaN: none in the profiled steps)
+    events: int  # occurrences in the profiled steps
+    samples: tuple
+    verdict: Stability
+
+    @property
+    def periodic(self) -> bool:
+        return self.every > 1
+
+    @property
+    def note(self) -> str:
+        """The rule, in words, with this phase's numbers (empty for a phase run every step)."""
+        if not self.periodic:
+            return ""
+        if not self.events:
+            return f"{self.phase} every {self.every} steps: none in the profiled steps, counted as 0 ms per step"
+        return (
+            f"{self.phase} every {self.every} steps: {self.per_event_ms:.4g} ms per {self.phase} "
+            f"(median of {self.events}), amortised as {self.ms:.4g} ms per step"
+        )
+
+
+def phase_figure(phase: str, per_step_ms: Sequence[float], every: int = 1, *, statistic: str = "median") -> PhaseFigure:
+    """A phase's figure per step from its time in each profiled step (0 where it did not
+    run); ``every`` = N > 1 applies :data:`PERIODIC_RULE`.  ``statistic``: "median" or "min"."""
+    x = np.asarray([float(v) for v in per_step_ms], dtype=float)
+    every = max(int(every or 1), 1)
+    pick = np.min if statistic == "min" else np.median
+    samples = x[x > 0] if every > 1 else x
+    mid = float(pick(samples)) if samples.size else (math.nan if every > 1 else 0.0)
+    per_step = (mid / every if samples.size else 0.0) if every > 1 else mid
+    return PhaseFigure(phase, per_step, every, mid, int((x > 0).sum()), tuple(samples.tolist()), judge_samples(samples))
+
+
+def periodic_note(figures: Sequence[PhaseFigure]) -> str:
+    """What a figure of phases per step states about its periodic phases ("" if none)."""
+    notes = [f.note for f in figures if f.periodic]
+    return "; ".join(notes)
+
+
+# --------------------------------------------------------------------------------------
 # Profiling a trainer
 # --------------------------------------------------------------------------------------
 
@@ -119,20 +189,57 @@ class ProfileReport:
     memory_html_path: Path | None = None
     cuda_peak_bytes: float | None = None
     notes: list[str] = field(default_factory=list)
+    periods: dict = field(default_factory=dict)  # phase -> N: runs every N steps (a checkpoint)
+
+    def phase_frame(self) -> pd.DataFrame:
+        """ms of each phase (columns, in ``PHASES`` order) in each profiled step (rows), 0 where
+        a phase did not run in a step."""
+        a = self.analysis
+        steps = list(a.steps.step)
+        if not len(a.phases):
+            return pd.DataFrame(index=pd.Index(steps, name="step"))
+        wide = a.phases.pivot_table(index="step", columns="phase", values="ms", aggfunc="sum")
+        wide = wide.reindex(steps).fillna(0.0)
+        return wide[[p for p in PHASES if p in wide.columns]]
+
+    def phase_figures(self, statistic: str = "median") -> list[PhaseFigure]:
+        """Each phase's figure per step (:func:`phase_figure`; periodic phases amortised)."""
+        wide = self.phase_frame()
+        return [phase_figure(p, wide[p], self.periods.get(p, 1), statistic=statistic) for p in wide.columns]
+
+    @property
+    def amortised_step_ms(self) -> np.ndarray:
+        """Each profiled step's time with its periodic phases replaced by their amortised cost
+        (:data:`PERIODIC_RULE`): the per-step samples of the step time."""
+        ms = self.analysis.steps.step_ms.to_numpy(float).copy()
+        wide = self.phase_frame()
+        for f in self.phase_figures():
+            if f.periodic:
+                ms += f.ms - wide[f.phase].to_numpy(float)
+        return ms
 
     @property
     def steps(self) -> pd.DataFrame:
         df = self.analysis.steps.copy()
+        df["amortised_ms"] = self.amortised_step_ms
         df["flops"] = self.step_flops[: len(df)]
-        df["tflops"] = df.flops / (df.step_ms * 1e-3) / 1e12
+        df["tflops"] = df.flops / (df.amortised_ms * 1e-3) / 1e12
         return df
 
+    @property
+    def step_verdict(self) -> Stability:
+        """The stability verdict of the (amortised) step times; the figures computed from
+        them (TFLOP/s, MFU) take it."""
+        return judge_samples(self.amortised_step_ms)
+
     def mfu(self, ceilings=None, datasheet=None, dtype: str = "fp32") -> pd.DataFrame:
-        """Achieved TFLOP/s over the profiled steps (total FLOPs / total step time) and
-        its share of the measured matmul ceiling and of the datasheet peak."""
+        """Achieved TFLOP/s over the profiled steps (total FLOPs / total amortised step time)
+        and its share of the measured matmul ceiling and of the datasheet peak; ``samples``:
+        the same figure per profiled step."""
         st = self.steps
-        achieved = float(st.flops.sum() / (st.step_ms.sum() * 1e-3) / 1e12)
-        rows = [dict(quantity="achieved", dtype=dtype, tflops=achieved, pct=None, reference="")]
+        achieved = float(st.flops.sum() / (st.amortised_ms.sum() * 1e-3) / 1e12)
+        per_step = st.tflops.to_numpy(float)
+        rows = [dict(quantity="achieved", dtype=dtype, tflops=achieved, pct=None, reference="", samples=per_step)]
         peak_meas = ceilings.matmul(dtype) if ceilings is not None else None
         if peak_meas:
             rows.append(
@@ -142,6 +249,7 @@ class ProfileReport:
                     tflops=peak_meas,
                     pct=100 * achieved / peak_meas,
                     reference="lab_utils.ceilings",
+                    samples=100 * per_step / peak_meas,
                 )
             )
         if datasheet is not None:
@@ -161,6 +269,7 @@ class ProfileReport:
                         tflops=ds,
                         pct=100 * achieved / ds,
                         reference=datasheet.source,
+                        samples=100 * per_step / ds,
                     )
                 )
         return pd.DataFrame(rows)
@@ -168,20 +277,11 @@ class ProfileReport:
     def record(
         self, rec, *, variant: str = "profile", ceilings=None, datasheet=None, dtype: str = "fp32", shape: str = ""
     ) -> None:
-        """Write the report's numbers as records (one row per number, plus the trace path)."""
+        """Write the report's numbers as records (one row per number, plus the trace path).
+        Every time figure keeps its per-step ``samples`` and their stability verdict."""
         a = self.analysis
         st = self.steps
         for r in st.itertuples():
-            rec.add(
-                "step",
-                variant,
-                "step_time",
-                r.step_ms,
-                "ms",
-                shape=shape,
-                statistic=f"step{r.step}",
-                source="torch.profiler ProfilerStep range",
-            )
             rec.add("step", variant, "phase_coverage", 100 * r.coverage, "%", shape=shape, statistic=f"step{r.step}")
             rec.add(
                 "step",
@@ -193,44 +293,82 @@ class ProfileReport:
                 statistic=f"step{r.step}",
                 method="FlopCounterMode fwd+bwd on meta",
             )
+        step_v = self.step_verdict
         rec.add(
             "step",
             variant,
             "step_time",
-            float(st.step_ms.median()),
+            float(st.amortised_ms.median()),
             "ms",
             shape=shape,
             statistic="median",
-            samples=list(st.step_ms),
+            source="torch.profiler ProfilerStep range",
+            **_judged(st.amortised_ms, step_v),
+            **({"rule": PERIODIC_RULE, "periods": self.periods} if self.periods else {}),
         )
-        for r in a.phases.groupby("phase", sort=False).ms.median().items():
-            rec.add("phases", r[0], "time", r[1], "ms", shape=shape, statistic="median")
-        for r in a.categories.itertuples():
+        for f in self.phase_figures():
+            extra = dict(every=f.every, per_event_ms=f.per_event_ms, events=f.events, rule=PERIODIC_RULE)
             rec.add(
-                "categories",
-                r.category,
+                "phases",
+                f.phase,
                 "time",
-                r.ms,
+                f.ms,
                 "ms",
                 shape=shape,
-                statistic="sum",
-                pct_of_step=r.pct_of_step,
-                source=a.source,
+                statistic="median",
+                **_judged(f.samples, f.verdict),
+                **(extra if f.periodic else {}),
             )
+            if f.periodic:
+                rec.add(
+                    "phases",
+                    f.phase,
+                    "time_per_event",
+                    f.per_event_ms,
+                    "ms",
+                    shape=shape,
+                    statistic="median",
+                    samples=list(f.samples) if f.events else None,
+                    every=f.every,
+                )
+        step_total = float(st.step_ms.median())
+        by_step = a.categories_by_step.pivot_table(index="step", columns="category", values="ms", aggfunc="sum")
+        for c in a.categories.category:
+            x = by_step[c].to_numpy(float) if c in by_step else np.zeros(len(st))
+            med = float(np.median(x)) if len(x) else 0.0
+            rec.add(
+                "categories",
+                c,
+                "time",
+                med,
+                "ms",
+                shape=shape,
+                statistic="median",
+                pct_of_step=100 * med / step_total if step_total > 0 else math.nan,
+                source=a.source,
+                **_judged(x),
+            )
+        ops = a.top_ops_by_step
         for r in a.top_ops.itertuples():
+            x = ops[ops.name == r.name].ms.to_numpy(float) if ops is not None else np.asarray([r.ms / len(st)])
+            med = float(np.median(x))
             rec.add(
                 "top_ops",
                 r.name,
                 "time",
-                r.ms,
+                med,
                 "ms",
                 shape=shape,
-                statistic="sum",
-                calls=r.calls,
+                statistic="median",
+                calls_per_step=r.calls / len(st),
                 category=r.category,
-                pct_of_step=r.pct_of_step,
+                pct_of_step=100 * med / step_total if step_total > 0 else math.nan,
+                **_judged(x),
             )
         for r in self.mfu(ceilings, datasheet, dtype).itertuples():
+            judged = dict(
+                samples=list(r.samples), stable=step_v.stable, stability=f"from the step time's: {step_v.reason}"
+            )
             if r.quantity == "achieved":
                 rec.add(
                     "mfu",
@@ -241,7 +379,8 @@ class ProfileReport:
                     shape=shape,
                     dtype=dtype,
                     statistic="total",
-                    formula="sum(flops) / sum(step time)",
+                    formula="sum(flops) / sum(amortised step time)",
+                    **judged,
                 )
             else:
                 rec.add(
@@ -255,6 +394,7 @@ class ProfileReport:
                     statistic="total",
                     peak_tflops=r.tflops,
                     reference=r.reference,
+                    **judged,
                 )
         if not math.isnan(a.peak_allocated_bytes):
             rec.add(
@@ -281,6 +421,17 @@ class ProfileReport:
         _record_artifact(rec, variant, "trace_file", self.trace_path, "chrome-trace-json")
         if self.memory_html_path is not None:
             _record_artifact(rec, variant, "memory_html", self.memory_html_path, "html")
+
+
+def _judged(samples: Sequence[float], verdict: Stability | None = None) -> dict:
+    """``samples`` / ``stable`` / ``stability`` of a time figure: its per-step samples judged by
+    the timing module's rule.  A figure that is 0 in every step (a category nothing ran in,
+    a periodic phase that did not occur) is no timing: no samples, no verdict."""
+    x = [float(v) for v in samples]
+    if not any(v > 0 for v in x):
+        return {}
+    v = verdict or judge_samples(x)
+    return dict(samples=x, stable=v.stable, stability=v.reason)
 
 
 def _record_artifact(rec, variant: str, metric: str, path: Path, fmt: str) -> None:
@@ -346,17 +497,22 @@ def profile_training(
     analysis = analyse_trace(trace_path, "cuda" if cuda else "cpu")
     hist = trainer.history[-active:]
     flops = [training_step_flops(trainer.model_cfg, trainer.cfg.batch_size, r.grid, r.txt_len) for r in hist]
-    return ProfileReport(analysis, trace_path, flops, snap_path, html_path, peak, notes)
+    periods = {"checkpoint": trainer.cfg.ckpt_every} if trainer.cfg.ckpt_every > 1 else {}
+    return ProfileReport(analysis, trace_path, flops, snap_path, html_path, peak, notes, periods)
 
 
 __all__ = [
     "CATEGORIES",
     "IDLE",
+    "PERIODIC_RULE",
+    "PhaseFigure",
     "ProfileReport",
     "TraceAnalysis",
     "analyse_trace",
     "categorize",
     "count_flops",
+    "periodic_note",
+    "phase_figure",
     "profile_training",
     "training_step_flops",
 ]

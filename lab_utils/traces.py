@@ -7,6 +7,8 @@ operators and the allocation curve (what :mod:`lab_utils.profiler` reports).
 * categories: on CUDA from device kernels (kernel name, else the op that launched it);
   on CPU from operators' *self* time (nesting removed, so nothing is counted twice).
   ``idle/gap`` is step time not covered by any kernel (CUDA) or operator (CPU).
+* every figure is also kept per profiled step (``phases``, ``categories_by_step``,
+  ``top_ops_by_step``): the samples a figure's noise is judged from.
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ class TraceAnalysis:
     memory: pd.DataFrame  # t_ms, allocated_mb
     peak_allocated_bytes: float
     categories_by_step: pd.DataFrame  # step, category, ms
+    top_ops_by_step: pd.DataFrame | None = None  # step, name, ms (the top operators, 0 where absent)
 
 
 def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int = 15) -> TraceAnalysis:
@@ -289,6 +292,13 @@ def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int 
     )
     top_ops = top_ops.sort_values("ms", ascending=False).head(top).reset_index(drop=True)
     top_ops["pct_of_step"] = 100 * top_ops.ms / total_step_ms
+    op_step = defaultdict(float)
+    for it in in_steps:
+        op_step[(it[6], it[1])] += it[3] / 1e3
+    top_by_step = pd.DataFrame(
+        [dict(step=k, name=n, ms=op_step.get((k, n), 0.0)) for k, _, _ in windows for n in top_ops.name],
+        columns=["step", "name", "ms"],
+    )
 
     # memory ----------------------------------------------------------------------------
     want = 1 if device_kind == "cuda" else 0
@@ -308,4 +318,6 @@ def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int 
         memory["bin"] = (memory.t_ms / (memory.t_ms.max() / 1500 + 1e-9)).astype(int)
         memory = memory.groupby("bin", as_index=False).agg(t_ms=("t_ms", "first"), allocated_mb=("allocated_mb", "max"))
         memory = memory.drop(columns="bin")
-    return TraceAnalysis(device_kind, source, steps, phases, categories, top_ops, memory, peak, categories_by_step)
+    return TraceAnalysis(
+        device_kind, source, steps, phases, categories, top_ops, memory, peak, categories_by_step, top_by_step
+    )

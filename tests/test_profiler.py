@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -12,13 +15,18 @@ from lab_utils.model.train import PHASES, TrainConfig, Trainer, rf_loss, synthet
 from lab_utils.profiler import (
     CATEGORIES,
     IDLE,
+    PERIODIC_RULE,
+    ProfileReport,
     analyse_trace,
     categorize,
     count_flops,
+    phase_figure,
     profile_training,
     training_step_flops,
 )
 from lab_utils.records import Recorder
+from lab_utils.timing import judge_samples
+from lab_utils.traces import TraceAnalysis
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +47,19 @@ def report(tmp_path_factory):
     tr.checkpointer.dir = out / "ckpt"
     tr.checkpointer.dir.mkdir()
     try:
-        rep = profile_training(tr, active=3, warmup=1, out_dir=out)
+        rep = profile_training(tr, active=STEPS, warmup=1, out_dir=out)
     finally:
         tr.close()
         torch.set_num_threads(n)
     return rep
 
 
+STEPS = 5  # profiled steps: each phase's samples
+
+
 def test_phases_add_up_to_step_time(report):
     st = report.analysis.steps
-    assert len(st) == 3
+    assert len(st) == STEPS
     for r in st.itertuples():
         assert abs(r.phase_sum_ms - r.step_ms) / r.step_ms < 0.05, (r.step, r.phase_sum_ms, r.step_ms)
     seen = set(report.analysis.phases.phase)
@@ -196,3 +207,92 @@ def test_cuda_profile_kernels_and_memory_history(tmp_path, monkeypatch):
         assert abs(r.phase_sum_ms - r.step_ms) / r.step_ms < 0.05
     assert rep.cuda_peak_bytes > 0 and rep.memory_snapshot_path.exists()
     assert rep.memory_html_path is None or rep.memory_html_path.stat().st_size > 0
+
+
+def test_phase_rows_carry_samples_and_the_timing_verdict(report):
+    """Every time figure of the step profile keeps its per-step samples and the verdict the
+    timing module's judge gives them (issue 21, item 5)."""
+    rec = Recorder(lab="01_training_step")
+    report.record(rec)
+    df = rec.frame()
+    phases = df[(df.experiment == "phases") & (df.metric == "time")].set_index("variant")
+    assert set(phases.index) >= {"forward", "backward", "optimizer", "checkpoint"}
+    for phase, r in phases.iterrows():
+        if phase == "checkpoint":  # every 2 steps: one sample per save, the cost per step amortised
+            extra = json.loads(r.extra)
+            assert extra["every"] == 2 and len(r.samples) == extra["events"] >= 2
+            assert r.value == pytest.approx(float(np.median(r.samples)) / 2)
+        else:
+            assert len(r.samples) == STEPS, phase
+        v = judge_samples(r.samples)
+        assert (r.stable, r.stability) == (v.stable, v.reason), phase
+    for exp in ("categories", "top_ops"):
+        rows = df[(df.experiment == exp) & df.samples.notna()]
+        assert len(rows) and all(len(x) == STEPS for x in rows.samples), exp
+        assert rows.stable.notna().all(), exp
+    step = df[(df.metric == "step_time") & (df.statistic == "median")]
+    assert len(step) == 1 and len(step.samples.iloc[0]) == STEPS and step.stable.notna().all()
+    assert not (df.metric.eq("step_time") & df.statistic.str.startswith("step")).any()  # no unjudged per-step rows
+    mfu = df[df.experiment == "mfu"]
+    assert len(mfu) and all(len(x) == STEPS for x in mfu.samples) and mfu.stable.notna().all()
+
+
+def synthetic_report(phase_ms: dict[str, list[float]], periods: dict | None = None, trace: Path = Path(__file__)):
+    """A profile report of ``len(list)`` steps whose phases took the given ms (0: not run)."""
+    n = len(next(iter(phase_ms.values())))
+    steps = list(range(1, n + 1))
+    prow = [dict(step=k, phase=p, ms=ms[i]) for p, ms in phase_ms.items() for i, k in enumerate(steps) if ms[i] > 0]
+    total = [sum(ms[i] for ms in phase_ms.values()) for i in range(n)]
+    st = pd.DataFrame(
+        dict(step=steps, step_ms=total, phase_sum_ms=total, coverage=1.0, busy_ms=total, idle_ms=0.0),
+    )
+    cats = pd.DataFrame(dict(category=["matmul"], ms=[sum(total)], pct_of_step=[100.0]))
+    by_step = pd.DataFrame(dict(step=steps, category="matmul", ms=total))
+    top = pd.DataFrame(dict(name=["aten::mm"], category=["matmul"], calls=[n], ms=[sum(total)], pct_of_step=[100.0]))
+    top_by_step = pd.DataFrame(dict(step=steps, name="aten::mm", ms=total))
+    mem = pd.DataFrame(columns=["t_ms", "allocated_mb"])
+    a = TraceAnalysis("cpu", "synthetic", st, pd.DataFrame(prow), cats, top, mem, 1.0, by_step, top_by_step)
+    return ProfileReport(a, trace, [1e9] * n, periods=periods or {})
+
+
+def test_one_outlier_step_is_judged_unstable():
+    """Per-step samples with one step far off are judged unstable by the timing module's rule,
+    and the record says so; the steady phase beside it is stable."""
+    fwd = [10.0, 10.1, 9.9, 10.0, 40.0, 10.05]
+    rep = synthetic_report({"forward": fwd, "backward": [20.0, 20.1, 19.9, 20.0, 20.05, 20.0]})
+    figs = {f.phase: f for f in rep.phase_figures()}
+    assert figs["forward"].samples == tuple(fwd) and not figs["forward"].verdict.stable
+    assert figs["backward"].verdict.stable
+    rec = Recorder(lab="01_training_step")
+    rep.record(rec)
+    row = next(r for r in rec.rows if r["experiment"] == "phases" and r["variant"] == "forward")
+    assert row["stable"] is False and row["samples"] == fwd and "1 of 6 samples stalled" in row["stability"]
+
+
+def test_a_checkpoint_every_n_steps_is_amortised():
+    """A checkpoint every N=4 steps costing C counts as C/4 per step, its full cost beside it,
+    and the step time is amortised the same way (issue 21, item 6)."""
+    ck = [0.0, 0.0, 0.0, 40.0, 0.0, 0.0, 0.0, 40.0]
+    rep = synthetic_report({"forward": [10.0] * 8, "checkpoint": ck}, periods={"checkpoint": 4})
+    f = {x.phase: x for x in rep.phase_figures()}["checkpoint"]
+    assert (f.ms, f.per_event_ms, f.every, f.events, f.samples) == (10.0, 40.0, 4, 2, (40.0, 40.0))
+    assert "40 ms per checkpoint" in f.note and "10 ms per step" in f.note
+    assert list(rep.amortised_step_ms) == [20.0] * 8
+    assert phase_figure("checkpoint", ck, 4, statistic="min").ms == 10.0
+    none = phase_figure("checkpoint", [0.0] * 3, 4)
+    assert none.ms == 0.0 and none.events == 0 and "none in the profiled steps" in none.note
+    assert "/ N" in PERIODIC_RULE
+
+
+def test_top_ops_table_keeps_full_op_names():
+    """Issue 21, item 15: lab 01's top-operators table shows each name whole (a bokeh table cut
+    them at its column width; pandas cuts strings over 50 characters)."""
+    from lab_utils.studies import training_step as lab01
+
+    rep = synthetic_report({"forward": [10.0, 11.0, 10.5]})
+    long = "aten::_scaled_dot_product_flash_attention_for_cpu_backward"
+    rep.analysis.top_ops.loc[0, "name"] = long
+    rep.analysis.top_ops_by_step["name"] = long
+    html = lab01.top_ops_table(rep).to_html()
+    assert f">{long}<" in html and "white-space: nowrap" in html
+    assert "10.5" in html  # the median ms per step beside the total

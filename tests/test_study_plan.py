@@ -59,7 +59,7 @@ def test_tables_plots_words_and_records(res):
     assert eff.loc["encoders=precomputed", "gain_pct"] == 30.0
     assert eff.loc["activation_checkpoint=full", "buys"] == "+0 samples/batch"  # 30 MiB freed, 40 MiB/sample
     vt = study.verify_table(res)
-    assert (vt[vt.phase == "TOTAL"].error_pct == 0.0).all()
+    assert (vt.error_pct == 0.0).all() and len(vt) == 2
     assert study.seams_verdict(res) == "verified plans: 2; each ran exactly its predicted seams: True"
     words = study.recommendations(res)
     assert words.startswith("1. encoders=precomputed") and "risk" in words and "+0.0%" in words
@@ -72,3 +72,44 @@ def test_tables_plots_words_and_records(res):
     err = df[df.metric == "prediction_error"]
     assert len(err) == 2 and (err.unit == "%").all()
     assert set(df.experiment) >= {"base", "effects", "excluded", "plans", "verify"}
+
+
+def test_verify_table_has_no_nan_columns_and_the_prediction_plot_a_legend(res):
+    """Issue 21, item 15: the verification table holds no column of NaN (per-phase rows in
+    their own table), and the prediction plot has a legend and phase names as its ticks."""
+    vt = study.verify_table(res)
+    assert not vt.isna().any().any(), vt
+    ph = study.verify_phases(res)
+    assert set(ph.phase) >= {"forward", "backward", "TOTAL"} and not ph.isna().any().any()
+    for bars in study.prediction_plot(res):
+        opts = bars.opts.get().kwargs
+        assert opts["show_legend"] and opts["legend_position"] and opts["multi_level"] is False
+        fig = hv.render(bars)
+        assert fig.legend and fig.legend[0].items  # grouped by the colour column: predicted / measured
+        assert set(fig.renderers[0].data_source.data["which"]) == {"predicted", "measured"}
+        assert list(dict.fromkeys(f[0] for f in fig.x_range.factors)) == list(dict.fromkeys(ph.phase))
+        ax = fig.xaxis[0]  # the phases are the ticks; the inner level (predicted / measured) is the legend
+        assert ax.major_label_text_font_size == "1px" and ax.group_text_font_size == "10pt"
+
+
+def test_a_checkpoint_every_n_steps_counts_as_its_cost_over_n_in_both_labs():
+    """Issue 21, item 6: a checkpoint every N=4 steps costing C=40 ms is C/4 per step in lab 08's
+    plan and table and in lab 01's figure, its full cost shown beside it, the rule stated."""
+    from test_profiler import synthetic_report
+
+    from lab_utils.plan import profile_from_report
+    from lab_utils.studies import training_step as lab01
+
+    ck = [0.0, 0.0, 0.0, 40.0, 0.0, 0.0, 0.0, 40.0]
+    rep = synthetic_report({"forward": [10.0] * 8, "checkpoint": ck}, periods={"checkpoint": 4})
+    prof = profile_from_report(rep, CFG.train_config())
+    assert prof.phases["checkpoint"] == 10.0 and prof.periodic == {"checkpoint": (4, 40.0)}
+    r = build_plan(CFG.train_config(), [], measure=lambda c: prof)
+    t = study.base_table(r).set_index("phase")
+    assert (t.loc["checkpoint", "ms_per_step"], t.loc["checkpoint", "ms_per_event"]) == (10.0, 40.0)
+    assert t.loc["checkpoint", "every_n_steps"] == 4 and "40 ms per checkpoint" in study.periodic_line(r)
+    bars = lab01.phase_summary_bars(rep)
+    assert dict(zip(bars.data.phase, bars.data.ms))["checkpoint"] == 10.0
+    label = bars.opts.get().kwargs["xlabel"]
+    assert "40 ms per checkpoint" in label and "10 ms per step" in label and "/ N" in label
+    assert lab01.phase_table(rep).set_index("phase").loc["checkpoint", "ms_per_step"] == 10.0

@@ -29,7 +29,9 @@ from ..plan import (
     verify,
     waterfall,
 )
+from ..profiler import PERIODIC_RULE
 from ..records import Recorder
+from .headline import Figure, fmt, register, rows, verdict
 
 LAB = "08_plan"
 CPU_LEVERS = ("attention_path", "activation_checkpoint", "encoders", "num_workers", "ckpt_format")
@@ -144,12 +146,36 @@ def seams_verdict(res: PlanResult) -> str:
 
 # ------------------------------------------------------------------------------- tables
 def base_table(res: PlanResult) -> pd.DataFrame:
+    """The measured step per phase: ms per step (a checkpoint every N steps amortised: its cost
+    per save / N, ``lab_utils.profiler.PERIODIC_RULE``, as lab 01 counts it), beside the full
+    cost of one occurrence."""
     b = res.base
-    df = pd.DataFrame(
-        [dict(phase=p, ms=round(ms, 2), rel_spread=round(b.spread[p], 3)) for p, ms in b.phases.items() if ms > 0]
-    )
+    rows = []
+    for p, ms in b.phases.items():
+        if ms <= 0:
+            continue
+        every, per_event = b.periodic.get(p, (1, ms))
+        rows.append(
+            dict(
+                phase=p,
+                ms_per_step=round(ms, 2),
+                every_n_steps=every,
+                ms_per_event=round(per_event, 2),
+                rel_spread=round(b.spread[p], 3),
+            )
+        )
+    df = pd.DataFrame(rows, columns=["phase", "ms_per_step", "every_n_steps", "ms_per_event", "rel_spread"])
     df.attrs["stability"] = b.stability
     return df
+
+
+def periodic_line(res: PlanResult) -> str:
+    """The rule for phases that run every N steps, with the measured step's numbers."""
+    parts = [
+        f"{p} every {n} steps: {ev:.4g} ms per {p}, amortised as {res.base.phases[p]:.4g} ms per step"
+        for p, (n, ev) in res.base.periodic.items()
+    ]
+    return f"{PERIODIC_RULE}" + (": " + "; ".join(parts) if parts else " (none here)")
 
 
 def effects_table(res: PlanResult, batch_size: int | None = None) -> pd.DataFrame:
@@ -198,26 +224,37 @@ def plans_table(res: PlanResult, n: int = 10) -> pd.DataFrame:
 
 
 def verify_table(res: PlanResult) -> pd.DataFrame:
+    """One row per verified plan: predicted and measured step, the errors, the verdict on
+    the measured samples and, where the error is large, which assumption broke."""
+    rows = [
+        dict(
+            plan=i,
+            name=v.plan.name,
+            predicted_ms=round(v.plan.prediction.total_ms, 2),
+            measured_ms=round(v.measured.total_ms, 2),
+            error_pct=round(v.error_pct, 1),
+            step_drift_pct=round(v.drift_pct, 1),
+            rebased_predicted_ms=round(v.rebased_ms, 2),
+            rebased_error_pct=round(v.rebased_error_pct, 1),
+            stability=v.measured.stability.split(":")[0],
+            broken=v.broken or "-",
+        )
+        for i, v in enumerate(res.verifications, 1)
+    ]
+    df = pd.DataFrame(rows)
+    return df.dropna(axis=1, how="all")  # no rebase: no drift columns, rather than columns of NaN
+
+
+def verify_phases(res: PlanResult) -> pd.DataFrame:
+    """Predicted vs measured ms per phase (and the total) of each verified plan."""
     rows = []
     for i, v in enumerate(res.verifications, 1):
         for p, (pred, meas) in v.phase_errors.items():
             if pred > 0 or meas > 0:
                 rows.append(dict(plan=i, phase=p, predicted_ms=round(pred, 2), measured_ms=round(meas, 2)))
-        rows.append(
-            dict(
-                plan=i,
-                phase="TOTAL",
-                predicted_ms=round(v.plan.prediction.total_ms, 2),
-                measured_ms=round(v.measured.total_ms, 2),
-                error_pct=round(v.error_pct, 1),
-                step_drift_pct=round(v.drift_pct, 1),
-                rebased_predicted_ms=round(v.rebased_ms, 2),
-                rebased_error_pct=round(v.rebased_error_pct, 1),
-                stability=v.measured.stability,
-                broken=v.broken,
-            )
-        )
-    return pd.DataFrame(rows)
+        total = (v.plan.prediction.total_ms, v.measured.total_ms)
+        rows.append(dict(plan=i, phase="TOTAL", predicted_ms=round(total[0], 2), measured_ms=round(total[1], 2)))
+    return pd.DataFrame(rows, columns=["plan", "phase", "predicted_ms", "measured_ms"])
 
 
 # ------------------------------------------------------------------------------- plots
@@ -246,15 +283,41 @@ def waterfall_plot(res: PlanResult):
     )
 
 
+PREDICTION_COLORS = {"predicted": "#1f77b4", "measured": "#ff7f0e"}
+
+
+def _phase_ticks(plot, element) -> None:
+    """The phase names (the outer level of the grouped bars) as the readable ticks."""
+    ax = plot.state.xaxis[0]
+    ax.group_text_font_size = "10pt"
+    ax.group_label_orientation = 0.5  # radians: long phase names do not collide
+
+
 def prediction_plot(res: PlanResult):
-    """Predicted vs measured per phase and total for each verified plan."""
-    df = verify_table(res)
+    """Predicted vs measured per phase and total for each verified plan: grouped bars, the
+    phase names as ticks and a legend for predicted / measured."""
+    df = verify_phases(res)
     if not len(df):
         return hv.Div("<p>No plan verified.</p>")
     long = df.melt(id_vars=["plan", "phase"], value_vars=["predicted_ms", "measured_ms"], var_name="which")
-    opts = dict(tools=["hover"], xrotation=35, width=760, height=340, ylabel="ms")
+    long["which"] = long.which.str.removesuffix("_ms")
+    names = {i: v.plan.name for i, v in enumerate(res.verifications, 1)}
     bars = [
-        hv.Bars(g, ["phase", "which"], "value").opts(title=f"Plan {k}: predicted vs measured", **opts)
+        hv.Bars(g, ["phase", "which"], "value").opts(
+            title=f"Plan {k} ({names[k]}): predicted vs measured",
+            multi_level=False,
+            color="which",
+            cmap=PREDICTION_COLORS,
+            show_legend=True,
+            legend_position="top_left",
+            tools=["hover"],
+            hooks=[_phase_ticks],
+            fontsize={"yticks": "10pt", "title": "11pt"},
+            width=760,
+            height=360,
+            ylabel="ms per step",
+            xlabel="phase",
+        )
         for k, g in long.groupby("plan")
     ]
     return hv.Layout(bars).cols(1)
@@ -299,18 +362,45 @@ def recommendations(res: PlanResult, n: int = 3) -> str:
 
 __all__ = [
     "CPU_LEVERS",
+    "headline",
     "PlanLabConfig",
     "base_table",
     "check",
     "composition_check",
     "effects_table",
     "lever_table",
+    "periodic_line",
     "plans_table",
     "prediction_plot",
     "recommendations",
     "recorder",
     "run",
     "seams_verdict",
+    "verify_phases",
     "verify_table",
     "waterfall_plot",
 ]
+
+
+# ------------------------------------------------------------------------------- takeaway
+@register(LAB)
+def headline(df: pd.DataFrame) -> list[Figure]:
+    """The measured step, the best plan with its predicted and measured gain, the prediction error."""
+    figs = []
+    base = rows(df, experiment="base", variant="step", metric="time")
+    b = float(base.value.iloc[0]) if len(base) else math.nan
+    if len(base):
+        figs.append(Figure("measured step", fmt(b, "ms"), verdict(base.iloc[0])))
+    best = rows(df, experiment="plans", metric="step_time")
+    best = best[best.variant != "measured step"]
+    if len(best) and b > 0:
+        p = best.loc[best.value.idxmin()]
+        figs.append(Figure("best plan", str(p.variant), f"predicted {100 * (1 - p.value / b):+.0f}% step time"))
+        v = rows(df, experiment="verify", variant=p.variant, metric="step_time")
+        if len(v):
+            gain = 100 * (1 - float(v.value.iloc[0]) / b)
+            figs.append(Figure("measured gain", f"{gain:+.0f}%", verdict(v.iloc[0]) or "verified"))
+    err = rows(df, experiment="verify", metric="prediction_error")
+    if len(err):
+        figs.append(Figure("prediction error", fmt(err.value.max(), "%"), "worst verified plan"))
+    return figs

@@ -27,8 +27,9 @@ from ..model import (
 )
 from ..model.encoders import Encoders
 from ..model.train import PHASES, TrainConfig, Trainer, fit_fixed_batch, synthetic_batch
-from ..profiler import ProfileReport, profile_training, training_step_flops
+from ..profiler import PERIODIC_RULE, ProfileReport, periodic_note, profile_training, training_step_flops
 from ..records import Recorder
+from .headline import Figure, fmt, register, rows, verdict
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class TrainingStepLabConfig(TrainConfig):
     """Parameters of ``labs/01_training_step.ipynb``: the step's plus the profile schedule."""
 
     warmup_steps: int = 1  # profiled but not analysed (compile, first-call effects)
-    steps: int = 3  # active, analysed steps
+    steps: int = 6  # active, analysed steps: each figure's samples (its noise is judged from them)
     quick_ceilings: bool = True
 
     def __post_init__(self):
@@ -69,6 +70,44 @@ def phase_bars(report: ProfileReport):
     )
 
 
+def phase_table(report: ProfileReport) -> pd.DataFrame:
+    """Each phase's time per step with its samples' verdict; a checkpoint every N steps counts
+    as its cost per save / N (:data:`lab_utils.profiler.PERIODIC_RULE`), its full cost beside it."""
+    rows = [
+        dict(
+            phase=f.phase,
+            ms_per_step=_sig(f.ms),
+            every_n_steps=f.every,
+            ms_per_event=_sig(f.per_event_ms),
+            samples=len(f.samples),
+            verdict=str(f.verdict).split(":")[0],
+        )
+        for f in report.phase_figures()
+    ]
+    return pd.DataFrame(rows, columns=["phase", "ms_per_step", "every_n_steps", "ms_per_event", "samples", "verdict"])
+
+
+def phase_summary_bars(report: ProfileReport):
+    """Time per step by phase (median over the profiled steps), periodic phases amortised;
+    the rule and each periodic phase's full cost are stated on the figure (its x label)."""
+    figs = report.phase_figures()
+    df = pd.DataFrame(
+        [dict(phase=f.phase, ms=f.ms, ms_per_event=f.per_event_ms, every=f.every) for f in figs],
+        columns=["phase", "ms", "ms_per_event", "every"],
+    )
+    note = periodic_note(figs)
+    return hv.Bars(df, "phase", ["ms", "ms_per_event", "every"]).opts(
+        color="phase",
+        cmap=PHASE_COLORS,
+        tools=["hover"],
+        ylabel="ms per step",
+        xlabel=f"phase · {note} ({PERIODIC_RULE})" if note else "phase",
+        title=f"Time per step by phase (median of {len(report.analysis.steps)} profiled steps)",
+        width=760,
+        show_legend=False,
+    )
+
+
 def category_map(report: ProfileReport):
     """Time per kernel category, for all steps together and per step (HoloMap slider)."""
     a = report.analysis
@@ -85,10 +124,21 @@ def category_map(report: ProfileReport):
 
 
 def top_ops_table(report: ProfileReport):
-    t = report.analysis.top_ops.copy()
-    t["ms"] = t.ms.round(3)
-    t["pct_of_step"] = t.pct_of_step.round(2)
-    return hv.Table(t, ["name"], ["category", "calls", "ms", "pct_of_step"]).opts(width=760, height=380)
+    """The top operators with their full names (a styled HTML table: a bokeh table cuts long
+    names at its column width): total ms over the profiled steps, median ms per step, share."""
+    a = report.analysis
+    t = a.top_ops.copy()
+    if a.top_ops_by_step is not None and len(t):
+        t["ms_per_step"] = t.name.map(a.top_ops_by_step.groupby("name").ms.median())
+    t = t.rename(columns={"ms": "ms_total"})
+    cols = [c for c in ("name", "category", "calls", "ms_total", "ms_per_step", "pct_of_step") if c in t]
+    fmt = {"ms_total": "{:.4g}", "ms_per_step": "{:.4g}", "pct_of_step": "{:.2f}"}
+    return (
+        t[cols]
+        .style.hide(axis="index")
+        .format({k: v for k, v in fmt.items() if k in cols})
+        .set_table_styles([dict(selector="td", props="white-space: nowrap; text-align: left")])
+    )
 
 
 def memory_curve(report: ProfileReport):
@@ -127,9 +177,10 @@ def _sig(v, digits: int = 4):
 
 
 def steps_frame(report: ProfileReport) -> pd.DataFrame:
-    """Per profiled step: time, phase coverage, busy/idle, FLOPs and TFLOP/s (4 significant digits)."""
+    """Per profiled step: time (as profiled, and with periodic phases amortised), phase
+    coverage, busy/idle, FLOPs and TFLOP/s (4 significant digits)."""
     df = report.steps
-    for c in ("step_ms", "phase_sum_ms", "coverage", "busy_ms", "idle_ms", "tflops"):
+    for c in ("step_ms", "amortised_ms", "phase_sum_ms", "coverage", "busy_ms", "idle_ms", "tflops"):
         df[c] = df[c].map(_sig)
     return df
 
@@ -247,3 +298,30 @@ def artifact_lines(p: StepProfile) -> list[str]:
         lines.append(f"CUDA memory history: {r.memory_html_path}")
     lines += [f"note: {n}" for n in r.notes]
     return lines
+
+
+# --------------------------------------------------------------------------------------
+# The takeaway (from records only: the report's index builds the same line)
+# --------------------------------------------------------------------------------------
+
+
+@register("01_training_step")
+def headline(df: pd.DataFrame) -> list[Figure]:
+    """Step time, MFU against the measured matmul ceiling, peak memory and the largest phase."""
+    figs = []
+    st = rows(df, experiment="step", metric="step_time", statistic="median")
+    step_ms = float(st.value.iloc[0]) if len(st) else math.nan
+    if len(st):
+        figs.append(Figure("step time", fmt(step_ms, "ms"), verdict(st.iloc[0]) or "median, checkpoint amortised"))
+    m = rows(df, experiment="mfu", variant="measured matmul ceiling", metric="pct_of_peak")
+    if len(m):
+        figs.append(Figure("MFU", fmt(m.value.iloc[0], "%"), "of the measured matmul ceiling"))
+    mem = rows(df, experiment="memory", metric="cuda_max_allocated")
+    mem = mem if len(mem) else rows(df, experiment="memory", metric="peak_allocated")
+    if len(mem):
+        figs.append(Figure("peak memory", fmt(mem.value.iloc[0], "MiB"), mem.metric.iloc[0]))
+    ph = rows(df, experiment="phases", metric="time")
+    if len(ph) and step_ms > 0:
+        top = ph.loc[ph.value.idxmax()]
+        figs.append(Figure("largest phase", f"{top.variant} {100 * top.value / step_ms:.0f}% of the step"))
+    return figs

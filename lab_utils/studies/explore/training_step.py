@@ -159,10 +159,11 @@ class TrainingStepExplorer(Explorer):
         mfu = p.mfu.set_index("quantity")
         pct = mfu.pct.get("measured matmul ceiling", math.nan)
         peak = rep.cuda_peak_bytes if rep.cuda_peak_bytes is not None else rep.analysis.peak_allocated_bytes
-        phases = rep.analysis.phases.groupby("phase", sort=False).ms.median().reindex(list(PHASES)).fillna(0.0)
+        # per step, a checkpoint every N steps amortised (profiler.PERIODIC_RULE), as in the lab's own figures
+        phases = pd.Series({f.phase: f.ms for f in rep.phase_figures()}).reindex(list(PHASES)).fillna(0.0)
         row = dict(
             config=label,
-            step_ms=float(steps.step_ms.median()),
+            step_ms=float(steps.amortised_ms.median()),
             tflops=float(mfu.tflops.get("achieved", math.nan)),
             mfu_pct_of_measured=float(pct) if pct is not None else math.nan,
             peak_mib=float(peak) / 2**20 if peak is not None else math.nan,

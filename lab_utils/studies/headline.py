@@ -1,0 +1,162 @@
+"""Each lab's takeaway: the two or three figures that matter, read from its records only.
+
+A study module registers its lab's ``headline(df) -> list[Figure]`` with :func:`register`
+(the lab's name is its notebook's stem, e.g. ``"01_training_step"``).  The same function
+fills the lab's takeaway cell (:func:`takeaway`, shown right after the lab's main
+measurement) and the report index's headline row per lab (:func:`headlines`, from the run's
+gathered ``records.json``), so the two always agree.  Every headline ends with the lab's
+share of unstable timings; a figure whose timing was unstable says so.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pandas as pd
+
+from ..records import Recorder, fill_stability, stability_summary
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One headline figure: what it is, its value with its unit, and a short qualifier."""
+
+    label: str
+    value: str
+    note: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.label}: {self.value}" + (f" ({self.note})" if self.note else "")
+
+
+Headline = Callable[[pd.DataFrame], list[Figure]]
+HEADLINES: dict[str, Headline] = {}
+
+
+def register(lab: str) -> Callable[[Headline], Headline]:
+    """Decorator: ``fn`` gives ``lab``'s headline figures from its records (a DataFrame)."""
+
+    def deco(fn: Headline) -> Headline:
+        HEADLINES[lab] = fn
+        return fn
+
+    return deco
+
+
+def frame_of(records) -> pd.DataFrame:
+    """Rows of a :class:`Recorder` or a records DataFrame, stability filled from kept samples."""
+    df = records.frame() if isinstance(records, Recorder) else records
+    return fill_stability(df) if len(df) else df
+
+
+def rows(df: pd.DataFrame, **eq) -> pd.DataFrame:
+    """The rows whose columns equal the given values (a missing column matches nothing)."""
+    m = pd.Series(True, index=df.index)
+    for k, v in eq.items():
+        if k not in df.columns:
+            return df.iloc[0:0]
+        m &= df[k].astype(str) == str(v)
+    return df[m & pd.to_numeric(df["value"], errors="coerce").notna()]
+
+
+def fmt(v: float, unit: str = "", digits: int = 3) -> str:
+    """A value with its unit, to ``digits`` significant digits."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "n/a"
+    return f"{float(v):.{digits}g}" + (f" {unit}" if unit else "")
+
+
+def verdict(r) -> str:
+    """'' for a stable or unjudged figure, 'UNSTABLE' for one whose timing was unstable."""
+    return "UNSTABLE" if r.get("stable") is False else ""
+
+
+def unstable_figure(df: pd.DataFrame) -> Figure:
+    s = stability_summary(df)
+    if not s.timings:
+        return Figure("unstable timings", "none judged")
+    return Figure("unstable timings", f"{s.unstable} of {s.timings} ({s.share:.0%})")
+
+
+def headline(lab: str, records) -> list[Figure]:
+    """``lab``'s headline figures from ``records`` (a Recorder, or rows of one or many labs)."""
+    df = frame_of(records)
+    if len(df):
+        col = "notebook" if "notebook" in df.columns and df["notebook"].notna().any() else "lab"
+        df = df[df[col].astype(str) == lab]
+    fn = HEADLINES.get(lab)
+    figs = list(fn(df)) if fn is not None and len(df) else []
+    return [*figs, unstable_figure(df)]
+
+
+def headlines(df: pd.DataFrame, labs) -> dict[str, list[Figure]]:
+    """Each lab's headline from a report's gathered records; a lab whose headline cannot be
+    built says why instead of failing the index."""
+    out = {}
+    for lab in labs:
+        try:
+            out[lab] = headline(lab, df)
+        except Exception as e:  # noqa: BLE001 - one lab's odd records must not cost the index
+            out[lab] = [Figure("headline", "not available", f"{type(e).__name__}: {e}")]
+    return out
+
+
+def figures_html(figs: list[Figure]) -> str:
+    """Figures as one line of HTML (``label: <b>value</b> (note)``, separated by ' · ')."""
+    return " · ".join(
+        f"{html.escape(f.label)}: <b>{html.escape(f.value)}</b>"
+        + (f' <span class="muted">({html.escape(f.note)})</span>' if f.note else "")
+        for f in figs
+    )
+
+
+@dataclass(frozen=True)
+class Takeaway:
+    """A lab's takeaway cell: markdown-like text in a terminal, a small HTML box in a notebook."""
+
+    lab: str
+    figures: tuple
+
+    def __str__(self) -> str:
+        return "Takeaway: " + "; ".join(str(f) for f in self.figures)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_html_(self) -> str:
+        items = "".join(
+            f"<li>{html.escape(f.label)}: <b>{html.escape(f.value)}</b>"
+            + (f" <i>({html.escape(f.note)})</i>" if f.note else "")
+            + "</li>"
+            for f in self.figures
+        )
+        return (
+            '<div style="border-left:4px solid #1f77b4;padding:4px 12px;margin:6px 0">'
+            f"<b>Takeaway</b><ul style='margin:4px 0'>{items}</ul></div>"
+        )
+
+
+def takeaway(records: Recorder, lab: str | None = None) -> Takeaway:
+    """A lab's takeaway cell from its records so far (``lab``: the recorder's by default)."""
+    lab = lab or records.lab
+    return Takeaway(lab, tuple(headline(lab, records)))
+
+
+__all__ = [
+    "HEADLINES",
+    "Figure",
+    "Takeaway",
+    "figures_html",
+    "fmt",
+    "frame_of",
+    "headline",
+    "headlines",
+    "register",
+    "rows",
+    "takeaway",
+    "unstable_figure",
+    "verdict",
+]
