@@ -118,13 +118,24 @@ def triton_check(*, device=None, dtype=None, head_dim=None, mask=None, causal=No
     return None
 
 
+#: The kinds of launch :func:`launch_config` sizes: one per kernel.
+LAUNCH_KINDS = ("fwd", "bwd_dkdv", "bwd_dq")
+
+
 def launch_config(kind: str, head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile sizes.  Interpreter: 32x32 (several blocks even at L ~ 100, so the loop and
-    boundary masks are exercised).  GPU (Hopper/Ampere-sized shared memory): FA2-style
-    tiles, smaller for head dim 128 and float32 so a tile set fits in shared memory."""
+    """Tile sizes of one kernel (``kind`` in :data:`LAUNCH_KINDS`).  Interpreter: 32x32 (several
+    blocks even at L ~ 100, so the loop and boundary masks are exercised).  GPU (Hopper/Ampere-sized
+    shared memory): FA2-style tiles, smaller for float32 (true fp32 dots, no tensor cores).
+
+    Backward at head dim 128 in 16-bit (Hopper): every dot of both kernels has an M of 64 per
+    warpgroup, so it lowers to wgmma (a 32-row tile lowered dQ to mma.sync), with a 2-stage
+    pipeline.  dK/dV: 64 keys per program, 64 queries per step, 8 warps (227 registers, no spill,
+    66 KB shared); dQ: 128 queries per program, 64 keys per step, 8 warps (254 registers, no
+    spill, 96 KB shared), by ptxas for sm_90a.  Compiled for sm_90 by the tests; not tuned on a GPU."""
+    if kind not in LAUNCH_KINDS:
+        raise ValueError(f"parameter 'kind' = {kind!r} is not allowed: expected one of {LAUNCH_KINDS}")
     if C.interpreted():
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
-    big = head_dim > 64 or dtype == torch.float32
     if kind == "fwd":
         # FA2-tutorial-style Hopper defaults; fp32 x Dh 128 halves BLOCK_N to fit shared memory.
         # Educated defaults, not tuned on a GPU; the tests compile them for sm_90.
@@ -135,9 +146,13 @@ def launch_config(kind: str, head_dim: int, dtype: torch.dtype) -> dict:
             num_warps=8 if head_dim > 64 else 4,
             num_stages=2 if f32_128 else 3,
         )
-    return dict(
-        BLOCK_M=64 if not big else 32, BLOCK_N=64, num_warps=4 if not big else 8, num_stages=2 if not big else 1
-    )
+    if dtype == torch.float32:
+        return dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1)
+    if head_dim <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+    if kind == "bwd_dkdv":
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
 
 
 def dot_args(dtype) -> dict:

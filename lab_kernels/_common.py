@@ -75,7 +75,7 @@ def _run_interpreter_probe() -> str | None:
 
 
 def _shim_scalar_index() -> bool:
-    """Index a scalar through ``squeeze()`` (triton >= 3.7's own code); False when this triton has no such hook."""
+    """Index a scalar through ``squeeze()``, as later triton releases (3.9) do; False without such a hook."""
     try:
         from triton.runtime import interpreter as ti  # noqa: PLC0415  (only where the interpreter runs)
     except ImportError:

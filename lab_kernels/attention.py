@@ -433,9 +433,9 @@ def attention_backward(
         dq, dk, dv = grads
         if any(g.shape != q.shape or g.stride() != q.stride() or g.dtype != q.dtype for g in grads):
             raise ValueError("parameter 'grads' must be three buffers with the shape, strides and dtype of q")
-    cfg = launch_config("bwd", D, q.dtype)
-    common = dict(HEAD_DIM=D, CAUSAL=causal, IS_VARLEN=varlen, **dot_args(q.dtype), **cfg)
+    common = dict(HEAD_DIM=D, CAUSAL=causal, IS_VARLEN=varlen, **dot_args(q.dtype))
     cu = cu_seqlens if varlen else q
+    cfg = launch_config("bwd_dkdv", D, q.dtype)
     _attention_bwd_dkdv_kernel[(triton.cdiv(L, cfg["BLOCK_N"]), n_seq * H)](
         q,
         k,
@@ -454,7 +454,9 @@ def attention_backward(
         scale * LOG2E,
         scale,
         **common,
+        **cfg,
     )
+    cfg = launch_config("bwd_dq", D, q.dtype)
     _attention_bwd_dq_kernel[(triton.cdiv(L, cfg["BLOCK_M"]), n_seq * H)](
         q,
         k,
@@ -472,6 +474,7 @@ def attention_backward(
         scale * LOG2E,
         scale,
         **common,
+        **cfg,
     )
     return dq, dk, dv
 

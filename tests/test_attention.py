@@ -369,8 +369,8 @@ import torch
 import lab_kernels.attention as ka
 dt, D, causal, varlen = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
 tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
-for kern, kind in ((ka._attention_fwd_kernel, "fwd"), (ka._attention_bwd_dkdv_kernel, "bwd"),
-                   (ka._attention_bwd_dq_kernel, "bwd")):
+for kern, kind in ((ka._attention_fwd_kernel, "fwd"), (ka._attention_bwd_dkdv_kernel, "bwd_dkdv"),
+                   (ka._attention_bwd_dq_kernel, "bwd_dq")):
     cfg = ka.launch_config(kind, D, tdt)
     const = dict(HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, IS_VARLEN=varlen,
                  **ka.dot_args(tdt))
@@ -380,7 +380,9 @@ for kern, kind in ((ka._attention_fwd_kernel, "fwd"), (ka._attention_bwd_dkdv_ke
     k = triton.compile(ASTSource(fn=kern, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     assert k.metadata.shared <= 227 * 1024, (kern.__name__, k.metadata.shared)
-    print(kern.__name__, "ok", k.metadata.shared)
+    ptx = k.asm["ptx"]
+    mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
+    print(kern.__name__, "ok", k.metadata.shared, mma, cfg["num_stages"])
 """
 
 
@@ -396,3 +398,10 @@ def test_triton_kernels_compile_for_hopper(dt, D, causal, varlen):
         pytest.skip("this triton install has no ptxas to compile with")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count(" ok ") == 3, r.stdout
+    if dt in ("bf16", "fp16"):
+        # Hopper tiles: every kernel's dots lower to wgmma (a 32-row dQ tile lowered to mma.sync) and
+        # the backward kernels are software-pipelined (they ran single-stage at head dim 128)
+        for line in r.stdout.strip().splitlines():
+            name, _, _, mma, stages = line.split()
+            assert mma == "wgmma", line
+            assert name == "_attention_fwd_kernel" or int(stages) >= 2, line

@@ -6,7 +6,7 @@ import torch
 
 from lab_kernels import attention as ka
 from lab_kernels import get_variant
-from lab_utils.checks import assert_close, poison_
+from lab_utils.checks import assert_close, poison_, tolerance
 
 CU = torch.tensor([0, 30, 100], dtype=torch.int32)  # lengths 30 and 70
 
@@ -64,3 +64,41 @@ def test_naming_scheme():
     assert get_variant("attention", "triton").fn is ka.attention
     assert get_variant("attention", "eager").fn is ka.eager_attention
     assert get_variant("attention", "reference").fn is ka.reference_attention
+
+
+@pytest.mark.parametrize("causal,lengths", [(True, None), (False, (200, 77, 131))])
+def test_gpu_tiles_compute_the_same_attention_in_the_interpreter(causal, lengths, gen, monkeypatch):
+    """The GPU's tile sizes (dK/dV 64 x 64, dQ 128 x 64 at head dim 128), run through the interpreter
+    instead of its own 32 x 32 tiles: forward and every gradient against float64, with tails
+    (lengths not multiples of any tile) and the causal diagonal crossing tiles of unequal sizes."""
+    from lab_kernels import _attention_inputs as ai
+    from lab_kernels import _common
+
+    real = ai.launch_config
+
+    def gpu_tiles(kind, head_dim, dtype):
+        with monkeypatch.context() as m:
+            m.setattr(_common, "interpreted", lambda: False)
+            return real(kind, head_dim, dtype)
+
+    assert gpu_tiles("bwd_dq", 128, torch.float16)["BLOCK_M"] == 128
+    assert gpu_tiles("bwd_dkdv", 128, torch.float16)["BLOCK_N"] == 64
+    monkeypatch.setattr(ka, "launch_config", gpu_tiles)
+    dt, D, H = torch.float16, 128, 2
+    if lengths:
+        T = sum(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        q, k, v, do = (torch.randn(T, H, D, generator=gen).to(dt) for _ in range(4))
+    else:
+        cu = None
+        q, k, v, do = (torch.randn(1, H, 203, D, generator=gen).to(dt) for _ in range(4))
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = ka.attention(qq, kk, vv, causal=causal, cu_seqlens=cu)
+    grads = torch.autograd.grad(out, (qq, kk, vv), do)
+    q64, k64, v64 = (t.double().requires_grad_(True) for t in (q, k, v))
+    ref = ka.reference_attention(q64, k64, v64, causal=causal, cu_seqlens=cu)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
+    assert_close(out, ref, dtype=dt, name="out with GPU tiles")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        atol, rtol = tolerance(dt, 2.0)  # a backward chains several roundings to float16
+        assert_close(g, r, atol=atol, rtol=rtol, name=f"{name} with GPU tiles")
