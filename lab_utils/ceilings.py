@@ -215,6 +215,21 @@ def write_json_atomic(path: Path, data: dict) -> None:
         raise
 
 
+def cached_ceilings(device=None) -> Ceilings | None:
+    """This machine's cached ceilings without measuring anything: the full measurement when
+    there is one, else the quick one (what CPU smoke runs measure); None when neither is cached."""
+    info = device_info(pick_device(device))
+    for quick in (False, True):
+        path = _cache_path(info, quick)
+        try:
+            data = json.loads(path.read_text())
+            if data.get("version") == CACHE_VERSION:
+                return Ceilings(**data)
+        except (OSError, json.JSONDecodeError, TypeError):
+            continue
+    return None
+
+
 def get_ceilings(device=None, *, force: bool = False, quick: bool = False, progress: bool = False) -> Ceilings:
     """Cached measured ceilings for this machine and software stack."""
     dev = pick_device(device)

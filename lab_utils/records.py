@@ -283,6 +283,46 @@ class Recorder:
         return path
 
 
+def json_value(x: Any) -> Any:
+    """One cell of a records file as JSON that reads back to the same value: floats as Python
+    writes them (the shortest text that round-trips bit for bit, unlike a fixed number of
+    decimals), arrays as lists, NaN as null and +-Inf as "inf" / "-inf" (JSON has no
+    non-finite numbers; ``load_records`` reads them back as floats)."""
+    if isinstance(x, dict):
+        return {str(k): json_value(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_value(v) for v in x]
+    if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):  # numpy arrays and scalars
+        return json_value(x.tolist())
+    if isinstance(x, float):
+        return x if math.isfinite(x) else (None if math.isnan(x) else ("inf" if x > 0 else "-inf"))
+    if x is None or isinstance(x, (str, int, bool)):
+        return x
+    if x is pd.NA or x is pd.NaT:
+        return None
+    return str(x)
+
+
+def write_records_json(df: pd.DataFrame, path: str | Path, *, indent: int | None = None) -> Path:
+    """Rows as a JSON list of records that round-trip exactly (``json_value``), written atomically.
+    (pandas' ``to_json`` keeps 10 significant decimals by default: a value read back then differs
+    from the one measured, and a comparison calls it changed.)"""
+    path = Path(path)
+    cols = list(df.columns)
+    rows = [{c: json_value(v) for c, v in zip(cols, vals, strict=True)} for vals in df.itertuples(index=False)]
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(rows, indent=indent, allow_nan=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _numeric_values(df: pd.DataFrame) -> pd.DataFrame:
+    """``value`` as floats: null is NaN, "inf" / "-inf" (how JSON keeps them) are +-Inf."""
+    if "value" in df.columns:
+        df["value"] = pd.to_numeric(df["value"], errors="coerce").astype(float)
+    return df
+
+
 def load_records(path: str | Path) -> pd.DataFrame:
     """Rows of a records JSON (one notebook) or of a report's gathered records
     (``records.json`` / ``records.parquet`` / a report folder), context merged in."""
@@ -302,7 +342,7 @@ def load_records(path: str | Path) -> pd.DataFrame:
         for c in CONTEXT_COLUMNS:
             df[c] = ctx.get(c, "")
         return _with_stability_columns(df)
-    return _with_stability_columns(pd.DataFrame(data))
+    return _with_stability_columns(_numeric_values(pd.DataFrame(data)))
 
 
 def _stable_value(v: Any) -> bool | None:
@@ -407,3 +447,35 @@ def stability_note(df: pd.DataFrame) -> str:
     if not s.unstable:
         return f"all {s.timings} timings stable"
     return f"{s}: the machine disturbed them; the table below lists them (not results, not compared)"
+
+
+def thread_cut_note(df: pd.DataFrame, context: dict) -> str:
+    """A run's CPU timings that ran with fewer threads than the usable cores because the automatic
+    thread policy found the machine busy (``lab_utils.cpu_threads``: each timing records its
+    ``threads`` in ``extra``, the run's context the policy and the usable cores): one line saying
+    so, or "" when none was cut (or the thread count was set by hand)."""
+    policy = ((context.get("timing") or {}).get("cpu_threads") or {}) if isinstance(context, dict) else {}
+    cores = policy.get("cores") or (context.get("device_info") or {}).get("units")
+    if policy.get("policy", "auto") != "auto" or not cores or not len(df) or "extra" not in df.columns:
+        return ""
+    t = df[df["metric"].astype(str).str.endswith("time") & (df["statistic"] == "median")]
+    threads = []
+    for e in t["extra"]:
+        try:
+            n = (json.loads(e) if isinstance(e, str) and e.startswith("{") else e if isinstance(e, dict) else {}).get(
+                "threads"
+            )
+        except ValueError:
+            n = None
+        if isinstance(n, int):
+            threads.append(n)
+    cut = [n for n in threads if n < int(cores)]
+    if not cut:
+        return ""
+    counts = ", ".join(f"{cut.count(n)} with {n}" for n in sorted(set(cut)))
+    return (
+        f"THREADS CUT: the machine was busy: {len(cut)} of {len(threads)} CPU timings ran with fewer threads than "
+        f"the {cores} usable cores ({counts}), because other processes kept cores busy when they started. Their "
+        f"times are not comparable with a run that had every core (perflab compare calls such rows 'not "
+        f"comparable'); rerun on a quiet machine or fix the count with --timing-threads N."
+    )

@@ -280,18 +280,20 @@ def test_zero_errors(tmp_path):
 def test_device_mismatch_is_flagged_not_mixed(tmp_path, runs):
     base, _ = runs
     rng = np.random.default_rng(9)
-    rows = timing_rows("01_norms", "fwd", "triton", 0.01, rng=rng, bytes=4e8) + [
-        value_row("01_norms", "check", "triton", "max_abs_err", 1.0e-3)
-    ]
+    rows = (
+        timing_rows("01_norms", "fwd", "triton", 0.01, rng=rng, bytes=4e8)
+        + timing_rows("01_norms", "fwd", "eager", 0.02, rng=rng, bytes=4e8)
+        + [value_row("01_norms", "check", "triton", "max_abs_err", 1.0e-3)]
+    )
     gpu = write_report(tmp_path / "gpu", rows, GPU)
-    cmp = C.compare(base, gpu)
+    cmp = C.compare(base, gpu, labs=("01_norms",))  # the GPU run ran lab 01 only
     assert cmp.device_mismatch and any(f.startswith("DEVICE DIFFERS") for f in cmp.flags)
     assert find(cmp, variant="triton", metric="time")["verdict"] == "device differs"
     assert find(cmp, metric="max_abs_err")["verdict"] == "same"  # accuracy rows still compared
     assert any("software differs: cuda" in f for f in cmp.flags)
     assert cmp.exit_code == C.EXIT_INCOMPARABLE
     assert "NOT COMPARABLE" in cmp.summary_text()
-    allowed = C.compare(base, gpu, allow_device_mismatch=True)
+    allowed = C.compare(base, gpu, allow_device_mismatch=True, labs=("01_norms",))
     assert find(allowed, variant="triton", metric="time")["verdict"] == "faster"
     assert allowed.exit_code == C.EXIT_OK
 

@@ -12,12 +12,14 @@ perflab numdiff A B [--variant-a V] [...]  (lab_utils.telemetry: where two runs'
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
-from ..ceilings import get_ceilings
+from ..ceilings import cached_ceilings, get_ceilings
 from ..config import ConfigError
+from ..records import load_records, thread_cut_note
 from ..telemetry import numdiff_main
-from .compare import baseline_main
+from .compare import baseline_main, lab_name
 from .compare import main as compare_main
 from .nbtools import refresh
 from .runner import RunInterrupted, SuiteError, list_suites, load_suite, parse_overrides, run_suite
@@ -44,7 +46,7 @@ def _cmd_run(a) -> int:
             a.suite,
             overrides=parse_overrides(a.param),
             out_dir=a.out,
-            only=a.only,
+            only=[lab_name(x) for x in a.only] if a.only else None,
             progress=not a.no_progress,
             timing_threads=a.timing_threads,
         )
@@ -60,15 +62,33 @@ def _cmd_run(a) -> int:
             line += f"\n         {s.error.splitlines()[0][:300]}"
         print(line)
     print(f"report: {res.index}")
+    note = _threads_note(res.path)
+    if note:
+        print(f"perflab run: {note}", file=sys.stderr)
     if not res.ok:
         print(f"perflab run: {sum(s.status != 'ok' for s in res.statuses)} notebook(s) failed", file=sys.stderr)
         return 1
     return 0
 
 
+def _threads_note(path) -> str:
+    """The report's line on timings whose thread count the busy machine cut ("" if none)."""
+    try:
+        ctx = json.loads((path / "context.json").read_text())
+        return thread_cut_note(load_records(path), ctx)
+    except (OSError, ValueError):
+        return ""
+
+
 def _cmd_ceilings(a) -> int:
-    c = get_ceilings(a.device, force=a.force, quick=a.quick, progress=True)
-    print(f"{c.device_name} (measured {c.measured_at}{', quick' if c.quick else ''})")
+    # without --force, what is cached (the full measurement, else the quick one smoke runs take) is shown
+    c = None if (a.force or a.quick) else cached_ceilings(a.device)
+    if c is None:
+        c = get_ceilings(a.device, force=a.force, quick=a.quick, progress=True)
+        how = "measured now" if a.force else "cached or measured now"
+    else:
+        how = "cached; --force re-measures"
+    print(f"{c.device_name} (measured {c.measured_at}{', quick' if c.quick else ''}; {how})")
     for r in c.summary_rows():
         ds = f"{r['datasheet']:.4g}" if r["datasheet"] else "—"
         me = f"{r['measured']:.4g}" if r["measured"] else "—"
@@ -99,7 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("suite", nargs="?")
     r.add_argument("--list", action="store_true", help="list suites and their notebooks")
     r.add_argument("--param", action="append", metavar="KEY=VALUE", help="override a parameter (YAML value)")
-    r.add_argument("--only", action="append", metavar="NOTEBOOK", help="run only this notebook of the suite")
+    r.add_argument(
+        "--only",
+        action="append",
+        metavar="NOTEBOOK",
+        help="run only this notebook of the suite (a name like 05_memory or a path like labs/05_memory.ipynb)",
+    )
     r.add_argument("--out", default=None, help="reports folder (default: reports/)")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument(
@@ -111,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     r.set_defaults(fn=_cmd_run)
     c = sub.add_parser("ceilings", help="measure (or show cached) copy and matmul ceilings")
-    c.add_argument("--force", action="store_true", help="re-measure even if cached")
-    c.add_argument("--quick", action="store_true", help="smaller sizes (what CPU smoke runs use)")
+    c.add_argument("--force", action="store_true", help="re-measure even if cached (without it, the cache is shown)")
+    c.add_argument("--quick", action="store_true", help="the smaller sizes CPU smoke runs use (cached separately)")
     c.add_argument("--device", default=None)
     c.set_defaults(fn=_cmd_ceilings)
     n = sub.add_parser("nb", help="notebook maintenance")

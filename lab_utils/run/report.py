@@ -19,7 +19,15 @@ import pandas as pd
 from nbconvert import HTMLExporter
 
 from ..ceilings import Ceilings, get_ceilings
-from ..records import CONTEXT_COLUMNS, ROW_COLUMNS, load_records, run_context, stability_summary
+from ..records import (
+    CONTEXT_COLUMNS,
+    ROW_COLUMNS,
+    load_records,
+    run_context,
+    stability_summary,
+    thread_cut_note,
+    write_records_json,
+)
 
 EXTERNAL_SCRIPT = re.compile(r"<script[^>]*\bsrc=[\"'](?:https?:)?//[^\"']*[\"'][^>]*>\s*</script>", re.I)
 EXTERNAL_LINK = re.compile(r"<link[^>]*\bhref=[\"'](?:https?:)?//[^\"']*[\"'][^>]*/?>", re.I)
@@ -112,7 +120,7 @@ def gather_records(run_dir: Path, statuses, run_id: str, *, relocate: tuple[Path
     df = df.reindex(columns=cols)
     df["value"] = pd.to_numeric(df["value"], errors="coerce").astype(float)
     df.to_parquet(run_dir / "records.parquet", index=False)
-    (run_dir / "records.json").write_text(df.to_json(orient="records", indent=1))
+    write_records_json(df, run_dir / "records.json", indent=1)  # exact floats (to_json keeps 10 decimals)
     (run_dir / "status.json").write_text(
         json.dumps([{k: v for k, v in vars(s).items() if k != "params"} for s in statuses], indent=1)
     )
@@ -201,6 +209,8 @@ def write_index(run_dir: Path, suite, statuses, run_id: str, overrides: dict) ->
 <style>{_CSS}</style></head><body>
 <h1>perflab report · {html.escape(suite.name)}</h1>
 <p class="{"ok" if n_ok == len(statuses) else "failed"}">{verdict}</p>
+{_threads_banner(run_dir, ctx)}
+{_headline_section(run_dir, statuses)}
 <h2>Context</h2><table>{info_html}</table>
 <h2>Notebooks</h2>
 <table><tr><th>notebook</th><th>status</th><th>time</th><th>records</th><th>unstable timings</th>
@@ -216,6 +226,44 @@ beside the vendor datasheet's dense peaks, which are references, not measurement
     out = run_dir / "index.html"
     out.write_text(page, encoding="utf-8")
     return out
+
+
+def _threads_banner(run_dir: Path, ctx: dict) -> str:
+    """At the top of the index: the run's timings had fewer CPU threads than the machine's
+    cores because it was busy (``records.thread_cut_note``)."""
+    f = run_dir / "records.parquet"
+    note = thread_cut_note(load_records(f), ctx) if f.exists() else ""
+    return f'<p class="unstable" id="threads-cut">{html.escape(note)}</p>' if note else ""
+
+
+def _headline_section(run_dir: Path, statuses) -> str:
+    """One row per lab with its headline figures, built from the gathered records by the same
+    function that fills the lab's takeaway cell (``studies.headline``)."""
+    # heavy (models, plots): imported for their registered headlines, which only the index needs
+    from ..studies import (  # noqa: F401, PLC0415
+        attention,
+        ceilings,
+        distributed,
+        fused_kernels,
+        low_precision,
+        memory,
+        plan,
+        stability,
+        training_step,
+    )
+    from ..studies.headline import figures_html, headlines  # noqa: PLC0415 - beside the registrations
+
+    f = run_dir / "records.parquet"
+    df = load_records(f) if f.exists() else pd.DataFrame(columns=ROW_COLUMNS)
+    ok = [s.notebook for s in statuses if s.status == "ok"]
+    lines = headlines(df, ok)
+    rows = "".join(
+        f'<tr><td>{html.escape(s.notebook)}</td><td class="headline">'
+        + (figures_html(lines[s.notebook]) if s.notebook in lines else f'<span class="failed">{s.status}</span>')
+        + "</td></tr>"
+        for s in statuses
+    )
+    return f'<h2>Headlines</h2><table id="headlines"><tr><th>lab</th><th>what matters</th></tr>{rows}</table>'
 
 
 def _unstable_cell(s) -> str:

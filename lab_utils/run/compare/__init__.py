@@ -26,8 +26,17 @@ Design note
   dB figures are compared by difference and drawn as the power ratio 10^(Δ/10).
 * Runs on different devices are flagged and their performance rows are *not*
   compared (verdict "device differs", exit code 3) unless ``allow_device_mismatch``;
-  a side whose rows come from several devices is refused.  Software differences
-  (torch, triton, CUDA, commit) are shown, since comparing them is often the point.
+  a side whose rows come from several devices is refused.  Rows whose runs differ in
+  what a timing measures (software: torch, triton, CUDA, Python; the CPU threads a
+  timing ran with; a compile parameter; any other notebook parameter or the suite) get
+  the verdict "not comparable", never slower or faster (exit 3), unless that difference
+  is allowed (``allow_context_diff``).  A different commit is what a comparison is for.
+* Coverage: the gate cannot pass by omission.  A lab of the base that the candidate did
+  not run, and rows of the base missing from a lab the candidate ran, fail it (exit 1),
+  unless the comparison is narrowed to some labs (``labs``, ``--only LAB``); one-sided
+  rows of a lab whose parameters differ are explained by those parameters.
+* Metrics with no better direction are "changed" only beyond ``neutral_tolerance``
+  (relative, 1e-9: float noise is no change).
 * Performance rows without samples (and no time row to borrow from) get a verdict from
   the threshold alone but never fail the gate: with no noise estimate a load swing on
   the machine would.  Error figures without samples are deterministic (fixed seeds) and
@@ -39,12 +48,13 @@ Design note
   (default 25%) is not comparable: its performance rows do not gate and the exit code
   is 3, with the share in the message.
 * Exit codes: 0 no regression; 1 a regression beyond the threshold (including a row
-  that ran in the base and failed in the candidate); 2 bad arguments / unreadable
-  inputs; 3 not comparable (device mismatch on performance rows, or too many unstable
-  timings).
+  that ran in the base and failed in the candidate, a lab that did not run, rows
+  missing); 2 bad arguments / unreadable inputs; 3 not comparable (device, software,
+  timing threads or parameters differ, or too many unstable timings).
 
 Modules: ``rules`` (directions, names), ``options``, ``sides`` (reading and normalising a side),
-``stats`` (bootstrap, rank test, the verdict rule), ``comparison`` (``compare``,
+``stats`` (bootstrap, rank test, the verdict rule), ``coverage`` (labs and rows each side
+covers, context and parameter differences), ``comparison`` (``compare``,
 ``Comparison``), ``text`` and ``html`` (outputs), ``cli`` (``perflab
 compare``) and ``baselines`` (``perflab baseline``).
 
@@ -57,9 +67,10 @@ from __future__ import annotations
 
 from .baselines import PERFORMANCE_KINDS, baseline_main, run_for_baseline, store_baseline, timing_free
 from .cli import add_compare_options, main, options_from
-from .comparison import OUT_COLUMNS, Comparison, compare, context_flags
+from .comparison import OUT_COLUMNS, Comparison, compare
+from .coverage import ContextDiff, context_flags
 from .html import render_html
-from .options import Options
+from .options import CONTEXT_DIFFS, Options, lab_name
 from .rules import (
     EXIT_INCOMPARABLE,
     EXIT_OK,
@@ -74,6 +85,7 @@ from .rules import (
     METRIC_RULES,
     NEUTRAL,
     NOISY,
+    NOT_COMPARABLE,
     UNIT_RULES,
     WORSE_VERDICTS,
     CompareError,
@@ -99,6 +111,9 @@ __all__ = [
     "METRIC_RULES",
     "NEUTRAL",
     "NOISY",
+    "NOT_COMPARABLE",
+    "CONTEXT_DIFFS",
+    "ContextDiff",
     "OUT_COLUMNS",
     "PERFORMANCE_KINDS",
     "UNIT_RULES",
@@ -119,6 +134,7 @@ __all__ = [
     "direction_table",
     "identity_keys",
     "judge",
+    "lab_name",
     "load_side",
     "main",
     "options_from",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import shutil
 import sys
 import time
@@ -17,11 +18,11 @@ import numpy as np
 import pandas as pd
 
 from ...config import ConfigError
-from ...records import load_records
+from ...records import load_records, write_records_json
 from ..runner import SuiteError, parse_overrides, run_suite
 from .cli import add_compare_options, finish, options_from
 from .comparison import compare
-from .options import Options
+from .options import Options, lab_name
 from .rules import EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, CompareError, direction
 from .sides import baseline_kind, baselines_root, first_value, load_side
 
@@ -75,8 +76,10 @@ def store_baseline(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    (tmp / "records.json").write_text(rows.to_json(orient="records", indent=0) + "\n")
-    keep_ctx = {k: v for k, v in ctx.items() if k not in ("notebooks",)}
+    # exact floats (pandas' to_json keeps 10 decimals: a check then finds thousands of "changed" rows)
+    write_records_json(rows, tmp / "records.json", indent=0)
+    # the notebooks' parameters stay: a check against a run with other parameters is flagged by them
+    keep_ctx = dict(ctx)
     (tmp / "context.json").write_text(json.dumps(keep_ctx, indent=1, default=str) + "\n")
     (tmp / "status.json").write_text(json.dumps(status, indent=1) + "\n")
     meta = {
@@ -99,6 +102,14 @@ def store_baseline(
 
 def run_for_baseline(suite: str, params: list[str] | None, out: str | None, only: list[str] | None = None):
     return run_suite(suite, overrides=parse_overrides(params), out_dir=out, only=only)
+
+
+def command_line(argv: Sequence[str] | None) -> str:
+    """The command as typed, for ``baseline.json``: ``perflab baseline refresh --report ...``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["baseline"]:
+        args = args[1:]
+    return ("perflab baseline " + shlex.join(args)).strip()
 
 
 def baseline_main(argv: Sequence[str] | None = None) -> int:
@@ -132,7 +143,8 @@ def baseline_main(argv: Sequence[str] | None = None) -> int:
         "--only",
         action="append",
         metavar="NOTEBOOK",
-        help="run only this notebook of the suite (the baseline's other notebooks then show as 'only in base')",
+        help="run only this notebook of the suite (a name or a path like labs/05_memory.ipynb); the baseline is "
+        "then compared on these notebooks only",
     )
     c.add_argument("--kind", default=None, help="baseline kind (default: the candidate's)")
     c.add_argument("--run-out", default=None, help="reports folder for the fresh run (default reports/)")
@@ -141,6 +153,8 @@ def baseline_main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--kind", default=None)
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
+        if getattr(a, "only", None):
+            a.only = [lab_name(x) for x in a.only]
         if a.cmd == "show":
             root = baselines_root()
             kinds = [a.kind] if a.kind else sorted(p.name for p in root.glob("*") if (p / "baseline.json").exists())
@@ -169,13 +183,12 @@ def baseline_main(argv: Sequence[str] | None = None) -> int:
                         file=sys.stderr,
                     )
                     return EXIT_REGRESSION
-            cmdline = "perflab baseline refresh " + " ".join(argv if argv is not None else sys.argv[1:])
             dest = store_baseline(
                 report,
                 kind=a.kind,
                 timing_free_only=a.timing_free,
                 allow_failed=a.allow_failed,
-                command=cmdline.strip(),
+                command=command_line(argv),
             )
             m = json.loads((dest / "baseline.json").read_text())
             print(f"perflab baseline: stored {m['rows']} rows of {m['run_id']} as {dest}")

@@ -10,7 +10,7 @@ from pathlib import Path
 from ...config import ConfigError
 from ..runner import ROOT
 from .comparison import Comparison, compare
-from .options import Options
+from .options import CONTEXT_DIFFS, Options, lab_name
 from .rules import EXIT_USAGE, CompareError
 from .sides import slug
 
@@ -68,6 +68,16 @@ def add_compare_options(ap: argparse.ArgumentParser) -> None:
         help="compare performance rows even when the runs' devices differ",
     )
     ap.add_argument(
+        "--allow-context-diff",
+        action="append",
+        default=None,
+        metavar="|".join(CONTEXT_DIFFS),
+        help="compare rows even though the runs differ in this (repeat, or comma-separate): device, software "
+        "(torch, triton, CUDA, Python), threads (the CPU threads a timing ran with), compile (a compile "
+        "parameter), params (other notebook parameters, or the suite); without it such rows are "
+        "'not comparable' (exit 3)",
+    )
+    ap.add_argument(
         "--max-unstable-share",
         type=float,
         default=d.max_unstable_share,
@@ -96,6 +106,10 @@ def options_from(a) -> Options:
         gate=a.gate,
         allow_device_mismatch=a.allow_device_mismatch,
         max_unstable_share=a.max_unstable_share,
+        labs=tuple(lab_name(x) for x in (getattr(a, "only", None) or ())),
+        allow_context_diff=tuple(
+            x.strip() for v in (a.allow_context_diff or ()) for x in str(v).split(",") if x.strip()
+        ),
     )
 
 
@@ -118,12 +132,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="perflab compare",
         description="Compare a candidate run with a base run row by row; exit 1 on a regression beyond the threshold. "
-        "BASE / CANDIDATE: a report folder, a records.json/.parquet, 'latest' or 'baseline[:KIND]'.",
-        epilog="exit codes: 0 no regression, 1 regression, 2 bad arguments or inputs, 3 not comparable: devices "
-        "differ (performance rows not compared) or too many unstable timings",
+        "BASE / CANDIDATE: a report folder (an interrupted run's <run-id>-interrupted/ too), a records.json/"
+        ".parquet, 'latest' or 'baseline[:KIND]'.",
+        epilog="exit codes: 0 no regression, 1 regression (or a notebook that failed, a lab or rows of the base "
+        "missing from the candidate), 2 bad arguments or inputs, 3 not comparable: device, software, timing "
+        "threads or parameters differ (those rows not compared), or too many unstable timings",
     )
     ap.add_argument("base")
     ap.add_argument("candidate")
+    ap.add_argument(
+        "--only",
+        action="append",
+        metavar="LAB",
+        help="compare only this lab (a name like 05_memory or a path like labs/05_memory.ipynb; repeat for more); "
+        "without it a lab of the base that the candidate did not run fails the gate",
+    )
     add_compare_options(ap)
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from ...records import StabilitySummary, stability_summary
+from .coverage import ContextDiff, context_diff, context_flags, failed_labs, labs_of, narrow_both, newly_failed
 from .html import render_html
 from .options import Options
 from .rules import (
@@ -18,6 +19,7 @@ from .rules import (
     EXIT_REGRESSION,
     KEY,
     NOISY,
+    NOT_COMPARABLE,
     PER_TIME_SUFFIXES,
     QUANTILE_STATISTICS,
     SIDE_CONTEXT_KEYS,
@@ -61,6 +63,7 @@ OUT_COLUMNS = [
     "cand_stability",
     "base_samples",
     "cand_samples",
+    "missing",
 ]
 
 
@@ -82,6 +85,8 @@ class Comparison:
     device_mismatch: bool
     failed_notebooks: list[str] = field(default_factory=list)  # ran in base, failed in candidate
     stability: dict[str, StabilitySummary] = field(default_factory=dict)  # side label -> its timings' stability
+    missing_labs: list[str] = field(default_factory=list)  # labs of the base the candidate did not run
+    context: ContextDiff | None = None  # how the runs differ in what their timings measure
 
     @property
     def too_noisy(self) -> dict[str, StabilitySummary]:
@@ -104,35 +109,64 @@ class Comparison:
         return {str(k): int(v) for k, v in self.rows["verdict"].value_counts().items()}
 
     @property
-    def exit_code(self) -> int:
-        if len(self.regressions) or (self.failed_notebooks and self.options.gate != "none"):
-            return EXIT_REGRESSION
+    def missing(self) -> pd.DataFrame:
+        """Rows of the base missing from the candidate that fail the gate (see ``compare``)."""
+        if "missing" not in self.rows.columns:
+            return self.rows.iloc[:0]
+        return self.rows[self.rows["missing"]]
+
+    def failures(self) -> list[str]:
+        """Why the gate fails (exit 1), one item each; empty when it does not."""
+        gating = self.options.gate != "none"
+        out = []
+        if self.failed_notebooks and gating:
+            out.append(f"notebook(s) that ran in the base failed in the candidate: {', '.join(self.failed_notebooks)}")
+        if self.missing_labs and gating:
+            out.append(
+                f"lab(s) of the base that the candidate did not run: {', '.join(self.missing_labs)} "
+                f"(--only LAB compares the labs that ran)"
+            )
+        m = self.missing
+        if len(m):
+            labs = ", ".join(sorted(set(m["lab"])))
+            out.append(f"{len(m)} row(s) of the base missing from the candidate (in {labs})")
+        return out
+
+    def incomparable(self) -> list[str]:
+        """Why part of the comparison could not be made (exit 3), one item each."""
+        out = []
         if self.device_mismatch and (self.rows["verdict"] == "device differs").any():
-            return EXIT_INCOMPARABLE
+            out.append(
+                f"devices differ ({self.base.device} vs {self.cand.device}); performance rows were not compared "
+                f"(--allow-device-mismatch to compare them)"
+            )
+        if self.context is not None:
+            out += self.context.incomparable_reasons()
         if self.too_noisy:
+            sides = "; ".join(f"{k}: {v}" for k, v in self.too_noisy.items())
+            out.append(
+                f"too many unstable timings ({sides}; limit {self.options.max_unstable_share:.0%}); their machine "
+                f"was too busy to time on, performance rows were not gated"
+            )
+        return out
+
+    @property
+    def exit_code(self) -> int:
+        if len(self.regressions) or self.failures():
+            return EXIT_REGRESSION
+        if self.incomparable():
             return EXIT_INCOMPARABLE
         return EXIT_OK
 
     def result_line(self) -> str:
         n = len(self.regressions)
-        if n or self.exit_code == EXIT_REGRESSION:
-            nb = (
-                f"; notebook(s) that ran in the base failed in the candidate: {', '.join(self.failed_notebooks)}"
-                if self.failed_notebooks
-                else ""
-            )
-            return f"FAIL: {n} regression{'s' * (n != 1)} beyond threshold{nb} (exit {EXIT_REGRESSION})"
-        if self.exit_code == EXIT_INCOMPARABLE and self.device_mismatch:
-            return (
-                f"NOT COMPARABLE: devices differ ({self.base.device} vs {self.cand.device}); performance rows "
-                f"were not compared (--allow-device-mismatch to compare them) (exit {EXIT_INCOMPARABLE})"
-            )
-        if self.exit_code == EXIT_INCOMPARABLE:
-            sides = "; ".join(f"{k}: {v}" for k, v in self.too_noisy.items())
-            return (
-                f"NOT COMPARABLE: too many unstable timings ({sides}; limit {self.options.max_unstable_share:.0%}); "
-                f"their machine was too busy to time on, performance rows were not gated (exit {EXIT_INCOMPARABLE})"
-            )
+        code = self.exit_code
+        if code == EXIT_REGRESSION:
+            why = "".join(f"; {f}" for f in self.failures())
+            also = "".join(f"; also not comparable: {f}" for f in self.incomparable())
+            return f"FAIL: {n} regression{'s' * (n != 1)} beyond threshold{why}{also} (exit {EXIT_REGRESSION})"
+        if code == EXIT_INCOMPARABLE:
+            return f"NOT COMPARABLE: {'; '.join(self.incomparable())} (exit {EXIT_INCOMPARABLE})"
         return "OK: no regression beyond threshold (exit 0)"
 
     # --- outputs
@@ -153,6 +187,9 @@ class Comparison:
             "counts": self.counts(),
             "exit_code": self.exit_code,
             "result": self.result_line(),
+            "missing_labs": self.missing_labs,
+            "failures": self.failures(),
+            "not_comparable": self.incomparable(),
             "stability": {
                 k: {"timings": v.timings, "unstable": v.unstable, "share": v.share, "examples": list(v.examples)}
                 for k, v in self.stability.items()
@@ -171,53 +208,13 @@ class Comparison:
 
 
 def side_json(s: Side) -> dict:
-    keep = (*SIDE_CONTEXT_KEYS, "suite", "host")
+    keep = (*SIDE_CONTEXT_KEYS, "host", "notebooks")
     return {
         "label": s.label,
         "source": s.source,
         "context": {k: s.context.get(k) for k in keep if k in s.context},
         "meta": s.meta,
     }
-
-
-SOFTWARE_FIELDS = ("torch_version", "triton_version", "cuda_version", "python_version", "triton_interpret")
-
-
-def context_flags(base: Side, cand: Side) -> tuple[list[str], bool]:
-    flags = []
-    bd, cd = base.context.get("device", ""), cand.context.get("device", "")
-    mismatch = bool(bd and cd and bd != cd) or (
-        base.context.get("device_kind")
-        and cand.context.get("device_kind")
-        and base.context.get("device_kind") != cand.context.get("device_kind")
-    )
-    if mismatch:
-        flags.append(
-            f"DEVICE DIFFERS: base ran on {bd or '?'} ({base.context.get('device_kind')}), candidate on "
-            f"{cd or '?'} ({cand.context.get('device_kind')})"
-        )
-    bi, ci = base.context.get("device_info") or {}, cand.context.get("device_info") or {}
-    if not mismatch and bi and ci:
-        for k in ("units", "memory_bytes", "capability", "threads"):
-            if k in bi and k in ci and bi[k] != ci[k]:
-                flags.append(f"device setup differs: {k} {bi[k]} -> {ci[k]}")
-    for k in SOFTWARE_FIELDS:
-        b, c = base.context.get(k), cand.context.get(k)
-        if (b or c) and str(b) != str(c):
-            flags.append(f"software differs: {k.replace('_version', '')} {b} -> {c}")
-    b, c = base.context.get("commit"), cand.context.get("commit")
-    if b and c and b != c:
-        flags.append(f"commit differs: {b} -> {c}")
-    for side in (base, cand):
-        for k, vals in getattr(side, "mixed", {}).items():
-            flags.append(
-                f"{side.label}: its rows come from different {k.replace('_version', '')} values "
-                f"({', '.join(vals)}): a run that spanned commits, or records gathered from several runs?"
-            )
-        bad = [s.get("notebook") for s in side.status if s.get("status") != "ok"]
-        if bad:
-            flags.append(f"{side.label}: notebook(s) failed, their rows are missing: {', '.join(map(str, bad))}")
-    return flags, bool(mismatch)
 
 
 def compare(base: Side | str | Path, cand: Side | str | Path, options: Options | None = None, **kw) -> Comparison:
@@ -227,7 +224,13 @@ def compare(base: Side | str | Path, cand: Side | str | Path, options: Options |
         base = load_side(base, "base")
     if not isinstance(cand, Side):
         cand = load_side(cand, "candidate")
+    base, cand = narrow_both(base, cand, o.labs)
     flags, mismatch = context_flags(base, cand)
+    cdiff = context_diff(base, cand, o, device_differs=bool(mismatch))
+    flags += cdiff.flags_before()
+    for side in (base, cand):
+        if side.meta.get("interrupted"):
+            flags.append(f"{side.label} is an interrupted run: {side.meta['interrupted']}")
     b, c = base.rows, cand.rows
     if o.statistics == "default":
         b = b[~b["statistic"].isin(QUANTILE_STATISTICS)]
@@ -290,16 +293,20 @@ def compare(base: Side | str | Path, cand: Side | str | Path, options: Options |
         ), d
 
     pending_derived = []
+    not_run = sorted(labs_of(base, ran_only=True) - labs_of(cand))
     for _, r in m.iterrows():
         row, d = row_base(r)
         if not kind_selected(d.kind, o.only):
             continue
-        if r["_merge"] == "left_only":
-            row.update(verdict="only in base", note="missing in candidate", base=r["value_b"], candidate=math.nan)
-            out.append(row)
-            continue
-        if r["_merge"] == "right_only":
-            row.update(verdict="only in candidate", note="new in candidate", base=math.nan, candidate=r["value_c"])
+        if r["_merge"] in ("left_only", "right_only"):
+            left = r["_merge"] == "left_only"
+            why = "the lab did not run in the candidate" if r["lab"] in not_run else cdiff.explain_one_sided(r["lab"])
+            row.update(
+                verdict="only in base" if left else "only in candidate",
+                note=("missing in candidate" if left else "new in candidate") + (f": {why}" if why else ""),
+                base=r["value_b"] if left else math.nan,
+                candidate=math.nan if left else r["value_c"],
+            )
             out.append(row)
             continue
         fb, fc = bool(r["failed_b"]), bool(r["failed_c"])
@@ -313,10 +320,23 @@ def compare(base: Side | str | Path, cand: Side | str | Path, options: Options |
             )
             out.append(row)
             continue
-        if mismatch and d.kind in ("performance", "memory") and not o.allow_device_mismatch:
+        if mismatch and d.kind in ("performance", "memory") and not o.allows("device"):
             row.update(verdict="device differs", note="not compared: runs on different devices")
             out.append(row)
             continue
+        blockers = cdiff.blockers(r["lab"], d.kind, r.get("extra_b"), r.get("extra_c"))
+        blocked = cdiff.not_allowed(blockers)
+        if blocked:
+            cdiff.count_blocked(blocked, row_label_short(r))
+            cats = ",".join(c for c, _ in blocked)
+            row.update(
+                verdict=NOT_COMPARABLE,
+                note=f"not compared: {'; '.join(w for _, w in blocked)} (--allow-context-diff {cats} to compare)",
+            )
+            out.append(row)
+            continue
+        if blockers:
+            row["note"] = "compared as asked although " + "; ".join(w for _, w in blockers)
         vb, vc = float(r["value_b"]), float(r["value_c"])
         sb, sc = r["samples_b"], r["samples_c"]
         row.update(
@@ -414,6 +434,13 @@ def compare(base: Side | str | Path, cand: Side | str | Path, options: Options |
         if too_noisy:  # timings of a run this noisy are no evidence; accuracy figures still gate
             df.loc[df["kind"] == "performance", "regression"] = False
         df["improvement"] = df["verdict"].isin(("faster", "more accurate", "less memory", "fixed"))
+        # a row of the base that the candidate lacks fails the gate like a regression: a gate must not
+        # pass by omission.  Not counted here: rows of a lab that failed (``failed_notebooks``) or did
+        # not run at all (``missing_labs``), and rows of a lab whose parameters differ (explained by them)
+        explained = {lab for lab in set(df["lab"]) if cdiff.param_categories(lab)}
+        df["missing"] = (
+            (df["verdict"] == "only in base") & gated & ~df["lab"].isin(failed_labs(cand) | set(not_run) | explained)
+        )
         order = {
             "failed": 0,
             "slower": 1,
@@ -422,6 +449,7 @@ def compare(base: Side | str | Path, cand: Side | str | Path, options: Options |
             "changed": 2,
             NOISY: 2,
             "device differs": 3,
+            NOT_COMPARABLE: 3,
             "only in base": 4,
             "only in candidate": 5,
             "no value": 6,
@@ -441,6 +469,11 @@ def compare(base: Side | str | Path, cand: Side | str | Path, options: Options |
     n_b, n_c = (df["verdict"] == "only in base").sum(), (df["verdict"] == "only in candidate").sum()
     if n_b or n_c:
         flags.append(f"{n_b} row(s) only in base, {n_c} only in candidate: listed, not compared")
+    if not_run:
+        flags.append(f"MISSING: lab(s) of the base that did not run in the candidate: {', '.join(not_run)}")
+    flags += cdiff.flags_after()
+    if "missing" not in df.columns:
+        df["missing"] = pd.Series(dtype=bool)
     return Comparison(
         base=base,
         cand=cand,
@@ -450,7 +483,13 @@ def compare(base: Side | str | Path, cand: Side | str | Path, options: Options |
         device_mismatch=mismatch,
         failed_notebooks=newly_failed(base, cand),
         stability=stability,
+        missing_labs=not_run,
+        context=cdiff,
     )
+
+
+def row_label_short(r) -> str:
+    return f"{r['lab']} {r['experiment']}/{r['variant']} {r['shape']} {r['metric']}".strip()
 
 
 def stable_flag(v) -> bool | None:
@@ -465,7 +504,16 @@ def reason_text(v) -> str:
 
 
 #: verdicts a noisy timing does not override: they are about the row's presence or failure
-KEEP_VERDICTS = ("failed", "fixed", "failed both", "only in base", "only in candidate", "device differs", "no value")
+KEEP_VERDICTS = (
+    "failed",
+    "fixed",
+    "failed both",
+    "only in base",
+    "only in candidate",
+    "device differs",
+    NOT_COMPARABLE,
+    "no value",
+)
 
 
 def mark_noisy(df: pd.DataFrame) -> None:
@@ -485,14 +533,3 @@ def mark_noisy(df: pd.DataFrame) -> None:
         was = f" (the point estimate alone: {r['verdict']})" if r["verdict"] not in ("same", "") else ""
         df.at[i, "verdict"] = NOISY
         df.at[i, "note"] = f"unstable timing, not judged{was}: {why}"
-
-
-def newly_failed(base: Side, cand: Side) -> list[str]:
-    """Notebooks that failed in the candidate but ran (or left rows) in the base."""
-    ok_in_base = {s.get("notebook") for s in base.status if s.get("status") == "ok"}
-    if "notebook" in base.rows.columns:
-        ok_in_base |= {str(n) for n in base.rows["notebook"].dropna().unique()}
-    ok_in_base |= {str(n) for n in base.rows["lab"].unique()}
-    return sorted(
-        str(s.get("notebook")) for s in cand.status if s.get("status") != "ok" and s.get("notebook") in ok_in_base
-    )

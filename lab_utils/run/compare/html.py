@@ -14,7 +14,8 @@ from bokeh.models import BoxAnnotation, ColumnDataSource, HoverTool, Span
 from bokeh.plotting import figure
 from bokeh.resources import Resources
 
-from .rules import NOISY, SIDE_CONTEXT_KEYS, direction_table
+from .coverage import notebook_params, overrides_text
+from .rules import NOISY, NOT_COMPARABLE, SIDE_CONTEXT_KEYS, direction_table
 from .text import fmt_num, row_label
 
 VERDICT_COLOURS = {
@@ -29,6 +30,7 @@ VERDICT_COLOURS = {
     "same": "#6e7781",
     "changed": "#9a6700",
     "device differs": "#9a6700",
+    NOT_COMPARABLE: "#9a6700",
     NOISY: "#bc4c00",
 }
 
@@ -140,6 +142,23 @@ def _ratio_plot(cmp, max_rows: int = 300):
     return p
 
 
+def _params_rows(cmp) -> str:
+    """Each side's suite and overrides, and every lab's parameters that differ between the sides."""
+    esc = html.escape
+    b, c = overrides_text(cmp.base), overrides_text(cmp.cand)
+    cls = ' class="flag"' if b != c else ""
+    out = f"<tr{cls}><th>suite, overrides</th><td>{esc(b)}</td><td>{esc(c)}</td></tr>"
+    pb, pc = notebook_params(cmp.base) or {}, notebook_params(cmp.cand) or {}
+    for lab in sorted(set(pb) | set(pc)):
+        a, z = pb.get(lab, {}), pc.get(lab, {})
+        keys = sorted(k for k in set(a) | set(z) if str(a.get(k)) != str(z.get(k)))
+        if keys:
+            fa = ", ".join(f"{k}={a.get(k)!r}" for k in keys)
+            fz = ", ".join(f"{k}={z.get(k)!r}" for k in keys)
+            out += f'<tr class="flag"><th>{esc(lab)} parameters</th><td>{esc(fa)}</td><td>{esc(fz)}</td></tr>'
+    return out
+
+
 def _inline_bokeh(Resources) -> str:
     """BokehJS inline.  Once panel has been imported in the process it registers its own
     extension scripts by relative URL (e.g. es-module-shims); this page uses none of them,
@@ -159,6 +178,7 @@ def render_html(cmp) -> str:
         cls = ' class="flag"' if str(b) != str(c) and k not in ("timestamp", "run_id") else ""
         ctx_rows += f"<tr{cls}><th>{esc(k)}</th><td>{esc(str(b))}</td><td>{esc(str(c))}</td></tr>"
     ctx_rows += f"<tr><th>source</th><td>{esc(cmp.base.source)}</td><td>{esc(cmp.cand.source)}</td></tr>"
+    ctx_rows += _params_rows(cmp)
     flags = "".join(f'<li class="flag">{esc(f)}</li>' for f in cmp.flags) or "<li class='muted'>none</li>"
     counts = ", ".join(f"{v} {esc(k)}" for k, v in cmp.counts().items()) or "no rows"
     body = []

@@ -15,6 +15,8 @@ EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, EXIT_INCOMPARABLE = 0, 1, 2, 3
 WORSE_VERDICTS = ("slower", "less accurate", "more memory", "failed")
 #: a performance row whose timing was unstable on either side: never "slower" or "faster"
 NOISY = "noisy"
+#: a row whose runs differ in what it measures (software, timing threads, parameters): never judged
+NOT_COMPARABLE = "not comparable"
 
 
 class CompareError(ValueError):

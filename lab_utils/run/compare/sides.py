@@ -64,8 +64,9 @@ def baseline_kind(context: dict) -> str:
 
 
 def resolve_source(ref: str | Path) -> Path:
-    """A report folder, a records file, ``latest`` (reports/latest) or
-    ``baseline[:KIND]`` (parameterized/baselines/KIND, KIND defaulting to this machine's)."""
+    """A report folder (also an interrupted run's ``<run-id>-interrupted/``), a records file,
+    ``latest`` (reports/latest) or ``baseline[:KIND]`` (parameterized/baselines/KIND, KIND
+    defaulting to this machine's)."""
     s = str(ref)
     if s == "latest":
         return ROOT / "reports" / "latest"
@@ -94,8 +95,9 @@ def load_side(ref: str | Path, label: str) -> Side:
             f"{label}: {ref} does not exist (give a report folder, records.json/.parquet, "
             f"'latest' or 'baseline[:KIND]')"
         )
+    interrupted = path.is_dir() and (path / "INTERRUPTED.txt").exists()
     try:
-        rows = load_records(path)
+        rows, per_notebook = read_rows(path)
     except (FileNotFoundError, ValueError, OSError) as e:
         raise CompareError(f"{label}: cannot read records from {path}: {e}") from None
     folder = path if path.is_dir() else path.parent
@@ -105,18 +107,31 @@ def load_side(ref: str | Path, label: str) -> Side:
             ctx = json.loads((folder / "context.json").read_text())
         except (OSError, ValueError):
             ctx = {}
+    single = False
     if not path.is_dir() and path.suffix == ".json":  # a single notebook's records file carries its context
         try:
             data = json.loads(path.read_text())
             if isinstance(data, dict) and isinstance(data.get("context"), dict):
                 ctx = {**data["context"], **ctx}
+                single = True
         except (OSError, ValueError):
             pass
+    if per_notebook:  # an interrupted run: no gathered context; each notebook's records carry theirs
+        first = next(iter(per_notebook.values()))
+        ctx = {**{k: v for k, v in first.items() if k != "params"}, **ctx}
+        ctx.setdefault(
+            "notebooks", [{"notebook": nb, "params": c.get("params") or {}} for nb, c in per_notebook.items()]
+        )
+        ctx.setdefault("params_source", "records")
+    elif single and isinstance(ctx.get("params"), dict) and "notebooks" not in ctx and len(rows):
+        # a single notebook's records file: its parameters are its config's
+        ctx["notebooks"] = [{"notebook": first_value(rows, "lab"), "params": ctx["params"]}]
+        ctx.setdefault("params_source", "records")
     for c in CONTEXT_COLUMNS:
         if not ctx.get(c):
             ctx[c] = first_value(rows, c)
     if not ctx.get("run_id"):
-        ctx["run_id"] = first_value(rows, "run_id")
+        ctx["run_id"] = first_value(rows, "run_id") or (path.name if interrupted else "")
     status = []
     if (folder / "status.json").exists():
         try:
@@ -144,9 +159,30 @@ def load_side(ref: str | Path, label: str) -> Side:
             vals = sorted({str(v) for v in rows[c].dropna() if str(v)})
             if len(vals) > 1:
                 mixed[c] = vals
+    if interrupted:
+        meta = {**meta, "interrupted": (path / "INTERRUPTED.txt").read_text().strip()}
     side = Side(label=label, source=str(path), rows=normalise(rows), context=ctx, status=status, meta=meta)
     side.mixed = mixed  # type: ignore[attr-defined]
     return side
+
+
+def read_rows(path: Path) -> tuple[pd.DataFrame, dict[str, dict]]:
+    """A side's rows, and for a folder without gathered records (a run interrupted by Ctrl-C:
+    ``<run-id>-interrupted/``) each finished notebook's context, its rows read from
+    ``records/<notebook>/records.json``."""
+    if not path.is_dir() or any((path / n).exists() for n in ("records.parquet", "records.json")):
+        return load_records(path), {}
+    files = sorted((path / "records").glob("*/records.json"))
+    if not files:
+        raise FileNotFoundError(f"no records.parquet, records.json or records/<notebook>/records.json in {path}")
+    frames, contexts = [], {}
+    for f in files:
+        df = load_records(f)
+        df["notebook"] = f.parent.name
+        frames.append(df)
+        data = json.loads(f.read_text())
+        contexts[f.parent.name] = data.get("context", {}) if isinstance(data, dict) else {}
+    return pd.concat(frames, ignore_index=True), contexts
 
 
 def as_samples(x: Any) -> np.ndarray | None:

@@ -57,8 +57,10 @@ def judge(
     threshold *with confidence*: the whole interval beyond it, or p < 1 - confidence."""
     better_w, worse_w = d.words
     if d.kind == "other":
-        changed = (gain != 1) if math.isfinite(gain) else True
-        return ("changed", "no better direction for this metric") if changed else ("same", "")
+        # no better direction: any change counts, beyond float noise (``neutral_tolerance``, relative)
+        if math.isfinite(gain) and abs(gain - 1) <= o.neutral_tolerance:
+            return "same", (f"within {o.neutral_tolerance:g} relative (float noise)" if gain != 1 else "")
+        return "changed", "no better direction for this metric"
     if d.scale == "db":
         oriented = delta if d.better == "higher" else -delta
         if abs(oriented) <= o.db_threshold:

@@ -6,7 +6,8 @@ import math
 
 import pandas as pd
 
-from .rules import NOISY, WORSE_VERDICTS
+from .coverage import overrides_text
+from .rules import NOISY, NOT_COMPARABLE, WORSE_VERDICTS
 from .sides import Side
 
 
@@ -50,6 +51,7 @@ def side_line(s: Side) -> str:
     if c.get("cuda_version"):
         bits.append(f"CUDA {c['cuda_version']}")
     bits.append(f"commit {c.get('commit') or '?'}")
+    bits.append(overrides_text(s))
     return f"{s.source} [{s.run_id}]: " + ", ".join(bits)
 
 
@@ -97,6 +99,7 @@ def summary_text(cmp, limit: int = 40) -> str:
         section("noisy: unstable timings, not judged", rows[rows["verdict"] == NOISY])
         section("changed (no better direction)", rows[rows["verdict"] == "changed"])
         section("not compared: device differs", rows[rows["verdict"] == "device differs"])
+        section("not compared: the runs differ in what they measure", rows[rows["verdict"] == NOT_COMPARABLE])
         section("only in base", rows[rows["verdict"] == "only in base"])
         section("only in candidate", rows[rows["verdict"] == "only in candidate"])
         section("no value", rows[rows["verdict"].isin(("no value", "failed both"))])
