@@ -10,7 +10,7 @@ Backward (g = dy·(1 + scale_b)):
 
 Memory traffic the op must move (M = B·L rows, s = element size):
     forward   2·M·D·s + 2·B·D·s                    (read x, write y; shift and scale once)
-    backward  3·M·D·s + 4·B·D·s + 8·M              (read x, dy; write dx; read scale, write
+    backward  3·M·D·s + 3·B·D·s + 8·M              (read x, dy; write dx; read scale, write
                                                     dshift, dscale; mean/rstd saved by the forward)
 """
 

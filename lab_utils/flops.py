@@ -45,8 +45,9 @@ GELU_TANH_FLOPS = 9
 #               bwd g = dy·(1 + s), Σg, g·x̂, Σ, x̂·c2, g − c1 −, ·rstd, x̂ recomputed (2), dshift Σ,
 #               dscale dy·x̂ and Σ, 1 + s = 14
 # gated_residual fwd gate·y, + x = 2; bwd dout·gate, dout·y, Σ = 3
-# gelu_tanh     fwd 9 (above); bwd the tanh argument (5), tanh (1), 1 − t² (2), the product
-#               rule (6), · dy (1) = 15
+# gelu_tanh     fwd 9 (above); bwd the tanh argument (5), tanh (1), 1 − t² (2), the derivative of
+#               the argument u' = √(2/π)·(1 + 3·0.044715·x²) with x² reused (3), the product rule
+#               ½·(1 + t) + ½·x·(1 − t²)·u' (6), · dy (1) = 18
 # swiglu        fwd silu(g) = g / (1 + exp(−g)) (3), · up = 4; bwd σ recomputed (3), silu (1),
 #               dup = dout·silu (1), dgate = dout·up·σ·(1 + g·(1 − σ)) (6) = 11
 # rope          a pair (x0, x1) -> (x0·c − x1·s, x0·s + x1·c): 4 multiplies + 2 adds per pair = 3
@@ -56,7 +57,7 @@ FUSED_FLOPS_PER_ELEMENT: dict[str, tuple[int, int]] = {
     "rms_norm": (4, 9),
     "layer_norm_modulate": (8, 14),
     "gated_residual": (2, 3),
-    "gelu_tanh": (GELU_TANH_FLOPS, 15),
+    "gelu_tanh": (GELU_TANH_FLOPS, 18),
     "swiglu": (4, 11),
     "rope": (3, 3),
     "qk_norm_rope": (7, 12),

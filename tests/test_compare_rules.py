@@ -1,0 +1,184 @@
+"""perflab compare's rules at their thresholds: every kind of figure (time, bandwidth, speedup,
+memory, error figures, dB both ways, direction-less counts) at, just inside and just outside
+its threshold, in one table run through one ``compare`` of two written reports.
+
+Defaults (``Options``): performance and memory 5% (a ratio), error figures 10% (a ratio),
+dB figures 0.5 dB (a difference).  At the threshold is "same"; 1e-4 beyond it is a verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from lab_utils.records import CONTEXT_COLUMNS, ROW_COLUMNS
+from lab_utils.run import compare as C
+from lab_utils.run.compare.options import Options
+from lab_utils.run.compare.stats import judge
+
+CPU = {
+    "device": "Test CPU 9000",
+    "device_kind": "cpu",
+    "torch_version": "2.13.0",
+    "python_version": "3.12.1",
+    "commit": "aaaa",
+    "timestamp": "2026-12-03T12:00:00+0000",
+}
+DEFAULTS = Options()
+T, A, DB = DEFAULTS.threshold, DEFAULTS.accuracy_threshold, DEFAULTS.db_threshold
+E = 1e-4  # a little beyond (or inside) a threshold
+
+# (case name, metric, unit, base, candidate, verdict).  Ratio thresholds: the candidate at
+# base·(1 + thr) is the edge; dB: base ± 0.5 dB.
+CASES = [
+    # time: lower is better
+    ("time at +thr", "time", "ms", 1.0, 1 + T, "same"),
+    ("time inside +thr", "time", "ms", 1.0, 1 + T - E, "same"),
+    ("time beyond +thr", "time", "ms", 1.0, 1 + T + E, "slower"),
+    ("time at -thr", "time", "ms", 1 + T, 1.0, "same"),
+    ("time inside -thr", "time", "ms", 1 + T - E, 1.0, "same"),
+    ("time beyond -thr", "time", "ms", 1 + T + E, 1.0, "faster"),
+    ("latency by unit s", "step", "s", 1.0, 1 + T + E, "slower"),
+    # bandwidth and speedup: higher is better
+    ("GB/s at +thr", "bandwidth", "GB/s", 1.0, 1 + T, "same"),
+    ("GB/s beyond +thr", "bandwidth", "GB/s", 1.0, 1 + T + E, "faster"),
+    ("GB/s inside +thr", "bandwidth", "GB/s", 1.0, 1 + T - E, "same"),
+    ("GB/s at -thr", "bandwidth", "GB/s", 1 + T, 1.0, "same"),
+    ("GB/s beyond -thr", "bandwidth", "GB/s", 1 + T + E, 1.0, "slower"),
+    ("TFLOP/s beyond -thr", "throughput", "TFLOP/s", 1 + T + E, 1.0, "slower"),
+    ("speedup drop", "speedup_vs_eager", "x", 2 * (1 + T + E), 2.0, "slower"),
+    ("speedup rise", "speedup_vs_eager", "x", 2.0, 2 * (1 + T + E), "faster"),
+    ("speedup at thr", "speedup_vs_eager", "x", 2.0, 2 * (1 + T), "same"),
+    # memory: lower is better, the performance threshold
+    ("memory at +thr", "peak_memory", "MiB", 100.0, 100 * (1 + T), "same"),
+    ("memory beyond +thr", "peak_memory", "MiB", 100.0, 100 * (1 + T + E), "more memory"),
+    ("memory beyond -thr", "peak_memory", "MiB", 100 * (1 + T + E), 100.0, "less memory"),
+    ("memory inside -thr", "peak_memory", "MiB", 100 * (1 + T - E), 100.0, "same"),
+    # error figures: lower is better, the accuracy threshold (not the performance one)
+    ("error at +thr", "max_abs_err", "", 1.0, 1 + A, "same"),
+    ("error inside +thr", "max_abs_err", "", 1.0, 1 + A - E, "same"),
+    ("error beyond +thr", "max_abs_err", "", 1.0, 1 + A + E, "less accurate"),
+    ("error beyond perf thr only", "max_rel_err", "", 1.0, 1 + (T + A) / 2, "same"),
+    ("error at -thr", "max_abs_err", "", 1 + A, 1.0, "same"),
+    ("error beyond -thr", "max_abs_err", "", 1 + A + E, 1.0, "more accurate"),
+    ("mismatches by name, % unit", "mismatch_pct", "%", 1.0, 1 + A + E, "less accurate"),
+    ("error from zero", "max_abs_err", "", 0.0, 1e-9, "less accurate"),
+    ("error to zero", "max_abs_err", "", 1e-9, 0.0, "more accurate"),
+    ("zero errors", "max_abs_err", "", 0.0, 0.0, "same"),
+    # dB: higher is better, compared by difference, both ways
+    ("SQNR at +thr", "sqnr", "dB", 30.0, 30.0 + DB, "same"),
+    ("SQNR inside +thr", "sqnr", "dB", 30.0, 30.0 + DB - 0.01, "same"),
+    ("SQNR beyond +thr", "sqnr", "dB", 30.0, 30.0 + DB + 0.01, "more accurate"),
+    ("SQNR at -thr", "sqnr", "dB", 30.0, 30.0 - DB, "same"),
+    ("SQNR inside -thr", "sqnr", "dB", 30.0, 30.0 - DB + 0.01, "same"),
+    ("SQNR drop beyond -thr", "sqnr", "dB", 30.0, 30.0 - DB - 0.01, "less accurate"),
+    ("dB by unit, drop", "snr", "dB", 12.0, 12.0 - DB - 0.01, "less accurate"),
+    ("dB by unit, rise", "snr", "dB", 12.0, 12.0 + DB + 0.01, "more accurate"),
+    ("SQNR drop from a negative", "sqnr", "dB", -3.0, -3.0 - DB - 0.01, "less accurate"),
+    # no direction: any change is "changed", none is "same"
+    ("count unchanged", "params", "", 12345.0, 12345.0, "same"),
+    ("count +1", "params", "", 12345.0, 12346.0, "changed"),
+    ("count -1", "params", "", 12345.0, 12344.0, "changed"),
+]
+GATED = {"less accurate"}  # performance and memory rows without samples are shown, not gated
+
+
+def value_row(variant: str, metric: str, unit: str, value: float) -> dict:
+    return dict(
+        lab="rules", experiment="table", variant=variant, shape="8x8", dtype="float32", metric=metric,
+        value=value, unit=unit, statistic="value", samples=None, extra="",
+    )  # fmt: skip
+
+
+def write_report(folder: Path, rows: list[dict]) -> Path:
+    folder.mkdir(parents=True)
+    df = pd.DataFrame(rows).reindex(columns=ROW_COLUMNS)
+    for c in CONTEXT_COLUMNS:
+        df[c] = CPU.get(c, "")
+    df["notebook"], df["run_id"] = df["lab"], folder.name
+    (folder / "records.json").write_text(df.to_json(orient="records"))
+    (folder / "context.json").write_text(json.dumps({**CPU, "run_id": folder.name}))
+    (folder / "status.json").write_text(json.dumps([{"notebook": "rules", "status": "ok", "error": None}]))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rules")
+    base = write_report(tmp / "base", [value_row(n, m, u, b) for n, m, u, b, _, _ in CASES])
+    cand = write_report(tmp / "cand", [value_row(n, m, u, c) for n, m, u, _, c, _ in CASES])
+    cmp = C.compare(base, cand)
+    return cmp, cmp.rows.set_index("variant")
+
+
+@pytest.mark.parametrize("name,metric,unit,base,cand,verdict", CASES, ids=[c[0] for c in CASES])
+def test_rule_at_and_around_its_threshold(table, name, metric, unit, base, cand, verdict):
+    _, rows = table
+    r = rows.loc[name]
+    assert r["verdict"] == verdict, (name, base, cand, r.to_dict())
+    assert bool(r["regression"]) == (verdict in GATED), r.to_dict()
+
+
+def test_the_table_gates_on_the_accuracy_rows(table):
+    cmp, rows = table
+    assert cmp.exit_code == C.EXIT_REGRESSION
+    assert set(cmp.regressions["variant"]) == {n for n, *_, v in CASES if v in GATED}
+
+
+def test_db_gain_and_ratio_columns(table):
+    """A dB change is a difference: its gain is 10^(Δ/10) oriented to 'higher is better'."""
+    _, rows = table
+    drop = rows.loc["SQNR drop beyond -thr"]
+    assert drop["gain"] == pytest.approx(10 ** (-(DB + 0.01) / 10), rel=1e-9)
+    assert drop["ratio"] == pytest.approx((30.0 - DB - 0.01) / 30.0, rel=1e-12)
+    t = rows.loc["time beyond +thr"]
+    assert t["gain"] == pytest.approx(1 / (1 + T + E), rel=1e-12) and t["ratio"] == pytest.approx(1 + T + E)
+
+
+def test_thresholds_are_the_ones_set():
+    """The same edge cases move with the options: 20% / 30% / 2 dB."""
+    o = Options(threshold=0.2, accuracy_threshold=0.3, db_threshold=2.0)
+    time, err, sqnr = C.direction("time", "ms"), C.direction("max_abs_err", ""), C.direction("sqnr", "dB")
+    nan = math.nan
+
+    def verdict(d, gain, delta=None):
+        return judge(gain, nan, nan, nan, nan, d, o, delta=delta)[0]
+
+    assert verdict(time, 1 / 1.2) == "same" and verdict(time, 1 / 1.2001) == "slower"
+    assert verdict(time, 1.2) == "same" and verdict(time, 1.2001) == "faster"
+    assert verdict(err, 1 / 1.3) == "same" and verdict(err, 1 / 1.3001) == "less accurate"
+    assert verdict(sqnr, nan, delta=-2.0) == "same" and verdict(sqnr, nan, delta=-2.01) == "less accurate"
+    assert verdict(sqnr, nan, delta=2.0) == "same" and verdict(sqnr, nan, delta=2.01) == "more accurate"
+
+
+# (base sample, candidate sample, verdict) with five identical samples a side: the bootstrap
+# interval of the ratio collapses to the point, so the edge is exact.
+SAMPLED = [
+    (1.0, 1 + T, "same"),
+    (1.0, 1 + T + E, "slower"),
+    (1 + T, 1.0, "same"),
+    (1 + T + E, 1.0, "faster"),
+]
+
+
+@pytest.mark.parametrize("method", ["bootstrap", "rank"])
+def test_timings_with_samples_at_the_threshold(tmp_path, method):
+    b, c = [], []
+    for i, (vb, vc, _) in enumerate(SAMPLED):
+        for rows, v in ((b, vb), (c, vc)):
+            t = dict(value_row(f"v{i}", "time", "ms", v), statistic="median", samples=[v] * 5)
+            bw = dict(value_row(f"v{i}", "bandwidth", "GB/s", 100 / v), statistic="median")
+            rows += [t, bw]
+    cmp = C.compare(write_report(tmp_path / "b", b), write_report(tmp_path / "c", c), method=method)
+    rows = cmp.rows
+    for i, (_, _, verdict) in enumerate(SAMPLED):
+        t = rows[(rows.variant == f"v{i}") & (rows.metric == "time")].iloc[0]
+        assert t["verdict"] == verdict and t["n_base"] == 5, (i, t.to_dict())
+        assert bool(t["regression"]) == (verdict == "slower")
+        # the bandwidth row (no samples of its own) borrows the time row's noise and verdict
+        bw = rows[(rows.variant == f"v{i}") & (rows.metric == "bandwidth")].iloc[0]
+        assert bw["verdict"] == verdict and bw["noise"] == "from the time row's samples", bw.to_dict()
