@@ -5,6 +5,7 @@ checked (a changed output fails nbval under the project's own pytest options).""
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -202,3 +203,22 @@ def test_cells_are_calls_into_a_study_module(lab):
         if n > MAX_CELL_LINES:
             problems.append(f"code cell {i} has {n} lines (at most {MAX_CELL_LINES})")
     assert not problems, f"{path.name}: " + "; ".join(problems)
+
+
+def test_every_cell_has_an_id(lab):
+    """nbformat 4.5 cells carry an id; a cell without one makes every reader warn
+    (MissingIDFieldWarning) into the notebook's and the report's stderr."""
+    path, _ = lab
+    raw = json.loads(path.read_text())
+    assert (raw["nbformat"], raw["nbformat_minor"]) >= (4, 5), path.name
+    missing = [i for i, c in enumerate(raw["cells"]) if not c.get("id")]
+    assert not missing, f"{path.name}: cells {missing} have no id (normalise: nbformat.read + nbformat.write)"
+
+
+def test_lab_opens_with_its_takeaway(lab):
+    """The cell after the set-up shows the lab's takeaway (studies.headline.board) and the last
+    cell fills it from the lab's records, so the executed lab and its report open with the answer."""
+    path, nb = lab
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert f'board("{path.stem}")' in code[2].source, f"{path.name}: no takeaway board after the set-up cell"
+    assert "takeaway.update(" in code[-1].source, f"{path.name}: the last cell does not fill the takeaway"

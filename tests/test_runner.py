@@ -282,3 +282,94 @@ def test_timing_threads_option_is_validated_and_recorded(art_suite):
     if ctx["device_kind"] == "cpu":
         assert ctx["timing"]["cpu_threads"] == {**ctx["timing"]["cpu_threads"], "threads": 1}
     assert "unstable timings" in (res.path / "index.html").read_text()
+
+
+def _headline_records():
+    """One lab's worth of rows per lab, each carrying the figure its headline shows."""
+    from lab_utils.records import Recorder
+
+    out = []
+    r = Recorder("00_ceilings")
+    r.add("ceilings", "copy", "bandwidth", 12.5, "GB/s", statistic="median")
+    r.add("ceilings", "matmul-fp32", "throughput", 0.75, "TFLOP/s", statistic="median")
+    out.append(r)
+    r = Recorder("01_training_step")
+    r.add("step", "profile", "step_time", 123.0, "ms", statistic="median", samples=[120, 123, 125], stable=True)
+    r.add("mfu", "measured matmul ceiling", "pct_of_peak", 4.5, "%", statistic="total")
+    r.add("memory", "profile", "peak_allocated", 321.0, "MiB", statistic="max")
+    r.add("phases", "backward", "time", 61.5, "ms", statistic="median")
+    out.append(r)
+    r = Recorder("02_fused_kernels")
+    r.add("rms_norm", "triton", "speedup_vs_eager", 2.25, "x", statistic="median", stable=True)
+    r.add("rms_norm", "triton", "pct_of_ceiling", 37.0, "%", statistic="median", stable=True)
+    out.append(r)
+    r = Recorder("03_attention")
+    r.add("sweep", "flash", "pct_of_ceiling", 55.0, "%", statistic="median", stable=True)
+    r.add("sweep", "math", "pct_of_ceiling", 8.0, "%", statistic="median", stable=True)
+    out.append(r)
+    r = Recorder("04_low_precision")
+    r.add("matmul", "fp8_row", "sqnr", 31.5, "dB")
+    out.append(r)
+    r = Recorder("05_memory")
+    r.add("policies", "none", "peak_bytes", 64 * 2**20, "B")
+    r.add("what_fits", "full", "max_batch", 17, "samples", shape="1024px")
+    out.append(r)
+    r = Recorder("06_distributed")
+    r.add("overlap", "ddp", "overlap_fraction", 0.42, "")
+    out.append(r)
+    r = Recorder("07_stability")
+    r.add("precision_summary", "bf16", "loss_gap_vs_fp32", 0.0123, "")
+    out.append(r)
+    r = Recorder("08_plan")
+    r.add("base", "step", "time", 100.0, "ms", statistic="sum of phase medians")
+    r.add("plans", "encoders=precomputed", "step_time", 70.0, "ms", statistic="predicted", rank=1)
+    r.add("verify", "encoders=precomputed", "step_time", 80.0, "ms", statistic="measured", stable=True)
+    r.add("verify", "encoders=precomputed", "prediction_error", 14.3, "%")
+    out.append(r)
+    return out
+
+
+def test_index_leads_with_each_labs_headline(tmp_path):
+    """Issue 21, item 14: the index of a report built from records carries a headline row per lab
+    (step time and MFU, peak memory and what fits, best plan and its predicted / measured gain,
+    worst kernel vs ceiling, unstable share), above the context."""
+    import pandas as pd
+
+    from lab_utils.records import load_records
+    from lab_utils.run import report
+    from lab_utils.run.runner import NotebookStatus
+
+    statuses = []
+    for r in _headline_records():
+        d = tmp_path / "records" / r.lab
+        r.save(d / "records.json")
+        statuses.append(NotebookStatus(r.lab, f"labs/{r.lab}.ipynb", status="ok"))
+    statuses.append(NotebookStatus("09_broken", "labs/09_broken.ipynb", status="failed", error="boom"))
+    df = report.gather_records(tmp_path, statuses, "run-1")
+    assert set(df.notebook) == {s.notebook for s in statuses[:-1]}
+    suite = type("S", (), {"name": "synthetic", "description": "headlines"})()
+    page = report.write_index(tmp_path, suite, statuses, "run-1", {}).read_text()
+    head = page[page.index('<table id="headlines">') : page.index("<h2>Context</h2>")]
+    for text in (
+        "copy ceiling: <b>12.5 GB/s</b>",
+        "step time: <b>123 ms</b>",
+        "MFU: <b>4.5 %</b>",
+        "peak memory: <b>321 MiB</b>",
+        "largest phase: <b>backward 50% of the step</b>",
+        "best speed-up vs eager: <b>triton x2.25</b>",
+        "worst kernel vs ceiling: <b>triton 37 %</b>",
+        "worst path vs ceiling: <b>math 8 %</b>",
+        "lowest matmul SQNR: <b>fp8_row 31.5 dB</b>",
+        "what fits at 1024px: <b>batch 17</b>",
+        "peak memory, no checkpointing: <b>64 MiB</b>",
+        "communication overlapped: <b>42%</b>",
+        "largest loss gap vs fp32: <b>bf16 +0.0123</b>",
+        "best plan: <b>encoders=precomputed</b>",
+        "predicted +30% step time",
+        "measured gain: <b>+20%</b>",
+        "prediction error: <b>14.3 %</b>",
+        "unstable timings: <b>0 of 1 (0%)</b>",
+    ):
+        assert text in head, text
+    assert head.count("<tr>") == 1 + len(statuses) and '<span class="failed">failed</span>' in head
+    assert isinstance(load_records(tmp_path), pd.DataFrame)

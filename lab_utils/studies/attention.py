@@ -34,6 +34,7 @@ from ..config import (
 from ..dtypes import LAB_DTYPES, parse_dtype
 from ..model.data import normalize_buckets
 from ..records import Recorder
+from .headline import Figure, fmt, register, rows
 
 
 @dataclass(frozen=True)
@@ -423,3 +424,24 @@ def pad_pack_plot(pp: pd.DataFrame):
     if d.empty:
         return hv.Div("<p>no padding/packing timings on this device</p>")
     return hv.Bars(d, ["path", "layout"], "time_ms").opts(title="padding vs packing: forward time (ms)", xrotation=30)
+
+
+# --------------------------------------------------------------------------------------
+# The takeaway (from records only: the report's index builds the same line)
+# --------------------------------------------------------------------------------------
+
+
+@register("03_attention")
+def headline(df: pd.DataFrame) -> list[Figure]:
+    """The attention path closest to and the one farthest from its ceiling (stable timings only)."""
+    figs = []
+    pc = rows(df, metric="pct_of_ceiling", statistic="median")
+    pc = pc[pc.stable != False]  # noqa: E712 - True/False/None column
+    if len(pc):
+        b, w = pc.loc[pc.value.idxmax()], pc.loc[pc.value.idxmin()]
+        figs.append(Figure("best path vs ceiling", f"{b.variant} {fmt(b.value, '%')}", f"{b.experiment} {b['shape']}"))
+        figs.append(Figure("worst path vs ceiling", f"{w.variant} {fmt(w.value, '%')}", f"{w.experiment} {w['shape']}"))
+    err = rows(df, experiment="correctness", metric="max_abs_err")
+    if len(err):
+        figs.append(Figure("largest error vs float64", fmt(err.value.max()), f"{len(err)} checks"))
+    return figs

@@ -29,6 +29,7 @@ from ..plots import init, roofline_plot
 from ..records import Recorder
 from ..roofline import roofline
 from ..timing import try_bench
+from .headline import Figure, fmt, register, rows, verdict
 
 OPS = ("copy", "add", "gelu", "matmul")
 
@@ -238,3 +239,26 @@ def bandwidth_map(points: pd.DataFrame, ceilings: Ceilings):
             legend_position="bottom_right",
         )
     return hv.HoloMap(frames, kdims=["dtype"])
+
+
+# --------------------------------------------------------------------------------------
+# The takeaway (from records only: the report's index builds the same line)
+# --------------------------------------------------------------------------------------
+
+
+@register("00_ceilings")
+def headline(df: pd.DataFrame) -> list[Figure]:
+    """The measured copy and matmul ceilings, and the reference op farthest below its ceiling."""
+    figs = []
+    cp = rows(df, experiment="ceilings", variant="copy", metric="bandwidth")
+    if len(cp):
+        figs.append(Figure("copy ceiling", fmt(cp.value.iloc[0], "GB/s")))
+    mm = rows(df, experiment="ceilings", metric="throughput")
+    if len(mm):
+        best = mm.loc[mm.value.idxmax()]
+        figs.append(Figure("matmul ceiling", fmt(best.value, "TFLOP/s"), str(best.variant).removeprefix("matmul-")))
+    pc = rows(df, experiment="reference_ops", metric="pct_of_ceiling")
+    if len(pc):
+        w = pc.loc[pc.value.idxmin()]
+        figs.append(Figure("worst op vs ceiling", f"{w.variant} {fmt(w.value, '%')}", verdict(w) or str(w["shape"])))
+    return figs

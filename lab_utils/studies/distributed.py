@@ -27,6 +27,7 @@ from ..distributed.verify import ATTENTION_TOL, Agreement, compare
 from ..distributed.worker import single_process_run
 from ..model import CHECKPOINT_POLICIES, PRESETS
 from ..records import Recorder
+from .headline import Figure, fmt, register, rows
 
 #: Suffixes of a case name: "fsdp/no_reshard/bf16" is FSDP2 without reshard-after-forward, in bf16.
 CASE_FLAGS = {
@@ -525,3 +526,24 @@ def _markdown_table(df: pd.DataFrame) -> str:
     rule = "|" + "---|" * len(df.columns)
     body = ["| " + " | ".join(str(v) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join([head, rule, *body])
+
+
+# --------------------------------------------------------------------------------------
+# The takeaway (from records only: the report's index builds the same line)
+# --------------------------------------------------------------------------------------
+
+
+@register("06_distributed")
+def headline(df: pd.DataFrame) -> list[Figure]:
+    """Whether the strategies agree, how much communication overlaps, the alpha-beta model's error."""
+    figs = []
+    ag = rows(df, experiment="agreement", metric="grad_rel_error")
+    if len(ag):
+        figs.append(Figure("largest gradient difference", fmt(ag.value.max()), f"{len(ag)} strategies vs one process"))
+    ov = rows(df, experiment="overlap", metric="overlap_fraction")
+    if len(ov):
+        figs.append(Figure("communication overlapped", f"{100 * ov.value.median():.0f}%", "median over runs"))
+    fit = rows(df, experiment="alpha_beta", metric="fit_median_error")
+    if len(fit):
+        figs.append(Figure("alpha-beta fit error", fmt(fit.value.max(), "%"), "median, worst collective"))
+    return figs

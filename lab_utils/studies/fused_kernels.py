@@ -28,6 +28,7 @@ from ..device import pick_device
 from ..model import PRESETS
 from ..records import Recorder
 from ..roofline import roofline as roofline_point
+from .headline import Figure, fmt, register, rows
 
 LAB = "02_fused_kernels"
 # Largest |block output - eager block output| accepted per block dtype: the blocks share
@@ -393,3 +394,27 @@ __all__ = [
     "sweep_frame",
     "variants_here",
 ]
+
+
+# --------------------------------------------------------------------------------------
+# The takeaway (from records only: the report's index builds the same line)
+# --------------------------------------------------------------------------------------
+
+
+@register(LAB)
+def headline(df: pd.DataFrame) -> list[Figure]:
+    """The best speed-up over eager and the kernel farthest below its ceiling (stable timings only)."""
+    figs = []
+    sp = rows(df, metric="speedup_vs_eager")
+    sp = sp[(sp.variant != "eager") & (sp.stable != False)]  # noqa: E712 - True/False/None column
+    if len(sp):
+        b = sp.loc[sp.value.idxmax()]
+        figs.append(Figure("best speed-up vs eager", f"{b.variant} x{b.value:.2f}", f"{b.experiment} {b['shape']}"))
+    pc = rows(df, metric="pct_of_ceiling", statistic="median")
+    pc = pc[pc.stable != False]  # noqa: E712
+    if len(pc):
+        w = pc.loc[pc.value.idxmin()]
+        figs.append(
+            Figure("worst kernel vs ceiling", f"{w.variant} {fmt(w.value, '%')}", f"{w.experiment} {w['shape']}")
+        )
+    return figs

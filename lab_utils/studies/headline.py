@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pandas as pd
+from IPython.display import display
 
 from ..records import Recorder, fill_stability, stability_summary
 
@@ -121,12 +122,14 @@ class Takeaway:
     figures: tuple
 
     def __str__(self) -> str:
-        return "Takeaway: " + "; ".join(str(f) for f in self.figures)
+        return "Takeaway: " + ("; ".join(str(f) for f in self.figures) or PENDING)
 
     def __repr__(self) -> str:
         return str(self)
 
     def _repr_html_(self) -> str:
+        if not self.figures:
+            return f"<p><i>{html.escape(PENDING)}</i></p>"
         items = "".join(
             f"<li>{html.escape(f.label)}: <b>{html.escape(f.value)}</b>"
             + (f" <i>({html.escape(f.note)})</i>" if f.note else "")
@@ -139,6 +142,31 @@ class Takeaway:
         )
 
 
+PENDING = "the takeaway fills in here when the lab has run (its last cell)"
+
+
+class Board:
+    """The takeaway near the top of a lab: shown empty when the lab starts, filled from the
+    lab's records by :meth:`update` in its last cell (a display that is updated in place, so the
+    executed notebook and its HTML report open with the answer)."""
+
+    def __init__(self, lab: str):
+        self.lab = lab
+        self.handle = display(Takeaway(lab, ()), display_id=True)
+
+    def update(self, records: Recorder) -> None:
+        """Fill the takeaway shown near the top with the lab's records (returns nothing, so the
+        last cell does not show it a second time)."""
+        t = takeaway(records, self.lab)
+        if self.handle is not None:
+            self.handle.update(t)
+
+
+def board(lab: str) -> Board:
+    """Show ``lab``'s (still empty) takeaway; its last cell calls ``.update(rec)``."""
+    return Board(lab)
+
+
 def takeaway(records: Recorder, lab: str | None = None) -> Takeaway:
     """A lab's takeaway cell from its records so far (``lab``: the recorder's by default)."""
     lab = lab or records.lab
@@ -147,6 +175,8 @@ def takeaway(records: Recorder, lab: str | None = None) -> Takeaway:
 
 __all__ = [
     "HEADLINES",
+    "Board",
+    "board",
     "Figure",
     "Takeaway",
     "figures_html",

@@ -43,6 +43,7 @@ from ..model import LARGE_PRESETS, PRESETS, build_model, image_ids, patchify, re
 from ..model.train import TrainConfig, Trainer
 from ..profiler import profile_training
 from ..records import Recorder
+from .headline import Figure, register, rows
 
 #: the matmul speed-ups of the Amdahl table: 1.5x, FP8 vs bf16 dense peak (2x), FP4 vs bf16 (4x)
 SPEEDUPS = (1.5, 2.0, 4.0)
@@ -526,3 +527,27 @@ def bucket_plot(res: P.ConvergenceResult):
     return hv.Bars(d, kdims=["bucket", "recipe"], vdims=["loss"]).opts(
         tools=["hover"], xrotation=30, title=f"loss by timestep bucket (last {res.window} steps)"
     )
+
+
+# --------------------------------------------------------------------------------------
+# The takeaway (from records only: the report's index builds the same line)
+# --------------------------------------------------------------------------------------
+
+
+@register("04_low_precision")
+def headline(df: pd.DataFrame) -> list[Figure]:
+    """The lowest matmul SQNR, the largest loss gap to bf16, and the matmul share (Amdahl)."""
+    figs = []
+    sq = rows(df, experiment="matmul", metric="sqnr")
+    if len(sq):
+        w = sq.loc[sq.value.idxmin()]
+        figs.append(Figure("lowest matmul SQNR", f"{w.variant} {w.value:.3g} dB", str(w["shape"])))
+    gap = rows(df, experiment="convergence", metric="final_gap_vs_bf16")
+    if len(gap):
+        w = gap.loc[gap.value.abs().idxmax()]
+        figs.append(Figure("largest loss gap vs bf16", f"{w.variant} {w.value:+.3g}"))
+    am = rows(df, experiment="amdahl", metric="matmul_share")
+    if len(am):
+        share = f"{100 * am.value.iloc[0]:.0f}%"
+        figs.append(Figure("matmul share of the step", share, "what low precision can speed up"))
+    return figs

@@ -20,6 +20,7 @@ from ..model import CHECKPOINT_POLICIES, PRESETS, build_model, resolve_config
 from ..model.train import artifacts_dir
 from ..plots import init
 from ..records import Recorder
+from .headline import Figure, fmt, register, rows
 
 LAB = "05_memory"
 GB = 1e9
@@ -402,3 +403,28 @@ def confirm_fits(cfg: MemoryLabConfig, rec: Recorder, preset: str = "medium", re
             "what_fits", pol, "max_batch_measured", edge, "samples", shape=f"{resolution}px", preset=preset, ooms=ooms
         )
     return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------------------
+# The takeaway (from records only: the report's index builds the same line)
+# --------------------------------------------------------------------------------------
+
+
+@register(LAB)
+def headline(df: pd.DataFrame) -> list[Figure]:
+    """Measured peak without checkpointing, the policy that saves most, and what fits."""
+    figs = []
+    pk = rows(df, experiment="policies", metric="peak_bytes")
+    if len(pk):
+        none = pk[pk.variant == "none"]
+        if len(none):
+            figs.append(Figure("peak memory, no checkpointing", fmt(none.value.iloc[0] / 2**20, "MiB"), "measured"))
+        b = pk.loc[pk.value.idxmin()]
+        figs.append(Figure("lowest peak", f"{b.variant} {fmt(b.value / 2**20, 'MiB')}"))
+    fit = rows(df, experiment="what_fits", metric="max_batch")
+    if len(fit):
+        px = fit["shape"].str.removesuffix("px").astype(float)
+        top = fit[px == px.max()]
+        b = top.loc[top.value.idxmax()]
+        figs.append(Figure(f"what fits at {b['shape']}", f"batch {int(b.value)}", f"{b.variant}, bf16, predicted"))
+    return figs

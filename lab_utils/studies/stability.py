@@ -22,6 +22,7 @@ from ..precision import RECIPES
 from ..records import Recorder
 from ..stability import PROVOKE, SPIKE_POLICIES, RunResult, RunSpec, train_run
 from ..telemetry import NumericsDiff, numerics_diff
+from .headline import Figure, register, rows
 
 LAB = "07_stability"
 PRECISION_RUNS = ("fp32", "bf16", "bf16_master", "bf16_sr")
@@ -461,3 +462,25 @@ def record_table(rec: Recorder, experiment: str, table: pd.DataFrame) -> None:
 def record_drift(rec: Recorder, table: pd.DataFrame) -> None:
     for r in table.itertuples():
         rec.add("recipe_drift", r.recipe, f"first_step_{r.stat}", r.at_step, "step", block=r.drift_starts_in)
+
+
+# --------------------------------------------------------------------------------------
+# The takeaway (from records only: the report's index builds the same line)
+# --------------------------------------------------------------------------------------
+
+
+@register(LAB)
+def headline(df: pd.DataFrame) -> list[Figure]:
+    """The largest loss gap to fp32, the spikes seen, the steps the spike policies replayed."""
+    figs = []
+    gap = rows(df, experiment="precision_summary", metric="loss_gap_vs_fp32")
+    if len(gap):
+        w = gap.loc[gap.value.abs().idxmax()]
+        figs.append(Figure("largest loss gap vs fp32", f"{w.variant} {w.value:+.3g}"))
+    sp = rows(df, experiment="adamw_summary", metric="spikes")
+    if len(sp):
+        figs.append(Figure("loss spikes (AdamW runs)", f"{int(sp.value.sum())}", f"{len(sp)} runs"))
+    rp = rows(df, experiment="spike_summary", metric="replayed_steps")
+    if len(rp):
+        figs.append(Figure("steps replayed by spike policies", f"{int(rp.value.sum())}"))
+    return figs
