@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: a bare or open-range torch would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
+	# torch's CUDA build pins its own triton (3.7.1 for 2.13.0); the CPU build brings none: take ours.
+	$(BIN)/python -m pip show -q triton >/dev/null 2>&1 || $(BIN)/python -m pip install -q triton==3.9.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (perflab)" >/dev/null
 	touch $(STAMP)

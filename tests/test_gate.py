@@ -364,3 +364,19 @@ def test_ceilings_without_force_show_the_cache(monkeypatch, tmp_path, capsys):
     assert calls == [True], "perflab ceilings re-measured although ceilings were cached"
     assert "cached; --force re-measures" in capsys.readouterr().out
     assert cli.main(["ceilings", "--force"]) == 0 and calls == [True, False]
+
+
+def test_the_setup_lets_a_cuda_torch_bring_its_triton_and_the_readme_says_what_it_installs():
+    """From PyPI, torch 2.13.0 is the CUDA 13.0 build and requires triton==3.7.1 (its metadata:
+    'triton==3.7.1; platform_system == "Linux"'): a project pin of another triton made `make setup`
+    fail on such a machine, while the README said it brought the CUDA build."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    root = Path(__file__).resolve().parents[1]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    triton = next(Requirement(d) for d in deps if Requirement(d).name == "triton")
+    assert triton.specifier.contains("3.7.1") and triton.specifier.contains("3.9.0"), triton
+    assert "pip install -q triton==3.9.0" in (root / "Makefile").read_text()  # the CPU build brings none
+    readme = (root / "README.md").read_text()
+    assert "CUDA 13.0" in readme and "580" in readme, "the README must say which CUDA (driver) the GPU path needs"
