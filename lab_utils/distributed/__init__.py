@@ -3,7 +3,9 @@
 ``spec`` (what a run does, validated), ``launch`` (ranks on this machine, watchdog),
 ``worker`` (one rank; also what torchrun starts), ``parallel`` (DDP / FSDP2 / HSDP / TP
 on a DeviceMesh), ``context_parallel`` (ring and Ulysses attention), ``comm`` (collectives
-and overlap from traces, alpha-beta model), ``projection`` (flux-dev at 8..1024 GPUs).
+and overlap from traces, alpha-beta model), ``projection`` (flux-dev at 8..1024 GPUs),
+``checkpoint`` (DCP save/resume in the single-process layout, so any strategy resumes any other's),
+``verify`` (agreement with the single-process run and, for bf16, with its one-process emulation).
 """
 
 from .launch import DistResult, DistRunError, launch, launch_cases

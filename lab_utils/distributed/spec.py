@@ -143,8 +143,6 @@ class DistConfig(LabConfig):
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("dtype", self.dtype, ("float32", "bfloat16"))
         check_int("sweep_reps", self.sweep_reps, min=1, max=1000)
-        if (self.save_step or self.resume) and "tp" in comps:
-            raise ConfigError("strategy", self.strategy, "a strategy without tp for DCP save/resume")
         for name in (
             "mixed_precision",
             "reshard_after_forward",

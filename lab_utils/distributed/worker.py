@@ -22,17 +22,18 @@ import os
 import signal
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from ..config import ConfigError
 from ..model.train import sample_timesteps, synthetic_batch
 from . import comm
+from .checkpoint import load_checkpoint, save_checkpoint
 from .context_parallel import check_against_sdpa
 from .parallel import build_parallel, full_gradients, sync_grads
 from .spec import DistConfig
@@ -216,21 +217,49 @@ def single_process_run(cfg: DistConfig, out: Path) -> dict:
     return run_case(ref, out, torch.device("cpu"))
 
 
-def save_checkpoint(pm, opt, path: Path, step: int) -> None:
-    """DCP checkpoint of model + optimizer (fully qualified names, resharded on load)."""
-    model_sd, optim_sd = get_state_dict(pm.module, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / f"step{step}"))
-    if dist.get_rank() == 0:
-        (path / "latest").write_text(str(step))
+@dataclasses.dataclass
+class EmulatedStep:
+    """Step 1 of a data-parallel run, emulated in one process (:func:`emulated_dp_step`)."""
+
+    loss: float
+    grads: dict[str, torch.Tensor]
 
 
-def load_checkpoint(pm, opt, path: Path) -> int:
-    step = int((path / "latest").read_text())
-    model_sd, optim_sd = get_state_dict(pm.module, opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path / f"step{step}"))
-    set_state_dict(pm.module, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return step
+def emulated_dp_step(cfg: DistConfig) -> EmulatedStep:
+    """The loss and gradients of step 1 that ``cfg``'s data-parallel ranks should agree on, computed
+    in this process: each rank's rows run one after another through the same wrapping at world
+    size 1 (FSDP2's bf16 casts included), their gradients accumulate in float32 and are averaged.
+    That is what a float32 reduction of the ranks' gradients gives, up to float32 rounding; a
+    bfloat16 reduction rounds the sum once more (about 1e-3 relative per parameter).
+
+    Data parallelism only (no tp/cp); needs no process group (it makes a one-rank gloo group
+    of its own and destroys it)."""
+    m = cfg.mesh
+    if m.tp != 1 or m.cp != 1:
+        raise ConfigError("strategy", cfg.strategy, "a data-parallel strategy only (ddp, fsdp, hsdp) to emulate")
+    if dist.is_initialized():
+        raise RuntimeError("emulated_dp_step makes its own one-rank process group; one is already initialized")
+    one = dataclasses.replace(cfg, world_size=1, replicate_degree=0, profile=False)
+    device = torch.device("cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the ranks (OMP_NUM_THREADS=1): same kernels, same rounding
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        pm = build_parallel(one, device)
+        losses: dict[tuple[int, int], float] = {}
+        for rank in range(cfg.world_size):
+            r, s, _, _ = m.coords(rank)
+            if (r, s) not in losses:
+                with warnings.catch_warnings():
+                    # FSDP2 warns that the root returns a view (an in-place op on it would skip a hook);
+                    # train_step only reads it (mse_loss of pred.float())
+                    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+                    losses[r, s] = float(train_step(pm, step_inputs(cfg, 1, rank, device)))
+        n = len(losses)
+        return EmulatedStep(sum(losses.values()) / n, {k: g / n for k, g in full_gradients(pm).items()})
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
 
 
 def load_spec(path: Path) -> list[DistConfig]:
