@@ -9,9 +9,23 @@ variant of the quant op.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .formats import check_format, param_error
+
+
+class _EnumConstantNote(logging.Filter):
+    """torchao registers its Enums (KernelPreference, ScaleCalculationMode, ...) as pytree
+    constants, which torch >= 2.10 logs as deprecated, once per Enum and import: a wall of
+    stderr in every lab and report that touches a recipe, about torchao's code, not ours."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is an Enum subclass and is now natively supported" not in record.getMessage()
+
+
+logging.getLogger("torch.utils._pytree").addFilter(_EnumConstantNote())
 
 
 def torchao_check(device=None, dtype=None, fmt=None, **_):

@@ -422,3 +422,19 @@ def test_triton_kernels_compile_for_hopper():
         pytest.skip("this triton install has no ptxas to compile with")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "compiled 15" in r.stdout, r.stdout
+
+
+def test_importing_torchao_writes_no_enum_deprecation_wall():
+    """Issue 21, item 15: torchao's Enum pytree registrations are not logged into every lab's
+    stderr (torch >= 2.10 calls them deprecated); the project's import of lab_kernels filters them."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao")
+    code = (
+        "import lab_kernels\nimport torchao\n"
+        "import torchao.prototype.mx_formats.mx_tensor\nimport torchao.float8\nprint('imported')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "imported" in out.stdout, out.stderr[-2000:]
+    assert "Enum subclass" not in out.stderr, out.stderr[-2000:]
