@@ -316,10 +316,19 @@ def write_records_json(df: pd.DataFrame, path: str | Path, *, indent: int | None
     return path
 
 
+def _float(x: Any) -> float:
+    try:
+        return math.nan if x is None else float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
 def _numeric_values(df: pd.DataFrame) -> pd.DataFrame:
-    """``value`` as floats: null is NaN, "inf" / "-inf" (how JSON keeps them) are +-Inf."""
+    """``value`` and ``samples`` as floats: null is NaN, "inf" / "-inf" (how JSON keeps them) are +-Inf."""
     if "value" in df.columns:
         df["value"] = pd.to_numeric(df["value"], errors="coerce").astype(float)
+    if "samples" in df.columns:
+        df["samples"] = [[_float(x) for x in s] if isinstance(s, list) else s for s in df["samples"]]
     return df
 
 
@@ -336,8 +345,7 @@ def load_records(path: str | Path) -> pd.DataFrame:
         return _with_stability_columns(pd.read_parquet(path))
     data = json.loads(path.read_text())
     if isinstance(data, dict) and "rows" in data:
-        df = pd.DataFrame(data["rows"], columns=ROW_COLUMNS)
-        df["value"] = pd.to_numeric(df["value"], errors="coerce").astype(float)
+        df = _numeric_values(pd.DataFrame(data["rows"], columns=ROW_COLUMNS))
         ctx = data.get("context", {})
         for c in CONTEXT_COLUMNS:
             df[c] = ctx.get(c, "")

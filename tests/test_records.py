@@ -61,7 +61,10 @@ def test_context_has_versions():
     ctx = run_context({"a": 1})
     for k in ("device", "torch_version", "triton_version", "cuda_version", "commit", "timestamp", "params"):
         assert k in ctx
-    assert isinstance(pd.DataFrame([ctx["device_info"]]), pd.DataFrame)
+    info = ctx["device_info"]
+    assert info["name"] == ctx["device"] and info["kind"] == ctx["device_kind"] in ("cpu", "cuda")
+    assert info["torch_version"] == ctx["torch_version"] == torch.__version__
+    assert json.loads(json.dumps(ctx)) == ctx  # written to records as it is
 
 
 def test_timing_rows_carry_the_stability_verdict():
@@ -125,3 +128,26 @@ def test_unstable_timings_are_listed_with_their_reason():
     assert stability_note(df).startswith("1 of 2 timings unstable")
     assert stability_note(df.iloc[:1]) == "all 1 timings stable"
     assert unstable_timings(df.iloc[:1]).empty
+
+
+def test_a_reports_gathered_records_json_keeps_every_value(tmp_path, monkeypatch):
+    """The report's records.json (and so a stored baseline) was written by pandas' to_json: 10
+    decimals, and +-inf lost. A value read back must be the value measured, non-finite ones too."""
+    from types import SimpleNamespace
+
+    from lab_utils.run.report import gather_records
+
+    monkeypatch.setenv("PERFLAB_RECORDS_DIR", str(tmp_path / "records" / "99_test"))
+    vals = [1 / 3 * 1e-7, 0.1 + 0.2, 2.0**-40 / 3, 123456.78901234567, math.inf, -math.inf, math.nan]
+    rec = Recorder("99_test")
+    for i, v in enumerate(vals):
+        rec.add("e", f"v{i}", "grad_norm", v, samples=[v, 1 / 7])
+    rec.save()
+    st = SimpleNamespace(notebook="99_test", status="ok", rows=0, timings=0, unstable=0)
+    gather_records(tmp_path, [st], "run1")
+    back = load_records(tmp_path / "records.json")
+    for a, b in zip(vals, back["value"], strict=True):
+        assert (math.isnan(a) and math.isnan(b)) or a == b, (a, b)
+    assert [s[0] for s in back["samples"][:4]] == vals[:4]
+    pq = load_records(tmp_path / "records.parquet")
+    assert pq["value"].iloc[:6].tolist() == back["value"].iloc[:6].tolist()
