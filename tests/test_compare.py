@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from bokeh.models import HoverTool
 
 from lab_utils.config import ConfigError
 from lab_utils.records import CONTEXT_COLUMNS, ROW_COLUMNS
@@ -326,10 +327,17 @@ def test_main_exit_codes_and_outputs(tmp_path, runs, capsys):
     assert {p.name for p in out.iterdir()} == {"compare.html", "summary.txt", "compare.json"}
     data = json.loads((out / "compare.json").read_text())
     assert data["exit_code"] == 1 and data["counts"]["slower"] == 2
-    # the same run against itself: no regression; records files work as well as folders (parquet too)
-    assert C.main([str(base), str(base / "records.json"), "--out", str(out), "--quiet"]) == C.EXIT_OK
-    pq = write_report(tmp_path / "pq", base_rows(1), CPU, parquet=True)
+    # a records file reads like its folder: the same regressions are found through it
+    files = [str(base / "records.json"), str(cand / "records.json"), "--out", str(out), "--quiet"]
+    assert (
+        C.main(files) == C.EXIT_REGRESSION
+        and json.loads((out / "compare.json").read_text())["counts"] == (data["counts"])
+    )
+    # a second draw of the base (noise only), read from parquet: nothing beyond noise
+    pq = write_report(tmp_path / "pq", base_rows(7), CPU, parquet=True)
     assert C.main([str(base), str(pq), "--out", str(out), "--quiet"]) == C.EXIT_OK
+    again = json.loads((out / "compare.json").read_text())["counts"]
+    assert again == {"same": len(C.compare(base, pq).rows)}, again
     assert C.main([str(base), str(cand), "--gate", "none", "--out", str(out), "--quiet"]) == C.EXIT_OK
     assert C.main([str(base), str(cand), "--gate", "accuracy", "--out", str(out), "--quiet"]) == C.EXIT_REGRESSION
     assert (
@@ -386,7 +394,7 @@ def test_html_is_self_contained(tmp_path, runs):
     page = C.compare(base, cand).to_html()
     assert not re.search(r"<script[^>]*\bsrc=", page), "no script may be loaded from a file beside the page"
     assert '<table id="rows" class="sortable"' in page and "Bokeh" in page
-    assert "embed_items" in page or "embed.embed_items" in page
+    assert "embed_items" in page
     # no tag loads anything from a URL (BokehJS itself only names a MathJax CDN in code that math text
     # would use; the browser test checks that no request leaves the file)
     assert not re.search(r"""<(script|link|img|iframe|source)\b[^>]*\b(src|href)\s*=\s*["'](https?:)?//""", page, re.I)
@@ -580,3 +588,25 @@ def test_errors_of_timing_models_follow_the_timings():
     assert direction("max_abs_err", "").kind == "accuracy"
     rows = pd.DataFrame(dict(metric=["prediction_error", "max_abs_err"], unit=["%", ""]))
     assert list(timing_free(rows).metric) == ["max_abs_err"]
+
+
+def test_ratio_plot_keeps_its_data_area_with_long_labels(tmp_path):
+    """Issue 21, item 15: long row labels widen compare.html's ratio plot instead of squeezing its
+    data area (it was ~150 px of a fixed 1,100); a tick label is cut, the hover keeps the row."""
+    from lab_utils.run.compare.html import LABEL_CHARS, RATIO_FRAME_WIDTH, _ratio_plot
+
+    rng = np.random.default_rng(3)
+    long = "explore_profile_with_a_rather_long_experiment_name"
+    op = "aten::_scaled_dot_product_flash_attention_for_cpu_backward"
+
+    def rows(ms):
+        return timing_rows("01_training_step", long, op, ms, rng=rng)
+
+    ctx = {"device": "cpu", "device_kind": "cpu"}
+    base = write_report(tmp_path / "b", rows(10.0), ctx)
+    cand = write_report(tmp_path / "c", rows(12.0), ctx)
+    p = _ratio_plot(C.compare(base, cand))
+    assert p.frame_width == RATIO_FRAME_WIDTH >= 600  # the data area; the labels add to the figure's width
+    (full,) = p.y_range.factors
+    assert len(full) > LABEL_CHARS and len(p.yaxis[0].major_label_overrides[full]) == LABEL_CHARS
+    assert p.select_one({"type": HoverTool}).tooltips[0] == ("row", "@label")

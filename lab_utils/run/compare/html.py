@@ -114,8 +114,9 @@ def _ratio_plot(cmp, max_rows: int = 300):
         y_range=uniq,
         x_axis_type="log",
         x_range=(xmin, xmax),
-        height=max(220, 24 * len(uniq) + 90),
-        width=1100,
+        # the data area's own width: long row labels widen the figure instead of squeezing it
+        frame_height=max(130, 24 * len(uniq)),
+        frame_width=RATIO_FRAME_WIDTH,
         title="candidate vs base: gain (> 1 = candidate better), with interval",
         x_axis_label="gain = base/candidate for lower-is-better, candidate/base for higher-is-better (dB: 10^(Δ/10))",
         tools="pan,wheel_zoom,box_zoom,reset,save",
@@ -139,7 +140,21 @@ def _ratio_plot(cmp, max_rows: int = 300):
         )
     )
     p.yaxis.major_label_text_font_size = "9pt"
+    # a tick shows at most LABEL_CHARS characters (the middle elided); the hover shows the whole row
+    p.yaxis.major_label_overrides = {u: _short(u) for u in uniq if _short(u) != u}
     return p
+
+
+RATIO_FRAME_WIDTH = 720
+LABEL_CHARS = 70
+
+
+def _short(label: str, n: int = LABEL_CHARS) -> str:
+    """A row label cut to ``n`` characters, its middle elided (lab and metric stay readable)."""
+    if len(label) <= n:
+        return label
+    head = (n - 1) * 2 // 3
+    return label[:head] + "…" + label[-(n - 1 - head) :]
 
 
 def _params_rows(cmp) -> str:
