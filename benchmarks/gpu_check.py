@@ -51,11 +51,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import math
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -72,7 +75,12 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, schedule  # noqa: E402
 
 import lab_kernels  # noqa: E402  (sets TRITON_INTERPRET on a machine without a GPU, before Triton loads)
-from lab_kernels import get_variant  # noqa: E402
+from lab_kernels import attention as KA  # noqa: E402
+from lab_kernels import (  # noqa: E402
+    get_variant,  # noqa: E402
+    interpreter_note,
+    interpreter_why_not,
+)
 from lab_kernels import lowp_matmul as LM  # noqa: E402
 from lab_utils import attention as A  # noqa: E402
 from lab_utils import fused as F  # noqa: E402
@@ -83,7 +91,7 @@ from lab_utils.config import ConfigError  # noqa: E402
 from lab_utils.device import annotate, datasheet_for, device_info, pick_device  # noqa: E402
 from lab_utils.model import build_model, resolve_config  # noqa: E402
 from lab_utils.model.train import TrainConfig, compile_blocks, rf_loss, synthetic_batch  # noqa: E402
-from lab_utils.plan import plan_and_verify  # noqa: E402
+from lab_utils.plan import measure_step, plan_and_verify  # noqa: E402
 from lab_utils.profiler import analyse_trace, training_step_flops  # noqa: E402
 from lab_utils.records import CONTEXT_COLUMNS, ROW_COLUMNS, Recorder, load_records  # noqa: E402
 from lab_utils.timing import BenchError, try_bench  # noqa: E402
@@ -94,6 +102,7 @@ SECTIONS = ("ceilings", "fused", "attention", "fp8", "train", "plan")
 #: compile time dominates `fused` (7 ops x 2 directions) and `train` (the medium MMDiT's blocks).
 SHARES = {"ceilings": 25, "fused": 115, "attention": 90, "fp8": 40, "train": 170, "plan": 40}
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_SECTION_FAILED = 0, 1, 2
+EXIT_INTERRUPTED = 130  # SIGTERM / Ctrl-C: the records of the sections done (and of the one stopped) are on disk
 README_BEGIN, README_END = "<!-- gpu_check:table:begin -->", "<!-- gpu_check:table:end -->"
 INTERPRETED = "not timed: interpreted (Triton on CPU runs in its interpreter: correctness only)"
 
@@ -124,6 +133,7 @@ class Plan:
     attn_paths: tuple[str, ...]
     attn_varlen_lengths: tuple[int, ...]
     fp8_shapes: tuple[tuple[int, int, int], ...]  # M, K, N
+    fp8_fast_accum: tuple[bool, ...]  # accumulation modes, each the same on both sides (_scaled_mm, Triton)
     train_preset: str
     train_batch: int
     train_hw: tuple[int, int]  # pixels
@@ -158,6 +168,7 @@ PLANS = {
         attn_paths=("triton", "flash", "cudnn"),
         attn_varlen_lengths=(8192 + 7, 4096 + 512, 2048 + 1, 1024 + 3, 509),
         fp8_shapes=((4096, 4096, 4096), (8192, 8192, 8192)),
+        fp8_fast_accum=(False, True),
         train_preset="medium",
         train_batch=2,
         train_hw=(1024, 1024),
@@ -189,6 +200,7 @@ PLANS = {
         attn_paths=("triton", "flash", "cudnn"),
         attn_varlen_lengths=(23, 41, 9),
         fp8_shapes=((72, 96, 40),),
+        fp8_fast_accum=(False,),  # neither CPU _scaled_mm nor the interpreter has a fast mode
         train_preset="tiny",
         train_batch=1,
         train_hw=(64, 48),
@@ -220,6 +232,7 @@ class Run:
     ceilings: Ceilings | None = None
     failures: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)  # what this machine's stack cannot run, with why
     checks: int = 0
 
     def elapsed(self) -> float:
@@ -269,6 +282,13 @@ class Section:
 
     def not_timed(self, experiment: str, variant: str, reason: str, **extra) -> None:
         self.rec.add(experiment, variant, "time", math.nan, "ms", statistic="not_timed", reason=reason, **extra)
+
+    def refuse(self, what: str, reason: str) -> None:
+        """Something this machine's software cannot run (not a failed check): said once, with why."""
+        note = f"{self.name}: {what}: {reason}"
+        if note not in self.run.refused:
+            self.run.refused.append(note)
+            self.log(f"{what}: REFUSED here: {reason}")
 
 
 def _sync(dev: torch.device) -> None:
@@ -343,10 +363,11 @@ def section_fused(s: Section) -> None:
     pc, pt = F.Problem(*p.fused_check), F.Problem(*p.fused_time)
     timed = [v for v in p.fused_variants if v != "triton" or get_variant("rms_norm", "triton").timeable(dev)]
     copy = s.run.ceilings.copy_gbs if s.run.ceilings else None
-    for op in F.OP_NAMES:
-        if s.over_budget(op):
-            continue
+    for op in F.OP_NAMES:  # every correctness check first: checks are never under the budget
         _fused_check(s, op, dt, pc)
+    for op in F.OP_NAMES:
+        if s.over_budget(f"{op} timings"):
+            continue
         for variant in p.fused_variants:
             if variant not in timed:
                 s.not_timed("fused_time", variant, INTERPRETED, op=op)
@@ -368,11 +389,13 @@ def section_fused(s: Section) -> None:
                 budget_s=p.item_budget_s,
                 experiment="fused_time",
             )
-            parts = []
+            parts, method = [], ""
             for row in list(s.rec.rows[first:]):
                 ex = _extra(row)
                 if row["metric"] == "time" and row["statistic"] == "failed":
                     parts.append(f"{row['variant']} failed ({ex.get('reason', '')[:80]})")
+                if row["metric"] == "time" and row["statistic"] == "median":
+                    method = ex.get("method", "")
                 if row["metric"] != "bandwidth" or not copy:
                     continue
                 pct = 100 * row["value"] / copy
@@ -389,6 +412,7 @@ def section_fused(s: Section) -> None:
                     op=op,
                     direction=direction,
                     copy_gbs=copy,
+                    method=method,  # how the time was taken: CUDA graph replay, or calls per sample
                 )
                 parts.append(f"{row['variant']} {row['value']:.0f} GB/s ({pct:.0f}%)")
             s.log(f"{op} {direction} {pt.label()}: " + (", ".join(parts) or "no timed variant"))
@@ -396,11 +420,15 @@ def section_fused(s: Section) -> None:
 
 def _fused_check(s: Section, op: str, dt: torch.dtype, pc) -> None:
     """The op's Triton variant forward and backward (every gradient) against float64."""
-    why = get_variant(op, "triton").why_not(s.dev, dt, **F.spec(op).problem_kw(pc))
+    unusable = _interpreter_why_not(s.dev)
+    why = unusable or get_variant(op, "triton").why_not(s.dev, dt, **F.spec(op).problem_kw(pc))
     if why:
         s.rec.add(
             "fused_check", "triton", "max_abs_err", math.nan, "", dtype=dt, statistic="not_run", op=op, reason=why
         )
+        if unusable:  # this machine's triton + numpy cannot interpret any kernel: refused, not failed
+            s.refuse("Triton kernels' checks", unusable)
+            return
         # on a GPU the Triton kernel must run at these widths; on CPU it needs the interpreter
         if s.dev.type == "cuda" or lab_kernels.TRITON_INTERPRETED:
             s.check(False, f"{op} triton cannot run the check problem", why)
@@ -430,6 +458,13 @@ def _fused_check(s: Section, op: str, dt: torch.dtype, pc) -> None:
         s.log(f"{op} triton fwd+bwd ok at {rows[0].shape} ({len(rows)} tensors, worst {worst.tensor})")
 
 
+def _interpreter_why_not(dev: torch.device) -> str | None:
+    """Why Triton's interpreter cannot run here (probed once; None on a GPU or when it works)."""
+    if dev.type != "cpu" or not lab_kernels.TRITON_INTERPRETED:
+        return None
+    return interpreter_why_not()
+
+
 # -------------------------------------------------------------------------------- attention
 def _attn_flops(mask: str, lengths, heads: int, head_dim: int) -> tuple[float, float]:
     """(fwd, bwd) FLOPs of self-attention over these sequences (one convention: lab_utils.masks)."""
@@ -440,10 +475,36 @@ def _attn_flops(mask: str, lengths, heads: int, head_dim: int) -> tuple[float, f
     return fwd, bwd
 
 
-def _attn_timing(s: Section, path: str, q, k, v, do, *, mask, cu=None, shape: str, extra: dict, flops) -> list[str]:
-    """Time one path forward and backward; rows with TFLOP/s and % of the measured bf16 ceiling."""
+def varlen_fn(path: str, lengths, cu: torch.Tensor) -> Callable:
+    """``run(q, k, v)``: attention of packed sequences of these ``lengths`` on ``path``, with every
+    check done before (``A.check_inputs`` once): no call reads ``cu_seqlens`` back from the device
+    (a ``.tolist()`` is a synchronisation, and ``attend`` made several per call).  The Triton
+    kernel takes the validated ``max_seqlen``; SDPA paths run per sequence on host-side bounds."""
+    if path == "triton":
+        longest = max(lengths)
+        return lambda q, k, v: KA.attention(q, k, v, cu_seqlens=cu, max_seqlen=longest, validate=False)
+    fn = A.get_path(path).fn
+    bounds = [0, *itertools.accumulate(int(n) for n in lengths)]
+
+    def run(q, k, v):
+        outs = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            qi, ki, vi = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # 1 H l Dh
+            outs.append(fn(qi, ki, vi, None, None)[0].transpose(0, 1))  # mask None: full, scale None: 1/sqrt(Dh)
+        return torch.cat(outs, 0)
+
+    return run
+
+
+def _attn_timing(s: Section, path: str, q, k, v, do, *, mask=None, run=None, shape: str, extra: dict, flops):
+    """Time one path forward and backward; rows with TFLOP/s and % of the measured bf16 ceiling.
+    ``run(q, k, v)`` replaces ``attend`` (a packed problem, validated beforehand)."""
     parts = []
-    kw = dict(path=path, mask=mask, cu_seqlens=cu)
+    if run is None:
+
+        def run(a, b, c):
+            return A.attend(a, b, c, path=path, mask=mask)
+
     qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
     peak = s.run.ceilings.matmul("bf16") if s.run.ceilings else None
     for direction, fl in (("fwd", flops[0]), ("bwd", flops[1])):
@@ -451,9 +512,9 @@ def _attn_timing(s: Section, path: str, q, k, v, do, *, mask, cu=None, shape: st
 
             def fn():
                 with torch.no_grad():
-                    return A.attend(q, k, v, **kw)
+                    return run(q, k, v)
         else:
-            out = A.attend(qq, kk, vv, **kw)
+            out = run(qq, kk, vv)
 
             def fn(out=out):
                 return torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True)
@@ -491,9 +552,8 @@ def section_attention(s: Section) -> None:
     dt = F.as_dtype(p.dtype)
     H, D = p.attn_heads, p.attn_head_dim
     cases = [(m, None) for m in p.attn_masks] + [("varlen", p.attn_check_lengths)]
-    for case, lengths in cases:
-        if s.over_budget(f"check {case}"):
-            continue
+    unusable = _interpreter_why_not(dev)
+    for case, lengths in cases:  # every correctness check first: checks are never under the budget
         L = p.attn_check_len
         inputs = A.random_qkv(
             len(lengths) if lengths else 1,
@@ -508,7 +568,22 @@ def section_attention(s: Section) -> None:
         shape = f"T{sum(lengths)}xH{H}xD{D}" if lengths else f"B1xH{H}xL{L}xD{D}"
         mask = None if lengths else case
         for path in p.attn_paths:
-            res = A.check_path(path, inputs, mask=mask, backward=True)
+            if path == "triton" and unusable:
+                s.refuse("Triton attention's checks", unusable)
+                continue
+            try:
+                res = A.check_path(path, inputs, mask=mask, backward=True)
+            except Exception as e:  # noqa: BLE001 - one path's refusal must not lose the section's other checks
+                reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                s.rec.add(
+                    "attention_check", path, "max_abs_err", math.nan, "", shape=shape, dtype=dt,
+                    statistic="raised", mask=case, seed=s.run.seed, reason=reason,
+                )  # fmt: skip
+                if path == "triton":  # the kernel this lab owns must run every check it is given
+                    s.check(False, f"triton {case} {shape} check raised", reason)
+                else:
+                    s.log(f"check {case} {path}: raised, not checked ({reason[:120]})")
+                continue
             ran = [r for r in res if r.ok is not None]
             for r in res:
                 s.rec.add(
@@ -568,6 +643,7 @@ def section_attention(s: Section) -> None:
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
         shape = f"T{T}xH{H}xD{D}"
         flops = _attn_flops("full", lengths, H, D)
+        A.check_inputs(q, k, v, cu_seqlens=cu)  # validated once, here: the timed calls read nothing back
         for path in p.attn_paths:
             extra = dict(mask="varlen", seq_len=max(lengths), head_dim=D, heads=H, lengths=list(lengths))
             why = A.get_path(path).why_not(
@@ -578,7 +654,8 @@ def section_attention(s: Section) -> None:
             if why:
                 s.not_timed("attention_time", path, why, **extra)
                 continue
-            parts = _attn_timing(s, path, q, k, v, do, mask=None, cu=cu, shape=shape, extra=extra, flops=flops)
+            run = varlen_fn(path, lengths, cu)
+            parts = _attn_timing(s, path, q, k, v, do, run=run, shape=shape, extra=extra, flops=flops)
             s.log(f"varlen {lengths}: " + "; ".join(parts))
 
 
@@ -590,121 +667,140 @@ def _dequant_reference(da, db, sa, sb) -> torch.Tensor:
     return a @ b.t()
 
 
-#: bf16 output rounds each element to 8 significant bits (relative error <= 2^-9); the
-#: Frobenius relative error of a correct GEMM stays well under this bound.
-FP8_REL_TOL = 1e-2
-
-
 def section_fp8(s: Section) -> None:
-    """_scaled_mm (tensor / row scales) and the Triton FP8 GEMM beside bf16."""
-    for M, K, N in s.plan.fp8_shapes:
-        if not s.over_budget(f"{M}x{K}x{N}"):
-            _fp8_shape(s, M, K, N)
+    """_scaled_mm (tensor / row scales) and the Triton FP8 GEMM beside bf16, each accumulation mode
+    on both sides alike (``fast_accum`` = ``_scaled_mm(use_fast_accum=...)``): every check first,
+    then the timings under the budget."""
+    cases = [_Fp8Case(s, M, K, N, fast) for M, K, N in s.plan.fp8_shapes for fast in s.plan.fp8_fast_accum]
+    for c in cases:  # every correctness check first: checks are never under the budget
+        c.check()
+    t_bf16: dict = {}
+    for c in cases:
+        if not s.over_budget(f"{c.M}x{c.K}x{c.N}{c.suffix} timings"):
+            c.time(t_bf16)
 
 
-def _fp8_shape(s: Section, M: int, K: int, N: int) -> None:
-    dev, p = s.dev, s.plan
+class _Fp8Case:
+    """One (shape, accumulation mode): operands quantized once, checked against float64, then timed."""
+
     fmt, out = "fp8_e4m3", torch.bfloat16
-    triton_v = get_variant("lowp_matmul", "triton")
-    shape, flops = (M, K, N), 2.0 * M * K * N
-    g = torch.Generator(device=dev).manual_seed(s.run.seed)
-    a = torch.randn(M, K, generator=g, device=dev)
-    b = torch.randn(N, K, generator=g, device=dev) / math.sqrt(K)
-    ab, bb = a.bfloat16(), b.bfloat16()
-    t_bf16 = try_bench(lambda: torch.mm(ab, bb.t()), name="bf16 mm", device=dev, reps=p.reps, budget_s=p.item_budget_s)
-    s.rec.add_timing("fp8_gemm", "bf16", t_bf16, shape=shape, dtype="bfloat16", flops=flops)
-    parts = [_tflops_text("bf16", t_bf16, flops)]
-    for gran in ("tensor", "row"):
-        extra = dict(fmt=fmt, granularity=gran)
-        t_sm = None
-        why = LM.scaled_mm_why_not(dev, fmt=fmt, granularity=gran, out_dtype=out)
-        if why:
-            s.rec.add("fp8_gemm", f"scaled_mm/{gran}", "time", math.nan, "ms", statistic="n/a", reason=why, **extra)
-            parts.append(f"_scaled_mm/{gran} n/a ({why[:60]})")
-        else:
-            pr = LM.prepare_scaled_mm(a, b, fmt, granularity=gran)
-            y = LM.scaled_mm(a, b, fmt, granularity=gran, out_dtype=out, prepared=pr)
-            _fp8_check(s, f"scaled_mm/{gran}", y, _dequant_reference(*pr[1:]), shape, extra)
-            t_sm = try_bench(
-                lambda pr=pr, gran=gran: LM.scaled_mm(a, b, fmt, granularity=gran, out_dtype=out, prepared=pr),
-                name=f"_scaled_mm/{gran}",
-                device=dev,
-                reps=p.reps,
-                budget_s=p.item_budget_s,
-            )
-            s.rec.add_timing("fp8_gemm", f"scaled_mm/{gran}", t_sm, shape=shape, dtype=fmt, flops=flops, **extra)
-            parts.append(_tflops_text(f"_scaled_mm/{gran}", t_sm, flops))
-            if t_sm.ok and t_bf16.ok:
-                s.rec.add(
-                    "fp8_gemm",
-                    f"scaled_mm/{gran}",
-                    "speedup_vs_bf16",
-                    t_bf16.median_ms / t_sm.median_ms,
-                    "x",
-                    shape=shape,
-                    dtype=fmt,
-                    statistic="median",
-                    formula="bf16 median / _scaled_mm median",
-                    **extra,
-                )
-        why = triton_v.why_not(dev, fmt=fmt, granularity=gran)
-        if why:
-            s.rec.add("fp8_gemm", f"triton/{gran}", "time", math.nan, "ms", statistic="n/a", reason=why, **extra)
-            continue
-        pa = LM.prepare_scaled_mm_any(a, b, fmt, granularity=gran)
-        y = LM.triton_fp8_matmul(pa[1], pa[2], pa[3], pa[4], out_dtype=out)
-        _fp8_check(s, f"triton/{gran}", y, _dequant_reference(*pa[1:]), shape, extra)
-        if not triton_v.timeable(dev):
-            s.not_timed("fp8_gemm", f"triton/{gran}", INTERPRETED, **extra)
-            continue
-        t_tr = try_bench(
-            lambda pa=pa: LM.triton_fp8_matmul(pa[1], pa[2], pa[3], pa[4], out_dtype=out),
-            name=f"triton fp8/{gran}",
-            device=dev,
-            reps=p.reps,
-            budget_s=p.item_budget_s,
+
+    def __init__(self, s: Section, M: int, K: int, N: int, fast: bool):
+        self.s, self.M, self.K, self.N, self.fast = s, M, K, N, fast
+        self.suffix = "+fast_accum" if fast else ""
+        self.shape, self.flops = (M, K, N), 2.0 * M * K * N
+        self.tol = LM.fp8_gemm_tolerance(K, fast_accum=fast, out_dtype=self.out)
+        g = torch.Generator(device=s.dev).manual_seed(s.run.seed)
+        self.a = torch.randn(M, K, generator=g, device=s.dev)
+        self.b = torch.randn(N, K, generator=g, device=s.dev) / math.sqrt(K)
+        self.runs: dict[str, Callable] = {}  # variant -> the GEMM alone, on prepared operands
+
+    def extra(self, gran: str) -> dict:
+        return dict(fmt=self.fmt, granularity=gran, fast_accum=self.fast)
+
+    def check(self) -> None:
+        s, fmt, out = self.s, self.fmt, self.out
+        triton_v = get_variant("lowp_matmul", "triton")
+        for gran in ("tensor", "row"):
+            ex, name = self.extra(gran), f"scaled_mm/{gran}{self.suffix}"
+            why = LM.scaled_mm_why_not(s.dev, fmt=fmt, granularity=gran, out_dtype=out)
+            if why:
+                s.rec.add("fp8_gemm", name, "time", math.nan, "ms", statistic="n/a", reason=why, **ex)
+                s.log(f"{name}: n/a ({why[:160]})")
+            else:
+                pr = LM.prepare_scaled_mm(self.a, self.b, fmt, granularity=gran)
+
+                def sm(pr=pr, gran=gran):
+                    return LM.scaled_mm(
+                        self.a, self.b, fmt, granularity=gran, out_dtype=out, use_fast_accum=self.fast, prepared=pr
+                    )
+
+                self._check(name, sm(), _dequant_reference(*pr[1:]), ex)
+                self.runs[name] = sm
+            name = f"triton/{gran}{self.suffix}"
+            why = triton_v.why_not(s.dev, fmt=fmt, granularity=gran) or _interpreter_why_not(s.dev)
+            if why:
+                s.rec.add("fp8_gemm", name, "time", math.nan, "ms", statistic="n/a", reason=why, **ex)
+                if _interpreter_why_not(s.dev):
+                    s.refuse("the Triton FP8 GEMM's checks", why)
+                continue
+            pa = LM.prepare_scaled_mm_any(self.a, self.b, fmt, granularity=gran)
+
+            def tr(pa=pa):
+                return LM.triton_fp8_matmul(pa[1], pa[2], pa[3], pa[4], out_dtype=out, fast_accum=self.fast)
+
+            self._check(name, tr(), _dequant_reference(*pa[1:]), ex)
+            if triton_v.timeable(s.dev):
+                self.runs[name] = tr
+            else:
+                s.not_timed("fp8_gemm", name, INTERPRETED, **ex)
+
+    def _check(self, variant: str, y: torch.Tensor, ref: torch.Tensor, extra: dict) -> None:
+        s = self.s
+        ok_dtype = y.dtype == self.out  # the kernel stores bf16 itself: a float32 result would be cast after
+        err = rel_error(y.float(), ref) if bool(torch.isfinite(y).all()) else math.inf
+        s.rec.add(
+            "fp8_check",
+            variant,
+            "rel_error",
+            err,
+            "",
+            shape=self.shape,
+            dtype="float8_e4m3fn",
+            statistic="value",
+            formula="||y - ref||_F / ||ref||_F, ref = float64 of the dequantized operands",
+            tolerance=self.tol,
+            tolerance_formula="lab_kernels.lowp_matmul.fp8_gemm_tolerance(K, fast_accum, bf16 out)",
+            out_dtype=str(y.dtype).replace("torch.", ""),
+            seed=s.run.seed,
+            **extra,
         )
-        s.rec.add_timing("fp8_gemm", f"triton/{gran}", t_tr, shape=shape, dtype=fmt, flops=flops, **extra)
-        parts.append(_tflops_text(f"triton/{gran}", t_tr, flops))
-        if t_tr.ok and t_sm is not None and t_sm.ok:
-            s.rec.add(
-                "fp8_gemm",
-                f"triton/{gran}",
-                "vs_scaled_mm",
-                t_sm.median_ms / t_tr.median_ms,
-                "x",
-                shape=shape,
-                dtype=fmt,
-                statistic="median",
-                formula="_scaled_mm median / Triton median (throughput ratio)",
-                **extra,
+        s.check(
+            ok_dtype and err <= self.tol,
+            f"{variant} {self.shape} vs float64 (rel error {err:.3g}, tolerance {self.tol:.3g} at K={self.K}; "
+            f"output {y.dtype}, expected {self.out})",
+        )
+
+    def time(self, t_bf16: dict) -> None:
+        s, p, dev, shape, flops = self.s, self.s.plan, self.s.dev, self.shape, self.flops
+        if shape not in t_bf16:
+            ab, bb = self.a.bfloat16(), self.b.bfloat16()
+            t_bf16[shape] = try_bench(
+                lambda: torch.mm(ab, bb.t()), name="bf16 mm", device=dev, reps=p.reps, budget_s=p.item_budget_s
             )
-    s.log(f"{M}x{K}x{N}: " + "; ".join(parts))
+            s.rec.add_timing("fp8_gemm", "bf16", t_bf16[shape], shape=shape, dtype="bfloat16", flops=flops)
+        tb = t_bf16[shape]
+        parts = [_tflops_text("bf16", tb, flops)]
+        for gran in ("tensor", "row"):
+            ex = self.extra(gran)
+            sm_name, tr_name = f"scaled_mm/{gran}{self.suffix}", f"triton/{gran}{self.suffix}"
+            t_sm = t_tr = None
+            for name in (sm_name, tr_name):
+                if name not in self.runs:
+                    continue
+                t = try_bench(self.runs[name], name=name, device=dev, reps=p.reps, budget_s=p.item_budget_s)
+                s.rec.add_timing("fp8_gemm", name, t, shape=shape, dtype=self.fmt, flops=flops, **ex)
+                parts.append(_tflops_text(name, t, flops))
+                t_sm, t_tr = (t, t_tr) if name == sm_name else (t_sm, t)
+            if t_sm is not None and t_sm.ok and tb.ok:
+                s.rec.add(
+                    "fp8_gemm", sm_name, "speedup_vs_bf16", tb.median_ms / t_sm.median_ms, "x", shape=shape,
+                    dtype=self.fmt, statistic="median", formula="bf16 median / _scaled_mm median", **ex,
+                )  # fmt: skip
+            if t_tr is not None and t_tr.ok and t_sm is not None and t_sm.ok:
+                s.rec.add(
+                    "fp8_gemm", tr_name, "vs_scaled_mm", t_sm.median_ms / t_tr.median_ms, "x", shape=shape,
+                    dtype=self.fmt, statistic="median",
+                    formula="_scaled_mm median / Triton median (throughput ratio, same scales and accumulation)",
+                    **ex,
+                )  # fmt: skip
+        s.log(f"{self.M}x{self.K}x{self.N}{self.suffix}: " + "; ".join(parts))
 
 
 def _tflops_text(name: str, t, flops: float) -> str:
     if not t.ok:
         return f"{name} failed ({t.reason[:60]})"
     return f"{name} {flops / (t.median_ms * 1e-3) / 1e12:.4g} TFLOP/s"
-
-
-def _fp8_check(s: Section, variant: str, y: torch.Tensor, ref: torch.Tensor, shape, extra: dict) -> None:
-    err = rel_error(y.float(), ref) if bool(torch.isfinite(y).all()) else math.inf
-    s.rec.add(
-        "fp8_check",
-        variant,
-        "rel_error",
-        err,
-        "",
-        shape=shape,
-        dtype="float8_e4m3fn",
-        statistic="value",
-        formula="||y - ref||_F / ||ref||_F, ref = float64 of the dequantized operands",
-        tolerance=FP8_REL_TOL,
-        seed=s.run.seed,
-        **extra,
-    )
-    s.check(err <= FP8_REL_TOL, f"{variant} {shape} vs float64 (rel error {err:.3g} > {FP8_REL_TOL})")
 
 
 # ------------------------------------------------------------------------------- train step
@@ -747,6 +843,11 @@ class SyntheticStep:
         return self.body()
 
 
+def graphs_available(dev: torch.device) -> bool:
+    """Whether a training step can be captured as a CUDA graph on this device."""
+    return dev.type == "cuda"
+
+
 def _capture_graph(step: SyntheticStep, dev: torch.device):
     """Capture one whole step (forward, backward, clipping, AdamW) as a CUDA graph; warm-up runs
     on a side stream first, as capture requires.  Returns (graph, the static loss tensor)."""
@@ -786,7 +887,7 @@ def section_train(s: Section) -> None:
         if wants_compile and not p.train_compile:
             s.not_timed("train_step", variant, p.skip_notes.get("compile", "compile not run with this plan"))
             continue
-        if graph and not cuda:
+        if graph and not graphs_available(dev):
             s.not_timed("train_step", variant, "not applicable: CUDA graphs need a CUDA device")
             continue
         if s.over_budget(variant):
@@ -795,6 +896,9 @@ def section_train(s: Section) -> None:
             compile_blocks(model)
             compiled = True
         model.load_state_dict(init)
+        # a captured step leaves .grad tensors in the graph's private pool (allocated inside the
+        # capture, never set to None): the next variant's first backward would add into them
+        model.zero_grad(set_to_none=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda, capturable=cuda)
         if cuda:
             torch.cuda.empty_cache()
@@ -875,6 +979,7 @@ def section_train(s: Section) -> None:
         del step, opt
         if graph:
             del g, static_loss
+        model.zero_grad(set_to_none=True)  # nothing of this variant's (graph pool) gradients survives it
     if "eager" in first_loss and "compile" in first_loss:
         le, lc = first_loss["eager"], first_loss["compile"]
         s.rec.add("train_step", "compile", "first_loss_rel_diff_vs_eager", abs(lc - le) / abs(le), "", shape=shape)
@@ -930,6 +1035,14 @@ def _profile_steps(s: Section, step: SyntheticStep, variant: str) -> str:
 
 #: lab 08's plan needs the training step's Trainer, which builds the text/image encoders
 PLAN_NEEDS = ("transformers", "diffusers")
+#: No lever that compiles (``compile``, and ``kernels``, whose options include torch.compile'd
+#: ops): a compile takes minutes inside one measurement, which no budget check can interrupt.
+PLAN_LEVERS = ("attention_path", "activation_checkpoint")
+
+
+class PlanOverBudget(Exception):
+    """The plan section's budget ran out between two measurements (not a RuntimeError: the
+    planner records those as a lever that failed to run and goes on)."""
 
 
 def _importable(name: str) -> bool:
@@ -948,6 +1061,12 @@ def section_plan(s: Section) -> None:
         s.log(f"plan: not run: {reason}")
         s.rec.add("plan", "plan_and_verify", "prediction_error", math.nan, "%", statistic="not_run", reason=reason)
         return
+    if s.over_budget("plan_and_verify"):
+        s.rec.add(
+            "plan", "plan_and_verify", "prediction_error", math.nan, "%", statistic="not_run",
+            reason=f"skipped: the section's budget was spent before it started ({s.deadline:.0f} s into the run)",
+        )  # fmt: skip
+        return
     cuda = s.dev.type == "cuda"
     cfg = TrainConfig(
         preset="small" if cuda else "tiny",
@@ -958,10 +1077,26 @@ def section_plan(s: Section) -> None:
         autocast="bf16" if cuda else "none",
         encoders="precomputed",
     )
-    levers = (
-        ["attention_path", "activation_checkpoint", "kernels"] if cuda else ["attention_path", "activation_checkpoint"]
-    )
-    summary = plan_and_verify(cfg, levers, steps=3 if cuda else 2, warmup=2 if cuda else 1, top=2)
+    steps, warmup = (3, 2) if cuda else (2, 1)
+
+    def measure(c: TrainConfig):
+        # each measurement is one uninterruptible item: none starts once the budget is spent
+        if s.run.elapsed() >= s.deadline:
+            raise PlanOverBudget(
+                f"the section's budget ({s.deadline:.0f} s into the run) was spent after "
+                f"{s.run.elapsed() - t0:.0f} s of measuring steps, before the next measurement"
+            )
+        return measure_step(c, steps=steps, warmup=warmup, statistic="median")
+
+    t0 = s.run.elapsed()
+    try:
+        summary = plan_and_verify(cfg, PLAN_LEVERS, steps=steps, warmup=warmup, top=2, measure=measure)
+    except PlanOverBudget as e:
+        reason = f"skipped: {e}"
+        s.run.skipped.append(f"plan: {reason}")
+        s.log(f"plan: {reason}")
+        s.rec.add("plan", "plan_and_verify", "prediction_error", math.nan, "%", statistic="not_run", reason=reason)
+        return
     for v in summary["verified"]:
         s.check(v["seams_match"], f"plan {v['plan']}: the verification ran the predicted configuration")
         s.rec.add(
@@ -1126,6 +1261,9 @@ def summary_text(df: pd.DataFrame, ctx: dict, status: list[dict], failures: list
     if len(nt):
         lines.append(f"not timed: {len(nt)} row(s), e.g. {_extra(nt.iloc[0].to_dict()).get('reason', '')[:100]}")
     lines += [f"skipped: {sk}" for sk in skipped]
+    lines += [f"refused (not run by this machine's software): {r}" for r in ctx.get("refused") or []]
+    if ctx.get("complete") is False:
+        lines.append("INCOMPLETE: the run was stopped or is still going; the sections listed above are on disk")
     return "\n".join(lines)
 
 
@@ -1174,6 +1312,14 @@ def default_out(kind: str) -> Path:
     return out
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: a run killed while
+    writing leaves the previous version whole, never half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_outputs(out: Path, frames: list[pd.DataFrame], ctx: dict, status: list[dict]) -> pd.DataFrame:
     cols = ROW_COLUMNS + CONTEXT_COLUMNS + ["notebook", "run_id"]
     df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=cols)
@@ -1183,14 +1329,24 @@ def write_outputs(out: Path, frames: list[pd.DataFrame], ctx: dict, status: list
     df = df.reindex(columns=cols)
     df["value"] = pd.to_numeric(df["value"], errors="coerce").astype(float)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "records.json").write_text(df.to_json(orient="records", indent=1))
+    _write_atomic(out / "records.json", df.to_json(orient="records", indent=1))
     try:
-        df.to_parquet(out / "records.parquet", index=False)
+        tmp = out / ".records.parquet.tmp"
+        df.to_parquet(tmp, index=False)
+        os.replace(tmp, out / "records.parquet")
     except ImportError:  # no pyarrow on this machine: records.json alone is complete
         pass
-    (out / "context.json").write_text(json.dumps(ctx, indent=1, default=str) + "\n")
-    (out / "status.json").write_text(json.dumps(status, indent=1) + "\n")
+    _write_atomic(out / "context.json", json.dumps(ctx, indent=1, default=str) + "\n")
+    _write_atomic(out / "status.json", json.dumps(status, indent=1) + "\n")
     return df
+
+
+class Interrupted(BaseException):
+    """SIGTERM (a time limit's kill) or Ctrl-C: the section in progress stops; what was measured is kept."""
+
+
+def _on_sigterm(signum, frame):
+    raise Interrupted(f"signal {signum}")
 
 
 def run_check(args) -> int:
@@ -1209,59 +1365,100 @@ def run_check(args) -> int:
         f"interpreted={lab_kernels.TRITON_INTERPRETED}, seed {seed}, out {out}",
         flush=True,
     )
+    if _interpreter_why_not(dev):
+        run.log(f"Triton's interpreter is unusable here, its checks are refused: {_interpreter_why_not(dev)}")
+    elif lab_kernels.TRITON_INTERPRETED and interpreter_note():
+        run.log(f"Triton's interpreter: {interpreter_note()}")
     print("budget plan: " + ", ".join(f"{k} {v:.0f} s" for k, v in budgets.items()) + f" (total {budget:.0f} s)")
     frames, status = [], []
-    deadline = 0.0
     params = {"plan": asdict(plan), "sections": list(args.sections), "budget_s": budget, "seed": seed}
-    for name in args.sections:
-        deadline = max(deadline, run.elapsed()) + budgets[name]  # unspent time carries to the next section
-        if name != "ceilings" and run.ceilings is None:
+
+    def context() -> dict:
+        ctx = Recorder(lab=LAB, params=params, device=dev, ceilings=run.ceilings).context()
+        if args.commit:  # a copy of the tree without .git (a lent GPU machine) cannot name its commit
+            ctx["commit"] = args.commit
+        ctx.update(
+            run_id=run_id,
+            suite=LAB,
+            baseline_kind=kind,
+            checks=run.checks,
+            failures=run.failures,
+            skipped=run.skipped,
+            refused=run.refused,
+            interpreter=interpreter_note() if lab_kernels.TRITON_INTERPRETED else "",
+            seconds=run.elapsed(),
+            command="python3 benchmarks/gpu_check.py " + " ".join(args.argv),
+            complete=len(status) == len(args.sections),
+        )
+        return ctx
+
+    def save() -> pd.DataFrame:
+        ctx = context()
+        df = write_outputs(out, frames, ctx, status)
+        _write_atomic(out / "summary.txt", summary_text(df, ctx, status, run.failures, run.skipped) + "\n")
+        return df
+
+    interrupted = None
+    old_term = signal.signal(signal.SIGTERM, _on_sigterm) if _main_thread() else None
+    try:
+        if any(x != "ceilings" for x in args.sections) and "ceilings" not in args.sections:
+            # measured (or read from this machine's cache) before any section's clock starts
             run.ceilings = _fallback_ceilings(run)
-        rec = Recorder(lab=LAB, params=params, device=dev, ceilings=run.ceilings)
-        sec = Section(run, name, rec, deadline)
-        n_fail = len(run.failures)
-        t_start = time.perf_counter()
-        run.log(f"== {name} (budget {budgets[name]:.0f} s, until {deadline:.0f} s)")
-        st = dict(notebook=f"{LAB}:{name}", path=str(Path(__file__).relative_to(ROOT)), status="ok", error=None)
-        try:
-            SECTION_FNS[name](sec)
-        except Exception as e:  # noqa: BLE001 - a section that raises is recorded; the others still run
-            st.update(status="failed", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            run.log(f"{name} RAISED {st['error']}")
-            traceback.print_exc()
-        if len(run.failures) > n_fail and st["status"] == "ok":
-            st.update(status="failed", error=f"{len(run.failures) - n_fail} correctness check(s) failed")
-        st.update(seconds=time.perf_counter() - t_start, rows=len(rec.rows))
-        status.append(st)
-        df = rec.frame()
-        df["notebook"] = st["notebook"]
-        frames.append(df)
-        run.log(f"== {name} {st['status']} in {st['seconds']:.1f} s, {len(rec.rows)} rows")
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    ctx = Recorder(lab=LAB, params=params, device=dev, ceilings=run.ceilings).context()
-    if args.commit:  # a copy of the tree without .git (a lent GPU machine) cannot name its commit
-        ctx["commit"] = args.commit
-    ctx.update(
-        run_id=run_id,
-        suite=LAB,
-        baseline_kind=kind,
-        checks=run.checks,
-        failures=run.failures,
-        skipped=run.skipped,
-        seconds=run.elapsed(),
-        command="python3 benchmarks/gpu_check.py " + " ".join(args.argv),
-    )
-    df = write_outputs(out, frames, ctx, status)
+        deadline = 0.0
+        for name in args.sections:
+            if name != "ceilings" and run.ceilings is None:
+                run.ceilings = _fallback_ceilings(run)  # the `ceilings` section failed: before this one's budget
+            deadline = max(deadline, run.elapsed()) + budgets[name]  # unspent time carries to the next section
+            rec = Recorder(lab=LAB, params=params, device=dev, ceilings=run.ceilings)
+            sec = Section(run, name, rec, deadline)
+            n_fail = len(run.failures)
+            t_start = time.perf_counter()
+            run.log(f"== {name} (budget {budgets[name]:.0f} s, until {deadline:.0f} s)")
+            st = dict(notebook=f"{LAB}:{name}", path=str(Path(__file__).relative_to(ROOT)), status="ok", error=None)
+            try:
+                SECTION_FNS[name](sec)
+            except (KeyboardInterrupt, Interrupted) as e:
+                interrupted = f"{type(e).__name__}{': ' + str(e) if str(e) else ''}"
+                st.update(status="interrupted", error=f"stopped in this section ({interrupted})")
+                run.log(f"{name} INTERRUPTED ({interrupted}): its rows so far are kept")
+            except Exception as e:  # noqa: BLE001 - a section that raises is recorded; the others still run
+                st.update(status="failed", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                run.log(f"{name} RAISED {st['error']}")
+                traceback.print_exc()
+            if len(run.failures) > n_fail and st["status"] == "ok":
+                st.update(status="failed", error=f"{len(run.failures) - n_fail} correctness check(s) failed")
+            st.update(seconds=time.perf_counter() - t_start, rows=len(rec.rows))
+            status.append(st)
+            df = rec.frame()
+            df["notebook"] = st["notebook"]
+            frames.append(df)
+            save()  # after every section: a run stopped at a time limit keeps what it measured
+            run.log(f"== {name} {st['status']} in {st['seconds']:.1f} s, {len(rec.rows)} rows")
+            if interrupted:
+                break
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+    df = save()
+    ctx = context()
     text = summary_text(df, ctx, status, run.failures, run.skipped)
-    (out / "summary.txt").write_text(text + "\n")
-    if args.update_readme:
+    if args.update_readme and not interrupted:
         update_readme(Path(args.readme), readme_table(df, ctx))
     print(text)
     print(f"{len(df)} rows -> {out} in {run.elapsed():.0f} s")
+    if interrupted:
+        not_run = [x for x in args.sections if x not in {st["notebook"].split(":")[-1] for st in status}]
+        print(f"interrupted ({interrupted}); not run: {', '.join(not_run) or 'none'}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if run.failures:
         return EXIT_CHECK_FAILED
     return EXIT_SECTION_FAILED if any(st["status"] != "ok" for st in status) else EXIT_OK
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 def _fallback_ceilings(run: Run) -> Ceilings | None:

@@ -49,6 +49,9 @@ from .registry import (  # noqa: E402
 )
 
 TRITON_INTERPRETED: bool = _common.interpreted()
+# whether the interpreter works with this triton + numpy at all (probed on first use, cached)
+interpreter_why_not = _common.interpreter_why_not
+interpreter_note = _common.interpreter_note
 
 OPS: tuple[str, ...] = (
     "rms_norm",
@@ -71,6 +74,8 @@ __all__ = [
     "gated_residual",
     "gelu_tanh",
     "get_variant",
+    "interpreter_note",
+    "interpreter_why_not",
     "layer_norm_modulate",
     "list_ops",
     "lowp_matmul",

@@ -44,7 +44,6 @@ from ._attention_inputs import (
     TRITON_DTYPES,
     check_cu_seqlens,
     check_qkv,
-    check_varlen,
     dot_args,
     launch_config,
     launch_dims,
@@ -55,6 +54,9 @@ from ._attention_inputs import (
 )
 from ._attention_inputs import (
     check_max_seqlen as check_max_seqlen,
+)
+from ._attention_inputs import (
+    check_varlen as check_varlen,
 )
 from .registry import register
 
@@ -356,12 +358,14 @@ def attention_forward(
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     out: torch.Tensor | None = None,
+    validate: bool = True,
 ):
     """Launch the forward kernel; returns (out, lse2) with lse2 in base-2 units (float32).
-    ``out`` may be a preallocated buffer shaped and strided like q (tests poison it)."""
+    ``out`` may be a preallocated buffer shaped and strided like q (tests poison it).
+    ``validate=False``: see :func:`attention`."""
     varlen = cu_seqlens is not None
     check_qkv(q, k, v, cu_seqlens)
-    max_seqlen = check_varlen(q, cu_seqlens, max_seqlen)
+    max_seqlen = _varlen_launch(q, cu_seqlens, max_seqlen, validate)
     if varlen:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     q, k, v = same_strides(q, k, v)
@@ -410,12 +414,14 @@ def attention_backward(
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    validate: bool = True,
 ):
     """Launch the backward kernels; returns (dq, dk, dv).  ``grads`` may be preallocated
-    buffers shaped and strided like q, k, v (tests poison them)."""
+    buffers shaped and strided like q, k, v (tests poison them).  ``validate=False``: see
+    :func:`attention`."""
     varlen = cu_seqlens is not None
     check_qkv(q, k, v, cu_seqlens)
-    max_seqlen = check_varlen(q, cu_seqlens, max_seqlen)
+    max_seqlen = _varlen_launch(q, cu_seqlens, max_seqlen, validate)
     if varlen:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     q, k, v = same_strides(q, k, v)
@@ -483,10 +489,12 @@ class AttentionFunction(torch.autograd.Function):
     """Flash attention forward / backward through the Triton kernels (saves O and the LSE)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, cu_seqlens, max_seqlen):
-        out, lse = attention_forward(q, k, v, causal=causal, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    def forward(ctx, q, k, v, causal, scale, cu_seqlens, max_seqlen, validate=True):
+        out, lse = attention_forward(
+            q, k, v, causal=causal, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, validate=validate
+        )
         ctx.save_for_backward(q, k, v, out, lse, *([cu_seqlens] if cu_seqlens is not None else []))
-        ctx.causal, ctx.scale, ctx.max_seqlen = causal, scale, max_seqlen
+        ctx.causal, ctx.scale, ctx.max_seqlen, ctx.validate = causal, scale, max_seqlen, validate
         ctx.varlen = cu_seqlens is not None
         return out
 
@@ -495,9 +503,19 @@ class AttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, *rest = ctx.saved_tensors
         cu = rest[0] if ctx.varlen else None
         dq, dk, dv = attention_backward(
-            do, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale, cu_seqlens=cu, max_seqlen=ctx.max_seqlen
+            do,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            causal=ctx.causal,
+            scale=ctx.scale,
+            cu_seqlens=cu,
+            max_seqlen=ctx.max_seqlen,
+            validate=ctx.validate,
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def attention(
@@ -509,12 +527,32 @@ def attention(
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Triton flash attention with autograd.  q, k, v: (B, H, L, Dh), or (T, H, Dh) packed
-    with ``cu_seqlens``; Dh in (64, 128); float16 / bfloat16 / float32."""
+    with ``cu_seqlens``; Dh in (64, 128); float16 / bfloat16 / float32.
+
+    ``validate=False`` (packed layout): ``cu_seqlens`` and ``max_seqlen`` were checked once
+    already (e.g. by a call with ``validate=True``, or :func:`check_varlen`); the call then
+    reads nothing back from the device (checking ``cu_seqlens`` copies it to the host, a
+    synchronisation a timed loop must not contain).  ``max_seqlen`` must then be given."""
     check_qkv(q, k, v, cu_seqlens)
-    max_seqlen = check_varlen(q, cu_seqlens, max_seqlen)
-    return AttentionFunction.apply(q, k, v, bool(causal), scale, cu_seqlens, max_seqlen)
+    max_seqlen = _varlen_launch(q, cu_seqlens, max_seqlen, validate)
+    return AttentionFunction.apply(q, k, v, bool(causal), scale, cu_seqlens, max_seqlen, bool(validate))
+
+
+def _varlen_launch(q, cu_seqlens, max_seqlen, validate: bool) -> int | None:
+    """The validated launch length, or (``validate=False``) the caller's, checked without a device read."""
+    if validate:
+        return check_varlen(q, cu_seqlens, max_seqlen)
+    if cu_seqlens is None:
+        return check_max_seqlen(None, max_seqlen)
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
+        raise ValueError(
+            f"parameter 'max_seqlen' = {max_seqlen!r} is not allowed with validate=False: expected the longest "
+            "packed sequence's length (an int >= 1), checked beforehand (check_varlen)"
+        )
+    return max_seqlen
 
 
 def eager_attention(

@@ -2,6 +2,7 @@
 unimportable (as on a bare GPU machine), writes records that compare and baseline accept, and
 a failing correctness check or a raising section changes the exit code."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -9,10 +10,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 import yaml
 
 from lab_kernels import quant as Q
@@ -189,7 +192,7 @@ def test_fp8_gpu_branch_records_the_target_figures(gc, monkeypatch, tmp_path):
         def timeable(self, device):
             return True
 
-    def stand_in(a, b, sa, sb, *, out_dtype=None):
+    def stand_in(a, b, sa, sb, *, out_dtype=None, fast_accum=False):
         return gc._dequant_reference(a, b, sa, sb).to(out_dtype)
 
     monkeypatch.setattr(gc, "get_variant", lambda op, name: Timeable())
@@ -295,3 +298,275 @@ def test_gpu_set_of_lab04_asks_only_for_fp8_pairs_cublaslt_runs():
     params = yaml.safe_load((ROOT / "parameterized" / "sets" / "04_low_precision" / "gpu.yaml").read_text())
     notebook_config_class(ROOT / "labs" / "04_low_precision.ipynb")(**params)  # the lab's LabConfig
     assert all(Q.FORMATS[f].elem != "e5m2" for f in params["matmul_formats"]), params["matmul_formats"]
+
+
+# ------------------------------------------------------------------ issue 19: the GPU machine's stack
+def test_an_unusable_interpreter_is_refused_with_its_reason(gc, monkeypatch, tmp_path):
+    """triton 3.6 with numpy >= 2.4 (the GPU machine's stack): every interpreted kernel raised, and
+    --device cpu exited 2 with three sections failed.  The probe's verdict refuses the Triton
+    checks, with the reason, and the rest of the check runs."""
+    why = "Triton 3.6.0's interpreter cannot run kernels with numpy 2.5.5 here (a tiny probe kernel raised TypeError)"
+    monkeypatch.setattr(gc, "interpreter_why_not", lambda: why)
+    rc = gc.main(["--device", "cpu", "--sections", "fused,attention,fp8", "--out", str(tmp_path / "r")])
+    assert rc == gc.EXIT_OK
+    status = json.loads((tmp_path / "r" / "status.json").read_text())
+    assert all(st["status"] == "ok" for st in status), status
+    ctx = json.loads((tmp_path / "r" / "context.json").read_text())
+    assert len(ctx["refused"]) == 3 and all(why in r for r in ctx["refused"]), ctx["refused"]
+    assert ctx["failures"] == []
+    summary = (tmp_path / "r" / "summary.txt").read_text()
+    assert "refused (not run by this machine's software)" in summary and "numpy 2.5.5" in summary
+    df = load_records(tmp_path / "r")
+    assert len(df[(df["experiment"] == "fused_check") & (df["statistic"] == "not_run")]) == 7
+    f8 = df[df["experiment"] == "fp8_check"]
+    assert set(f8["variant"]) == {"scaled_mm/tensor", "scaled_mm/row"}  # _scaled_mm still checked
+
+
+def test_the_interpreter_probe_finds_the_numpy_failure_and_shims_it(monkeypatch):
+    """The probe reproduces triton 3.6's failure (int() of a 1-element array, refused by numpy 2.5)
+    on the pinned stack by planting it, then finds that the shim (triton's own later fix) works;
+    without a way to shim, the verdict is the reason."""
+    import numpy as np
+    from triton.runtime import interpreter as ti
+
+    from lab_kernels import _common
+
+    real = ti._patch_lang_tensor
+
+    def triton_3_6(tensor, scope):  # the 3.6 interpreter's index conversion, under numpy >= 2.5
+        real(tensor, scope)
+
+        def index(self):
+            if np.ndim(self.handle.data):
+                raise TypeError("only 0-dimensional arrays can be converted to Python scalars")
+            return int(self.handle.data)
+
+        scope.set_attr(tensor, "__index__", index)
+
+    monkeypatch.setattr(ti, "_patch_lang_tensor", triton_3_6)
+    monkeypatch.setattr(_common, "_PROBE", {})
+    assert _common.interpreter_why_not() is None
+    assert "scalar indices shimmed" in _common.interpreter_note() and "0-dimensional" in _common.interpreter_note()
+    monkeypatch.setattr(ti, "_patch_lang_tensor", triton_3_6)  # the shim undone
+    monkeypatch.setattr(_common, "_PROBE", {})
+    monkeypatch.setattr(_common, "_shim_scalar_index", lambda: False)
+    why = _common.interpreter_why_not()
+    assert why and "0-dimensional" in why and f"numpy {np.__version__}" in why
+    from lab_kernels import get_variant
+
+    assert why in get_variant("rms_norm", "triton").why_not("cpu")
+
+
+def test_records_are_on_disk_after_every_section_and_an_interrupt_keeps_them(gc, monkeypatch, tmp_path):
+    """Records and status were written only at the end: a run stopped at a time limit returned
+    nothing.  Section 2 sees section 1's records on disk (so a SIGKILL there keeps them), and a
+    KeyboardInterrupt in it leaves both sections' rows and an 'interrupted' status."""
+    out = tmp_path / "r"
+    seen = {}
+
+    def second(s):
+        seen["rows"] = len(load_records(out))
+        seen["status"] = json.loads((out / "status.json").read_text())
+        s.rec.add("fp8_gemm", "partial", "time", 1.0, "ms", statistic="median")
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(gc.SECTION_FNS, "fp8", second)
+    rc = gc.main(["--device", "cpu", "--sections", "ceilings,fp8,train", "--out", str(out)])
+    assert rc == gc.EXIT_INTERRUPTED
+    assert seen["rows"] > 0 and [st["status"] for st in seen["status"]] == ["ok"]
+    status = json.loads((out / "status.json").read_text())
+    assert [(st["notebook"], st["status"]) for st in status] == [
+        ("gpu_check:ceilings", "ok"),
+        ("gpu_check:fp8", "interrupted"),
+    ]
+    df = load_records(out)
+    assert "partial" in set(df["variant"]) and "ceilings" in set(df["experiment"])
+    assert json.loads((out / "context.json").read_text())["complete"] is False
+    assert not list(out.glob(".*.tmp"))  # written through temporary files, all renamed
+
+
+def test_a_sigterm_keeps_what_was_measured(tmp_path):
+    """A time limit's kill (SIGTERM) during a section: the process exits 130 with the records of
+    the finished sections on disk."""
+    out = tmp_path / "r"
+    code = textwrap.dedent(
+        f"""
+        import importlib.util, os, signal, sys, time
+        spec = importlib.util.spec_from_file_location("gpu_check", {str(SCRIPT)!r})
+        gc = importlib.util.module_from_spec(spec); sys.modules["gpu_check"] = gc; spec.loader.exec_module(gc)
+        def slow(s):
+            s.rec.add("fp8_gemm", "before_kill", "time", 1.0, "ms", statistic="median")
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+        gc.SECTION_FNS["fp8"] = slow
+        sys.exit(gc.main(["--device", "cpu", "--sections", "ceilings,fp8", "--out", {str(out)!r}]))
+        """
+    )
+    env = {**os.environ, "PERFLAB_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 130, proc.stdout[-2000:] + proc.stderr[-2000:]
+    status = {st["notebook"]: st["status"] for st in json.loads((out / "status.json").read_text())}
+    assert status == {"gpu_check:ceilings": "ok", "gpu_check:fp8": "interrupted"}
+    assert "before_kill" in set(load_records(out)["variant"])
+
+
+def test_fallback_ceilings_are_measured_before_the_first_sections_budget(gc, monkeypatch, tmp_path):
+    """With --sections fp8 the fallback ceilings were measured after fp8's deadline was set, so a
+    slow measurement spent fp8's budget (its items were then skipped).  The section now starts
+    with its whole budget ahead of it."""
+    left = []
+
+    def slow_ceilings(dev, quick=False):
+        time.sleep(1.5)
+        return None
+
+    monkeypatch.setattr(gc, "get_ceilings", slow_ceilings)
+    monkeypatch.setitem(gc.SECTION_FNS, "fp8", lambda s: left.append(s.deadline - s.run.elapsed()))
+    rc = gc.main(["--device", "cpu", "--sections", "fp8", "--budget-s", "2", "--out", str(tmp_path / "r")])
+    assert rc == gc.EXIT_OK
+    assert len(left) == 1 and left[0] > 1.8, left  # the bug left 2 - 1.5 = 0.5 s
+
+
+def test_correctness_checks_run_even_when_the_budget_is_spent(gc, monkeypatch, tmp_path):
+    """The budget used to skip an op's float64 check with its timings: with no time left, every
+    fused op and attention case is still checked; only timings are skipped."""
+    monkeypatch.setattr(gc.Section, "over_budget", lambda self, what: self.run.skipped.append(what) or True)
+    rc = gc.main(["--device", "cpu", "--sections", "fused,attention,fp8", "--out", str(tmp_path / "r")])
+    assert rc == gc.EXIT_OK
+    df = load_records(tmp_path / "r")
+    fc = df[df["experiment"] == "fused_check"]
+    assert {json.loads(e)["op"] for e in fc["extra"]} == set(gc.F.OP_NAMES)
+    ac = df[(df["experiment"] == "attention_check") & (df["variant"] == "triton")]
+    assert {json.loads(e)["mask"] for e in ac["extra"]} == {"full", "causal", "varlen"}
+    assert len(df[df["experiment"] == "fp8_check"]) == 4
+    assert not len(df[(df["metric"] == "time") & (df["statistic"] == "median")])  # no timing ran
+    ctx = json.loads((tmp_path / "r" / "context.json").read_text())
+    assert not [x for x in ctx["skipped"] if "check" in x], ctx["skipped"]
+
+
+def test_one_attention_path_that_raises_does_not_lose_the_section(gc, monkeypatch, tmp_path):
+    real = gc.A.check_path
+
+    def check_path(path, *a, **k):
+        if path == "cudnn":
+            raise RuntimeError("cuDNN refuses: no valid execution plans")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(gc.A, "check_path", check_path)
+    monkeypatch.setattr(gc.Section, "over_budget", lambda self, what: True)  # checks only
+    rc = gc.main(["--device", "cpu", "--sections", "attention", "--out", str(tmp_path / "r")])
+    assert rc == gc.EXIT_OK
+    df = load_records(tmp_path / "r")
+    raised = df[df["statistic"] == "raised"]
+    assert set(raised["variant"]) == {"cudnn"} and len(raised) == 3
+    assert "no valid execution plans" in json.loads(raised["extra"].iloc[0])["reason"]
+    tri = df[(df["experiment"] == "attention_check") & (df["variant"] == "triton") & (df["statistic"] == "max")]
+    assert {json.loads(e)["mask"] for e in tri["extra"]} == {"full", "causal", "varlen"}
+
+
+def test_fp8_sides_share_the_accumulation_mode_and_the_tolerance_depends_on_k(gc, monkeypatch, tmp_path):
+    """_scaled_mm ran with use_fast_accum=False while the Triton GEMM used fast accumulation: each
+    mode is now asked of both sides, and the recorded tolerance is fp8_gemm_tolerance(K, mode)."""
+    asked = []
+    real_sm, real_tr = gc.LM.scaled_mm, gc.LM.triton_fp8_matmul
+
+    def sm(*a, use_fast_accum=False, **k):
+        asked.append(("scaled_mm", use_fast_accum))
+        return real_sm(*a, use_fast_accum=use_fast_accum, **k)
+
+    def tr(*a, fast_accum=False, **k):
+        asked.append(("triton", fast_accum))
+        return real_tr(*a, fast_accum=fast_accum, **k)
+
+    monkeypatch.setattr(gc.LM, "scaled_mm", sm)
+    monkeypatch.setattr(gc.LM, "triton_fp8_matmul", tr)
+    monkeypatch.setitem(gc.PLANS, "cpu", dataclasses.replace(gc.PLANS["cpu"], fp8_fast_accum=(False, True)))
+    rc = gc.main(["--device", "cpu", "--sections", "fp8", "--out", str(tmp_path / "r")])
+    assert rc == gc.EXIT_OK
+    assert sorted(set(asked)) == [("scaled_mm", False), ("scaled_mm", True), ("triton", False), ("triton", True)]
+    f8 = load_records(tmp_path / "r").query("experiment == 'fp8_check'")
+    assert len(f8) == 8
+    for _, row in f8.iterrows():
+        ex = json.loads(row["extra"])
+        assert ex["fast_accum"] == row["variant"].endswith("+fast_accum")
+        assert ex["tolerance"] == gc.LM.fp8_gemm_tolerance(96, fast_accum=ex["fast_accum"])
+        assert ex["out_dtype"] == "bfloat16"
+
+
+def test_varlen_timed_calls_read_nothing_back_from_the_device(gc, monkeypatch):
+    """Each varlen call validated cu_seqlens again (several .tolist(), a device sync each): the
+    timed callables are validated once, outside, and read nothing back."""
+    lengths = (23, 41, 9)
+    inputs = gc.A.random_qkv(3, 2, 41, 64, dtype=torch.float32, seed=0, lengths=list(lengths))
+    q, k, v, cu = (inputs[n] for n in ("q", "k", "v", "cu_seqlens"))
+    reads = []
+    for name in ("tolist", "item", "__int__", "__index__", "__bool__", "cpu", "numpy"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: reads.append(_n) or _r(self, *a, **k)
+        )
+    for path in ("triton", "math"):
+        fn = gc.varlen_fn(path, lengths, cu)
+        reads.clear()
+        out = fn(q, k, v)
+        assert [r for r in reads if r in ("tolist", "item", "__int__", "__index__")] == [], (path, reads)
+        ref = gc.A.attend(q, k, v, path="reference", cu_seqlens=cu)
+        assert torch.allclose(out, ref.to(out.dtype), atol=1e-4), path
+
+
+def test_the_graph_variant_leaves_no_gradients_to_the_next(gc, monkeypatch, tmp_path):
+    """After the CUDA-graph variant the parameters kept graph-pool .grad tensors that the next
+    variant's first backward added into.  With a fake capture (on CPU) every variant's first step
+    starts from no gradient."""
+    dirty = []
+
+    class Step(gc.SyntheticStep):
+        first = True
+
+        def body(self, zero_grad=True):
+            if self.first:
+                self.first = False
+                dirty.append([n for n, p in self.model.named_parameters() if p.grad is not None][:3])
+            return super().body(zero_grad)
+
+    class FakeGraph:
+        def replay(self):
+            return None
+
+    def fake_capture(step, dev):
+        loss = step.body(zero_grad=False)  # as in a capture: gradients stay allocated
+        return FakeGraph(), loss
+
+    monkeypatch.setattr(gc, "SyntheticStep", Step)
+    monkeypatch.setattr(gc, "_capture_graph", fake_capture)
+    monkeypatch.setattr(gc, "graphs_available", lambda dev: True)
+    monkeypatch.setattr(gc, "compile_blocks", lambda model: None)  # "compile" runs eager here
+    monkeypatch.setattr(gc, "_profile_steps", lambda s, step, variant: "")
+    monkeypatch.setitem(gc.PLANS, "cpu", dataclasses.replace(gc.PLANS["cpu"], train_compile=True, train_reps=3))
+    rc = gc.main(["--device", "cpu", "--sections", "train", "--out", str(tmp_path / "r")])
+    assert rc == gc.EXIT_OK
+    assert len(dirty) == 4 and dirty == [[]] * 4, dirty
+
+
+def test_the_plan_section_has_no_compile_lever_and_stops_at_its_budget(gc, monkeypatch, tmp_path):
+    """With the encoder libraries present the plan section ran minutes of measurements (compile
+    levers among them) past its budget: it measures no compile lever and stops between measurements."""
+    seen = {}
+
+    def fake_plan(cfg, levers, *, steps, warmup, top, measure):
+        seen["levers"] = list(levers)
+        for _ in range(100):
+            measure(cfg)
+        raise AssertionError("the budget never stopped the plan")
+
+    monkeypatch.setattr(gc, "_importable", lambda name: True)
+    monkeypatch.setattr(gc, "plan_and_verify", fake_plan)
+    monkeypatch.setattr(gc, "measure_step", lambda c, **k: time.sleep(0.3))
+    rc = gc.main(["--device", "cpu", "--sections", "plan", "--budget-s", "1", "--out", str(tmp_path / "r")])
+    assert rc == gc.EXIT_OK
+    assert not {"compile", "kernels"} & set(seen["levers"])
+    df = load_records(tmp_path / "r")
+    reason = json.loads(df.query("experiment == 'plan'")["extra"].iloc[0])["reason"]
+    assert reason.startswith("skipped:") and "budget" in reason
+    ctx = json.loads((tmp_path / "r" / "context.json").read_text())
+    assert any("plan: skipped" in x for x in ctx["skipped"])
