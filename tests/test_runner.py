@@ -333,8 +333,6 @@ def test_index_leads_with_each_labs_headline(tmp_path):
     """Issue 21, item 14: the index of a report built from records carries a headline row per lab
     (step time and MFU, peak memory and what fits, best plan and its predicted / measured gain,
     worst kernel vs ceiling, unstable share), above the context."""
-    import pandas as pd
-
     from lab_utils.records import load_records
     from lab_utils.run import report
     from lab_utils.run.runner import NotebookStatus
@@ -372,4 +370,9 @@ def test_index_leads_with_each_labs_headline(tmp_path):
     ):
         assert text in head, text
     assert head.count("<tr>") == 1 + len(statuses) and '<span class="failed">failed</span>' in head
-    assert isinstance(load_records(tmp_path), pd.DataFrame)
+    written = _headline_records()
+    back = load_records(tmp_path)  # the gathered records read back, row for row
+    assert len(back) == sum(len(r.rows) for r in written) and set(back.lab) == {r.lab for r in written}
+    assert back.set_index(["lab", "experiment", "variant", "metric"]).loc[
+        ("08_plan", "verify", "encoders=precomputed", "prediction_error"), "value"
+    ] == pytest.approx(14.3)

@@ -8,6 +8,8 @@ the steadiest attempt kept, the CPU-time rule for one thread only), on fed sampl
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from scipy.stats import spearmanr
@@ -15,7 +17,12 @@ from scipy.stats import spearmanr
 from lab_utils import timing as timing_mod
 from lab_utils.timing import DEFAULT_RULES, bench, judge_samples
 
-R = DEFAULT_RULES
+# The documented defaults, written out rather than read from StabilityRules: a threshold moved
+# in the code must fail here, not move the cases with it.
+R = SimpleNamespace(
+    max_spread=1.2, stall_ms=2.0, stall_factor=3.0, max_stall_share=0.05, bimodal_gap=1.25, max_drift=0.10,
+    min_rho=0.5, min_samples=3, min_on_cpu=0.85,
+)  # fmt: skip
 E = 1e-3  # "a little": 0.1% beyond (or inside) a threshold
 
 
@@ -110,6 +117,10 @@ def test_each_rule_at_its_boundary(name, samples, on_cpu, fires):
     assert not v.stable and fires in v.reason, (name, v.reason)
     others = [w for w in RULE_WORDS if w in v.reason and w not in fires]
     assert not others, f"{name}: the set disturbs other rules too: {v.reason}"
+
+
+def test_the_written_out_defaults_are_the_rules():
+    assert DEFAULT_RULES.__dict__ == R.__dict__
 
 
 def test_drift_says_which_way():
