@@ -18,6 +18,7 @@ import pytest
 import torch
 import yaml
 
+from lab_kernels import attention as KA
 from lab_kernels import quant as Q
 from lab_utils.records import load_records
 from lab_utils.run.compare import baseline_kind, compare, store_baseline
@@ -570,3 +571,45 @@ def test_the_plan_section_has_no_compile_lever_and_stops_at_its_budget(gc, monke
     assert reason.startswith("skipped:") and "budget" in reason
     ctx = json.loads((tmp_path / "r" / "context.json").read_text())
     assert any("plan: skipped" in x for x in ctx["skipped"])
+
+
+def test_fused_ops_are_timed_as_graph_replays_on_cuda(monkeypatch):
+    """One Python-dispatched call per sample timed the host at flux-dev widths: on CUDA the call is
+    replayed as a CUDA graph, or (capture refused) run CALLS_PER_SAMPLE times per sample, and the
+    timing's method says which.  Exercised with a fake try_bench (no GPU here)."""
+    from lab_utils import fused as F
+    from lab_utils.timing import BenchFailure, Timing
+
+    asked, calls = [], []
+
+    def fake(fn, *, cuda_graph=False, **kw):
+        asked.append(cuda_graph)
+        if cuda_graph and capture_fails:
+            return BenchFailure(kw["name"], "raised", "RuntimeError: operation not permitted when stream is capturing")
+        fn()
+        return Timing(kw["name"], "cuda:0", "do_bench_cudagraph" if cuda_graph else "do_bench", (32.0,) * 5, 40.0)
+
+    monkeypatch.setattr(F, "try_bench", fake)
+    op = lambda: calls.append(1)  # noqa: E731
+    capture_fails = False
+    t = F.time_op(op, name="rms_norm/triton/fwd+bwd", device="cuda", reps=5, budget_s=10)
+    assert asked == [True] and t.method == "do_bench_cudagraph" and t.median_ms == 32.0
+    capture_fails, calls[:] = True, []
+    t = F.time_op(op, name="rms_norm/triton/fwd+bwd", device="cuda", reps=5, budget_s=10)
+    assert asked[1:] == [True, False] and len(calls) == F.CALLS_PER_SAMPLE
+    assert t.median_ms == 32.0 / F.CALLS_PER_SAMPLE and t.meta["calls_per_sample"] == F.CALLS_PER_SAMPLE
+    assert f"{F.CALLS_PER_SAMPLE} calls per sample" in t.method and "stream is capturing" in t.method
+    asked.clear()
+    F.time_op(op, name="x", device="cpu", reps=5, budget_s=10)
+    assert asked == [False]  # CPU: host time is the op's time
+
+
+def test_packed_kernel_calls_without_validation_need_the_launch_length(gen):
+    """validate=False skips the host read of cu_seqlens; the launch length must then be given."""
+    q, k, v = (torch.randn(73, 2, 64, generator=gen) for _ in range(3))
+    cu = torch.tensor([0, 23, 64, 73], dtype=torch.int32)
+    with pytest.raises(ValueError, match="parameter 'max_seqlen' = None is not allowed with validate=False"):
+        KA.attention(q, k, v, cu_seqlens=cu, validate=False)
+    out = KA.attention(q, k, v, cu_seqlens=cu, max_seqlen=41, validate=False)
+    ref = KA.reference_attention(q.double(), k.double(), v.double(), cu_seqlens=cu)
+    assert torch.allclose(out.double(), ref, atol=1e-4)
