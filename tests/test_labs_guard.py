@@ -222,3 +222,12 @@ def test_lab_opens_with_its_takeaway(lab):
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert f'board("{path.stem}")' in code[2].source, f"{path.name}: no takeaway board after the set-up cell"
     assert "takeaway.update(" in code[-1].source, f"{path.name}: the last cell does not fill the takeaway"
+
+
+def test_markdown_is_rendered_not_printed(lab):
+    """A study function that returns markdown (a closing note, a table) is displayed as Markdown:
+    printed, its headings and tables reach the notebook and the report as raw '###' and '|---|'."""
+    path, nb = lab
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and re.search(r"print\(\s*study\.\w*(note|markdown)\w*\(", cell.source):
+            raise AssertionError(f"{path.name} cell {i}: prints markdown; display it with IPython.display.Markdown")

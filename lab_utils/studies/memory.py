@@ -243,6 +243,8 @@ def pareto_plot(df: pd.DataFrame):
         title="AC policies: peak memory vs step time (dashed: Pareto front)",
         xlabel="step time (ms, median)",
         ylabel="peak above start (MB)",
+        legend_position="right",  # beside the axes: inside, it covered points and their labels
+        width=760,
     )
 
 
@@ -254,7 +256,12 @@ def class_bars(df: pd.DataFrame, dtype: str = "bfloat16"):
         long = g.melt(id_vars=["policy"], value_vars=list(mem.CLASSES), var_name="class", value_name="bytes")
         long["GB"] = long.bytes / GB
         frames[preset] = hv.Bars(long, ["policy", "class"], "GB").opts(
-            stacked=True, xrotation=45, title=f"{preset} · {dtype} · batch 1: bytes per class", tools=["hover"]
+            stacked=True,
+            xrotation=45,
+            title=f"{preset} · {dtype} · batch 1: bytes per class",
+            tools=["hover"],
+            legend_position="right",  # beside the axes: inside, it covered the tallest stacks
+            width=760,
         )
     return hv.HoloMap(frames, kdims=["preset"])
 
