@@ -380,3 +380,20 @@ def test_the_setup_lets_a_cuda_torch_bring_its_triton_and_the_readme_says_what_i
     assert "pip install -q triton==3.9.0" in (root / "Makefile").read_text()  # the CPU build brings none
     readme = (root / "README.md").read_text()
     assert "CUDA 13.0" in readme and "580" in readme, "the README must say which CUDA (driver) the GPU path needs"
+
+
+def test_a_baseline_says_which_commits_its_rows_come_from(tmp_path, monkeypatch, capsys):
+    """The stored CPU baseline's rows came from 3 commits, two of them dirty, and nothing said so."""
+    monkeypatch.setenv("PERFLAB_BASELINES", str(tmp_path / "baselines"))
+    clean = write_run(tmp_path / "clean", lab_rows("04_lowp"), {**CPU, "commit": "abc123"})
+    assert C.baseline_main(["refresh", "--report", str(clean)]) == 0
+    assert "WARNING" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "baselines" / "cpu" / "baseline.json").read_text())["commits"] == ["abc123"]
+    mixed = write_run(tmp_path / "mixed", lab_rows("04_lowp"), {**CPU, "commit": "abc123"})
+    df = load_records(mixed)
+    df.loc[df.index[:3], "commit"] = "def456-dirty"
+    df.to_parquet(mixed / "records.parquet", index=False)
+    assert C.baseline_main(["refresh", "--report", str(mixed)]) == 0
+    assert "rows come from abc123, def456-dirty" in capsys.readouterr().err
+    C.baseline_main(["show"])
+    assert "commit abc123, def456-dirty" in capsys.readouterr().out

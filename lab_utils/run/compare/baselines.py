@@ -92,6 +92,8 @@ def store_baseline(
         "stored": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "source": str(report),
         "command": command or "perflab baseline refresh",
+        # a baseline is one clean commit's numbers: several commits, or a dirty tree, are said here
+        "commits": sorted({str(c) for c in rows.get("commit", pd.Series(dtype=str)).dropna() if str(c)}),
     }
     (tmp / "baseline.json").write_text(json.dumps(meta, indent=1) + "\n")
     if dest.exists():
@@ -168,8 +170,8 @@ def baseline_main(argv: Sequence[str] | None = None) -> int:
                 m = json.loads(f.read_text())
                 print(
                     f"{k}: {m.get('rows')} rows from run {m.get('run_id')} (suite {m.get('suite')}, "
-                    f"{'timing-free' if m.get('timing_free') else 'full'}) on {m.get('device')}, stored "
-                    f"{m.get('stored')}"
+                    f"{'timing-free' if m.get('timing_free') else 'full'}) on {m.get('device')}, commit "
+                    f"{', '.join(m.get('commits') or ['?'])}, stored {m.get('stored')}"
                 )
             return EXIT_OK
         if a.cmd == "refresh":
@@ -192,6 +194,13 @@ def baseline_main(argv: Sequence[str] | None = None) -> int:
             )
             m = json.loads((dest / "baseline.json").read_text())
             print(f"perflab baseline: stored {m['rows']} rows of {m['run_id']} as {dest}")
+            commits = m.get("commits") or []
+            if len(commits) > 1 or any(c.endswith("-dirty") for c in commits):
+                print(
+                    f"perflab baseline: WARNING: its rows come from {', '.join(commits)}; a baseline should be one "
+                    f"clean commit's run (commit the change, then refresh)",
+                    file=sys.stderr,
+                )
             return EXIT_OK
         # check
         if a.report is None:
