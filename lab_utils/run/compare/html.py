@@ -222,7 +222,7 @@ def render_html(cmp) -> str:
             + num(r["gain"])
             + f"<td>{lo_hi}</td><td>{esc(r['noise'])}</td>"
             + f'<td style="color:{colour};font-weight:600">{esc(r["verdict"])}'
-            + (" ⚑" if r["regression"] or r.get("missing") is True else "")
+            + (" ⚑" if r["regression"] or bool(r.get("missing", False)) else "")
             + f"</td><td>{esc(r['note'])}</td></tr>"
         )
     dir_rows = "".join(
