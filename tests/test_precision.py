@@ -173,13 +173,44 @@ def test_convergence_runner_on_mlp():
     assert again.curves.loss.tolist() == first
 
 
+def scripted_task(losses: dict[str, list[float]]) -> P.TrainTask:
+    """The MLP task whose loss at each step is scripted per recipe (keyed by the recipe of its
+    first converted layer, "bf16" when none is), so when a run diverges is known in advance."""
+    real = P.mlp_task(dim=8, hidden=16, batch_size=4)
+
+    def loss(model, step, seed):
+        q = next((m.recipe.name for m in model.modules() if isinstance(m, P.QuantLinear)), "bf16")
+        zero = sum(p.sum() for p in model.parameters()) * 0.0  # a graph to run backward through
+        return zero + torch.full((4,), losses[q][step]), torch.full((4,), 0.5)
+
+    return P.TrainTask("scripted", real.make_model, loss)
+
+
 def test_divergence_detected():
-    task = P.mlp_task(dim=16, hidden=32, batch_size=16)
-    res = P.run_convergence(task, ["fp8_tensor"], steps=12, seeds=(0,), lr=50.0, diverge_factor=2.0)
-    assert len(res.divergences) >= 1
+    """A run diverges on a non-finite loss, or from step 5 on a loss above diverge_factor x its
+    first; it is stopped there and its recipe has no gap.  The baseline beside it does not."""
+    steady = [1.0] * 10
+    task = scripted_task(
+        {
+            "bf16": steady,
+            # 5x the first loss at step 4 is before the rule applies; exactly 2x at step 5 is not above
+            "fp8_tensor": [1.0, 1.0, 1.0, 1.0, 5.0, 2.0, 2.0 * (1 + 1e-6), 1.0, 1.0, 1.0],
+            "mxfp4_fwd": [1.0, 1.0, float("nan")] + [1.0] * 7,
+        }
+    )
+    res = P.run_convergence(task, ["fp8_tensor", "mxfp4_fwd"], steps=10, seeds=(0,), diverge_factor=2.0)
+    d = res.divergences.set_index("recipe")
+    assert set(d.index) == {"fp8_tensor", "mxfp4_fwd"}  # never the steady baseline
+    assert d.loc["fp8_tensor", "step"] == 6 and "> 2.0 x first 1" in d.loc["fp8_tensor", "reason"]
+    assert d.loc["mxfp4_fwd", "step"] == 2 and d.loc["mxfp4_fwd", "reason"] == "non-finite loss"
     g = res.gaps.set_index("recipe")
-    assert g.loc["fp8_tensor", "diverged"] or "bf16" in set(res.divergences.recipe)
-    assert math.isnan(g.loc["fp8_tensor", "gap"]) or "bf16" in set(res.divergences.recipe)
+    assert g.loc["fp8_tensor", "diverged"] and math.isnan(g.loc["fp8_tensor", "gap"])
+    assert g.loc["mxfp4_fwd", "diverged"] and g.loc["mxfp4_fwd", "n_seeds"] == 0
+    assert res.curves[res.curves.recipe == "fp8_tensor"].step.max() == 6  # stopped at the divergence
+    assert res.curves[res.curves.recipe == "bf16"].step.max() == 9
+    # stopped before step 6: no divergence; the gap is the last window's loss (step 5: 2.0) minus the baseline's
+    calm = P.run_convergence(task, ["fp8_tensor"], steps=6, seeds=(0,), diverge_factor=2.0)
+    assert calm.divergences.empty and calm.gaps.set_index("recipe").loc["fp8_tensor", "gap"] == 1.0
 
 
 def test_hadamard_that_cannot_apply_is_refused(gen):
