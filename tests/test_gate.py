@@ -144,6 +144,7 @@ def test_rows_missing_from_the_candidate_fail_the_gate(tmp_path):
     cmp = C.compare(base, write_run(tmp_path / "cand", rows))
     assert cmp.exit_code == C.EXIT_REGRESSION and not len(cmp.regressions)
     assert len(cmp.missing) == 1 and "1 row(s) of the base missing from the candidate (in 04_lowp)" in cmp.result_line()
+    assert cmp.to_html().count(" ⚑") == 1  # the missing row is marked as failing the gate
     assert C.compare(base, write_run(tmp_path / "c2", rows), gate="none").exit_code == C.EXIT_OK
     # rows only in the candidate are new, not a failure
     extra = rows + lab_rows("04_lowp", seed=2)[-1:] + [value("04_lowp", "new", "max_abs_err", 1e-3)]
