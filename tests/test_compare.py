@@ -562,15 +562,25 @@ def test_a_run_with_many_unstable_timings_is_not_comparable(tmp_path, capsys):
         C.Options(max_unstable_share=1.5)
 
 
-def test_old_records_and_the_stored_baseline_still_read():
+def test_old_records_and_the_stored_baseline_still_read(tmp_path):
     """Records written before rows carried a verdict load, and their timings are judged from samples."""
     from lab_utils.records import load_records
 
     root = Path(__file__).resolve().parents[1] / "parameterized" / "baselines" / "cpu"
     side = C.load_side(root, "baseline")
     assert len(side.rows) and "stable" in side.rows.columns
-    old = load_records(root)
+    rows = timing_rows("01_norms", "fwd", "triton", 2.0, rng=np.random.default_rng(4))
+    old_dir = tmp_path / "old"
+    write_report(old_dir, rows, CPU)
+    recs = [
+        {k: v for k, v in r.items() if k not in ("stable", "stability")}
+        for r in json.loads((old_dir / "records.json").read_text())
+    ]
+    (old_dir / "records.json").write_text(json.dumps(recs))  # the schema before the verdict
+    old = load_records(old_dir)
     assert "stable" in old.columns and old["stable"].isna().all()
+    judged = C.load_side(old_dir, "old").rows
+    assert judged.loc[judged["statistic"] == "median", "stable"].notna().all()
 
 
 def test_errors_of_timing_models_follow_the_timings():
