@@ -28,7 +28,10 @@ Sections (each guarded: one that raises is recorded as failed and the others sti
 
 Budget (``--budget-s``): each section gets its share (``SHARES``; time a section leaves unspent
 carries over to the next) and is checked between items: an item that starts in time runs to its
-end, later ones are skipped and listed as such in the summary.  Progress lines carry the time
+end, later ones are skipped and listed as such in the summary.  Each section runs every
+correctness check first, outside the budget: only timings are skipped when time runs out.  The
+fallback ceilings (``--sections`` without ``ceilings``) are measured before any section's clock
+starts.  The plan section measures no compile lever and stops between two measurements.  Progress lines carry the time
 since the start.
 
 Method: every timing goes through ``lab_utils.timing`` (first call, i.e. compilation and
@@ -42,7 +45,9 @@ target is reported as MISSED and does not change the exit code.
 Output (``--out``, default ``benchmarks/results/gpu_check-<kind>-<date>``): ``records.json``
 (+ ``records.parquet`` when pyarrow is present) in the layout of a ``perflab run`` report
 (context columns on every row), ``context.json``, ``status.json`` (one entry per section),
-``summary.txt`` and ``artifacts/`` (profiler traces: not for committing).  ``perflab compare``
+``summary.txt``, all rewritten after every section (a run stopped at a time limit keeps what it
+measured; exit code 130 on SIGTERM / Ctrl-C).  Profiler traces (several MB) are analysed and
+deleted unless ``--traces DIR`` keeps them there: the result folder stays small.  ``perflab compare``
 and ``perflab baseline refresh --report DIR`` read the folder; its device kind is
 ``cuda-<model>``, e.g. ``cuda-nvidia-h200`` (the baselines folder's name).
 """
@@ -56,8 +61,10 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -229,6 +236,7 @@ class Run:
     out: Path
     t0: float
     budget_s: float
+    traces: Path | None = None  # where profiler traces are kept (None: analysed, then deleted)
     ceilings: Ceilings | None = None
     failures: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
@@ -990,7 +998,10 @@ def _profile_steps(s: Section, step: SyntheticStep, variant: str) -> str:
     """One warm-up and ``train_active`` profiled steps; phases, step time and peak memory from the trace."""
     dev, p = s.dev, s.plan
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    trace = s.run.out / "artifacts" / f"train-{variant}.trace.json"
+    # traces can exceed a few MB: kept only where --traces asks, never in the result folder by default
+    keep = s.run.traces is not None
+    folder = s.run.traces if keep else Path(tempfile.mkdtemp(prefix="gpu_check-trace-"))
+    trace = folder / f"train-{variant}.trace.json"
     trace.parent.mkdir(parents=True, exist_ok=True)
     with profile(
         activities=acts,
@@ -1029,7 +1040,15 @@ def _profile_steps(s: Section, step: SyntheticStep, variant: str) -> str:
             statistic="max",
             source="profiler [memory] events",
         )
-    s.rec.add("artifacts", variant, "trace_file", trace.stat().st_size, "bytes", statistic="file", path=str(trace))
+    size = trace.stat().st_size
+    if keep:
+        s.rec.add("artifacts", variant, "trace_file", size, "bytes", statistic="file", path=str(trace))
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+        s.rec.add(
+            "artifacts", variant, "trace_file", size, "bytes", statistic="deleted", path="",
+            note="analysed, then deleted: pass --traces DIR to keep the profiler traces",
+        )  # fmt: skip
     return "phases " + ", ".join(f"{k} {v:.4g} ms" for k, v in med.items())
 
 
@@ -1358,7 +1377,8 @@ def run_check(args) -> int:
     kind = baseline_kind({"device_kind": info.kind, "device": info.name})
     out = Path(args.out) if args.out else default_out(kind)
     run_id = f"{LAB}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    run = Run(dev=dev, plan=plan, seed=seed, out=out, t0=time.perf_counter(), budget_s=budget)
+    traces = Path(args.traces) if args.traces else None
+    run = Run(dev=dev, plan=plan, seed=seed, out=out, t0=time.perf_counter(), budget_s=budget, traces=traces)
     budgets = plan_budgets(args.sections, budget)
     print(
         f"gpu_check {run_id}: {info.name} ({kind}), torch {info.torch_version}, triton {info.triton_version}, "
@@ -1488,6 +1508,11 @@ def parse_args(argv: list[str]):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="auto", help="auto (CUDA when present), cuda or cpu")
     ap.add_argument("--out", default=None, help="output folder (default benchmarks/results/gpu_check-<kind>-<date>)")
+    ap.add_argument(
+        "--traces",
+        default=None,
+        help="keep the profiler traces (several MB each) in this folder; by default they are analysed and deleted",
+    )
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
     ap.add_argument(
         "--budget-s",

@@ -105,6 +105,21 @@ def check_varlen(q, cu_seqlens, max_seqlen) -> int | None:
     return check_max_seqlen(cu_seqlens, max_seqlen)
 
 
+def varlen_launch(q, cu_seqlens, max_seqlen, validate: bool) -> int | None:
+    """The validated launch length, or (``validate=False``: checked before, by the caller) the
+    caller's ``max_seqlen``, checked without reading anything back from the device."""
+    if validate:
+        return check_varlen(q, cu_seqlens, max_seqlen)
+    if cu_seqlens is None:
+        return check_max_seqlen(None, max_seqlen)
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
+        raise ValueError(
+            f"parameter 'max_seqlen' = {max_seqlen!r} is not allowed with validate=False: expected the longest "
+            "packed sequence's length (an int >= 1), checked beforehand (check_varlen)"
+        )
+    return max_seqlen
+
+
 def triton_check(*, device=None, dtype=None, head_dim=None, mask=None, causal=None, layout=None, lq=None, lk=None, **_):
     """Capability check for the registry: why the Triton kernel cannot run a problem."""
     if head_dim is not None and head_dim not in HEAD_DIMS:

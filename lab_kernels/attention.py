@@ -51,6 +51,7 @@ from ._attention_inputs import (
     same_strides,
     strides,
     triton_check,
+    varlen_launch,
 )
 from ._attention_inputs import (
     check_max_seqlen as check_max_seqlen,
@@ -365,7 +366,7 @@ def attention_forward(
     ``validate=False``: see :func:`attention`."""
     varlen = cu_seqlens is not None
     check_qkv(q, k, v, cu_seqlens)
-    max_seqlen = _varlen_launch(q, cu_seqlens, max_seqlen, validate)
+    max_seqlen = varlen_launch(q, cu_seqlens, max_seqlen, validate)
     if varlen:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     q, k, v = same_strides(q, k, v)
@@ -421,7 +422,7 @@ def attention_backward(
     :func:`attention`."""
     varlen = cu_seqlens is not None
     check_qkv(q, k, v, cu_seqlens)
-    max_seqlen = _varlen_launch(q, cu_seqlens, max_seqlen, validate)
+    max_seqlen = varlen_launch(q, cu_seqlens, max_seqlen, validate)
     if varlen:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     q, k, v = same_strides(q, k, v)
@@ -537,22 +538,8 @@ def attention(
     reads nothing back from the device (checking ``cu_seqlens`` copies it to the host, a
     synchronisation a timed loop must not contain).  ``max_seqlen`` must then be given."""
     check_qkv(q, k, v, cu_seqlens)
-    max_seqlen = _varlen_launch(q, cu_seqlens, max_seqlen, validate)
+    max_seqlen = varlen_launch(q, cu_seqlens, max_seqlen, validate)
     return AttentionFunction.apply(q, k, v, bool(causal), scale, cu_seqlens, max_seqlen, bool(validate))
-
-
-def _varlen_launch(q, cu_seqlens, max_seqlen, validate: bool) -> int | None:
-    """The validated launch length, or (``validate=False``) the caller's, checked without a device read."""
-    if validate:
-        return check_varlen(q, cu_seqlens, max_seqlen)
-    if cu_seqlens is None:
-        return check_max_seqlen(None, max_seqlen)
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
-        raise ValueError(
-            f"parameter 'max_seqlen' = {max_seqlen!r} is not allowed with validate=False: expected the longest "
-            "packed sequence's length (an int >= 1), checked beforehand (check_varlen)"
-        )
-    return max_seqlen
 
 
 def eager_attention(

@@ -613,3 +613,15 @@ def test_packed_kernel_calls_without_validation_need_the_launch_length(gen):
     out = KA.attention(q, k, v, cu_seqlens=cu, max_seqlen=41, validate=False)
     ref = KA.reference_attention(q.double(), k.double(), v.double(), cu_seqlens=cu)
     assert torch.allclose(out.double(), ref, atol=1e-4)
+
+
+def test_profiler_traces_stay_out_of_the_result_folder_unless_asked(gc, tmp_path):
+    """Traces (several MB on a GPU) went to the result folder's artifacts/: the folder brought back
+    from a lent machine must stay small.  They are analysed and deleted unless --traces keeps them."""
+    rc = gc.main(["--device", "cpu", "--sections", "train", "--out", str(tmp_path / "r")])
+    assert rc == gc.EXIT_OK
+    assert not list((tmp_path / "r").rglob("*.trace.json"))
+    art = load_records(tmp_path / "r").query("experiment == 'artifacts'")
+    assert len(art) == 1 and art["statistic"].iloc[0] == "deleted" and art["value"].iloc[0] > 0
+    assert "--traces" in json.loads(art["extra"].iloc[0])["note"]
+    assert gc.parse_args(["--traces", str(tmp_path / "t")]).traces == str(tmp_path / "t")
