@@ -19,31 +19,84 @@ TE = "telemetry"
 P = "plan"
 FU = "fused"
 
+
+def _kernel(op: str) -> list[str]:
+    """The shared kernel tests of one op: Triton against float64 in float32 (forward and every
+    gradient, poisoned outputs, irregular shape), and at the large irregular shape."""
+    return [
+        f"tests/test_fused_ops.py::test_triton_matches_float64[{op}-torch.float32]",
+        f"tests/test_fused_ops.py::test_triton_large_irregular[{op}]",
+    ]
+
+
+DF = "tests/test_derived_figures.py"
 TESTS = {
-    # kernels: each op's own test file (forward, every gradient, poisoned outputs, irregular shapes)
-    "lab_kernels/rms_norm.py": ["tests/test_rms_norm.py"],
-    "lab_kernels/swiglu.py": ["tests/test_swiglu.py"],
-    "lab_kernels/gelu_tanh.py": ["tests/test_gelu_tanh.py"],
-    "lab_kernels/gated_residual.py": ["tests/test_gated_residual.py"],
-    "lab_kernels/layer_norm_modulate.py": ["tests/test_layer_norm_modulate.py"],
-    "lab_kernels/rope.py": ["tests/test_rope.py"],
-    "lab_kernels/qk_norm_rope.py": ["tests/test_qk_norm_rope.py"],
-    "lab_kernels/_common.py": ["tests/test_fused_ops.py"],
-    "lab_utils/flops.py": ["tests/test_flops.py", "tests/test_derived_figures.py"],
-    "lab_utils/fused.py": ["tests/test_fused.py", "tests/test_derived_figures.py"],
-    "lab_utils/fused_blocks.py": ["tests/test_derived_figures.py"],
+    "lab_kernels/rms_norm.py": _kernel("rms_norm"),
+    "lab_kernels/swiglu.py": _kernel("swiglu"),
+    "lab_kernels/gelu_tanh.py": _kernel("gelu_tanh"),
+    "lab_kernels/gated_residual.py": _kernel("gated_residual"),
+    "lab_kernels/layer_norm_modulate.py": _kernel("layer_norm_modulate"),
+    "lab_kernels/rope.py": _kernel("rope"),
+    "lab_kernels/qk_norm_rope.py": _kernel("qk_norm_rope"),
+    "lab_utils/flops.py": ["tests/test_flops.py", "tests/test_flops_intensity.py", DF],
+    "lab_utils/fused.py": [
+        f"{DF}::test_sweep_speedup_reads_eager_over_variant",
+        "tests/test_fused.py::test_bytes_formulas_by_hand",
+    ],
+    "lab_utils/fused_blocks.py": [f"{DF}::test_block_speedup_reads_eager_over_provider"],
     "lab_utils/memory/budget.py": ["tests/test_memory_budget.py"],
-    "lab_utils/memory/saved.py": ["tests/test_memory_budget.py"],
-    "lab_utils/run/compare/rules.py": ["tests/test_compare.py"],
-    "lab_utils/run/compare/stats.py": ["tests/test_compare.py"],
-    "lab_utils/run/compare/comparison.py": ["tests/test_compare.py"],
-    "lab_utils/timing.py": ["tests/test_timing.py"],
-    "lab_utils/distributed/projection.py": ["tests/test_distributed_model.py"],
-    "lab_utils/distributed/comm.py": ["tests/test_distributed_model.py"],
-    "lab_utils/distributed/context_parallel.py": ["tests/test_distributed.py"],
-    "lab_utils/distributed/parallel.py": ["tests/test_distributed.py"],
-    "lab_utils/telemetry.py": ["tests/test_stability.py"],
-    "lab_utils/plan.py": ["tests/test_plan.py"],
+    "lab_utils/memory/saved.py": [
+        "tests/test_memory_budget.py",
+        "tests/test_memory.py::test_formula_extrapolates_on_meta",
+        "tests/test_memory.py::test_formula_equals_hooks_every_policy[tiny-float32]",
+    ],
+    "lab_utils/run/compare/rules.py": ["tests/test_compare_rules.py", "tests/test_compare.py"],
+    "lab_utils/run/compare/stats.py": ["tests/test_compare_rules.py", "tests/test_compare.py"],
+    "lab_utils/run/compare/comparison.py": ["tests/test_compare_rules.py", "tests/test_compare.py"],
+    "lab_utils/timing.py": ["tests/test_timing_rules.py", "tests/test_timing_statistics.py", "tests/test_timing.py"],
+    "lab_utils/distributed/projection.py": [
+        "tests/test_distributed_model.py::test_comm_plan_bytes_of_ddp_and_fsdp",
+        "tests/test_distributed_model.py::test_projection_is_labelled_and_picks_a_configuration_that_fits",
+    ],
+    "lab_utils/distributed/comm.py": [
+        "tests/test_distributed_model.py::test_overlap_splits_compute_exposed_and_idle",
+        "tests/test_distributed_model.py::test_alpha_beta_fit_recovers_a_line_and_predicts",
+    ],
+    # one spawn of every world-2 strategy (about 30 s) serves all three
+    "lab_utils/distributed/context_parallel.py": [
+        "tests/test_distributed.py::test_context_parallel_attention_matches_one_process_attention",
+        "tests/test_distributed.py::test_strategy_reproduces_single_process",
+    ],
+    "lab_utils/distributed/parallel.py": [
+        "tests/test_distributed.py::test_fsdp_bf16_compute_reduces_gradients_in_fp32",
+        "tests/test_distributed.py::test_strategy_reproduces_single_process",
+    ],
+    "lab_utils/telemetry.py": [
+        f"tests/test_stability.py::{t}"
+        for t in (
+            "test_telemetry_rows_and_logit_max_against_a_direct_computation",
+            "test_qk_norm_off_leaves_the_norm_weights_without_gradient",
+            "test_bad_telemetry_parameters_name_the_parameter",
+            "test_numerics_diff_finds_where_two_runs_part",
+            "test_numdiff_command_reads_two_reports_records",
+            "test_nan_locator_names_the_injected_block",
+            "test_nan_locator_is_quiet_on_a_finite_step_and_leaves_no_hooks",
+            "test_nan_locator_names_a_module_whose_weight_gradient_alone_is_inf",
+            "test_training_skips_and_locates_a_nonfinite_step",
+        )
+    ],
+    "lab_utils/plan.py": [
+        f"tests/test_plan.py::{t}"
+        for t in (
+            "test_compose_is_exact_on_known_phases_and_speedups",
+            "test_interval_adds_relative_spreads_in_quadrature",
+            "test_plan_and_verify_on_a_synthetic_machine_predicts_exactly",
+            "test_verification_refuses_a_run_with_other_seams",
+            "test_unavailable_levers_are_excluded_with_a_reason_and_the_plan_goes_on",
+            "test_judge_names_levers_that_interact_where_the_error_is",
+            "test_merge_profiles",
+        )
+    ],
 }
 
 

@@ -16,8 +16,8 @@ thousands of trivial mutants would take hours here.
   matches) is an error, reported, never skipped silently.
 * Each source file maps to the few tests that exercise it (``TESTS`` in the table).  Each
   package's test sets run first unmutated (a failing baseline aborts that package); then each
-  mutant is applied to the copy, its tests run (``-x -q``, fixed ``PERFLAB_SEED``, no bytecode
-  written, so an equal-length edit is never hidden by a stale ``.pyc``) with a timeout of
+  mutant is applied to the copy, its tests run (``-x -q``, no plugin autoload, fixed
+  ``PERFLAB_SEED``, no bytecode written, so an equal-length edit is never hidden by a stale ``.pyc``) with a timeout of
   ``max(--min-timeout, --timeout-factor x baseline)``, and the file is restored.
 * A failing test run kills the mutant; a timeout counts as killed and is reported apart; a
   run that collects no test or fails to start pytest is an error.
@@ -52,7 +52,9 @@ from tqdm.auto import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "benchmarks" / "mutants.py"
 OUT = ROOT / "benchmarks" / "results" / "mutation.json"
-PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider")
+#: no plugin autoload and no addopts: the notebook and browser plugins cost seconds of CPU per run
+#: (a third of a small test set's time), and no mapped test uses them
+PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=")
 STATUSES = ("killed", "timeout", "survived", "error", "stale", "skipped")
 
 
@@ -172,6 +174,7 @@ def env_for(copy: Path, seed: int) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(copy), *filter(None, [os.environ.get("PYTHONPATH")])])
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # an equal-length mutant must not be hidden by a stale .pyc
     env["PERFLAB_SEED"] = str(seed)  # the same random inputs for the baseline and every mutant
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     return env
 
 
@@ -224,8 +227,10 @@ def run_tests(copy: Path, tests: list[str], timeout: float, python: str, seed: i
     lines = [ln for ln in text.splitlines() if ln.strip()]
     detail = next((ln for ln in lines if ln.startswith(("FAILED", "ERROR"))), lines[-1] if lines else "")
     # pytest: 0 passed, 1 a test failed, 2 collection/import errors (the mutant broke an import:
-    # a kill), 3 internal error, 4 usage error, 5 no test collected (a wrong mapping)
-    status = {0: "passed", 1: "failed", 2: "failed"}.get(proc.returncode, "error")
+    # a kill), 3 internal error, 4 usage error, 5 no test collected (a wrong mapping); a signal
+    # (negative: a crash, e.g. an out-of-bounds access in the interpreter) is a kill too
+    rc = proc.returncode
+    status = "failed" if rc in (1, 2) or rc < 0 else {0: "passed"}.get(rc, "error")
     return status, secs, detail[:300] if status != "error" else f"pytest exit {proc.returncode}: {text[-600:]}"
 
 
@@ -287,6 +292,8 @@ def run(
             for key in dict.fromkeys(tuple(tests_for(m, tests)) for m in live):
                 status, secs, det = run_tests(copies[0], list(key), 1800.0, python, seed)
                 base_secs[key], total = secs, total + secs
+                if progress:
+                    print(f"baseline {pkg}: {status} in {secs:.0f} s ({' '.join(key)[:100]})", file=sys.stderr)
                 if status != "passed":
                     ok, detail = False, f"{' '.join(key)}: {status}: {det}"
                     break
@@ -359,7 +366,7 @@ def to_json(run_: Run, copied: str, command: str, goal: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--package", action="append", help="only this package (repeatable)")
-    ap.add_argument("--mutant", action="append", help="only the mutant with this id (repeatable)")
+    ap.add_argument("--mutant", action="append", help="and the mutant with this id (repeatable)")
     ap.add_argument("--list", action="store_true", help="list the mutants and their tests, run nothing")
     ap.add_argument("--jobs", type=int, default=1, help="mutants run at once, each in its own copy (default 1)")
     ap.add_argument("--source", default="HEAD", help="a commit to copy (default HEAD), or 'tree': the working tree")
@@ -370,13 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--goal", type=float, default=0.9, help="the kill rate each package must reach")
     a = ap.parse_args(argv)
     mutants, tests = load_table(a.table)
-    if a.package:
-        unknown = set(a.package) - {m.package for m in mutants}
-        if unknown:
-            ap.error(f"unknown package(s): {', '.join(sorted(unknown))}")
-        mutants = [m for m in mutants if m.package in a.package]
-    if a.mutant:
-        mutants = [m for m in mutants if m.id in a.mutant]
+    unknown = set(a.package or ()) - {m.package for m in mutants} | set(a.mutant or ()) - {m.id for m in mutants}
+    if unknown:
+        ap.error(f"unknown package(s) or mutant(s): {', '.join(sorted(unknown))}")
+    if a.package or a.mutant:  # the union of what was asked
+        mutants = [m for m in mutants if m.package in (a.package or ()) or m.id in (a.mutant or ())]
     if a.list:
         for m in mutants:
             mark = f" [{m.named}]" if m.named else ""

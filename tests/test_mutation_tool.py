@@ -62,9 +62,8 @@ def fake(tmp_path):
     return root, tmp_path / "table.py"
 
 
-def test_mutants_are_classified_and_the_tree_is_untouched(fake, monkeypatch):
+def test_mutants_are_classified_and_the_tree_is_untouched(fake):
     root, table = fake
-    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")  # a bare pytest starts in a fraction of a second
     mutants, tests = mutation.load_table(table)
     run, copied = mutation.run(
         mutants,

@@ -1,0 +1,36 @@
+"""A timing's statistics read from its samples by their definitions (numpy's quantiles, written
+out here), and the CPU sample sized to last at least ``min_sample_ms``: the figures every
+table, compare row and roofline point of the lab is built from."""
+
+import numpy as np
+import pytest
+
+from lab_utils.timing import Timing, bench, judge_samples
+
+# ten samples whose quantiles are easy to write by hand (numpy's linear interpolation:
+# the q-quantile of 1..10 is 1 + 9q)
+TEN = tuple(float(i) for i in range(1, 11))
+
+
+def test_quantiles_of_a_hand_made_timing():
+    t = Timing("t", "cpu", "hand", TEN[::-1], 0.0)  # the order taken does not matter
+    assert t.median_ms == 5.5
+    assert t.p20_ms == pytest.approx(2.8) and t.p80_ms == pytest.approx(8.2)
+    assert t.min_ms == 1.0 and t.mean_ms == 5.5
+    assert t.spread == pytest.approx((8.2 - 2.8) / 5.5)
+    assert np.quantile(TEN, 0.2) == pytest.approx(2.8)  # the definition used above
+
+
+def test_the_verdict_reports_p80_over_p20():
+    v = judge_samples(TEN)
+    assert v.spread == pytest.approx(8.2 / 2.8)
+    assert not v.stable and "dispersion p80/p20 = 2.93 > 1.2" in v.reason
+
+
+def test_a_short_call_is_repeated_within_each_sample():
+    """A call of microseconds is timed in blocks of ceil(min_sample_ms / one call) calls, so a
+    sample lasts about a millisecond and the timer's resolution does not dominate it."""
+    t = bench(lambda: None, device="cpu", reps=3, warmup_ms=0, check_finite=False, retries=0, min_sample_ms=1.0)
+    number = t.meta["number_per_sample"]
+    assert number > 10
+    assert t.median_ms < 0.1  # per call, not per block of calls
