@@ -57,6 +57,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from .config import ConfigError
 from .model import build_model
 from .model.train import PHASES, Trainer, artifacts_dir, rf_loss, synthetic_batch
+from .noise import quiet_stderr_fd
 from .timing import Stability, judge_samples
 from .traces import CATEGORIES, IDLE, TraceAnalysis, analyse_trace, categorize
 
@@ -468,13 +469,16 @@ def profile_training(
         torch.cuda.reset_peak_memory_stats(trainer.device)
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     try:
-        with profile(
-            activities=acts,
-            schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-            profile_memory=memory,
-            record_shapes=False,
-            on_trace_ready=on_ready,
-        ) as prof:
+        with (
+            quiet_stderr_fd(),  # kineto's profiler_start/stop markers, on every profiled region
+            profile(
+                activities=acts,
+                schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+                profile_memory=memory,
+                record_shapes=False,
+                on_trace_ready=on_ready,
+            ) as prof,
+        ):
             for _ in range(wait + warmup + active):
                 trainer.step()
                 prof.step()

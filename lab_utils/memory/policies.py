@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from ..dtypes import dtype_name, parse_dtype
 from ..model import MMDiTConfig, build_model
 from ..model.train import rf_loss
+from ..noise import quiet_stderr_fd
 from ..timing import try_bench
 from .saved import FORMULA_POLICIES, StepShape, batch_for, measure_saved, saved_bytes_formula
 
@@ -77,7 +78,10 @@ def step_peak(model: nn.Module, batch, seed: int = 0) -> int:
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
     else:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        with (
+            quiet_stderr_fd(),  # kineto's profiler_start/stop markers
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof,
+        ):
             rf_loss(model, batch, gen).backward()
         events = sorted(
             (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..model.train import rf_loss
+from ..noise import quiet_stderr_fd
 from .saved import SavedReport, SavedTensor
 
 # --------------------------------------------------------------------------------------
@@ -38,9 +39,12 @@ def profiled_timeline(fn, path: str | Path) -> pd.DataFrame:
     """Run ``fn()`` under the profiler's memory events (``profile_memory=True``), categorized by
     torch's memory profile; the full timeline is written to ``path`` (JSON) and returned as a
     frame: time (ms from the first event) and live bytes per category."""
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
+    with (
+        quiet_stderr_fd(),  # kineto's profiler_start/stop markers
+        torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+        ) as prof,
+    ):
         fn()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,8 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+from ..noise import split_noise
+
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
 
 
@@ -71,6 +73,27 @@ def strip_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
         cell.metadata.pop("papermill", None)
         cell.metadata.pop("execution", None)
     return nb
+
+
+def strip_noise(nb: nbformat.NotebookNode) -> list[str]:
+    """Remove known library log lines (:data:`lab_utils.noise.STREAM_NOISE`) from the stderr
+    outputs of an executed notebook, in place; returns them, "[cell N] line", for a log file.
+    A stderr output left empty is dropped; every other line stays where it was."""
+    removed = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or not cell.get("outputs"):
+            continue
+        kept_outputs = []
+        for out in cell.outputs:
+            if out.get("output_type") == "stream" and out.get("name") == "stderr":
+                text, dropped = split_noise(out.get("text", ""))
+                removed += [f"[cell {i}] {d}" for d in dropped]
+                if not text:
+                    continue
+                out["text"] = text
+            kept_outputs.append(out)
+        cell.outputs = kept_outputs
+    return removed
 
 
 def execute(nb: nbformat.NotebookNode, cwd: str | Path, timeout: int = 1200) -> nbformat.NotebookNode:

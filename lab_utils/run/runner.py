@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from ..config import ConfigError
 from ..cpu_threads import THREADS_ENV, choose_cpu_threads
 from . import report
+from .nbtools import strip_noise
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: lab_utils/run/runner.py -> ../../..
 
@@ -386,6 +387,16 @@ def run_suite(
 RUN_ENV = ("PERFLAB_RECORDS_DIR", "PERFLAB_ARTIFACTS_DIR", "PERFLAB_RUN_ID", "TQDM_DISABLE", THREADS_ENV)
 
 
+def _move_noise(nb_path: Path, log: Path) -> None:
+    """Known library log lines leave the executed notebook (and so its report page) for ``log``."""
+    nb = nbformat.read(nb_path, as_version=4)
+    removed = strip_noise(nb)
+    if removed:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("\n".join(removed) + "\n", encoding="utf-8")
+        nbformat.write(nb, nb_path)
+
+
 def _run_one(p: Planned, tmp: Path, final: Path, timeout_s: int) -> NotebookStatus:
     """Execute one notebook into ``tmp`` and export its HTML, paths already pointing into ``final``."""
     stem = p.entry.stem
@@ -422,6 +433,7 @@ def _run_one(p: Planned, tmp: Path, final: Path, timeout_s: int) -> NotebookStat
     st.seconds = time.perf_counter() - t0
     if out_nb.exists():
         st.ipynb = f"notebooks/{stem}.ipynb"
+        _move_noise(out_nb, tmp / "logs" / f"{stem}.noise.txt")
         report.relocate_file(out_nb, tmp, final)
         try:
             report.export_html(out_nb, tmp / "html" / f"{stem}.html", title=stem)
