@@ -136,6 +136,10 @@ def test_cpu_run_records(cpu_run):
     assert len(med) == 14 and all(len(s) >= 3 for s in med["samples"])
     pct = df[(df["metric"] == "pct_of_copy_ceiling") & (df["variant"] == "eager")]
     assert len(pct) == 14 and pct["value"].map(math.isfinite).all()
+    # how each time was taken (on CPU: host time, one call per timeit block; on CUDA: graph replay)
+    assert {json.loads(e)["method"] for e in pct["extra"]} == {"torch.utils.benchmark"}
+    # profiler traces stay out of the result folder by default
+    assert not list(out.rglob("*.trace.json"))
     # fp8: _scaled_mm (CPU) and the Triton GEMM checked against float64 of the dequantized operands
     f8 = df[df["experiment"] == "fp8_check"]
     assert set(f8["variant"]) == {"scaled_mm/tensor", "scaled_mm/row", "triton/tensor", "triton/row"}
