@@ -19,24 +19,36 @@ Design note
   equals the measurement exactly for ``tiny`` and ``small`` under every policy that
   ``torch.utils.checkpoint`` or ``save_on_cpu`` implements (``compile_budget`` is the
   partitioner's choice and is measured only).
-* **FSDP** shards parameters, gradients and optimizer state over N ranks (each flat
-  parameter padded to a multiple of N rows, as ``fully_shard`` does on dim 0);
-  activations are not sharded.  :func:`fsdp_rank_state` is checked against real
+* **FSDP** shards parameters, gradients and optimizer state over N ranks on dim 0 as
+  ``torch.chunk`` splits it (``ceil(rows / N)``-row chunks; the last ranks may hold fewer
+  rows, or none).  ``fully_shard`` allocates every rank's parameter and gradient shard
+  padded to ``ceil(rows / N)`` rows; AdamW's moments (and fp32 master weights) are made
+  like the unpadded local shard.  Activations are not sharded.  :func:`fsdp_rank_state`
+  projects the allocated bytes and is checked per rank and per parameter against real
   ``fully_shard`` runs on gloo (``python -m lab_utils.memory fsdp``).
+* **What fits** is predicted from state + saved activations + a transient model, and on
+  CUDA confirmed by bisecting a real step that holds the state the prediction counts
+  (:class:`MasterAdamW`: fp32 master weights and moments beside bf16 weights).
 
-Modules: ``saved`` (hooks, formula) <- ``budget`` (state, peak, FSDP projection, what fits)
-<- ``fsdp`` (gloo runs); ``policies`` (AC policies on one step); ``timeline``.
+Modules: ``saved`` (hooks, formula) <- ``master`` (AdamW with fp32 masters) <- ``budget``
+(state, peak, FSDP projection, what fits) <- ``fsdp`` (gloo runs); ``policies`` (AC policies
+on one step); ``timeline``.
 """
 
 from __future__ import annotations
 
 from .budget import (
     CLASSES,
+    FitEdge,
     bisect_fit,
     block_of,
     default_device_bytes,
+    fit_state,
+    fsdp_rank_params,
     fsdp_rank_state,
+    fsdp_shard_rows,
     gpus_needed,
+    meta_model,
     predicted_peak,
     state_bytes,
     state_totals,
@@ -44,8 +56,11 @@ from .budget import (
     what_fits,
 )
 from .fsdp import (
+    FSDP_FIGURES,
+    fsdp_mismatches,
     run_fsdp,
 )
+from .master import MasterAdamW
 from .policies import (
     GRAD_TOL,
     PolicyResult,
@@ -98,9 +113,12 @@ __all__ = [
     "CreatorMode",
     "EMBED_REGIONS",
     "FORMULA_POLICIES",
+    "FSDP_FIGURES",
+    "FitEdge",
     "GRAD_TOL",
     "H200_BYTES",
     "MEMORY_DTYPES",
+    "MasterAdamW",
     "PolicyResult",
     "RegionTracker",
     "SavedReport",
@@ -120,11 +138,16 @@ __all__ = [
     "default_device_bytes",
     "double_block_bytes",
     "downsample",
+    "fit_state",
+    "fsdp_mismatches",
+    "fsdp_rank_params",
     "fsdp_rank_state",
+    "fsdp_shard_rows",
     "gpus_needed",
     "grad_mismatch",
     "largest_live",
     "measure_saved",
+    "meta_model",
     "predicted_peak",
     "profiled_timeline",
     "run_fsdp",

@@ -1,4 +1,4 @@
-"""``python -m lab_utils.memory fsdp PRESET WORLD_SIZE OUT_DIR``."""
+"""``python -m lab_utils.memory fsdp PRESET WORLD_SIZES OUT_DIR`` (sizes comma-separated)."""
 
 import sys
 

@@ -3,9 +3,10 @@ device (predicted, and on CUDA bisected to the OOM edge)."""
 
 from __future__ import annotations
 
-import math
+import functools
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ from ..dtypes import parse_dtype
 from ..model import MMDiTConfig, build_model
 from ..model.checkpointing import RECOMPUTE_POLICIES
 from ..model.train import rf_loss
+from .master import MasterAdamW
 from .saved import (
     H200_BYTES,
     StepShape,
@@ -54,11 +56,16 @@ def state_bytes(model: nn.Module, dtype: str | torch.dtype | None = None) -> dic
     return dict(out)
 
 
+@functools.lru_cache(maxsize=16)
+def meta_model(cfg: MMDiTConfig) -> nn.Module:
+    """The model of ``cfg`` on ``meta`` (float32; no memory), built once per config."""
+    return build_model(cfg, device="meta")
+
+
 def state_totals(cfg: MMDiTConfig, dtype: str | torch.dtype) -> dict[str, int]:
     """Parameter, gradient, optimizer and master-weight bytes of a preset (built on meta)."""
-    model = build_model(cfg, device="meta", dtype=parse_dtype("dtype", dtype))
     tot = dict.fromkeys(CLASSES[:4], 0)
-    for row in state_bytes(model).values():
+    for row in state_bytes(meta_model(cfg), dtype).values():
         for k, v in row.items():
             tot[k] += v
     return tot
@@ -83,11 +90,16 @@ def transient_bytes(cfg: MMDiTConfig, sh: StepShape, dtype: str | torch.dtype, p
 def predicted_peak(
     cfg: MMDiTConfig, sh: StepShape, dtype: str | torch.dtype, policy: str, *, shards: int = 1, state=None
 ) -> dict[str, int]:
-    """Per class, the predicted peak of one AdamW step (state sharded over ``shards`` ranks)."""
+    """Per class, the predicted peak of one AdamW step on one rank: with ``shards`` > 1 the
+    state is what ``fully_shard`` allocates on the fullest rank (rank 0, padding included:
+    :func:`fsdp_rank_state`), activations are not sharded.  ``state`` (per class) replaces
+    the state computed from ``cfg`` (callers pass it to reuse it across shapes)."""
+    check_int("shards", shards, min=1)
     dev_type = "cuda"
     pol = "none" if policy == "compile_budget" else policy  # the partitioner's choice: bounded by none
-    st = state if state is not None else state_totals(cfg, dtype)
-    out = {k: int(math.ceil(v / shards)) for k, v in st.items()}
+    if state is None:
+        state = state_totals(cfg, dtype) if shards == 1 else fsdp_rank_state(meta_model(cfg), shards, 0, dtype)
+    out = {k: int(state[k]) for k in CLASSES[:4]}
     out["activations"] = sum(saved_bytes_formula(cfg, sh, dtype, pol, device_type=dev_type).values())
     out["transient"] = transient_bytes(cfg, sh, dtype, pol)
     out["total"] = sum(out[k] for k in CLASSES)
@@ -99,24 +111,44 @@ def predicted_peak(
 # --------------------------------------------------------------------------------------
 
 
-def fsdp_rank_state(model: nn.Module, world_size: int, rank: int = 0, dtype=None) -> dict[str, int]:
-    """Per-rank parameter, gradient and AdamW bytes under ``fully_shard`` over ``world_size``
-    ranks: each parameter is split on dim 0 in ``ceil(rows / N)``-row chunks (the last ranks
-    may hold fewer rows, or none)."""
+def fsdp_shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """(rows held, rows allocated) of one parameter's dim-0 shard on ``rank`` under
+    ``fully_shard``: the rows are split as ``torch.chunk`` splits them (``ceil(rows / N)``-row
+    chunks, so the last ranks may hold fewer rows, or none), and every rank allocates a
+    padded shard of ``ceil(rows / N)`` rows (the all-gather needs equal sizes)."""
     check_int("world_size", world_size, min=1)
     check_int("rank", rank, min=0, max=world_size - 1)
-    out = dict.fromkeys(CLASSES[:4], 0)
-    for p in model.parameters():
-        dt = parse_dtype("dtype", dtype) if dtype is not None else p.dtype
+    chunk = -(-rows // world_size)
+    return max(0, min(chunk, rows - rank * chunk)), chunk
+
+
+def fsdp_rank_params(model: nn.Module, world_size: int, rank: int = 0) -> dict[str, dict[str, int]]:
+    """Per parameter name: the elements ``rank`` holds (``numel``, what the optimizer's
+    moments are made like) and the elements its padded shard allocates (``padded_numel``:
+    the sharded parameter's storage, and its share of the reduce-scattered gradient)."""
+    out = {}
+    for name, p in model.named_parameters():
         rows = p.shape[0] if p.dim() else 1
         per_row = p.numel() // max(rows, 1)
-        chunk = math.ceil(rows / world_size)
-        mine = max(0, min(chunk, rows - rank * chunk))
-        n, s = mine * per_row, dt.itemsize
-        out["parameters"] += n * s
-        out["gradients"] += n * s
-        out["optimizer"] += 2 * n * 4
-        out["master_weights"] += n * 4 if s < 4 else 0
+        held, padded = fsdp_shard_rows(rows, world_size, rank)
+        out[name] = dict(rows=held, padded_rows=padded, numel=held * per_row, padded_numel=padded * per_row)
+    return out
+
+
+def fsdp_rank_state(model: nn.Module, world_size: int, rank: int = 0, dtype=None) -> dict[str, int]:
+    """Per-rank bytes ``fully_shard`` allocates over ``world_size`` ranks, per class:
+    parameters and gradients padded to ``ceil(rows / N)`` rows of every parameter on every
+    rank (the sharded parameter's storage; the reduce-scatter output the gradients view),
+    AdamW's fp32 moments and the fp32 master weights (16-bit parameters) only for the rows
+    the rank holds (made like the unpadded local shard).  See :func:`fsdp_shard_rows`."""
+    out = dict.fromkeys(CLASSES[:4], 0)
+    shards = fsdp_rank_params(model, world_size, rank)
+    for name, p in model.named_parameters():
+        sh, s = shards[name], (parse_dtype("dtype", dtype) if dtype is not None else p.dtype).itemsize
+        out["parameters"] += sh["padded_numel"] * s
+        out["gradients"] += sh["padded_numel"] * s
+        out["optimizer"] += 2 * sh["numel"] * 4
+        out["master_weights"] += sh["numel"] * 4 if s < 4 else 0
     return out
 
 
@@ -125,9 +157,8 @@ def gpus_needed(
 ) -> int | None:
     """Fewest ranks (FSDP: state sharded, activations not) whose per-rank peak fits ``device_bytes``."""
     check_float("device_memory_gb", device_bytes, min=0, min_exclusive=True)
-    st = state_totals(cfg, dtype)
     for n in range(1, max_gpus + 1):
-        if predicted_peak(cfg, sh, dtype, policy, shards=n, state=st)["total"] <= device_bytes:
+        if predicted_peak(cfg, sh, dtype, policy, shards=n)["total"] <= device_bytes:
             return n
     return None
 
@@ -156,7 +187,8 @@ def what_fits(
 ) -> list[dict]:
     """For each square resolution, the largest batch whose predicted peak fits (0 = none)."""
     check_float("device_memory_gb", device_bytes, min=0, min_exclusive=True)
-    st = state_totals(cfg, dtype)
+    check_int("shards", shards, min=1)
+    st = state_totals(cfg, dtype) if shards == 1 else fsdp_rank_state(meta_model(cfg), shards, 0, dtype)
     rows = []
     for res in resolutions:
         sh1 = step_shape(cfg, 1, res, res, txt_len)
@@ -182,23 +214,53 @@ def what_fits(
     return rows
 
 
-def bisect_fit(cfg: MMDiTConfig, policy: str, resolution: int, txt_len: int, hi: int = 64) -> tuple[int, int]:
-    """On CUDA, the largest batch whose real bf16 AdamW step runs, by bisection over [0, hi];
-    each OOM is caught (counted, memory released) and the search goes on.  (edge, OOMs)."""
-    dev = torch.device("cuda")
+@dataclass(frozen=True)
+class FitEdge:
+    """The largest batch a real step ran (``edge``), how many OOMs the bisection met, and the
+    state bytes per class held after the last step that ran (parameters, gradients, the
+    optimizer's moments, master weights): the state the prediction counts."""
+
+    edge: int
+    ooms: int
+    state: dict
+
+
+def fit_state(model: nn.Module, opt: MasterAdamW) -> dict[str, int]:
+    """Bytes of the parameters, their gradients and the optimizer's state, per class."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return dict(
+        parameters=sum(p.untyped_storage().nbytes() for p in params),
+        gradients=sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None),
+        **opt.state_bytes(),
+    )
+
+
+def bisect_fit(
+    cfg: MMDiTConfig, policy: str, resolution: int, txt_len: int, hi: int = 64, *, device: str = "cuda"
+) -> FitEdge:
+    """The largest batch whose real bf16 training step runs, by bisection over [0, hi]; each
+    OOM is caught (counted, memory released) and the search goes on.  The step holds the
+    state the prediction assumes (:class:`MasterAdamW`: fp32 master weights and moments beside
+    the bf16 weights and gradients), not ``torch.optim.AdamW``'s bf16 moments.  On CPU (tests)
+    nothing runs out of memory: the edge is ``hi``."""
+    check_int("hi", hi, min=0)
+    dev = torch.device(device)
     model = build_model(cfg.replace(checkpoint=policy), device=dev, dtype=torch.bfloat16)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    opt = MasterAdamW(model.parameters(), lr=1e-5)
     sh1 = step_shape(cfg, 1, resolution, resolution, txt_len)
-    lo, ooms = 0, 0
+    lo, ooms, state = 0, 0, {}
     while lo < hi:
         mid = (lo + hi + 1) // 2
+        batch = None
         try:
             batch = batch_for(cfg, StepShape(mid, sh1.img_tokens, txt_len), torch.bfloat16, dev)
             rf_loss(model, batch).backward()
             opt.step()
+            state = fit_state(model, opt)
             opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize(dev)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
             lo = mid
         except torch.OutOfMemoryError:
             ooms += 1
@@ -206,5 +268,6 @@ def bisect_fit(cfg: MMDiTConfig, policy: str, resolution: int, txt_len: int, hi:
         finally:
             batch = None
             opt.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-    return lo, ooms
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return FitEdge(lo, ooms, state)

@@ -8,7 +8,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import nn
@@ -252,9 +252,16 @@ def double_block_bytes(cfg: MMDiTConfig, sh: StepShape, s: int, stat: int | None
     freed inside the block) and ``output`` (img and txt out, kept by whoever reads them)."""
     b, d, m, h, dh = sh.batch, cfg.hidden_size, cfg.mlp_hidden, cfg.num_heads, cfg.head_dim
     own = 0
+    views = 0  # streams whose slice of the joint attention output the projection saves as a view
     for n in (sh.img_tokens, sh.txt_tokens):
         rows = b * n
-        own += 8 * rows * d * s  # 2 LN outs, 2 modulated inputs, attn out slice, proj out, residual, fc2 out
+        # The projection flattens its (B, n, D) slice of the joint output o (B, Li+Lt, D):
+        # a view when B == 1 or n == 1, else a copy of the slice.  A view keeps all of o.
+        if b == 1 or n == 1:
+            views += 1
+        else:
+            own += rows * d * s  # the copied slice
+        own += 7 * rows * d * s  # 2 LN outs, 2 modulated inputs, proj out, residual, fc2 out
         own += 2 * rows * m * s  # fc1 out (GELU input), GELU out (fc2 input)
         own += 9 * b * d * s  # SiLU(vec), adaLN out (6D), two (1 + scale)
         own += 4 * rows * (stat or s)  # LayerNorm mean and rstd, twice
@@ -263,6 +270,7 @@ def double_block_bytes(cfg: MMDiTConfig, sh: StepShape, s: int, stat: int | None
         own += _qk_extra(rows, d, s) + (3 * rows * d * s if s == 4 else 0)  # float32: q/k are views of qkv
     rows = b * sh.tokens
     own += 4 * rows * d * s + b * h * sh.tokens * 4  # cat q, k, v; attention out + logsumexp
+    own += rows * d * s if views else 0  # o itself, kept whole by a viewed slice
     return {"own": own, "output": rows * d * s}
 
 
@@ -336,9 +344,11 @@ def saved_bytes_formula(
         else:
             kept = parts["output"]
         out[f"{kind}_blocks.{i}"] = own + kept
-    first_offloaded = offload and nd > 0
-    out["img_in"] = 0 if first_offloaded else b * li * d * s
-    out["txt_in"] = 0 if first_offloaded else b * lt * d * s
+    # img_in / txt_in outputs are kept by the first double block; with no double block they
+    # are only concatenated (cat saves nothing) and the joint sequence is counted in "model".
+    first_keeps = nd > 0 and not offload
+    out["img_in"] = b * li * d * s if first_keeps else 0
+    out["txt_in"] = b * lt * d * s if first_keeps else 0
     for name in ("time_in", "vector_in") + (("guidance_in",) if cfg.guidance_embed else ()):
         out[name] = 2 * b * d * s
     cat_kept = not (offload and ns > 0)
@@ -352,13 +362,25 @@ def saved_bytes_formula(
 
 
 def bytes_per_token_per_block(
-    cfg: MMDiTConfig, dtype: str | torch.dtype, kind: str = "single", tokens: int = 4096, txt_tokens: int = 512
+    cfg: MMDiTConfig,
+    dtype: str | torch.dtype,
+    kind: str = "single",
+    img_tokens: int = 4096,
+    txt_tokens: int = 512,
+    device_type: str = "cuda",
 ) -> float:
-    """Saved bytes of one block with no checkpointing per token of its sequence (batch 1)."""
-    sh = StepShape(1, tokens - txt_tokens, txt_tokens)
+    """Saved bytes of one block with no checkpointing (batch 1) per token of its sequence of
+    ``img_tokens + txt_tokens`` tokens; LayerNorm statistics in float32 on ``cuda``, in the
+    activation dtype on ``cpu`` (see :func:`saved_bytes_formula`)."""
+    check_choice("kind", kind, ("double", "single"))
+    check_int("img_tokens", img_tokens, min=1)
+    check_int("txt_tokens", txt_tokens, min=1)
+    check_choice("device_type", device_type, ("cpu", "cuda"))
+    sh = StepShape(1, img_tokens, txt_tokens)
     s = parse_dtype("dtype", dtype).itemsize
-    parts = (double_block_bytes if kind == "double" else single_block_bytes)(cfg, sh, s)
-    return (parts["own"] + parts["output"]) / tokens
+    stat = s if device_type == "cpu" else 4
+    parts = (double_block_bytes if kind == "double" else single_block_bytes)(cfg, sh, s, stat)
+    return (parts["own"] + parts["output"]) / sh.tokens
 
 
 def measure_saved(
@@ -372,7 +394,11 @@ def measure_saved(
     model: nn.Module | None = None,
 ) -> SavedReport:
     """Run the forward of one rectified-flow step (batch built outside the probe) and return
-    what it keeps for the backward.  ``device="meta"`` works for every preset."""
+    what it keeps for the backward.  ``device="meta"`` works for every preset.
+
+    A ``model`` passed in runs its own checkpointing policy (``model.cfg.checkpoint``): a
+    ``policy`` or ``cfg`` that differs from the model's is refused rather than silently
+    measuring something else."""
     cfg = resolve_config(cfg)
     if policy is not None:
         cfg = cfg.replace(checkpoint=policy)
@@ -380,6 +406,20 @@ def measure_saved(
     dev = torch.device(device)
     if model is None:
         model = build_model(cfg, device=dev, dtype=dt, seed=seed)
+    else:
+        own = getattr(model, "cfg", None)
+        if own is None:
+            raise ConfigError("model", type(model).__name__, "an MMDiT (built by build_model, with its .cfg)")
+        if own.checkpoint != cfg.checkpoint:
+            raise ConfigError(
+                "policy",
+                cfg.checkpoint,
+                f"the model's own policy {own.checkpoint!r} (the model runs the policy it was built with; "
+                "pass policy=None or a model built with this checkpoint)",
+            )
+        if own != cfg:
+            diff = {f.name: getattr(own, f.name) for f in fields(own) if getattr(own, f.name) != getattr(cfg, f.name)}
+            raise ConfigError("cfg", cfg.preset, f"the model's own config (it differs in {diff})")
     model.train()
     gen = torch.Generator(device="cpu").manual_seed(seed) if dev.type != "meta" else None
     batch = batch_for(cfg, sh, dt, dev, gen)

@@ -43,7 +43,7 @@ class MemoryLabConfig(LabConfig):
     inspect_block: str = "single_blocks.0"  # block whose saved tensors are listed op by op
     device_memory_gb: float = 0.0  # 0: the current GPU's memory, or an H200's 141 GB
     fit_resolutions: tuple = (256, 512, 768, 1024, 1536, 2048)
-    fsdp_world_sizes: tuple = (2,)
+    fsdp_world_sizes: tuple = (2, 3)  # one spawn; 3 ranks do not divide the tiny model's rows
     fsdp_preset: str = "tiny"
     fsdp_gpus: tuple = (1, 2, 4, 8, 16, 32)
     confirm_fit: bool = False  # on CUDA: bisect a real step to the OOM edge
@@ -160,13 +160,15 @@ def accounting(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
 
 
 def per_token_table(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
-    """Bytes per token per block (no checkpointing, CUDA's float32 LayerNorm statistics)."""
+    """Bytes per token per block at ``account_resolution`` (image tokens) + ``account_txt_len``
+    (text tokens), batch 1, no checkpointing, CUDA's float32 LayerNorm statistics."""
     rows = []
     for preset in cfg.account_presets:
         mcfg = resolve_config(preset)
+        sh = mem.step_shape(mcfg, 1, cfg.account_resolution, cfg.account_resolution, cfg.account_txt_len)
         for dt in cfg.account_dtypes:
             for kind in ("double", "single"):
-                v = mem.bytes_per_token_per_block(mcfg, dt, kind)
+                v = mem.bytes_per_token_per_block(mcfg, dt, kind, sh.img_tokens, sh.txt_tokens, device_type="cuda")
                 rows.append(dict(preset=preset, dtype=dt, block=kind, bytes_per_token=round(v, 1)))
                 rec.add(
                     "per_token",
@@ -176,7 +178,8 @@ def per_token_table(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
                     "B/token",
                     dtype=dt,
                     preset=preset,
-                    tokens="4096+512",
+                    tokens=f"{sh.img_tokens}+{sh.txt_tokens}",
+                    layernorm_stats="float32 (CUDA)",
                 )
     return pd.DataFrame(rows)
 
@@ -205,7 +208,7 @@ def compare(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     rows = []
     for r in res:
         kw = dict(shape=sh_str(sh), dtype=cfg.dtype, preset=cfg.preset)
-        rec.add("policies", r.policy, "saved_bytes", r.saved_bytes, "B", method="saved_tensors_hooks", **kw)
+        rec.add("policies", r.policy, "saved_bytes", r.saved_bytes, "B", method=saved_means(r.policy, dev), **kw)
         rec.add("policies", r.policy, "peak_bytes", r.peak_bytes, "B", method="allocator peak above start", **kw)
         rec.add("policies", r.policy, "step_flops", r.flops, "FLOP", method="FlopCounterMode", **kw)
         rec.add_timing("policies", r.policy, r.timing, **kw)
@@ -220,9 +223,21 @@ def compare(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
                 recomputed_flops=recompute,
                 time_ms=getattr(r.timing, "median_ms", float("nan")),
                 grads_equal=r.grads_equal,
+                saved_bytes_are=saved_means(r.policy, dev),
             )
         )
     return pd.DataFrame(rows)
+
+
+def saved_means(policy: str, dev: torch.device) -> str:
+    """What a policy's saved bytes are: kept for the backward; under ``offload`` the bytes
+    left on the device, and on a CPU (where ``save_on_cpu`` moves nothing, so neither the
+    memory nor the peak drops) the device bytes it would keep on a GPU."""
+    if policy != "offload":
+        return "kept for the backward (saved_tensors_hooks)"
+    if dev.type == "cpu":
+        return "device bytes it would keep on a GPU (on CPU save_on_cpu moves nothing: no memory is freed here)"
+    return "kept on the device (the rest is in host memory)"
 
 
 def pareto_plot(df: pd.DataFrame):
@@ -353,17 +368,17 @@ def fits_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def fsdp_projection(cfg: MemoryLabConfig, rec: Recorder, preset: str = "flux-dev", dtype: str = "bfloat16"):
-    """Per-rank predicted peak at 1024 px, batch 1, for N GPUs (state sharded, activations not),
-    and the fewest GPUs each policy needs."""
+    """Per-rank predicted peak at 1024 px, batch 1, for N GPUs (state sharded as ``fully_shard``
+    allocates it on the fullest rank, padding included; activations not sharded), and the
+    fewest GPUs each policy needs."""
     mcfg = resolve_config(preset)
     sh = mem.step_shape(mcfg, 1, cfg.account_resolution, cfg.account_resolution, cfg.account_txt_len)
-    st = mem.state_totals(mcfg, dtype)
     rows = []
     for pol in mem.FORMULA_POLICIES:
         need = mem.gpus_needed(mcfg, sh, dtype, pol, cfg.device_bytes)
         row = dict(policy=pol, gpus_needed=need)
         for n in cfg.fsdp_gpus:
-            row[f"{n} GPUs (GB)"] = round(mem.predicted_peak(mcfg, sh, dtype, pol, shards=n, state=st)["total"] / GB, 1)
+            row[f"{n} GPUs (GB)"] = round(mem.predicted_peak(mcfg, sh, dtype, pol, shards=n)["total"] / GB, 1)
         rows.append(row)
         rec.add(
             "fsdp",
@@ -380,34 +395,52 @@ def fsdp_projection(cfg: MemoryLabConfig, rec: Recorder, preset: str = "flux-dev
 
 
 def fsdp_check(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
-    """Real fully_shard AdamW steps on gloo at each world size: per-rank bytes against the
-    projection (a mismatch raises)."""
-    rows = []
-    for ws in cfg.fsdp_world_sizes:
-        for r in mem.run_fsdp(cfg.fsdp_preset, ws):
-            for k in ("parameters", "gradients", "optimizer"):
-                if r[k] != r[f"projected_{k}"]:
-                    raise AssertionError(
-                        f"world_size={ws} rank {r['rank']}: {k} {r[k]} != projected {r[f'projected_{k}']}"
-                    )
-                rec.add("fsdp_check", f"ws{ws}-rank{r['rank']}", f"{k}_bytes", r[k], "B", preset=cfg.fsdp_preset)
-            rows.append(r)
-    return pd.DataFrame(rows)
+    """Real fully_shard AdamW steps on gloo at every world size (one spawn): per-rank bytes
+    fully_shard allocates (padded parameter and gradient shards), the bytes each rank holds,
+    and every parameter's shard against the projection (a mismatch raises)."""
+    rows = mem.run_fsdp(cfg.fsdp_preset, cfg.fsdp_world_sizes)
+    for r in rows:
+        ws = r["world_size"]
+        bad = mem.fsdp_mismatches(r)
+        if bad:
+            raise AssertionError(f"world_size={ws} rank {r['rank']}: " + "; ".join(bad[:5]))
+        for k in mem.FSDP_FIGURES:
+            rec.add("fsdp_check", f"ws{ws}-rank{r['rank']}", f"{k}_bytes", r[k], "B", preset=cfg.fsdp_preset)
+    return pd.DataFrame(rows).drop(columns=["params", "projected_params"])
 
 
 def confirm_fits(cfg: MemoryLabConfig, rec: Recorder, preset: str = "medium", resolution: int = 1024) -> pd.DataFrame:
     """On CUDA: bisect the batch of a real step to the OOM edge per policy (an OOM is caught,
-    recorded, and the search goes on); beside it the prediction.  Empty on CPU."""
+    recorded, and the search goes on); beside it the prediction.  The step holds the state the
+    prediction counts (bf16 weights and gradients, fp32 master weights and AdamW moments:
+    ``state_bytes``, equal to the predicted state).  Empty on CPU."""
     if not (cfg.confirm_fit and torch.cuda.is_available()):
         return pd.DataFrame()
     rows = []
     mcfg = resolve_config(preset)
     for pol in ("none", "full", "selective"):
         pred = mem.what_fits(mcfg, "bfloat16", pol, cfg.device_bytes, (resolution,), cfg.account_txt_len)[0]
-        edge, ooms = mem.bisect_fit(mcfg, pol, resolution, cfg.account_txt_len, hi=max(2 * pred["max_batch"], 2))
-        rows.append(dict(policy=pol, predicted=pred["max_batch"], measured=edge, ooms=ooms))
+        fit = mem.bisect_fit(mcfg, pol, resolution, cfg.account_txt_len, hi=max(2 * pred["max_batch"], 2))
+        rows.append(
+            dict(
+                policy=pol,
+                predicted=pred["max_batch"],
+                measured=fit.edge,
+                ooms=fit.ooms,
+                state_bytes=sum(fit.state.values()),
+                predicted_state_bytes=sum(mem.state_totals(mcfg, "bfloat16").values()),
+            )
+        )
         rec.add(
-            "what_fits", pol, "max_batch_measured", edge, "samples", shape=f"{resolution}px", preset=preset, ooms=ooms
+            "what_fits",
+            pol,
+            "max_batch_measured",
+            fit.edge,
+            "samples",
+            shape=f"{resolution}px",
+            preset=preset,
+            ooms=fit.ooms,
+            optimizer="AdamW, fp32 master weights and moments (MasterAdamW)",
         )
     return pd.DataFrame(rows)
 
