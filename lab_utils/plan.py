@@ -62,6 +62,7 @@ class StepProfile:
     seams: dict = field(default_factory=dict)
     threads: int = 0  # CPU intra-op threads of the measurement
     periodic: dict = field(default_factory=dict)  # phase -> (N, ms per occurrence): run every N steps
+    phase_samples: dict = field(default_factory=dict)  # phase -> ms per profiled step (per occurrence if periodic)
 
     @property
     def total_ms(self) -> float:
@@ -79,12 +80,13 @@ def profile_from_report(
     wide = report.phase_frame()
     st = a.steps.set_index("step").reindex(steps)
     wide[OTHER] = (st.step_ms - st.phase_sum_ms).clip(lower=0.0).to_numpy()
-    phases, spread, periodic = {}, {}, {}
+    phases, spread, periodic, samples_of = {}, {}, {}, {}
     for p in ALL_PHASES:
         f = phase_figure(
             p, wide[p] if p in wide else np.zeros(len(steps)), report.periods.get(p, 1), statistic=statistic
         )
         phases[p] = f.ms  # a checkpoint every N steps: its cost per save / N (profiler.PERIODIC_RULE)
+        samples_of[p] = f.samples
         lo, hi = np.quantile(f.samples, [0.2, 0.8]) if f.samples else (0.0, 0.0)
         spread[p] = float((hi - lo) / f.per_event_ms) if f.per_event_ms > 0 else 0.0
         if f.periodic:
@@ -103,6 +105,7 @@ def profile_from_report(
         stability=str(judge_samples(samples)),
         seams=cfg.to_dict(),
         periodic=periodic,
+        phase_samples=samples_of,
     )
 
 
@@ -149,6 +152,7 @@ def merge_profiles(a: StepProfile, b: StepProfile, *, statistic: str = "median")
         periodic={p: (n, n * pick(a.phases[p], b.phases.get(p, a.phases[p]))) for p, (n, _) in a.periodic.items()},
         step_samples=samples,
         stability=str(judge_samples(samples)),
+        phase_samples={p: tuple(x) + tuple(b.phase_samples.get(p, ())) for p, x in a.phase_samples.items()},
     )
 
 
@@ -465,7 +469,10 @@ def record_plan(rec, result: PlanResult, *, shape: str = "") -> None:
     verifications (the prediction error is a metric, so ``perflab compare`` tracks it)."""
     b = result.base
     for p, ms in b.phases.items():
-        rec.add("base", p, "time", ms, "ms", shape=shape, statistic="median", rel_spread=b.spread[p])
+        x = [float(v) for v in b.phase_samples.get(p, ())]
+        v = judge_samples(x) if any(x) else None  # a phase that never ran is no timing
+        judged = dict(samples=x, stable=v.stable, stability=v.reason) if v else {}
+        rec.add("base", p, "time", ms, "ms", shape=shape, statistic="median", rel_spread=b.spread[p], **judged)
     rec.add(
         "base",
         "step",

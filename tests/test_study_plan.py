@@ -113,3 +113,28 @@ def test_a_checkpoint_every_n_steps_counts_as_its_cost_over_n_in_both_labs():
     label = bars.opts.get().kwargs["xlabel"]
     assert "40 ms per checkpoint" in label and "10 ms per step" in label and "/ N" in label
     assert lab01.phase_table(rep).set_index("phase").loc["checkpoint", "ms_per_step"] == 10.0
+
+
+def test_lab08_base_phases_carry_samples_and_the_timing_verdict():
+    """Issue 21, item 5 for lab 08: the measured step's phase rows keep one sample per profiled
+    step (per save for a checkpoint every N steps) and the timing judge's verdict; one outlier
+    step makes its phase unstable."""
+    from test_profiler import synthetic_report
+
+    from lab_utils.plan import profile_from_report
+    from lab_utils.timing import judge_samples
+
+    fwd = [10.0, 10.1, 9.9, 10.0, 40.0, 10.05, 10.0, 9.95]
+    ck = [0.0, 0.0, 0.0, 40.0, 0.0, 0.0, 0.0, 41.0]
+    rep = synthetic_report({"forward": fwd, "backward": [20.0] * 8, "checkpoint": ck}, periods={"checkpoint": 4})
+    prof = profile_from_report(rep, CFG.train_config())
+    r = build_plan(CFG.train_config(), [], measure=lambda c: prof)
+    rec = Recorder(lab="08_plan")
+    record_plan(rec, r)
+    base = {x["variant"]: x for x in rec.rows if x["experiment"] == "base" and x["metric"] == "time"}
+    assert base["forward"]["samples"] == fwd and base["forward"]["stable"] is False
+    assert base["backward"]["samples"] == [20.0] * 8 and base["backward"]["stable"] is True
+    assert base["checkpoint"]["samples"] == [40.0, 41.0]  # one per save
+    for p in ("forward", "backward", "checkpoint"):
+        assert base[p]["stability"] == judge_samples(base[p]["samples"]).reason
+    assert "samples" not in base["text_encoding"] or base["text_encoding"]["samples"] is None
