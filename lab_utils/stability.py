@@ -14,8 +14,14 @@ Design note
   gradients, skip the step and halve the scale on overflow, double it after N good steps.
 * :class:`SpikeDetector` scores the loss and gradient norm by a robust z-score (median and
   MAD over a window of accepted steps).  The policies production runs use answer a spike:
-  ``skip`` the update, ``clip`` the gradient harder (to the window's median norm), or
-  ``rewind`` to the last good in-memory checkpoint and skip the batch.
+  ``skip`` the update, ``clip`` the gradient harder (to the window's median norm, before
+  ``grad_clip``: the step's norm becomes the smaller of the two; when ``grad_clip`` is at
+  or below the median every step is clipped to the same norm already and the policy has
+  nothing to do: the step's action says so), or ``rewind`` to the last good in-memory
+  checkpoint and skip the batch.  A checkpoint is held by value, so a rewind replays
+  exactly what ``skip`` computes (same weights, moments, detector window and loss scale):
+  the replayed steps' losses equal the skip policy's, and their telemetry and NaN events
+  are kept once, from the replay.
 * :func:`train_run` runs one :class:`RunSpec` (preset, precision mode, recipe, QK-norm,
   AdamW settings, provoked spike or NaN) on a fixed pool of synthetic batches with noise and
   timesteps seeded per step, so two runs from the same seed see the same data: differences
@@ -36,7 +42,7 @@ from tqdm.auto import tqdm
 from .config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int
 from .model.mmdit import build_model
 from .model.train import rf_loss, synthetic_batch
-from .telemetry import NonFiniteReport, Telemetry, disable_qk_norm, inject_nonfinite, locate_nonfinite
+from .telemetry import NAN_PHASES, NonFiniteReport, Telemetry, disable_qk_norm, inject_nonfinite, locate_nonfinite
 
 # mantissa bits and the smallest normal exponent of the storage formats
 _FLOAT_BITS = {torch.float32: (23, -126), torch.bfloat16: (7, -126), torch.float16: (10, -14)}
@@ -86,10 +92,18 @@ class StabilityAdamW(torch.optim.Optimizer):
     """AdamW with float32 math and a choice of how the update is stored (see module note).
 
     ``mode``: "plain" | "master" | "stochastic".  ``track``: fill ``last_stats`` {param:
-    (update_sq, weight_sq, lost, counted)} on the next steps (tensors, no sync).  The lost
+    (update_sq, weight_sq, lost, numel)} on the next steps (tensors, no sync).  The lost
     updates are counted on every ``lost_stride``-th element of tensors larger than 4096
     elements (an estimate of the fraction, standard error below 1e-3 for a 4M-element
-    weight at stride 16; the exact count costs more than the rest of the optimizer step)."""
+    weight at stride 16; the exact count costs more than the rest of the optimizer step)
+    and scaled to the whole tensor: ``lost`` estimates the tensor's count out of ``numel``,
+    so summing over tensors weighs each by its size (small tensors, counted in full, would
+    otherwise weigh ``lost_stride`` times their share).
+
+    :meth:`snapshot` / :meth:`restore` checkpoint the state (moments, master copies, the
+    stochastic-rounding generators) by value: torch's ``load_state_dict`` keeps references
+    to the loaded tensors and casts them to the parameter's dtype (fp32 moments and master
+    weights of bf16 parameters would come back in bf16)."""
 
     MODES = ("plain", "master", "stochastic")
 
@@ -122,6 +136,27 @@ class StabilityAdamW(torch.optim.Optimizer):
             self._gen[device] = torch.Generator(device).manual_seed(self.seed)
         return self._gen[device]
 
+    def snapshot(self) -> dict:
+        """A copy of everything the next steps depend on (not shared with the optimizer)."""
+        return dict(
+            state={p: _clone_state(st) for p, st in self.state.items()},
+            lr=[g["lr"] for g in self.param_groups],
+            gen={d: g.get_state() for d, g in self._gen.items()},
+        )
+
+    def restore(self, snap: dict) -> None:
+        """Back to ``snap`` (copied again: a snapshot survives any number of restores)."""
+        self.state.clear()
+        for p, st in snap["state"].items():
+            self.state[p] = _clone_state(st)
+        for g, lr in zip(self.param_groups, snap["lr"]):
+            g["lr"] = lr
+        for d in list(self._gen):
+            if d in snap["gen"]:
+                self._gen[d].set_state(snap["gen"][d])
+            else:
+                del self._gen[d]  # created after the snapshot: starts again from the seed
+
     @torch.no_grad()
     def step(self, closure=None):
         self.last_stats = {}
@@ -148,10 +183,13 @@ class StabilityAdamW(torch.optim.Optimizer):
                 u = -lr * (mhat / (vhat.sqrt() + eps) + wd * w32)
                 store = torch.float32 if "master" in st else p.dtype
                 if self.track:
-                    k = self.lost_stride if u.numel() > 4096 else 1
+                    n = u.numel()
+                    k = self.lost_stride if n > 4096 else 1
                     wl, ul = w32.reshape(-1)[::k], u.reshape(-1)[::k]
                     lost = lost_update_mask(wl, ul, store).sum()  # w32 is exact in `store`
-                    self.last_stats[p] = (u.square().sum(), w32.square().sum(), lost, wl.numel())
+                    if wl.numel() != n:  # the sample's fraction stands for the whole tensor
+                        lost = lost.float() * (n / wl.numel())
+                    self.last_stats[p] = (u.square().sum(), w32.square().sum(), lost, n)
                 if "master" in st:
                     st["master"].add_(u)
                     p.copy_(st["master"])
@@ -160,6 +198,10 @@ class StabilityAdamW(torch.optim.Optimizer):
                 else:
                     p.copy_(w32 + u)
         return None
+
+
+def _clone_state(st: dict) -> dict:
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in st.items()}
 
 
 # ------------------------------------------------------------------------------ loss scaling
@@ -189,6 +231,14 @@ class DynamicLossScaler:
         for g in grads:
             g.div_(self.scale)
         return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+
+    def state(self) -> tuple[float, int, int]:
+        return self.scale, self._good, len(self.history)
+
+    def restore(self, state: tuple[float, int, int]) -> None:
+        """Back to a :meth:`state` (a rewind): the later history is dropped, the replay writes it again."""
+        self.scale, self._good = state[0], state[1]
+        del self.history[state[2] :]
 
     def update(self, step: int, finite: bool) -> None:
         self.history.append((step, self.scale, not finite))
@@ -321,10 +371,26 @@ class RunSpec(LabConfig):
         check_int("provoke_step", self.provoke_step, min=0)
         check_float("poison_scale", self.poison_scale, min=0, min_exclusive=True)
         check_float("lr_jump", self.lr_jump, min=0, min_exclusive=True)
-        check_choice("nan_phase", self.nan_phase, ("forward", "backward"))
+        check_choice("nan_phase", self.nan_phase, NAN_PHASES)
         check_int("nan_step", self.nan_step, min=-1)
         check_float("loss_scale_init", self.loss_scale_init, min=1)
         check_int("loss_scale_interval", self.loss_scale_interval, min=1)
+
+
+MAX_REWINDS = 3  # per run; a spike after that is applied
+CLIP_NOOP = "spike: clip no-op (norm already at or below the window median)"
+
+
+@dataclass
+class _Checkpoint:
+    """An in-memory checkpoint for the rewind policy, held by value (never aliased by the
+    model or the optimizer, so that any number of rewinds to it restore the same state)."""
+
+    step: int
+    model: dict
+    optimizer: dict
+    detector: tuple
+    scaler: tuple | None
 
 
 @dataclass
@@ -340,10 +406,12 @@ class RunResult:
         return self.steps["loss"].to_numpy()
 
     def final_loss(self, tail: float = 0.25) -> float:
-        """Mean loss over the last ``tail`` of the finite steps."""
-        x = self.steps["loss"][np.isfinite(self.steps["loss"])].to_numpy()
-        n = max(1, int(len(x) * tail))
-        return float(x[-n:].mean()) if len(x) else math.nan
+        """Mean of the finite losses over the last ``tail`` of the steps (a step skipped early
+        does not move the window: a rewind and a skip of the same batch end on one number)."""
+        x = self.steps["loss"].to_numpy(dtype=float)
+        x = x[-max(1, int(len(x) * tail)) :]
+        x = x[np.isfinite(x)]
+        return float(x.mean()) if len(x) else math.nan
 
 
 _MODEL_DTYPE = {"bf16": torch.bfloat16, "bf16_master": torch.bfloat16, "bf16_sr": torch.bfloat16}
@@ -398,13 +466,19 @@ def train_run(spec: RunSpec, *, progress: bool = False) -> RunResult:
     events: list[tuple[int, NonFiniteReport | None]] = []
     skipped_batches: set[int] = set()
     rewound: dict[int, dict] = {}
-    ckpt = None  # (step, model state, optimizer state, detector state)
+    ckpt = None
     replayed, rewinds, i = 0, 0, 0
     bar = tqdm(total=spec.steps, desc=spec.name, disable=not progress, leave=False)
     try:
         while i < spec.steps:
-            if ckpt is None or (i % spec.ckpt_every == 0 and ckpt[0] != i and spec.spike_policy == "rewind"):
-                ckpt = (i, copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), detector.state())
+            if spec.spike_policy == "rewind" and (ckpt is None or (i % spec.ckpt_every == 0 and ckpt.step != i)):
+                ckpt = _Checkpoint(
+                    i,
+                    copy.deepcopy(model.state_dict()),
+                    opt.snapshot(),
+                    detector.state(),
+                    scaler.state() if scaler else None,
+                )
             if i in skipped_batches:
                 rows[i] = rewound[i] | dict(loss=math.nan, grad_norm=math.nan, action="rewound: batch skipped")
                 i += 1
@@ -448,19 +522,31 @@ def train_run(spec: RunSpec, *, progress: bool = False) -> RunResult:
             if finite and check.spike and spec.spike_policy == "skip":
                 apply, row["action"] = False, "spike: skipped"
             elif finite and check.spike and spec.spike_policy == "clip":
-                torch.nn.utils.clip_grad_norm_(params, detector.median_grad())
-                row["action"] = "spike: clipped"
-            elif finite and check.spike and spec.spike_policy == "rewind" and rewinds < 3:
+                # the gradient has been clipped to grad_clip already: the policy acts when the
+                # window's median norm is below the norm left after that
+                to = detector.median_grad()
+                if to < (min(gn_v, spec.grad_clip) if spec.grad_clip > 0 else gn_v):
+                    torch.nn.utils.clip_grad_norm_(params, to)
+                    row["action"] = "spike: clipped"
+                else:
+                    row["action"] = CLIP_NOOP
+            elif finite and check.spike and spec.spike_policy == "rewind" and rewinds < MAX_REWINDS:
                 skipped_batches.add(i)
                 rewound[i] = row
                 rewinds += 1
-                replayed += i - ckpt[0]
-                model.load_state_dict(ckpt[1])
-                opt.load_state_dict(ckpt[2])
-                detector.restore(ckpt[3])
+                replayed += i - ckpt.step
+                model.load_state_dict(ckpt.model)  # copies into the parameters
+                opt.restore(ckpt.optimizer)  # copies too: the checkpoint stays as it was taken
+                detector.restore(ckpt.detector)
+                if scaler:
+                    scaler.restore(ckpt.scaler)
                 opt.zero_grad(set_to_none=True)
                 tel.end_step()
-                i = ckpt[0]
+                # the steps from the checkpoint on run again: keep the replay's rows only (a
+                # skipped batch is not replayed: its rows are the only ones it has)
+                tel.drop_steps(s for s in range(ckpt.step, i) if s not in skipped_batches)
+                events = [(s, e) for s, e in events if not ckpt.step <= s < i]
+                i = ckpt.step
                 if hook is not None:
                     hook.remove()
                 continue

@@ -20,31 +20,27 @@ every ``every``-th step:
 Values stay on the device until :meth:`Telemetry.end_step` gathers them with one copy, so a
 sampled step synchronises once.  Rows are tidy: (step, block, stream, stat, value).
 
-:class:`NaNLocator` names the first module whose output (forward) or input gradient
-(backward) is non-finite, with hooks on every module.  It is meant for a one-step replay of
-the step that went non-finite (same batch, same weights), not for the whole run: no anomaly
-mode, no per-op overhead while training is healthy.
+:class:`NaNLocator` names the first module whose output (forward), input gradient or
+parameter gradient (backward) is non-finite, with hooks on every module and parameter.  It is
+meant for a one-step replay of the step that went non-finite (same batch, same weights), not
+for the whole run: no anomaly mode, no per-op overhead while training is healthy.
 
-:func:`numerics_diff` compares two runs' telemetry (frames or report records) per block and
-statistic, and says where they first differ beyond a tolerance; ``perflab numdiff A B`` is
-its command line (:func:`numdiff_main`).
+Two runs' telemetry are compared by :mod:`lab_utils.numdiff` (``perflab numdiff A B``).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pandas as pd
 import torch
 from torch import nn
 
-from .config import ConfigError, check_float, check_int
-from .records import load_records
+from .config import ConfigError, check_int
 
+NAN_PHASES = ("forward", "backward", "weight")
 BLOCK_RE = re.compile(r"^(double_blocks|single_blocks)\.(\d+)")
 STATS = ("act_rms", "act_max", "logit_max", "grad_norm", "update_ratio", "lost_update_frac", "loss", "loss_bucket")
 FRAME_COLUMNS = ["step", "block", "stream", "stat", "value"]
@@ -198,8 +194,10 @@ class Telemetry:
 
     def after_step(self, stats: dict | None = None) -> None:
         """Update ratio and lost-update fraction per block.  ``stats``: {param: (update_sq,
-        weight_sq, lost, numel)} from the optimizer; without it, from the snapshot (an
-        element counts as lost when its gradient was non-zero and its stored value did not move)."""
+        weight_sq, lost, numel)} from the optimizer (``lost``: the tensor's count of lost
+        updates, or an estimate of it scaled to ``numel``); without it, from the snapshot (an
+        element counts as lost when its gradient was non-zero and its stored value did not
+        move).  A block's fraction is sum(lost) / sum(numel): each tensor weighs by its size."""
         if not self.active:
             return
         with torch.no_grad():
@@ -218,7 +216,7 @@ class Telemetry:
                             c, m = ((d == 0) & p.grad.detach().ne(0)).sum(), p.numel()
                     else:
                         continue
-                    u2.append(a), w2.append(b), lost.append(c)
+                    u2.append(a), w2.append(b), lost.append(c.float())
                     n += m
                 if not u2:
                     continue
@@ -248,6 +246,12 @@ class Telemetry:
             for (blk, stream, stat, _), v in zip(self._pending, vals):
                 self.rows.append(dict(step=self.step, block=blk, stream=stream, stat=stat, value=float(v)))
         self._pending, self.active = [], False
+
+    def drop_steps(self, steps: Iterable[int]) -> None:
+        """Forget the rows of these steps: a rewound run replays them, and keeps one row per
+        (step, block, stream, stat), the replay's."""
+        gone = set(steps)
+        self.rows = [r for r in self.rows if r["step"] not in gone]
 
     def frame(self) -> pd.DataFrame:
         return pd.DataFrame(self.rows, columns=FRAME_COLUMNS)
@@ -282,7 +286,7 @@ class NonFiniteReport:
     phase: str  # "forward" | "backward"
     module: str
     block: str
-    tensor: str  # "output[0]", "input[1]" (forward) or "grad of input[0]" (backward)
+    tensor: str  # "output[0]", "input[1]" (forward), "grad of input[0]" or "grad of weight" (backward)
     nan: int
     inf: int
     shape: tuple
@@ -311,7 +315,9 @@ class NaNLocator:
 
     Forward: the first module, in execution order, whose input or output is non-finite (inner
     modules finish first, so the deepest producer is named).  Backward: the first module whose
-    *input* gradient is non-finite, i.e. the module whose backward produced it."""
+    *input* gradient or whose own parameter's gradient is non-finite, i.e. the module whose
+    backward produced it (a weight gradient can overflow alone, with every activation
+    gradient finite: fp16's usual case)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -322,6 +328,9 @@ class NaNLocator:
     def __enter__(self) -> NaNLocator:
         for name, mod in self.model.named_modules():
             self._handles.append(mod.register_forward_hook(self._hook(name)))
+            for pname, p in mod.named_parameters(recurse=False):
+                if p.requires_grad:
+                    self._handles.append(p.register_hook(self._grad_hook(name, f"grad of {pname}")))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -385,13 +394,26 @@ class _PoisonGrad(torch.autograd.Function):
 
 
 def inject_nonfinite(model: nn.Module, module: str, phase: str = "forward"):
-    """Make ``module``'s first output carry a NaN (``phase="forward"``) or its gradient turn
-    NaN on the way back (``"backward"``).  Returns the hook handle (``.remove()`` to stop)."""
+    """Make ``module``'s first output carry a NaN (``phase="forward"``), its gradient turn
+    NaN on the way back (``"backward"``), or its first parameter's gradient carry an Inf and
+    nothing else (``"weight"``: every activation gradient stays finite).  Returns the hook
+    handle (``.remove()`` to stop)."""
     names = dict(model.named_modules())
     if module not in names:
         raise ConfigError("nan_module", module, "the name of a module of the model (e.g. 'double_blocks.1')")
-    if phase not in ("forward", "backward"):
-        raise ConfigError("nan_phase", phase, "'forward' or 'backward'")
+    if phase not in NAN_PHASES:
+        raise ConfigError("nan_phase", phase, "'forward', 'backward' or 'weight'")
+    if phase == "weight":
+        params = [p for p in names[module].parameters() if p.requires_grad]
+        if not params:
+            raise ConfigError("nan_module", module, "a module with a trainable parameter (for nan_phase 'weight')")
+
+        def overflow(g):
+            g = g.clone()
+            g.view(-1)[0] = float("inf")
+            return g
+
+        return params[0].register_hook(overflow)
 
     def poison(t):
         if phase == "backward":
@@ -406,113 +428,3 @@ def inject_nonfinite(model: nn.Module, module: str, phase: str = "forward"):
         return (poison(out[0]), *out[1:])
 
     return names[module].register_forward_hook(hook, prepend=True)
-
-
-# ------------------------------------------------------------------------------ numerics diff
-def telemetry_frame(records: pd.DataFrame, variant: str | None = None) -> pd.DataFrame:
-    """(step, block, stream, stat, value) from a telemetry frame or from report records
-    (rows of experiment "telemetry", the step and block in ``extra``)."""
-    if set(FRAME_COLUMNS) <= set(records.columns):
-        return records[FRAME_COLUMNS].copy()
-    df = records[records["experiment"] == "telemetry"]
-    if variant is not None:
-        df = df[df["variant"] == variant]
-    extra = [json.loads(e) if isinstance(e, str) and e else {} for e in df["extra"]]
-    return pd.DataFrame(
-        dict(
-            step=[int(e.get("step", 0)) for e in extra],
-            block=[e.get("block", "") for e in extra],
-            stream=[e.get("stream", "") for e in extra],
-            stat=list(df["metric"]),
-            value=pd.to_numeric(df["value"], errors="coerce").astype(float).to_numpy(),
-        ),
-        columns=FRAME_COLUMNS,
-    )
-
-
-@dataclass
-class NumericsDiff:
-    """Where two runs part: ``cells`` (step, block, stat, rel_diff), ``first`` (stat, block,
-    first_step beyond tol or -1, max_rel_diff), ``origin`` {stat: (block, step)} of the
-    earliest divergence (ties: the shallowest block)."""
-
-    tol: float
-    cells: pd.DataFrame
-    first: pd.DataFrame
-    origin: dict[str, tuple[str, int]] = field(default_factory=dict)
-
-    def lines(self, stats: Iterable[str] | None = None) -> list[str]:
-        out = []
-        for stat in stats or sorted(self.origin):
-            if stat in self.origin:
-                blk, step = self.origin[stat]
-                out.append(f"{stat}: first beyond {self.tol:g} at step {step} in {blk}")
-        return out
-
-
-def numerics_diff(records_a: pd.DataFrame, records_b: pd.DataFrame, tol: float = 0.05) -> NumericsDiff:
-    """Per block and statistic, the relative difference |a-b|/max(|a|,|b|) of two runs'
-    telemetry at every step (streams and head groups reduced by max), and the first step
-    each (stat, block) exceeds ``tol``."""
-    check_float("tol", tol, min=0, min_exclusive=True)
-    a, b = telemetry_frame(records_a), telemetry_frame(records_b)
-    keys = ["step", "block", "stream", "stat"]
-    m = a.merge(b, on=keys, suffixes=("_a", "_b"))
-    if m.empty:
-        raise ConfigError("records", f"{len(a)} and {len(b)} rows", "two telemetry runs sharing steps and blocks")
-    va, vb = m["value_a"].abs(), m["value_b"].abs()
-    den = pd.concat([va, vb], axis=1).max(axis=1).clip(lower=1e-30)
-    rel = (m["value_a"] - m["value_b"]).abs() / den
-    # a value that is finite in one run and not in the other differs completely
-    rel = rel.where(m["value_a"].notna() == m["value_b"].notna(), 1.0).fillna(0.0)
-    m["rel_diff"] = rel.where(m["value_a"] != m["value_b"], 0.0)
-    cells = m.groupby(["step", "block", "stat"], as_index=False)["rel_diff"].max()
-    first_rows, origin = [], {}
-    for (stat, blk), g in cells.groupby(["stat", "block"]):
-        over = g[g["rel_diff"] > tol]
-        first_rows.append(
-            dict(
-                stat=stat,
-                block=blk,
-                first_step=int(over["step"].min()) if len(over) else -1,
-                max_rel_diff=float(g["rel_diff"].max()),
-            )
-        )
-    first = pd.DataFrame(first_rows, columns=["stat", "block", "first_step", "max_rel_diff"])
-    for stat, g in first[first.first_step >= 0].groupby("stat"):
-        g = g.assign(key=[block_sort_key(x) for x in g.block]).sort_values(["first_step", "key"])
-        origin[stat] = (str(g.iloc[0].block), int(g.iloc[0].first_step))
-    order = sorted(first.block.unique(), key=block_sort_key)
-    first = first.assign(_o=first.block.map({b: i for i, b in enumerate(order)})).sort_values(["stat", "_o"])
-    return NumericsDiff(tol, cells, first.drop(columns="_o").reset_index(drop=True), origin)
-
-
-def numdiff_main(argv: list[str] | None = None) -> int:
-    """``perflab numdiff A B``: where the telemetry of two reports (or two variants of one
-    report) first differs beyond ``--tol``."""
-    ap = argparse.ArgumentParser(prog="perflab numdiff", description=numdiff_main.__doc__)
-    ap.add_argument("a", help="report folder or records file (run A)")
-    ap.add_argument("b", help="report folder or records file (run B)")
-    ap.add_argument("--variant-a", default=None, help="telemetry variant of A (default: its only one)")
-    ap.add_argument("--variant-b", default=None, help="telemetry variant of B (default: its only one)")
-    ap.add_argument("--tol", type=float, default=0.05, help="relative difference that counts (default 0.05)")
-    ap.add_argument("--stat", action="append", help="statistics to show (default: all)")
-    ns = ap.parse_args(argv)
-    frames = []
-    for path, variant, side in ((ns.a, ns.variant_a, "variant-a"), (ns.b, ns.variant_b, "variant-b")):
-        rec = load_records(path)
-        tel = rec[rec["experiment"] == "telemetry"]
-        names = sorted(tel["variant"].unique())
-        if variant is None:
-            if len(names) != 1:
-                raise SystemExit(f"perflab numdiff: {path} holds telemetry variants {names}; choose one with --{side}")
-            variant = names[0]
-        elif variant not in names:
-            raise SystemExit(f"perflab numdiff: {path} has no telemetry variant {variant!r} (it has {names})")
-        frames.append(telemetry_frame(tel, variant))
-    d = numerics_diff(frames[0], frames[1], ns.tol)
-    show = d.first if not ns.stat else d.first[d.first.stat.isin(ns.stat)]
-    print(show.to_string(index=False))
-    lines = d.lines(ns.stat)
-    print("\n".join(lines) if lines else f"no statistic differs beyond {ns.tol:g}")
-    return 0

@@ -3,17 +3,23 @@ the optimizer's storage modes, loss scaling, telemetry and the numerics diff."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
+from torch import nn
 
 from lab_utils.config import ConfigError
 from lab_utils.model.mmdit import build_model
 from lab_utils.model.train import rf_loss, synthetic_batch
-from lab_utils.records import Recorder
+from lab_utils.numdiff import numdiff_main, numerics_diff, rel_diff, telemetry_frame
+from lab_utils.records import Recorder, load_records
 from lab_utils.stability import (
+    CLIP_NOOP,
     DynamicLossScaler,
     RunSpec,
     SpikeDetector,
@@ -28,8 +34,6 @@ from lab_utils.telemetry import (
     disable_qk_norm,
     inject_nonfinite,
     locate_nonfinite,
-    numdiff_main,
-    numerics_diff,
 )
 
 SEED = 1234
@@ -77,6 +81,41 @@ def test_nan_locator_is_quiet_on_a_finite_step_and_leaves_no_hooks():
     assert all(not m._forward_hooks for m in model.modules())
 
 
+def test_nan_locator_names_a_module_whose_weight_gradient_alone_is_inf():
+    """An Inf in one weight gradient, every activation gradient finite (fp16's usual overflow):
+    the locator hooks parameter gradients too and names the module that owns the weight."""
+    model, batch = _model_and_batch()
+    fc2 = model.double_blocks[1].img_mlp.fc2
+    seen = []
+
+    def overflow(g):
+        g = g.clone()
+        g[0, 0] = math.inf
+        return g
+
+    def watch(mod, args, out):  # every module output's gradient, to show they all stay finite
+        for t in out if isinstance(out, tuple) else (out,):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(seen.append)
+
+    handles = [fc2.weight.register_hook(overflow), *(m.register_forward_hook(watch) for m in model.modules())]
+    report = locate_nonfinite(model, _loss_fn(model, batch))
+    for h in handles:
+        h.remove()
+    assert len(seen) > 20 and all(bool(torch.isfinite(g).all()) for g in seen)
+    assert report is not None, "an Inf in a weight gradient alone was not located"
+    assert (report.phase, report.module, report.block) == ("backward", "double_blocks.1.img_mlp.fc2", "double_blocks.1")
+    assert report.tensor == "grad of weight" and report.inf == 1 and report.nan == 0, str(report)
+    assert all(not p._backward_hooks for p in model.parameters()), "the locator leaves no parameter hooks"
+
+
+def test_training_locates_a_weight_gradient_overflow():
+    res = train_run(RunSpec(steps=3, batch_size=2, nan_module="double_blocks.0", nan_phase="weight", nan_step=1))
+    assert res.steps.action.tolist() == ["step", "non-finite: skipped", "step"]
+    ((i, rep),) = res.nonfinite
+    assert i == 1 and rep is not None and rep.block == "double_blocks.0" and rep.tensor.startswith("grad of ")
+
+
 def test_training_skips_and_locates_a_nonfinite_step():
     res = train_run(RunSpec(steps=4, batch_size=2, nan_module="single_blocks.1", nan_phase="backward", nan_step=1))
     assert res.steps.action.tolist() == ["step", "non-finite: skipped", "step", "step"]
@@ -108,6 +147,72 @@ def test_spike_detector_fires_on_a_provoked_spike_and_not_on_a_clean_run():
     assert rewound.steps.action.iloc[9] == "rewound: batch skipped" and rewound.replayed_steps == 1
     # skipping the poisoned batch's update or rewinding past it gives the same weights
     assert rewound.steps.loss.iloc[-1] == pytest.approx(poisoned.steps.loss.iloc[-1], rel=1e-5)
+
+
+@functools.cache
+def _policy_run(policy: str, precision: str = "fp32"):
+    # a one-step learning-rate jump at step 12 spikes steps 13, 14, 15 (the replays jump again):
+    # the rewind policy goes back to the checkpoint of step 10 twice, then to step 15's
+    spec = RunSpec(steps=17, batch_size=2, provoke="lr", provoke_step=12, ckpt_every=5, seed=0, precision=precision)
+    return train_run(dataclasses.replace(spec, spike_policy=policy, name=policy))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16_master"])
+def test_rewinds_to_one_checkpoint_replay_the_skip_policy_exactly(precision):
+    """A checkpoint is held by value: after two rewinds to it the run computes exactly what the
+    skip policy computes (same weights, Adam moments, fp32 master copies) on every step both
+    take; a replay that updated the checkpoint's moments in place parted at the second rewind."""
+    skip, rewind = _policy_run("skip", precision), _policy_run("rewind", precision)
+    assert rewind.replayed_steps == 3 + 4  # back to step 10 from 13 and from 14; from 15 to its own checkpoint
+    a, b = skip.steps, rewind.steps
+    assert b.action.tolist()[12:] == ["step", *["rewound: batch skipped"] * 3, "step"]
+    assert a.action.tolist()[12:] == ["step", *["spike: skipped"] * 4]
+    took = (b.action != "rewound: batch skipped").to_numpy()
+    np.testing.assert_array_equal(b.loss.to_numpy()[took], a.loss.to_numpy()[took])  # bitwise, steps 0-12 and 16
+    np.testing.assert_array_equal(b.grad_norm.to_numpy()[took], a.grad_norm.to_numpy()[took])
+
+
+def test_rewind_keeps_one_telemetry_row_per_step_the_replayed_one():
+    skip, rewind = _policy_run("skip", "fp32"), _policy_run("rewind", "fp32")
+    keys = ["step", "block", "stream", "stat"]
+    t = rewind.telemetry
+    assert not t.duplicated(keys).any(), t[t.duplicated(keys, keep=False)].sort_values(keys).head()
+    assert sorted(t.step.unique()) == list(range(17))
+    # the replayed steps' rows are the replay's: equal to the skip run's, which took those steps once
+    replayed = t[t.step.between(10, 12)].set_index(keys).value.sort_index()
+    s = skip.telemetry
+    once = s[s.step.between(10, 12)].set_index(keys).value.sort_index()
+    pd.testing.assert_series_equal(replayed, once)
+
+
+def test_rewind_restores_the_optimizer_by_value():
+    torch.manual_seed(SEED)
+    p = nn.Parameter(torch.randn(33, 7).bfloat16())
+    opt = StabilityAdamW([p], lr=1e-3, mode="master", seed=SEED)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    snap = opt.snapshot()
+    kept = {k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+    for _ in range(2):
+        opt.restore(snap)
+        assert opt.state[p]["master"].dtype == torch.float32 and opt.state[p]["m"].dtype == torch.float32
+        p.grad = torch.randn_like(p)
+        opt.step()  # updates the restored copies, never the snapshot
+    for k, v in kept.items():
+        assert torch.equal(snap["state"][p][k], v), k
+
+
+def test_clip_policy_changes_the_trajectory_when_the_global_clip_leaves_room():
+    kw = dict(steps=14, batch_size=2, provoke="batch", provoke_step=10, seed=0)
+    none = train_run(RunSpec(spike_policy="none", grad_clip=0.0, **kw)).steps
+    clip = train_run(RunSpec(spike_policy="clip", grad_clip=0.0, **kw)).steps
+    assert clip.action[10] == "spike: clipped"
+    np.testing.assert_array_equal(clip.loss[:11], none.loss[:11])  # the same run until the clipped step
+    assert (clip.loss[11:] != none.loss[11:]).all()
+    # with grad_clip below the typical norm every step is clipped to the same norm already:
+    # the policy says it has nothing to do rather than claiming a clip
+    tight = train_run(RunSpec(spike_policy="clip", grad_clip=1.0, **kw)).steps
+    assert tight.grad_norm.iloc[:10].min() > 1.0 and tight.action[10] == CLIP_NOOP
 
 
 # ------------------------------------------------------------------------------ rounding
@@ -190,7 +295,46 @@ def test_optimizer_storage_modes(mode, lost_max):
     strided.track = True
     strided.step()
     _, _, lost16, n16 = strided.last_stats[p]
-    assert n16 == -(-p.numel() // 16) and abs(float(lost16) / n16 - frac) < 0.05  # an estimate of the same fraction
+    # an estimate of the same count, scaled from every 16th element to the whole tensor
+    assert n16 == p.numel() and abs(float(lost16) / n16 - frac) < 0.05
+
+
+class _OneBlock(nn.Module):
+    """A model with one block: a large fp32 weight whose updates all land, and a small bf16
+    vector whose updates all round away (lr far below its ulp)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(SEED)
+        blk = nn.Module()
+        blk.weight = nn.Parameter(torch.randn(256, 64, generator=g))  # 16384 elements: sampled
+        blk.scale = nn.Parameter(torch.ones(64, dtype=torch.bfloat16))  # 64 elements: counted in full
+        self.double_blocks = nn.ModuleList([blk])
+
+
+def _lost_frac(stride: int) -> float:
+    model = _OneBlock()
+    tel = Telemetry(model)
+    opt = StabilityAdamW(model.parameters(), lr=1e-6, lost_stride=stride)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    tel.begin_step(0)
+    opt.track = True
+    opt.step()
+    tel.after_step(opt.last_stats)
+    tel.end_step()
+    tel.close()
+    df = tel.frame()
+    return float(df[df.stat == "lost_update_frac"].value.iloc[0])
+
+
+def test_lost_update_fraction_weighs_each_tensor_by_its_size():
+    """A block's fraction is lost elements / elements.  The large tensor is sampled every 16th
+    element; its estimate must stand for all of its elements, or the small tensor counted in
+    full weighs 16 times its share (64 / (1024 + 64) = 0.059 instead of 64 / 16448 = 0.0039)."""
+    exact = _lost_frac(1)
+    assert exact == pytest.approx(64 / (256 * 64 + 64), rel=1e-6)
+    assert _lost_frac(16) == pytest.approx(exact, rel=1e-6)
 
 
 def test_loss_scaler_backs_off_and_grows():
@@ -309,3 +453,119 @@ def test_numdiff_command_reads_two_reports_records(tmp_path, capsys):
     assert numdiff_main(paths + ["--tol", "0.1"]) == 0
     out = capsys.readouterr().out
     assert "act_max: first beyond 0.1 at step 2 in single_blocks.0" in out
+
+
+def test_rel_diff_decides_non_finite_values_by_class():
+    inf, nan = math.inf, math.nan
+    a = [inf, 1.0, inf, -inf, nan, nan, inf, 2.0, 0.0]
+    b = [1.0, inf, -inf, -inf, nan, 3.0, nan, 2.0, 0.0]
+    assert rel_diff(a, b).tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    assert rel_diff([0.0], [5e-5], 1e-2).tolist() == [pytest.approx(5e-3)]  # the floor, not the values
+
+
+def _nonfinite_pair():
+    """Run B goes to Inf in single_blocks.0's act_max at step 3 and its update ratios are
+    missing there (the step was skipped), otherwise the runs agree."""
+    a = _frame().assign(stat="act_max")
+    b = a.copy()
+    b.loc[(b.step == 3) & (b.block == "single_blocks.0"), "value"] = math.inf
+    ratio = a.assign(stat="update_ratio", value=0.01)
+    return pd.concat([a, ratio]), pd.concat([b, ratio[ratio.step != 3]])
+
+
+def test_numerics_diff_counts_inf_against_finite_and_missing_rows_as_full_differences():
+    a, b = _nonfinite_pair()
+    d = numerics_diff(a, b, tol=0.05)
+    assert d.origin["act_max"] == ("single_blocks.0", 3)
+    assert d.origin["update_ratio"] == ("double_blocks.0", 3)  # rows B lacks at a step both recorded
+    assert len(d.one_sided) == 3 and set(d.one_sided.run) == {"a"}
+    assert d.first.set_index(["stat", "block"]).loc[("act_max", "single_blocks.0"), "max_rel_diff"] == 1.0
+    # +Inf against -Inf differs; the same non-finite class (Inf and Inf, NaN and NaN) does not
+    neg = b.assign(value=np.where(np.isinf(b.value), -math.inf, b.value))
+    assert numerics_diff(b, neg).origin["act_max"] == ("single_blocks.0", 3)
+    assert "act_max" not in numerics_diff(b, b).origin
+    # steps only one run recorded (another length, another sampling) are left out, and listed
+    short = a[a.step < 4]
+    d = numerics_diff(a, short)
+    assert d.origin == {} and d.steps_only == {"a": [4, 5], "b": []}
+
+
+def test_numerics_diff_floor_keeps_tiny_statistics_from_diverging():
+    rows = lambda v: pd.DataFrame(  # noqa: E731
+        [dict(step=0, block="double_blocks.0", stream="", stat="lost_update_frac", value=v)]
+    )
+    assert numerics_diff(rows(0.0), rows(5e-5), tol=0.02).origin == {}
+    assert numerics_diff(rows(0.0), rows(5e-5), tol=0.02, floors={"lost_update_frac": 0}).origin != {}
+    assert numerics_diff(rows(0.10), rows(0.12), tol=0.02).origin == {"lost_update_frac": ("double_blocks.0", 0)}
+
+
+def _records_file(tmp_path, name, frame, **extra) -> str:
+    rec = Recorder("07_stability")
+    for r in frame.itertuples():
+        rec.add("telemetry", name, r.stat, r.value, "", step=r.step, block=r.block, stream=r.stream, **extra)
+    return str(rec.save(tmp_path / f"{name}.json"))
+
+
+def test_nonfinite_telemetry_round_trips_through_records_and_numdiff_sees_it(tmp_path, capsys):
+    from lab_utils.stability import RunResult
+    from lab_utils.studies.stability import record_runs
+
+    a, b = _nonfinite_pair()
+    b = pd.concat([b, b.head(1).assign(step=3, block="double_blocks.1", stream="txt", value=math.nan)])
+    b = pd.concat([b, b.head(1).assign(step=3, block="double_blocks.1", stream="img", value=-math.inf)])
+    paths = []
+    for name, frame in (("a", a), ("b", b)):
+        rec = Recorder("07_stability")
+        run = RunResult(RunSpec(name=name), pd.DataFrame(columns=["step", "loss", "grad_norm", "action"]), frame)
+        record_runs(rec, "recipes", {name: run}, telemetry=True)
+        paths.append(str(rec.save(tmp_path / f"{name}.json")))
+    back = telemetry_frame(load_records(paths[1]), "b").sort_values(["step", "block", "stream", "stat"])
+    want = b.sort_values(["step", "block", "stream", "stat"])
+    assert len(back) == len(want)
+    np.testing.assert_array_equal(back.value.to_numpy(), want.value.to_numpy())  # NaN, +Inf, -Inf as such
+    assert numdiff_main(paths) == 0
+    out = capsys.readouterr().out
+    assert "act_max: first beyond 0.05 at step 3 in double_blocks.1" in out
+    assert "update_ratio: first beyond 0.05 at step 3" in out
+
+
+def test_numdiff_refuses_a_report_without_telemetry_in_one_line(tmp_path, capsys):
+    rec = Recorder("05_memory")
+    rec.add("saved", "none", "bytes", 1.0, "B")
+    empty = str(rec.save(tmp_path / "mem.json"))
+    good = _records_file(tmp_path, "a", _frame())
+    assert numdiff_main([good, empty]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "has no telemetry records" in err and "mem.json" in err
+    assert numdiff_main([good, str(tmp_path / "missing.json")]) == 2
+    assert "cannot read records" in capsys.readouterr().err
+    assert numdiff_main([good, good, "--variant-b", "zz"]) == 2
+    assert "no telemetry variant 'zz'" in capsys.readouterr().err
+
+
+def test_numdiff_warns_when_the_two_runs_are_unrelated(tmp_path, capsys):
+    a = _records_file(tmp_path, "a", _frame(), source="recipes")
+    b = _records_file(tmp_path, "b", _frame(), source="recipes")
+    c = _records_file(tmp_path, "c", _frame(), source="qk_norm")
+    assert numdiff_main([a, b]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert numdiff_main([a, c]) == 0
+    err = capsys.readouterr().err
+    assert "warning" in err and "experiment qk_norm" in err
+    d = _records_file(tmp_path, "d", _frame()[lambda f: f.step >= 5].assign(step=lambda f: f.step + 10))
+    assert numdiff_main([a, d]) == 2  # no step in common: nothing to compare, said in one line
+    assert "sharing steps" in capsys.readouterr().err
+
+
+def test_numdiff_on_two_recorded_runs_names_the_step_one_went_nan(tmp_path, capsys):
+    from lab_utils.studies.stability import record_runs
+
+    paths = []
+    for name, kw in (("a", {}), ("b", dict(nan_module="double_blocks.1", nan_phase="forward", nan_step=2))):
+        rec = Recorder("07_stability")
+        record_runs(rec, "nan", {name: train_run(RunSpec(name=name, steps=4, batch_size=2, **kw))}, telemetry=True)
+        paths.append(str(rec.save(tmp_path / f"{name}.json")))
+    assert numdiff_main(paths) == 0
+    out = capsys.readouterr().out
+    assert "act_max: first beyond 0.05 at step 2 in double_blocks.1" in out, out
+    assert "loss: first beyond 0.05 at step 2\n" in out, out

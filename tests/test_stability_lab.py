@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from lab_utils.config import ConfigError
-from lab_utils.studies.stability import StabilityLabConfig, drift_table
-from lab_utils.telemetry import numerics_diff
+from lab_utils.numdiff import numerics_diff
+from lab_utils.stability import RunResult, RunSpec
+from lab_utils.studies.stability import StabilityLabConfig, drift_table, policy_check_lines, rewind_matches_skip
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
         ("qk_lr", 0),
         ("drift_tol", -0.1),
         ("telemetry_every", 0),
+        ("spike_grad_clip", -1.0),
     ],
 )
 def test_bad_parameter_is_refused_by_name(param, value):
@@ -65,3 +67,40 @@ def test_drift_table_names_the_block_where_drift_starts():
     t = drift_table({"fp8_tensor": d}).set_index("stat")
     assert t.loc["logit_max", "drift_starts_in"] == "double_blocks.1" and t.loc["logit_max", "at_step"] == 2
     assert t.loc["act_max", "drift_starts_in"] == "none" and t.loc["act_max", "at_step"] == -1
+
+
+def test_nan_checks_accept_a_weight_gradient_injection():
+    cfg = StabilityLabConfig(nan_checks=(("double_blocks.0", "weight"),))
+    assert cfg.nan_checks[0][1] == "weight"
+
+
+def _policy(policy: str, losses: list[float], actions: list[str] | None = None) -> RunResult:
+    n = len(losses)
+    steps = pd.DataFrame(
+        dict(step=range(n), loss=losses, grad_norm=[1.0] * n, action=actions or ["step"] * n, spike=[False] * n)
+    )
+    return RunResult(RunSpec(spike_policy=policy, provoke="batch"), steps, pd.DataFrame())
+
+
+def test_policy_checks_raise_when_clip_leaves_the_trajectory_unchanged():
+    none = _policy("none", [3.0, 2.0, 9.0, 2.5])
+    same = _policy("clip", [3.0, 2.0, 9.0, 2.5], ["step", "step", "spike: clip no-op", "step"])
+    with pytest.raises(AssertionError, match="clip policy left the trajectory"):
+        policy_check_lines({"n": none, "c": same})
+    moved = _policy("clip", [3.0, 2.0, 9.0, 2.4], ["step", "step", "spike: clipped", "step"])
+    assert policy_check_lines({"n": none, "c": moved}) == [
+        "clip changes the trajectory of none: True (1 step(s) clipped)"
+    ]
+
+
+def test_rewind_matches_skip_until_their_actions_part():
+    nan = float("nan")
+    skip = _policy("skip", [3.0, 2.0, 9.0, 8.0, 7.0, 2.2], ["step", "step", *["spike: skipped"] * 3, "step"])
+    acts = ["step", "step", "rewound: batch skipped", "rewound: batch skipped", "step", "step"]
+    rewind = _policy("rewind", [3.0, 2.0, nan, nan, 7.0, 2.9], acts)  # its rewinds ran out at step 4
+    assert rewind_matches_skip(skip, rewind) == (True, 4)
+    off = _policy("rewind", [3.0, 2.1, nan, nan, 7.0, 2.9], acts)
+    assert rewind_matches_skip(skip, off) == (False, 4)
+    assert policy_check_lines({"s": skip, "r": off}) == [
+        "rewind replays exactly the skip policy's losses until their actions part: False"
+    ]

@@ -6,7 +6,7 @@ perflab ceilings [--force] [--quick]
 perflab nb refresh LAB.ipynb ...
 perflab compare BASE CANDIDATE [...]      (lab_utils.run.compare)
 perflab baseline refresh|check [...]      (lab_utils.run.compare.baselines)
-perflab numdiff A B [--variant-a V] [...]  (lab_utils.telemetry: where two runs' telemetry parts)
+perflab numdiff A B [--variant-a V] [...]  (lab_utils.numdiff: where two runs' telemetry parts)
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import sys
 
 from ..ceilings import cached_ceilings, get_ceilings
 from ..config import ConfigError
+from ..numdiff import numdiff_main
 from ..records import load_records, thread_cut_note
-from ..telemetry import numdiff_main
 from .compare import baseline_main, lab_name
 from .compare import main as compare_main
 from .nbtools import refresh

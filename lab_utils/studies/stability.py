@@ -18,10 +18,11 @@ from tqdm.auto import tqdm
 from ..config import ConfigError, LabConfig, check_bool, check_choice, check_choices, check_float, check_int
 from ..device import pick_device
 from ..model.config import PRESETS, MMDiTConfig
+from ..numdiff import NumericsDiff, numerics_diff
 from ..precision import RECIPES
 from ..records import Recorder
 from ..stability import PROVOKE, SPIKE_POLICIES, RunResult, RunSpec, train_run
-from ..telemetry import NumericsDiff, numerics_diff
+from ..telemetry import NAN_PHASES
 from .headline import Figure, register, rows
 
 LAB = "07_stability"
@@ -55,13 +56,14 @@ class StabilityLabConfig(LabConfig):
     loss_scale_interval: int = 5
     spike_policies: tuple = ("none", "skip", "clip", "rewind")
     spike_lr: float = 1e-3
+    spike_grad_clip: float = 0.0  # the global clip of the spike runs; 0 = off (the policies answer alone)
     provoke: str = "batch"
     provoke_step: int = 12
     poison_scale: float = 30.0
     lr_jump: float = 30.0
     spike_window: int = 16
     spike_threshold: float = 6.0
-    nan_checks: tuple = (("double_blocks.1", "forward"), ("single_blocks.0", "backward"))
+    nan_checks: tuple = (("double_blocks.1", "forward"), ("single_blocks.0", "backward"), ("double_blocks.0", "weight"))
     progress: bool = True
 
     def __post_init__(self):
@@ -76,6 +78,7 @@ class StabilityLabConfig(LabConfig):
             check_float(name, getattr(self, name), min=0, min_exclusive=True)
         check_float("loss_scale_init", self.loss_scale_init, min=1)
         check_float("lr_jump", self.lr_jump, min=0, min_exclusive=True)
+        check_float("spike_grad_clip", self.spike_grad_clip, min=0)
         check_choices("recipes", list(self.recipes), [r for r in RECIPES if r != "bf16"])
         check_choices("spike_policies", list(self.spike_policies), SPIKE_POLICIES)
         check_choice("provoke", self.provoke, [p for p in PROVOKE if p != "none"])
@@ -97,7 +100,7 @@ class StabilityLabConfig(LabConfig):
         for chk in self.nan_checks:
             if not isinstance(chk, (list, tuple)) or len(chk) != 2 or chk[0] not in blocks:
                 raise ConfigError("nan_checks", self.nan_checks, f"[block, phase] pairs, block one of {sorted(blocks)}")
-            check_choice("nan_checks", chk[1], ("forward", "backward"))
+            check_choice("nan_checks", chk[1], NAN_PHASES)
         check_bool("progress", self.progress)
 
     def spec(self, name: str, **kw) -> RunSpec:
@@ -176,9 +179,12 @@ def run_loss_scaling(cfg: StabilityLabConfig) -> dict[str, RunResult]:
 
 
 def run_spikes(cfg: StabilityLabConfig) -> dict[str, RunResult]:
-    """A clean run, then the provoked spike under each policy."""
+    """A clean run, then the provoked spike under each policy, all with ``spike_grad_clip``
+    as the global clip (off by default: a global clip below the typical gradient norm clips
+    every step to the same norm, the spike's too, and leaves the clip policy nothing to do)."""
     kw = dict(
         lr=cfg.spike_lr,
+        grad_clip=cfg.spike_grad_clip,
         spike_window=cfg.spike_window,
         spike_threshold=cfg.spike_threshold,
         poison_scale=cfg.poison_scale,
@@ -192,19 +198,25 @@ def run_spikes(cfg: StabilityLabConfig) -> dict[str, RunResult]:
     return _run_all(cfg, specs, "spikes")
 
 
+_INJECTED = {"forward": "forward NaN", "backward": "backward NaN", "weight": "weight-gradient Inf"}
+
+
 def nan_locator_lines(cfg: StabilityLabConfig) -> list[str]:
-    """Inject a NaN into each chosen block (forward or backward) at step 2 of a short run;
-    the step's one-step replay must name that block.  Raises when it does not."""
+    """Inject a NaN into each chosen block at step 2 of a short run (forward: into its output;
+    backward: into the gradient flowing back through it; weight: an Inf into its first
+    parameter's gradient alone); the step's one-step replay must name that block.  Raises
+    when it does not, or when the non-finite step is not located at all."""
     lines = []
     for block, phase in cfg.nan_checks:
         res = train_run(cfg.spec(f"nan {block} {phase}", steps=4, nan_module=block, nan_phase=phase, nan_step=2))
         events = [(i, e) for i, e in res.nonfinite if e is not None]
-        if not events or events[0][1].block != block or events[0][1].phase != phase:
-            raise AssertionError(f"NaN injected into {block} ({phase}) was located as {events}")
+        expect = "forward" if phase == "forward" else "backward"
+        if not events or events[0][1].block != block or events[0][1].phase != expect:
+            raise AssertionError(f"{_INJECTED[phase]} injected into {block} was located as {res.nonfinite}")
         i, e = events[0]
         skipped = int((res.steps.action == "non-finite: skipped").sum())
         lines.append(
-            f"injected {phase} NaN in {block}: step {i}, located in {e.module} ({e.tensor}); skipped {skipped}"
+            f"injected {_INJECTED[phase]} in {block}: step {i}, located in {e.module} ({e.tensor}); skipped {skipped}"
         )
     return lines
 
@@ -340,6 +352,62 @@ def spike_verdict_lines(runs: dict[str, RunResult], provoke_step: int) -> list[s
     return out
 
 
+def _policy_runs(runs: dict[str, RunResult]) -> dict[str, RunResult]:
+    """{policy: run} of the provoked runs."""
+    return {r.spec.spike_policy: r for r in runs.values() if r.spec.provoke != "none"}
+
+
+_SAME_ACTION = {("spike: skipped", "rewound: batch skipped")}
+
+
+def _same(x: float, y: float) -> bool:
+    return bool(x == y or (math.isnan(x) and math.isnan(y)))
+
+
+def rewind_matches_skip(skip: RunResult, rewind: RunResult) -> tuple[bool, int]:
+    """Whether ``rewind`` computes exactly the losses and gradient norms of ``skip`` up to the
+    step where their actions part (a rewound batch counts as a skipped one: they part where
+    ``rewind`` has used up its rewinds and applies a spike that ``skip`` skips), and that
+    step.  A rewind restores the weights, moments, detector window and loss scale of its
+    checkpoint and replays the same batches and noise: anything but equality is state
+    leaking through the checkpoint."""
+    a, b = skip.steps.set_index("step"), rewind.steps.set_index("step")
+    part = int(min(a.index.max(), b.index.max()))
+    for k in a.index.intersection(b.index):
+        if a.action[k] != b.action[k] and (a.action[k], b.action[k]) not in _SAME_ACTION:
+            part = int(k)
+            break
+    ok = True
+    for k in a.index.intersection(b.index):
+        if k > part or b.action[k] == "rewound: batch skipped":
+            continue
+        ok &= _same(a.loss[k], b.loss[k]) and _same(a.grad_norm[k], b.grad_norm[k])
+    return ok, part
+
+
+def policy_check_lines(runs: dict[str, RunResult]) -> list[str]:
+    """Checks of the policies against each other: ``clip`` must change the trajectory of
+    ``none`` (raises when it does not: a clip policy that does nothing), and ``rewind`` must
+    replay exactly the ``skip`` policy's losses until their actions part."""
+    pol = _policy_runs(runs)
+    out = []
+    if "clip" in pol and "none" in pol:
+        clip, none = pol["clip"].steps, pol["none"].steps
+        n = min(len(clip), len(none))
+        changed = not all(_same(x, y) for x, y in zip(clip.loss.to_numpy()[:n], none.loss.to_numpy()[:n]))
+        if not changed:
+            raise AssertionError(
+                f"the clip policy left the trajectory of 'none' unchanged (actions {sorted(set(clip.action))}): "
+                "with grad_clip at or below the median gradient norm it has nothing to clip"
+            )
+        clipped = int((clip.action == "spike: clipped").sum())
+        out.append(f"clip changes the trajectory of none: {changed} ({clipped} step(s) clipped)")
+    if "skip" in pol and "rewind" in pol:
+        ok, _ = rewind_matches_skip(pol["skip"], pol["rewind"])
+        out.append(f"rewind replays exactly the skip policy's losses until their actions part: {ok}")
+    return out
+
+
 def closing_lines(qk, prec_t, drift_t, scale_t, spike_t) -> list[str]:
     """The measured effects, read from the tables above."""
     q = qk_table(qk)
@@ -424,8 +492,9 @@ def spike_plot(runs: dict[str, RunResult], provoke_step: int):
 
 # ------------------------------------------------------------------------------ records
 def record_runs(rec: Recorder, experiment: str, runs: dict[str, RunResult], *, telemetry: bool = False) -> None:
-    """Per-step loss / grad norm rows, one final-loss row per run, and, with ``telemetry``,
-    every telemetry row (experiment "telemetry", what ``perflab numdiff`` reads)."""
+    """Per-step loss / grad norm rows (finite ones), one final-loss row per run, and, with
+    ``telemetry``, every telemetry row, non-finite values included (experiment "telemetry",
+    what ``perflab numdiff`` reads)."""
     for name, r in runs.items():
         shape = (r.spec.batch_size, r.spec.resolution, r.spec.resolution)
         for row in r.steps.itertuples():
@@ -434,21 +503,20 @@ def record_runs(rec: Recorder, experiment: str, runs: dict[str, RunResult], *, t
                 if math.isfinite(v):
                     rec.add(experiment, name, metric, v, "", shape=shape, step=int(row.step), action=row.action)
         rec.add(experiment, name, "final_loss", r.final_loss(), "", shape=shape, statistic="mean_last_quarter")
-        if telemetry:
+        if telemetry:  # non-finite values too (NaN, +-Inf): where a run went non-finite is the point
             for t in r.telemetry.itertuples():
-                if math.isfinite(t.value):
-                    rec.add(
-                        "telemetry",
-                        name,
-                        t.stat,
-                        t.value,
-                        "",
-                        shape=shape,
-                        step=int(t.step),
-                        block=t.block,
-                        stream=t.stream,
-                        source=experiment,
-                    )
+                rec.add(
+                    "telemetry",
+                    name,
+                    t.stat,
+                    t.value,
+                    "",
+                    shape=shape,
+                    step=int(t.step),
+                    block=t.block,
+                    stream=t.stream,
+                    source=experiment,
+                )
 
 
 def record_table(rec: Recorder, experiment: str, table: pd.DataFrame) -> None:
