@@ -10,6 +10,7 @@ any process starts.  The world-2 strategies share one spawn (one process group).
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 
 import pytest
@@ -157,15 +158,18 @@ def _all_gone(pids: list[int]) -> bool:
     return True
 
 
-def test_raising_rank_ends_run_with_its_error(tmp_path):
+def test_raising_rank_ends_run_with_its_error_and_leaves_no_folder(tmp_path, monkeypatch):
+    """Without ``out`` the ranks write into a temporary folder, removed when the run fails."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     cfg = DistConfig(strategy="ddp", world_size=2, steps=2, fault="raise", fault_rank=1, fault_step=2, profile=False)
     t0 = time.monotonic()
     with pytest.raises(DistRunError) as ei:
-        launch(cfg, tmp_path, progress=False)
+        launch(cfg, progress=False)
     assert ei.value.kind == "raised" and ei.value.rank == 1
     assert "injected fault: rank 1 raised at step 2" in str(ei.value)
     assert time.monotonic() - t0 < cfg.timeout_s
     assert len(ei.value.pids) == 2 and _all_gone(ei.value.pids)
+    assert ei.value.out is None and list(tmp_path.glob("perflab-*")) == []
 
 
 def test_rank_killed_by_a_signal_is_named_with_every_rank_status(tmp_path):

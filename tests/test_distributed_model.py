@@ -7,18 +7,23 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
+import torch
 
 from lab_utils.config import ConfigError
-from lab_utils.distributed import DistConfig
+from lab_utils.distributed import DistConfig, launch
 from lab_utils.distributed.__main__ import main as dist_cli
 from lab_utils.distributed.comm import CollectiveEvent, collectives, fit_alpha_beta, overlap, predict_comm_ms
+from lab_utils.distributed.launch import check_local_devices
 from lab_utils.distributed.parallel import linear2_permutation, qkv_permutation
 from lab_utils.distributed.projection import comm_plan, fastest, project
 from lab_utils.model import analytic_param_count, resolve_config
-from lab_utils.studies.distributed import DistributedLabConfig, case_params
+from lab_utils.records import Recorder
+from lab_utils.studies import distributed as study
+from lab_utils.studies.distributed import DistributedLabConfig, case_params, run_lab
 
 
 @pytest.mark.parametrize(
@@ -167,3 +172,48 @@ def test_cli_names_the_refused_parameter(capsys, args, param):
     assert dist_cli([*["run"], *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"python -m lab_utils.distributed run: parameter {param!r} = "), err
+
+
+def test_nccl_without_a_gpu_is_refused_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError) as ei:
+        launch(DistConfig(strategy="ddp", world_size=2, backend="nccl"), tmp_path, progress=False)
+    assert ei.value.param == "backend" and "without a CUDA GPU" in str(ei.value)
+    assert list(tmp_path.iterdir()) == []  # no spec written, no rank started
+    assert dist_cli(["run", "--strategy", "ddp", "--param", "backend=nccl", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "parameter 'backend' = 'nccl' is not allowed" in err, err
+
+
+@pytest.mark.parametrize("backend", ["nccl", "auto"])
+def test_more_ranks_than_gpus_is_refused_before_any_rank_starts(tmp_path, monkeypatch, backend):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError) as ei:
+        launch(DistConfig(strategy="ddp", world_size=2, backend=backend), tmp_path, progress=False)
+    assert ei.value.param == "world_size" and "at most 1 (the visible GPUs" in str(ei.value)
+    assert list(tmp_path.iterdir()) == []
+    check_local_devices(DistConfig(strategy="ddp", world_size=2, backend="gloo"))  # CPU ranks: any number
+
+
+def test_lab_refuses_nccl_without_gpus_before_the_reference_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = DistributedLabConfig(strategies=("ddp",), backend="nccl", fault_demo=False)
+    with pytest.raises(ConfigError) as ei:
+        run_lab(cfg, Recorder(lab="06_distributed"), tmp_path)
+    assert ei.value.param == "backend" and list(tmp_path.iterdir()) == []
+
+
+def test_lab_removes_its_temporary_folder_when_interrupted(tmp_path, monkeypatch):
+    """Without ``out``, the lab's runs (about 100 MB of traces) live in a temporary folder, removed
+    also when the run is interrupted (Ctrl-C between the reference and the spawns here)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(study, "launch_cases", interrupted)
+    cfg = DistributedLabConfig(strategies=("ddp",), steps=1, fault_demo=False)
+    with pytest.raises(KeyboardInterrupt):
+        run_lab(cfg, Recorder(lab="06_distributed"))
+    assert list(tmp_path.glob("perflab-*")) == []  # (torch's own caches may land beside it)

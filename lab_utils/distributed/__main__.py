@@ -12,9 +12,11 @@ overlap; ``worker`` is one rank (see :mod:`lab_utils.distributed.worker`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -68,16 +70,25 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # a refused configuration is one line and exit code 2, as `perflab` does
         print(f"python -m lab_utils.distributed run: {e}", file=sys.stderr)
         return 2
-    try:
-        res = launch(cfg, args.out)
-    except DistRunError as e:
-        print(f"run failed ({e.kind}): {e}", file=sys.stderr)
-        return 1
-    print(json.dumps({"strategy": cfg.strategy, "world_size": cfg.world_size, "losses": res.losses}, indent=1))
-    for rk in res.ranks:
-        if "overlap" in rk:
-            print(f"rank {rk['rank']}: " + json.dumps({k: round(v, 3) for k, v in rk["overlap"].items()}))
-    print(f"results and traces: {res.out}")
+    # without --out the ranks' results and traces (about 11 MB) go to a temporary folder, removed at
+    # the end, also after a failure or Ctrl-C
+    with contextlib.ExitStack() as stack:
+        out = args.out or stack.enter_context(tempfile.TemporaryDirectory(prefix="perflab-dist-"))
+        try:
+            res = launch(cfg, out)
+        except ConfigError as e:  # this machine cannot host the run (NCCL without GPUs, too few GPUs)
+            print(f"python -m lab_utils.distributed run: {e}", file=sys.stderr)
+            return 2
+        except DistRunError as e:
+            print(f"run failed ({e.kind}): {e}", file=sys.stderr)
+            return 1
+        print(json.dumps({"strategy": cfg.strategy, "world_size": cfg.world_size, "losses": res.losses}, indent=1))
+        for rk in res.ranks:
+            if "overlap" in rk:
+                print(f"rank {rk['rank']}: " + json.dumps({k: round(v, 3) for k, v in rk["overlap"].items()}))
+    print(
+        f"results and traces: {res.out}" if args.out else "results and traces: not kept (pass --out DIR to keep them)"
+    )
     return 0
 
 

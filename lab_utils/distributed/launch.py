@@ -22,7 +22,18 @@ of 2 nodes with 8 GPUs::
         --rdzv-endpoint HEAD_NODE:29500 --rdzv-id perflab-06 \\
         -m lab_utils.distributed worker --spec spec.json --out runs/fsdp
 
-with ``spec.json`` from ``DistConfig(...).to_json()`` (``world_size`` = nodes x GPUs).
+with ``spec.json`` from ``DistConfig(...).to_json()`` (``world_size`` = nodes x GPUs), e.g.
+``python -c "from lab_utils.distributed import DistConfig; print(DistConfig(strategy='fsdp',
+world_size=16, backend='nccl').to_json())" > spec.json`` (it is validated there, once).  Each
+node's ranks write ``result-rank{r}.json`` (losses, step times, collectives) into that node's
+``--out``; rank 0 also writes ``grads.pt`` (full gradients after step 1).  To check the run,
+copy the result files of all nodes into one folder and compare rank 0's losses and
+``grads.pt`` with :func:`.worker.single_process_run` of the same spec through
+:func:`.verify.compare`, as the lab does; :func:`check_local_devices` applies to one machine
+only and is not called under torchrun.
+
+Without ``out`` the ranks write into a temporary folder, removed when a run fails or is
+interrupted; the lab and the command line remove theirs once read unless asked to keep them.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -192,6 +204,22 @@ class _Tail:
         return events
 
 
+def check_local_devices(cfg: DistConfig) -> None:
+    """Refuse, before any rank starts, a run this machine cannot host: NCCL without a CUDA GPU, or more
+    ranks than visible GPUs when the ranks would use them (each rank takes ``cuda:LOCAL_RANK``).  A
+    spec for several nodes under torchrun is not checked here: its world spans the nodes' GPUs."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.backend == "nccl" and gpus == 0:
+        raise ConfigError("backend", cfg.backend, "'gloo' or 'auto' on a machine without a CUDA GPU (NCCL needs one)")
+    if cfg.backend in ("nccl", "auto") and gpus and cfg.world_size > gpus:
+        raise ConfigError(
+            "world_size",
+            cfg.world_size,
+            f"at most {gpus} (the visible GPUs, one per rank) with backend {cfg.backend!r}; "
+            "backend 'gloo' runs more ranks on the CPU",
+        )
+
+
 def launch(cfg: DistConfig, out: str | Path | None = None, *, progress: bool = True, desc: str = "") -> DistResult:
     """Run ``cfg`` on ``cfg.world_size`` local processes; raise :class:`DistRunError` when it fails."""
     return launch_cases([cfg], out, progress=progress, desc=desc)[0]
@@ -201,12 +229,30 @@ def launch_cases(
     cfgs: list[DistConfig], out: str | Path | None = None, *, progress: bool = True, desc: str = ""
 ) -> list[DistResult]:
     """Run several cases of one world size in one spawn (the ranks join the process group once and
-    run the cases in order); the run's timeout is the sum of the cases', its watchdog the longest."""
+    run the cases in order); the run's timeout is the sum of the cases', its watchdog the longest.
+
+    The ranks write into ``out``; without it, into a temporary folder that the caller owns when the
+    run succeeds (``DistResult.out``) and that is removed when it fails or is interrupted (the
+    error carries the cause)."""
     if not cfgs or len({c.world_size for c in cfgs}) != 1:
         raise ConfigError("world_size", [c.world_size for c in cfgs], "one world size shared by every case")
+    for c in cfgs:
+        check_local_devices(c)
+    if out is not None:
+        return _launch_cases(cfgs, Path(out), progress, desc)
+    tmp = Path(tempfile.mkdtemp(prefix="perflab-dist-"))
+    try:
+        return _launch_cases(cfgs, tmp, progress, desc)
+    except BaseException as e:
+        if isinstance(e, DistRunError):
+            e.out = None
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _launch_cases(cfgs: list[DistConfig], out: Path, progress: bool, desc: str) -> list[DistResult]:
     cfg = cfgs[0]
     timeout_s, hang_s = sum(c.timeout_s for c in cfgs), max(c.hang_timeout_s for c in cfgs)
-    out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="perflab-dist-"))
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("*-rank*.*"), *out.glob("case*/*-rank*.*")]:
         old.unlink()

@@ -21,6 +21,7 @@ import torch
 from ..config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int, check_int_list
 from ..distributed import DistConfig, DistResult, DistRunError, launch, launch_cases
 from ..distributed.comm import AlphaBeta, CollectiveEvent, fit_alpha_beta, predict_comm_ms
+from ..distributed.launch import check_local_devices
 from ..distributed.projection import Links, comm_plan, events_per_call, fastest, plan_time_fitted, project
 from ..distributed.spec import COMPONENTS
 from ..distributed.verify import ATTENTION_TOL, EMULATED_TOL, Agreement, compare, tolerance_key
@@ -194,8 +195,23 @@ class LabRuns:
 
 
 def run_lab(cfg: DistributedLabConfig, rec: Recorder, out: str | Path | None = None) -> LabRuns:
-    """The single-process reference here, then one spawn per world size; records as it goes."""
-    out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="perflab-06-"))
+    """The single-process reference here, then one spawn per world size; records as it goes.
+
+    The ranks' files (results, gradients, one profiler trace per rank and run: about 100 MB at the
+    CPU defaults) go to ``out`` when given; otherwise to a temporary folder removed when the runs are
+    read, also after a failure or an interrupt: what the lab shows is read into memory first."""
+    cases = cfg.cases()
+    for c in cases:  # before anything runs: NCCL without GPUs, more ranks than GPUs
+        check_local_devices(c)
+    if out is not None:
+        return _run_lab(cfg, rec, Path(out))
+    with tempfile.TemporaryDirectory(prefix="perflab-06-") as tmp:
+        runs = _run_lab(cfg, rec, Path(tmp))
+    runs.out = None
+    return runs
+
+
+def _run_lab(cfg: DistributedLabConfig, rec: Recorder, out: Path) -> LabRuns:
     ref = single_process_run(cfg.dist_config("single", 1), out / "reference")
     runs = LabRuns(ref, torch.load(out / "reference" / "grads.pt"), out=out)
     for w in sorted({c.world_size for c in cfg.cases()}):
@@ -464,7 +480,10 @@ def fault_lines(cfg: DistributedLabConfig, out: str | Path | None = None) -> lis
     named, no process is left."""
     if not cfg.fault_demo:
         return ["fault demo skipped (fault_demo = False)"]
-    out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="perflab-06-faults-"))
+    if out is None:
+        with tempfile.TemporaryDirectory(prefix="perflab-06-faults-") as tmp:
+            return fault_lines(cfg, tmp)
+    out = Path(out)
     lines = []
     for fault, rank, hang in (("raise", 1, cfg.hang_timeout_s), ("kill", 1, cfg.hang_timeout_s), ("hang", 0, 5.0)):
         c = DistConfig(
