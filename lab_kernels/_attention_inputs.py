@@ -143,10 +143,12 @@ def launch_config(kind: str, head_dim: int, dtype: torch.dtype) -> dict:
     shared memory): FA2-style tiles, smaller for float32 (true fp32 dots, no tensor cores).
 
     Backward at head dim 128 in 16-bit (Hopper): every dot of both kernels has an M of 64 per
-    warpgroup, so it lowers to wgmma (a 32-row tile lowered dQ to mma.sync), with a 2-stage
-    pipeline.  dK/dV: 64 keys per program, 64 queries per step, 8 warps (227 registers, no spill,
-    66 KB shared); dQ: 128 queries per program, 64 keys per step, 8 warps (254 registers, no
-    spill, 96 KB shared), by ptxas for sm_90a.  Compiled for sm_90 by the tests; not tuned on a GPU."""
+    warpgroup, so it lowers to wgmma (a 32-row tile lowered dQ to mma.sync), and the operand tiles
+    are loaded one step ahead (2 stages; the JIT's 16-byte specialization makes them async copies).
+    dK/dV: 64 keys per program, 64 queries per step, 8 warps (208 registers, no spill, 97 KB
+    shared); dQ: 128 queries per program, 64 keys per step, 8 warps (221 registers, no spill,
+    128 KB shared): ptxas -v for sm_90a (triton 3.9).  Compiled for sm_90 by the tests; not
+    tuned on a GPU."""
     if kind not in LAUNCH_KINDS:
         raise ValueError(f"parameter 'kind' = {kind!r} is not allowed: expected one of {LAUNCH_KINDS}")
     if C.interpreted():
