@@ -32,7 +32,7 @@ from lab_kernels import (
     variants,
 )
 from lab_utils import fused
-from lab_utils.checks import compare, poison_, tolerance
+from lab_utils.checks import compare, poison_, rel_error, tolerance
 
 OPS = fused.OP_NAMES
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -76,6 +76,38 @@ def test_cheap_variants_match_float64(op, variant, dtype, gen):
     # bfloat16 on the large irregular shape, where rounding matters most
     problem = BIG[op] if dtype == torch.bfloat16 else SMALL[op]
     fused.assert_variant_ok(op, variant, dtype, problem, seed=_seed(gen))
+
+
+#: unit roundoff (half the spacing of 1.0's neighbours) of the low-precision dtypes
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("variant", ["eager", "triton"])
+@pytest.mark.parametrize("op", OPS)
+def test_low_precision_error_is_a_rounding_not_a_percent(op, variant, dtype, gen):
+    """The elementwise check above allows 1.6e-2 (bfloat16) and 2e-3 (float16) per element, and
+    twice that for gradients: a systematic error of a percent (bfloat16) or 0.13% (float16) passes
+    it.  Norm-wise, a result rounded to the dtype once or a few times is off by about one unit
+    roundoff u (measured: at most 1.1 u over every op, variant, output and gradient; the Triton
+    interpreter truncates to bfloat16, up to 2 u per element); so each output and gradient must be
+    within 2 u of float64 in ||a - e|| / ||e||, which a 1% error in bfloat16 (2.6 u) or 0.13% in
+    float16 (2.7 u) fails."""
+    seed = _seed(gen)
+    args, inp, _ = fused.make_inputs(op, TINY[op], dtype, seed=seed)
+    ref_args = [a.detach().double().requires_grad_(a.requires_grad) for a in args]
+    ref = fused.as_tuple(get_variant(op, "reference")(*ref_args))
+    out = fused.as_tuple(get_variant(op, variant)(*args))
+    g = torch.Generator().manual_seed(seed + 1)
+    douts = [torch.randn(r.shape, generator=g, dtype=torch.float64).to(dtype) for r in ref]
+    diff = [(n, a, r) for n, a, r in zip(inp.names, args, ref_args) if n in inp.grads]
+    got = torch.autograd.grad(out, [a for _, a, _ in diff], douts)
+    want = torch.autograd.grad(ref, [r for _, _, r in diff], [d.double() for d in douts])
+    names = [f"out{i}" for i in range(len(out))] + [f"grad {n}" for n, _, _ in diff]
+    u = UNIT_ROUNDOFF[dtype]
+    for name, a, e in zip(names, list(out) + list(got), list(ref) + list(want)):
+        err = rel_error(a, e)
+        assert err <= 2 * u, f"{op}/{variant} {dtype} {name}: ||a - e|| / ||e|| = {err / u:.2f} u (seed {seed})"
 
 
 @pytest.mark.parametrize("op", OPS)
