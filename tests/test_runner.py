@@ -358,7 +358,7 @@ def test_index_leads_with_each_labs_headline(tmp_path):
         "worst kernel vs ceiling: <b>triton 37 %</b>",
         "worst path vs ceiling: <b>math 8 %</b>",
         "lowest matmul SQNR: <b>fp8_row 31.5 dB</b>",
-        "what fits at 1024px: <b>batch 17</b>",
+        "what fits at 1024px: <b>batch 17 (full)</b>",
         "peak memory, no checkpointing: <b>64 MiB</b>",
         "communication overlapped: <b>42%</b>",
         "largest loss gap vs fp32: <b>bf16 +0.0123</b>",

@@ -5,6 +5,7 @@ and its plots (which read records)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -464,7 +465,9 @@ def headline(df: pd.DataFrame) -> list[Figure]:
     fit = rows(df, experiment="what_fits", metric="max_batch")
     if len(fit):
         px = fit["shape"].str.removesuffix("px").astype(float)
-        top = fit[px == px.max()]
-        b = top.loc[top.value.idxmax()]
-        figs.append(Figure(f"what fits at {b['shape']}", f"batch {int(b.value)}", f"{b.variant}, bf16, predicted"))
+        at = fit[px == (1024.0 if (px == 1024.0).any() else px.max())]
+        preset = at["extra"].map(lambda e: json.loads(e).get("preset", "") if e else "")
+        best = [at[preset == p].loc[at[preset == p].value.idxmax()] for p in dict.fromkeys(preset)]
+        text = "; ".join(f"{p} batch {int(b.value)} ({b.variant})".strip() for p, b in zip(dict.fromkeys(preset), best))
+        figs.append(Figure(f"what fits at {at['shape'].iloc[0]}", text, "best policy, bf16, predicted"))
     return figs
