@@ -99,6 +99,9 @@ def test_measure_saved_refuses_a_model_of_another_policy():
     assert e.value.param == "cfg"
     own = mem.measure_saved(cfg, sh, "float32", "none", model=model).by_region()
     assert own == mem.saved_bytes_formula(cfg, sh, "float32", "none")
+    full = build_model(cfg.replace(checkpoint="full"))
+    got = mem.measure_saved(cfg, sh, "float32", model=full).by_region()  # no policy: the model's own
+    assert got == mem.saved_bytes_formula(cfg, sh, "float32", "full") != own
 
 
 def test_offload_on_cpu_is_labelled_as_device_bytes():

@@ -396,12 +396,14 @@ def measure_saved(
     """Run the forward of one rectified-flow step (batch built outside the probe) and return
     what it keeps for the backward.  ``device="meta"`` works for every preset.
 
-    A ``model`` passed in runs its own checkpointing policy (``model.cfg.checkpoint``): a
-    ``policy`` or ``cfg`` that differs from the model's is refused rather than silently
-    measuring something else."""
+    A ``model`` passed in runs its own checkpointing policy (``model.cfg.checkpoint``, taken
+    when ``policy`` is None): a ``policy`` or ``cfg`` that differs from the model's is refused
+    rather than silently measuring something else."""
     cfg = resolve_config(cfg)
     if policy is not None:
         cfg = cfg.replace(checkpoint=policy)
+    elif model is not None and getattr(model, "cfg", None) is not None:
+        cfg = cfg.replace(checkpoint=model.cfg.checkpoint)  # no policy asked for: the model's own
     dt = parse_dtype("dtype", dtype)
     dev = torch.device(device)
     if model is None:
