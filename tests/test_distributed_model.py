@@ -109,9 +109,11 @@ def test_alpha_beta_fit_recovers_a_line_and_predicts():
         for _ in range(5)
     ]
     fit = fit_alpha_beta(ev)["all_gather"]
-    assert fit.alpha_us == pytest.approx(alpha, rel=0.1) and fit.gbps == pytest.approx(1.0, rel=0.05)
+    # 1% noise on 5 samples per size: the fit is within 0.1% here (alpha 50.04 us, 1.0013 GB/s); a
+    # percent-level error in the fit or the byte counts fails these bounds
+    assert fit.alpha_us == pytest.approx(alpha, rel=0.02) and fit.gbps == pytest.approx(1.0, rel=0.01)
     pred, meas, missing = predict_comm_ms([CollectiveEvent("all_gather", 65536, 0, 115.5)], {"all_gather": fit})
-    assert missing == 0 and meas == pytest.approx(0.1155) and pred == pytest.approx(0.1155, rel=0.05)
+    assert missing == 0 and meas == pytest.approx(0.1155) and pred == pytest.approx(0.1155, rel=0.01)
 
 
 def test_comm_plan_bytes_of_ddp_and_fsdp():
