@@ -164,8 +164,7 @@ LAB01_OVERRIDES = "\nsteps = 1\nwarmup_steps = 0\nnum_samples = 8\n"
 def test_lab01_explorer_in_jupyterlab(chrome, tmp_path):
     src = ROOT / "labs" / f"{LAB01}.ipynb"
     nb = nbformat.read(src, as_version=4)
-    if not any("explore" in c.source for c in nb.cells):
-        pytest.skip(f"labs/{LAB01}.ipynb has no explorer cell")
+    assert any("explore" in c.source for c in nb.cells), f"labs/{LAB01}.ipynb has lost its explorer cell"
     params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
     params.source += LAB01_OVERRIDES
     # the lab's own cells that the explorer needs (parameters, set-up, the profile that makes
