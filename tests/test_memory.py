@@ -16,6 +16,7 @@ from lab_utils.model import build_model, resolve_config
 from lab_utils.model.checkpointing import block_policy
 from lab_utils.studies import memory as study
 from lab_utils.studies.memory import MemoryLabConfig
+from lab_utils.timing import BenchFailure
 
 # Irregular step shapes: a 4x5 token grid, odd text length, batch 3 (seeded below).
 SHAPES = {"tiny": mem.StepShape(3, 20, 7), "small": mem.StepShape(2, 12, 5)}
@@ -47,7 +48,7 @@ def test_formula_counts_a_one_token_stream(sh, dtype):
 
 def test_lab_formula_check_with_one_text_token():
     """The lab accepts txt_len=1; its formula check (every policy) passes there."""
-    df = study.formula_check(MemoryLabConfig(txt_len=1, batch_size=2, resolution=64))
+    df = study.formula_check(MemoryLabConfig(txt_len=1, batch_size=2, resolution=32))
     assert list(df.policy) == list(mem.FORMULA_POLICIES) and (df.hooks_bytes == df.formula_bytes).all()
 
 
@@ -104,10 +105,13 @@ def test_measure_saved_refuses_a_model_of_another_policy():
     assert got == mem.saved_bytes_formula(cfg, sh, "float32", "full") != own
 
 
-def test_offload_on_cpu_is_labelled_as_device_bytes():
+def test_offload_on_cpu_is_labelled_as_device_bytes(monkeypatch):
     """On a CPU save_on_cpu moves nothing: the offload row says its saved bytes are what it
-    would keep on a GPU, not memory freed here."""
-    cfg = MemoryLabConfig(policies=("none", "offload"), batch_size=1, resolution=32, txt_len=2, device="cpu")
+    would keep on a GPU, not memory freed here (the lab's table and its records)."""
+    failed = BenchFailure("step", "budget", "not timed in this test")
+    fake = [mem.PolicyResult(p, 100, 100, 200, 1.0, failed, True) for p in ("none", "offload")]
+    monkeypatch.setattr(mem, "compare_policies", lambda *a, **k: fake)  # the policies' runs: not under test
+    cfg = MemoryLabConfig(policies=("none", "offload"), device="cpu")
     rec = study.recorder(cfg)
     df = study.compare(cfg, rec).set_index("policy")
     assert "moves nothing" in df.loc["offload", "saved_bytes_are"]
@@ -115,6 +119,7 @@ def test_offload_on_cpu_is_labelled_as_device_bytes():
     f = rec.frame()
     extra = json.loads(f[(f.variant == "offload") & (f.metric == "saved_bytes")].extra.item())
     assert "would keep on a GPU" in extra["method"]
+    assert "on the device" in study.saved_means("offload", torch.device("cuda"))
 
 
 def test_views_share_storage_and_parameters_are_not_activations():
