@@ -20,11 +20,12 @@ from lab_utils.config import ConfigError
 from lab_utils.distributed import DistConfig, DistRunError, launch, launch_cases
 from lab_utils.distributed.verify import ATTENTION_TOL, EMULATED_TOL, compare
 from lab_utils.distributed.worker import emulated_dp_step, single_process_run
+from lab_utils.model import analytic_param_count, resolve_config
 
 STEPS = 3
 BASE = dict(world_size=2, steps=STEPS, profile=False, timeout_s=120.0, hang_timeout_s=60.0)
 CASES = [
-    dict(strategy="ddp"),
+    dict(strategy="ddp", profile=True),
     dict(strategy="fsdp"),
     dict(strategy="fsdp", reshard_after_forward=False, prefetch=False),
     dict(strategy="fsdp", checkpoint="selective"),
@@ -104,6 +105,16 @@ def test_profiled_step_has_collectives_and_overlap(world2):
         assert ov["compute_ms"] > 0 and ov["exposed_ms"] >= 0 and ov["idle_ms"] >= 0
         kinds = {c["kind"] for c in rank["collectives"]}
         assert "all_gather" in kinds, kinds  # FSDP2 gathers parameters
+
+
+def test_ddp_all_reduces_every_gradient_byte_once(world2):
+    """The profiled DDP step's all-reduce traffic is the float32 gradient of every parameter, exactly
+    (the trace's byte count read independently of the projection's plan, which must agree with it)."""
+    i = next(k for k, c in enumerate(world2["cfgs"]) if c.strategy == "ddp")
+    params = analytic_param_count(resolve_config("tiny"))
+    for rank in world2["results"][i].ranks:
+        got = sum(c["bytes"] for c in rank["collectives"] if c["kind"] == "all_reduce")
+        assert got == 4 * params, (rank["rank"], got, 4 * params)
 
 
 @pytest.mark.parametrize(("strategy", "world"), [("single", 1), ("fsdp", 4)])
