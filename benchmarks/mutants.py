@@ -44,11 +44,12 @@ TESTS = {
         "tests/test_fused.py::test_bytes_formulas_by_hand",
     ],
     "lab_utils/fused_blocks.py": [f"{DF}::test_block_speedup_reads_eager_over_provider"],
-    "lab_utils/memory/budget.py": ["tests/test_memory_budget.py"],
+    "lab_utils/memory/budget.py": ["tests/test_memory_gpus_needed.py", "tests/test_memory_budget.py"],
     "lab_utils/memory/saved.py": [
-        "tests/test_memory_budget.py",
-        "tests/test_memory.py::test_formula_extrapolates_on_meta",
+        "tests/test_memory.py::test_formula_equals_hooks_every_policy[tiny-bfloat16]",
         "tests/test_memory.py::test_formula_equals_hooks_every_policy[tiny-float32]",
+        "tests/test_memory.py::test_formula_extrapolates_on_meta",
+        "tests/test_memory_budget.py",
     ],
     "lab_utils/run/compare/rules.py": ["tests/test_compare_rules.py", "tests/test_compare.py"],
     "lab_utils/run/compare/stats.py": ["tests/test_compare_rules.py", "tests/test_compare.py"],
@@ -71,7 +72,8 @@ TESTS = {
         "tests/test_distributed.py::test_fsdp_bf16_compute_reduces_gradients_in_fp32",
         "tests/test_distributed.py::test_strategy_reproduces_single_process",
     ],
-    "lab_utils/telemetry.py": [
+    "lab_utils/telemetry.py": ["tests/test_telemetry_figures.py"]
+    + [
         f"tests/test_stability.py::{t}"
         for t in (
             "test_telemetry_rows_and_logit_max_against_a_direct_computation",
@@ -83,6 +85,16 @@ TESTS = {
             "test_nan_locator_is_quiet_on_a_finite_step_and_leaves_no_hooks",
             "test_nan_locator_names_a_module_whose_weight_gradient_alone_is_inf",
             "test_training_skips_and_locates_a_nonfinite_step",
+        )
+    ],
+    "lab_utils/numdiff.py": ["tests/test_telemetry_figures.py"]
+    + [
+        f"tests/test_stability.py::{t}"
+        for t in (
+            "test_numerics_diff_finds_where_two_runs_part",
+            "test_numdiff_command_reads_two_reports_records",
+            "test_rel_diff_decides_non_finite_values_by_class",
+            "test_numerics_diff_floor_keeps_tiny_statistics_from_diverging",
         )
     ],
     "lab_utils/plan.py": [
@@ -128,7 +140,7 @@ PRO, COMM, CP, PAR = (
     "lab_utils/distributed/context_parallel.py",
     "lab_utils/distributed/parallel.py",
 )
-TEL, PLAN = "lab_utils/telemetry.py", "lab_utils/plan.py"
+TEL, NDIFF, PLAN = "lab_utils/telemetry.py", "lab_utils/numdiff.py", "lab_utils/plan.py"
 
 MUTANTS = [
     # ------------------------------------------------------------------ lab_kernels
@@ -852,7 +864,7 @@ MUTANTS = [
     _m(
         "tel.rel_diff_den",
         TE,
-        TEL,
+        NDIFF,
         "den = np.maximum(np.maximum(np.abs(a), np.abs(b)), floor)",
         "den = np.maximum(np.abs(a), floor)",
         "relative difference against run a only",
@@ -860,7 +872,7 @@ MUTANTS = [
     _m(
         "tel.nan_same_class",
         TE,
-        TEL,
+        NDIFF,
         "out[same_class] = 0.0",
         "out[same_class] = 1.0",
         "NaN in both runs counted as a difference",
@@ -884,7 +896,7 @@ MUTANTS = [
     _m(
         "tel.floor_lost",
         TE,
-        TEL,
+        NDIFF,
         'ABS_FLOOR = {"lost_update_frac": 1e-2}',
         'ABS_FLOOR = {"lost_update_frac": 1e-6}',
         "lost-update floor dropped",

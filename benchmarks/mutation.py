@@ -15,7 +15,7 @@ thousands of trivial mutants would take hours here.
 * Every mutant's snippet must occur exactly once in its file: a stale mutant (0 or several
   matches) is an error, reported, never skipped silently.
 * Each source file maps to the few tests that exercise it (``TESTS`` in the table).  Each
-  package's test sets run first unmutated (a failing baseline aborts that package); then each
+  package's tests run first unmutated, all in one run (a failing baseline aborts that package); then each
   mutant is applied to the copy, its tests run (``-x -q``, no plugin autoload, fixed
   ``PERFLAB_SEED``, no bytecode written, so an equal-length edit is never hidden by a stale ``.pyc``) with a timeout of
   ``max(--min-timeout, --timeout-factor x baseline)``, and the file is restored.
@@ -279,32 +279,41 @@ def run(
         stale = validate(mutants, copies[0])
         by_pkg: dict[str, list[Mutant]] = defaultdict(list)
         for m in mutants:
-            by_pkg[m.package].append(m)
-        todo: list[tuple[Mutant, float]] = []
-        for pkg, ms in by_pkg.items():
-            live = [m for m in ms if m.id not in stale]
-            for m in ms:
-                if m.id in stale:
-                    result.results.append(Result(m.id, pkg, m.file, "stale", 0.0, m.why, m.named, stale[m.id]))
-            # one baseline per distinct test set of the package (unmutated)
-            base_secs: dict[tuple, float] = {}
-            ok, detail, total = True, "", 0.0
-            for key in dict.fromkeys(tuple(tests_for(m, tests)) for m in live):
-                status, secs, det = run_tests(copies[0], list(key), 1800.0, python, seed)
-                base_secs[key], total = secs, total + secs
-                if progress:
-                    print(f"baseline {pkg}: {status} in {secs:.0f} s ({' '.join(key)[:100]})", file=sys.stderr)
-                if status != "passed":
-                    ok, detail = False, f"{' '.join(key)}: {status}: {det}"
-                    break
-            result.baselines[pkg] = {"ok": ok, "seconds": round(total, 1), "detail": detail}
-            for m in live:
-                if not ok:
-                    result.results.append(Result(m.id, pkg, m.file, "skipped", 0.0, m.why, m.named, "baseline failed"))
-                else:
-                    todo.append((m, max(min_timeout, timeout_factor * base_secs[tuple(tests_for(m, tests))])))
-        bar = tqdm(total=len(todo), desc="mutants", unit="mutant", disable=not progress)
+            if m.id in stale:
+                result.results.append(Result(m.id, m.package, m.file, "stale", 0.0, m.why, m.named, stale[m.id]))
+            else:
+                by_pkg[m.package].append(m)
         free = list(copies)
+
+        def baseline(pkg: str) -> tuple[str, float, str]:
+            # one run of every test the package's mutants map to (one start-up, not one per file)
+            union = list(dict.fromkeys(t for m in by_pkg[pkg] for t in tests_for(m, tests)))
+            copy = free.pop()
+            try:
+                status, secs, det = run_tests(copy, union, 1800.0, python, seed)
+            finally:
+                free.append(copy)
+            if progress:
+                print(f"baseline {pkg}: {status} in {secs:.0f} s", file=sys.stderr)
+            return status, secs, det
+
+        todo: list[tuple[Mutant, float]] = []
+        with ThreadPoolExecutor(max_workers=len(copies)) as pool:
+            for pkg, (status, secs, det) in zip(by_pkg, pool.map(baseline, list(by_pkg))):
+                ok = status == "passed"
+                result.baselines[pkg] = {
+                    "ok": ok,
+                    "seconds": round(secs, 1),
+                    "detail": "" if ok else f"{status}: {det}",
+                }
+                for m in by_pkg[pkg]:
+                    if ok:  # a mutant's tests are a part of the baseline's: its time bounds theirs
+                        todo.append((m, max(min_timeout, timeout_factor * secs)))
+                    else:
+                        result.results.append(
+                            Result(m.id, pkg, m.file, "skipped", 0.0, m.why, m.named, "baseline failed")
+                        )
+        bar = tqdm(total=len(todo), desc="mutants", unit="mutant", disable=not progress)
 
         def one(item: tuple[Mutant, float]) -> Result:
             m, timeout = item
@@ -340,9 +349,10 @@ def table_text(run_: Run) -> str:
     return "\n".join(lines)
 
 
-def markdown_table(run_: Run) -> str:
+def markdown_table(packages: dict[str, dict]) -> str:
+    """The per-package table (``Run.summary()``, or a written JSON's ``packages``) in Markdown."""
     lines = ["| package | mutants | killed | survived | timeout | kill rate |", "|---|---:|---:|---:|---:|---:|"]
-    for pkg, r in run_.summary().items():
+    for pkg, r in packages.items():
         rate = "-" if r["kill_rate"] is None else f"{r['kill_rate']:.0%}"
         lines.append(f"| {pkg} | {r['mutants']} | {r['killed']} | {r['survived']} | {r['timeout']} | {rate} |")
     return "\n".join(lines)
@@ -375,7 +385,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-timeout", type=float, default=60.0, help="seconds a mutant's tests may take at least")
     ap.add_argument("--timeout-factor", type=float, default=4.0, help="timeout as a multiple of the baseline's time")
     ap.add_argument("--goal", type=float, default=0.9, help="the kill rate each package must reach")
+    ap.add_argument("--markdown", metavar="JSON", help="print the table of a written result in Markdown, run nothing")
     a = ap.parse_args(argv)
+    if a.markdown:
+        doc = json.loads(Path(a.markdown).read_text(encoding="utf-8"))
+        print(f"{markdown_table(doc['packages'])}\n\n`{doc['command']}`, {doc['date']}, {doc['seconds'] / 60:.0f} min")
+        return 0
     mutants, tests = load_table(a.table)
     unknown = set(a.package or ()) - {m.package for m in mutants} | set(a.mutant or ()) - {m.id for m in mutants}
     if unknown:
