@@ -1214,7 +1214,7 @@ TARGETS = (
         ">= 0.70x",
         0.70,
         lambda df: _rows(df, "fp8_gemm", "vs_scaled_mm"),
-        lambda r: f"{r['_extra']['granularity']} {r['shape']}",
+        lambda r: f"{r['_extra']['granularity']}{_accum_label(r)} {r['shape']}",
     ),
     Target(
         "fp8_rowwise",
@@ -1222,9 +1222,13 @@ TARGETS = (
         ">= 1.6x",
         1.6,
         lambda df: _rows(df, "fp8_gemm", "speedup_vs_bf16", granularity="row").query("shape == '8192x8192x8192'"),
-        lambda r: f"row {r['shape']}",
+        lambda r: f"row{_accum_label(r)} {r['shape']}",
     ),
 )
+
+
+def _accum_label(r) -> str:
+    return "+fast_accum" if r["_extra"].get("fast_accum") else ""
 
 
 def evaluate_targets(df: pd.DataFrame) -> list[dict]:
