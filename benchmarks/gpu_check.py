@@ -21,7 +21,9 @@ Sections (each guarded: one that raises is recorded as failed and the others sti
   at 4k / 8k / 16k tokens, 24 heads x 128 (TFLOP/s from ``lab_utils.masks.attention_flops``,
   % of the measured bf16 matmul ceiling).
 * ``fp8``: ``torch._scaled_mm`` (e4m3, per-tensor and row-wise scales) and the Triton FP8 GEMM
-  checked against float64 of the dequantized operands, and timed beside bf16 at 4096^3, 8192^3.
+  (bf16 written by each kernel; precise and fast accumulation, each asked of both sides alike)
+  checked against float64 of the dequantized operands within ``fp8_gemm_tolerance(K, mode)``, and
+  timed beside bf16 at 4096^3, 8192^3.
 * ``train``: a few training steps of the ``medium`` MMDiT (synthetic batch: no encoder library)
   eager, compiled, and each replayed as one CUDA graph: phases (torch.profiler), step time,
   MFU and peak memory; where a CUDA graph cannot be captured the reason is recorded.
