@@ -11,8 +11,8 @@ name (relative Frobenius error per parameter) and as one vector over all paramet
   reference: the forward and backward run in bf16 (8 mantissa bits), so losses agree
   to 2e-3 and the gradient vector to 5e-2 (measured: 3e-4 and 2.7e-2); single parameters
   (the timestep embedding) differ by up to 16%, so this comparison cannot see a
-  percent-level error.  The one that can: step 1 of the same bf16 compute emulated in one
-  process (:func:`~lab_utils.distributed.worker.emulated_dp_step`: each rank's rows in
+  percent-level error.  The one that can (CPU ranks): step 1 of the same bf16 compute emulated in one
+  CPU process (:func:`~lab_utils.distributed.worker.emulated_dp_step`: each rank's rows in
   turn, gradients summed in fp32).  A float32 reduction of the ranks' bf16 gradients
   gives the same numbers up to float32 rounding (measured: bitwise equal), a bfloat16
   one rounds each sum to 8 bits (measured: 1.1e-3 to 2.6e-3 per parameter), so

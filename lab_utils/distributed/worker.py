@@ -149,7 +149,13 @@ def run_case(cfg: DistConfig, out: Path, device: torch.device, progress=None) ->
     progress = progress or (lambda *a, **k: None)
     pm = build_parallel(cfg, device)
     opt = _optimizer(cfg, pm.module.parameters())
-    result: dict = {"rank": rank, "world_size": world, "strategy": cfg.strategy, "mesh": list(cfg.mesh.shape)}
+    result: dict = {
+        "rank": rank,
+        "world_size": world,
+        "strategy": cfg.strategy,
+        "mesh": list(cfg.mesh.shape),
+        "device": device.type,
+    }
     if pm.cp_mode is not None:
         result["attention_check"] = check_against_sdpa(pm.cp_group, pm.cp_mode.scheme, seed=cfg.seed)
     start = 0
@@ -232,8 +238,8 @@ def emulated_dp_step(cfg: DistConfig) -> EmulatedStep:
     That is what a float32 reduction of the ranks' gradients gives, up to float32 rounding; a
     bfloat16 reduction rounds the sum once more (about 1e-3 relative per parameter).
 
-    Data parallelism only (no tp/cp); needs no process group (it makes a one-rank gloo group
-    of its own and destroys it)."""
+    Data parallelism only (no tp/cp), on the CPU: the reference of CPU (gloo) ranks; needs no
+    process group (it makes a one-rank gloo group of its own and destroys it)."""
     m = cfg.mesh
     if m.tp != 1 or m.cp != 1:
         raise ConfigError("strategy", cfg.strategy, "a data-parallel strategy only (ddp, fsdp, hsdp) to emulate")
