@@ -376,3 +376,15 @@ def test_index_leads_with_each_labs_headline(tmp_path):
     assert back.set_index(["lab", "experiment", "variant", "metric"]).loc[
         ("08_plan", "verify", "encoders=precomputed", "prediction_error"), "value"
     ] == pytest.approx(14.3)
+
+
+def test_headline_figures_read_plainly():
+    """A headline figure reads as a plain number with its unit (no 7.17e+03 ms)."""
+    from lab_utils.studies.headline import fmt
+
+    assert (fmt(7168.9, "ms"), fmt(123.0, "ms"), fmt(0.0848, "%"), fmt(float("nan"))) == (
+        "7,169 ms",
+        "123 ms",
+        "0.0848 %",
+        "n/a",
+    )

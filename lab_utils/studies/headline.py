@@ -67,7 +67,9 @@ def fmt(v: float, unit: str = "", digits: int = 3) -> str:
     """A value with its unit, to ``digits`` significant digits."""
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "n/a"
-    return f"{float(v):.{digits}g}" + (f" {unit}" if unit else "")
+    v = float(v)
+    text = f"{v:,.0f}" if abs(v) >= 10**digits else f"{v:.{digits}g}"  # 7,170 ms, not 7.17e+03 ms
+    return text + (f" {unit}" if unit else "")
 
 
 def verdict(r) -> str:
