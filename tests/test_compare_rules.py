@@ -18,6 +18,7 @@ import pytest
 from lab_utils.records import CONTEXT_COLUMNS, ROW_COLUMNS
 from lab_utils.run import compare as C
 from lab_utils.run.compare.options import Options
+from lab_utils.run.compare.rules import Direction
 from lab_utils.run.compare.stats import judge
 
 CPU = {
@@ -154,6 +155,10 @@ def test_thresholds_are_the_ones_set():
     assert verdict(err, 1 / 1.3) == "same" and verdict(err, 1 / 1.3001) == "less accurate"
     assert verdict(sqnr, nan, delta=-2.0) == "same" and verdict(sqnr, nan, delta=-2.01) == "less accurate"
     assert verdict(sqnr, nan, delta=2.0) == "same" and verdict(sqnr, nan, delta=2.01) == "more accurate"
+    # a dB figure where lower is better (a noise floor): the same edges, the other way round
+    floor = Direction("lower", "accuracy", "db")
+    assert verdict(floor, nan, delta=2.01) == "less accurate" and verdict(floor, nan, delta=-2.01) == "more accurate"
+    assert verdict(floor, nan, delta=-2.0) == "same"
 
 
 # (base sample, candidate sample, verdict) with five identical samples a side: the bootstrap
