@@ -56,10 +56,12 @@ TESTS = {
     "lab_utils/run/compare/comparison.py": ["tests/test_compare_rules.py", "tests/test_compare.py"],
     "lab_utils/timing.py": ["tests/test_timing_rules.py", "tests/test_timing_statistics.py", "tests/test_timing.py"],
     "lab_utils/distributed/projection.py": [
+        "tests/test_distributed_projection.py",
         "tests/test_distributed_model.py::test_comm_plan_bytes_of_ddp_and_fsdp",
         "tests/test_distributed_model.py::test_projection_is_labelled_and_picks_a_configuration_that_fits",
     ],
     "lab_utils/distributed/comm.py": [
+        "tests/test_distributed_projection.py",
         "tests/test_distributed_model.py::test_overlap_splits_compute_exposed_and_idle",
         "tests/test_distributed_model.py::test_alpha_beta_fit_recovers_a_line_and_predicts",
     ],
@@ -485,13 +487,15 @@ MUTANTS = [
         "a dB figure only judged when it rises",
         named="compare rule for dB figures one-sided",
     ),
+    # removed, equivalent: "compare.db_orientation" (oriented = delta for every dB figure): every
+    # dB rule is higher-is-better (rules.HIGHER_DB), so the lower-is-better branch never runs
     _m(
-        "compare.db_orientation",
+        "compare.db_gain_amplitude",
         C,
-        STA,
-        'oriented = delta if d.better == "higher" else -delta',
-        "oriented = delta",
-        "a lower-is-better dB figure judged as higher-is-better",
+        CMP,
+        'gain = 10 ** ((delta if d.better == "higher" else -delta) / 10)',
+        'gain = 10 ** ((delta if d.better == "higher" else -delta) / 20)',
+        "the gain of a dB change read as an amplitude ratio (/20), not a power ratio (/10)",
     ),
     _m(
         "compare.accuracy_threshold",
