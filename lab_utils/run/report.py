@@ -211,7 +211,6 @@ def write_index(run_dir: Path, suite, statuses, run_id: str, overrides: dict) ->
 <p class="{"ok" if n_ok == len(statuses) else "failed"}">{verdict}</p>
 {_threads_banner(run_dir, ctx)}
 {_headline_section(run_dir, statuses)}
-{_headline_section(run_dir, statuses)}
 <h2>Context</h2><table>{info_html}</table>
 <h2>Notebooks</h2>
 <table><tr><th>notebook</th><th>status</th><th>time</th><th>records</th><th>unstable timings</th>
@@ -235,36 +234,6 @@ def _threads_banner(run_dir: Path, ctx: dict) -> str:
     f = run_dir / "records.parquet"
     note = thread_cut_note(load_records(f), ctx) if f.exists() else ""
     return f'<p class="unstable" id="threads-cut">{html.escape(note)}</p>' if note else ""
-
-
-def _headline_section(run_dir: Path, statuses) -> str:
-    """One row per lab with its headline figures, built from the gathered records by the same
-    function that fills the lab's takeaway cell (``studies.headline``)."""
-    # heavy (models, plots): imported for their registered headlines, which only the index needs
-    from ..studies import (  # noqa: F401, PLC0415
-        attention,
-        ceilings,
-        distributed,
-        fused_kernels,
-        low_precision,
-        memory,
-        plan,
-        stability,
-        training_step,
-    )
-    from ..studies.headline import figures_html, headlines  # noqa: PLC0415 - beside the registrations
-
-    f = run_dir / "records.parquet"
-    df = load_records(f) if f.exists() else pd.DataFrame(columns=ROW_COLUMNS)
-    ok = [s.notebook for s in statuses if s.status == "ok"]
-    lines = headlines(df, ok)
-    rows = "".join(
-        f'<tr><td>{html.escape(s.notebook)}</td><td class="headline">'
-        + (figures_html(lines[s.notebook]) if s.notebook in lines else f'<span class="failed">{s.status}</span>')
-        + "</td></tr>"
-        for s in statuses
-    )
-    return f'<h2>Headlines</h2><table id="headlines"><tr><th>lab</th><th>what matters</th></tr>{rows}</table>'
 
 
 def _headline_section(run_dir: Path, statuses) -> str:
