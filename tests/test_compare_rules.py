@@ -85,6 +85,10 @@ CASES = [
     ("count unchanged", "params", "", 12345.0, 12345.0, "same"),
     ("count +1", "params", "", 12345.0, 12346.0, "changed"),
     ("count -1", "params", "", 12345.0, 12344.0, "changed"),
+    # ... beyond float noise: 1e-9 relative (Options.neutral_tolerance)
+    ("count within float noise", "params", "", 1.0, 1 + 0.9e-9, "same"),
+    ("count beyond float noise", "params", "", 1.0, 1 + 1.1e-9, "changed"),
+    ("count beyond float noise, down", "params", "", 1.0, 1 - 1.1e-9, "changed"),
 ]
 GATED = {"less accurate"}  # performance and memory rows without samples are shown, not gated
 
