@@ -99,7 +99,8 @@ TESTS = {
             "test_numerics_diff_floor_keeps_tiny_statistics_from_diverging",
         )
     ],
-    "lab_utils/plan.py": [
+    "lab_utils/plan.py": ["tests/test_plan_memory.py"]
+    + [
         f"tests/test_plan.py::{t}"
         for t in (
             "test_compose_is_exact_on_known_phases_and_speedups",
