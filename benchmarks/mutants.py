@@ -488,8 +488,14 @@ MUTANTS = [
         "a dB figure only judged when it rises",
         named="compare rule for dB figures one-sided",
     ),
-    # removed, equivalent: "compare.db_orientation" (oriented = delta for every dB figure): every
-    # dB rule is higher-is-better (rules.HIGHER_DB), so the lower-is-better branch never runs
+    _m(
+        "compare.db_orientation",
+        C,
+        STA,
+        'oriented = delta if d.better == "higher" else -delta',
+        "oriented = delta",
+        "a lower-is-better dB figure judged as higher-is-better",
+    ),
     _m(
         "compare.db_gain_amplitude",
         C,
