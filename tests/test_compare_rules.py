@@ -183,8 +183,20 @@ def test_timings_with_samples_at_the_threshold(tmp_path, method):
             t = dict(value_row(f"v{i}", "time", "ms", v), statistic="median", samples=[v] * 5)
             bw = dict(value_row(f"v{i}", "bandwidth", "GB/s", 100 / v), statistic="median")
             rows += [t, bw]
+    # the same time, 20% more bytes counted: the bandwidth's interval is the time's, scaled by its own gain
+    for rows, bw in ((b, 100.0), (c, 120.0)):
+        rows += [
+            dict(value_row("vbytes", "time", "ms", 1.0), statistic="median", samples=[1.0] * 5),
+            dict(value_row("vbytes", "bandwidth", "GB/s", bw), statistic="median"),
+        ]
     cmp = C.compare(write_report(tmp_path / "b", b), write_report(tmp_path / "c", c), method=method)
     rows = cmp.rows
+    vb = rows[rows.variant == "vbytes"].set_index("metric")
+    if method == "bootstrap":
+        assert vb.loc["time", "verdict"] == "same" and vb.loc["bandwidth", "verdict"] == "faster", vb.to_dict()
+        assert vb.loc["bandwidth", "lo"] == pytest.approx(1.2) and vb.loc["bandwidth", "hi"] == pytest.approx(1.2)
+    else:  # the rank tests' p-values are the time's: no confident change
+        assert vb.loc["bandwidth", "verdict"] == "same" and "possibly faster" in vb.loc["bandwidth", "note"]
     for i, (_, _, verdict) in enumerate(SAMPLED):
         t = rows[(rows.variant == f"v{i}") & (rows.metric == "time")].iloc[0]
         assert t["verdict"] == verdict and t["n_base"] == 5, (i, t.to_dict())
