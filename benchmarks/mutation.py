@@ -1,5 +1,5 @@
-"""Do the tests catch realistic bugs?  Rerun: `.venv/bin/python benchmarks/mutation.py` (about
-half an hour on 2 shared cores; not part of `make test`).
+"""Do the tests catch realistic bugs?  Rerun: `.venv/bin/python benchmarks/mutation.py --jobs 3`
+(11 min on the 2-core machine with little else running; not part of `make test`).
 
 Method: a hand-written table of mutants (``benchmarks/mutants.py``: file, an exact source
 snippet, its replacement, the kind of bug) over the packages of issue 20.  Each mutant is a
