@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, check_int_list
 from .comm import CollectiveEvent
 from .spec import DistConfig
 
@@ -202,6 +202,26 @@ class _Tail:
             self.offsets[i] += len(complete)
             events += [json.loads(line) for line in complete.splitlines() if line.strip()]
         return events
+
+
+AUTO_WORLD = ("auto", "all")
+
+
+def local_world_sizes(values) -> list[int]:
+    """World sizes with ``auto`` / ``all`` resolved to every visible GPU (the GPU set's "every local GPU");
+    a ConfigError names the value when none is visible or an entry is not a positive integer."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+        raise ConfigError("world_sizes", values, "a list of integers >= 1 or 'auto' (every local GPU)")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    out = []
+    for v in values:
+        if isinstance(v, str) and v.lower() in AUTO_WORLD:
+            if gpus == 0:
+                raise ConfigError("world_sizes", values, f"integers: {v!r} means every local GPU and none is visible")
+            v = gpus
+        out.append(v)
+    check_int_list("world_sizes", out, min=1)
+    return out
 
 
 def check_local_devices(cfg: DistConfig) -> None:

@@ -16,9 +16,11 @@ all-to-all, the block for send), calls and group size.  Two clocks turn it into 
 :func:`project` evaluates flux-dev at N GPUs for every strategy and mesh shape: per-rank
 memory (bf16 params, fp32 grads, fp32 master + AdamW moments; activations under full
 activation checkpointing), compute time from counted FLOPs at a stated MFU, and the step
-time = compute + the communication that cannot hide (data-parallel traffic overlaps the
-compute up to ``dp_overlap`` of it; TP traffic is exposed; the ring's K/V exchange hides
-under the attention it feeds).  It is a projection: no GPU ran it.
+time = compute + the communication that cannot hide, from an overlap model
+(:mod:`.overlap`: the overlap fraction the lab measured for the strategy, else a stated
+default; never hiding more than the compute), with a low/high band from the alpha-beta
+model's measured error and the overlap's range, and the assumption (overlap, bandwidth,
+compute) that moves the step time most.  It is a projection: no GPU ran it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import pandas as pd
 
 from ..model import analytic_param_count, build_model, forward_flops, resolve_config
 from .comm import AlphaBeta
+from .overlap import OverlapModel, dominant, exposed_band, exposed_comm, sensitivity
 
 DDP_BUCKET_BYTES = 25 * 2**20
 
@@ -185,10 +188,18 @@ def project(
     peak_tflops: float = 989.0,
     mfu: float = 0.4,
     hbm_gb: float = 141.0,
-    dp_overlap: float = 0.9,
+    overlap: OverlapModel | None = None,
+    comm_rel_err: float = 0.0,
+    compute_rel_err: float = 0.25,
 ) -> pd.DataFrame:
-    """One row per (N, strategy, mesh): memory, compute, exposed communication, step time, samples/s."""
+    """One row per (N, strategy, mesh): memory, compute, communication, exposed communication with
+    its low/high band, step time (and band), samples/s and the dominant assumption.
+
+    ``overlap``: the overlap model (default: nothing measured, 0.5 over 0..1); ``comm_rel_err``:
+    the alpha-beta model's measured relative error; ``compute_rel_err``: the stated error of the
+    compute time (the MFU is an assumption)."""
     links = links or Links()
+    overlap = overlap or OverlapModel()
     mcfg = resolve_config(preset)
     p_total = analytic_param_count(mcfg)
     L = img_tokens + txt_tokens
@@ -202,7 +213,6 @@ def project(
             # full activation checkpointing: forward + recomputed forward + backward = 4x forward FLOPs
             flops_rank = 4 * fl["total"] / (cp * tp)
             compute_s = flops_rank / (peak_tflops * 1e12 * mfu)
-            attn_s = 4 * fl["attention"] / (cp * tp) / (peak_tflops * 1e12 * mfu)
             plan = comm_plan(
                 preset,
                 strategy,
@@ -215,9 +225,15 @@ def project(
                 act_bytes=2,
             )
             t = plan_time_links(plan, links, mesh)
-            exposed_dp = max(0.0, t["dp"] - dp_overlap * compute_s)
-            exposed_cp = max(0.0, t["cp"] - attn_s) if "cp_ring" in strategy else t["cp"]
-            step_s = compute_s + exposed_dp + t["tp"] + exposed_cp
+            comm_s = t["dp"] + t["tp"] + t["cp"]
+            ov = overlap.for_strategy(strategy)
+            exposed_s = exposed_comm(comm_s, compute_s, ov.point)
+            ex_lo, ex_hi = exposed_band(comm_s, compute_s, ov, comm_rel_err)
+            swings = sensitivity(compute_s, comm_s, ov, comm_rel_err, compute_rel_err)
+            step_s = compute_s + exposed_s
+            k_lo, k_hi = compute_s * (1 - compute_rel_err), compute_s * (1 + compute_rel_err)
+            step_lo = k_lo + exposed_band(comm_s, k_lo, ov, comm_rel_err)[0]
+            step_hi = k_hi + exposed_band(comm_s, k_hi, ov, comm_rel_err)[1]
             shard_n = {"ddp": 1, "hsdp": shard}.get(strategy, shard * cp)
             states_gb = p_total * 18 / (shard_n * tp) / 1e9
             tokens_rank = batch_per_dp * L / cp
@@ -236,9 +252,17 @@ def project(
                     comm_dp_ms=t["dp"] * 1e3,
                     comm_tp_ms=t["tp"] * 1e3,
                     comm_cp_ms=t["cp"] * 1e3,
-                    exposed_ms=(exposed_dp + t["tp"] + exposed_cp) * 1e3,
+                    comm_ms=comm_s * 1e3,
+                    overlap=ov.point,
+                    overlap_source=ov.source,
+                    exposed_ms=exposed_s * 1e3,
+                    exposed_lo_ms=ex_lo * 1e3,
+                    exposed_hi_ms=ex_hi * 1e3,
                     step_ms=step_s * 1e3,
+                    step_lo_ms=step_lo * 1e3,
+                    step_hi_ms=step_hi * 1e3,
                     samples_per_s=dp * batch_per_dp / step_s,
+                    dominant=dominant(swings),
                 )
             )
     return pd.DataFrame(rows)
@@ -248,4 +272,5 @@ def fastest(df: pd.DataFrame) -> pd.DataFrame:
     """The configuration with the most samples/s at each N among those that fit in memory."""
     ok = df[df["fits"]]
     idx = ok.groupby("gpus")["samples_per_s"].idxmax()
-    return ok.loc[idx, ["gpus", "strategy", "mesh", "memory_gb", "step_ms", "exposed_ms", "samples_per_s"]]
+    cols = ["gpus", "strategy", "mesh", "memory_gb", "step_ms", "overlap", "exposed_ms", "exposed_lo_ms"]
+    return ok.loc[idx, [*cols, "exposed_hi_ms", "samples_per_s", "dominant"]]

@@ -21,7 +21,8 @@ import torch
 from ..config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int, check_int_list
 from ..distributed import DistConfig, DistResult, DistRunError, launch, launch_cases
 from ..distributed.comm import AlphaBeta, CollectiveEvent, fit_alpha_beta, predict_comm_ms
-from ..distributed.launch import check_local_devices
+from ..distributed.launch import check_local_devices, local_world_sizes
+from ..distributed.overlap import overlap_model
 from ..distributed.projection import Links, comm_plan, events_per_call, fastest, plan_time_fitted, project
 from ..distributed.spec import COMPONENTS
 from ..distributed.verify import ATTENTION_TOL, EMULATED_TOL, Agreement, compare, tolerance_key
@@ -85,7 +86,7 @@ class DistributedLabConfig(LabConfig):
     hbm_gb: float = 141.0
 
     def __post_init__(self):
-        check_int_list("world_sizes", list(self.world_sizes), min=1)
+        object.__setattr__(self, "world_sizes", local_world_sizes(self.world_sizes))  # "auto": every local GPU
         if isinstance(self.strategies, str) or not self.strategies:
             raise ConfigError("strategies", self.strategies, "a non-empty list of strategy names")
         for s in self.strategies:
@@ -440,22 +441,23 @@ def record_prediction(rec: Recorder, df: pd.DataFrame) -> None:
         rec.add("prediction", row.run, "plan_bytes_error", row.bytes_error_pct, "%", **kw)
 
 
-def projection(cfg: DistributedLabConfig) -> pd.DataFrame:
+def projection(cfg: DistributedLabConfig, runs: LabRuns | None = None, pred: pd.DataFrame | None = None):
+    """flux-dev projected; exposed communication from the overlap fractions measured in ``runs`` (else
+    a stated default) with a band from the alpha-beta error measured in ``pred`` (see distributed.overlap)."""
+    ov = overlap_frame(runs) if runs is not None else pd.DataFrame()
+    model = overlap_model(list(zip(ov["run"].str.split(" ").str[0], ov["overlap_fraction"]))) if len(ov) else None
+    err = pred["trace_error_pct"].abs().median() / 100 if pred is not None and len(pred) else 0.0
     links = Links(cfg.nvlink_gbps, cfg.ib_gbps, cfg.gpus_per_node)
-    return project(
-        cfg.projection_preset,
-        tuple(cfg.projection_gpus),
-        links=links,
-        peak_tflops=cfg.peak_tflops,
-        mfu=cfg.mfu,
-        hbm_gb=cfg.hbm_gb,
-    )
+    kw = dict(peak_tflops=cfg.peak_tflops, mfu=cfg.mfu, hbm_gb=cfg.hbm_gb, overlap=model, comm_rel_err=err)
+    return project(cfg.projection_preset, tuple(cfg.projection_gpus), links=links, **kw)
 
 
 def record_projection(rec: Recorder, df: pd.DataFrame) -> None:
     for row in df.itertuples():
-        kw = dict(gpus=row.gpus, mesh=row.mesh, projection=True, fits=bool(row.fits))
-        rec.add("projection", row.strategy, "step", row.step_ms, "ms", **kw)
+        kw = dict(gpus=row.gpus, mesh=row.mesh, projection=True, fits=bool(row.fits), dominant=row.dominant)
+        rec.add("projection", row.strategy, "step", row.step_ms, "ms", low=row.step_lo_ms, high=row.step_hi_ms, **kw)
+        rec.add("projection", row.strategy, "exposed_comm", row.exposed_ms, "ms", low=row.exposed_lo_ms,
+                high=row.exposed_hi_ms, overlap=row.overlap, overlap_source=row.overlap_source, **kw)  # fmt: skip
         rec.add("projection", row.strategy, "memory_per_rank", row.memory_gb, "GB", **kw)
         rec.add("projection", row.strategy, "samples_per_s", row.samples_per_s, "1/s", **kw)
 
@@ -467,12 +469,20 @@ def projection_plot(df: pd.DataFrame):
         hv.Curve(g, "gpus", "samples_per_s", label=s).opts(logx=True, logy=True, tools=["hover"])
         for s, g in best.groupby("strategy")
     ]
-    return hv.Overlay(curves).opts(
-        width=760,
-        height=400,
-        legend_position="top_left",
-        title="PROJECTION (model, not measured): flux-dev samples/s vs GPUs, best mesh per strategy",
+    top = fastest(df)
+    band = hv.Area(top, "gpus", ["exposed_lo_ms", "exposed_hi_ms"], label="band").opts(alpha=0.3, logx=True)
+    exposed = (band * hv.Curve(top, "gpus", "exposed_ms", label="point").opts(tools=["hover"])).opts(
+        width=760, height=300, title="PROJECTION: exposed communication of the fastest configuration, low-high band"
     )
+    return (
+        hv.Overlay(curves).opts(
+            width=760,
+            height=400,
+            legend_position="top_left",
+            title="PROJECTION (model, not measured): flux-dev samples/s vs GPUs, best mesh per strategy",
+        )
+        + exposed
+    ).cols(1)
 
 
 def fastest_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -552,7 +562,8 @@ def closing_note(runs: LabRuns, fit: dict[str, AlphaBeta], pred: pd.DataFrame, p
             f"{pred['bytes_error_pct'].abs().median():.0f}%)."
         )
         lines.append("")
-    lines.append("PROJECTION (not measured) for flux-dev, fastest configuration that fits in memory:")
+    lines.append("PROJECTION (not measured) for flux-dev, fastest configuration that fits in memory, exposed "
+                 "communication with its low-high band and the assumption that dominates the step time:")  # fmt: skip
     lines.append("")
     lines.append(_markdown_table(fastest_table(proj)))
     return "\n".join(lines)
