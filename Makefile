@@ -7,7 +7,7 @@ SUITE   ?= smoke
 PARAMS  ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup report test lint lab ceilings clean
+.PHONY: setup report test lint lab lab-reset ceilings clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,9 +35,16 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-## JupyterLab on labs/.
+## JupyterLab on working copies of labs/ in work/labs/ (git-ignored; made on first use, then kept),
+## so autosave never touches the committed notebooks. JUPYTER_ARGS go to `jupyter lab`.
+JUPYTER_ARGS ?=
 lab: $(STAMP)
-	$(BIN)/jupyter lab --notebook-dir=labs
+	$(BIN)/perflab lab -- $(JUPYTER_ARGS)
+
+## Fresh working copies: all of them, or one with LAB=05_memory (the old copy is replaced).
+LAB ?=
+lab-reset: $(STAMP)
+	$(BIN)/perflab lab --reset $(LAB)
 
 ceilings: $(STAMP)
 	$(BIN)/perflab ceilings --force

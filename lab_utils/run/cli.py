@@ -4,6 +4,7 @@ perflab run SUITE [--param key=value ...] [--only NOTEBOOK ...] [--out DIR] [--t
 perflab run --list
 perflab ceilings [--force] [--quick]
 perflab nb refresh LAB.ipynb ...
+perflab lab [--reset [NAME ...]] [-- JUPYTER-ARGS]  (lab_utils.run.workspace: JupyterLab on work/labs/)
 perflab compare BASE CANDIDATE [...]      (lab_utils.run.compare)
 perflab baseline refresh|check [...]      (lab_utils.run.compare.baselines)
 perflab numdiff A B [--variant-a V] [...]  (lab_utils.numdiff: where two runs' telemetry parts)
@@ -23,6 +24,7 @@ from .compare import baseline_main, lab_name
 from .compare import main as compare_main
 from .nbtools import refresh
 from .runner import RunInterrupted, SuiteError, list_suites, load_suite, parse_overrides, run_suite
+from .workspace import main as lab_main
 
 
 def _cmd_run(a) -> int:
@@ -111,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         return baseline_main(argv[1:])
     if argv and argv[0] == "numdiff":
         return numdiff_main(argv[1:])
+    if argv and argv[0] == "lab":
+        return lab_main(argv[1:])
     ap = argparse.ArgumentParser(
         prog="perflab", description="perflab: a performance lab for diffusion-transformer training"
     )
@@ -147,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     rf.set_defaults(fn=_cmd_nb)
     sub.add_parser("compare", help="compare two reports (see `perflab compare --help`)")
     sub.add_parser("baseline", help="stored baselines (see `perflab baseline --help`)")
+    sub.add_parser("lab", help="JupyterLab on git-ignored working copies of labs/ (see `perflab lab --help`)")
     sub.add_parser("numdiff", help="where two reports' telemetry first differs (see `perflab numdiff --help`)")
     a = ap.parse_args(argv)
     return a.fn(a)
