@@ -147,6 +147,39 @@ def test_parse_overrides():
         parse_overrides(["novalue"])
 
 
+def test_a_failed_notebooks_cause_reaches_its_page_and_the_index(tmp_path, monkeypatch):
+    """A lab raising a named error: the index's headline row carries the one-line cause (the first
+    line of the error, not only status.json), and the exported notebook shows the traceback."""
+    pdir = tmp_path / "parameterized"
+    pdir.mkdir()
+    nb = tmp_path / "broken.ipynb"
+    _write_nb(
+        nb,
+        "class RankCrashed(RuntimeError):\n    pass\n"
+        "raise RankCrashed('rank 1 died (SIGKILL) in step ' + str(reps) + '\\nsecond line of detail')",
+    )
+    (pdir / "one.yaml").write_text(yaml.safe_dump({"description": "t", "notebooks": [{"notebook": str(nb)}]}))
+    monkeypatch.setenv("PERFLAB_PARAMETERIZED", str(pdir))
+    res = run_suite("one", out_dir=tmp_path / "reports", progress=False)
+    (st,) = res.statuses
+    assert st.status == "failed" and st.error.startswith("RankCrashed: rank 1 died (SIGKILL) in step 5")
+    index = (res.path / "index.html").read_text()
+    head = index[index.index('<table id="headlines">') : index.index("<h2>Context</h2>")]
+    assert '<span class="cause">RankCrashed: rank 1 died (SIGKILL) in step 5</span>' in head
+    assert "second line" not in head  # one line in the headline row; the full error is in the table below
+    assert "second line of detail" in index
+    assert "RankCrashed" in (res.path / "html" / "broken.html").read_text()
+
+
+def test_one_line_cause_is_the_first_line_shortened():
+    from lab_utils.run.report import one_line_cause
+
+    assert one_line_cause("\n  KeyError: 'x'\n  more") == "KeyError: 'x'"
+    assert one_line_cause(None) == "" and one_line_cause("") == ""
+    long = one_line_cause("E: " + "x" * 500, limit=40)
+    assert len(long) == 40 and long.endswith("\u2026")
+
+
 def test_real_suites_are_valid():
     """Every committed suite loads and validates (parameter names and values) without running."""
     from pathlib import Path

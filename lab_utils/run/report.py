@@ -131,7 +131,7 @@ _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em;color:#222;max-width:1200px}
 table{border-collapse:collapse;margin:1em 0}
 td,th{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top}
-th{background:#f3f3f3}.ok{color:#0a7d28;font-weight:600}.failed{color:#b00020;font-weight:600}
+th{background:#f3f3f3}.ok{color:#0a7d28;font-weight:600}.failed{color:#b00020;font-weight:600}.cause{color:#b00020;font-family:monospace}
 code,pre{font-family:ui-monospace,Menlo,monospace;font-size:90%}pre{white-space:pre-wrap;margin:0}
 .muted{color:#666}.unstable{color:#bc4c00;font-weight:600}
 """
@@ -236,6 +236,18 @@ def _threads_banner(run_dir: Path, ctx: dict) -> str:
     return f'<p class="unstable" id="threads-cut">{html.escape(note)}</p>' if note else ""
 
 
+def one_line_cause(error: str | None, limit: int = 240) -> str:
+    """The first non-empty line of a notebook's error (``ValueError: ...``), shortened to ``limit`` characters."""
+    line = next((ln.strip() for ln in (error or "").splitlines() if ln.strip()), "")
+    return line if len(line) <= limit else line[: limit - 1] + "\u2026"
+
+
+def _failed_cell(s) -> str:
+    cause = one_line_cause(s.error)
+    why = f' <span class="cause">{html.escape(cause)}</span>' if cause else ""
+    return f'<span class="failed">{s.status}</span>{why}'
+
+
 def _headline_section(run_dir: Path, statuses) -> str:
     """One row per lab with its headline figures, built from the gathered records by the same
     function that fills the lab's takeaway cell (``studies.headline``)."""
@@ -259,7 +271,7 @@ def _headline_section(run_dir: Path, statuses) -> str:
     lines = headlines(df, ok)
     rows = "".join(
         f'<tr><td>{html.escape(s.notebook)}</td><td class="headline">'
-        + (figures_html(lines[s.notebook]) if s.notebook in lines else f'<span class="failed">{s.status}</span>')
+        + (figures_html(lines[s.notebook]) if s.notebook in lines else _failed_cell(s))
         + "</td></tr>"
         for s in statuses
     )
