@@ -92,6 +92,38 @@ def test_mask_census_counts():
     assert c.loc["causal", "fwd_flops_per_head"] == M.attention_flops(M.causal(), 1, 1, 64, 64, 64).fwd
 
 
+def test_mask_census_raises_when_a_count_is_wrong(monkeypatch):
+    real = M.block_stats
+
+    def one_tile_moved(*a, **kw):  # a partial tile counted as full
+        bs = real(*a, **kw)
+        return dataclasses.replace(bs, full_blocks=bs.full_blocks + 1, partial_blocks=bs.partial_blocks - 1)
+
+    monkeypatch.setattr(M, "block_stats", one_tile_moved)
+    with pytest.raises(AssertionError, match="mask census off its direct count: causal"):
+        S.mask_census(["causal"], 64, block_size=16)
+
+
+def test_mask_census_raises_when_the_flops_are_wrong(monkeypatch):
+    real = M.attention_flops
+    monkeypatch.setattr(M, "attention_flops", lambda *a, **kw: dataclasses.replace(real(*a, **kw), fwd=0.0))
+    with pytest.raises(AssertionError, match="full: "):
+        S.mask_census(["full"], 32, block_size=16)
+
+
+def test_pad_pack_costs_raise_when_a_count_is_wrong(monkeypatch, capsys):
+    real = S.V.pad_pack_costs
+
+    def padded_by_total(*a, **kw):  # the padded layout counted over the sum of lengths, not B * Lmax
+        c = real(*a, **kw)
+        return [dataclasses.replace(c[0], pairs=c[1].pairs), c[1]]
+
+    monkeypatch.setattr(S.V, "pad_pack_costs", padded_by_total)
+    cfg = S.AttentionLabConfig()
+    with pytest.raises(AssertionError, match="padded: "):
+        S.print_pad_pack_costs(S.varlen_batch(cfg), cfg)
+
+
 def test_pad_pack_costs_printed(capsys):
     cfg = S.AttentionLabConfig()
     vb = S.varlen_batch(cfg)

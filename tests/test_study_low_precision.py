@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lab_kernels import quant as Q
+from lab_utils import numerics as N
 from lab_utils import precision as P
 from lab_utils.config import ConfigError
 from lab_utils.records import Recorder
@@ -78,3 +79,27 @@ def test_mmdit_task_is_deterministic_per_seed_and_step():
     assert torch.equal(a, b) and torch.equal(ta, tb)
     c, _ = task.loss(m, 4, 1)
     assert not torch.equal(a, c)
+
+
+def _small_sqnr_cfg():
+    return S.LowPrecisionLabConfig(tensor_shape=[32, 128], format_variants=["fp8_e4m3/tensor", "mxfp4/floor"])
+
+
+def test_sqnr_table_passes_its_independent_derivation():
+    sq = S.sqnr_synthetic(_small_sqnr_cfg(), Recorder(lab="04_low_precision"))
+    assert len(sq) == 2 * len(S.LowPrecisionLabConfig().distributions)
+    lo, hi = S.sqnr_band_db(3)  # e4m3: half-ulp bound 6.02 * 4 dB, mean-square bound + 1.5 dB
+    assert lo == pytest.approx(24.08, abs=0.01) and hi == pytest.approx(36.37, abs=0.01)
+
+
+def test_sqnr_table_raises_when_the_sqnr_derivation_is_wrong(monkeypatch):
+    real = N.sqnr_db
+    monkeypatch.setattr(N, "sqnr_db", lambda q, x: 2 * real(q, x))  # 20*log10 of a power ratio
+    with pytest.raises(AssertionError, match="SQNR table off its independent derivation: fp8_e4m3/tensor"):
+        S.sqnr_synthetic(_small_sqnr_cfg(), Recorder(lab="04_low_precision"))
+
+
+def test_sqnr_table_raises_outside_the_format_band(monkeypatch):
+    monkeypatch.setattr(S, "sqnr_band_db", lambda m: (40.0, 50.0))  # a band fp8/fp4 cannot reach
+    with pytest.raises(AssertionError, match=r"band 40\.0\.\.50\.0"):
+        S.sqnr_synthetic(_small_sqnr_cfg(), Recorder(lab="04_low_precision"))

@@ -134,7 +134,33 @@ def mask_census(names, L: int, *, block_size: int, head_dim: int = 64) -> pd.Dat
                 fwd_flops_per_head=fl.fwd,
             )
         )
-    return pd.DataFrame(rows)
+    census = pd.DataFrame(rows)
+    check_mask_census(census, L, block_size=block_size, head_dim=head_dim)
+    return census
+
+
+def check_mask_census(census: pd.DataFrame, L: int, *, block_size: int, head_dim: int) -> None:
+    """Each row recounted pair by pair (the mask asked one (q, k) at a time, the tiles walked
+    in Python), the forward FLOPs by hand (QK^T and PV: 2 + 2 FLOPs per pair and head dim),
+    and the closed forms of full (L^2) and causal (L(L+1)/2) pairs; raises when one differs."""
+    bad = []
+    for r in census.itertuples():
+        m = M.make_mask(r.name, L)
+        z = torch.zeros((), dtype=torch.long)
+        allowed = [[bool(m.mask_mod(z, z, z + q, z + k)) for k in range(L)] for q in range(L)]
+        pairs = sum(map(sum, allowed))
+        tiles = [0, 0, 0]  # empty, partial, full
+        for q0 in range(0, L, block_size):
+            for k0 in range(0, L, block_size):
+                t = [a for row in allowed[q0 : q0 + block_size] for a in row[k0 : k0 + block_size]]
+                tiles[(sum(t) > 0) + (sum(t) == len(t))] += 1
+        closed = {"full": L * L, "causal": L * (L + 1) // 2}.get(r.name, pairs)
+        got = (r.density * L * L, r.empty, r.partial, r.full, r.fwd_flops_per_head)
+        want = (pairs, *tiles, 4 * head_dim * pairs)
+        if pairs != closed or any(abs(g - w) > 1e-6 * max(1, w) for g, w in zip(got, want, strict=True)):
+            bad.append(f"{r.name}: (pairs, empty, partial, full tiles, FLOPs) {got} != recount {want}")
+    if bad:
+        raise AssertionError("mask census off its direct count: " + "; ".join(bad))
 
 
 def print_mask_census(census: pd.DataFrame) -> None:
@@ -390,12 +416,36 @@ def print_pad_pack_costs(vb: V.VarlenBatch, cfg: AttentionLabConfig) -> None:
     """The batch and the computed (not measured) cost of each layout."""
     print("buckets:", [f"{h}x{w}" for h, w in vb.buckets])
     print("lengths:", list(vb.lengths), " Lmax", vb.max_len, " T", vb.total)
-    for c in V.pad_pack_costs(vb, cfg.varlen_heads, max(cfg.head_dims), cfg.torch_dtype):
+    costs = V.pad_pack_costs(vb, cfg.varlen_heads, max(cfg.head_dims), cfg.torch_dtype)
+    check_pad_pack(costs, vb.lengths, cfg.varlen_heads, max(cfg.head_dims))
+    for c in costs:
         print(
             f"{c.layout:6s} tokens {c.tokens:6d}  pairs {c.pairs:9d}  fwd FLOPs {c.fwd_flops:.4g}  useful "
             f"{c.useful_fraction:6.1%}  q/k/v/o {c.activation_bytes / 2**20:.3g} MiB  "
             f"scores {c.score_bytes / 2**20:.3g} MiB"
         )
+
+
+def check_pad_pack(costs, lengths, heads: int, head_dim: int) -> None:
+    """Tokens, pairs, forward FLOPs and useful fraction of each layout against a direct count:
+    the padded layout's (B, Lmax, Lmax) grid of computed pairs, the packed layout's
+    block-diagonal mask (its allowed pairs are the useful ones); raises when one differs."""
+    lengths = [int(n) for n in lengths]
+    packed = torch.block_diag(*[torch.ones(n, n, dtype=torch.bool) for n in lengths])
+    padded = torch.ones(len(lengths), max(lengths), max(lengths), dtype=torch.bool)
+    useful = heads * int(packed.sum())
+    want = {
+        "padded": (padded.shape[0] * padded.shape[1], heads * padded.numel()),
+        "packed": (packed.shape[0], useful),
+    }
+    for c in costs:
+        tokens, pairs = want[c.layout]
+        got, exp = (
+            (c.tokens, c.pairs, c.fwd_flops, c.useful_fraction),
+            (tokens, pairs, 4 * head_dim * pairs, useful / pairs),
+        )
+        if any(abs(g - e) > 1e-9 * max(1, e) for g, e in zip(got, exp, strict=True)):
+            raise AssertionError(f"{c.layout}: (tokens, pairs, fwd FLOPs, useful) {got} != direct count {exp}")
 
 
 def run_pad_vs_pack(

@@ -240,9 +240,36 @@ def sqnr_synthetic(cfg: LowPrecisionLabConfig, rec: Recorder) -> pd.DataFrame:
     """Every format variant on every fixed-seed synthetic distribution; recorded."""
     tensors = {d: N.make_tensor(d, tuple(cfg.tensor_shape), seed=0) for d in cfg.distributions}
     sq = N.sqnr_table(tensors, cfg.format_variants)
+    check_sqnr(sq, tensors)
     metrics = {"sqnr_db": "dB", "rel_fro": "", "flushed_frac": "", "saturated_frac": ""}
     record_table(rec, "sqnr", sq, metrics, shape=cfg.tensor_shape)
     return sq
+
+
+def sqnr_band_db(mbits: int) -> tuple[float, float]:
+    """The SQNR band of round-to-nearest with ``mbits`` mantissa bits.  Low: an element in
+    the normal range is off by at most half an ulp, 2^-(m+1) of its value, so 20*log10(2^(m+1)).
+    High: the rounding error of an element has mean square ulp^2/12 whatever its value, which
+    is below 2^(m+1) ulp, so 10*log10(12 * 4^(m+1)); +1.5 dB for the group maxima that land on
+    the grid exactly (no error: a row of outlier channels is mostly such elements)."""
+    return 20 * math.log10(2.0 ** (mbits + 1)), 10 * math.log10(12 * 4.0 ** (mbits + 1)) + 1.5
+
+
+def check_sqnr(sq: pd.DataFrame, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Each row's SQNR and flushed fraction recomputed in float64 from the fake-quantized
+    tensor (whose rounding the emulation proof holds to torchao), and held to the format's band."""
+    bad = []
+    for r in sq.itertuples():
+        x = tensors[r.tensor].double()
+        kw = dict(N.FORMAT_VARIANTS[r.variant])
+        q = Q.fake_quantize(x.float(), kw.pop("fmt"), **kw).double()
+        db = 10 * math.log10(float((x * x).sum()) / float(((q - x) ** 2).sum()))
+        flushed = float(((q == 0) & (x != 0)).double().mean())
+        lo, hi = sqnr_band_db(Q.FORMATS[r.fmt].elem_format.mbits)
+        if abs(db - r.sqnr_db) > 1e-6 or abs(flushed - r.flushed_frac) > 1e-9 or not lo <= r.sqnr_db <= hi:
+            bad.append(f"{r.variant}/{r.tensor}: {r.sqnr_db:.3f} dB (recount {db:.3f}, band {lo:.1f}..{hi:.1f})")
+    if bad:
+        raise AssertionError("SQNR table off its independent derivation: " + "; ".join(bad))
 
 
 def print_sqnr(sq: pd.DataFrame, variants) -> None:
