@@ -252,6 +252,51 @@ def test_memory_explorer():
     assert not ex.run(policy="offload").ok
 
 
+def test_memory_explorer_measures_the_labs_step_and_lands_on_its_pareto_plot(monkeypatch):
+    from lab_utils.memory import PolicyResult
+    from lab_utils.studies import memory as study
+    from lab_utils.studies.explore import memory as ex_mod
+    from lab_utils.timing import Timing
+
+    cfg = study.MemoryLabConfig(device="cpu", batch_size=3, resolution=96, txt_len=5, dtype="bfloat16")
+    ex = ex_mod.MemoryExplorer.for_lab(cfg)
+    assert {k: ex.config[k] for k in ("preset", "dtype", "batch", "resolution", "txt_len")} == dict(
+        preset=cfg.preset, dtype=cfg.dtype, batch=cfg.batch_size, resolution=cfg.resolution, txt_len=cfg.txt_len
+    )
+    seen = []
+    timing = Timing("step", "cpu", "torch.utils.benchmark", (5.0, 9.0, 5.1, 14.0, 5.0), 6.0)
+
+    def fake(mcfg, sh, dtype, policies, **k):  # the policy's run itself is covered by test_memory_explorer
+        seen.append((sh, dtype))
+        return [PolicyResult(policies[0], 10, 10, 1000, 1.0, timing, True)]
+
+    monkeypatch.setattr(ex_mod, "compare_policies", fake)
+    lab = pd.DataFrame([dict(policy="none", time_ms=4.0, peak_bytes=900, stable=True, device="cpu")])
+    ex = ex_mod.MemoryExplorer.for_lab(cfg, measured=lab)
+    row = ex.run().result.row
+    assert seen == [(cfg.step(), cfg.dtype)], "the explorer's default step is the lab's"
+    assert row["shape"] == study.sh_str(cfg.step())
+    assert row["stable"] is False and row["stability"].startswith("UNSTABLE"), row["stability"]
+    (plot,) = ex.figures(ex.results)
+    marks = {el.label: el for el in plot if el.label}
+    assert list(marks[study.UNSTABLE].data.policy) == ["#1 none"], "the explored point is marked unstable"
+    assert list(marks[study.FRONT].data.policy) == ["lab none"], "the lab's policies stand on the same plot"
+    assert plot.opts.get().kwargs["ylabel"] == "peak above start (MB)", "the lab's quantity: peak vs step time"
+
+
+def test_memory_explorer_offers_the_labs_gpu_sizes_on_cuda():
+    from lab_utils.studies import memory as study
+    from lab_utils.studies.explore.memory import explorer_controls
+
+    gpu = study.gpu_set()
+    on_gpu = {c.name: c.options for c in explorer_controls("cuda")}
+    on_cpu = {c.name: c.options for c in explorer_controls("cpu")}
+    keys = dict(preset="preset", batch="batch_size", resolution="resolution", txt_len="txt_len")
+    for name, key in keys.items():
+        assert gpu[key] in on_gpu[name], (name, on_gpu[name])
+    assert gpu["resolution"] not in on_cpu["resolution"] and gpu["preset"] not in on_cpu["preset"]
+
+
 def test_stability_explorer():
     from lab_utils.studies.explore.stability import StabilityExplorer
 

@@ -227,3 +227,65 @@ def test_cuda_trace_categories():
     assert df.activations.tolist() == [64, 96, 96, 64, 64, 64, 64]
     assert df.temporaries.tolist() == [0, 0, 512, 512, 528, 528, 512]
     assert df.gradients.tolist() == [0, 0, 0, 0, 0, 32, 32]
+
+
+PARETO_ROWS = pd.DataFrame(
+    [
+        # policy, time, peak, stable: on CPU, offload moves nothing and is the fastest
+        dict(policy="none", time_ms=10.0, peak_bytes=900, stable=True, device="cpu"),
+        dict(policy="full", time_ms=14.0, peak_bytes=300, stable=True, device="cpu"),
+        dict(policy="selective", time_ms=12.0, peak_bytes=950, stable=True, device="cpu"),  # behind none
+        dict(policy="double", time_ms=11.0, peak_bytes=200, stable=False, device="cpu"),  # would dominate
+        dict(policy="single", time_ms=float("nan"), peak_bytes=100, stable=False, device="cpu"),  # failed
+        dict(policy="offload", time_ms=5.0, peak_bytes=900, stable=True, device="cpu"),
+    ]
+)
+
+
+def test_pareto_front_leaves_out_unstable_timings_and_policies_that_do_not_act():
+    d = study.pareto_front(PARETO_ROWS).set_index("policy")
+    assert set(d.index[d.mark == study.FRONT]) == {"none", "full"}
+    assert d.loc["selective", "mark"] == study.BEHIND
+    assert d.loc["double", "mark"] == d.loc["single", "mark"] == study.UNSTABLE
+    assert d.loc["offload", "mark"] == "does not act on cpu"
+    on_gpu = study.pareto_front(PARETO_ROWS.assign(device="cuda")).set_index("policy")
+    assert set(on_gpu.index[on_gpu.mark == study.FRONT]) == {"offload", "full"}, "offload acts on a GPU"
+    noise = study.pareto_front(PARETO_ROWS.assign(stable=False))
+    assert set(noise.mark) == {study.UNSTABLE, "does not act on cpu"}, "no stable point: an empty front"
+    other = study.pareto_front(PARETO_ROWS.assign(shape=["a", "b", "a", "a", "a", "a"]), step="a")
+    assert other.set_index("policy").loc["full", "mark"] == "another step shape"
+
+
+def _layers(plot):
+    return {el.label: el for el in plot if el.label}, plot.opts.get().kwargs["title"]
+
+
+def test_pareto_plot_marks_the_points_and_draws_no_front_through_noise():
+    import holoviews as hv
+
+    layers, title = _layers(study.pareto_plot(PARETO_ROWS))
+    assert set(layers) == {study.FRONT, study.BEHIND, study.UNSTABLE, "does not act on cpu"}
+    assert isinstance(layers[study.FRONT], hv.Curve) and list(layers[study.FRONT].data.policy) == ["none", "full"]
+    unstable = layers[study.UNSTABLE]
+    assert isinstance(unstable, hv.Scatter)
+    assert sorted(unstable.data.policy) == ["double", "single"]
+    assert unstable.opts.get().kwargs["marker"] != "circle"
+    assert "dashed: Pareto front of the stable timings" in title
+    layers, title = _layers(study.pareto_plot(PARETO_ROWS.assign(stable=False)))
+    assert not any(isinstance(el, hv.Curve) for el in layers.values()) and "no Pareto front drawn" in title
+    hv.renderer("bokeh").get_plot(study.pareto_plot(PARETO_ROWS))
+
+
+def test_lab_table_carries_stability_and_device(monkeypatch):
+    failed = BenchFailure("step", "budget", "not timed in this test")
+    fake = [mem.PolicyResult(p, 100, 100, 200, 1.0, failed, True) for p in ("none", "offload")]
+    monkeypatch.setattr(mem, "compare_policies", lambda *a, **k: fake)
+    cfg = MemoryLabConfig(policies=("none", "offload"), device="cpu")
+    df = study.compare(cfg, study.recorder(cfg))
+    assert list(df.stable) == [False, False] and set(df.device) == {"cpu"}
+    assert (study.pareto_front(df).mark != study.FRONT).all()
+
+
+def test_gpu_set_is_read_from_the_lab_yaml():
+    g = study.gpu_set()
+    assert g["device"] == "cuda" and g["resolution"] == 1024 and g["preset"] == "medium"

@@ -12,6 +12,7 @@ from pathlib import Path
 import holoviews as hv
 import pandas as pd
 import torch
+import yaml
 
 from .. import memory as mem
 from ..config import ConfigError, LabConfig, check_choice, check_choices, check_float, check_int, check_int_list
@@ -223,6 +224,8 @@ def compare(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
                 peak_bytes=r.peak_bytes,
                 recomputed_flops=recompute,
                 time_ms=getattr(r.timing, "median_ms", float("nan")),
+                stable=bool(getattr(r.timing, "ok", False) and r.timing.stable),
+                device=dev.type,
                 grads_equal=r.grads_equal,
                 saved_bytes_are=saved_means(r.policy, dev),
             )
@@ -241,27 +244,85 @@ def saved_means(policy: str, dev: torch.device) -> str:
     return "kept on the device (the rest is in host memory)"
 
 
-def pareto_plot(df: pd.DataFrame):
-    """Peak memory against step time per policy; the Pareto front (no policy both faster and smaller) drawn."""
+def acts_on(policy: str, device_type: str) -> bool:
+    """Whether a policy does what it is for on this device: ``offload`` (``save_on_cpu``)
+    moves saved activations to host memory, so on a CPU it moves nothing."""
+    return not (policy == "offload" and device_type == "cpu")
+
+
+FRONT, BEHIND, UNSTABLE = "Pareto front", "behind the front", "unstable timing"
+MARKS = {  # mark -> (colour, marker) of the Pareto plot
+    FRONT: ("#1f77b4", "circle"),
+    BEHIND: ("#7f7f7f", "circle"),
+    UNSTABLE: ("#ff7f0e", "x"),
+}
+NOT_ACTING = ("#d62728", "triangle")
+
+
+def not_acting(device_type: str) -> str:
+    return f"does not act on {device_type}"
+
+
+def pareto_front(df: pd.DataFrame, step: str | None = None) -> pd.DataFrame:
+    """Each policy row (``policy``, ``time_ms``, ``peak_bytes``; ``stable``, ``device`` and
+    ``shape`` when known) with its ``mark``: a policy that does not act on its device (CPU
+    ``offload``), an unstable (or failed) timing and, when ``step`` is given, a row of another
+    step shape are marked and left out; of the rest, a row no other row beats on both time
+    and peak is on the front.  No eligible row: an empty front, never one drawn through noise."""
+    d = df.copy()
+    dev = d["device"] if "device" in d else pd.Series("", index=d.index)
+    stable = d["stable"].fillna(False).astype(bool) if "stable" in d else pd.Series(True, index=d.index)
+    d["mark"] = BEHIND
+    other = (d["shape"] != step) if (step is not None and "shape" in d) else pd.Series(False, index=d.index)
+    d.loc[other, "mark"] = "another step shape"
+    d.loc[~stable & ~other, "mark"] = UNSTABLE
+    d.loc[~d.time_ms.notna() & ~other, "mark"] = UNSTABLE
+    for i in d.index:
+        if dev[i] and not acts_on(d.at[i, "policy"], dev[i]):
+            d.at[i, "mark"] = not_acting(dev[i])
+    best = float("inf")
+    for i in d[d.mark == BEHIND].sort_values(["time_ms", "peak_bytes"]).index:
+        if d.at[i, "peak_bytes"] < best:
+            d.at[i, "mark"], best = FRONT, d.at[i, "peak_bytes"]
+    return d
+
+
+def pareto_plot(df: pd.DataFrame, step: str | None = None, title: str = "AC policies: peak memory vs step time"):
+    """Peak memory against step time per policy, each point marked (``pareto_front``): the
+    front is drawn through stable timings of policies that act on the device only; when there
+    is none, no front is drawn and the title says so."""
     init()
-    d = df.assign(peak_mb=df.peak_bytes / 1e6).sort_values("time_ms")
-    front, best = [], float("inf")
-    for r in d.itertuples():
-        if r.peak_mb < best:
-            front.append(r.Index)
-            best = r.peak_mb
-    pts = hv.Scatter(d, "time_ms", ["peak_mb", "policy", "saved_bytes", "recomputed_flops"]).opts(
-        tools=["hover"], size=10, color="policy", cmap="Category10"
-    )
-    labels = hv.Labels(d, ["time_ms", "peak_mb"], "policy").opts(yoffset=0.02 * d.peak_mb.max(), text_font_size="8pt")
-    line = hv.Curve(d.loc[front], "time_ms", "peak_mb").opts(color="black", line_dash="dashed")
-    return (pts * labels * line).opts(
-        title="AC policies: peak memory vs step time (dashed: Pareto front)",
+    d = pareto_front(df, step).assign(peak_mb=lambda x: x.peak_bytes / 1e6).sort_values("time_ms")
+    vd = ["peak_mb", "policy", "mark", *(c for c in ("saved_bytes", "recomputed_flops") if c in d)]
+    layers = []
+    for mark, g in d.groupby("mark", sort=False):
+        colour, marker = MARKS.get(mark, NOT_ACTING if mark.startswith("does not act") else ("#bcbd22", "square"))
+        layers.append(
+            hv.Scatter(g, "time_ms", vd, label=mark).opts(tools=["hover"], size=11, color=colour, marker=marker)
+        )
+    top = d.peak_mb.max() if len(d) and d.peak_mb.notna().any() else 1.0
+    layers.append(hv.Labels(d, ["time_ms", "peak_mb"], "policy").opts(yoffset=0.02 * top, text_font_size="8pt"))
+    front = d[d.mark == FRONT]
+    if len(front):
+        layers.append(hv.Curve(front, "time_ms", "peak_mb", label=FRONT).opts(color="black", line_dash="dashed"))
+        note = "dashed: Pareto front of the stable timings"
+    else:
+        note = "no stable timing of a policy that acts here: no Pareto front drawn"
+    return hv.Overlay(layers).opts(
+        title=f"{title} ({note})",
         xlabel="step time (ms, median)",
         ylabel="peak above start (MB)",
         legend_position="right",  # beside the axes: inside, it covered points and their labels
-        width=760,
+        width=860,
     )
+
+
+GPU_SET = Path(__file__).resolve().parents[2] / "parameterized" / "sets" / LAB / "gpu.yaml"
+
+
+def gpu_set(path: Path = GPU_SET) -> dict:
+    """The lab's GPU parameter set (``parameterized/sets/05_memory/gpu.yaml``) as a dict."""
+    return yaml.safe_load(Path(path).read_text()) or {}
 
 
 def class_bars(df: pd.DataFrame, dtype: str = "bfloat16"):
