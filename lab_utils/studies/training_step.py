@@ -197,6 +197,11 @@ def mfu_table(mfu: pd.DataFrame):
 # --------------------------------------------------------------------------------------
 
 
+# Published sizes (model cards): FLUX.1 [dev]/[schnell] transformers "12 billion" (11.9 B
+# counted), T5-XXL v1.1 encoder 4.76 B, CLIP ViT-L/14 text encoder 123 M, FLUX VAE 83.8 M.
+PUBLIC_PARAMS_B = {"flux-dev": 11.9, "flux-schnell": 11.9, "t5": 4.76, "clip": 0.123, "vae": 0.0838}
+
+
 def preset_lines() -> list[str]:
     """One line per preset (built on meta: nothing allocated), parameter counts checked
     against the analytic count, plus flux-dev's encoders."""
@@ -210,7 +215,13 @@ def preset_lines() -> list[str]:
             f"{name:13s} {c.depth_double:2d}+{c.depth_single:2d} blocks  width {c.hidden_size:4d}"
             f"  heads {c.num_heads:2d}  params {n:>14,d} ({n / 1e9:.3f} B)"
         )
+        public = PUBLIC_PARAMS_B.get(name)
+        assert public is None or abs(n / 1e9 - public) < 0.05, f"{name}: {n / 1e9:.3f} B, public figure {public} B"
     enc = Encoders("flux-dev", device="meta").param_counts()
+    for k, v in enc.items():
+        assert abs(v / 1e9 / PUBLIC_PARAMS_B[k] - 1) < 0.01, (
+            f"encoder {k}: {v / 1e9:.3f} B, public {PUBLIC_PARAMS_B[k]} B"
+        )
     lines.append("flux-dev encoders: " + ", ".join(f"{k} {v / 1e9:.3f} B" for k, v in enc.items()))
     return lines
 
@@ -232,17 +243,49 @@ def faithfulness_lines(seed: int = 0) -> list[str]:
     ]
 
 
+def step_flops_by_hand(cfg: MMDiTConfig, batch: int, img: int, txt: int) -> int:
+    """A step by hand: each matmul's backward costs twice its forward (the input's and the
+    weight's gradient), attention's too (the model convention), except the input gradient of
+    the linears fed by the batch itself (img_in, txt_in, the first linear of each embedder)."""
+    d = cfg.hidden_size
+    no_input_grad = 2 * batch * d * (img * cfg.in_channels + txt * cfg.context_dim + 256 + cfg.pooled_dim)
+    no_input_grad += 2 * batch * d * 256 * cfg.guidance_embed
+    return int(3 * forward_flops(cfg, batch, img, txt)["total"]) - no_input_grad
+
+
+def forward_flops_from_modules(preset: str, batch: int, img: int, txt: int) -> float:
+    """A forward from the built model's own linears (2 FLOPs per weight per row: image
+    stream rows, text stream rows, joint rows in single blocks, one row per sample for the
+    modulation and embedder MLPs) plus 4 * L^2 * width per block for QK^T and PV."""
+    model = build_model(preset, device="meta")
+    total = 0.0
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            leaf = name.split(".")[2 if "blocks" in name else 0]
+            rows = {"img_in": img, "txt_in": txt, "img_attn": img, "img_mlp": img, "txt_attn": txt, "txt_mlp": txt}
+            rows |= {"linear1": img + txt, "linear2": img + txt, "final_layer": img if name.endswith(".linear") else 1}
+            total += 2.0 * batch * rows.get(leaf, 1) * mod.in_features * mod.out_features
+    blocks = model.cfg.depth_double + model.cfg.depth_single
+    return total + blocks * 4.0 * batch * (img + txt) ** 2 * model.cfg.hidden_size
+
+
 def flop_lines() -> list[str]:
-    """A tiny step's counted FLOPs against the analytic forward, and flux-dev's forward at 1024 px."""
+    """A tiny step's counted FLOPs against the analytic forward, and flux-dev's forward at
+    1024 px; each held to a derivation by hand (raises when one differs)."""
     tc = MMDiTConfig.from_preset("tiny")
     step_flops = training_step_flops(tc, 2, (4, 4), 16)
     fwd = forward_flops(tc, 2, 16, 16)["total"]
     fd = MMDiTConfig.from_preset("flux-dev")
+    flux = forward_flops(fd, 1, 4096, 512)["total"]
+    if step_flops != step_flops_by_hand(tc, 2, 16, 16):
+        raise AssertionError(f"tiny step: counted {step_flops:,d} != by hand {step_flops_by_hand(tc, 2, 16, 16):,d}")
+    by_modules = forward_flops_from_modules("flux-dev", 1, 4096, 512)
+    if flux != by_modules:
+        raise AssertionError(f"flux-dev forward: {flux:.6g} != from its modules {by_modules:.6g}")
     return [
         f"tiny, batch 2, 64x64 px (16 image tokens), 16 text tokens: {step_flops:,d} FLOPs per step "
         f"= {step_flops / fwd:.3f} x the forward's {int(fwd):,d}",
-        f"flux-dev forward, batch 1, 1024x1024 px (4096 image tokens) + 512 text tokens: "
-        f"{forward_flops(fd, 1, 4096, 512)['total'] / 1e12:.1f} TFLOP",
+        f"flux-dev forward, batch 1, 1024x1024 px (4096 image tokens) + 512 text tokens: {flux / 1e12:.1f} TFLOP",
     ]
 
 
