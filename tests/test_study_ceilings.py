@@ -11,6 +11,9 @@ def test_costs():
     assert study.op_cost("copy", 10, torch.float32) == (80, 0)
     assert study.op_cost("add", 10, torch.bfloat16) == (60, 10)
     assert study.op_cost("matmul", 4, torch.float32) == (3 * 16 * 4, 128)
+    # gelu, tanh form 0.5*x*(1 + tanh(sqrt(2/pi)*(x + 0.044715*x^3))): x^3 (2), *0.044715, +x,
+    # *sqrt(2/pi), tanh, +1, *x, *0.5 = 9 FLOPs per element; read x, write y
+    assert study.op_cost("gelu", 10, torch.float32) == (2 * 10 * 4, 9 * 10)
     with pytest.raises(ValueError, match="op="):
         study.op_cost("conv", 1, torch.float32)
 
