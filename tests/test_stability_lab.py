@@ -12,7 +12,15 @@ import yaml
 from lab_utils.config import ConfigError
 from lab_utils.numdiff import numerics_diff
 from lab_utils.stability import RunResult, RunSpec
-from lab_utils.studies.stability import StabilityLabConfig, drift_table, policy_check_lines, rewind_matches_skip
+from lab_utils.studies.stability import (
+    StabilityLabConfig,
+    drift_table,
+    policy_check_lines,
+    precision_verdict_lines,
+    qk_verdict_lines,
+    rewind_matches_skip,
+    spike_verdict_lines,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,3 +112,39 @@ def test_rewind_matches_skip_until_their_actions_part():
     assert policy_check_lines({"s": skip, "r": off}) == [
         "rewind replays exactly the skip policy's losses until their actions part: False"
     ]
+
+
+def _logits(name: str, values: list[float]) -> RunResult:
+    tel = pd.DataFrame(dict(step=range(len(values)), stat="logit_max", value=values))
+    return RunResult(RunSpec(name=name), pd.DataFrame(dict(step=[0], loss=[1.0])), tel)
+
+
+def test_qk_verdicts_raise_when_the_normed_run_grows():
+    ok = {"qk_norm on": _logits("on", [1.0, 2.0, 3.0]), "qk_norm off": _logits("off", [1.0, 4.0, 9.0])}
+    assert qk_verdict_lines(ok)[1] == "qk_norm off: logit max grows more than 5x over the run: True"
+    both_grow = {"qk_norm on": _logits("on", [1.0, 4.0, 9.0]), "qk_norm off": _logits("off", [1.0, 4.0, 9.0])}
+    with pytest.raises(AssertionError, match="QK-norm: the lab's claim does not hold: qk_norm on"):
+        qk_verdict_lines(both_grow)
+
+
+def test_precision_verdicts_raise_when_master_weights_lose_updates():
+    t = pd.DataFrame(
+        dict(lost_update_frac=[0.0, 0.9, 0.0, 0.1], loss_gap_vs_fp32=[0.0, 0.5, 0.01, 0.02]),
+        index=pd.Index(["fp32", "bf16", "bf16_master", "bf16_sr"], name="run"),
+    )
+    assert all(ln.endswith(": True") for ln in precision_verdict_lines(t))
+    with pytest.raises(AssertionError, match="precision: .*fp32 master weights lose almost none"):
+        precision_verdict_lines(t.assign(lost_update_frac=[0.0, 0.9, 0.01, 0.1]))
+
+
+def test_spike_verdicts_raise_on_a_spike_in_the_clean_run_or_a_missed_one():
+    clean = _policy("none", [3.0, 2.0, 2.0, 2.0])
+    hit = _policy("skip", [3.0, 2.0, 9.0, 2.0])
+    hit.steps.loc[2, "spike"] = True
+    assert spike_verdict_lines({"clean": clean, "skip": hit}, 2)[1].endswith(": True")
+    with pytest.raises(AssertionError, match="spikes: .*skip: first spike at the provoked step"):
+        spike_verdict_lines({"clean": clean, "skip": hit}, 3)  # the spike came a step early
+    noisy = _policy("none", [3.0, 2.0, 2.0, 2.0])
+    noisy.steps.loc[1, "spike"] = True
+    with pytest.raises(AssertionError, match="clean run: spikes detected: 1"):
+        spike_verdict_lines({"clean": noisy, "skip": hit}, 2)

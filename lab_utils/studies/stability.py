@@ -247,15 +247,24 @@ def qk_table(runs: dict[str, RunResult]) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("run")
 
 
+def _asserted(lines: list[str], expected: list[bool], what: str) -> list[str]:
+    """The verdict lines, raising when one's trailing True/False is not the lab's claim."""
+    off = [ln for ln, e in zip(lines, expected, strict=True) if not ln.endswith(f": {e}")]
+    if off:
+        raise AssertionError(f"{what}: the lab's claim does not hold: " + "; ".join(off))
+    return lines
+
+
 def qk_verdict_lines(runs: dict[str, RunResult], growth: float = 5.0) -> list[str]:
-    """Deterministic verdicts: without QK-norm the logit max grows more than ``growth`` x; with it, less."""
+    """Deterministic verdicts: without QK-norm the logit max grows more than ``growth`` x;
+    with it, less (raises when a run says otherwise)."""
     out = []
     for name, r in runs.items():
         lm = logit_max_series(r)
         out.append(
             f"{name}: logit max grows more than {growth:g}x over the run: {bool(lm.max() > growth * lm.iloc[0])}"
         )
-    return out
+    return _asserted(out, [name.endswith("off") for name in runs], "QK-norm")
 
 
 def precision_table(runs: dict[str, RunResult]) -> pd.DataFrame:
@@ -277,11 +286,12 @@ def precision_verdict_lines(table: pd.DataFrame) -> list[str]:
     lost = table["lost_update_frac"]
     gap = table["loss_gap_vs_fp32"].abs()
     others = max(gap["bf16_master"], gap["bf16_sr"])
-    return [
+    lines = [
         f"bf16 without master weights loses most of its updates: {bool(lost['bf16'] > 0.5)}",
         f"fp32 master weights lose almost none (< 0.1%): {bool(lost['bf16_master'] < 1e-3)}",
         f"loss gap, bf16 > 10x master and > 10x stochastic rounding: {bool(gap['bf16'] > 10 * others)}",
     ]
+    return _asserted(lines, [True] * 3, "precision")
 
 
 def adam_table(runs: dict[str, RunResult]) -> pd.DataFrame:
@@ -349,7 +359,9 @@ def spike_verdict_lines(runs: dict[str, RunResult], provoke_step: int) -> list[s
             f"{name}: first spike at the provoked step (or the next): "
             f"{bool(len(first) and provoke_step <= first.iloc[0] <= provoke_step + 1)}"
         )
-    return out
+    if int(clean.spike.sum()):
+        raise AssertionError(f"spikes: the lab's claim does not hold: {out[0]} (a clean run has none)")
+    return [out[0], *_asserted(out[1:], [True] * (len(out) - 1), "spikes")]
 
 
 def _policy_runs(runs: dict[str, RunResult]) -> dict[str, RunResult]:
