@@ -109,8 +109,10 @@ def test_rewind_matches_skip_until_their_actions_part():
     assert rewind_matches_skip(skip, rewind) == (True, 4)
     off = _policy("rewind", [3.0, 2.1, nan, nan, 7.0, 2.9], acts)
     assert rewind_matches_skip(skip, off) == (False, 4)
-    assert policy_check_lines({"s": skip, "r": off}) == [
-        "rewind replays exactly the skip policy's losses until their actions part: False"
+    with pytest.raises(AssertionError, match="rewind does not replay the skip policy's losses before step 4"):
+        policy_check_lines({"s": skip, "r": off})
+    assert policy_check_lines({"s": skip, "r": rewind}) == [
+        "rewind replays exactly the skip policy's losses until their actions part: True"
     ]
 
 

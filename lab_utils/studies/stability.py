@@ -400,7 +400,7 @@ def rewind_matches_skip(skip: RunResult, rewind: RunResult) -> tuple[bool, int]:
 def policy_check_lines(runs: dict[str, RunResult]) -> list[str]:
     """Checks of the policies against each other: ``clip`` must change the trajectory of
     ``none`` (raises when it does not: a clip policy that does nothing), and ``rewind`` must
-    replay exactly the ``skip`` policy's losses until their actions part."""
+    replay exactly the ``skip`` policy's losses until their actions part (raises when not)."""
     pol = _policy_runs(runs)
     out = []
     if "clip" in pol and "none" in pol:
@@ -415,7 +415,9 @@ def policy_check_lines(runs: dict[str, RunResult]) -> list[str]:
         clipped = int((clip.action == "spike: clipped").sum())
         out.append(f"clip changes the trajectory of none: {changed} ({clipped} step(s) clipped)")
     if "skip" in pol and "rewind" in pol:
-        ok, _ = rewind_matches_skip(pol["skip"], pol["rewind"])
+        ok, upto = rewind_matches_skip(pol["skip"], pol["rewind"])
+        if not ok:
+            raise AssertionError(f"rewind does not replay the skip policy's losses before step {upto}")
         out.append(f"rewind replays exactly the skip policy's losses until their actions part: {ok}")
     return out
 
