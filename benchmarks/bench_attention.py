@@ -5,14 +5,14 @@ Rerun (GPU, the numbers that go in the repo):
 CPU smoke (small, Triton excluded — the interpreter is never timed):
     python benchmarks/bench_attention.py --preset cpu
 
-Method: ``lab_utils.attention.sweep`` — inputs (B, H, L, Dh) drawn once per case, every
+Method: ``lab_utils.attention.attend.sweep`` — inputs (B, H, L, Dh) drawn once per case, every
 path through ``attend`` (mask preprocessing cached after the first call, so timings
 are attention only; the FlexAttention block-mask build is timed on its own), the one
-timing primitive (``lab_utils.timing.bench``: first call out of the statistics,
+timing primitive (``lab_utils.core.timing.bench``: first call out of the statistics,
 L2 flushed on CUDA), median with p20/p80.  FLOPs are mask-aware (allowed pairs x 4 x Dh
-forward; backward 2.5x, the "kernel" convention of ``lab_utils.flops``, recorded on every
+forward; backward 2.5x, the "kernel" convention of ``lab_utils.core.flops``, recorded on every
 row as ``flop_convention``); TFLOP/s and % of the *measured* matmul ceiling of the dtype
-(``lab_utils.ceilings``).  Also writes the padding-vs-packing comparison of one
+(``lab_utils.core.ceilings``).  Also writes the padding-vs-packing comparison of one
 bucketed batch.  Rows: benchmarks/results/attention_<device-kind>_<dtype>.{json,csv}
 (tidy rows, same columns as every Recorder) unless ``--out`` says otherwise.
 """
@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from lab_utils import attention as A
-from lab_utils import varlen as V
-from lab_utils.ceilings import get_ceilings
-from lab_utils.device import device_info, pick_device
-from lab_utils.dtypes import LAB_DTYPES, parse_dtype
-from lab_utils.records import Recorder
+from lab_utils.attention import attend as A
+from lab_utils.attention import varlen as V
+from lab_utils.core.ceilings import get_ceilings
+from lab_utils.core.device import device_info, pick_device
+from lab_utils.core.dtypes import LAB_DTYPES, parse_dtype
+from lab_utils.core.records import Recorder
 
 PRESETS = {
     # FLUX-dev: 24 heads x 128, joint sequence 512 text + 4096 image tokens at 1024^2.

@@ -6,14 +6,14 @@ Rerun on a GPU (the figures that go in the repo; H100/H200):
 CPU smoke (small; Triton excluded — the interpreter is never timed):
     python benchmarks/bench_kernels.py --preset cpu --out /tmp/kernels_cpu.parquet
 
-Method: ``lab_utils.fused`` — every (op, variant, dtype) checked against float64 (forward
+Method: ``lab_utils.fused.ops`` — every (op, variant, dtype) checked against float64 (forward
 and gradients, irregular shape) before it is timed (the script exits non-zero if one
 fails), inputs drawn once per case, every timeable variant
-through the lab's one timing primitive (``lab_utils.timing.bench``: first call — compile,
+through the lab's one timing primitive (``lab_utils.core.timing.bench``: first call — compile,
 autotune — out of the statistics, L2 flushed on CUDA), median with p20/p80.  GB/s from the
 bytes each op must move (each input read once, each output written once; formulas in each
-op module's docstring and ``lab_utils.flops.fused_bytes``), % of the *measured* copy ceiling
-(``lab_utils.ceilings``), speedup over eager, peak memory above the inputs (CUDA).  The
+op module's docstring and ``lab_utils.core.flops.fused_bytes``), % of the *measured* copy ceiling
+(``lab_utils.core.ceilings``), speedup over eager, peak memory above the inputs (CUDA).  The
 summary printed at the end lists, per op/direction/dtype, each variant's GB/s and % of the
 copy ceiling at the largest size (the target: Triton >= 85% there).
 
@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from lab_utils import fused as kb
-from lab_utils import fused_blocks
-from lab_utils.ceilings import get_ceilings
-from lab_utils.device import device_info, pick_device
-from lab_utils.records import Recorder, run_context
+from lab_utils.core.ceilings import get_ceilings
+from lab_utils.core.device import device_info, pick_device
+from lab_utils.core.records import Recorder, run_context
+from lab_utils.fused import blocks as fused_blocks
+from lab_utils.fused import ops as kb
 from lab_utils.studies.fused_kernels import BLOCK_TOLERANCE, sweep_frame
 
 PRESETS = {

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from lab_utils.plan import build_plan, verify
+from lab_utils.plan.planner import build_plan, verify
 from lab_utils.studies.plan import PlanLabConfig
 
 ROOT = Path(__file__).resolve().parents[1]

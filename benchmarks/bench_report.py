@@ -15,8 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from lab_utils.device import device_info
-from lab_utils.records import git_commit
+from lab_utils.core.device import device_info
+from lab_utils.core.records import git_commit
 from lab_utils.run.runner import run_suite
 
 

@@ -6,8 +6,8 @@ GPU:
     python benchmarks/bench_telemetry.py --preset small --device cuda --batch-size 8 --resolution 256
 
 Method: one MMDiT training step as the lab runs it (rectified-flow loss, backward, gradient
-clipping, :class:`lab_utils.stability.StabilityAdamW`), timed by the one timing primitive
-(``lab_utils.timing.bench``: first call out of the statistics, samples judged for stability).
+clipping, :class:`lab_utils.stability.training.StabilityAdamW`), timed by the one timing primitive
+(``lab_utils.core.timing.bench``: first call out of the statistics, samples judged for stability).
 One sample is ``block`` consecutive steps (the largest ``--every``), so a sample holds the same
 number of sampled steps every time.  Variants: telemetry off, and attached with sampling every
 N steps (hooks stay registered on the other steps and return at once).  The overhead is the
@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
-from lab_utils.device import device_info, pick_device
+from lab_utils.core.device import device_info, pick_device
+from lab_utils.core.records import Recorder
+from lab_utils.core.timing import bench
 from lab_utils.model.mmdit import build_model
 from lab_utils.model.train import rf_loss, synthetic_batch
-from lab_utils.records import Recorder
-from lab_utils.stability import StabilityAdamW
-from lab_utils.telemetry import Telemetry
-from lab_utils.timing import bench
+from lab_utils.stability.telemetry import Telemetry
+from lab_utils.stability.training import StabilityAdamW
 
 
 class StepLoop:

@@ -12,13 +12,13 @@ holoviews, diffusers, transformers or torchao are imported; the repository need 
 Sections (each guarded: one that raises is recorded as failed and the others still run):
 
 * ``ceilings``: device-to-device copy (bytes read + written) and the bf16 / fp8 (``_scaled_mm``,
-  e4m3, per-tensor scales) matmul throughput, measured now (``lab_utils.ceilings``).
+  e4m3, per-tensor scales) matmul throughput, measured now (``lab_utils.core.ceilings``).
 * ``fused``: every Triton fused op of ``lab_kernels`` checked forward and backward against
   float64 at flux-dev widths with an irregular token count (4096 + 512 + 7), then timed (GB/s,
-  % of the measured copy ceiling) beside eager and ``torch.compile`` (``lab_utils.fused``).
+  % of the measured copy ceiling) beside eager and ``torch.compile`` (``lab_utils.fused.ops``).
 * ``attention``: the Triton flash attention checked forward and backward (full, causal, varlen)
   against float64 beside SDPA's flash and cuDNN backends, then each timed forward and backward
-  at 4k / 8k / 16k tokens, 24 heads x 128 (TFLOP/s from ``lab_utils.masks.attention_flops``,
+  at 4k / 8k / 16k tokens, 24 heads x 128 (TFLOP/s from ``lab_utils.attention.masks.attention_flops``,
   % of the measured bf16 matmul ceiling).
 * ``fp8``: ``torch._scaled_mm`` (e4m3, per-tensor and row-wise scales) and the Triton FP8 GEMM
   (bf16 written by each kernel; precise and fast accumulation, each asked of both sides alike)
@@ -36,7 +36,7 @@ fallback ceilings (``--sections`` without ``ceilings``) are measured before any 
 starts.  The plan section measures no compile lever and stops between two measurements.  Progress lines carry the time
 since the start.
 
-Method: every timing goes through ``lab_utils.timing`` (first call, i.e. compilation and
+Method: every timing goes through ``lab_utils.core.timing`` (first call, i.e. compilation and
 autotuning, outside the statistics; median with p20/p80; samples kept).  Triton is never
 timed on CPU (the interpreter): such rows say "not timed: interpreted".  Checks draw their
 inputs from ``--seed`` (printed; 0 unless given, so that recorded error figures compare
@@ -91,19 +91,19 @@ from lab_kernels import (  # noqa: E402
     interpreter_why_not,
 )
 from lab_kernels import lowp_matmul as LM  # noqa: E402
-from lab_utils import attention as A  # noqa: E402
-from lab_utils import fused as F  # noqa: E402
-from lab_utils import masks as MK  # noqa: E402
-from lab_utils.ceilings import Ceilings, get_ceilings, measure_copy, measure_matmul  # noqa: E402
-from lab_utils.checks import rel_error  # noqa: E402
-from lab_utils.config import ConfigError  # noqa: E402
-from lab_utils.device import annotate, datasheet_for, device_info, pick_device  # noqa: E402
+from lab_utils.attention import attend as A  # noqa: E402
+from lab_utils.attention import masks as MK  # noqa: E402
+from lab_utils.core.ceilings import Ceilings, get_ceilings, measure_copy, measure_matmul  # noqa: E402
+from lab_utils.core.checks import rel_error  # noqa: E402
+from lab_utils.core.config import ConfigError  # noqa: E402
+from lab_utils.core.device import annotate, datasheet_for, device_info, pick_device  # noqa: E402
+from lab_utils.core.records import CONTEXT_COLUMNS, ROW_COLUMNS, Recorder, load_records  # noqa: E402
+from lab_utils.core.timing import BenchError, try_bench  # noqa: E402
+from lab_utils.fused import ops as F  # noqa: E402
 from lab_utils.model import build_model, resolve_config  # noqa: E402
 from lab_utils.model.train import TrainConfig, compile_blocks, rf_loss, synthetic_batch  # noqa: E402
-from lab_utils.plan import measure_step, plan_and_verify  # noqa: E402
-from lab_utils.profiler import analyse_trace, training_step_flops  # noqa: E402
-from lab_utils.records import CONTEXT_COLUMNS, ROW_COLUMNS, Recorder, load_records  # noqa: E402
-from lab_utils.timing import BenchError, try_bench  # noqa: E402
+from lab_utils.plan.planner import measure_step, plan_and_verify  # noqa: E402
+from lab_utils.profiling.profiler import analyse_trace, training_step_flops  # noqa: E402
 
 LAB = "gpu_check"
 SECTIONS = ("ceilings", "fused", "attention", "fp8", "train", "plan")
@@ -477,7 +477,7 @@ def _interpreter_why_not(dev: torch.device) -> str | None:
 
 # -------------------------------------------------------------------------------- attention
 def _attn_flops(mask: str, lengths, heads: int, head_dim: int) -> tuple[float, float]:
-    """(fwd, bwd) FLOPs of self-attention over these sequences (one convention: lab_utils.masks)."""
+    """(fwd, bwd) FLOPs of self-attention over these sequences (one convention: lab_utils.attention.masks)."""
     fwd = bwd = 0.0
     for n in lengths:
         f = MK.attention_flops(MK.causal() if mask == "causal" else MK.full(), 1, heads, n, n, head_dim)

@@ -38,12 +38,12 @@ TESTS = {
     "lab_kernels/layer_norm_modulate.py": _kernel("layer_norm_modulate"),
     "lab_kernels/rope.py": _kernel("rope"),
     "lab_kernels/qk_norm_rope.py": _kernel("qk_norm_rope"),
-    "lab_utils/flops.py": ["tests/test_flops.py", "tests/test_flops_intensity.py", DF],
-    "lab_utils/fused.py": [
+    "lab_utils/core/flops.py": ["tests/test_flops.py", "tests/test_flops_intensity.py", DF],
+    "lab_utils/fused/ops.py": [
         f"{DF}::test_sweep_speedup_reads_eager_over_variant",
         "tests/test_fused.py::test_bytes_formulas_by_hand",
     ],
-    "lab_utils/fused_blocks.py": [f"{DF}::test_block_speedup_reads_eager_over_provider"],
+    "lab_utils/fused/blocks.py": [f"{DF}::test_block_speedup_reads_eager_over_provider"],
     "lab_utils/memory/budget.py": ["tests/test_memory_gpus_needed.py", "tests/test_memory_budget.py"],
     "lab_utils/memory/saved.py": [
         "tests/test_memory.py::test_formula_equals_hooks_every_policy[tiny-bfloat16]",
@@ -54,7 +54,11 @@ TESTS = {
     "lab_utils/run/compare/rules.py": ["tests/test_compare_rules.py", "tests/test_compare.py"],
     "lab_utils/run/compare/stats.py": ["tests/test_compare_rules.py", "tests/test_compare.py"],
     "lab_utils/run/compare/comparison.py": ["tests/test_compare_rules.py", "tests/test_compare.py"],
-    "lab_utils/timing.py": ["tests/test_timing_rules.py", "tests/test_timing_statistics.py", "tests/test_timing.py"],
+    "lab_utils/core/timing.py": [
+        "tests/test_timing_rules.py",
+        "tests/test_timing_statistics.py",
+        "tests/test_timing.py",
+    ],
     "lab_utils/distributed/projection.py": [
         "tests/test_distributed_projection.py",
         "tests/test_distributed_model.py::test_comm_plan_bytes_of_ddp_and_fsdp",
@@ -74,7 +78,7 @@ TESTS = {
         "tests/test_distributed.py::test_fsdp_bf16_compute_reduces_gradients_in_fp32",
         "tests/test_distributed.py::test_strategy_reproduces_single_process",
     ],
-    "lab_utils/telemetry.py": ["tests/test_telemetry_figures.py"]
+    "lab_utils/stability/telemetry.py": ["tests/test_telemetry_figures.py"]
     + [
         f"tests/test_stability.py::{t}"
         for t in (
@@ -89,7 +93,7 @@ TESTS = {
             "test_training_skips_and_locates_a_nonfinite_step",
         )
     ],
-    "lab_utils/numdiff.py": ["tests/test_telemetry_figures.py"]
+    "lab_utils/stability/numdiff.py": ["tests/test_telemetry_figures.py"]
     + [
         f"tests/test_stability.py::{t}"
         for t in (
@@ -99,7 +103,7 @@ TESTS = {
             "test_numerics_diff_floor_keeps_tiny_statistics_from_diverging",
         )
     ],
-    "lab_utils/plan.py": ["tests/test_plan_memory.py"]
+    "lab_utils/plan/planner.py": ["tests/test_plan_memory.py"]
     + [
         f"tests/test_plan.py::{t}"
         for t in (
@@ -129,21 +133,21 @@ RMS, SWI, GELU, GR, LNM, ROPE, QKR, COM = (
     "lab_kernels/qk_norm_rope.py",
     "lab_kernels/_common.py",
 )
-FL, FUS, FUB = "lab_utils/flops.py", "lab_utils/fused.py", "lab_utils/fused_blocks.py"
+FL, FUS, FUB = "lab_utils/core/flops.py", "lab_utils/fused/ops.py", "lab_utils/fused/blocks.py"
 BUD, SAV = "lab_utils/memory/budget.py", "lab_utils/memory/saved.py"
 RUL, STA, CMP = (
     "lab_utils/run/compare/rules.py",
     "lab_utils/run/compare/stats.py",
     "lab_utils/run/compare/comparison.py",
 )
-TIM = "lab_utils/timing.py"
+TIM = "lab_utils/core/timing.py"
 PRO, COMM, CP, PAR = (
     "lab_utils/distributed/projection.py",
     "lab_utils/distributed/comm.py",
     "lab_utils/distributed/context_parallel.py",
     "lab_utils/distributed/parallel.py",
 )
-TEL, NDIFF, PLAN = "lab_utils/telemetry.py", "lab_utils/numdiff.py", "lab_utils/plan.py"
+TEL, NDIFF, PLAN = "lab_utils/stability/telemetry.py", "lab_utils/stability/numdiff.py", "lab_utils/plan/planner.py"
 
 MUTANTS = [
     # ------------------------------------------------------------------ lab_kernels

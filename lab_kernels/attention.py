@@ -568,7 +568,7 @@ def eager_attention(
 
 def _kernel_mask_check(*, mask=None, **_):
     if mask is not None and mask not in ("full", "causal"):
-        return f"attention variants here take causal=True/False only, not mask {mask!r} (use lab_utils.attention)"
+        return f"attention variants here take causal=True/False only, not mask {mask!r} (lab_utils.attention: any)"
     return None
 
 

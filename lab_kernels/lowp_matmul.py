@@ -528,7 +528,7 @@ def fp8_matmul_forward(
     return c
 
 
-triton_fp8_matmul = fp8_matmul_forward  # the name callers used first (lab_utils.numerics)
+triton_fp8_matmul = fp8_matmul_forward  # the name callers used first (lab_utils.precision.numerics)
 
 
 def triton_fp8_linear(a, b, fmt="fp8_e4m3", *, granularity="tensor", out_dtype=torch.float32, fast_accum=False, **_):

@@ -5,9 +5,8 @@ any Triton kernel can be defined.
 """
 
 import lab_kernels as _lab_kernels  # noqa: F401  (sets TRITON_INTERPRET on CPU-only machines)
-
-from .config import ConfigError, LabConfig  # noqa: E402
-from .noise import install_log_filters  # noqa: E402
+from lab_utils.core.config import ConfigError, LabConfig  # noqa: E402
+from lab_utils.core.noise import install_log_filters  # noqa: E402
 
 install_log_filters()  # known library log lines stay out of notebooks and reports (see noise.py)
 

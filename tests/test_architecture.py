@@ -13,43 +13,35 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("lab_kernels", "lab_utils")
 MAX_LINES = 600
 
-#: Layers, lowest first: a module may import from its own layer or any layer below.
-#: ``lab_utils.<name>`` flat modules are core or libraries; libraries that build on
-#: the model (profiler, fused-op benchmarking, memory, distributed, stability) sit above it.
-CORE = {
-    "config",
-    "checks",
-    "device",
-    "dtypes",
-    "cpu_threads",
-    "timing",
-    "ceilings",
-    "roofline",
-    "records",
-    "plots",
-    "flops",
+#: Layers, lowest first, read from the folders: a module may import from its own layer or
+#: any layer below. ``lab_utils/<folder>/`` is a room; its layer is the folder's, so a new
+#: module is placed by the folder it is put in, and a new folder must be given a layer here
+#: and a row on docs/architecture.md.
+FOLDER_LAYERS = {
+    "core": 1,
+    "attention": 2,
+    "precision": 2,
+    "model": 3,
+    "fused": 4,
+    "profiling": 4,
+    "stability": 4,
+    "plan": 4,
+    "memory": 4,
+    "distributed": 4,
+    "studies": 5,
+    "run": 6,
 }
-LOW_LIBRARIES = {"masks", "attention_paths", "attention_inputs", "attention", "recipes", "precision", "numerics"}
 
 
 def layer(module: str) -> int:
     parts = module.split(".")
     if parts[0] == "lab_kernels":
         return 0
-    if len(parts) == 1:  # lab_utils/__init__
+    if len(parts) == 1:  # lab_utils/__init__: sets up the core (TRITON_INTERPRET, log filters)
         return 1
-    sub = parts[1]
-    if sub in CORE:
-        return 1
-    if sub in LOW_LIBRARIES:
-        return 2
-    if sub == "model":
-        return 3
-    if sub == "studies":
-        return 5
-    if sub == "run":
-        return 6
-    return 4  # libraries above the model
+    if parts[1] not in FOLDER_LAYERS:
+        raise AssertionError(f"{module}: lab_utils/{parts[1]} is not a known room; give it a layer in FOLDER_LAYERS")
+    return FOLDER_LAYERS[parts[1]]
 
 
 def modules() -> dict[str, Path]:
@@ -165,10 +157,24 @@ def test_no_private_names_across_modules_and_no_importlib_strings():
     assert not bad, "private names used across modules / importlib strings:\n" + "\n".join(bad)
 
 
-def test_the_layers_are_what_the_architecture_page_describes():
-    """Every module sits in a known room; a new flat module must be placed in a layer above."""
+def test_lab_utils_is_folders_only_and_every_folder_has_a_layer_and_a_row_on_the_page():
+    """``ls lab_utils`` reads like docs/architecture.md: no flat modules beside ``__init__``,
+    every folder is a package with a layer, and the page names every folder and module."""
+    flat = sorted(p.name for p in (ROOT / "lab_utils").glob("*.py") if p.name != "__init__.py")
+    assert not flat, f"flat modules in lab_utils/ (put each in the folder of its layer): {flat}"
+    folders = sorted(p.name for p in (ROOT / "lab_utils").iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
+    assert sorted(FOLDER_LAYERS) == folders, f"folders {folders} vs layers given {sorted(FOLDER_LAYERS)}"
+    for folder in folders:
+        assert (ROOT / "lab_utils" / folder / "__init__.py").exists(), f"lab_utils/{folder} is not a package"
     text = (ROOT / "docs" / "architecture.md").read_text()
-    flat = [m for m in MODS if m.count(".") == 1 and m.startswith("lab_utils.")]
-    names = sorted(m.split(".")[1] + ("/" if MODS[m].name == "__init__.py" else "") for m in flat)
-    missing = [m for m in names if f"`{m}`" not in text]
-    assert not missing, f"docs/architecture.md does not place these lab_utils modules: {missing}"
+    missing = [f"{f}/" for f in folders if f"`{f}/`" not in text]
+    missing += [
+        m.split(".")[-1]
+        for m in MODS
+        if m.startswith("lab_utils.")
+        and m.count(".") == 2
+        and MODS[m].name != "__init__.py"
+        and not m.endswith(".__main__")
+        and f"`{m.split('.')[-1]}`" not in text
+    ]
+    assert not missing, f"docs/architecture.md does not place these lab_utils folders/modules: {missing}"

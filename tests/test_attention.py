@@ -1,9 +1,9 @@
 """Attention: the Triton kernel (through the interpreter on CPU), every path of
-lab_utils.attention against the float64 reference (output and dq/dk/dv), packed varlen
+lab_utils.attention.attend against the float64 reference (output and dq/dk/dv), packed varlen
 equal to each sequence alone, the registry, and bad input named by parameter.
 
 Shapes are small and irregular (the interpreter is slow); tolerances come from
-lab_utils.checks (gradients: GRAD_SCALE x the dtype's tolerance)."""
+lab_utils.core.checks (gradients: GRAD_SCALE x the dtype's tolerance)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import torch
 
 import lab_kernels
 from lab_kernels import attention as ka
-from lab_utils import attention as A
-from lab_utils import masks as M
-from lab_utils.checks import assert_close, poison_, rel_error, tolerance
-from lab_utils.config import ConfigError
+from lab_utils.attention import attend as A
+from lab_utils.attention import masks as M
+from lab_utils.core.checks import assert_close, poison_, rel_error, tolerance
+from lab_utils.core.config import ConfigError
 from lab_utils.model import build_model
 from lab_utils.model.train import synthetic_batch
 

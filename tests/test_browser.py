@@ -174,7 +174,7 @@ def _wait_changed(page, before: str, timeout_s: float) -> str:
 
 def test_compare_page_renders(smoke_report, chrome, tmp_path):
     """The compare page of the real report against a copy with one op made 1.5x slower."""
-    from lab_utils.records import load_records
+    from lab_utils.core.records import load_records
     from lab_utils.run import compare as C
 
     df = load_records(smoke_report)

@@ -122,9 +122,9 @@ def _open_lab(chrome, srv, name: str):
 
 
 FUSED_CELLS = [
-    "from lab_utils.ceilings import get_ceilings\n"
-    "from lab_utils.plots import init\n"
-    "from lab_utils.records import Recorder\n"
+    "from lab_utils.core.ceilings import get_ceilings\n"
+    "from lab_utils.core.plots import init\n"
+    "from lab_utils.core.records import Recorder\n"
     "from lab_utils.studies.explore.fused_kernels import FusedExplorer\n\n"
     "hv = init()\n"
     'ceilings = get_ceilings("cpu", quick=True)\n'

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from lab_utils import ceilings as C
+from lab_utils.core import ceilings as C
 
 
 def test_measure_cache_and_force(tmp_cache, monkeypatch):

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from lab_utils.checks import TOLERANCES, assert_bitwise_equal, assert_close, poison_, rel_error, sqnr_db, tolerance
+from lab_utils.core.checks import TOLERANCES, assert_bitwise_equal, assert_close, poison_, rel_error, sqnr_db, tolerance
 
 
 def test_message_explains_mismatch():

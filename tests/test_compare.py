@@ -14,8 +14,8 @@ import pandas as pd
 import pytest
 from bokeh.models import HoverTool
 
-from lab_utils.config import ConfigError
-from lab_utils.records import CONTEXT_COLUMNS, ROW_COLUMNS
+from lab_utils.core.config import ConfigError
+from lab_utils.core.records import CONTEXT_COLUMNS, ROW_COLUMNS
 from lab_utils.run import compare as C
 from lab_utils.run.compare import baselines as baselines_module
 
@@ -564,7 +564,7 @@ def test_a_run_with_many_unstable_timings_is_not_comparable(tmp_path, capsys):
 
 def test_old_records_and_the_stored_baseline_still_read(tmp_path):
     """Records written before rows carried a verdict load, and their timings are judged from samples."""
-    from lab_utils.records import load_records
+    from lab_utils.core.records import load_records
 
     root = Path(__file__).resolve().parents[1] / "parameterized" / "baselines" / "cpu"
     side = C.load_side(root, "baseline")

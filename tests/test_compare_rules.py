@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from lab_utils.records import CONTEXT_COLUMNS, ROW_COLUMNS
+from lab_utils.core.records import CONTEXT_COLUMNS, ROW_COLUMNS
 from lab_utils.run import compare as C
 from lab_utils.run.compare.options import Options
 from lab_utils.run.compare.rules import Direction

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from lab_utils.config import (
+from lab_utils.core.config import (
     ConfigError,
     LabConfig,
     check_bool,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lab_utils.checks import assert_close
-from lab_utils.config import ConfigError
+from lab_utils.core.checks import assert_close
+from lab_utils.core.config import ConfigError
 from lab_utils.model.data import (
     BucketBatchSampler,
     SyntheticImageCaptions,

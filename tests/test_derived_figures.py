@@ -4,7 +4,7 @@ ops against a hand count of each op's formula, bytes of the fused ops against th
 the real tensors each kernel reads and writes, and the speedup, GB/s and TFLOP/s rows of a
 sweep against fake timings whose answer is known (a variant 2x slower than eager reads 0.5).
 
-The FLOP convention (``lab_utils.flops``' docstring): FLOPs per element of the op's main
+The FLOP convention (``lab_utils.core.flops``' docstring): FLOPs per element of the op's main
 tensor(s), counted from the formula the kernel evaluates; a transcendental (tanh, exp,
 rsqrt) is one FLOP, a per-row reduction is one add per element, per-row scalars (rstd,
 mean, their sums divided by D) are not counted, constants are folded and a value formed once
@@ -21,11 +21,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from lab_kernels import get_variant
-from lab_utils import flops as F
-from lab_utils import fused as kb
-from lab_utils import fused_blocks
-from lab_utils.records import Recorder
-from lab_utils.timing import Timing
+from lab_utils.core import flops as F
+from lab_utils.core.records import Recorder
+from lab_utils.core.timing import Timing
+from lab_utils.fused import blocks as fused_blocks
+from lab_utils.fused import ops as kb
 
 # ---------------------------------------------------------------------------------------------
 # Matmul and attention: FlopCounterMode counts the matmuls torch runs
@@ -272,7 +272,7 @@ MS = {"eager": 2.0, "slow2x": 4.0, "fast2x": 1.0}
 
 @pytest.fixture
 def fake_bench(monkeypatch):
-    """The timing primitive of lab_utils.fused answers from MS by variant name."""
+    """The timing primitive of lab_utils.fused.ops answers from MS by variant name."""
 
     def try_bench(fn, *, name, **kw):
         return fake_timing(MS[name.split("/")[1]], name)

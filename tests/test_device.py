@@ -3,8 +3,8 @@ import re
 import pytest
 import torch
 
-from lab_utils import device as D
-from lab_utils.device import DATASHEET, datasheet_for, device_info, pick_device
+from lab_utils.core import device as D
+from lab_utils.core.device import DATASHEET, datasheet_for, device_info, pick_device
 from lab_utils.model import build_model, image_ids, text_ids
 
 

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from lab_utils.config import ConfigError
+from lab_utils.core.config import ConfigError
 from lab_utils.distributed import DistConfig, DistRunError, launch, launch_cases
 from lab_utils.distributed.verify import ATTENTION_TOL, EMULATED_TOL, compare
 from lab_utils.distributed.worker import emulated_dp_step, single_process_run

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from lab_utils.config import ConfigError
+from lab_utils.core.config import ConfigError
+from lab_utils.core.records import Recorder
 from lab_utils.distributed import DistConfig, launch
 from lab_utils.distributed.__main__ import main as dist_cli
 from lab_utils.distributed.comm import CollectiveEvent, collectives, fit_alpha_beta, overlap, predict_comm_ms
@@ -21,7 +22,6 @@ from lab_utils.distributed.launch import check_local_devices
 from lab_utils.distributed.parallel import linear2_permutation, qkv_permutation
 from lab_utils.distributed.projection import comm_plan, fastest, project
 from lab_utils.model import analytic_param_count, resolve_config
-from lab_utils.records import Recorder
 from lab_utils.studies import distributed as study
 from lab_utils.studies.distributed import DistributedLabConfig, case_params, run_lab
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import yaml
 
-from lab_utils.config import ConfigError
+from lab_utils.core.config import ConfigError
 from lab_utils.studies.distributed import DistributedLabConfig
 
 GPU_SET = Path(__file__).resolve().parents[1] / "parameterized" / "sets" / "06_distributed" / "gpu.yaml"

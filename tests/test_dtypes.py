@@ -1,10 +1,10 @@
-"""lab_utils.dtypes: the one dtype-name table."""
+"""lab_utils.core.dtypes: the one dtype-name table."""
 
 import pytest
 import torch
 
-from lab_utils.config import ConfigError
-from lab_utils.dtypes import DTYPES, LAB_DTYPES, dtype_name, parse_dtype
+from lab_utils.core.config import ConfigError
+from lab_utils.core.dtypes import DTYPES, LAB_DTYPES, dtype_name, parse_dtype
 
 
 def test_names_round_trip():

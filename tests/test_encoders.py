@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lab_utils.checks import assert_close
+from lab_utils.core.checks import assert_close
 from lab_utils.model.data import SyntheticImageCaptions, collate
 from lab_utils.model.encoders import Encoders, precompute, text_vocab
 

@@ -17,10 +17,10 @@ import pytest
 from bokeh.models import ImportedStyleSheet, UIElement
 from IPython.display import HTML
 
-from lab_utils.ceilings import Ceilings
-from lab_utils.config import ConfigError
-from lab_utils.plots import init
-from lab_utils.records import Recorder, load_records
+from lab_utils.core.ceilings import Ceilings
+from lab_utils.core.config import ConfigError
+from lab_utils.core.plots import init
+from lab_utils.core.records import Recorder, load_records
 from lab_utils.studies.explore import LIVE_NOTE, Control, Explorer, Progress, Result, Unavailable, is_live
 
 CEIL = Ceilings(
@@ -253,10 +253,10 @@ def test_memory_explorer():
 
 
 def test_memory_explorer_measures_the_labs_step_and_lands_on_its_pareto_plot(monkeypatch):
+    from lab_utils.core.timing import Timing
     from lab_utils.memory import PolicyResult
     from lab_utils.studies import memory as study
     from lab_utils.studies.explore import memory as ex_mod
-    from lab_utils.timing import Timing
 
     cfg = study.MemoryLabConfig(device="cpu", batch_size=3, resolution=96, txt_len=5, dtype="bfloat16")
     ex = ex_mod.MemoryExplorer.for_lab(cfg)

@@ -1,8 +1,8 @@
-"""lab_utils.flops: the lab's one set of FLOP and byte conventions, checked by hand."""
+"""lab_utils.core.flops: the lab's one set of FLOP and byte conventions, checked by hand."""
 
 import pytest
 
-from lab_utils import flops as F
+from lab_utils.core import flops as F
 
 
 def test_matmul_and_attention_conventions():

@@ -2,7 +2,7 @@
 
 import math
 
-from lab_utils.flops import arithmetic_intensity, fused_bytes, fused_flops
+from lab_utils.core.flops import arithmetic_intensity, fused_bytes, fused_flops
 
 
 def test_intensity_is_flops_over_bytes():

@@ -1,4 +1,4 @@
-"""lab_utils.fused: bytes formulas, the correctness checker catches wrong variants, sweep rows
+"""lab_utils.fused.ops: bytes formulas, the correctness checker catches wrong variants, sweep rows
 (and the sweep's check before timing), block-level agreement."""
 
 import json
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import lab_kernels
-from lab_utils import fused as kb
-from lab_utils import fused_blocks
-from lab_utils.records import Recorder
+from lab_utils.core.records import Recorder
+from lab_utils.fused import blocks as fused_blocks
+from lab_utils.fused import ops as kb
 
 
 def test_bytes_formulas_by_hand():

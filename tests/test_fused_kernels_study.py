@@ -4,9 +4,9 @@
 import pytest
 import torch
 
-from lab_utils import fused_blocks
-from lab_utils.config import ConfigError
-from lab_utils.records import Recorder
+from lab_utils.core.config import ConfigError
+from lab_utils.core.records import Recorder
+from lab_utils.fused import blocks as fused_blocks
 from lab_utils.studies import fused_kernels as study
 
 

@@ -31,8 +31,8 @@ from lab_kernels import (
     variant_names,
     variants,
 )
-from lab_utils import fused
-from lab_utils.checks import compare, poison_, rel_error, tolerance
+from lab_utils.core.checks import compare, poison_, rel_error, tolerance
+from lab_utils.fused import ops as fused
 
 OPS = fused.OP_NAMES
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

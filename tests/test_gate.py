@@ -15,10 +15,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lab_utils import ceilings as ceilings_module
-from lab_utils import records
-from lab_utils.config import ConfigError
-from lab_utils.records import CONTEXT_COLUMNS, ROW_COLUMNS, load_records
+from lab_utils.core import ceilings as ceilings_module
+from lab_utils.core import records
+from lab_utils.core.config import ConfigError
+from lab_utils.core.records import CONTEXT_COLUMNS, ROW_COLUMNS, load_records
 from lab_utils.run import cli, report
 from lab_utils.run import compare as C
 

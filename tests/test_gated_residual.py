@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lab_kernels import gated_residual as K
-from lab_utils.checks import assert_close
+from lab_utils.core.checks import assert_close
 
 OP = "gated_residual"
 

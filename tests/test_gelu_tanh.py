@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lab_kernels import gelu_tanh as K
-from lab_utils.checks import assert_close
+from lab_utils.core.checks import assert_close
 
 OP = "gelu_tanh"
 

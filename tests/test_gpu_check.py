@@ -20,7 +20,7 @@ import yaml
 
 from lab_kernels import attention as KA
 from lab_kernels import quant as Q
-from lab_utils.records import load_records
+from lab_utils.core.records import load_records
 from lab_utils.run.compare import baseline_kind, compare, store_baseline
 from lab_utils.run.runner import notebook_config_class
 
@@ -308,7 +308,7 @@ def test_gpu_set_of_lab04_asks_only_for_fp8_pairs_cublaslt_runs():
 # ------------------------------------------------------------------ issue 19: the GPU machine's stack
 def _one_call(fn, **kw):
     """A stand-in for try_bench where the test is not about timing: one call, a made-up timing."""
-    from lab_utils.timing import Timing
+    from lab_utils.core.timing import Timing
 
     fn()
     return Timing(kw.get("name", ""), "cpu", "fake", (1.0, 1.0, 1.0), 1.0)
@@ -593,8 +593,8 @@ def test_fused_ops_are_timed_as_graph_replays_on_cuda(monkeypatch):
     """One Python-dispatched call per sample timed the host at flux-dev widths: on CUDA the call is
     replayed as a CUDA graph, or (capture refused) run CALLS_PER_SAMPLE times per sample, and the
     timing's method says which.  Exercised with a fake try_bench (no GPU here)."""
-    from lab_utils import fused as F
-    from lab_utils.timing import BenchFailure, Timing
+    from lab_utils.core.timing import BenchFailure, Timing
+    from lab_utils.fused import ops as F
 
     asked, calls = [], []
 

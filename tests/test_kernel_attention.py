@@ -1,12 +1,12 @@
 """lab_kernels.attention's own entry points validate the packed layout's inputs (the library
-lab_utils.attention checks them too, but the registered "triton" variant can be called alone)."""
+lab_utils.attention.attend checks them too, but the registered "triton" variant can be called alone)."""
 
 import pytest
 import torch
 
 from lab_kernels import attention as ka
 from lab_kernels import get_variant
-from lab_utils.checks import assert_close, poison_, tolerance
+from lab_utils.core.checks import assert_close, poison_, tolerance
 
 CU = torch.tensor([0, 30, 100], dtype=torch.int32)  # lengths 30 and 70
 

@@ -6,7 +6,7 @@ import torch
 
 from lab_kernels import get_variant
 from lab_kernels import layer_norm_modulate as K
-from lab_utils.checks import assert_close
+from lab_utils.core.checks import assert_close
 
 OP = "layer_norm_modulate"
 

@@ -10,7 +10,7 @@ import torch
 from lab_kernels import lowp_matmul as L
 from lab_kernels import quant as Q
 from lab_kernels.registry import variants
-from lab_utils.checks import assert_bitwise_equal, assert_close, rel_error, sqnr_db
+from lab_utils.core.checks import assert_bitwise_equal, assert_close, rel_error, sqnr_db
 
 
 def test_round_mantissa_bf16_equals_torch_cast(gen):

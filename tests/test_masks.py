@@ -9,9 +9,9 @@ import itertools
 import pytest
 import torch
 
-from lab_utils import flops
-from lab_utils import masks as M
-from lab_utils.config import ConfigError
+from lab_utils.attention import masks as M
+from lab_utils.core import flops
+from lab_utils.core.config import ConfigError
 
 
 def _loops(B, L, allowed):
@@ -150,7 +150,7 @@ def test_bad_mask_parameters(call, param):
 
 
 def test_flops_say_which_backward_convention_they_use():
-    """One convention table (lab_utils.flops): "kernel" (2.5x, what a flash backward runs)
+    """One convention table (lab_utils.core.flops): "kernel" (2.5x, what a flash backward runs)
     for an attention kernel's TFLOP/s, "model" (2x) for MFU; the count says which it holds."""
     pairs = 50 * 51 // 2
     k = M.attention_flops(M.causal(), 2, 3, 50, 50, 64)

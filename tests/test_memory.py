@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from lab_utils import memory as mem
-from lab_utils.config import ConfigError
+from lab_utils.core.config import ConfigError
+from lab_utils.core.timing import BenchFailure
 from lab_utils.model import build_model, resolve_config
 from lab_utils.model.checkpointing import block_policy
 from lab_utils.studies import memory as study
 from lab_utils.studies.memory import MemoryLabConfig
-from lab_utils.timing import BenchFailure
 
 # Irregular step shapes: a 4x5 token grid, odd text length, batch 3 (seeded below).
 SHAPES = {"tiny": mem.StepShape(3, 20, 7), "small": mem.StepShape(2, 12, 5)}

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lab_utils import memory as mem
-from lab_utils.config import ConfigError
+from lab_utils.core.config import ConfigError
 from lab_utils.model import build_model, resolve_config
 
 D, M = 64, 256  # the tiny preset's width and MLP width

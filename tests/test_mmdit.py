@@ -8,8 +8,8 @@ from diffusers.models.transformers import transformer_flux as diffusers_flux
 
 from lab_kernels import get_variant
 from lab_utils import model as mmdit
-from lab_utils.checks import assert_bitwise_equal, assert_close, rel_error
-from lab_utils.config import ConfigError
+from lab_utils.core.checks import assert_bitwise_equal, assert_close, rel_error
+from lab_utils.core.config import ConfigError
 from lab_utils.model import (
     PRESETS,
     MMDiTConfig,
@@ -22,7 +22,7 @@ from lab_utils.model import (
     text_ids,
     unpatchify,
 )
-from lab_utils.precision import apply_recipe
+from lab_utils.precision.quantized import apply_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 import yaml
 
+from lab_utils.core.noise import KINETO_MARKER, quiet_stderr_fd, split_noise
 from lab_utils.model.train import TrainConfig, Trainer
-from lab_utils.noise import KINETO_MARKER, quiet_stderr_fd, split_noise
-from lab_utils.profiler import profile_training
+from lab_utils.profiling.profiler import profile_training
 from lab_utils.run.nbtools import make_notebook, strip_noise
 from lab_utils.run.runner import run_suite
 

@@ -1,4 +1,4 @@
-"""lab_utils.numerics: error metrics, distributions, captured tensors, grid histogram."""
+"""lab_utils.precision.numerics: error metrics, distributions, captured tensors, grid histogram."""
 
 import math
 
@@ -8,7 +8,7 @@ from torch import nn
 
 import lab_kernels  # noqa: F401
 from lab_kernels import quant as Q
-from lab_utils import numerics as N
+from lab_utils.precision import numerics as N
 from lab_utils.studies.low_precision import mmdit_task
 
 

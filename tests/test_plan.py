@@ -1,4 +1,4 @@
-"""lab_utils.plan and lab_utils.levers: the composition is exact on synthetic profiles, a
+"""lab_utils.plan.planner and lab_utils.plan.levers: the composition is exact on synthetic profiles, a
 lever that cannot run here is excluded with its reason, bad input is refused or excluded
 with a reason while the plan goes on, and verification runs exactly the predicted seams."""
 
@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from lab_utils.config import ConfigError
-from lab_utils.levers import LEVERS, candidates, check_levers
+from lab_utils.core.config import ConfigError
 from lab_utils.model.train import TrainConfig
-from lab_utils.plan import (
+from lab_utils.plan.levers import LEVERS, candidates, check_levers
+from lab_utils.plan.planner import (
     ALL_PHASES,
     Effect,
     StepProfile,

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from lab_utils.plan import ALL_PHASES, StepProfile, compose, effect_of, merge_profiles
+from lab_utils.plan.planner import ALL_PHASES, StepProfile, compose, effect_of, merge_profiles
 
 
 def profile(peak_mib: float, forward: float = 10.0) -> StepProfile:

@@ -1,4 +1,4 @@
-"""lab_utils.precision: recipes, the swapped linear (forward + both gradients), torchao, convergence."""
+"""lab_utils.precision.quantized: recipes, the swapped linear (forward + both gradients), torchao, convergence."""
 
 import math
 
@@ -11,11 +11,11 @@ from torch import nn
 from torchao.float8.float8_linear import Float8Linear
 
 import lab_kernels  # noqa: F401
-from lab_utils import precision as P
-from lab_utils.checks import assert_bitwise_equal, assert_close
-from lab_utils.config import ConfigError
+from lab_utils.core.checks import assert_bitwise_equal, assert_close
+from lab_utils.core.config import ConfigError
 from lab_utils.model import build_model, resolve_config
 from lab_utils.model.config import RECIPES as MODEL_RECIPES
+from lab_utils.precision import quantized as P
 from lab_utils.studies.low_precision import mmdit_task
 
 

@@ -10,10 +10,12 @@ import pandas as pd
 import pytest
 import torch
 
-from lab_utils.config import ConfigError
-from lab_utils.flops import attention_flops
+from lab_utils.core.config import ConfigError
+from lab_utils.core.flops import attention_flops
+from lab_utils.core.records import Recorder
+from lab_utils.core.timing import judge_samples
 from lab_utils.model.train import PHASES, TrainConfig, Trainer, rf_loss, synthetic_batch
-from lab_utils.profiler import (
+from lab_utils.profiling.profiler import (
     CATEGORIES,
     IDLE,
     PERIODIC_RULE,
@@ -25,9 +27,7 @@ from lab_utils.profiler import (
     profile_training,
     training_step_flops,
 )
-from lab_utils.records import Recorder
-from lab_utils.timing import judge_samples
-from lab_utils.traces import TraceAnalysis
+from lab_utils.profiling.traces import TraceAnalysis
 
 
 @pytest.fixture(scope="module")

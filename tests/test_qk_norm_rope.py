@@ -6,7 +6,7 @@ import torch
 
 from lab_kernels import get_variant
 from lab_kernels import qk_norm_rope as K
-from lab_utils.checks import assert_close
+from lab_utils.core.checks import assert_close
 
 OP = "qk_norm_rope"
 

@@ -8,7 +8,7 @@ import torch
 import lab_kernels  # noqa: F401
 from lab_kernels import quant as Q
 from lab_kernels.registry import variants
-from lab_utils.checks import assert_bitwise_equal, sqnr_db
+from lab_utils.core.checks import assert_bitwise_equal, sqnr_db
 
 ELEMS = ["e4m3", "e5m2", "e2m1"]
 BACKENDS = ["reference", "triton"]

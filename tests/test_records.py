@@ -4,8 +4,8 @@ import math
 import pandas as pd
 import torch
 
-from lab_utils.ceilings import Ceilings
-from lab_utils.records import (
+from lab_utils.core.ceilings import Ceilings
+from lab_utils.core.records import (
     CONTEXT_COLUMNS,
     ROW_COLUMNS,
     Recorder,
@@ -14,7 +14,7 @@ from lab_utils.records import (
     run_context,
     stability_summary,
 )
-from lab_utils.timing import BenchFailure, Timing
+from lab_utils.core.timing import BenchFailure, Timing
 
 CEIL = Ceilings(device={"name": "t"}, copy_gbs=100.0, copy_bytes=1, matmul_tflops={"fp32": 1.0}, matmul_n={})
 
@@ -113,7 +113,7 @@ def test_context_records_the_timing_policy():
 
 
 def test_unstable_timings_are_listed_with_their_reason():
-    from lab_utils.records import stability_note, unstable_timings
+    from lab_utils.core.records import stability_note, unstable_timings
 
     base = dict(lab="x", shape="8", dtype="float32", unit="ms", statistic="median", metric="time")
     df = pd.DataFrame(

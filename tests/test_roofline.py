@@ -1,8 +1,8 @@
 import pytest
 
-from lab_utils.ceilings import Ceilings
-from lab_utils.roofline import roofline, roofline_curve
-from lab_utils.timing import Timing
+from lab_utils.core.ceilings import Ceilings
+from lab_utils.core.roofline import roofline, roofline_curve
+from lab_utils.core.timing import Timing
 
 CEIL = Ceilings(
     device={"name": "test"}, copy_gbs=1000.0, copy_bytes=1, matmul_tflops={"bf16": 500.0, "fp32": 50.0}, matmul_n={}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lab_utils.config import ConfigError
+from lab_utils.core.config import ConfigError
 from lab_utils.run import cli, runner
 from lab_utils.run.nbtools import make_notebook
 from lab_utils.run.runner import SuiteError, load_suite, parse_overrides, plan, run_suite
@@ -33,8 +33,8 @@ def suite_dir(tmp_path, monkeypatch):
     nbs.mkdir()
     _write_nb(
         nbs / "good.ipynb",
-        "from lab_utils.records import Recorder\n"
-        "import holoviews as hv\nfrom lab_utils.plots import init\ninit()\n"
+        "from lab_utils.core.records import Recorder\n"
+        "import holoviews as hv\nfrom lab_utils.core.plots import init\ninit()\n"
         "rec = Recorder('good', params={'reps': reps})\n"
         "rec.add('e', 'v', 'value', float(reps), 'count')\nrec.save()\n"
         "hv.Curve([(0, 0), (1, reps)])",
@@ -200,7 +200,7 @@ def test_real_suites_are_valid():
 
 # ------------------------------------------------------------------ run-room robustness
 ART_BODY = (
-    "import os, pathlib\nfrom lab_utils.records import Recorder\n"
+    "import os, pathlib\nfrom lab_utils.core.records import Recorder\n"
     "d = pathlib.Path(os.environ['PERFLAB_ARTIFACTS_DIR']) / 'traces'\nd.mkdir(parents=True, exist_ok=True)\n"
     "trace = d / 'step.trace.json'\ntrace.write_text('{\"traceEvents\": []}')\n"
     "rec = Recorder('art', params={'reps': reps})\n"
@@ -319,7 +319,7 @@ def test_timing_threads_option_is_validated_and_recorded(art_suite):
 
 def _headline_records():
     """One lab's worth of rows per lab, each carrying the figure its headline shows."""
-    from lab_utils.records import Recorder
+    from lab_utils.core.records import Recorder
 
     out = []
     r = Recorder("00_ceilings")
@@ -366,7 +366,7 @@ def test_index_leads_with_each_labs_headline(tmp_path):
     """Issue 21, item 14: the index of a report built from records carries a headline row per lab
     (step time and MFU, peak memory and what fits, best plan and its predicted / measured gain,
     worst kernel vs ceiling, unstable share), above the context."""
-    from lab_utils.records import load_records
+    from lab_utils.core.records import load_records
     from lab_utils.run import report
     from lab_utils.run.runner import NotebookStatus
 

@@ -13,12 +13,18 @@ import pytest
 import torch
 from torch import nn
 
-from lab_utils.config import ConfigError
+from lab_utils.core.config import ConfigError
+from lab_utils.core.records import Recorder, load_records
 from lab_utils.model.mmdit import build_model
 from lab_utils.model.train import rf_loss, synthetic_batch
-from lab_utils.numdiff import numdiff_main, numerics_diff, rel_diff, telemetry_frame
-from lab_utils.records import Recorder, load_records
-from lab_utils.stability import (
+from lab_utils.stability.numdiff import numdiff_main, numerics_diff, rel_diff, telemetry_frame
+from lab_utils.stability.telemetry import (
+    Telemetry,
+    disable_qk_norm,
+    inject_nonfinite,
+    locate_nonfinite,
+)
+from lab_utils.stability.training import (
     CLIP_NOOP,
     DynamicLossScaler,
     RunSpec,
@@ -28,12 +34,6 @@ from lab_utils.stability import (
     lost_update_mask,
     stochastic_round_bf16,
     train_run,
-)
-from lab_utils.telemetry import (
-    Telemetry,
-    disable_qk_norm,
-    inject_nonfinite,
-    locate_nonfinite,
 )
 
 SEED = 1234
@@ -507,7 +507,7 @@ def _records_file(tmp_path, name, frame, **extra) -> str:
 
 
 def test_nonfinite_telemetry_round_trips_through_records_and_numdiff_sees_it(tmp_path, capsys):
-    from lab_utils.stability import RunResult
+    from lab_utils.stability.training import RunResult
     from lab_utils.studies.stability import record_runs
 
     a, b = _nonfinite_pair()

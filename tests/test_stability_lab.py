@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 import yaml
 
-from lab_utils.config import ConfigError
-from lab_utils.numdiff import numerics_diff
-from lab_utils.stability import RunResult, RunSpec
+from lab_utils.core.config import ConfigError
+from lab_utils.stability.numdiff import numerics_diff
+from lab_utils.stability.training import RunResult, RunSpec
 from lab_utils.studies.stability import (
     StabilityLabConfig,
     drift_table,

@@ -11,10 +11,10 @@ import pandas as pd
 import pytest
 import torch
 
-from lab_utils import attention as A
-from lab_utils import masks as M
-from lab_utils.config import ConfigError
-from lab_utils.records import Recorder
+from lab_utils.attention import attend as A
+from lab_utils.attention import masks as M
+from lab_utils.core.config import ConfigError
+from lab_utils.core.records import Recorder
 from lab_utils.studies import attention as S
 
 SMALL = dict(

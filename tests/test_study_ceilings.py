@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from lab_utils.ceilings import Ceilings
-from lab_utils.config import ConfigError
-from lab_utils.records import Recorder
+from lab_utils.core.ceilings import Ceilings
+from lab_utils.core.config import ConfigError
+from lab_utils.core.records import Recorder
 from lab_utils.studies import ceilings as study
 
 

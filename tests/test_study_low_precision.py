@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from lab_kernels import quant as Q
-from lab_utils import numerics as N
-from lab_utils import precision as P
-from lab_utils.config import ConfigError
-from lab_utils.records import Recorder
+from lab_utils.core.config import ConfigError
+from lab_utils.core.records import Recorder
+from lab_utils.precision import numerics as N
+from lab_utils.precision import quantized as P
 from lab_utils.studies import low_precision as S
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import holoviews as hv
 import pytest
 
-from lab_utils.config import ConfigError
-from lab_utils.plan import ALL_PHASES, StepProfile, build_plan, record_plan, verify
-from lab_utils.records import Recorder
+from lab_utils.core.config import ConfigError
+from lab_utils.core.records import Recorder
+from lab_utils.plan.planner import ALL_PHASES, StepProfile, build_plan, record_plan, verify
 from lab_utils.studies import plan as study
 
 hv.extension("bokeh")
@@ -97,7 +97,7 @@ def test_a_checkpoint_every_n_steps_counts_as_its_cost_over_n_in_both_labs():
     plan and table and in lab 01's figure, its full cost shown beside it, the rule stated."""
     from test_profiler import synthetic_report
 
-    from lab_utils.plan import profile_from_report
+    from lab_utils.plan.planner import profile_from_report
     from lab_utils.studies import training_step as lab01
 
     ck = [0.0, 0.0, 0.0, 40.0, 0.0, 0.0, 0.0, 40.0]
@@ -121,8 +121,8 @@ def test_lab08_base_phases_carry_samples_and_the_timing_verdict():
     step makes its phase unstable."""
     from test_profiler import synthetic_report
 
-    from lab_utils.plan import profile_from_report
-    from lab_utils.timing import judge_samples
+    from lab_utils.core.timing import judge_samples
+    from lab_utils.plan.planner import profile_from_report
 
     fwd = [10.0, 10.1, 9.9, 10.0, 40.0, 10.05, 10.0, 9.95]
     ck = [0.0, 0.0, 0.0, 40.0, 0.0, 0.0, 0.0, 41.0]

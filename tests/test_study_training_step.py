@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lab_utils.model import MMDiTConfig
-from lab_utils.profiler import training_step_flops
+from lab_utils.profiling.profiler import training_step_flops
 from lab_utils.studies import training_step as S
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from lab_utils.numdiff import numerics_diff, rel_diff
-from lab_utils.telemetry import NaNLocator, Telemetry
+from lab_utils.stability.numdiff import numerics_diff, rel_diff
+from lab_utils.stability.telemetry import NaNLocator, Telemetry
 
 
 class Toy(nn.Module):

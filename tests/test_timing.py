@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from lab_utils import cpu_threads as cpu_threads_mod
-from lab_utils import timing as timing_mod
-from lab_utils.timing import (
+from lab_utils.core import cpu_threads as cpu_threads_mod
+from lab_utils.core import timing as timing_mod
+from lab_utils.core.timing import (
     THREADS_ENV,
     BenchError,
     StabilityRules,

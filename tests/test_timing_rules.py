@@ -1,4 +1,4 @@
-"""Every stability rule of ``lab_utils.timing`` at its boundary: a sample set built by hand to
+"""Every stability rule of ``lab_utils.core.timing`` at its boundary: a sample set built by hand to
 lie just inside and one just outside each threshold of the default ``StabilityRules``
 (dispersion 1.2, stalls 3x and 2 ms and 5% of the samples, bimodal gap 1.25, drift 10% with
 |Spearman rho| >= 0.5 from 9 samples, on a CPU 85% of the time, 3 samples at least), each
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from scipy.stats import spearmanr
 
-from lab_utils import timing as timing_mod
-from lab_utils.timing import DEFAULT_RULES, bench, judge_samples
+from lab_utils.core import timing as timing_mod
+from lab_utils.core.timing import DEFAULT_RULES, bench, judge_samples
 
 # The documented defaults, written out rather than read from StabilityRules: a threshold moved
 # in the code must fail here, not move the cases with it.

@@ -5,7 +5,7 @@ table, compare row and roofline point of the lab is built from."""
 import numpy as np
 import pytest
 
-from lab_utils.timing import Timing, bench, judge_samples
+from lab_utils.core.timing import Timing, bench, judge_samples
 
 # ten samples whose quantiles are easy to write by hand (numpy's linear interpolation:
 # the q-quantile of 1..10 is 1 + 9q)

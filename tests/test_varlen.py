@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from lab_utils import attention as A
-from lab_utils import varlen as V
-from lab_utils.checks import assert_close
-from lab_utils.config import ConfigError
+from lab_utils.attention import attend as A
+from lab_utils.attention import varlen as V
+from lab_utils.core.checks import assert_close
+from lab_utils.core.config import ConfigError
 
 
 @pytest.fixture(autouse=True)

@@ -8,8 +8,8 @@ and overlap from traces, alpha-beta model), ``projection`` (flux-dev at 8..1024 
 ``verify`` (agreement with the single-process run and, for bf16, with its one-process emulation).
 """
 
-from .launch import DistResult, DistRunError, launch, launch_cases
-from .spec import COMPONENTS, STRATEGIES, DistConfig, Mesh, components
+from lab_utils.distributed.launch import DistResult, DistRunError, launch, launch_cases
+from lab_utils.distributed.spec import COMPONENTS, STRATEGIES, DistConfig, Mesh, components
 
 __all__ = [
     "COMPONENTS",

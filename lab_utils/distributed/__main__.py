@@ -21,10 +21,10 @@ from pathlib import Path
 
 import yaml
 
-from ..config import ConfigError
-from .launch import DistRunError, launch
-from .spec import DistConfig
-from .worker import main as worker_main
+from lab_utils.core.config import ConfigError
+from lab_utils.distributed.launch import DistRunError, launch
+from lab_utils.distributed.spec import DistConfig
+from lab_utils.distributed.worker import main as worker_main
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .parallel import ParallelModel
+from lab_utils.distributed.parallel import ParallelModel
 
 
 def _replicated(full: torch.Tensor, like: DTensor) -> DTensor:

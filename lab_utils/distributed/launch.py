@@ -53,9 +53,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, check_int_list
-from .comm import CollectiveEvent
-from .spec import DistConfig
+from lab_utils.core.config import ConfigError, check_int_list
+from lab_utils.distributed.comm import CollectiveEvent
+from lab_utils.distributed.spec import DistConfig
 
 GRACE_S = 3.0
 POLL_S = 0.1

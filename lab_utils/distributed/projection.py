@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from ..model import analytic_param_count, build_model, forward_flops, resolve_config
-from .comm import AlphaBeta
-from .overlap import OverlapModel, dominant, exposed_band, exposed_comm, sensitivity
+from lab_utils.distributed.comm import AlphaBeta
+from lab_utils.distributed.overlap import OverlapModel, dominant, exposed_band, exposed_comm, sensitivity
+from lab_utils.model import analytic_param_count, build_model, forward_flops, resolve_config
 
 DDP_BUCKET_BYTES = 25 * 2**20
 

@@ -21,8 +21,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int
-from ..model import CHECKPOINT_POLICIES, PRESETS, resolve_config
+from lab_utils.core.config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int
+from lab_utils.model import CHECKPOINT_POLICIES, PRESETS, resolve_config
 
 DP_COMPONENTS = ("ddp", "fsdp", "hsdp")
 CP_COMPONENTS = ("cp_ring", "cp_ulysses")

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import rel_error
-from .spec import DistConfig
-from .worker import EmulatedStep
+from lab_utils.core.checks import rel_error
+from lab_utils.distributed.spec import DistConfig
+from lab_utils.distributed.worker import EmulatedStep
 
 #: Ring / Ulysses attention (float32 math) against float64 one-process attention: output and grads.
 ATTENTION_TOL = 1e-5

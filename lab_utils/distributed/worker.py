@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ..config import ConfigError
-from ..model.train import sample_timesteps, synthetic_batch
-from . import comm
-from .checkpoint import load_checkpoint, save_checkpoint
-from .context_parallel import check_against_sdpa
-from .parallel import build_parallel, full_gradients, sync_grads
-from .spec import DistConfig
+from lab_utils.core.config import ConfigError
+from lab_utils.distributed import comm
+from lab_utils.distributed.checkpoint import load_checkpoint, save_checkpoint
+from lab_utils.distributed.context_parallel import check_against_sdpa
+from lab_utils.distributed.parallel import build_parallel, full_gradients, sync_grads
+from lab_utils.distributed.spec import DistConfig
+from lab_utils.model.train import sample_timesteps, synthetic_batch
 
 
 class Progress:

@@ -37,7 +37,7 @@ on one step); ``timeline``.
 
 from __future__ import annotations
 
-from .budget import (
+from lab_utils.memory.budget import (
     CLASSES,
     FitEdge,
     bisect_fit,
@@ -55,13 +55,13 @@ from .budget import (
     transient_bytes,
     what_fits,
 )
-from .fsdp import (
+from lab_utils.memory.fsdp import (
     FSDP_FIGURES,
     fsdp_mismatches,
     run_fsdp,
 )
-from .master import MasterAdamW
-from .policies import (
+from lab_utils.memory.master import MasterAdamW
+from lab_utils.memory.policies import (
     GRAD_TOL,
     PolicyResult,
     compare_policies,
@@ -70,7 +70,7 @@ from .policies import (
     step_grads,
     step_peak,
 )
-from .saved import (
+from lab_utils.memory.saved import (
     EMBED_REGIONS,
     FORMULA_POLICIES,
     H200_BYTES,
@@ -94,7 +94,7 @@ from .saved import (
     storage_bytes,
     storage_key,
 )
-from .timeline import (
+from lab_utils.memory.timeline import (
     CUDA_CATEGORIES,
     TIMELINE_CATEGORIES,
     alloc_conf,

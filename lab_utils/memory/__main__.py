@@ -2,6 +2,6 @@
 
 import sys
 
-from .fsdp import main
+from lab_utils.memory.fsdp import main
 
 main(sys.argv)

@@ -11,13 +11,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..config import check_float, check_int
-from ..dtypes import parse_dtype
-from ..model import MMDiTConfig, build_model
-from ..model.checkpointing import RECOMPUTE_POLICIES
-from ..model.train import rf_loss
-from .master import MasterAdamW
-from .saved import (
+from lab_utils.core.config import check_float, check_int
+from lab_utils.core.dtypes import parse_dtype
+from lab_utils.memory.master import MasterAdamW
+from lab_utils.memory.saved import (
     H200_BYTES,
     StepShape,
     batch_for,
@@ -26,6 +23,9 @@ from .saved import (
     single_block_bytes,
     step_shape,
 )
+from lab_utils.model import MMDiTConfig, build_model
+from lab_utils.model.checkpointing import RECOMPUTE_POLICIES
+from lab_utils.model.train import rf_loss
 
 # --------------------------------------------------------------------------------------
 # State: parameters, gradients, optimizer

@@ -23,11 +23,11 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from ..config import ConfigError, check_int_list
-from ..model import build_model
-from ..model.train import rf_loss, synthetic_batch
-from .budget import fsdp_rank_params, fsdp_rank_state
-from .saved import storage_bytes, storage_key
+from lab_utils.core.config import ConfigError, check_int_list
+from lab_utils.memory.budget import fsdp_rank_params, fsdp_rank_state
+from lab_utils.memory.saved import storage_bytes, storage_key
+from lab_utils.model import build_model
+from lab_utils.model.train import rf_loss, synthetic_batch
 
 #: The per-rank figures a real run reports and the projection predicts, in bytes.
 FSDP_FIGURES = ("parameters", "parameters_held", "gradients", "optimizer")

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..config import check_float
+from lab_utils.core.config import check_float
 
 
 class MasterAdamW:

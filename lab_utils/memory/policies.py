@@ -11,12 +11,12 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
-from ..dtypes import dtype_name, parse_dtype
-from ..model import MMDiTConfig, build_model
-from ..model.train import rf_loss
-from ..noise import quiet_stderr_fd
-from ..timing import try_bench
-from .saved import FORMULA_POLICIES, StepShape, batch_for, measure_saved, saved_bytes_formula
+from lab_utils.core.dtypes import dtype_name, parse_dtype
+from lab_utils.core.noise import quiet_stderr_fd
+from lab_utils.core.timing import try_bench
+from lab_utils.memory.saved import FORMULA_POLICIES, StepShape, batch_for, measure_saved, saved_bytes_formula
+from lab_utils.model import MMDiTConfig, build_model
+from lab_utils.model.train import rf_loss
 
 # --------------------------------------------------------------------------------------
 # AC policies on the same step: peak, saved bytes, time, recomputed FLOPs, gradients
@@ -51,7 +51,7 @@ class PolicyResult:
     formula_bytes: int | None  # the analytic model (None for compile_budget)
     peak_bytes: int  # allocator peak of one step above the state before it
     flops: float  # counted FLOPs of forward + backward
-    timing: object  # lab_utils.timing Timing or BenchFailure
+    timing: object  # lab_utils.core.timing Timing or BenchFailure
     grads_equal: bool
 
 
@@ -106,7 +106,7 @@ def compare_policies(
     progress: bool = True,
 ) -> list[PolicyResult]:
     """Every policy on the same weights and batch: saved bytes (hooks and formula), allocator
-    peak, counted FLOPs, step time (``lab_utils.timing``) and its gradients against no
+    peak, counted FLOPs, step time (``lab_utils.core.timing``) and its gradients against no
     checkpointing (a mismatch raises)."""
     dt = parse_dtype("dtype", dtype)
     dev = torch.device(device)

@@ -15,11 +15,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..config import ConfigError, check_choice, check_int
-from ..dtypes import parse_dtype
-from ..model import CHECKPOINT_POLICIES, MMDiTConfig, build_model, resolve_config
-from ..model.checkpointing import RECOMPUTE_POLICIES, SELECTIVE_POLICIES, block_policy, capture
-from ..model.train import rf_loss, synthetic_batch
+from lab_utils.core.config import ConfigError, check_choice, check_int
+from lab_utils.core.dtypes import parse_dtype
+from lab_utils.model import CHECKPOINT_POLICIES, MMDiTConfig, build_model, resolve_config
+from lab_utils.model.checkpointing import RECOMPUTE_POLICIES, SELECTIVE_POLICIES, block_policy, capture
+from lab_utils.model.train import rf_loss, synthetic_batch
 
 #: The dtypes the memory lab accounts for (parameters and activations in one dtype).
 MEMORY_DTYPES = ("float32", "bfloat16")

@@ -14,9 +14,9 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..model.train import rf_loss
-from ..noise import quiet_stderr_fd
-from .saved import SavedReport, SavedTensor
+from lab_utils.core.noise import quiet_stderr_fd
+from lab_utils.memory.saved import SavedReport, SavedTensor
+from lab_utils.model.train import rf_loss
 
 # --------------------------------------------------------------------------------------
 # Timelines

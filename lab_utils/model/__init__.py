@@ -7,17 +7,25 @@ the text/image encoders and the synthetic captioned-image data.  The public name
 those modules are re-exported here.
 """
 
-from .accounting import analytic_param_count, forward_flops, num_params
-from .checkpointing import CHECKPOINT_POLICIES
-from .config import KERNEL_OPS, LARGE_PRESETS, PRESETS, MMDiTConfig, kernel_map, registered_variants, resolve_config
-from .diffusers import (
+from lab_utils.model.accounting import analytic_param_count, forward_flops, num_params
+from lab_utils.model.checkpointing import CHECKPOINT_POLICIES
+from lab_utils.model.config import (
+    KERNEL_OPS,
+    LARGE_PRESETS,
+    PRESETS,
+    MMDiTConfig,
+    kernel_map,
+    registered_variants,
+    resolve_config,
+)
+from lab_utils.model.diffusers import (
     config_from_diffusers,
     convert_diffusers_state_dict,
     convert_double_block_state_dict,
     convert_single_block_state_dict,
     diffusers_block_errors,
 )
-from .layers import (
+from lab_utils.model.layers import (
     MLP,
     DoubleStreamBlock,
     FinalLayer,
@@ -34,7 +42,7 @@ from .layers import (
     timestep_embedding,
     unpatchify,
 )
-from .mmdit import MMDiT, build_model
+from lab_utils.model.mmdit import MMDiT, build_model
 
 __all__ = [
     "CHECKPOINT_POLICIES",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .config import MMDiTConfig
+from lab_utils.model.config import MMDiTConfig
 
 
 def num_params(model: nn.Module) -> int:

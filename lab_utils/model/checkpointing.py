@@ -24,7 +24,7 @@ from torch._functorch import config as functorch_config
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..config import ConfigError
+from lab_utils.core.config import ConfigError
 
 #: Activation-checkpoint policies:
 #: none: keep all activations; full: recompute every block; double / single: only that

@@ -3,11 +3,11 @@
 Four seams are chosen here so the labs swap them in one place:
 
 * ``attention_path``: "sdpa" calls ``F.scaled_dot_product_attention``; any other
-  name goes through ``lab_utils.attention.attend(q, k, v, path=...)``.
+  name goes through ``lab_utils.attention.attend.attend(q, k, v, path=...)``.
 * ``kernels``: the ``lab_kernels`` variant used for the fused ops (``rms_norm``,
   ``layer_norm_modulate``, ``gated_residual``, ``gelu_tanh``, ``rope``,
   ``qk_norm_rope``); a string for all ops, or a mapping ``{"default": "eager", "rope": "triton"}``.
-* ``recipe``: a precision recipe of ``lab_utils.precision`` ("bf16" = no layer swapped).
+* ``recipe``: a precision recipe of ``lab_utils.precision.quantized`` ("bf16" = no layer swapped).
 * ``checkpoint``: the activation-checkpoint policy (``lab_utils.model.checkpointing``).
 
 A name that is not one of the known choices is a :class:`ConfigError` naming the parameter.
@@ -21,11 +21,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from lab_kernels import variants
-
-from ..attention import PATHS as ATTENTION_PATHS
-from ..config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int, check_int_list
-from ..precision import RECIPES
-from .checkpointing import CHECKPOINT_POLICIES
+from lab_utils.attention.attend import PATHS as ATTENTION_PATHS
+from lab_utils.core.config import (
+    ConfigError,
+    LabConfig,
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+    check_int_list,
+)
+from lab_utils.model.checkpointing import CHECKPOINT_POLICIES
+from lab_utils.precision.quantized import RECIPES
 
 #: Named shapes.  ``tiny``/``small`` are CPU sizes; ``flux-dev``/``flux-schnell`` are the
 #: released FLUX.1 transformer shapes (build them on ``device="meta"`` here).

@@ -17,7 +17,6 @@ Two item kinds:
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Iterator, Sequence
 from functools import partial
@@ -26,28 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ..config import ConfigError, check_int
+from lab_utils.attention.varlen import normalize_buckets
+from lab_utils.core.config import ConfigError, check_int
 
 CLIP_LEN = 77
 T5_PAD, T5_EOS = 0, 1
-
-
-def normalize_buckets(buckets, param: str = "buckets") -> list[tuple[int, int]]:
-    """[[H, W], ...] or [S, ...] (square) -> [(H, W), ...]; anything else is a ConfigError."""
-    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, (list, tuple)) or not buckets:
-        raise ConfigError(param, buckets, "a non-empty list of [height, width] pixel sizes (or square sizes)")
-    out = []
-    for b in buckets:
-        if isinstance(b, int) and not isinstance(b, bool):
-            b = (b, b)
-        if (
-            not isinstance(b, (list, tuple))
-            or len(b) != 2
-            or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in b)
-        ):
-            raise ConfigError(param, buckets, f"a list of [height, width] positive ints ({b!r} is not)")
-        out.append((int(b[0]), int(b[1])))
-    return out
 
 
 class SyntheticImageCaptions(Dataset):
@@ -236,7 +218,3 @@ def forever(loader: DataLoader) -> Iterator[dict]:
             loader.batch_sampler.set_epoch(epoch)
         yield from loader
         epoch += 1
-
-
-def tokens_for(height: int, width: int, pixels_per_token: int) -> int:
-    return math.prod((height // pixels_per_token, width // pixels_per_token))

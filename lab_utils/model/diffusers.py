@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from ..checks import rel_error
-from ..config import ConfigError
-from .config import MMDiTConfig
-from .layers import RoPE3D, image_ids, text_ids
-from .mmdit import build_model
+from lab_utils.core.checks import rel_error
+from lab_utils.core.config import ConfigError
+from lab_utils.model.config import MMDiTConfig
+from lab_utils.model.layers import RoPE3D, image_ids, text_ids
+from lab_utils.model.mmdit import build_model
 
 
 def _cat(sd, prefix, names, suffix):

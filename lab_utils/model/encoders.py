@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..config import ConfigError
-from .config import MMDiTConfig, resolve_config
-from .data import CachedLatents, collate
-from .layers import patchify
+from lab_utils.core.config import ConfigError
+from lab_utils.model.config import MMDiTConfig, resolve_config
+from lab_utils.model.data import CachedLatents, collate
+from lab_utils.model.layers import patchify
 
 #: Encoder shapes per MMDiT preset (T5 d_model == context_dim, CLIP hidden == pooled_dim).
 ENCODER_PRESETS: dict[str, dict] = {

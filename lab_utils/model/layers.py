@@ -15,10 +15,9 @@ from einops import rearrange
 from torch import nn
 
 from lab_kernels import get_variant
-
-from ..attention import attend
-from ..config import ConfigError
-from .config import KERNEL_OPS, MMDiTConfig, kernel_map, registered_variants
+from lab_utils.attention.attend import attend
+from lab_utils.core.config import ConfigError
+from lab_utils.model.config import KERNEL_OPS, MMDiTConfig, kernel_map, registered_variants
 
 
 class KernelSet:

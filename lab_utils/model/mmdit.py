@@ -24,12 +24,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import ConfigError
-from ..device import annotate
-from ..precision import apply_recipe
-from .checkpointing import run_block
-from .config import MMDiTConfig, resolve_config
-from .layers import (
+from lab_utils.core.config import ConfigError
+from lab_utils.core.device import annotate
+from lab_utils.model.checkpointing import run_block
+from lab_utils.model.config import MMDiTConfig, resolve_config
+from lab_utils.model.layers import (
     DoubleStreamBlock,
     FinalLayer,
     KernelSet,
@@ -39,6 +38,7 @@ from .layers import (
     SingleStreamBlock,
     timestep_embedding,
 )
+from lab_utils.precision.quantized import apply_recipe
 
 
 class MMDiT(nn.Module):

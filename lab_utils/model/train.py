@@ -32,14 +32,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ..config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int
-from ..device import annotate, pick_device
-from ..dtypes import DTYPES
-from .config import PRESETS, MMDiTConfig, resolve_config
-from .data import SyntheticImageCaptions, forever, make_loader, normalize_buckets
-from .encoders import Encoders, precompute, text_vocab
-from .layers import image_ids, patchify, text_ids
-from .mmdit import MMDiT, build_model
+from lab_utils.attention.varlen import normalize_buckets
+from lab_utils.core.config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int
+from lab_utils.core.device import annotate, pick_device
+from lab_utils.core.dtypes import DTYPES
+from lab_utils.model.config import PRESETS, MMDiTConfig, resolve_config
+from lab_utils.model.data import SyntheticImageCaptions, forever, make_loader
+from lab_utils.model.encoders import Encoders, precompute, text_vocab
+from lab_utils.model.layers import image_ids, patchify, text_ids
+from lab_utils.model.mmdit import MMDiT, build_model
 
 PHASES = ("data_loading", "text_encoding", "image_encoding", "forward", "backward", "optimizer", "checkpoint")
 CKPT_FORMATS = ("torch", "dcp", "dcp_async")
@@ -194,7 +195,7 @@ class TrainConfig(LabConfig):
     activation_checkpoint: str = "none"
     kernels: str = "eager"
     attention_path: str = "sdpa"
-    recipe: str = "bf16"  # precision recipe of lab_utils.precision ("bf16": no layer swapped)
+    recipe: str = "bf16"  # precision recipe of lab_utils.precision.quantized ("bf16": no layer swapped)
     num_workers: int = 0
     pin_memory: bool = False
     prefetch_factor: int = 2

@@ -7,7 +7,7 @@ perflab nb refresh LAB.ipynb ...
 perflab lab [--reset [NAME ...]] [-- JUPYTER-ARGS]  (lab_utils.run.workspace: JupyterLab on work/labs/)
 perflab compare BASE CANDIDATE [...]      (lab_utils.run.compare)
 perflab baseline refresh|check [...]      (lab_utils.run.compare.baselines)
-perflab numdiff A B [--variant-a V] [...]  (lab_utils.numdiff: where two runs' telemetry parts)
+perflab numdiff A B [--variant-a V] [...]  (lab_utils.stability.numdiff: where two runs' telemetry parts)
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ import argparse
 import json
 import sys
 
-from ..ceilings import cached_ceilings, get_ceilings
-from ..config import ConfigError
-from ..numdiff import numdiff_main
-from ..records import load_records, thread_cut_note
-from .compare import baseline_main, lab_name
-from .compare import main as compare_main
-from .nbtools import refresh
-from .runner import RunInterrupted, SuiteError, list_suites, load_suite, parse_overrides, run_suite
-from .workspace import main as lab_main
+from lab_utils.core.ceilings import cached_ceilings, get_ceilings
+from lab_utils.core.config import ConfigError
+from lab_utils.core.records import load_records, thread_cut_note
+from lab_utils.run.compare import baseline_main, lab_name
+from lab_utils.run.compare import main as compare_main
+from lab_utils.run.nbtools import refresh
+from lab_utils.run.runner import RunInterrupted, SuiteError, list_suites, load_suite, parse_overrides, run_suite
+from lab_utils.run.workspace import main as lab_main
+from lab_utils.stability.numdiff import numdiff_main
 
 
 def _cmd_run(a) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from ..noise import split_noise
+from lab_utils.core.noise import split_noise
 
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
 
@@ -76,7 +76,7 @@ def strip_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 
 
 def strip_noise(nb: nbformat.NotebookNode) -> list[str]:
-    """Remove known library log lines (:data:`lab_utils.noise.STREAM_NOISE`) from the stderr
+    """Remove known library log lines (:data:`lab_utils.core.noise.STREAM_NOISE`) from the stderr
     outputs of an executed notebook, in place; returns them, "[cell N] line", for a log file.
     A stderr output left empty is dropped; every other line stays where it was."""
     removed = []

@@ -18,8 +18,8 @@ import nbformat
 import pandas as pd
 from nbconvert import HTMLExporter
 
-from ..ceilings import Ceilings, get_ceilings
-from ..records import (
+from lab_utils.core.ceilings import Ceilings, get_ceilings
+from lab_utils.core.records import (
     CONTEXT_COLUMNS,
     ROW_COLUMNS,
     load_records,
@@ -252,7 +252,7 @@ def _headline_section(run_dir: Path, statuses) -> str:
     """One row per lab with its headline figures, built from the gathered records by the same
     function that fills the lab's takeaway cell (``studies.headline``)."""
     # heavy (models, plots): imported for their registered headlines, which only the index needs
-    from ..studies import (  # noqa: F401, PLC0415
+    from lab_utils.studies import (  # noqa: F401, PLC0415
         attention,
         ceilings,
         distributed,
@@ -263,7 +263,7 @@ def _headline_section(run_dir: Path, statuses) -> str:
         stability,
         training_step,
     )
-    from ..studies.headline import figures_html, headlines  # noqa: PLC0415 - beside the registrations
+    from lab_utils.studies.headline import figures_html, headlines  # noqa: PLC0415 - beside the registrations
 
     f = run_dir / "records.parquet"
     df = load_records(f) if f.exists() else pd.DataFrame(columns=ROW_COLUMNS)

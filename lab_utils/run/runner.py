@@ -38,10 +38,10 @@ import papermill as pm
 import yaml
 from tqdm.auto import tqdm
 
-from ..config import ConfigError
-from ..cpu_threads import THREADS_ENV, choose_cpu_threads
-from . import report
-from .nbtools import strip_noise
+from lab_utils.core.config import ConfigError
+from lab_utils.core.cpu_threads import THREADS_ENV, choose_cpu_threads
+from lab_utils.run import report
+from lab_utils.run.nbtools import strip_noise
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: lab_utils/run/runner.py -> ../../..
 
@@ -327,7 +327,7 @@ def run_suite(
     before anything runs; notebook failures are recorded and the suite goes on.
 
     ``timing_threads``: the CPU thread count every lab times with ("auto": chosen from
-    the cores free when each timing starts; see ``lab_utils.timing.choose_cpu_threads``).
+    the cores free when each timing starts; see ``lab_utils.core.timing.choose_cpu_threads``).
     Ctrl-C raises :class:`RunInterrupted` after cleaning up: ``latest`` is untouched, the
     temporary folder is gone, finished notebooks are kept in ``<run-id>-interrupted/``."""
     s = suite if isinstance(suite, Suite) else load_suite(suite)

@@ -1,8 +1,8 @@
 """Lab 03 (``labs/03_attention.ipynb``): its parameters, checks, sweeps, tables and plots.
 
-The attention paths, their registry and the timing sweep are :mod:`lab_utils.attention`'s;
-masks and mask-aware FLOPs are :mod:`lab_utils.masks`'; padding vs packing is
-:mod:`lab_utils.varlen`'s.  This module runs them with the lab's parameters, writes the
+The attention paths, their registry and the timing sweep are :mod:`lab_utils.attention.attend`'s;
+masks and mask-aware FLOPs are :mod:`lab_utils.attention.masks`'; padding vs packing is
+:mod:`lab_utils.attention.varlen`'s.  This module runs them with the lab's parameters, writes the
 records and draws what the records say (plots never measure).
 """
 
@@ -17,11 +17,12 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from .. import attention as A
-from .. import masks as M
-from .. import varlen as V
-from ..ceilings import Ceilings
-from ..config import (
+from lab_utils.attention import attend as A
+from lab_utils.attention import masks as M
+from lab_utils.attention import varlen as V
+from lab_utils.attention.varlen import normalize_buckets
+from lab_utils.core.ceilings import Ceilings
+from lab_utils.core.config import (
     ConfigError,
     LabConfig,
     check_bool,
@@ -31,10 +32,9 @@ from ..config import (
     check_int,
     check_int_list,
 )
-from ..dtypes import LAB_DTYPES, parse_dtype
-from ..model.data import normalize_buckets
-from ..records import Recorder
-from .headline import Figure, fmt, register, rows
+from lab_utils.core.dtypes import LAB_DTYPES, parse_dtype
+from lab_utils.core.records import Recorder
+from lab_utils.studies.headline import Figure, fmt, register, rows
 
 
 @dataclass(frozen=True)
@@ -315,7 +315,7 @@ def check_paths(cfg: AttentionLabConfig, device, rec: Recorder | None = None) ->
 
 # --------------------------------------------------------------------------- speed
 def run_sweep(cfg: AttentionLabConfig, device, rec: Recorder, ceilings: Ceilings) -> pd.DataFrame:
-    """The timing sweep of :func:`lab_utils.attention.sweep` at the lab's parameters (one row per case)."""
+    """The timing sweep of :func:`lab_utils.attention.attend.sweep` at the lab's parameters (one row per case)."""
     return pd.DataFrame(
         A.sweep(
             paths=list(cfg.paths),

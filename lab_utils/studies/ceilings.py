@@ -6,7 +6,7 @@ Bytes and FLOPs are counted, never inferred from time:
 |--------|----------------------------------------|----------------|
 | copy   | 2·N·s   (read N, write N)              | 0              |
 | add    | 3·N·s   (read 2N, write N)             | N              |
-| gelu   | 2·N·s                                  | 9·N (tanh form: `lab_utils.flops.GELU_TANH_FLOPS`) |
+| gelu   | 2·N·s                                  | 9·N (tanh form: `lab_utils.core.flops.GELU_TANH_FLOPS`) |
 | matmul | 3·n²·s  (read A and B, write C)        | 2·n³           |
 
 N elements, s bytes per element, n×n matrices.
@@ -20,16 +20,24 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from ..ceilings import Ceilings, get_ceilings
-from ..config import ConfigError, LabConfig, check_bool, check_choice, check_choices, check_int, check_int_list
-from ..device import DATASHEET, pick_device
-from ..dtypes import DTYPES, LAB_DTYPES
-from ..flops import GELU_TANH_FLOPS, matmul_flops
-from ..plots import init, roofline_plot
-from ..records import Recorder
-from ..roofline import roofline
-from ..timing import try_bench
-from .headline import Figure, fmt, register, rows, verdict
+from lab_utils.core.ceilings import Ceilings, get_ceilings
+from lab_utils.core.config import (
+    ConfigError,
+    LabConfig,
+    check_bool,
+    check_choice,
+    check_choices,
+    check_int,
+    check_int_list,
+)
+from lab_utils.core.device import DATASHEET, pick_device
+from lab_utils.core.dtypes import DTYPES, LAB_DTYPES
+from lab_utils.core.flops import GELU_TANH_FLOPS, matmul_flops
+from lab_utils.core.plots import init, roofline_plot
+from lab_utils.core.records import Recorder
+from lab_utils.core.roofline import roofline
+from lab_utils.core.timing import try_bench
+from lab_utils.studies.headline import Figure, fmt, register, rows, verdict
 
 OPS = ("copy", "add", "gelu", "matmul")
 

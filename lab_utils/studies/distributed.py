@@ -9,7 +9,6 @@ results and never measure.
 from __future__ import annotations
 
 import math
-import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,18 +17,27 @@ import holoviews as hv
 import pandas as pd
 import torch
 
-from ..config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int, check_int_list
-from ..distributed import DistConfig, DistResult, DistRunError, launch, launch_cases
-from ..distributed.comm import AlphaBeta, CollectiveEvent, fit_alpha_beta, predict_comm_ms
-from ..distributed.launch import check_local_devices, local_world_sizes
-from ..distributed.overlap import overlap_model
-from ..distributed.projection import Links, comm_plan, events_per_call, fastest, plan_time_fitted, project
-from ..distributed.spec import COMPONENTS
-from ..distributed.verify import ATTENTION_TOL, EMULATED_TOL, Agreement, compare, tolerance_key
-from ..distributed.worker import emulated_dp_step, single_process_run
-from ..model import CHECKPOINT_POLICIES, PRESETS
-from ..records import Recorder
-from .headline import Figure, fmt, register, rows
+from lab_utils.core.config import (
+    ConfigError,
+    LabConfig,
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+    check_int_list,
+)
+from lab_utils.core.records import Recorder
+from lab_utils.distributed import DistConfig, DistResult, launch_cases
+from lab_utils.distributed.comm import AlphaBeta, CollectiveEvent, fit_alpha_beta, predict_comm_ms
+from lab_utils.distributed.launch import check_local_devices, local_world_sizes
+from lab_utils.distributed.overlap import overlap_model
+from lab_utils.distributed.projection import Links, comm_plan, events_per_call, fastest, plan_time_fitted, project
+from lab_utils.distributed.spec import COMPONENTS
+from lab_utils.distributed.verify import ATTENTION_TOL, EMULATED_TOL, Agreement, compare, tolerance_key
+from lab_utils.distributed.worker import emulated_dp_step, single_process_run
+from lab_utils.model import CHECKPOINT_POLICIES, PRESETS
+from lab_utils.studies.distributed_faults import bad_input_lines, fault_lines  # noqa: F401  (the notebook calls study.*)
+from lab_utils.studies.headline import Figure, fmt, register, rows
 
 #: Suffixes of a case name: "fsdp/no_reshard/bf16" is FSDP2 without reshard-after-forward, in bf16.
 CASE_FLAGS = {
@@ -159,25 +167,6 @@ def plan_lines(cfg: DistributedLabConfig) -> list[str]:
             f"{c.txt_len // m.cp}"
         )
     return lines
-
-
-def bad_input_lines() -> list[str]:
-    """What the launcher refuses before any process starts (the parameter each error names)."""
-    cases = [
-        dict(strategy="fsdp+tp", world_size=3),
-        dict(strategy="tp", world_size=3),
-        dict(strategy="cp_ring", world_size=2, txt_len=7),
-        dict(strategy="pipeline", world_size=2),
-    ]
-    out = []
-    for kw in cases:
-        try:
-            DistConfig(**kw)
-        except ConfigError as e:
-            out.append(f"{kw}: refused, parameter {e.param!r}")
-        else:
-            raise AssertionError(f"{kw} was accepted")
-    return out
 
 
 @dataclass
@@ -487,50 +476,6 @@ def projection_plot(df: pd.DataFrame):
 
 def fastest_table(df: pd.DataFrame) -> pd.DataFrame:
     return fastest(df).round(2).reset_index(drop=True)
-
-
-def fault_lines(cfg: DistributedLabConfig, out: str | Path | None = None) -> list[str]:
-    """A raising, a killed (SIGKILL) and a hanging rank at world size 2: each run ends, the cause is
-    named, no process is left."""
-    if not cfg.fault_demo:
-        return ["fault demo skipped (fault_demo = False)"]
-    if out is None:
-        with tempfile.TemporaryDirectory(prefix="perflab-06-faults-") as tmp:
-            return fault_lines(cfg, tmp)
-    out = Path(out)
-    lines = []
-    for fault, rank, hang in (("raise", 1, cfg.hang_timeout_s), ("kill", 1, cfg.hang_timeout_s), ("hang", 0, 5.0)):
-        c = DistConfig(
-            strategy="ddp",
-            world_size=2,
-            preset=cfg.preset,
-            steps=2,
-            profile=False,
-            fault=fault,
-            fault_rank=rank,
-            fault_step=2,
-            hang_timeout_s=hang,
-            timeout_s=cfg.timeout_s,
-        )
-        try:
-            launch(c, out / fault, progress=False)
-        except DistRunError as e:
-            gone = all(_gone(p) for p in e.pids)
-            if not gone:
-                raise AssertionError(f"fault {fault!r}: processes left behind: {e.pids}") from e
-            first = str(e).splitlines()[0].split(" (")[0].split(" and the run")[0]
-            lines.append(f"fault {fault!r} on rank {rank}: run ended ({e.kind}: {first}); processes left: 0")
-        else:
-            raise AssertionError(f"fault {fault!r} did not end the run")
-    return lines
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def closing_note(runs: LabRuns, fit: dict[str, AlphaBeta], pred: pd.DataFrame, proj: pd.DataFrame) -> str:

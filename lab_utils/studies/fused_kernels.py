@@ -2,7 +2,7 @@
 
 The lab's parameters (:class:`FusedKernelsConfig`), the steps its cells call, and the views
 its plots read.  The reusable machinery (inputs, float64 checks, provider × sweep timing,
-block cases) is ``lab_utils.fused``; FLOP and byte counts are ``lab_utils.flops``.
+block cases) is ``lab_utils.fused.ops``; FLOP and byte counts are ``lab_utils.core.flops``.
 
 Every step that checks something raises when the check fails, so a headless run of the lab
 is marked failed: the correctness table of ``op``, every (op, variant) the sweep times
@@ -20,15 +20,16 @@ import torch
 
 import lab_kernels
 from lab_kernels import get_variant, variants
-
-from .. import config, fused, fused_blocks, plots
-from ..ceilings import Ceilings, get_ceilings
-from ..config import LabConfig
-from ..device import pick_device
-from ..model import PRESETS
-from ..records import Recorder
-from ..roofline import roofline as roofline_point
-from .headline import Figure, fmt, register, rows
+from lab_utils.core import config, plots
+from lab_utils.core.ceilings import Ceilings, get_ceilings
+from lab_utils.core.config import LabConfig
+from lab_utils.core.device import pick_device
+from lab_utils.core.records import Recorder
+from lab_utils.core.roofline import roofline as roofline_point
+from lab_utils.fused import blocks as fused_blocks
+from lab_utils.fused import ops as fused
+from lab_utils.model import PRESETS
+from lab_utils.studies.headline import Figure, fmt, register, rows
 
 LAB = "02_fused_kernels"
 # Largest |block output - eager block output| accepted per block dtype: the blocks share

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pandas as pd
 from IPython.display import display
 
-from ..records import Recorder, fill_stability, stability_summary
+from lab_utils.core.records import Recorder, fill_stability, stability_summary
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
 """Lab 04 (``labs/04_low_precision.ipynb``): its parameters, checks, tables and plots.
 
 Formats and their exact emulation are ``lab_kernels.quant``'s; error analysis and the
-matmul sweeps are :mod:`lab_utils.numerics`'; recipes, the convergence runner and the
-Amdahl bound are :mod:`lab_utils.precision`'s.  This module runs them with the lab's
+matmul sweeps are :mod:`lab_utils.precision.numerics`'; recipes, the convergence runner and the
+Amdahl bound are :mod:`lab_utils.precision.quantized`'s.  This module runs them with the lab's
 parameters (on the MMDiT of :mod:`lab_utils.model`), writes the records and draws what
 the records say (plots never measure).
 
 The Amdahl table uses the matmul share of step time *measured* by a short profile of
-the lab's preset (``lab_utils.profiler.profile_training``); the constant shares of the
+the lab's preset (``lab_utils.profiling.profiler.profile_training``); the constant shares of the
 ``matmul_shares`` parameter are only what-ifs and are labelled so.
 """
 
@@ -25,10 +25,7 @@ from tqdm.auto import tqdm
 
 from lab_kernels import quant as Q
 from lab_kernels.lowp_matmul import ACCUMULATIONS
-
-from .. import numerics as N
-from .. import precision as P
-from ..config import (
+from lab_utils.core.config import (
     ConfigError,
     LabConfig,
     check_bool,
@@ -38,12 +35,14 @@ from ..config import (
     check_int,
     check_int_list,
 )
-from ..device import DeviceInfo, device_info, pick_device
-from ..model import LARGE_PRESETS, PRESETS, build_model, image_ids, patchify, resolve_config, text_ids
-from ..model.train import TrainConfig, Trainer
-from ..profiler import profile_training
-from ..records import Recorder
-from .headline import Figure, register, rows
+from lab_utils.core.device import DeviceInfo, device_info, pick_device
+from lab_utils.core.records import Recorder
+from lab_utils.model import LARGE_PRESETS, PRESETS, build_model, image_ids, patchify, resolve_config, text_ids
+from lab_utils.model.train import TrainConfig, Trainer
+from lab_utils.precision import numerics as N
+from lab_utils.precision import quantized as P
+from lab_utils.profiling.profiler import profile_training
+from lab_utils.studies.headline import Figure, register, rows
 
 #: the matmul speed-ups of the Amdahl table: 1.5x, FP8 vs bf16 dense peak (2x), FP4 vs bf16 (4x)
 SPEEDUPS = (1.5, 2.0, 4.0)

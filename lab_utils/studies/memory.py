@@ -14,15 +14,23 @@ import pandas as pd
 import torch
 import yaml
 
-from .. import memory as mem
-from ..config import ConfigError, LabConfig, check_choice, check_choices, check_float, check_int, check_int_list
-from ..device import pick_device
-from ..dtypes import parse_dtype
-from ..model import CHECKPOINT_POLICIES, PRESETS, build_model, resolve_config
-from ..model.train import artifacts_dir
-from ..plots import init
-from ..records import Recorder
-from .headline import Figure, fmt, register, rows
+from lab_utils import memory as mem
+from lab_utils.core.config import (
+    ConfigError,
+    LabConfig,
+    check_choice,
+    check_choices,
+    check_float,
+    check_int,
+    check_int_list,
+)
+from lab_utils.core.device import pick_device
+from lab_utils.core.dtypes import parse_dtype
+from lab_utils.core.plots import init
+from lab_utils.core.records import Recorder
+from lab_utils.model import CHECKPOINT_POLICIES, PRESETS, build_model, resolve_config
+from lab_utils.model.train import artifacts_dir
+from lab_utils.studies.headline import Figure, fmt, register, rows
 
 LAB = "05_memory"
 GB = 1e9

@@ -1,7 +1,7 @@
 """Lab 08 (``labs/08_plan.ipynb``): the optimization plan's parameters, tables, plots and
 plain-language recommendations.
 
-The measuring, composing and verifying are :mod:`lab_utils.plan`'s; the plots here read
+The measuring, composing and verifying are :mod:`lab_utils.plan.planner`'s; the plots here read
 its results and never measure.
 """
 
@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import holoviews as hv
 import pandas as pd
 
-from ..config import ConfigError, check_choice, check_int
-from ..device import pick_device
-from ..levers import LEVERS, candidates, check_levers
-from ..model.train import TrainConfig
-from ..plan import (
+from lab_utils.core.config import ConfigError, check_choice, check_int
+from lab_utils.core.device import pick_device
+from lab_utils.core.records import Recorder
+from lab_utils.model.train import TrainConfig
+from lab_utils.plan.levers import LEVERS, candidates, check_levers
+from lab_utils.plan.planner import (
     ALL_PHASES,
     STATISTICS,
     Effect,
@@ -29,9 +30,8 @@ from ..plan import (
     verify,
     waterfall,
 )
-from ..profiler import PERIODIC_RULE
-from ..records import Recorder
-from .headline import Figure, fmt, register, rows, verdict
+from lab_utils.profiling.profiler import PERIODIC_RULE
+from lab_utils.studies.headline import Figure, fmt, register, rows, verdict
 
 LAB = "08_plan"
 CPU_LEVERS = ("attention_path", "activation_checkpoint", "encoders", "num_workers", "ckpt_format")
@@ -41,7 +41,7 @@ CPU_LEVERS = ("attention_path", "activation_checkpoint", "encoders", "num_worker
 class PlanLabConfig(TrainConfig):
     """Parameters of ``labs/08_plan.ipynb``: the measured step's plus the plan's."""
 
-    levers: tuple = CPU_LEVERS  # lever names (lab_utils.levers.LEVERS)
+    levers: tuple = CPU_LEVERS  # lever names (lab_utils.plan.levers.LEVERS)
     steps: int = 6  # profiled steps per measurement
     warmup_steps: int = 2
     verify_top: int = 2  # plans run again to check the prediction
@@ -147,7 +147,7 @@ def seams_verdict(res: PlanResult) -> str:
 # ------------------------------------------------------------------------------- tables
 def base_table(res: PlanResult) -> pd.DataFrame:
     """The measured step per phase: ms per step (a checkpoint every N steps amortised: its cost
-    per save / N, ``lab_utils.profiler.PERIODIC_RULE``, as lab 01 counts it), beside the full
+    per save / N, ``lab_utils.profiling.profiler.PERIODIC_RULE``, as lab 01 counts it), beside the full
     cost of one occurrence."""
     b = res.base
     rows = []

@@ -1,8 +1,8 @@
 """Lab 07 (numerical stability): its config, experiments, tables, plots and record helpers.
 
-Every experiment is a set of :class:`~lab_utils.stability.RunSpec` runs that differ from a
+Every experiment is a set of :class:`~lab_utils.stability.training.RunSpec` runs that differ from a
 baseline in one setting only (same seed, initialisation, batches, noise and timesteps), with
-telemetry on.  The library is :mod:`lab_utils.telemetry` and :mod:`lab_utils.stability`.
+telemetry on.  The library is :mod:`lab_utils.stability.telemetry` and :mod:`lab_utils.stability.training`.
 """
 
 from __future__ import annotations
@@ -15,15 +15,23 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from ..config import ConfigError, LabConfig, check_bool, check_choice, check_choices, check_float, check_int
-from ..device import pick_device
-from ..model.config import PRESETS, MMDiTConfig
-from ..numdiff import NumericsDiff, numerics_diff
-from ..precision import RECIPES
-from ..records import Recorder
-from ..stability import PROVOKE, SPIKE_POLICIES, RunResult, RunSpec, train_run
-from ..telemetry import NAN_PHASES
-from .headline import Figure, register, rows
+from lab_utils.core.config import (
+    ConfigError,
+    LabConfig,
+    check_bool,
+    check_choice,
+    check_choices,
+    check_float,
+    check_int,
+)
+from lab_utils.core.device import pick_device
+from lab_utils.core.records import Recorder
+from lab_utils.model.config import PRESETS, MMDiTConfig
+from lab_utils.precision.quantized import RECIPES
+from lab_utils.stability.numdiff import NumericsDiff, numerics_diff
+from lab_utils.stability.telemetry import NAN_PHASES
+from lab_utils.stability.training import PROVOKE, SPIKE_POLICIES, RunResult, RunSpec, train_run
+from lab_utils.studies.headline import Figure, register, rows
 
 LAB = "07_stability"
 PRECISION_RUNS = ("fp32", "bf16", "bf16_master", "bf16_sr")

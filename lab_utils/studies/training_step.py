@@ -1,7 +1,7 @@
 """Lab 01 (``labs/01_training_step.ipynb``): its parameters, tables and plots.
 
-The measuring is :mod:`lab_utils.profiler`'s; the plots here read a
-:class:`~lab_utils.profiler.ProfileReport`'s tables and never measure.
+The measuring is :mod:`lab_utils.profiling.profiler`'s; the plots here read a
+:class:`~lab_utils.profiling.profiler.ProfileReport`'s tables and never measure.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import holoviews as hv
 import pandas as pd
 import torch
 
-from ..ceilings import get_ceilings
-from ..config import ConfigError, check_bool, check_int
-from ..device import DeviceInfo, datasheet_for
-from ..model import (
+from lab_utils.core.ceilings import get_ceilings
+from lab_utils.core.config import ConfigError, check_bool, check_int
+from lab_utils.core.device import DeviceInfo, datasheet_for
+from lab_utils.core.records import Recorder
+from lab_utils.model import (
     PRESETS,
     MMDiTConfig,
     analytic_param_count,
@@ -25,11 +26,16 @@ from ..model import (
     forward_flops,
     num_params,
 )
-from ..model.encoders import Encoders
-from ..model.train import PHASES, TrainConfig, Trainer, fit_fixed_batch, synthetic_batch
-from ..profiler import PERIODIC_RULE, ProfileReport, periodic_note, profile_training, training_step_flops
-from ..records import Recorder
-from .headline import Figure, fmt, register, rows, verdict
+from lab_utils.model.encoders import Encoders
+from lab_utils.model.train import PHASES, TrainConfig, Trainer, fit_fixed_batch, synthetic_batch
+from lab_utils.profiling.profiler import (
+    PERIODIC_RULE,
+    ProfileReport,
+    periodic_note,
+    profile_training,
+    training_step_flops,
+)
+from lab_utils.studies.headline import Figure, fmt, register, rows, verdict
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,7 @@ def phase_bars(report: ProfileReport):
 
 def phase_table(report: ProfileReport) -> pd.DataFrame:
     """Each phase's time per step with its samples' verdict; a checkpoint every N steps counts
-    as its cost per save / N (:data:`lab_utils.profiler.PERIODIC_RULE`), its full cost beside it."""
+    as its cost per save / N (:data:`lab_utils.profiling.profiler.PERIODIC_RULE`), its full cost beside it."""
     rows = [
         dict(
             phase=f.phase,

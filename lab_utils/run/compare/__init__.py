@@ -65,13 +65,19 @@ Baselines live in ``parameterized/baselines/<kind>/`` (``records.json``,
 
 from __future__ import annotations
 
-from .baselines import PERFORMANCE_KINDS, baseline_main, run_for_baseline, store_baseline, timing_free
-from .cli import add_compare_options, main, options_from
-from .comparison import OUT_COLUMNS, Comparison, compare
-from .coverage import ContextDiff, context_flags
-from .html import render_html
-from .options import CONTEXT_DIFFS, Options, lab_name
-from .rules import (
+from lab_utils.run.compare.baselines import (
+    PERFORMANCE_KINDS,
+    baseline_main,
+    run_for_baseline,
+    store_baseline,
+    timing_free,
+)
+from lab_utils.run.compare.cli import add_compare_options, main, options_from
+from lab_utils.run.compare.comparison import OUT_COLUMNS, Comparison, compare
+from lab_utils.run.compare.coverage import ContextDiff, context_flags
+from lab_utils.run.compare.html import render_html
+from lab_utils.run.compare.options import CONTEXT_DIFFS, Options, lab_name
+from lab_utils.run.compare.rules import (
     EXIT_INCOMPARABLE,
     EXIT_OK,
     EXIT_REGRESSION,
@@ -93,9 +99,9 @@ from .rules import (
     direction,
     direction_table,
 )
-from .sides import Side, baseline_kind, baselines_root, identity_keys, load_side, resolve_source
-from .stats import bootstrap_ratio, judge, rank_pvalues
-from .text import summary_text
+from lab_utils.run.compare.sides import Side, baseline_kind, baselines_root, identity_keys, load_side, resolve_source
+from lab_utils.run.compare.stats import bootstrap_ratio, judge, rank_pvalues
+from lab_utils.run.compare.text import summary_text
 
 __all__ = [
     "EXIT_INCOMPARABLE",

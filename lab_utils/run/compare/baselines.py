@@ -17,14 +17,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ...config import ConfigError
-from ...records import load_records, write_records_json
-from ..runner import SuiteError, parse_overrides, run_suite
-from .cli import add_compare_options, finish, options_from
-from .comparison import compare
-from .options import Options, lab_name
-from .rules import EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, CompareError, direction
-from .sides import baseline_kind, baselines_root, first_value, load_side
+from lab_utils.core.config import ConfigError
+from lab_utils.core.records import load_records, write_records_json
+from lab_utils.run.compare.cli import add_compare_options, finish, options_from
+from lab_utils.run.compare.comparison import compare
+from lab_utils.run.compare.options import Options, lab_name
+from lab_utils.run.compare.rules import EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, CompareError, direction
+from lab_utils.run.compare.sides import baseline_kind, baselines_root, first_value, load_side
+from lab_utils.run.runner import SuiteError, parse_overrides, run_suite
 
 PERFORMANCE_KINDS = ("performance", "memory")
 

@@ -7,12 +7,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ...config import ConfigError
-from ..runner import ROOT
-from .comparison import Comparison, compare
-from .options import CONTEXT_DIFFS, Options, lab_name
-from .rules import EXIT_USAGE, CompareError
-from .sides import slug
+from lab_utils.core.config import ConfigError
+from lab_utils.run.compare.comparison import Comparison, compare
+from lab_utils.run.compare.options import CONTEXT_DIFFS, Options, lab_name
+from lab_utils.run.compare.rules import EXIT_USAGE, CompareError
+from lab_utils.run.compare.sides import slug
+from lab_utils.run.runner import ROOT
 
 
 def add_compare_options(ap: argparse.ArgumentParser) -> None:

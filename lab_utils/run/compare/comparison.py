@@ -9,11 +9,19 @@ from pathlib import Path
 
 import pandas as pd
 
-from ...records import StabilitySummary, stability_summary
-from .coverage import ContextDiff, context_diff, context_flags, failed_labs, labs_of, narrow_both, newly_failed
-from .html import render_html
-from .options import Options
-from .rules import (
+from lab_utils.core.records import StabilitySummary, stability_summary
+from lab_utils.run.compare.coverage import (
+    ContextDiff,
+    context_diff,
+    context_flags,
+    failed_labs,
+    labs_of,
+    narrow_both,
+    newly_failed,
+)
+from lab_utils.run.compare.html import render_html
+from lab_utils.run.compare.options import Options
+from lab_utils.run.compare.rules import (
     EXIT_INCOMPARABLE,
     EXIT_OK,
     EXIT_REGRESSION,
@@ -26,9 +34,9 @@ from .rules import (
     WORSE_VERDICTS,
     direction,
 )
-from .sides import Side, identity_keys, load_side, with_identity
-from .stats import bootstrap_ratio, judge, rank_pvalues
-from .text import summary_text
+from lab_utils.run.compare.sides import Side, identity_keys, load_side, with_identity
+from lab_utils.run.compare.stats import bootstrap_ratio, judge, rank_pvalues
+from lab_utils.run.compare.text import summary_text
 
 OUT_COLUMNS = [
     "lab",

@@ -20,9 +20,9 @@ import json
 import re
 from dataclasses import dataclass, field, replace
 
-from .options import Options
-from .rules import CompareError
-from .sides import Side, extra_dict
+from lab_utils.run.compare.options import Options
+from lab_utils.run.compare.rules import CompareError
+from lab_utils.run.compare.sides import Side, extra_dict
 
 #: software fields that follow the device (a CPU run has no CUDA and interprets Triton)
 DEVICE_SOFTWARE = ("cuda_version", "triton_interpret")

@@ -14,9 +14,9 @@ from bokeh.models import BoxAnnotation, ColumnDataSource, HoverTool, Span
 from bokeh.plotting import figure
 from bokeh.resources import Resources
 
-from .coverage import notebook_params, overrides_text
-from .rules import NOISY, NOT_COMPARABLE, SIDE_CONTEXT_KEYS, direction_table
-from .text import fmt_num, row_label
+from lab_utils.run.compare.coverage import notebook_params, overrides_text
+from lab_utils.run.compare.rules import NOISY, NOT_COMPARABLE, SIDE_CONTEXT_KEYS, direction_table
+from lab_utils.run.compare.text import fmt_num, row_label
 
 VERDICT_COLOURS = {
     "faster": "#1a7f37",

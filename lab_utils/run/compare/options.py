@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...config import ConfigError
+from lab_utils.core.config import ConfigError
 
 #: What a timing measures besides the code: a difference in one of these makes the rows it
 #: touches "not comparable" (never slower or faster) unless the comparison is asked for.

@@ -3,7 +3,7 @@
 A side is a report folder, a records file, ``latest`` or ``baseline[:KIND]``.  Rows are
 matched on ``KEY``; rows sharing a key are told apart by categorical ``extra`` fields
 (``identity_keys``).  Rows without a stability verdict (records older than it) are judged
-from their kept samples (``lab_utils.records.fill_stability``).
+from their kept samples (``lab_utils.core.records.fill_stability``).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ...device import device_info
-from ...records import CONTEXT_COLUMNS, fill_stability, load_records
-from ..runner import ROOT, params_dir
-from .rules import KEY, CompareError
+from lab_utils.core.device import device_info
+from lab_utils.core.records import CONTEXT_COLUMNS, fill_stability, load_records
+from lab_utils.run.compare.rules import KEY, CompareError
+from lab_utils.run.runner import ROOT, params_dir
 
 
 @dataclass

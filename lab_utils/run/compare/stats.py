@@ -12,8 +12,8 @@ import math
 import numpy as np
 from scipy.stats import mannwhitneyu
 
-from .options import Options
-from .rules import Direction
+from lab_utils.run.compare.options import Options
+from lab_utils.run.compare.rules import Direction
 
 
 def bootstrap_ratio(

@@ -6,9 +6,9 @@ import math
 
 import pandas as pd
 
-from .coverage import overrides_text
-from .rules import NOISY, NOT_COMPARABLE, WORSE_VERDICTS
-from .sides import Side
+from lab_utils.run.compare.coverage import overrides_text
+from lab_utils.run.compare.rules import NOISY, NOT_COMPARABLE, WORSE_VERDICTS
+from lab_utils.run.compare.sides import Side
 
 
 def row_label(r) -> str:

@@ -4,6 +4,16 @@
 explorer, built on the same library calls the lab's headless path uses.
 """
 
-from .base import LIVE_NOTE, Control, Explorer, Interrupted, Outcome, Progress, Result, Unavailable, is_live
+from lab_utils.studies.explore.base import (
+    LIVE_NOTE,
+    Control,
+    Explorer,
+    Interrupted,
+    Outcome,
+    Progress,
+    Result,
+    Unavailable,
+    is_live,
+)
 
 __all__ = ["LIVE_NOTE", "Control", "Explorer", "Interrupted", "Outcome", "Progress", "Result", "Unavailable", "is_live"]

@@ -20,12 +20,12 @@ import holoviews as hv
 import pandas as pd
 import torch
 
-from ...attention import PATHS, attend, attention_bytes, check_path, get_path, random_qkv
-from ...ceilings import Ceilings
-from ...device import pick_device
-from ...masks import MASK_NAMES, attention_flops, dense_mask, make_mask
-from ...timing import try_bench
-from .base import Control, Explorer, Progress, Result, Unavailable, explored_scatter
+from lab_utils.attention.attend import PATHS, attend, attention_bytes, check_path, get_path, random_qkv
+from lab_utils.attention.masks import MASK_NAMES, attention_flops, dense_mask, make_mask
+from lab_utils.core.ceilings import Ceilings
+from lab_utils.core.device import pick_device
+from lab_utils.core.timing import try_bench
+from lab_utils.studies.explore.base import Control, Explorer, Progress, Result, Unavailable, explored_scatter
 
 SEQ_LENS = (64, 127, 256, 512, 1024)
 WINDOWS = (8, 32, 128)

@@ -9,11 +9,11 @@ results' rows; they never measure).
 
 * ``run(**changes)`` is the one entry point, used by the widgets, by tests and by a
   headless run alike: it validates the configuration (a bad value raises
-  :class:`~lab_utils.config.ConfigError` naming the control), returns the cached result
+  :class:`~lab_utils.core.config.ConfigError` naming the control), returns the cached result
   of an identical configuration at once, asks ``why_not`` whether this configuration
   can run here (a reason is shown, cached and returned instead of a failure), and
   otherwise measures, keeps the result and writes its rows to the lab's
-  :class:`~lab_utils.records.Recorder` (so ``rec.save()`` keeps an afternoon of
+  :class:`~lab_utils.core.records.Recorder` (so ``rec.save()`` keeps an afternoon of
   exploration, and ``perflab compare`` can read it like a papermill run).
 * Live (an IPython kernel with a front end; not ``perflab run``): ``show()`` displays
   the controls, a status line, a progress bar with a Stop button, the table and the
@@ -42,9 +42,9 @@ import pandas as pd
 from IPython import get_ipython
 from IPython.display import HTML, display
 
-from ...config import ConfigError
-from ...plots import init
-from ...records import Recorder
+from lab_utils.core.config import ConfigError
+from lab_utils.core.plots import init
+from lab_utils.core.records import Recorder
 
 LIVE_NOTE = (
     "Live in JupyterLab: run this cell in a kernel, change a control and each new configuration is "

@@ -15,14 +15,14 @@ import holoviews as hv
 import pandas as pd
 import torch
 
-from ...ceilings import Ceilings
-from ...device import pick_device
-from ...dtypes import DTYPES, LAB_DTYPES
-from ...plots import roofline_plot
-from ...roofline import roofline
-from ...timing import try_bench
-from ..ceilings import OPS, make_op, op_cost
-from .base import Control, Explorer, Progress, Result, Unavailable, explored_scatter
+from lab_utils.core.ceilings import Ceilings
+from lab_utils.core.device import pick_device
+from lab_utils.core.dtypes import DTYPES, LAB_DTYPES
+from lab_utils.core.plots import roofline_plot
+from lab_utils.core.roofline import roofline
+from lab_utils.core.timing import try_bench
+from lab_utils.studies.ceilings import OPS, make_op, op_cost
+from lab_utils.studies.explore.base import Control, Explorer, Progress, Result, Unavailable, explored_scatter
 
 #: elements of an elementwise op, or n of an n x n matmul
 SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 16384, 65536, 262144, 1048576, 4194304)

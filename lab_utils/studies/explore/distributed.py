@@ -17,10 +17,10 @@ from typing import ClassVar
 import holoviews as hv
 import pandas as pd
 
-from ...config import ConfigError
-from ...distributed import STRATEGIES, DistConfig, DistRunError, launch
-from ...model.train import artifacts_dir
-from .base import Control, Explorer, Progress, Result, Unavailable, explored_scatter
+from lab_utils.core.config import ConfigError
+from lab_utils.distributed import STRATEGIES, DistConfig, DistRunError, launch
+from lab_utils.model.train import artifacts_dir
+from lab_utils.studies.explore.base import Control, Explorer, Progress, Result, Unavailable, explored_scatter
 
 STEPS = 3
 

@@ -17,12 +17,11 @@ import holoviews as hv
 import pandas as pd
 
 from lab_kernels import get_variant, variant_names
-
-from ... import fused
-from ...ceilings import Ceilings
-from ...device import pick_device
-from ...dtypes import LAB_DTYPES
-from .base import Control, Explorer, Progress, Result, explored_scatter
+from lab_utils.core.ceilings import Ceilings
+from lab_utils.core.device import pick_device
+from lab_utils.core.dtypes import LAB_DTYPES
+from lab_utils.fused import ops as fused
+from lab_utils.studies.explore.base import Control, Explorer, Progress, Result, explored_scatter
 
 VARIANTS = ("eager", "compile", "triton", "torch")
 TOKENS = (61, 256, 1024, 4096)

@@ -21,10 +21,9 @@ import holoviews as hv
 import pandas as pd
 
 from lab_kernels.quant import FORMATS, SCALE_RULES, hadamard_transform
-
-from ...numerics import DISTRIBUTIONS, error_stats, format_grid_histogram, make_tensor
-from ...precision import RECIPES, mlp_task, run_convergence
-from .base import Control, Explorer, Progress, Result, Unavailable, explored_scatter
+from lab_utils.precision.numerics import DISTRIBUTIONS, error_stats, format_grid_histogram, make_tensor
+from lab_utils.precision.quantized import RECIPES, mlp_task, run_convergence
+from lab_utils.studies.explore.base import Control, Explorer, Progress, Result, Unavailable, explored_scatter
 
 SCALINGS = ("tensor", "row", "block")
 BLOCKS = ("default", 16, 32, 128)

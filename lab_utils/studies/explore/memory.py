@@ -20,12 +20,12 @@ from typing import ClassVar
 
 import pandas as pd
 
-from ...device import pick_device
-from ...memory import MEMORY_DTYPES, compare_policies, step_shape
-from ...model import CHECKPOINT_POLICIES, MMDiTConfig
-from ...model import PRESETS as MODEL_PRESETS
-from ..memory import MemoryLabConfig, acts_on, gpu_set, pareto_plot, sh_str
-from .base import Control, Explorer, Progress, Result
+from lab_utils.core.device import pick_device
+from lab_utils.memory import MEMORY_DTYPES, compare_policies, step_shape
+from lab_utils.model import CHECKPOINT_POLICIES, MMDiTConfig
+from lab_utils.model import PRESETS as MODEL_PRESETS
+from lab_utils.studies.explore.base import Control, Explorer, Progress, Result
+from lab_utils.studies.memory import MemoryLabConfig, acts_on, gpu_set, pareto_plot, sh_str
 
 PRESETS = ("tiny", "small")
 BATCHES = (1, 2, 4)

@@ -1,6 +1,6 @@
 """Lab 07's explorer (stability): an intervention -> telemetry curves beside the earlier runs.
 
-Each run is ``stability.train_run`` of a :class:`~lab_utils.stability.RunSpec` with one
+Each run is ``stability.train_run`` of a :class:`~lab_utils.stability.training.RunSpec` with one
 setting changed (precision mode, spike policy, a provoked spike, QK-norm): the same
 initialisation, batches, noise and timesteps as every other run of the explorer, so the
 curves differ by the setting alone.
@@ -14,8 +14,8 @@ from typing import ClassVar
 import holoviews as hv
 import pandas as pd
 
-from ...stability import PRECISIONS, PROVOKE, SPIKE_POLICIES, RunSpec, train_run
-from .base import Control, Explorer, Progress, Result
+from lab_utils.stability.training import PRECISIONS, PROVOKE, SPIKE_POLICIES, RunSpec, train_run
+from lab_utils.studies.explore.base import Control, Explorer, Progress, Result
 
 STEPS = 12
 

@@ -3,12 +3,12 @@ peak memory beside the earlier configurations (the A/B a performance engineer ru
 
 Every configuration is the lab's own :class:`~lab_utils.studies.training_step.TrainingStepLabConfig`
 with the seams replaced (so it is validated like the parameters cell), profiled by
-``studies.training_step.profile_step`` (``lab_utils.profiler.profile_training``).  Its records
+``studies.training_step.profile_step`` (``lab_utils.profiling.profiler.profile_training``).  Its records
 join the lab's recorder with the configuration's label in front of each variant, so the
 configurations of one afternoon stay apart in ``rec.save()`` and ``perflab compare``.
 
 The precision control picks the step's storage dtype and autocast; the recipe control
-swaps the model's linear layers for a low-precision recipe of ``lab_utils.precision``.
+swaps the model's linear layers for a low-precision recipe of ``lab_utils.precision.quantized``.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ import holoviews as hv
 import pandas as pd
 import torch
 
-from ...attention import PATHS as ATTENTION_PATHS
-from ...attention import get_path
-from ...config import ConfigError
-from ...device import DeviceInfo, device_info
-from ...model import CHECKPOINT_POLICIES
-from ...model.train import PHASES
-from ...precision import RECIPES
-from ..training_step import PHASE_COLORS, StepProfile, TrainingStepLabConfig, profile_step
-from .base import Control, Explorer, Progress, Result
+from lab_utils.attention.attend import PATHS as ATTENTION_PATHS
+from lab_utils.attention.attend import get_path
+from lab_utils.core.config import ConfigError
+from lab_utils.core.device import DeviceInfo, device_info
+from lab_utils.model import CHECKPOINT_POLICIES
+from lab_utils.model.train import PHASES
+from lab_utils.precision.quantized import RECIPES
+from lab_utils.studies.explore.base import Control, Explorer, Progress, Result
+from lab_utils.studies.training_step import PHASE_COLORS, StepProfile, TrainingStepLabConfig, profile_step
 
 #: precision choice -> (parameter storage dtype, autocast)
 PRECISIONS = {"fp32": ("float32", "none"), "bf16 autocast": ("float32", "bf16"), "bf16 weights": ("bfloat16", "none")}

@@ -3,7 +3,7 @@
 On a machine whose cores are busy with other processes, a parallel region with one thread
 per core waits for whichever thread the scheduler took away: a 0.4 ms op then reads as a
 32 ms scheduler quantum.  :func:`choose_cpu_threads` leaves the busy cores alone (or takes
-the count from ``PERFLAB_TIMING_THREADS`` / an argument) and says why; ``lab_utils.timing``
+the count from ``PERFLAB_TIMING_THREADS`` / an argument) and says why; ``lab_utils.core.timing``
 times with it and records the choice.
 """
 

@@ -4,8 +4,8 @@ One :class:`Problem` describes a size for every op (batch, tokens, hidden; heads
 head_dim for the rope ops).  :data:`OPS` maps each op to an :class:`OpSpec`: how to draw
 its inputs (float64 from a seeded generator for checks, float32 on the device for
 benchmarks), which of them are differentiable; the bytes it must move and its FLOPs are
-counted in ``lab_utils.flops``.  :func:`problems_for` takes sizes from the model presets.
-``lab_utils.fused`` checks and times the variants on these inputs and re-exports them.
+counted in ``lab_utils.core.flops``.  :func:`problems_for` takes sizes from the model presets.
+``lab_utils.fused.ops`` checks and times the variants on these inputs and re-exports them.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import flops as F
-from .dtypes import LAB_DTYPES, parse_dtype
-from .model import PRESETS
+from lab_utils.core import flops as F
+from lab_utils.core.dtypes import LAB_DTYPES, parse_dtype
+from lab_utils.model import PRESETS
 
 OP_NAMES = F.FUSED_OPS
 DIRECTIONS = F.DIRECTIONS
@@ -67,7 +67,7 @@ class OpSpec:
     problem_kw: Callable[[Problem], dict] = field(default=lambda p: {"shape": (p.batch, p.tokens, p.hidden)})
 
     def bytes(self, p: Problem, dtype, direction: str) -> float:
-        """Bytes one call must move (``lab_utils.flops.fused_bytes``)."""
+        """Bytes one call must move (``lab_utils.core.flops.fused_bytes``)."""
         s = torch.empty((), dtype=as_dtype(dtype)).element_size()
         return F.fused_bytes(
             self.op, direction, batch=p.batch, tokens=p.tokens, hidden=p.hidden, head_dim=p.head_dim, elem_size=s
@@ -166,7 +166,7 @@ def _rope_kw(p):
     return {"shape": (p.batch, p.heads, p.tokens, p.head_dim), "head_dim": p.head_dim}
 
 
-# How each op's inputs are drawn; its bytes and FLOPs are counted in lab_utils.flops.
+# How each op's inputs are drawn; its bytes and FLOPs are counted in lab_utils.core.flops.
 OPS: dict[str, OpSpec] = {
     "rms_norm": OpSpec("rms_norm", _make_rms),
     "layer_norm_modulate": OpSpec("layer_norm_modulate", _make_lnm),
@@ -179,7 +179,7 @@ OPS: dict[str, OpSpec] = {
 
 
 def flops(op: str, problem: Problem, direction: str) -> float:
-    """FLOPs of one call (``lab_utils.flops.fused_flops``: per-element counts documented there)."""
+    """FLOPs of one call (``lab_utils.core.flops.fused_flops``: per-element counts documented there)."""
     return F.fused_flops(
         op, direction, batch=problem.batch, tokens=problem.tokens, hidden=problem.hidden, head_dim=problem.head_dim
     )

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .ceilings import Ceilings
-from .timing import Timing
+from lab_utils.core.ceilings import Ceilings
+from lab_utils.core.timing import Timing
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .fused import as_dtype, as_tuple, peak_memory_bytes
-from .model import DoubleStreamBlock, KernelSet, MMDiTConfig, Seams, SingleStreamBlock
-from .records import Recorder
-from .timing import try_bench
+from lab_utils.core.records import Recorder
+from lab_utils.core.timing import try_bench
+from lab_utils.fused.ops import as_dtype, as_tuple, peak_memory_bytes
+from lab_utils.model import DoubleStreamBlock, KernelSet, MMDiTConfig, Seams, SingleStreamBlock
 
 BLOCK_PROVIDERS = {
     # name: (kernels variant for every fused op, torch.compile the whole block)

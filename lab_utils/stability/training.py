@@ -39,10 +39,17 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from .config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int
-from .model.mmdit import build_model
-from .model.train import rf_loss, synthetic_batch
-from .telemetry import NAN_PHASES, NonFiniteReport, Telemetry, disable_qk_norm, inject_nonfinite, locate_nonfinite
+from lab_utils.core.config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int
+from lab_utils.model.mmdit import build_model
+from lab_utils.model.train import rf_loss, synthetic_batch
+from lab_utils.stability.telemetry import (
+    NAN_PHASES,
+    NonFiniteReport,
+    Telemetry,
+    disable_qk_norm,
+    inject_nonfinite,
+    locate_nonfinite,
+)
 
 # mantissa bits and the smallest normal exponent of the storage formats
 _FLOAT_BITS = {torch.float32: (23, -126), torch.bfloat16: (7, -126), torch.float16: (10, -14)}

@@ -17,13 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from lab_kernels.registry import variants
-
-from .attention import REGISTRY as ATTENTION_PATHS
-from .attention import available_paths
-from .config import ConfigError
-from .model.checkpointing import CHECKPOINT_POLICIES
-from .model.config import KERNEL_OPS
-from .precision import RECIPES
+from lab_utils.attention.attend import REGISTRY as ATTENTION_PATHS
+from lab_utils.attention.attend import available_paths
+from lab_utils.core.config import ConfigError
+from lab_utils.model.checkpointing import CHECKPOINT_POLICIES
+from lab_utils.model.config import KERNEL_OPS
+from lab_utils.precision.quantized import RECIPES
 
 COMPUTE = ("forward", "backward")
 

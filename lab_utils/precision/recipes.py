@@ -4,7 +4,7 @@ A :class:`Recipe` names, for every ``nn.Linear`` it converts, how each operand o
 three matmuls of a linear layer is quantized (a :class:`TensorQuant`, or ``None`` = kept
 in the run's high precision); ``RECIPES`` holds the named ones the labs offer and
 :func:`get_recipe` resolves a name (``ConfigError`` naming ``recipe`` otherwise).
-``lab_utils.precision`` applies a recipe to a model (see its module note for the
+``lab_utils.precision.quantized`` applies a recipe to a model (see its module note for the
 operands and the contraction axes they are quantized along).
 """
 
@@ -17,8 +17,7 @@ import pandas as pd
 import torch
 
 from lab_kernels import quant as Q
-
-from .config import ConfigError
+from lab_utils.core.config import ConfigError
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The numerics diff of two runs' telemetry: where they first differ beyond a tolerance.
 
 :func:`numerics_diff` compares two runs' telemetry (frames or report records, as
-:mod:`lab_utils.telemetry` writes them) per block and statistic, and says where they first
+:mod:`lab_utils.stability.telemetry` writes them) per block and statistic, and says where they first
 differ beyond a tolerance.  Non-finite values are compared by class (NaN, +Inf, -Inf): finite
 against non-finite is a full difference, and a row one run lacks at a step both recorded counts
 as one too.  ``perflab numdiff A B`` is its command line (:func:`numdiff_main`).
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from .config import ConfigError, check_float
-from .records import load_records
-from .telemetry import FRAME_COLUMNS, block_sort_key
+from lab_utils.core.config import ConfigError, check_float
+from lab_utils.core.records import load_records
+from lab_utils.stability.telemetry import FRAME_COLUMNS, block_sort_key
 
 #: Per statistic, the magnitude below which a difference is measured against this floor rather
 #: than against the values: a fraction of lost updates of 0 in one run and 5e-5 in the other is

@@ -1,5 +1,5 @@
 """Reading a torch.profiler Chrome trace: steps, phases, kernel categories, top
-operators and the allocation curve (what :mod:`lab_utils.profiler` reports).
+operators and the allocation curve (what :mod:`lab_utils.profiling.profiler` reports).
 
 * steps: ``ProfilerStep#k`` ranges; phases: the named ranges the trainer opens
   (``lab_utils.model.train.PHASES``), summed per step, from the host timeline only
@@ -22,7 +22,7 @@ from typing import Any
 
 import pandas as pd
 
-from .model.train import PHASES
+from lab_utils.model.train import PHASES
 
 CATEGORIES = (
     "matmul",

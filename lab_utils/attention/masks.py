@@ -16,7 +16,7 @@ are recognised through composition (``causal() & full()`` is causal); everything
 else is "custom" and needs a path that takes a dense mask or a mask_mod.
 
 Token order of the joint MMDiT sequence follows FLUX: ``[text | image]``.
-FLOPs follow :mod:`lab_utils.flops`: attention over ``P`` allowed pairs costs ``4 * P * Dh``
+FLOPs follow :mod:`lab_utils.core.flops`: attention over ``P`` allowed pairs costs ``4 * P * Dh``
 per head forward (QK^T and PV, 2 FLOPs per multiply-add); the backward is 2.5x that under the
 "kernel" convention (the matmuls a flash backward runs: a kernel's TFLOP/s) and 2x under the
 "model" convention (what MFU counts).  :class:`AttentionFlops` says which one it holds.
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from . import flops as F
-from .config import ConfigError
+from lab_utils.core import flops as F
+from lab_utils.core.config import ConfigError
 
 MaskMod = Callable[[Any, Any, Any, Any], Any]
 
@@ -341,7 +341,7 @@ class AttentionFlops:
     fwd: float  # 4 * pairs * Dh
     bwd: float  # flops.ATTENTION_BWD_FACTOR[convention] * fwd
     density: float  # pairs / dense_pairs
-    convention: str = "kernel"  # lab_utils.flops: "kernel" (2.5x backward) | "model" (2x)
+    convention: str = "kernel"  # lab_utils.core.flops: "kernel" (2.5x backward) | "model" (2x)
 
     @property
     def fwd_bwd(self) -> float:
@@ -351,7 +351,7 @@ class AttentionFlops:
 def attention_flops(
     mask: Mask | None, B: int, H: int, Lq: int, Lk: int, head_dim: int, *, convention: str = "kernel"
 ) -> AttentionFlops:
-    """Mask-aware FLOPs (:func:`lab_utils.flops.attention_flops` over the allowed pairs only,
+    """Mask-aware FLOPs (:func:`lab_utils.core.flops.attention_flops` over the allowed pairs only,
     not the dense L x L); the backward by ``convention`` ("kernel" or "model")."""
     if convention not in F.ATTENTION_CONVENTIONS:
         raise ConfigError("convention", convention, "one of " + ", ".join(map(repr, F.ATTENTION_CONVENTIONS)))

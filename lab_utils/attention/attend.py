@@ -10,7 +10,7 @@ path:
   every sequence attends only inside itself, and ``mask`` applies to positions *inside*
   each sequence (``b`` of a mask_mod is the sequence index there).
 
-``mask``: None (full), "full" / "causal", a :class:`lab_utils.masks.Mask`, or a boolean
+``mask``: None (full), "full" / "causal", a :class:`lab_utils.attention.masks.Mask`, or a boolean
 tensor broadcastable to (B, H, Lq, Lk) with True = may attend (SDPA's convention; the
 model passes its key-padding mask this way).
 
@@ -26,10 +26,10 @@ naming the parameter — never a silently different computation.
 
 Mask preprocessing (the dense boolean mask for SDPA, the BlockMask for flex) is cached
 per Mask object and shape, so timings after the first call measure attention only;
-``lab_utils.masks.flex_block_mask`` is timed separately as the block-mask build cost.
+``lab_utils.attention.masks.flex_block_mask`` is timed separately as the block-mask build cost.
 
-The paths and their registry live in :mod:`lab_utils.attention_paths` (re-exported here);
-the input checks in :mod:`lab_utils.attention_inputs` (re-exported too); this module holds
+The paths and their registry live in :mod:`lab_utils.attention.paths` (re-exported here);
+the input checks in :mod:`lab_utils.attention.inputs` (re-exported too); this module holds
 the entry point, the float64 checks and the timing sweep.
 """
 
@@ -42,8 +42,9 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from .attention_inputs import Problem, check_inputs, normalize_mask
-from .attention_paths import (
+from lab_utils.attention.inputs import Problem, check_inputs, normalize_mask
+from lab_utils.attention.masks import Mask, attention_flops, flex_block_mask, make_mask
+from lab_utils.attention.paths import (
     LAYOUTS,
     MASK_KINDS,
     PATHS,
@@ -53,10 +54,9 @@ from .attention_paths import (
     clear_caches,
     get_path,
 )
-from .checks import compare, tolerance
-from .dtypes import dtype_name
-from .masks import Mask, attention_flops, flex_block_mask, make_mask
-from .timing import try_bench
+from lab_utils.core.checks import compare, tolerance
+from lab_utils.core.dtypes import dtype_name
+from lab_utils.core.timing import try_bench
 
 __all__ = [
     "GRAD_SCALE",
@@ -296,7 +296,7 @@ def sweep(
     """Time every (seq_len, head_dim, mask, path, direction) that can run here.
 
     FLOPs are mask-aware (``masks.attention_flops``: allowed pairs only) and their backward
-    follows ``flop_convention`` (``lab_utils.flops``: "kernel" = 2.5x forward, the matmuls a
+    follows ``flop_convention`` (``lab_utils.core.flops``: "kernel" = 2.5x forward, the matmuls a
     flash backward runs; "model" = 2x, what MFU counts), recorded on every row; TFLOP/s and %
     of the measured matmul ceiling go to ``rec`` (``Recorder.add_timing``) as rows of
     experiment "sweep"; the block-mask build time of each mask as experiment

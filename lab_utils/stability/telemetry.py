@@ -13,7 +13,7 @@ every ``every``-th step:
   recomputed from the buffered q / k of the block (masking is ignored: a bound);
 * ``grad_norm`` per block and ``total``; ``update_ratio`` ||ΔW||/||W|| and
   ``lost_update_frac`` (updates below half an ulp of the stored weight) per block, from the
-  optimizer's statistics (:class:`lab_utils.stability.StabilityAdamW`) or, for any other
+  optimizer's statistics (:class:`lab_utils.stability.training.StabilityAdamW`) or, for any other
   optimizer, from a weight snapshot;
 * ``loss`` and ``loss_bucket`` (per timestep bucket of the rectified-flow t).
 
@@ -25,7 +25,7 @@ parameter gradient (backward) is non-finite, with hooks on every module and para
 meant for a one-step replay of the step that went non-finite (same batch, same weights), not
 for the whole run: no anomaly mode, no per-op overhead while training is healthy.
 
-Two runs' telemetry are compared by :mod:`lab_utils.numdiff` (``perflab numdiff A B``).
+Two runs' telemetry are compared by :mod:`lab_utils.stability.numdiff` (``perflab numdiff A B``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from .config import ConfigError, check_int
+from lab_utils.core.config import ConfigError, check_int
 
 NAN_PHASES = ("forward", "backward", "weight")
 BLOCK_RE = re.compile(r"^(double_blocks|single_blocks)\.(\d+)")

@@ -17,7 +17,7 @@ accumulator) and the output is returned in the autocast dtype when autocast is o
 ``keep_high_precision`` lists ``fnmatch`` patterns of module names that are never
 converted (embeddings, modulation, final layer by default: small, sensitive).
 The recipes themselves (:class:`Recipe`, ``RECIPES``, :func:`get_recipe`) are defined in
-``lab_utils.recipes`` and re-exported here.
+``lab_utils.precision.recipes`` and re-exported here.
 
 ``apply_recipe(model, recipe)`` swaps the matching layers in place.  ``"bf16"`` is
 the no-op baseline.  Two families of recipes:
@@ -46,8 +46,8 @@ import pandas as pd
 import torch
 from torch import nn
 
-from .config import ConfigError
-from .recipes import DEFAULT_KEEP, RECIPES, Recipe, TensorQuant, get_recipe
+from lab_utils.core.config import ConfigError
+from lab_utils.precision.recipes import DEFAULT_KEEP, RECIPES, Recipe, TensorQuant, get_recipe
 
 # --------------------------------------------------------------------------- the swapped layer
 
@@ -392,7 +392,7 @@ def run_convergence(
 
 def matmul_share_from_analysis(analysis) -> float:
     """The matmul category's share of the profiled step time, from
-    ``lab_utils.profiler`` (a ``ProfileReport`` or its ``TraceAnalysis``)."""
+    ``lab_utils.profiling.profiler`` (a ``ProfileReport`` or its ``TraceAnalysis``)."""
     a = getattr(analysis, "analysis", analysis)
     cat = a.categories.set_index("category")
     if "matmul" not in cat.index:
@@ -400,7 +400,7 @@ def matmul_share_from_analysis(analysis) -> float:
     return float(cat.loc["matmul", "pct_of_step"]) / 100.0
 
 
-# The recipes live in lab_utils.recipes; precision re-exports them as part of its API.
+# The recipes live in lab_utils.precision.recipes; precision re-exports them as part of its API.
 __all__ = [
     "DEFAULT_KEEP",
     "RECIPES",

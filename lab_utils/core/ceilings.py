@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .device import DeviceInfo, datasheet_for, device_info, pick_device
-from .timing import BenchError, Timing, bench
+from lab_utils.core.device import DeviceInfo, datasheet_for, device_info, pick_device
+from lab_utils.core.timing import BenchError, Timing, bench
 
 CACHE_VERSION = 1
 

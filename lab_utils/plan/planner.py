@@ -6,11 +6,11 @@ Design note
 * A **step profile** (:class:`StepProfile`) is lab 01's profiler run on one
   :class:`~lab_utils.model.train.TrainConfig`: per phase the median over the profiled
   steps (a checkpoint saved every N steps: its median cost per save / N, the one rule of
-  :func:`lab_utils.profiler.phase_figure` that lab 01 uses too), the unattributed rest as
+  :func:`lab_utils.profiling.profiler.phase_figure` that lab 01 uses too), the unattributed rest as
   phase ``other``, peak memory, FLOPs and tokens per step.
 * A lever's **effect** is measured at the step's own shapes by profiling the same step
   with only that seam changed: a ratio per phase the lever declares
-  (:data:`lab_utils.levers.LEVERS`) and a peak-memory delta.
+  (:data:`lab_utils.plan.levers.LEVERS`) and a peak-memory delta.
 * **Composition** (:func:`compose`) assumes the levers independent: each phase is the
   base phase times the product of the ratios of the plan's levers that act on it; the
   phases run one after another (the Trainer synchronises at phase ends on CUDA, and CPU
@@ -35,12 +35,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ConfigError
-from .device import datasheet_for, device_info, pick_device
-from .levers import LEVERS, Excluded, candidates, check_levers
-from .model.train import PHASES, TrainConfig, Trainer
-from .profiler import ProfileReport, phase_figure, profile_training
-from .timing import choose_cpu_threads, cpu_threads, judge_samples
+from lab_utils.core.config import ConfigError
+from lab_utils.core.device import datasheet_for, device_info, pick_device
+from lab_utils.core.timing import choose_cpu_threads, cpu_threads, judge_samples
+from lab_utils.model.train import PHASES, TrainConfig, Trainer
+from lab_utils.plan.levers import LEVERS, Excluded, candidates, check_levers
+from lab_utils.profiling.profiler import ProfileReport, phase_figure, profile_training
 
 OTHER = "other"
 ALL_PHASES = (*PHASES, OTHER)

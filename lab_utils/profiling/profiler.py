@@ -22,9 +22,9 @@ the trace it links.
   forward + backward for each profiled step's shape, counted on a ``meta`` copy (no
   compute; model FLOPs, so activation recompute is not counted).  Achieved TFLOP/s =
   FLOPs / profiled step time; MFU against the measured matmul ceiling
-  (``lab_utils.ceilings``) and the datasheet peak (``lab_utils.device``).
+  (``lab_utils.core.ceilings``) and the datasheet peak (``lab_utils.core.device``).
 * noise: every figure is kept per profiled step (the ``samples`` of its record) and judged
-  like any timing (:func:`lab_utils.timing.judge_samples`), so ``perflab compare`` calls a
+  like any timing (:func:`lab_utils.core.timing.judge_samples`), so ``perflab compare`` calls a
   disturbed figure noisy instead of slower or faster.
 * periodic phases (a checkpoint saved every N steps): one rule, :func:`phase_figure`, for
   every lab: the phase's cost per step is the median cost of one occurrence (over the
@@ -54,12 +54,12 @@ from torch.cuda._memory_viz import trace_plot
 from torch.profiler import ProfilerActivity, profile, schedule
 from torch.utils.flop_counter import FlopCounterMode
 
-from .config import ConfigError
-from .model import build_model
-from .model.train import PHASES, Trainer, artifacts_dir, rf_loss, synthetic_batch
-from .noise import quiet_stderr_fd
-from .timing import Stability, judge_samples
-from .traces import CATEGORIES, IDLE, TraceAnalysis, analyse_trace, categorize
+from lab_utils.core.config import ConfigError
+from lab_utils.core.noise import quiet_stderr_fd
+from lab_utils.core.timing import Stability, judge_samples
+from lab_utils.model import build_model
+from lab_utils.model.train import PHASES, Trainer, artifacts_dir, rf_loss, synthetic_batch
+from lab_utils.profiling.traces import CATEGORIES, IDLE, TraceAnalysis, analyse_trace, categorize
 
 # --------------------------------------------------------------------------------------
 # FLOPs
@@ -249,12 +249,12 @@ class ProfileReport:
                     dtype=dtype,
                     tflops=peak_meas,
                     pct=100 * achieved / peak_meas,
-                    reference="lab_utils.ceilings",
+                    reference="lab_utils.core.ceilings",
                     samples=100 * per_step / peak_meas,
                 )
             )
         if datasheet is not None:
-            # fp32 matmuls run with TF32 off here (lab_utils.ceilings measures "fp32" that way),
+            # fp32 matmuls run with TF32 off here (lab_utils.core.ceilings measures "fp32" that way),
             # so their peak is the CUDA-core fp32 figure, not the TF32 tensor-core one.
             ds = {
                 "bf16": datasheet.bf16_tflops,

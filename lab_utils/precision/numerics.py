@@ -26,9 +26,8 @@ from torch import nn
 import lab_kernels
 from lab_kernels import lowp_matmul as L
 from lab_kernels import quant as Q
-
-from .checks import rel_error, sqnr_db
-from .timing import try_bench
+from lab_utils.core.checks import rel_error, sqnr_db
+from lab_utils.core.timing import try_bench
 
 DISTRIBUTIONS = ("gaussian", "laplace", "student_t", "outlier_channels")
 

@@ -11,7 +11,7 @@ differ in length.  Two ways to run attention on it:
 * packing: sequences concatenated into (T, H, Dh), T = sum(L_i), with ``cu_seqlens``;
   a varlen kernel computes ``sum(L_i^2)`` pairs (block-diagonal).
 
-FLOPs (forward, per head): 4 * Dh * pairs; the backward by ``lab_utils.flops``' convention
+FLOPs (forward, per head): 4 * Dh * pairs; the backward by ``lab_utils.core.flops``' convention
 ("kernel" 2.5x by default, "model" 2x).  "Useful" FLOPs are
 the packed ones: padding wastes ``1 - sum(L_i^2) / (B * Lmax^2)`` of its work.  Memory:
 q, k, v, o activations scale with the token count (B * Lmax vs T); a path that
@@ -19,7 +19,7 @@ materialises scores (SDPA math, reference) also holds H * B * Lmax^2 (padded) vs
 H * sum(L_i^2) (packed, one sequence at a time: H * max L_i^2) floats.
 
 Image tokens of an H x W image: (H / pixels_per_token) * (W / pixels_per_token) with
-FLUX's 8x VAE and 2x2 patches, i.e. pixels_per_token = 16 (``lab_utils.model.data.tokens_for``).
+FLUX's 8x VAE and 2x2 patches, i.e. pixels_per_token = 16 (``tokens_for`` below).
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import flops as F
-from .attention import attend, get_path
-from .config import ConfigError, check_int
-from .model.data import normalize_buckets, tokens_for
-from .timing import try_bench
+from lab_utils.attention.attend import attend, get_path
+from lab_utils.core import flops as F
+from lab_utils.core.config import ConfigError, check_int
+from lab_utils.core.timing import try_bench
 
 #: FLUX-style ~1 megapixel aspect-ratio buckets (height, width in pixels).
 BUCKETS_1MP = [
@@ -50,6 +49,28 @@ BUCKETS_1MP = [
 #: Small buckets for CPU runs: aspect ratios at two training resolutions (~256^2 and ~128^2
 #: pixels), as in multi-resolution training, where padding waste is largest.
 BUCKETS_SMALL = [(256, 256), (224, 288), (320, 192), (192, 320), (128, 128), (112, 144), (160, 96), (96, 160)]
+
+
+def normalize_buckets(buckets, param: str = "buckets") -> list[tuple[int, int]]:
+    """[[H, W], ...] or [S, ...] (square) -> [(H, W), ...]; anything else is a ConfigError."""
+    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, (list, tuple)) or not buckets:
+        raise ConfigError(param, buckets, "a non-empty list of [height, width] pixel sizes (or square sizes)")
+    out = []
+    for b in buckets:
+        if isinstance(b, int) and not isinstance(b, bool):
+            b = (b, b)
+        if (
+            not isinstance(b, (list, tuple))
+            or len(b) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in b)
+        ):
+            raise ConfigError(param, buckets, f"a list of [height, width] positive ints ({b!r} is not)")
+        out.append((int(b[0]), int(b[1])))
+    return out
+
+
+def tokens_for(height: int, width: int, pixels_per_token: int) -> int:
+    return math.prod((height // pixels_per_token, width // pixels_per_token))
 
 
 @dataclass(frozen=True)
@@ -110,7 +131,7 @@ class PadPackCost:
     useful_fraction: float  # useful pairs / computed pairs
     activation_bytes: int  # q, k, v, o
     score_bytes: int  # materialised fp32 scores of a math-style path (peak)
-    convention: str = "kernel"  # lab_utils.flops attention convention of bwd_flops
+    convention: str = "kernel"  # lab_utils.core.flops attention convention of bwd_flops
 
 
 def pad_pack_costs(

@@ -16,7 +16,7 @@ Method
   ``budget_s``, recorded as ``meta["time_limit_ms"]``).
 * CPU: ``torch.utils.benchmark.Timer`` (synchronized wall clock, gc disabled), one
   sample per ``timeit(number)`` block, the block sized so one sample lasts at least
-  ~1 ms.  The intra-op thread count is chosen, not inherited (``lab_utils.cpu_threads``):
+  ~1 ms.  The intra-op thread count is chosen, not inherited (``lab_utils.core.cpu_threads``):
   on a machine whose cores are busy with other processes, a parallel region with one
   thread per core waits for whichever thread the scheduler took away, and a 0.4 ms op
   reads as a 32 ms scheduler quantum.  The choice and its reason are kept in
@@ -48,7 +48,14 @@ import numpy as np
 import torch
 import torch.utils.benchmark as tub
 
-from .cpu_threads import THREADS_ENV, ThreadChoice, busy_cores, choose_cpu_threads, cpu_threads, usable_cores
+from lab_utils.core.cpu_threads import (
+    THREADS_ENV,
+    ThreadChoice,
+    busy_cores,
+    choose_cpu_threads,
+    cpu_threads,
+    usable_cores,
+)
 
 __all__ = [
     "THREADS_ENV",

@@ -22,8 +22,8 @@ from bokeh.settings import settings
 from panel.io.notebook import patch_inline_stylesheets
 from panel.viewable import Viewable
 
-from .ceilings import dtype_key
-from .roofline import roofline_curve
+from lab_utils.core.ceilings import dtype_key
+from lab_utils.core.roofline import roofline_curve
 
 _INITIALISED = False
 

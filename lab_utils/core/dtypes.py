@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .config import ConfigError
+from lab_utils.core.config import ConfigError
 
 #: parameter name -> torch dtype (the floating-point dtypes the labs compute in)
 DTYPES: dict[str, torch.dtype] = {

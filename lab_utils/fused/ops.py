@@ -3,19 +3,19 @@
 Design note
 -----------
 The problems and inputs (:class:`Problem`, :data:`OPS`, :func:`make_inputs`, sizes from
-the model presets) are defined in ``lab_utils.fused_inputs`` and re-exported here; the
-bytes an op must move and its FLOPs are counted in ``lab_utils.flops`` (each input read
+the model presets) are defined in ``lab_utils.fused.inputs`` and re-exported here; the
+bytes an op must move and its FLOPs are counted in ``lab_utils.core.flops`` (each input read
 once, each output written once; the formulas are repeated in each op module's docstring).
 
 * :func:`check_variant` runs a variant forward and backward and compares every output
   and every gradient with the reference computed in float64 on the same (rounded)
-  inputs, with tolerances tied to dtype (``lab_utils.checks``).
+  inputs, with tolerances tied to dtype (``lab_utils.core.checks``).
 * :func:`bench_variant` times one (variant, problem, dtype, direction) with the lab's
   one timing primitive, on CUDA as graph replays (:func:`time_op`: host dispatch out of the
   time); :func:`sweep` is providers × problems × dtypes × directions,
   written as tidy rows (time, GB/s, % of measured copy ceiling, speedup over eager,
   peak memory on CUDA).  Triton variants are never timed on CPU (interpreter).
-* Whole MMDiT blocks with the fused ops from one provider: ``lab_utils.fused_blocks``.
+* Whole MMDiT blocks with the fused ops from one provider: ``lab_utils.fused.blocks``.
 
 Gradient tolerance: a backward in low precision chains several roundings (eager
 autograd rounds every intermediate to the dtype), so gradients are compared at
@@ -42,9 +42,10 @@ import torch
 from tqdm.auto import tqdm
 
 from lab_kernels import get_variant, variants
-
-from .checks import compare, tolerance
-from .fused_inputs import (
+from lab_utils.core.checks import compare, tolerance
+from lab_utils.core.records import Recorder, fmt_dtype
+from lab_utils.core.timing import BenchFailure, try_bench
+from lab_utils.fused.inputs import (
     DIRECTIONS,
     DTYPES,
     OP_NAMES,
@@ -63,8 +64,6 @@ from .fused_inputs import (
     problems_for,
     spec,
 )
-from .records import Recorder, fmt_dtype
-from .timing import BenchFailure, try_bench
 
 GRAD_TOL_SCALE = 2.0
 

@@ -1,14 +1,14 @@
 """The attention paths and their registry: what each path is, runs and honours.
 
 Every path has the signature ``fn(q, k, v, mask, scale, cu_seqlens=None, max_seqlen=None)``
-(inputs already validated by :func:`lab_utils.attention.check_inputs`) and an
+(inputs already validated by :func:`lab_utils.attention.attend.check_inputs`) and an
 :class:`AttentionPath` entry in :data:`REGISTRY` saying which masks, layouts, dtypes, head
 dims, devices and directions it takes; ``why_not`` answers in words when it cannot run a
 problem.  SDPA backends are probed once per (device, dtype, head dim) on a tiny real call.
 
 Mask preprocessing (the dense boolean mask for SDPA, the BlockMask for flex) is cached per
 Mask object and shape, so timings after the first call measure attention only.
-:mod:`lab_utils.attention` is the entry point (``attend``); use the paths through it.
+:mod:`lab_utils.attention.attend` is the entry point (``attend``); use the paths through it.
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import lab_kernels  # (sets TRITON_INTERPRET before kernels are defined)
 from lab_kernels import attention as kernel
-
-from .config import ConfigError
-from .dtypes import dtype_name
-from .masks import Mask, causal, dense_mask, flex_block_mask, packed_mask
+from lab_utils.attention.masks import Mask, causal, dense_mask, flex_block_mask, packed_mask
+from lab_utils.core.config import ConfigError
+from lab_utils.core.dtypes import dtype_name
 
 PATHS = ("reference", "sdpa", "math", "flash", "efficient", "cudnn", "flex", "flex_eager", "triton", "flash_attn")
 MASK_KINDS = ("full", "causal", "custom")

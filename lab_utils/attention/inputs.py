@@ -1,10 +1,10 @@
-"""Input checks of ``lab_utils.attention.attend``: one description of a call, or a refusal.
+"""Input checks of ``lab_utils.attention.attend.attend``: one description of a call, or a refusal.
 
 :func:`check_inputs` validates q, k, v (shapes, dtypes, devices), the packed layout's
 ``cu_seqlens`` / ``max_seqlen`` and the mask, and returns a :class:`Problem` that the
 paths' capability checks read; :func:`normalize_mask` turns the accepted mask spellings
 into what the paths take.  Every refusal is an :class:`AttentionError` naming the
-parameter.  ``lab_utils.attention`` re-exports both.
+parameter.  ``lab_utils.attention.attend`` re-exports both.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from lab_kernels import attention as kernel
-
-from .attention_paths import AttentionError
-from .masks import Mask, causal
+from lab_utils.attention.masks import Mask, causal
+from lab_utils.attention.paths import AttentionError
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,9 @@ def normalize_mask(mask):
             return None
         if mask == "causal":
             return causal()
-        raise AttentionError("mask", mask, "None, 'full', 'causal', a lab_utils.masks.Mask or a boolean tensor")
+        raise AttentionError(
+            "mask", mask, "None, 'full', 'causal', a lab_utils.attention.masks.Mask or a boolean tensor"
+        )
     if isinstance(mask, torch.Tensor):
         if mask.dtype != torch.bool:
             raise AttentionError(
@@ -77,7 +78,7 @@ def normalize_mask(mask):
             )
         return mask
     raise AttentionError(
-        "mask", type(mask).__name__, "None, 'full', 'causal', a lab_utils.masks.Mask or a boolean tensor"
+        "mask", type(mask).__name__, "None, 'full', 'causal', a lab_utils.attention.masks.Mask or a boolean tensor"
     )
 
 

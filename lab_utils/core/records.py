@@ -3,7 +3,7 @@
 A row is one number: (lab, experiment, variant, shape, dtype, metric, value, unit,
 statistic), optionally the raw ``samples`` it summarises and ``extra`` keys (JSON).
 Rows that come from a timing carry its stability verdict: ``stable`` (True/False) and
-``stability`` (the reason, ``lab_utils.timing.judge_samples``); other rows leave both
+``stability`` (the reason, ``lab_utils.core.timing.judge_samples``); other rows leave both
 empty (None / "").  Older records without these columns still load (they read as empty).
 The context (device, ceilings, versions, commit, timestamp, parameters) is stored
 once per notebook run and merged onto every row when a report gathers records.
@@ -28,9 +28,9 @@ from typing import Any
 import pandas as pd
 import torch
 
-from .device import device_info
-from .roofline import roofline
-from .timing import BenchFailure, Timing, judge_samples, timing_context
+from lab_utils.core.device import device_info
+from lab_utils.core.roofline import roofline
+from lab_utils.core.timing import BenchFailure, Timing, judge_samples, timing_context
 
 ROW_COLUMNS = [
     "lab",
@@ -459,7 +459,7 @@ def stability_note(df: pd.DataFrame) -> str:
 
 def thread_cut_note(df: pd.DataFrame, context: dict) -> str:
     """A run's CPU timings that ran with fewer threads than the usable cores because the automatic
-    thread policy found the machine busy (``lab_utils.cpu_threads``: each timing records its
+    thread policy found the machine busy (``lab_utils.core.cpu_threads``: each timing records its
     ``threads`` in ``extra``, the run's context the policy and the usable cores): one line saying
     so, or "" when none was cut (or the thread count was set by hand)."""
     policy = ((context.get("timing") or {}).get("cpu_threads") or {}) if isinstance(context, dict) else {}
