@@ -1,0 +1,204 @@
+"""Lab 06 across machines: one ``torchrun`` per node, meeting through the c10d rendezvous.
+
+On a SLURM cluster ``srun`` starts one task per node (``perflab run --executor slurm --nodes N``
+submits such a job through submitit); each task runs :func:`run_node`, which starts this node's
+``torchrun --nnodes N --rdzv-backend c10d --rdzv-endpoint HEAD:PORT`` (``HEAD`` = the job's
+first node).  torchrun numbers the ranks, each rank runs ``python -m lab_utils.distributed worker``
+and writes its ``result-rank{r}.json`` into its node's folder; :func:`gather` then copies every
+node's files into one folder, checks that each rank 0..world-1 reported exactly once, and returns
+the :class:`~.launch.DistResult` that the lab checks against the single-process run
+(:func:`check_against_single_process`, the same :func:`.verify.compare` as on one machine).
+
+On one machine the same path runs as ``nnodes`` torchrun launches rendezvousing on
+``127.0.0.1`` (:func:`launch_nodes`; what the tests run, gloo, one rank per launch).  Node 0's
+launch hosts the rendezvous store (``--rdzv-conf is_host=1``), the others join it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..core.config import ConfigError
+from .launch import GRACE_S, DistResult, DistRunError, free_port
+from .spec import DistConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+#: files a node's ranks leave that the gathered folder keeps
+GATHERED = ("result-rank*.json", "error-rank*.txt", "log-rank*.txt", "trace-rank*.json", "grads.pt")
+
+
+def torchrun_command(
+    spec: Path, out: Path, *, nnodes: int, nproc_per_node: int, endpoint: str, rdzv_id: str, is_host: bool
+) -> list[str]:
+    """The torchrun line one node runs (``python -m torch.distributed.run`` = ``torchrun``)."""
+    if nnodes < 1 or nproc_per_node < 1:
+        raise ConfigError("nodes", (nnodes, nproc_per_node), "at least 1 node and 1 process per node")
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={rdzv_id}",
+        f"--rdzv-conf=is_host={int(is_host)}",
+        "--max-restarts=0",
+        "-m",
+        "lab_utils.distributed",
+        "worker",
+        "--spec",
+        str(spec),
+        "--out",
+        str(out),
+    ]
+
+
+def srun_line(spec: str, out: str, *, nodes: int, gpus_per_node: int, port: int = 29500) -> str:
+    """The sbatch-script form of the same launch, for running lab 06's spec by hand on a cluster."""
+    head = '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
+    return (
+        f"srun --nodes={nodes} --ntasks-per-node=1 python -m torch.distributed.run --nnodes={nodes} "
+        f"--nproc-per-node={gpus_per_node} --rdzv-backend=c10d --rdzv-endpoint={head}:{port} "
+        f'--rdzv-id="$SLURM_JOB_ID" -m lab_utils.distributed worker --spec {spec} --out "{out}/node$SLURM_NODEID"'
+    )
+
+
+def _start(cmd: list[str], out: Path) -> subprocess.Popen:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    with (out / "torchrun.log").open("w") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _end(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every launch's process group (torchrun and its ranks), SIGKILL after a grace period."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + GRACE_S
+        for p in procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.05))
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def run_node(
+    spec: Path, out: Path, *, node: int, nnodes: int, nproc_per_node: int, endpoint: str, rdzv_id: str, timeout_s: float
+) -> int:
+    """This node's torchrun (one SLURM task): its exit code, ``out/exit.json`` written for the gatherer."""
+    cmd = torchrun_command(
+        spec, out, nnodes=nnodes, nproc_per_node=nproc_per_node, endpoint=endpoint, rdzv_id=rdzv_id, is_host=node == 0
+    )
+    proc = _start(cmd, out)
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        code = -int(signal.SIGKILL)
+    finally:
+        _end([proc])
+    (out / "exit.json").write_text(json.dumps({"node": node, "code": code}))
+    return code
+
+
+def _log_tail(d: Path, n: int = 3000) -> str:
+    f = d / "torchrun.log"
+    return f.read_text(errors="replace")[-n:] if f.exists() else "(no torchrun.log)"
+
+
+def gather(cfg: DistConfig, node_dirs: list[Path], out: Path, wall_s: float = float("nan")) -> DistResult:
+    """Copy every node's rank files into ``out`` and read them in rank order; a missing or
+    duplicated rank raises :class:`DistRunError` naming the nodes' torchrun logs."""
+    out.mkdir(parents=True, exist_ok=True)
+    seen: dict[int, Path] = {}
+    for d in node_dirs:
+        for f in sorted(p for pat in GATHERED for p in d.glob(pat)):
+            if f.name.startswith("result-rank"):
+                r = int(f.stem.removeprefix("result-rank"))
+                if r in seen:
+                    raise DistRunError("raised", f"rank {r} reported by two nodes: {seen[r]} and {d}", r, out)
+                seen[r] = d
+            shutil.copy2(f, out / f.name)
+    missing = [r for r in range(cfg.world_size) if r not in seen]
+    if missing:
+        logs = "\n".join(f"--- {d.name} torchrun.log:\n{_log_tail(d)}" for d in node_dirs)
+        raise DistRunError("raised", f"ranks {missing} of {cfg.world_size} wrote no result\n{logs}", missing[0], out)
+    ranks = [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(cfg.world_size)]
+    return DistResult(cfg, out, wall_s, ranks)
+
+
+def launch_nodes(cfg: DistConfig, nnodes: int, out: str | Path, *, nproc_per_node: int = 1) -> DistResult:
+    """``nnodes`` torchrun launches on this machine that rendezvous on 127.0.0.1 like ``nnodes``
+    machines would; results gathered into ``out``.  ``cfg.world_size`` must be nnodes x nproc_per_node."""
+    if cfg.world_size != nnodes * nproc_per_node:
+        raise ConfigError(
+            "world_size",
+            cfg.world_size,
+            f"nodes x processes per node = {nnodes} x {nproc_per_node} = {nnodes * nproc_per_node}",
+        )
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "spec.json"
+    spec.write_text(json.dumps([json.loads(cfg.to_json())]))
+    endpoint, rdzv_id = f"127.0.0.1:{free_port()}", f"perflab-local-{os.getpid()}-{time.monotonic_ns()}"
+    dirs = [out / f"node{i}" for i in range(nnodes)]
+    t0 = time.monotonic()
+    procs: list[subprocess.Popen] = []
+    try:
+        for i, d in enumerate(dirs):
+            cmd = torchrun_command(
+                spec,
+                d,
+                nnodes=nnodes,
+                nproc_per_node=nproc_per_node,
+                endpoint=endpoint,
+                rdzv_id=rdzv_id,
+                is_host=i == 0,
+            )
+            procs.append(_start(cmd, d))
+        deadline = t0 + cfg.timeout_s
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        _end(procs)
+    codes = [p.returncode for p in procs]
+    if any(c != 0 for c in codes):
+        timed_out = time.monotonic() > t0 + cfg.timeout_s
+        logs = "\n".join(
+            f"--- node {i} (exit {c}) torchrun.log:\n{_log_tail(d)}" for i, (d, c) in enumerate(zip(dirs, codes))
+        )
+        kind = "timeout" if timed_out else "raised"
+        raise DistRunError(kind, f"the {nnodes}-node launch failed (exit codes {codes})\n{logs}", None, out, codes)
+    return gather(cfg, dirs, out, time.monotonic() - t0)
+
+
+def check_against_single_process(res: DistResult, ref_dir: Path):
+    """The gathered run against the single-process reference (:func:`.verify.compare`), as the lab checks."""
+    import torch  # noqa: PLC0415
+
+    from .verify import compare  # noqa: PLC0415
+    from .worker import single_process_run  # noqa: PLC0415
+
+    ref = single_process_run(res.cfg, ref_dir)
+    ref_losses = [ref["losses"][k] for k in sorted(ref["losses"], key=int)]
+    ref_grads = torch.load(ref_dir / "grads.pt") if (ref_dir / "grads.pt").exists() else None
+    grads = res.grads() if (res.out / "grads.pt").exists() else None
+    return compare(res.cfg, res.losses, grads, ref_losses, ref_grads)
