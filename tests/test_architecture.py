@@ -21,6 +21,7 @@ FOLDER_LAYERS = {
     "core": 1,
     "attention": 2,
     "precision": 2,
+    "traces": 2,
     "model": 3,
     "fused": 4,
     "profiling": 4,
