@@ -129,8 +129,19 @@ FUSED_CELLS = [
     "hv = init()\n"
     'ceilings = get_ceilings("cpu", quick=True)\n'
     'rec = Recorder(lab="02_fused_kernels", ceilings=ceilings)',
+    'print("records written to", rec.save())',  # the lab's save cells, before and after its explorer
     "FusedExplorer(rec, ceilings=ceilings).show()",
+    'print("records (with the explored points) written to", rec.save())',
 ]
+
+
+def _assert_explored_kept(work: Path, op: str):
+    """Issue 21 item 7: the choice made after Run All is in the lab's one records file of the session."""
+    files = sorted((work / ".perflab" / "records").glob("02_fused_kernels-*.json"))
+    assert len(files) == 1, f"Run All's two saves and the exploration piled up files: {[f.name for f in files]}"
+    rows = json.loads(files[0].read_text())["rows"]
+    explored = {json.loads(r["extra"]).get("op") for r in rows if r["experiment"] == "explore" and r["extra"]}
+    assert op in explored, f"the explored {op} never reached {files[0].name} (explored ops there: {explored})"
 
 
 def test_lab02_explorer_in_jupyterlab(chrome, tmp_path):
@@ -152,6 +163,7 @@ def test_lab02_explorer_in_jupyterlab(chrome, tmp_path):
                 timeout_s=60,
                 screenshot=os.environ.get("PERFLAB_EXPLORER_SCREENSHOT"),
             )
+            _assert_explored_kept(work, "gelu_tanh")
         finally:
             page.close()
     assert srv.proc.poll() is not None, "the JupyterLab server is still running"

@@ -9,7 +9,11 @@ The context (device, ceilings, versions, commit, timestamp, parameters) is store
 once per notebook run and merged onto every row when a report gathers records.
 
 In a headless run the runner sets ``PERFLAB_RECORDS_DIR``; ``Recorder.save()``
-writes there.  Interactively it writes under ``.perflab/records/``.
+writes there.  Interactively it writes one file per lab and kernel session,
+``.perflab/records/<lab>-<session start>.json``, which every later save rewrites (a Run All
+rewrites it too); a rerun's recorder takes the next name (``-2``) only when the file holds
+another recorder's explored results, so nothing explored is overwritten.  An explorer saves
+after each measurement once its recorder has a file (``explore.base``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import math
 import os
 import platform
 import subprocess
+import threading
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +55,12 @@ ROW_COLUMNS = [
 ]
 CONTEXT_COLUMNS = ["device", "device_kind", "torch_version", "triton_version", "cuda_version", "commit", "timestamp"]
 RECORDS_FILE = "records.json"
+#: the experiment name of the rows an explorer adds (kept across a rerun of the lab: ``Recorder.save``)
+EXPLORE = "explore"
+#: this interpreter's (kernel's) start: the interactive records file of each lab is named by it
+SESSION = time.strftime("%Y%m%d-%H%M%S")
+_WRITERS: dict[Path, weakref.ref] = {}  # interactive records file -> the recorder that writes it
+_SAVE_LOCK = threading.Lock()  # an explorer's worker thread and the kernel may save at once
 
 
 def fmt_shape(shape: Any) -> str:
@@ -136,6 +148,8 @@ class Recorder:
     device: Any = None
     ceilings: Any = None
     rows: list[dict] = field(default_factory=list)
+    #: the file ``save`` writes (set by the first save; later saves rewrite it)
+    path: Path | None = field(default=None, repr=False, compare=False)
 
     def add(
         self,
@@ -268,19 +282,48 @@ class Recorder:
         return run_context(self.params, self.device, ceilings=self.ceilings)
 
     def save(self, path: str | Path | None = None) -> Path:
-        """Write rows + context as JSON (atomically).  Returns the file written."""
-        if path is None:
-            d = os.environ.get("PERFLAB_RECORDS_DIR")
-            if d:
-                path = Path(d) / RECORDS_FILE
-            else:
-                path = Path(".perflab") / "records" / f"{self.lab}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"context": self.context(), "rows": _jsonable(self.rows)}, indent=1))
-        tmp.replace(path)
-        return path
+        """Write rows + context as JSON (atomically) and return the file: ``path``, else the
+        runner's ``PERFLAB_RECORDS_DIR/records.json``, else this recorder's file of the session
+        (the same file at every save: see the module's docstring)."""
+        with _SAVE_LOCK:
+            if path is None:
+                d = os.environ.get("PERFLAB_RECORDS_DIR")
+                path = Path(d) / RECORDS_FILE if d else self.path or self._session_path()
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            rows = list(self.rows)  # an explorer's thread may add rows meanwhile
+            tmp.write_text(json.dumps({"context": self.context(), "rows": _jsonable(rows)}, indent=1))
+            tmp.replace(path)
+            if not os.environ.get("PERFLAB_RECORDS_DIR"):
+                self.path = path
+            return path
+
+    def _session_path(self) -> Path:
+        """``.perflab/records/<lab>-<SESSION>.json``, or ``-2``, ``-3``, ... when that file holds
+        another recorder's explored rows (a rerun of the lab in the same kernel keeps them)."""
+        base = Path(".perflab") / "records"
+        for n in range(1, 10_000):
+            p = (base / f"{self.lab}-{SESSION}{'' if n == 1 else f'-{n}'}.json").resolve()
+            ref = _WRITERS.get(p)
+            other = ref() if ref is not None else None
+            if ref is None or other is self or not _holds_explored(other, p):
+                if other is not None and other is not self:
+                    other.path = None  # its next save finds a name of its own
+                _WRITERS[p] = weakref.ref(self)
+                return p
+        raise RuntimeError(f"no free records file name under {base} for {self.lab}")
+
+
+def _holds_explored(rec: Recorder | None, path: Path) -> bool:
+    if rec is not None:
+        rows = list(rec.rows)
+    else:
+        try:
+            rows = json.loads(path.read_text()).get("rows", [])
+        except (OSError, ValueError):
+            return False
+    return any(r.get("experiment") == EXPLORE for r in rows)
 
 
 def json_value(x: Any) -> Any:

@@ -13,8 +13,9 @@ results' rows; they never measure).
   of an identical configuration at once, asks ``why_not`` whether this configuration
   can run here (a reason is shown, cached and returned instead of a failure), and
   otherwise measures, keeps the result and writes its rows to the lab's
-  :class:`~lab_utils.core.records.Recorder` (so ``rec.save()`` keeps an afternoon of
-  exploration, and ``perflab compare`` can read it like a papermill run).
+  :class:`~lab_utils.core.records.Recorder`, whose file is rewritten at once (``keep``: in a
+  live kernel, or once the lab has saved), so an afternoon of exploration is on disk as it is
+  measured, and ``perflab compare`` can read it like a papermill run.
 * Live (an IPython kernel with a front end; not ``perflab run``): ``show()`` displays
   the controls, a status line, a progress bar with a Stop button, the table and the
   plots (``DynamicMap`` s fed by a ``Pipe``).  A changed control measures in a worker
@@ -252,11 +253,22 @@ class Explorer:
                     res.seconds = time.perf_counter() - t0
                     self.results.append(res)
                 self.cache[key] = Outcome(res)
-                self.status = f"measured #{res.index} {self.label(cfg)} in {res.seconds:.2f} s"
+                self.status = f"measured #{res.index} {self.label(cfg)} in {res.seconds:.2f} s" + self.keep()
                 return Outcome(res)
         self.cache[key] = Outcome(None, reason)
         self.status = f"cannot run: {reason}"
         return Outcome(None, reason)
+
+    def keep(self) -> str:
+        """Write the records so far to the recorder's file as soon as a result is measured, once the
+        recorder has a file (the lab saved before its explorer) or in a live kernel; a Run All's
+        save cell rewrites the same file (``Recorder.save``).  Returns the status's suffix."""
+        if self.rec.path is None and not is_live():
+            return ""
+        try:
+            return f"; saved to {self.rec.save()}"
+        except OSError as e:
+            return f"; NOT saved ({type(e).__name__}: {e})"
 
     def table(self) -> pd.DataFrame:
         """One row per measured configuration, in the order they were measured."""
