@@ -7,7 +7,8 @@ kernel here runs through Triton's interpreter: correct, slow, never to be timed.
 ``TRITON_INTERPRETED`` (= ``_common.interpreted()``, the package's one predicate) says which.
 
 Every op module is imported here, so its variants are registered as soon as the package
-is: the registry never imports a module by name.  Each op module has the same shape:
+is: the registry never imports a module by name.  ``liger`` adds the peer library's variants
+(Liger-Kernel, when installed) to the ops it covers.  Each op module has the same shape:
 private ``@triton.jit`` kernels ``_<op>_fwd_kernel`` / ``_<op>_bwd_kernel``, host
 launchers ``<op>_forward`` / ``<op>_backward``, one ``autograd.Function``
 (``<Op>Function``), the public ``<op>(...)`` and ``reference_<op>`` (plain torch, valid in
@@ -30,6 +31,7 @@ from . import (  # noqa: E402  (Triton must see TRITON_INTERPRET, set above, on 
     gated_residual,
     gelu_tanh,
     layer_norm_modulate,
+    liger,
     lowp_matmul,
     qk_norm_rope,
     quant,
@@ -77,6 +79,7 @@ __all__ = [
     "interpreter_note",
     "interpreter_why_not",
     "layer_norm_modulate",
+    "liger",
     "list_ops",
     "lowp_matmul",
     "qk_norm_rope",

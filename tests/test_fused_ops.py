@@ -78,6 +78,39 @@ def test_cheap_variants_match_float64(op, variant, dtype, gen):
     fused.assert_variant_ok(op, variant, dtype, problem, seed=_seed(gen))
 
 
+# Peer libraries' kernels (Liger-Kernel: lab_kernels.liger), registered as Triton variants with
+# extra["library"]: the same float64 checks, forward and every gradient, small and large shapes.
+PEERS = [(op, v.name) for op in OPS for v in variants(op, include_unavailable=True) if v.extra.get("library")]
+#: the only reasons a peer variant may not run its check on this machine (anything else fails)
+PEER_REFUSALS = ("computes in bfloat16, which Triton's interpreter gets wrong", "needs TRITON_INTERPRET=1")
+
+
+def _peer_runs(op, variant, dtype, problem) -> None:
+    """Skip with the reason when the variant cannot run here for an allowed reason; fail otherwise."""
+    why = get_variant(op, variant).why_not("cpu", dtype, **fused.spec(op).problem_kw(problem))
+    if why is not None:
+        assert any(r in why for r in PEER_REFUSALS), f"{op}/{variant} {dtype} cannot run: {why}"
+        pytest.skip(why)
+
+
+def test_every_block_op_liger_covers_has_a_peer_variant():
+    assert {op for op, v in PEERS if v == "liger"} == {"rms_norm", "layer_norm_modulate", "swiglu", "rope"}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op,variant", PEERS)
+def test_peer_variants_match_float64(op, variant, dtype, gen):
+    _peer_runs(op, variant, dtype, SMALL[op])
+    fused.assert_variant_ok(op, variant, dtype, SMALL[op], seed=_seed(gen))
+
+
+@pytest.mark.parametrize("op,variant", PEERS)
+def test_peer_variants_large_irregular(op, variant, gen):
+    """The irregular large shape through the interpreter (fewer tokens), float32."""
+    _peer_runs(op, variant, torch.float32, BIG_HERE[op])
+    fused.assert_variant_ok(op, variant, torch.float32, BIG_HERE[op], seed=_seed(gen))
+
+
 #: unit roundoff (half the spacing of 1.0's neighbours) of the low-precision dtypes
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
