@@ -1,0 +1,218 @@
+"""``TraceAnalysis``: the front object over one job's traces (a file, or a folder of ranks).
+
+Every method hands off to one module of this package and returns a DataFrame (one row per
+rank, per rank and step, per kernel ...) or a small dataclass; :meth:`TraceAnalysis.record`
+turns the figures into tidy record rows (:class:`lab_utils.core.records.Recorder`) that
+``perflab compare`` reads, each per-step figure carrying its steps as samples.
+
+Example (any Kineto trace; the paths are the real traces the tests use)::
+
+    from lab_utils.traces import TraceAnalysis
+
+    ta = TraceAnalysis("../shared/data/gpu-traces/multirank_2of128")  # folder: one file per rank
+    ta.ranks                      # [0, 1]
+    ta.steps(0)                   # step, ts, end, dur: the ProfilerStep windows (us after the trace start)
+    ta.kernels(0)                 # every kernel/memcpy/memset with launch, op, step, window, range, phase, block,
+                                  # hta_type and category (lab_utils.traces.attribute)
+    ta.temporal()                 # per rank: span, busy, idle, compute, communication, memory, other (us, and *_pct)
+    ta.temporal(by="step")        # the same per rank and step
+    ta.shares()                   # per rank: percent of kernel time per HTA type (COMPUTATION, COMMUNICATION, MEMORY)
+    ta.categories()               # per rank and perflab category: count, total us, pct
+    ta.top_kernels(0, n=5)        # name, category, count, total, mean, min, max
+    ta.overlap()                  # per rank: percent of communication time under computation
+    ta.idle()                     # per rank: idle, host_wait, other_wait (us)
+    ta.launch_stats()             # per rank: queue delay, queue length, short share, launch-bound verdict
+    ta.phases()                   # per rank, step and phase: GPU time (us) of the kernels launched in that phase
+    ta.windows()                  # per rank: kernels in steps / launched before / after / without launch
+    ta.roofline(0)                # per launching op with recorded shapes: FLOPs, bytes, TFLOP/s, % of peak, bound
+    ta.collectives()              # per NCCL call: collective, algorithm, bytes, bus bandwidth, exposed/hidden us
+    ta.skew()                     # across ranks: per collective call, wait (arrival skew) vs transfer; straggler
+    ta.alpha_beta()               # lab 06's alpha-beta model fitted on these collectives
+    ta.summary()                  # a short text report
+    ta.record(Recorder("09_traces"))  # tidy rows for perflab compare
+
+``scope`` (methods that summarise): ``"steps"`` (default) takes the activities launched inside
+a ``ProfilerStep`` (kernels launched before, after or without a launch are reported apart by
+:meth:`windows`); ``"hta"`` takes what HolisticTraceAnalysis 0.5 takes with
+``include_last_profiler_step=True`` (launched in the trace, not after the last step; everything
+when the trace has fewer than two steps); ``"all"`` takes every activity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from lab_utils.core.config import ConfigError, check_choice
+from lab_utils.core.records import Recorder
+from lab_utils.traces import breakdown
+from lab_utils.traces.attribute import Attributed, attribute
+from lab_utils.traces.launches import launch_stats
+from lab_utils.traces.phases import PhaseTable
+from lab_utils.traces.reader import RankTrace, read_job
+
+SCOPES = ("steps", "hta", "all")
+TEMPORAL = ("idle", "compute", "communication", "memory", "other")
+
+
+class TraceAnalysis:
+    """One job's traces, read once and attributed; see the module note for the methods."""
+
+    def __init__(
+        self,
+        path: str | Path | dict[int, RankTrace],
+        *,
+        phases: PhaseTable | None = None,
+        workers: int | None = None,
+    ):
+        self.path = str(path) if not isinstance(path, dict) else "<traces>"
+        self.traces: dict[int, RankTrace] = path if isinstance(path, dict) else read_job(path, workers=workers)
+        self.phase_table = phases or PhaseTable()
+        self._attr: dict[int, Attributed] = {}
+
+    # -- access ---------------------------------------------------------------------------
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.traces)
+
+    def _rank(self, rank: int | None) -> int:
+        if rank is None:
+            return self.ranks[0]
+        if rank not in self.traces:
+            raise ConfigError("rank", rank, f"one of the job's ranks {self.ranks}")
+        return rank
+
+    def attributed(self, rank: int | None = None) -> Attributed:
+        rank = self._rank(rank)
+        if rank not in self._attr:
+            self._attr[rank] = attribute(self.traces[rank], self.phase_table)
+        return self._attr[rank]
+
+    def kernels(self, rank: int | None = None, scope: str = "all") -> pd.DataFrame:
+        """The attributed activities of ``rank`` in ``scope`` (see the module note)."""
+        check_choice("scope", scope, SCOPES)
+        a = self.attributed(rank)
+        k = a.kernels
+        if scope == "steps":
+            return k[k["window"] == "step"]
+        if scope == "hta":
+            if len(a.steps) < 2 or not a.has_steps:
+                return k
+            return k[k["launch_ts"].notna() & (k["window"] != "after")]
+        return k
+
+    def steps(self, rank: int | None = None) -> pd.DataFrame:
+        return self.attributed(rank).steps
+
+    def device(self, rank: int | None = None) -> str | None:
+        return self.traces[self._rank(rank)].device_name
+
+    # -- per rank / per step figures ------------------------------------------------------
+    def _per_rank(self, fn, scope: str) -> pd.DataFrame:
+        return pd.DataFrame([{"rank": r, **fn(self.kernels(r, scope))} for r in self.ranks])
+
+    def temporal(self, by: str = "rank", scope: str = "steps") -> pd.DataFrame:
+        """Span, busy, idle and the exclusive compute/communication/memory/other split (us and % of span)."""
+        check_choice("by", by, ("rank", "step"))
+        if by == "step":
+            parts = [breakdown.per_step(self.kernels(r, "steps")).assign(rank=r) for r in self.ranks]
+            df = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+        else:
+            df = self._per_rank(breakdown.temporal, scope)
+        for col in TEMPORAL + ("non_compute",):
+            if col in df:
+                df[f"{col}_pct"] = 100.0 * df[col] / df["span"].where(df["span"] > 0)
+        return df
+
+    def shares(self, scope: str = "steps") -> pd.DataFrame:
+        return self._per_rank(breakdown.shares, scope)
+
+    def overlap(self, scope: str = "steps") -> pd.DataFrame:
+        return self._per_rank(lambda k: {"overlap_pct": breakdown.overlap_pct(k)}, scope)
+
+    def idle(self, scope: str = "steps") -> pd.DataFrame:
+        return self._per_rank(breakdown.idle_split, scope)
+
+    def categories(self, scope: str = "steps") -> pd.DataFrame:
+        parts = [breakdown.by_category(self.kernels(r, scope)).assign(rank=r) for r in self.ranks]
+        return pd.concat(parts, ignore_index=True)
+
+    def top_kernels(self, rank: int | None = None, n: int = 10, scope: str = "steps") -> pd.DataFrame:
+        return breakdown.top_kernels(self.kernels(rank, scope), n)
+
+    def launch_stats(self, scope: str = "steps", **thresholds) -> pd.DataFrame:
+        return self._per_rank(lambda k: asdict(launch_stats(k, **thresholds)), scope)
+
+    def phases(self, scope: str = "steps") -> pd.DataFrame:
+        """GPU time (us) per rank, step and phase (``(none)``: launched outside any phase range)."""
+        rows = []
+        for r in self.ranks:
+            k = self.kernels(r, scope)
+            g = k.groupby([k["step"], k["phase"].fillna("(none)")])["dur"].sum()
+            rows += [{"rank": r, "step": int(s), "phase": p, "gpu_us": float(v)} for (s, p), v in g.items()]
+        return pd.DataFrame(rows, columns=["rank", "step", "phase", "gpu_us"])
+
+    def windows(self) -> pd.DataFrame:
+        """Per rank and window (step, before, after, gap, no launch): activity count and summed us."""
+        rows = []
+        for r in self.ranks:
+            k = self.kernels(r, "all")
+            for w, grp in k.groupby("window"):
+                rows.append({"rank": r, "window": w, "count": len(grp), "total_us": float(grp["dur"].sum())})
+        return pd.DataFrame(rows, columns=["rank", "window", "count", "total_us"])
+
+    # -- summary and records --------------------------------------------------------------
+    def summary(self) -> str:
+        """A short text report: per rank, the temporal split, overlap, top kernels, verdict."""
+        t = self.temporal().set_index("rank")
+        ov = self.overlap().set_index("rank")["overlap_pct"]
+        ls = self.launch_stats().set_index("rank")
+        lines = [f"{self.path}: {len(self.ranks)} rank(s)"]
+        for r in self.ranks:
+            row = t.loc[r]
+            n_steps = int(self.attributed(r).has_steps) and len(self.steps(r))
+            lines.append(
+                f"rank {r} ({self.device(r) or 'device not recorded'}, {n_steps or 'no'} steps): span "
+                f"{row['span'] / 1e3:.1f} ms, idle {row['idle_pct']:.1f}%, compute {row['compute_pct']:.1f}%, "
+                f"exposed comm {row['communication_pct']:.1f}%, memory {row['memory_pct']:.1f}%, "
+                f"comm overlapped {ov.loc[r]:.1f}%"
+            )
+            lines.append(f"  {ls.loc[r, 'reason']}")
+            for tk in self.top_kernels(r, 5).itertuples():
+                lines.append(f"  {tk.total / 1e3:9.2f} ms {tk.count:6d}x {tk.category:<22} {tk.name[:70]}")
+        return "\n".join(lines)
+
+    def record(self, rec: Recorder, experiment: str = "trace") -> Recorder:
+        """Add the per-step figures to ``rec`` as rows (median over steps, the steps as samples)."""
+        for r in self.ranks:
+            variant = f"rank{r}"
+            per = breakdown.per_step(self.kernels(r, "steps"))
+            if not len(per):
+                continue
+            for col in ("span", "kernel_time") + TEMPORAL:
+                _add(rec, experiment, variant, col, per[col].to_numpy() / 1e3, "ms")
+            _add(rec, experiment, variant, "overlap", per["overlap_pct"].to_numpy(), "%")
+            ph = self.phases().query("rank == @r")
+            for p, grp in ph.groupby("phase"):
+                vals = grp.set_index("step")["gpu_us"].reindex(per["step"], fill_value=0.0).to_numpy()
+                _add(rec, experiment, variant, f"phase:{p}", vals / 1e3, "ms")
+            k = self.kernels(r, "steps")
+            cat = k.groupby(["category", "step"])["dur"].sum().unstack(fill_value=0.0)
+            for c, vals in cat.iterrows():
+                _add(rec, experiment, variant, f"category:{c}", vals.reindex(per["step"], fill_value=0.0) / 1e3, "ms")
+            for name in self.top_kernels(r, 5)["name"]:
+                vals = k[k["name"].astype(str) == name].groupby("step")["dur"].sum()
+                vals = vals.reindex(per["step"], fill_value=0.0) / 1e3
+                _add(rec, experiment, variant, f"kernel:{name[:120]}", vals, "ms")
+        return rec
+
+
+def _add(rec: Recorder, experiment: str, variant: str, metric: str, values, unit: str) -> None:
+    vals = np.asarray(values, dtype=np.float64)
+    vals = vals[np.isfinite(vals)]
+    if not len(vals):
+        return
+    rec.add(experiment, variant, metric, float(np.median(vals)), unit, statistic="median", samples=vals.tolist())

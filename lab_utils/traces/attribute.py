@@ -1,0 +1,188 @@
+"""Every GPU kernel, memcpy and memset to what launched it: op, step, user ranges, phase.
+
+Rules (each pinned by a test in tests/test_traces_rules.py):
+
+* **launch**: the runtime/driver call (``cudaLaunchKernel``, ``hipExtModuleLaunchKernel``,
+  ``cudaMemcpyAsync`` ...) with the activity's ``correlation`` id.  Its start is the launch time,
+  its thread the launch thread.  An activity whose launch is not in the trace keeps
+  ``window = "no launch"`` (HolisticTraceAnalysis drops these; perflab keeps and reports them).
+* **op**: the ``cpu_op`` whose ``External id`` the activity carries (Kineto stamps the launching
+  operator's id on the runtime call and the kernel), else the innermost ``cpu_op`` on the
+  launch thread that encloses the launch.
+* **step**: the ``ProfilerStep#N`` range (host side) that encloses the *launch*, not the kernel's
+  run: a GPU running 100 ms behind the host still charges each kernel to the step that issued it.
+  Launches before the first step are ``window = "before"``, after the last ``"after"``, between
+  two steps ``"gap"``; all are reported apart from the steps.  An activity without a launch in
+  the trace whose correlation id is below every launch's (ids grow with time) was launched before
+  the trace began: also ``"before"`` (its ``launch_ts`` is NaN).  A trace without ``ProfilerStep``
+  ranges is one window, step 0, covering the whole trace.
+* **ranges**: the user ranges (``user_annotation``) enclosing the launch on the launch thread;
+  a launch on another thread (autograd's backward thread, a comms thread) also gets the ranges
+  of the *main* thread (the one holding ``ProfilerStep``) that enclose it in time, the launch
+  thread's own ranges taking precedence.  ``range`` is the innermost such range, ``phase`` the
+  innermost one with a phase (:mod:`lab_utils.traces.phases`), ``block`` the innermost MMDiT block.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from lab_utils.traces.categories import category, hta_type
+from lab_utils.traces.phases import PhaseTable, block_of
+from lab_utils.traces.reader import RankTrace
+
+WINDOWS = ("step", "before", "after", "gap", "no launch")
+_STEP = re.compile(r"^ProfilerStep\s*#\s*(\d+)$")
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver", "Runtime")
+
+
+@dataclass
+class Attributed:
+    """One rank's GPU activities with their attribution, and its step windows."""
+
+    rank: int
+    kernels: pd.DataFrame  # reader's gpu columns + launch_ts, launch_tid, op, step, window, range, phase, block, ...
+    steps: pd.DataFrame  # step, ts, end, dur (host-side windows, us after t0)
+    has_steps: bool
+    main_tid: str | None
+
+
+def step_windows(host: pd.DataFrame) -> pd.DataFrame:
+    """``ProfilerStep#N`` ranges of the host timeline: step, ts, end, dur (sorted by ts)."""
+    if not len(host):
+        return pd.DataFrame(columns=["step", "ts", "end", "dur", "tid"])
+    names = host["name"].astype(str)
+    m = names.str.extract(_STEP.pattern, expand=False)
+    rows = host[m.notna() & host["cat"].astype(str).eq("user_annotation")].copy()
+    rows["step"] = m[rows.index].astype(int)
+    rows = rows.sort_values("ts").drop_duplicates("step")
+    return rows[["step", "ts", "end", "dur", "tid"]].reset_index(drop=True)
+
+
+def _paint(times: np.ndarray, ranges: pd.DataFrame, labels: np.ndarray, out: np.ndarray) -> None:
+    """For each range (outermost first), write its label on the ``times`` inside [ts, end):
+    inner ranges overwrite outer ones, so ``out`` ends with the innermost label."""
+    if not len(ranges) or not len(times):
+        return
+    order = np.argsort(times, kind="stable")
+    st = times[order]
+    by_len = np.argsort(-ranges["dur"].to_numpy(), kind="stable")
+    lo = np.searchsorted(st, ranges["ts"].to_numpy()[by_len], side="left")
+    hi = np.searchsorted(st, ranges["end"].to_numpy()[by_len], side="left")
+    lab = labels[by_len]
+    for a, b, v in zip(lo, hi, lab):
+        if b > a:
+            out[order[a:b]] = v
+
+
+def _launches(host: pd.DataFrame) -> pd.DataFrame:
+    rt = host[host["cat"].astype(str).isin(_LAUNCH_CATS) & (host["correlation"] >= 0)]
+    rt = rt.drop_duplicates("correlation")
+    return pd.DataFrame(
+        {
+            "correlation": rt["correlation"].to_numpy(),
+            "launch_ts": rt["ts"].to_numpy(),
+            "launch_dur": rt["dur"].to_numpy(),
+            "launch_tid": rt["tid"].astype(str).to_numpy(),
+            "launch_name": rt["name"].astype(str).to_numpy(),
+        }
+    )
+
+
+def _ops(host: pd.DataFrame, k: pd.DataFrame) -> np.ndarray:
+    """Launching operator: by External id, else the innermost cpu_op enclosing the launch on its thread."""
+    ops = host[host["cat"].astype(str).eq("cpu_op")]
+    by_ext = ops[ops["external_id"] >= 0].drop_duplicates("external_id").set_index("external_id")["name"].astype(str)
+    out = k["external_id"].map(by_ext).to_numpy(dtype=object)
+    missing = pd.isna(out) & k["launch_ts"].notna().to_numpy()
+    if missing.any():
+        for tid, grp in ops.groupby(ops["tid"].astype(str), observed=True):
+            sel = np.flatnonzero(missing & (k["launch_tid"].to_numpy() == tid))
+            if len(sel):
+                lab = np.full(len(sel), None, dtype=object)
+                _paint(k["launch_ts"].to_numpy()[sel], grp, grp["name"].astype(str).to_numpy(), lab)
+                out[sel] = lab
+    return np.where(pd.isna(out), "", out).astype(object)
+
+
+def _window(launch: np.ndarray, steps: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    n = len(launch)
+    step = np.full(n, -1, dtype=np.int64)
+    window = np.full(n, "no launch", dtype=object)
+    ok = ~np.isnan(launch)
+    starts, ends = steps["ts"].to_numpy(), steps["end"].to_numpy()
+    i = np.searchsorted(starts, launch[ok], side="right") - 1
+    inside = (i >= 0) & (launch[ok] < ends[np.clip(i, 0, None)])
+    w = np.where(i < 0, "before", np.where(inside, "step", np.where(launch[ok] >= ends.max(), "after", "gap")))
+    s = np.where(inside, steps["step"].to_numpy()[np.clip(i, 0, None)], -1)
+    step[ok], window[ok] = s, w
+    return step, window
+
+
+def _ranges(host: pd.DataFrame, k: pd.DataFrame, main_tid: str | None, phases: PhaseTable) -> dict[str, np.ndarray]:
+    ann = host[host["cat"].astype(str).eq("user_annotation")]
+    ann = ann[~ann["name"].astype(str).str.match(_STEP.pattern)]
+    names = ann["name"].astype(str).to_numpy()
+    ph = np.array([phases.phase(n) for n in names], dtype=object)
+    blk = np.array([block_of(n) for n in names], dtype=object)
+    n = len(k)
+    out = {key: np.full(n, None, dtype=object) for key in ("range", "phase", "block")}
+    launch = k["launch_ts"].to_numpy()
+    ltid = k["launch_tid"].to_numpy()
+    ok = ~np.isnan(launch)
+    tids = ann["tid"].astype(str).to_numpy()
+    passes = [(main_tid, ok)] if main_tid is not None else []
+    passes += [(t, ok & (ltid == t)) for t in pd.unique(tids)]
+    for tid, sel_mask in passes:
+        sel = np.flatnonzero(sel_mask)
+        mine = tids == tid
+        if not len(sel) or not mine.any():
+            continue
+        for key, lab in (("range", names), ("phase", ph), ("block", blk)):
+            use = mine & (lab != None)  # noqa: E711 - elementwise on an object array
+            cur = out[key][sel].copy()
+            _paint(launch[sel], ann[use], lab[use], cur)
+            out[key][sel] = cur
+    return out
+
+
+def attribute(trace: RankTrace, phases: PhaseTable | None = None) -> Attributed:
+    """Attribute one rank's GPU activities (see the module note)."""
+    phases = phases or PhaseTable()
+    host, gpu = trace.host, trace.gpu
+    steps = step_windows(host)
+    has_steps = bool(len(steps))
+    if not has_steps:
+        lo = min(host["ts"].min() if len(host) else np.inf, gpu["ts"].min() if len(gpu) else np.inf)
+        hi = max(host["end"].max() if len(host) else -np.inf, gpu["end"].max() if len(gpu) else -np.inf)
+        lo, hi = (0.0, 0.0) if not np.isfinite(lo) else (lo, hi)
+        steps = pd.DataFrame({"step": [0], "ts": [lo], "end": [hi + 1e-9], "dur": [hi - lo], "tid": [None]})
+    main_tid = None
+    if has_steps:
+        main_tid = str(steps["tid"].astype(str).mode().iloc[0])
+    elif len(host):
+        ops = host[host["cat"].astype(str).eq("cpu_op")]
+        main_tid = str(ops["tid"].astype(str).mode().iloc[0]) if len(ops) else None
+    k = gpu.merge(_launches(host), on="correlation", how="left")
+    k["op"] = _ops(host, k) if len(k) else np.array([], dtype=object)
+    launch = k["launch_ts"].to_numpy(dtype=np.float64)
+    if not has_steps:  # one window: every launched activity is in step 0
+        k["step"] = np.where(np.isnan(launch), -1, 0)
+        k["window"] = np.where(np.isnan(launch), "no launch", "step")
+    else:
+        k["step"], k["window"] = _window(launch, steps)
+    launched = k["correlation"][~np.isnan(launch)]
+    if len(launched):  # correlation ids grow with time: below every launch in the trace = launched before it began
+        early = np.isnan(launch) & (k["correlation"].to_numpy() < launched.min()) & (k["correlation"].to_numpy() >= 0)
+        k.loc[early, "window"] = "before"
+    for key, arr in _ranges(host, k, main_tid, phases).items():
+        k[key] = arr
+    names, cats = k["name"].astype(str).to_numpy(), k["cat"].astype(str).to_numpy()
+    k["hta_type"] = [hta_type(n) for n in names]
+    k["category"] = [category(n, c, o) for n, c, o in zip(names, cats, k["op"].to_numpy())]
+    k["queue_delay"] = k["ts"] - k["launch_ts"]
+    return Attributed(trace.rank, k, steps.drop(columns="tid"), has_steps, main_tid)
