@@ -333,3 +333,53 @@ console.error('boom');
             "about:blank",
         )
     )
+
+
+THREADS_CUT_NB = (
+    "import lab_utils.core.records as R\n"
+    "# this kernel's context as on a busy 4-core machine: the policy gave some timings 1 thread\n"
+    "R.timing_context = lambda: {'cpu_threads': {'threads': 1, 'policy': 'auto', 'cores': 4, 'busy': 3.0}}\n"
+    "rec = R.Recorder('cut', params={'reps': reps})\n"
+    "for v, n in (('a', 1), ('b', 1), ('c', 4)):\n"
+    "    rec.add('e', v, 'time', 1.0, 'ms', statistic='median', threads=n)\n"
+    "rec.save()"
+)
+
+
+def test_a_labs_page_says_at_the_top_that_its_threads_were_cut(chrome, tmp_path, monkeypatch):
+    """Issue 21 item 2: the thread-cut line the index shows is also above each lab's first cell."""
+    import yaml
+
+    from lab_utils.run.nbtools import make_notebook
+    from lab_utils.run.runner import run_suite
+
+    pdir, labs = tmp_path / "parameterized", tmp_path / "labs"
+    pdir.mkdir()
+    labs.mkdir()
+    cfg = "lab_utils.studies.ceilings:CeilingsLabConfig"
+    for name, body in (("cut", THREADS_CUT_NB), ("calm", "print('no timings')")):
+        cells = [("md", f"# Lab {name}"), ("params", 'device = "cpu"\nreps = 5'), ("code", body)]
+        nb = make_notebook(cells, config=cfg)
+        nbformat.write(nb, labs / f"{name}.ipynb")
+    entries = [{"notebook": str(labs / "cut.ipynb")}, {"notebook": str(labs / "calm.ipynb")}]
+    (pdir / "two.yaml").write_text(yaml.safe_dump({"description": "thread cut", "notebooks": entries}))
+    monkeypatch.setenv("PERFLAB_PARAMETERIZED", str(pdir))
+    monkeypatch.delenv("PERFLAB_TIMING_THREADS", raising=False)
+    res = run_suite("two", out_dir=tmp_path / "reports", progress=False)
+    assert res.ok, [(s.notebook, s.error) for s in res.statuses]
+    page, watch = _open(chrome, (res.path / "html" / "cut.html").as_uri())
+    try:
+        banner = page.locator("#threads-cut")
+        assert banner.count() == 1 and banner.is_visible(), "the lab's page does not say its threads were cut"
+        text = banner.inner_text()
+        assert text.startswith("THREADS CUT") and "2 of 3 CPU timings" in text and "4 usable cores" in text, text
+        heading = page.get_by_role("heading", name="Lab cut").bounding_box()
+        assert banner.bounding_box()["y"] < heading["y"], "the thread-cut line is not at the top of the page"
+        _assert_clean(watch, "cut.html")
+    finally:
+        page.close()
+    page, _ = _open(chrome, (res.path / "html" / "calm.html").as_uri())
+    try:
+        assert page.locator("#threads-cut").count() == 0, "a lab without cut timings shows the line"
+    finally:
+        page.close()

@@ -80,10 +80,31 @@ def relocate_file(path: Path, tmp: Path, final: Path) -> None:
         path.write_text(moved, encoding="utf-8")
 
 
-def export_html(ipynb: Path, out: Path, *, title: str | None = None) -> Path:
+def lab_threads_note(records_json: Path) -> str:
+    """A lab's thread-cut line (``records.thread_cut_note``) from the records file its kernel wrote,
+    whose context holds that kernel's thread policy and usable cores; "" when none were cut."""
+    if not records_json.exists():
+        return ""
+    ctx = json.loads(records_json.read_text()).get("context", {})
+    return thread_cut_note(load_records(records_json), ctx)
+
+
+def banner_cell(note: str):
+    """A first cell for a lab's page: ``note`` as the index shows it (same id and class)."""
+    cell = nbformat.v4.new_markdown_cell(
+        f'<p class="unstable" id="threads-cut" style="color:#bc4c00;font-weight:600">{html.escape(note)}</p>'
+    )
+    cell.id = "perflab-threads-cut"
+    return cell
+
+
+def export_html(ipynb: Path, out: Path, *, title: str | None = None, banner: str = "") -> Path:
+    """``banner``: a line shown above the lab's first cell (a run whose threads were cut says so)."""
     nb = nbformat.read(ipynb, as_version=4)
     if title:
         nb.metadata["title"] = title
+    if banner:
+        nb.cells.insert(0, banner_cell(banner))
     _drop_widget_views(nb)
     exp = HTMLExporter(template_name="lab", embed_images=True)
     exp.mathjax_url = ""
@@ -158,7 +179,10 @@ def write_index(run_dir: Path, suite, statuses, run_id: str, overrides: dict) ->
         suite_description=suite.description,
         run_id=run_id,
         overrides=overrides,
-        notebooks=[{"notebook": s.notebook, "status": s.status, "params": s.params} for s in statuses],
+        notebooks=[
+            {"notebook": s.notebook, "status": s.status, "params": s.params, "ran_on": getattr(s, "ran_on", "")}
+            for s in statuses
+        ],
     )
     (run_dir / "context.json").write_text(json.dumps(ctx, indent=1, default=str))
 
@@ -169,9 +193,11 @@ def write_index(run_dir: Path, suite, statuses, run_id: str, overrides: dict) ->
         nb = f'<a href="{html.escape(s.ipynb)}">ipynb</a>' if s.ipynb else ""
         err = f"<pre>{html.escape(s.error)}</pre>" if s.error else ""
         params = ", ".join(f"{k}={v!r}" for k, v in s.params.items())
+        ran_on = getattr(s, "ran_on", "")  # a lab run as a job: which device / job ran it
+        ran = f'<br><span class="muted ran-on">{html.escape(ran_on)}</span>' if ran_on else ""
         rows.append(
             f'<tr><td>{link} <span class="muted">{nb}</span></td><td class="{s.status}">{s.status}</td>'
-            f"<td>{s.seconds:.1f} s</td><td>{s.rows}</td>{_unstable_cell(s)}"
+            f"<td>{s.seconds:.1f} s{ran}</td><td>{s.rows}</td>{_unstable_cell(s)}"
             f"<td><code>{html.escape(params)}</code>{err}</td></tr>"
         )
     ceil_rows = ""
@@ -204,6 +230,7 @@ def write_index(run_dir: Path, suite, statuses, run_id: str, overrides: dict) ->
     info_html = "".join(
         f"<tr><th>{html.escape(k)}</th><td>{v if k == 'records' else html.escape(str(v))}</td></tr>" for k, v in info
     )
+    ran_head = " / ran on" if any(getattr(s, "ran_on", "") for s in statuses) else ""
     verdict = "all notebooks ran" if n_ok == len(statuses) else f"{len(statuses) - n_ok} of {len(statuses)} FAILED"
     page = f"""<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>perflab {html.escape(run_id)}</title>
 <style>{_CSS}</style></head><body>
@@ -213,7 +240,7 @@ def write_index(run_dir: Path, suite, statuses, run_id: str, overrides: dict) ->
 {_headline_section(run_dir, statuses)}
 <h2>Context</h2><table>{info_html}</table>
 <h2>Notebooks</h2>
-<table><tr><th>notebook</th><th>status</th><th>time</th><th>records</th><th>unstable timings</th>
+<table><tr><th>notebook</th><th>status</th><th>time{ran_head}</th><th>records</th><th>unstable timings</th>
 <th>parameters / error</th></tr>
 {"".join(rows)}</table>
 {_unstable_section(run_dir)}

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from lab_utils.core.config import ConfigError
 from lab_utils.core.cpu_threads import THREADS_ENV, choose_cpu_threads
-from lab_utils.run import report
+from lab_utils.run import parallel, report
 from lab_utils.run.nbtools import strip_noise
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: lab_utils/run/runner.py -> ../../..
@@ -216,6 +216,7 @@ class NotebookStatus:
     params: dict = field(default_factory=dict)
     timings: int = 0  # timing rows (median) with a stability verdict
     unstable: int = 0  # of which unstable
+    ran_on: str = ""  # as a job (lab_utils.run.parallel): the devices / job that ran it
 
 
 @dataclass
@@ -322,18 +323,22 @@ def run_suite(
     timeout_s: int = 1800,
     run_id: str | None = None,
     timing_threads: int | str | None = None,
+    jobs: dict | None = None,
 ) -> RunResult:
     """Run every notebook of a suite and write the report.  Validation errors raise
     before anything runs; notebook failures are recorded and the suite goes on.
 
     ``timing_threads``: the CPU thread count every lab times with ("auto": chosen from
     the cores free when each timing starts; see ``lab_utils.core.timing.choose_cpu_threads``).
+    ``jobs``: run the labs as jobs, side by side or on a cluster, into the same report (the
+    options of ``lab_utils.run.parallel.plan_jobs``: executor, parallel, devices, cluster).
     Ctrl-C raises :class:`RunInterrupted` after cleaning up: ``latest`` is untouched, the
     temporary folder is gone, finished notebooks are kept in ``<run-id>-interrupted/``."""
     s = suite if isinstance(suite, Suite) else load_suite(suite)
     planned = plan(s, overrides, only)
     if timing_threads is not None:
         choose_cpu_threads(timing_threads)  # validates before anything runs
+    job_plan = parallel.plan_jobs(planned, timing_threads=timing_threads, **jobs) if jobs is not None else None
     out_dir = Path(out_dir or ROOT / "reports")
     run_id, tmp = _make_run_dir(out_dir, run_id, s.name)
     final = out_dir / run_id
@@ -348,12 +353,16 @@ def run_suite(
     if timing_threads is not None:
         os.environ[THREADS_ENV] = str(timing_threads)
     try:
-        bar = tqdm(planned, desc=f"perflab {s.name}", unit="notebook", disable=not progress, file=sys.stderr)
-        for p in bar:
-            current = p.entry.stem
-            bar.set_postfix_str(current)
-            statuses.append(_run_one(p, tmp, final, timeout_s))
-            current = None
+        if job_plan is not None:
+            current = "the jobs"
+            parallel.run_jobs(planned, job_plan, tmp, final, timeout_s, progress, statuses)
+        else:
+            bar = tqdm(planned, desc=f"perflab {s.name}", unit="notebook", disable=not progress, file=sys.stderr)
+            for p in bar:
+                current = p.entry.stem
+                bar.set_postfix_str(current)
+                statuses.append(_run_one(p, tmp, final, timeout_s))
+                current = None
         current = "the report (index, gathered records)"
         report.gather_records(tmp, statuses, run_id, relocate=(tmp, final))
         report.write_index(tmp, s, statuses, run_id, overrides or {})
@@ -436,7 +445,8 @@ def _run_one(p: Planned, tmp: Path, final: Path, timeout_s: int) -> NotebookStat
         _move_noise(out_nb, tmp / "logs" / f"{stem}.noise.txt")
         report.relocate_file(out_nb, tmp, final)
         try:
-            report.export_html(out_nb, tmp / "html" / f"{stem}.html", title=stem)
+            note = report.lab_threads_note(rec_dir / "records.json")
+            report.export_html(out_nb, tmp / "html" / f"{stem}.html", title=stem, banner=note)
             st.html = f"html/{stem}.html"
         except Exception as e:  # noqa: BLE001
             st.error = (st.error + "; " if st.error else "") + f"HTML export failed: {_error_of(e)}"
