@@ -41,12 +41,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
+from lab_utils.core.dtypes import DTYPES
 from lab_utils.distributed.context_parallel import ContextParallelAttention
 from lab_utils.distributed.spec import DistConfig
 from lab_utils.model import MMDiT, build_model, resolve_config
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
