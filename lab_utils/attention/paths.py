@@ -32,7 +32,6 @@ from lab_utils.attention.masks import Mask, causal, dense_mask, flex_block_mask,
 from lab_utils.core.config import ConfigError
 from lab_utils.core.dtypes import dtype_name
 
-PATHS = ("reference", "sdpa", "math", "flash", "efficient", "cudnn", "flex", "flex_eager", "triton", "flash_attn")
 MASK_KINDS = ("full", "causal", "custom")
 LAYOUTS = ("bhld", "packed")
 
@@ -450,4 +449,5 @@ _register(
         available=_flash_attn_available,
     )
 )
-assert tuple(REGISTRY) == PATHS
+#: The attention paths' names, read from the one registry (registration order).
+PATHS: tuple[str, ...] = tuple(REGISTRY)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lab_kernels import variants
-from lab_utils.attention.attend import PATHS as ATTENTION_PATHS
+from lab_utils.attention import paths as attention_paths
 from lab_utils.core.config import (
     ConfigError,
     LabConfig,
@@ -165,7 +165,7 @@ class MMDiTConfig(LabConfig):
         check_bool("qkv_bias", self.qkv_bias)
         check_int("vae_downsample", self.vae_downsample, min=1)
         check_choice("checkpoint", self.checkpoint, CHECKPOINT_POLICIES)
-        check_choice("attention_path", self.attention_path, ATTENTION_PATHS)
+        check_choice("attention_path", self.attention_path, attention_paths.REGISTRY)
         _check_kernels(self.kernels)
         check_choice("recipe", self.recipe, RECIPES)
 

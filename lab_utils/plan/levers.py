@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from lab_kernels.registry import variants
-from lab_utils.attention.attend import REGISTRY as ATTENTION_PATHS
+from lab_utils.attention import paths as attention_paths
 from lab_utils.attention.attend import available_paths
 from lab_utils.core.config import ConfigError
 from lab_utils.model.checkpointing import CHECKPOINT_POLICIES
@@ -144,7 +144,7 @@ def _kernel_options(device: torch.device, dtype: torch.dtype) -> tuple[list, lis
 def _attention_options(device, dtype, base: str) -> tuple[list, list[Excluded]]:
     here = set(available_paths(device.type, dtype, mask="full", backward=True, include_reference=False))
     ok, out = [], []
-    for name, p in ATTENTION_PATHS.items():
+    for name, p in attention_paths.REGISTRY.items():
         if name == base or p.kind == "reference":
             continue
         if name == "triton" and device.type == "cpu":
