@@ -126,6 +126,17 @@ def test_index_renders(smoke_report, chrome):
                 assert page.locator(f'a[href="{st["html"]}"]').count() == 1, f"index.html has no link to {st['html']}"
         assert B.undrawn(B.plots(page)) == []
         _assert_clean(watch, "index.html")
+        # the Headlines table leads the page, one row per lab with its figures (issue 21 item 14)
+        heads = page.locator("table#headlines tr:has(td)")
+        rows = {heads.nth(i).locator("td").first.inner_text(): heads.nth(i) for i in range(heads.count())}
+        for name, st in _status(smoke_report).items():
+            assert name in rows, f"index.html: no headline row for {name}"
+            cell = rows[name].locator("td.headline").inner_text()
+            if st["status"] == "ok":
+                assert rows[name].locator("td.headline b").count() >= 1, f"{name}'s headline has no figure: {cell}"
+                assert "not available" not in cell, f"{name}'s headline: {cell}"
+        order = page.evaluate("() => [...document.querySelectorAll('h2')].map(e => e.innerText)")
+        assert order and order[0] == "Headlines", f"the index does not lead with its headlines: {order}"
     finally:
         page.close()
 
@@ -145,6 +156,8 @@ def test_notebook_page_renders(smoke_report, chrome, stem):
         bad = B.undrawn(ps)
         assert not bad, f"{stem}: plots not drawn (no canvas, zero size or one flat colour): {bad}"
         _assert_clean(watch, f"{stem}.html")
+        _assert_opens_with_its_takeaway(page, stem)
+        _assert_markdown_rendered(page, stem)
         # HoloMap frames are embedded: switching a picker must redraw without a kernel
         selects = page.locator("select")
         if selects.count():
@@ -159,6 +172,31 @@ def test_notebook_page_renders(smoke_report, chrome, stem):
                 _assert_clean(watch, f"{stem}.html after switching the picker")
     finally:
         page.close()
+
+
+TAKEAWAY_FIRST_JS = """() => {
+  const t = document.querySelector('.perflab-takeaway'), c = document.querySelector('canvas');
+  return !c || !!(t.compareDocumentPosition(c) & Node.DOCUMENT_POSITION_FOLLOWING);
+}"""
+
+
+def _assert_opens_with_its_takeaway(page, stem: str):
+    """The takeaway box, filled by the lab's last cell, comes before the lab's first plot (issue 21 item 14)."""
+    box = page.locator(".perflab-takeaway")
+    assert box.count() == 1, f"{stem}: {box.count()} takeaway boxes on the page"
+    text = box.inner_text()
+    assert "fills in here" not in text and box.locator("li").count() >= 1, f"{stem}: the takeaway is empty: {text}"
+    assert page.evaluate(TAKEAWAY_FIRST_JS), f"{stem}: the takeaway comes after a plot"
+
+
+def _assert_markdown_rendered(page, stem: str):
+    """No heading shows a literal backslash-n, no output is raw markdown (issue 21 item 15: lab 06)."""
+    heads = page.evaluate("() => [...document.querySelectorAll('h1,h2,h3,h4')].map(e => e.innerText)")
+    bad = [h for h in heads if "\\n" in h]
+    assert not bad, f"{stem}: headings with a literal \\n: {bad}"
+    outs = page.evaluate("() => [...document.querySelectorAll('.jp-OutputArea-output pre')].map(e => e.innerText)")
+    raw = [o[:120] for o in outs if re.search(r"^#{2,4} \w|^\|[-:| ]+\|$", o, re.M)]
+    assert not raw, f"{stem}: outputs print raw markdown: {raw}"
 
 
 def _wait_changed(page, before: str, timeout_s: float) -> str:

@@ -231,3 +231,18 @@ def test_markdown_is_rendered_not_printed(lab):
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "code" and re.search(r"print\(\s*study\.\w*(note|markdown)\w*\(", cell.source):
             raise AssertionError(f"{path.name} cell {i}: prints markdown; display it with IPython.display.Markdown")
+
+
+def _prose(markdown: str) -> str:
+    """Markdown without its code (fenced blocks and inline spans), where a backslash-n is code."""
+    return re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", markdown, flags=re.S))
+
+
+def test_markdown_has_no_literal_newline_escapes(lab):
+    """Issue 21 item 15: lab 06's headings read '## The runs ...\\nLosses over the steps' (a
+    newline escape written into the cell as two characters), in the notebook and its report."""
+    path, nb = lab
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown" and "\\n" in _prose(cell.source):
+            line = next(ln for ln in cell.source.splitlines() if "\\n" in ln)
+            raise AssertionError(f"{path.name} cell {i}: a literal \\n in its markdown: {line[:120]!r}")

@@ -131,7 +131,7 @@ class Takeaway:
 
     def _repr_html_(self) -> str:
         if not self.figures:
-            return f"<p><i>{html.escape(PENDING)}</i></p>"
+            return f'<p class="perflab-takeaway"><i>{html.escape(PENDING)}</i></p>'
         items = "".join(
             f"<li>{html.escape(f.label)}: <b>{html.escape(f.value)}</b>"
             + (f" <i>({html.escape(f.note)})</i>" if f.note else "")
@@ -139,7 +139,7 @@ class Takeaway:
             for f in self.figures
         )
         return (
-            '<div style="border-left:4px solid #1f77b4;padding:4px 12px;margin:6px 0">'
+            '<div class="perflab-takeaway" style="border-left:4px solid #1f77b4;padding:4px 12px;margin:6px 0">'
             f"<b>Takeaway</b><ul style='margin:4px 0'>{items}</ul></div>"
         )
 
