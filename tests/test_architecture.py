@@ -182,3 +182,78 @@ def test_lab_utils_is_folders_only_and_every_folder_has_a_layer_and_a_row_on_the
         and f"`{m.split('.')[-1]}`" not in text
     ]
     assert not missing, f"docs/architecture.md does not place these lab_utils folders/modules: {missing}"
+
+
+MAX_FUNCTION_LINES = 100
+MAX_PARAMETERS = 8  # excluding self / cls; *args and **kwargs count one each
+
+#: Functions of lab_utils allowed over the limits, each with why.  Keys: "path:qualname".
+#: An entry that no longer offends fails the test too, so the list only shrinks.
+FUNCTION_ALLOWED = {
+    "lab_utils/attention/attend.py:random_qkv": "TODO issue 22",
+    "lab_utils/attention/attend.py:sweep": "TODO issue 22: stages, SweepGrid, Session",
+    "lab_utils/attention/inputs.py:check_inputs": "TODO issue 22: split into stages",
+    "lab_utils/attention/paths.py:AttentionPath.why_not": "TODO issue 22",
+    "lab_utils/attention/varlen.py:time_padding_vs_packing": "TODO issue 22",
+    "lab_utils/core/records.py:Recorder.add": "TODO issue 22",
+    "lab_utils/core/records.py:Recorder.add_timing": "TODO issue 22",
+    "lab_utils/core/timing.py:bench": "TODO issue 22: split into stages, knobs into BenchOptions",
+    "lab_utils/core/timing.py:cuda_samples": "TODO issue 22",
+    "lab_utils/distributed/projection.py:comm_plan": "TODO issue 22",
+    "lab_utils/distributed/projection.py:project": "TODO issue 22",
+    "lab_utils/fused/blocks.py:block_cases": "TODO issue 22",
+    "lab_utils/fused/ops.py:bench_variant": "TODO issue 22",
+    "lab_utils/fused/ops.py:sweep": "TODO issue 22",
+    "lab_utils/model/data.py:make_loader": "TODO issue 22",
+    "lab_utils/model/train.py:synthetic_batch": "TODO issue 22",
+    "lab_utils/plan/planner.py:build_plan": "TODO issue 22",
+    "lab_utils/precision/numerics.py:_record_path": "TODO issue 22",
+    "lab_utils/precision/quantized.py:run_convergence": "TODO issue 22: split into stages",
+    "lab_utils/profiling/profiler.py:ProfileReport.record": "TODO issue 22: split into stages",
+    "lab_utils/run/compare/baselines.py:baseline_main": "TODO issue 22: split into stages",
+    "lab_utils/run/compare/comparison.py:compare": "TODO issue 22: split into stages",
+    "lab_utils/run/runner.py:run_suite": "TODO issue 22",
+    "lab_utils/stability/training.py:train_run": "TODO issue 22: split into stages",
+    "lab_utils/step/stability.py:run": "TODO issue 22",
+    "lab_utils/studies/attention.py:correctness_table": "TODO issue 22",
+    "lab_utils/profiling/traces.py:analyse_trace": "rewritten by issue 23's trace package",
+}
+
+
+def long_functions() -> dict[str, str]:
+    """``"path:qualname" -> "N lines, M parameters"`` for every function of lab_utils over a limit."""
+    found = {}
+    for path in sorted((ROOT / "lab_utils").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+
+        def visit(node, prefix, rel=rel):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    a = child.args
+                    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+                    params = len(names) - (names[:1] in (["self"], ["cls"])) + bool(a.vararg) + bool(a.kwarg)
+                    lines = child.end_lineno - child.lineno + 1
+                    if lines > MAX_FUNCTION_LINES or params > MAX_PARAMETERS:
+                        found[f"{rel}:{prefix}{child.name}"] = f"{lines} lines, {params} parameters"
+                    visit(child, f"{prefix}{child.name}.", rel)
+                elif isinstance(child, ast.ClassDef):
+                    visit(child, f"{prefix}{child.name}.", rel)
+                else:
+                    visit(child, prefix, rel)
+
+        visit(ast.parse(path.read_text()), "")
+    return found
+
+
+def test_no_function_too_long_or_with_too_many_parameters():
+    """No function in lab_utils over 100 lines or with more than 8 parameters: split it into
+    named stages, group its knobs in a dataclass (``BenchOptions``, ``Session``), or give it an
+    entry with a reason in FUNCTION_ALLOWED."""
+    found = long_functions()
+    new = {k: v for k, v in found.items() if k not in FUNCTION_ALLOWED}
+    stale = sorted(k for k in FUNCTION_ALLOWED if k not in found)
+    assert not new, "functions over the limits (split them, or allow them with a reason):\n" + "\n".join(
+        f"{k}: {v}" for k, v in sorted(new.items())
+    )
+    assert not stale, f"allowed but no longer over the limits (drop them from FUNCTION_ALLOWED): {stale}"
+    assert all(len(why) > 10 for why in FUNCTION_ALLOWED.values()), "every allowed function carries its reason"
