@@ -83,7 +83,18 @@ class Telemetry:
     ``before_step()``, optimizer step, ``after_step(stats)``, ``log_loss(t, per_sample)``,
     ``end_step()``.  ``close()`` removes every hook and restores the attention seam."""
 
-    def __init__(self, model: nn.Module, *, every: int = 1, head_groups: int = 1, timestep_buckets: int = 4):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        every: int = 1,
+        head_groups: int = 1,
+        timestep_buckets: int = 4,
+        blocks: list[tuple[str, nn.Module]] | None = None,
+    ):
+        """``blocks``: (name, module) of any model's repeated blocks (``lab_utils.step``
+        detects them); by default the MMDiT's double / single blocks.  A generic block's
+        outputs are streams ``out0``, ``out1``, ..."""
         check_int("telemetry_every", every, min=1)
         check_int("head_groups", head_groups, min=1)
         check_int("timestep_buckets", timestep_buckets, min=1)
@@ -91,10 +102,12 @@ class Telemetry:
         if heads % head_groups:
             raise ConfigError("head_groups", head_groups, f"a divisor of the model's num_heads = {heads}")
         self.model, self.every, self.head_groups, self.buckets = model, every, head_groups, timestep_buckets
-        self.blocks = block_modules(model)
+        self.generic = blocks is not None
+        self.blocks = list(blocks) if blocks is not None else block_modules(model)
+        self.block_names = {n for n, _ in self.blocks}
         self.block_params: dict[str, list[tuple[str, nn.Parameter]]] = {}
         for name, p in model.named_parameters():
-            self.block_params.setdefault(block_of(name), []).append((name, p))
+            self.block_params.setdefault(self._block_of(name), []).append((name, p))
         self.rows: list[dict] = []
         self.step = -1
         self.active = False
@@ -111,6 +124,11 @@ class Telemetry:
         self._orig_qk = getattr(self._ops, "qk_norm_rope", None)
         if self._orig_qk is not None:
             self._ops.qk_norm_rope = self._wrap_qk(self._orig_qk)
+
+    def _block_of(self, name: str) -> str:
+        if not self.generic:
+            return block_of(name)
+        return next((b for b in self.block_names if name.startswith(b + ".")), name.split(".")[0])
 
     # hooks ------------------------------------------------------------------------------
     def _pre_hook(self, name):
@@ -137,7 +155,10 @@ class Telemetry:
                 return
             self._seen.add(name)
             outs = _tensors(out)
-            streams = ["img", "txt"] if len(outs) == 2 else ["joint"]
+            if self.generic:
+                streams = [f"out{i}" for i in range(len(outs))]
+            else:
+                streams = ["img", "txt"] if len(outs) == 2 else ["joint"]
             with torch.no_grad():
                 for stream, t in zip(streams, outs):
                     x = t.detach().float()
@@ -179,7 +200,7 @@ class Telemetry:
                     continue
                 s = torch.stack(sq).sum() / (grad_scale * grad_scale)
                 sq_total = s if sq_total is None else sq_total + s
-                if BLOCK_RE.fullmatch(blk):
+                if blk in self.block_names:
                     self._pending.append((blk, "", "grad_norm", s.sqrt()))
             if sq_total is not None:
                 self._pending.append(("total", "", "grad_norm", sq_total.sqrt()))
@@ -190,7 +211,7 @@ class Telemetry:
             self._snapshot = {n: p.detach().clone() for _, ps in self._block_items() for n, p in ps}
 
     def _block_items(self):
-        return [(b, ps) for b, ps in self.block_params.items() if BLOCK_RE.fullmatch(b)]
+        return [(b, ps) for b, ps in self.block_params.items() if b in self.block_names]
 
     def after_step(self, stats: dict | None = None) -> None:
         """Update ratio and lost-update fraction per block.  ``stats``: {param: (update_sq,
