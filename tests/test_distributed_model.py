@@ -50,7 +50,7 @@ def test_mesh_coordinates_follow_init_device_mesh_layout():
 
 
 def test_spec_round_trips_through_json():
-    c = DistConfig(strategy="fsdp+cp_ring", world_size=4, mixed_precision=True, checkpoint="selective")
+    c = DistConfig(strategy="fsdp+cp_ring", world_size=4, mixed_precision=True, activation_checkpoint="selective")
     assert DistConfig.from_json(c.to_json()) == c
 
 

@@ -91,7 +91,7 @@ def test_lab_per_token_table_says_what_it_computes():
 
 def test_measure_saved_refuses_a_model_of_another_policy():
     cfg, sh = resolve_config("tiny"), mem.StepShape(1, 4, 2)
-    model = build_model(cfg)  # checkpoint="none"
+    model = build_model(cfg)  # activation_checkpoint="none"
     with pytest.raises(ConfigError) as e:
         mem.measure_saved(cfg, sh, "float32", "full", model=model)
     assert e.value.param == "policy" and "'none'" in str(e.value)
@@ -100,7 +100,7 @@ def test_measure_saved_refuses_a_model_of_another_policy():
     assert e.value.param == "cfg"
     own = mem.measure_saved(cfg, sh, "float32", "none", model=model).by_region()
     assert own == mem.saved_bytes_formula(cfg, sh, "float32", "none")
-    full = build_model(cfg.replace(checkpoint="full"))
+    full = build_model(cfg.replace(activation_checkpoint="full"))
     got = mem.measure_saved(cfg, sh, "float32", model=full).by_region()  # no policy: the model's own
     assert got == mem.saved_bytes_formula(cfg, sh, "float32", "full") != own
 
@@ -158,7 +158,7 @@ def test_block_policy_choices():
     with pytest.raises(ConfigError, match="checkpoint"):
         block_policy("sometimes", "double", 0)
     with pytest.raises(ConfigError, match="checkpoint"):
-        resolve_config("tiny", checkpoint="sometimes")
+        resolve_config("tiny", activation_checkpoint="sometimes")
 
 
 def test_fsdp_projection_shards_rows():

@@ -231,7 +231,7 @@ def test_gradients_reach_every_parameter():
 @pytest.mark.parametrize("policy", ["full", "selective", "every_other", "single"])
 def test_checkpoint_policies_keep_values_and_gradients(policy):
     ref = build_model("tiny", seed=5).train()
-    ckpt = build_model("tiny", seed=5, checkpoint=policy).train()
+    ckpt = build_model("tiny", seed=5, activation_checkpoint=policy).train()
     inputs = _tiny_inputs(ref.cfg, seed=6)
     o_ref, o_ck = ref(*inputs), ckpt(*inputs)
     assert_close(o_ck, o_ref, dtype=torch.float32, name="output")
@@ -287,7 +287,7 @@ def test_forward_flops_match_flop_counter_on_meta():
 
 def test_seams_fall_back_or_refuse():
     m = build_model("tiny")
-    assert set(m.seams) >= {"attention_path", "recipe", "checkpoint", "kernels.rms_norm"}
+    assert set(m.seams) >= {"attention_path", "recipe", "activation_checkpoint", "kernels.rms_norm"}
     with pytest.raises(ConfigError) as e:
         MMDiTConfig.from_preset("tiny", kernels="no-such-variant")
     assert e.value.param == "kernels"
@@ -295,8 +295,8 @@ def test_seams_fall_back_or_refuse():
         MMDiTConfig.from_preset("tiny", kernels={"default": "eager", "not_an_op": "eager"})
     assert e.value.param == "kernels"
     with pytest.raises(ConfigError) as e:
-        MMDiTConfig.from_preset("tiny", checkpoint="sometimes")
-    assert e.value.param == "checkpoint"
+        MMDiTConfig.from_preset("tiny", activation_checkpoint="sometimes")
+    assert e.value.param == "activation_checkpoint"
     with pytest.raises(ConfigError) as e:
         MMDiTConfig.from_preset("tiny", attention_path="no-such-path")
     assert e.value.param == "attention_path"

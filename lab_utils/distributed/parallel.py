@@ -225,7 +225,7 @@ def _flat(mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
 def build_parallel(cfg: DistConfig, device: torch.device) -> ParallelModel:
     """Build the tiny-to-flux MMDiT with the single-process seed and wrap it per ``cfg``."""
     parts, mesh_deg = cfg.parts, cfg.mesh
-    mcfg = resolve_config(cfg.preset, checkpoint=cfg.checkpoint)
+    mcfg = resolve_config(cfg.preset, activation_checkpoint=cfg.activation_checkpoint)
     model = build_model(mcfg, device=device, dtype=DTYPES[cfg.dtype], seed=cfg.seed)
     if cfg.strategy == "single":
         return ParallelModel(module=model, model=model, mesh=None, cfg=cfg)

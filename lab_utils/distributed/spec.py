@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lab_utils.core.config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int
-from lab_utils.model import CHECKPOINT_POLICIES, PRESETS, resolve_config
+from lab_utils.model import ACTIVATION_CHECKPOINTS, PRESETS, resolve_config
 
 DP_COMPONENTS = ("ddp", "fsdp", "hsdp")
 CP_COMPONENTS = ("cp_ring", "cp_ulysses")
@@ -111,7 +111,7 @@ class DistConfig(LabConfig):
     mixed_precision: bool = False  # FSDP2 MixedPrecisionPolicy(bf16 compute, fp32 reduce)
     reshard_after_forward: bool = True
     prefetch: bool = True  # explicit forward/backward prefetch of the next block (FSDP2)
-    checkpoint: str = "none"  # the model's activation-checkpointing policy
+    activation_checkpoint: str = "none"  # the model's activation-checkpointing policy
     profile: bool = True  # profile the last step (communication per rank)
     backend: str = "auto"
     seed: int = 0
@@ -153,7 +153,7 @@ class DistConfig(LabConfig):
             "comm_sweep",
         ):
             check_bool(name, getattr(self, name))
-        check_choice("checkpoint", self.checkpoint, CHECKPOINT_POLICIES)
+        check_choice("activation_checkpoint", self.activation_checkpoint, ACTIVATION_CHECKPOINTS)
         check_choice("backend", self.backend, BACKENDS)
         check_int("seed", self.seed, min=0)
         check_float("timeout_s", self.timeout_s, min=0, min_exclusive=True)

@@ -245,7 +245,7 @@ def bisect_fit(
     nothing runs out of memory: the edge is ``hi``."""
     check_int("hi", hi, min=0)
     dev = torch.device(device)
-    model = build_model(cfg.replace(checkpoint=policy), device=dev, dtype=torch.bfloat16)
+    model = build_model(cfg.replace(activation_checkpoint=policy), device=dev, dtype=torch.bfloat16)
     model.train()
     opt = MasterAdamW(model.parameters(), lr=1e-5)
     sh1 = step_shape(cfg, 1, resolution, resolution, txt_len)

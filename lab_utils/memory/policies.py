@@ -30,7 +30,7 @@ GRAD_TOL = {"float32": (1e-6, 1e-5), "bfloat16": (2e-2, 2e-2)}
 def step_grads(cfg: MMDiTConfig, sh: StepShape, dtype, policy: str, seed: int = 0) -> dict[str, torch.Tensor]:
     """Gradients of one rectified-flow step under ``policy`` (same weights and batch for every policy)."""
     dt = parse_dtype("dtype", dtype)
-    model = build_model(cfg.replace(checkpoint=policy), dtype=dt, seed=seed)
+    model = build_model(cfg.replace(activation_checkpoint=policy), dtype=dt, seed=seed)
     model.train()
     gen = torch.Generator().manual_seed(seed)
     batch = batch_for(cfg, sh, dt, torch.device("cpu"), gen)
@@ -112,10 +112,12 @@ def compare_policies(
     dev = torch.device(device)
     policies = list(policies)
     batch = batch_for(cfg, sh, dt, dev, torch.Generator(device="cpu").manual_seed(seed))
-    _, ref = step_flops(build_model(cfg.replace(checkpoint="none"), device=dev, dtype=dt, seed=seed), batch, seed)
+    _, ref = step_flops(
+        build_model(cfg.replace(activation_checkpoint="none"), device=dev, dtype=dt, seed=seed), batch, seed
+    )
     out = []
     for pol in tqdm(policies, desc="AC policies", disable=not progress):
-        pcfg = cfg.replace(checkpoint=pol)
+        pcfg = cfg.replace(activation_checkpoint=pol)
         model = build_model(pcfg, device=dev, dtype=dt, seed=seed)
         model.train()
         saved = measure_saved(pcfg, sh, dt, device=dev, seed=seed, model=model).total

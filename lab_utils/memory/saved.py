@@ -314,8 +314,8 @@ def saved_bytes_formula(
     :data:`FORMULA_POLICIES` (tests).  ``device_type="cuda"`` keeps LayerNorm statistics in
     float32 as CUDA's kernels do (CPU keeps them in the input dtype); flash attention's few
     RNG-state bytes are left out."""
-    policy = policy or cfg.checkpoint
-    check_choice("checkpoint", policy, FORMULA_POLICIES)
+    policy = policy or cfg.activation_checkpoint
+    check_choice("activation_checkpoint", policy, FORMULA_POLICIES)
     s = parse_dtype("dtype", dtype).itemsize
     stat = s if device_type == "cpu" else 4
     b, d, c = sh.batch, cfg.hidden_size, cfg.in_channels
@@ -396,14 +396,14 @@ def measure_saved(
     """Run the forward of one rectified-flow step (batch built outside the probe) and return
     what it keeps for the backward.  ``device="meta"`` works for every preset.
 
-    A ``model`` passed in runs its own checkpointing policy (``model.cfg.checkpoint``, taken
+    A ``model`` passed in runs the policy applied to it (``model.activation_checkpoint``, taken
     when ``policy`` is None): a ``policy`` or ``cfg`` that differs from the model's is refused
     rather than silently measuring something else."""
     cfg = resolve_config(cfg)
     if policy is not None:
-        cfg = cfg.replace(checkpoint=policy)
+        cfg = cfg.replace(activation_checkpoint=policy)
     elif model is not None and getattr(model, "cfg", None) is not None:
-        cfg = cfg.replace(checkpoint=model.cfg.checkpoint)  # no policy asked for: the model's own
+        cfg = cfg.replace(activation_checkpoint=model.activation_checkpoint.name)  # none asked for: the model's
     dt = parse_dtype("dtype", dtype)
     dev = torch.device(device)
     if model is None:
@@ -412,12 +412,13 @@ def measure_saved(
         own = getattr(model, "cfg", None)
         if own is None:
             raise ConfigError("model", type(model).__name__, "an MMDiT (built by build_model, with its .cfg)")
-        if own.checkpoint != cfg.checkpoint:
+        applied = model.activation_checkpoint.name
+        if applied != cfg.activation_checkpoint:
             raise ConfigError(
                 "policy",
-                cfg.checkpoint,
-                f"the model's own policy {own.checkpoint!r} (the model runs the policy it was built with; "
-                "pass policy=None or a model built with this checkpoint)",
+                cfg.activation_checkpoint,
+                f"the model's own policy {applied!r} (the model runs the policy applied to it; "
+                "pass policy=None or a model built with this activation_checkpoint)",
             )
         if own != cfg:
             diff = {f.name: getattr(own, f.name) for f in fields(own) if getattr(own, f.name) != getattr(cfg, f.name)}
@@ -425,7 +426,7 @@ def measure_saved(
     model.train()
     gen = torch.Generator(device="cpu").manual_seed(seed) if dev.type != "meta" else None
     batch = batch_for(cfg, sh, dt, dev, gen)
-    with saved_tensor_probe(model, creators=cfg.checkpoint != "compile_budget") as report:
+    with saved_tensor_probe(model, creators=cfg.activation_checkpoint != "compile_budget") as report:
         loss = rf_loss(model, batch, gen)
     del loss
     return report

@@ -8,7 +8,7 @@ those modules are re-exported here.
 """
 
 from lab_utils.model.accounting import analytic_param_count, forward_flops, num_params
-from lab_utils.model.checkpointing import CHECKPOINT_POLICIES
+from lab_utils.model.checkpointing import ACTIVATION_CHECKPOINTS, CHECKPOINT_POLICIES, ActivationCheckpoint
 from lab_utils.model.config import (
     KERNEL_OPS,
     LARGE_PRESETS,
@@ -45,6 +45,8 @@ from lab_utils.model.layers import (
 from lab_utils.model.mmdit import MMDiT, build_model
 
 __all__ = [
+    "ACTIVATION_CHECKPOINTS",
+    "ActivationCheckpoint",
     "CHECKPOINT_POLICIES",
     "KERNEL_OPS",
     "LARGE_PRESETS",

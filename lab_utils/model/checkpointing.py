@@ -1,10 +1,17 @@
-"""Activation-checkpointing (AC) policies of the MMDiT.
+"""Activation-checkpointing (AC) policies of the MMDiT, as objects that apply themselves.
 
 A policy decides, per block, whether the block's activations are kept for the
 backward, recomputed (fully, or all but the ops a selective policy saves), moved to
 host memory, or left to ``torch.compile``'s min-cut partitioner under an activation
-memory budget.  ``MMDiT`` calls :func:`run_block` for every block, so a new policy
-is added here and nowhere else.
+memory budget.  As in torchtitan, a policy is applied to a model once, from outside the
+model, when it is built (:func:`lab_utils.model.mmdit.build_model` calls
+``ACTIVATION_CHECKPOINTS[cfg.activation_checkpoint].apply(model)``): ``apply`` chooses each
+block's runner then, so the forward does no string dispatch on the policy.  A new policy
+is one entry of :data:`ACTIVATION_CHECKPOINTS` and nowhere else.
+
+"checkpoint" alone names saving the model's state (``Checkpointer``, DCP); the policies
+here are "activation checkpoints" everywhere: the parameter ``activation_checkpoint``
+(lab 05's ``activation_checkpoints`` list), the config field and the model's attribute.
 
 What a policy keeps outside autograd's saved tensors (a checkpointed block's inputs,
 the outputs a selective policy caches) is reported to an active :func:`capture`, so
@@ -24,57 +31,110 @@ from torch._functorch import config as functorch_config
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lab_utils.core.config import ConfigError
+from lab_utils.core.config import check_choice
 
-#: Activation-checkpoint policies:
-#: none: keep all activations; full: recompute every block; double / single: only that
-#: block kind; every_other: every second block of each kind (index 0, 2, ...);
-#: selective: every block with torch's selective checkpointing that saves matmul and
-#: attention outputs and recomputes the cheap elementwise/norm ops; save_matmul /
-#: save_attention: the same, saving only matmul (resp. only attention) outputs;
-#: offload: every block's saved tensors go to (pinned, on CUDA) host memory through
-#: ``torch.autograd.graph.save_on_cpu``; compile_budget: every block compiled with
-#: ``torch.compile`` under ``activation_memory_budget`` = :data:`COMPILE_MEMORY_BUDGET`.
-CHECKPOINT_POLICIES = (
-    "none",
-    "full",
-    "double",
-    "single",
-    "every_other",
-    "selective",
-    "save_matmul",
-    "save_attention",
-    "offload",
-    "compile_budget",
-)
-
-#: Policies that recompute inside ``torch.utils.checkpoint`` (the block's inputs are kept).
-RECOMPUTE_POLICIES = ("full", "double", "single", "every_other", "selective", "save_matmul", "save_attention")
-#: Selective policies: name -> which op families are saved.
-SELECTIVE_POLICIES = {
-    "selective": ("matmul", "attention"),
-    "save_matmul": ("matmul",),
-    "save_attention": ("attention",),
-}
 #: Fraction of the activation memory torch.compile's partitioner may keep (0 = recompute all it can).
 COMPILE_MEMORY_BUDGET = 0.5
+#: The block kinds of the MMDiT.
+BLOCK_KINDS = ("double", "single")
+Runner = Callable[..., Any]
+
+
+def _every(kind: str, index: int) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class ActivationCheckpoint:
+    """One policy: its name, which blocks it treats, and how (``treatment``):
+    "keep" (nothing done), "recompute" (``torch.utils.checkpoint``, inputs kept),
+    "selective" (recompute all but the op families in ``saves``), "offload"
+    (``save_on_cpu``) or "compile" (``torch.compile`` under an activation budget)."""
+
+    name: str
+    what: str
+    treatment: str = "recompute"
+    blocks: Callable[[str, int], bool] = _every
+    saves: tuple[str, ...] = ()
+
+    @property
+    def recomputes(self) -> bool:
+        """Recomputes inside ``torch.utils.checkpoint`` (the treated blocks' inputs are kept)."""
+        return self.treatment in ("recompute", "selective")
+
+    def treats(self, kind: str, index: int) -> bool:
+        """True when block ``index`` of ``kind`` ("double" / "single") is under this policy's treatment."""
+        check_choice("kind", kind, BLOCK_KINDS)
+        return self.treatment != "keep" and self.blocks(kind, index)
+
+    def runner(self, block: torch.nn.Module, kind: str, index: int) -> Runner | None:
+        """The callable that runs ``block`` under this policy (None: the block runs as it is)."""
+        if not self.treats(kind, index):
+            return None
+        if self.treatment == "offload":
+            return _offloaded(block)
+        if self.treatment == "compile":
+            return _budgeted(block)
+        context_fn = _selective_context_fn(self.saves, kind, index) if self.treatment == "selective" else None
+        return _recomputed(block, kind, index, context_fn)
+
+    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Install this policy on ``model`` (an MMDiT: ``double_blocks`` / ``single_blocks``),
+        once: each treated block gets its runner in ``model.block_runners``; the model's
+        ``activation_checkpoint`` becomes this policy.  Re-applying replaces the previous one."""
+        runners = {}
+        for kind in BLOCK_KINDS:
+            for i, blk in enumerate(getattr(model, f"{kind}_blocks")):
+                run = self.runner(blk, kind, i)
+                if run is not None:
+                    runners[(kind, i)] = run
+        model.block_runners = runners
+        model.activation_checkpoint = self
+        if getattr(model, "seams", None) is not None:
+            model.seams.activation_checkpoint = self.name
+        return model
+
+
+#: Activation-checkpoint policies, the one registry (name -> policy).
+ACTIVATION_CHECKPOINTS: dict[str, ActivationCheckpoint] = {
+    p.name: p
+    for p in (
+        ActivationCheckpoint("none", "keep all activations", "keep"),
+        ActivationCheckpoint("full", "recompute every block"),
+        ActivationCheckpoint("double", "recompute the double-stream blocks", blocks=lambda k, i: k == "double"),
+        ActivationCheckpoint("single", "recompute the single-stream blocks", blocks=lambda k, i: k == "single"),
+        ActivationCheckpoint("every_other", "recompute blocks 0, 2, ... of each kind", blocks=lambda k, i: i % 2 == 0),
+        ActivationCheckpoint(
+            "selective", "save matmul and attention outputs, recompute the rest", "selective",
+            saves=("matmul", "attention"),
+        ),
+        ActivationCheckpoint("save_matmul", "save matmul outputs, recompute the rest", "selective", saves=("matmul",)),
+        ActivationCheckpoint(
+            "save_attention", "save attention outputs, recompute the rest", "selective", saves=("attention",)
+        ),
+        ActivationCheckpoint("offload", "saved tensors to (pinned) host memory", "offload"),
+        ActivationCheckpoint(
+            "compile_budget", f"torch.compile under activation_memory_budget={COMPILE_MEMORY_BUDGET}", "compile"
+        ),
+    )
+}  # fmt: skip
+#: The same registry under its former name (the explorers and ``lab_utils.step`` read it).
+CHECKPOINT_POLICIES = ACTIVATION_CHECKPOINTS
+#: Views of the registry: policies that recompute inside ``torch.utils.checkpoint``, and the
+#: selective ones with the op families they save.
+RECOMPUTE_POLICIES = tuple(n for n, p in ACTIVATION_CHECKPOINTS.items() if p.recomputes)
+SELECTIVE_POLICIES = {n: p.saves for n, p in ACTIVATION_CHECKPOINTS.items() if p.treatment == "selective"}
+
+
+def activation_checkpoint(name: str, param: str = "activation_checkpoint") -> ActivationCheckpoint:
+    """The policy named ``name``; an unknown name is a ConfigError naming ``param``."""
+    check_choice(param, name, ACTIVATION_CHECKPOINTS)
+    return ACTIVATION_CHECKPOINTS[name]
 
 
 def block_policy(policy: str, kind: str, index: int) -> bool:
     """True when block ``index`` of ``kind`` ("double" / "single") is under ``policy``'s treatment."""
-    if policy not in CHECKPOINT_POLICIES:
-        raise ConfigError("checkpoint", policy, "one of " + ", ".join(CHECKPOINT_POLICIES))
-    if kind not in ("double", "single"):
-        raise ConfigError("kind", kind, "'double' or 'single'")
-    if policy == "none":
-        return False
-    if policy == "double":
-        return kind == "double"
-    if policy == "single":
-        return kind == "single"
-    if policy == "every_other":
-        return index % 2 == 0
-    return True
+    return activation_checkpoint(policy).treats(kind, index)
 
 
 def matmul_ops() -> set:
@@ -93,9 +153,9 @@ def attention_ops() -> set:
     return {getattr(aten, n).default for n in names if hasattr(aten, n)}
 
 
-def saved_ops(policy: str) -> set:
-    """The aten ops whose outputs a selective ``policy`` saves (everything else is recomputed)."""
-    families = SELECTIVE_POLICIES[policy]
+def saved_ops(policy: str | tuple[str, ...]) -> set:
+    """The aten ops whose outputs a selective ``policy`` (a name, or its op families) saves."""
+    families = SELECTIVE_POLICIES[policy] if isinstance(policy, str) else policy
     ops: set = set()
     if "matmul" in families:
         ops |= matmul_ops()
@@ -124,7 +184,7 @@ _CAPTURES: list[Capture] = []
 
 @contextlib.contextmanager
 def capture() -> Iterator[Capture]:
-    """Record what :func:`run_block` keeps beyond autograd's saved tensors (for memory accounting)."""
+    """Record what the policies' runners keep beyond autograd's saved tensors (for memory accounting)."""
     cap = Capture()
     _CAPTURES.append(cap)
     try:
@@ -133,7 +193,7 @@ def capture() -> Iterator[Capture]:
         _CAPTURES.remove(cap)
 
 
-def _selective_context_fn(policy: str, kind: str, index: int) -> Callable[[], tuple]:
+def _selective_context_fn(policy: str | tuple[str, ...], kind: str, index: int) -> Callable[[], tuple]:
     save = saved_ops(policy)
 
     def policy_fn(ctx, op, *args, **kwargs):
@@ -168,18 +228,28 @@ def offload_hooks() -> torch.autograd.graph.saved_tensors_hooks:
     return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
 
 
-def run_block(policy: str, block: Callable[..., Any], kind: str, index: int, *args, active: bool = True):
-    """Call ``block(*args)`` under ``policy``; ``active`` is False in eval / no-grad, where nothing is saved."""
-    if not (active and block_policy(policy, kind, index)):
-        return block(*args)
-    if policy == "offload":
+def _offloaded(block: torch.nn.Module) -> Runner:
+    def run(*args):
         with offload_hooks():
             return block(*args)
-    if policy == "compile_budget":
+
+    return run
+
+
+def _budgeted(block: torch.nn.Module) -> Runner:
+    def run(*args):
         with functorch_config.patch(activation_memory_budget=COMPILE_MEMORY_BUDGET):
             return _compiled(block)(*args)
-    for cap in _CAPTURES:
-        cap.kept_inputs.append((kind, index, [a for a in tree_leaves(args) if isinstance(a, torch.Tensor)]))
-    if policy in SELECTIVE_POLICIES:
-        return checkpoint(block, *args, use_reentrant=False, context_fn=_selective_context_fn(policy, kind, index))
-    return checkpoint(block, *args, use_reentrant=False)
+
+    return run
+
+
+def _recomputed(block: torch.nn.Module, kind: str, index: int, context_fn: Callable | None) -> Runner:
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+
+    def run(*args):
+        for cap in _CAPTURES:
+            cap.kept_inputs.append((kind, index, [a for a in tree_leaves(args) if isinstance(a, torch.Tensor)]))
+        return checkpoint(block, *args, use_reentrant=False, **extra)
+
+    return run

@@ -8,7 +8,8 @@ Four seams are chosen here so the labs swap them in one place:
   ``layer_norm_modulate``, ``gated_residual``, ``gelu_tanh``, ``rope``,
   ``qk_norm_rope``); a string for all ops, or a mapping ``{"default": "eager", "rope": "triton"}``.
 * ``recipe``: a precision recipe of ``lab_utils.precision.quantized`` ("bf16" = no layer swapped).
-* ``checkpoint``: the activation-checkpoint policy (``lab_utils.model.checkpointing``).
+* ``activation_checkpoint``: the activation-checkpointing policy (``lab_utils.model.checkpointing``),
+  applied to the built model once.
 
 A name that is not one of the known choices is a :class:`ConfigError` naming the parameter.
 """
@@ -31,7 +32,7 @@ from lab_utils.core.config import (
     check_int,
     check_int_list,
 )
-from lab_utils.model.checkpointing import CHECKPOINT_POLICIES
+from lab_utils.model.checkpointing import ACTIVATION_CHECKPOINTS
 from lab_utils.precision.quantized import RECIPES
 
 #: Named shapes.  ``tiny``/``small`` are CPU sizes; ``flux-dev``/``flux-schnell`` are the
@@ -125,7 +126,7 @@ class MMDiTConfig(LabConfig):
     attention_path: str = "sdpa"
     kernels: Any = "eager"
     recipe: str = "bf16"
-    checkpoint: str = "none"
+    activation_checkpoint: str = "none"
     preset: str = "custom"
 
     def __post_init__(self):
@@ -164,7 +165,7 @@ class MMDiTConfig(LabConfig):
         check_bool("guidance_embed", self.guidance_embed)
         check_bool("qkv_bias", self.qkv_bias)
         check_int("vae_downsample", self.vae_downsample, min=1)
-        check_choice("checkpoint", self.checkpoint, CHECKPOINT_POLICIES)
+        check_choice("activation_checkpoint", self.activation_checkpoint, ACTIVATION_CHECKPOINTS)
         check_choice("attention_path", self.attention_path, attention_paths.REGISTRY)
         _check_kernels(self.kernels)
         check_choice("recipe", self.recipe, RECIPES)

@@ -7,7 +7,8 @@ Shapes: B batch, L tokens, D hidden, H heads, Dh head dim, K = 3 (q, k, v).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -152,17 +153,55 @@ class Modulation(nn.Module):
         return self.lin(F.silu(vec)).chunk(self.n, dim=-1)
 
 
-class Seams:
-    """Per-model choices shared by every block: the fused ops and the attention path."""
+class Seams(MutableMapping):
+    """The model's seams, one object: the fused ops and the attention path every block calls
+    (resolved to its function once, here), the precision recipe, the activation-checkpoint
+    policy applied to the model.  As a mapping it reads what each seam runs
+    (``kernels.<op>``: the variant or its fallback, ``attention_path``, ``recipe``,
+    ``activation_checkpoint``) for records and tables; notes set on it (``seams["qk_norm"] =
+    ...``) join that description."""
 
-    def __init__(self, ops: KernelSet, attention_path: str):
+    def __init__(self, ops: KernelSet, attention_path: str, recipe: str = "bf16"):
         self.ops = ops
         self.attention_path = attention_path
+        self.recipe = recipe
+        self.activation_checkpoint = "none"  # set by the policy's apply(model)
+        self.notes: dict[str, str] = {}
+        self.attend = _sdpa if attention_path == "sdpa" else partial(_attend_path, path=attention_path)
 
-    def attend(self, q, k, v, mask=None):
-        if self.attention_path == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return attend(q, k, v, path=self.attention_path, mask=mask)
+    @classmethod
+    def from_config(cls, cfg: MMDiTConfig, ops: KernelSet) -> Seams:
+        return cls(ops, cfg.attention_path, cfg.recipe)
+
+    def describe(self) -> dict[str, str]:
+        out = {f"kernels.{op}": src for op, src in self.ops.sources.items()}
+        out["attention_path"] = self.attention_path
+        out["recipe"] = self.recipe if self.recipe != "bf16" else "bf16 (baseline: no layer swapped)"
+        out["activation_checkpoint"] = self.activation_checkpoint
+        return {**out, **self.notes}
+
+    def __getitem__(self, key: str) -> str:
+        return self.describe()[key]
+
+    def __setitem__(self, key: str, value: str) -> None:
+        self.notes[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self.notes[key]
+
+    def __iter__(self):
+        return iter(self.describe())
+
+    def __len__(self) -> int:
+        return len(self.describe())
+
+
+def _sdpa(q, k, v, mask=None):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _attend_path(q, k, v, mask=None, *, path: str):
+    return attend(q, k, v, path=path, mask=mask)
 
 
 class SelfAttentionProj(nn.Module):

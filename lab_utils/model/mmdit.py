@@ -26,7 +26,7 @@ from torch import nn
 
 from lab_utils.core.config import ConfigError
 from lab_utils.core.device import annotate
-from lab_utils.model.checkpointing import run_block
+from lab_utils.model.checkpointing import ACTIVATION_CHECKPOINTS
 from lab_utils.model.config import MMDiTConfig, resolve_config
 from lab_utils.model.layers import (
     DoubleStreamBlock,
@@ -57,7 +57,7 @@ class MMDiT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.ops = KernelSet(cfg.kernels, device=device, dtype=dtype)
-        self._seams = Seams(self.ops, cfg.attention_path)
+        self.seams = Seams.from_config(cfg, self.ops)
         d = cfg.hidden_size
         self.img_in = nn.Linear(cfg.in_channels, d)
         self.txt_in = nn.Linear(cfg.context_dim, d)
@@ -65,18 +65,20 @@ class MMDiT(nn.Module):
         self.vector_in = MLPEmbedder(cfg.pooled_dim, d)
         self.guidance_in = MLPEmbedder(256, d) if cfg.guidance_embed else None
         self.pe_embedder = RoPE3D(cfg.axes_dim, cfg.theta)
-        self.double_blocks = nn.ModuleList(DoubleStreamBlock(cfg, self._seams) for _ in range(cfg.depth_double))
-        self.single_blocks = nn.ModuleList(SingleStreamBlock(cfg, self._seams) for _ in range(cfg.depth_single))
-        self.final_layer = FinalLayer(cfg, self._seams)
-        self.seams: dict[str, str] = {}
+        self.double_blocks = nn.ModuleList(DoubleStreamBlock(cfg, self.seams) for _ in range(cfg.depth_double))
+        self.single_blocks = nn.ModuleList(SingleStreamBlock(cfg, self.seams) for _ in range(cfg.depth_single))
+        self.final_layer = FinalLayer(cfg, self.seams)
+        # the activation-checkpointing policy is applied from outside, once (build_model)
+        self.activation_checkpoint = ACTIVATION_CHECKPOINTS["none"]
+        self.block_runners: dict[tuple[str, int], object] = {}
 
     # -- helpers ---------------------------------------------------------------------
     def blocks(self) -> list[nn.Module]:
         return [*self.double_blocks, *self.single_blocks]
 
-    def _ckpt(self, block, kind, index, *args):
-        active = self.training and torch.is_grad_enabled()
-        return run_block(self.cfg.checkpoint, block, kind, index, *args, active=active)
+    def _runner(self, block, kind: str, index: int, active: bool):
+        """The block's runner under the applied policy (the block itself in eval / no-grad)."""
+        return self.block_runners.get((kind, index), block) if active else block
 
     def conditioning(self, timesteps, y, guidance=None):
         """vec (B, D) = time MLP + guidance MLP + pooled-text MLP."""
@@ -105,14 +107,15 @@ class MMDiT(nn.Module):
             b, lt, li = txt.shape[0], txt.shape[1], img.shape[1]
             keys = torch.cat([txt_mask.bool(), torch.ones(b, li, dtype=torch.bool, device=txt_mask.device)], 1)
             mask = keys[:, None, None, :]  # B 1 1 Lt+Li
+        active = self.training and torch.is_grad_enabled()
         for i, blk in enumerate(self.double_blocks):
             with annotate(f"double_blocks.{i}", img.device):
-                img, txt = self._ckpt(blk, "double", i, img, txt, vec, pe, mask)
+                img, txt = self._runner(blk, "double", i, active)(img, txt, vec, pe, mask)
         lt = txt.shape[1]
         x = torch.cat([txt, img], dim=1)
         for i, blk in enumerate(self.single_blocks):
             with annotate(f"single_blocks.{i}", x.device):
-                x = self._ckpt(blk, "single", i, x, vec, pe, mask)
+                x = self._runner(blk, "single", i, active)(x, vec, pe, mask)
         return self.final_layer(x[:, lt:], vec)
 
 
@@ -130,7 +133,8 @@ def build_model(
     ``flux-dev`` and friends here).  Weights are random (FLUX-like init: Linear
     defaults, zero-initialised adaLN modulation outputs would make a fresh model the
     identity, so we keep them random so gradients reach every weight from step 0).
-    The precision ``recipe`` is applied after building when it is not "bf16"."""
+    The precision ``recipe`` is applied after building when it is not "bf16"; the
+    activation-checkpointing policy is applied last, once (``policy.apply(model)``)."""
     cfg = resolve_config(cfg_or_preset, **overrides)
     dev = torch.device(device)
     if seed is not None and dev.type != "meta":
@@ -138,12 +142,7 @@ def build_model(
     with torch.device(dev):
         model = MMDiT(cfg, device=dev, dtype=dtype)
     model = model.to(dtype=dtype)
-    model.seams = {f"kernels.{op}": src for op, src in model.ops.sources.items()}
-    model.seams["attention_path"] = cfg.attention_path
     if cfg.recipe != "bf16":
         model = apply_recipe(model, cfg.recipe)
-        model.seams["recipe"] = cfg.recipe
-    else:
-        model.seams["recipe"] = "bf16 (baseline: no layer swapped)"
-    model.seams["checkpoint"] = cfg.checkpoint
+    ACTIVATION_CHECKPOINTS[cfg.activation_checkpoint].apply(model)
     return model

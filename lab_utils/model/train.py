@@ -236,7 +236,7 @@ class TrainConfig(LabConfig):
         try:
             return MMDiTConfig.from_preset(
                 self.preset,
-                checkpoint=self.activation_checkpoint,
+                activation_checkpoint=self.activation_checkpoint,
                 kernels=self.kernels,
                 attention_path=self.attention_path,
                 recipe=self.recipe,

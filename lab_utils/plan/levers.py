@@ -20,7 +20,7 @@ from lab_kernels.registry import variants
 from lab_utils.attention import paths as attention_paths
 from lab_utils.attention.attend import available_paths
 from lab_utils.core.config import ConfigError
-from lab_utils.model.checkpointing import CHECKPOINT_POLICIES
+from lab_utils.model.checkpointing import ACTIVATION_CHECKPOINTS
 from lab_utils.model.config import KERNEL_OPS
 from lab_utils.precision.quantized import RECIPES
 
@@ -177,7 +177,7 @@ def candidates(lever: str, base, device: torch.device, *, world_size: int = 1) -
             if not cuda
             else []
         )
-        return [o for o in opts if o in CHECKPOINT_POLICIES], out
+        return [o for o in opts if o in ACTIVATION_CHECKPOINTS], out
     if lever == "recipe":
         if not cuda:
             return [], [

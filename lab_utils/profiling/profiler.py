@@ -105,7 +105,7 @@ _FLOP_CACHE: dict[tuple, int] = {}
 def training_step_flops(model_cfg, batch_size: int, grid: tuple[int, int], txt_len: int) -> int:
     """Model FLOPs of one training step (forward + backward of the MMDiT) at this shape,
     counted on a meta-device copy (nothing is computed or allocated)."""
-    cfg = model_cfg.replace(kernels="eager", attention_path="sdpa", checkpoint="none", recipe="bf16")
+    cfg = model_cfg.replace(kernels="eager", attention_path="sdpa", activation_checkpoint="none", recipe="bf16")
     key = (cfg, batch_size, tuple(grid), txt_len)
     if key not in _FLOP_CACHE:
         model = build_model(cfg, device="meta").train()

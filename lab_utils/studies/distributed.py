@@ -129,7 +129,7 @@ class DistributedLabConfig(LabConfig):
             width=self.width,
             txt_len=self.txt_len,
             steps=self.steps,
-            checkpoint=self.checkpoint,
+            activation_checkpoint=self.checkpoint,
             backend=self.backend,
             sweep_reps=self.sweep_reps,
             timeout_s=self.timeout_s,
