@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ["HTA_DISABLE_NS_ROUNDING"] = "1"  # before hta reads its options
@@ -68,9 +67,7 @@ def _rank_figures(analysis, rank: int, sym_table: list[str]) -> dict:
 def _job_figures(job: Path) -> dict:
     from hta.trace_analysis import TraceAnalysis  # noqa: PLC0415 - optional dependency (extra "traces")
 
-    t0 = time.perf_counter()
     analysis = TraceAnalysis(trace_dir=str(job), include_last_profiler_step=True)
-    load_s = time.perf_counter() - t0
     sym_table = analysis.t.symbol_table.get_sym_table()
     temporal = analysis.get_temporal_breakdown(visualize=False).set_index("rank")
     overlap = analysis.get_comm_comp_overlap(visualize=False).set_index("rank")
@@ -90,7 +87,7 @@ def _job_figures(job: Path) -> dict:
             fig["idle_breakdown_us"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
         ranks[str(rank)] = fig
     files = sorted(p.name for p in job.iterdir() if p.is_file())
-    return {"files": files, "hta_load_s": round(load_s, 2), "ranks": ranks}
+    return {"files": files, "ranks": ranks}
 
 
 def main(argv: list[str] | None = None) -> int:

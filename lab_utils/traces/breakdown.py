@@ -111,7 +111,7 @@ def top_kernels(k: pd.DataFrame, n: int = 10) -> pd.DataFrame:
     out = g["dur"].agg(count="count", total="sum", mean="mean", min="min", max="max")
     out["category"] = g["category"].first()
     out["hta_type"] = g["hta_type"].first()
-    out = out.sort_values(["total", "count"], ascending=False).head(n).reset_index()
+    out = out.reset_index().sort_values(["total", "name"], ascending=[False, True]).head(n).reset_index(drop=True)
     out["pct"] = 100.0 * out["total"] / float(k["dur"].sum()) if len(k) else 0.0
     return out[["name", "category", "hta_type", "count", "total", "mean", "min", "max", "pct"]]
 
