@@ -54,6 +54,7 @@ TESTS = {
     "lab_utils/run/compare/rules.py": ["tests/test_compare_rules.py", "tests/test_compare.py"],
     "lab_utils/run/compare/stats.py": ["tests/test_compare_rules.py", "tests/test_compare.py"],
     "lab_utils/run/compare/comparison.py": ["tests/test_compare_rules.py", "tests/test_compare.py"],
+    "lab_utils/run/compare/verdicts.py": ["tests/test_compare_rules.py", "tests/test_compare.py"],
     "lab_utils/core/timing.py": [
         "tests/test_timing_rules.py",
         "tests/test_timing_statistics.py",
@@ -140,6 +141,7 @@ RUL, STA, CMP = (
     "lab_utils/run/compare/stats.py",
     "lab_utils/run/compare/comparison.py",
 )
+VER = "lab_utils/run/compare/verdicts.py"
 TIM = "lab_utils/core/timing.py"
 PRO, COMM, CP, PAR = (
     "lab_utils/distributed/projection.py",
@@ -503,7 +505,7 @@ MUTANTS = [
     _m(
         "compare.db_gain_amplitude",
         C,
-        CMP,
+        VER,
         'gain = 10 ** ((delta if d.better == "higher" else -delta) / 10)',
         'gain = 10 ** ((delta if d.better == "higher" else -delta) / 20)',
         "the gain of a dB change read as an amplitude ratio (/20), not a power ratio (/10)",
@@ -551,7 +553,7 @@ MUTANTS = [
     _m(
         "compare.gain_lower",
         C,
-        CMP,
+        VER,
         'gain = vb / vc if d.better == "lower" else vc / vb',
         'gain = vc / vb if d.better == "lower" else vb / vc',
         "gain oriented the wrong way",
@@ -559,7 +561,7 @@ MUTANTS = [
     _m(
         "compare.zero_worse",
         C,
-        CMP,
+        VER,
         'worse = (vc > vb) if d.better == "lower" else (vc < vb)',
         'worse = (vc < vb) if d.better == "lower" else (vc > vb)',
         "a value from or to zero judged backwards",
@@ -567,7 +569,7 @@ MUTANTS = [
     _m(
         "compare.interval_not_inverted",
         C,
-        CMP,
+        VER,
         'lo, hi = (1 / rhi, 1 / rlo) if d.better == "lower" else (rlo, rhi)',
         "lo, hi = (rlo, rhi)",
         "the ratio's interval not inverted for lower-is-better rows",

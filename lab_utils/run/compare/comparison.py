@@ -1,9 +1,8 @@
-"""The comparison: options, row-by-row verdicts, flags and the exit code."""
+"""The comparison: options, flags, gating and the exit code; each row's verdict is in ``verdicts``."""
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,15 +27,13 @@ from lab_utils.run.compare.rules import (
     KEY,
     NOISY,
     NOT_COMPARABLE,
-    PER_TIME_SUFFIXES,
     QUANTILE_STATISTICS,
     SIDE_CONTEXT_KEYS,
     WORSE_VERDICTS,
-    direction,
 )
 from lab_utils.run.compare.sides import Side, identity_keys, load_side, with_identity
-from lab_utils.run.compare.stats import bootstrap_ratio, judge, rank_pvalues
 from lab_utils.run.compare.text import summary_text
+from lab_utils.run.compare.verdicts import RowJudge, stable_flag
 
 OUT_COLUMNS = [
     "lab",
@@ -73,14 +70,6 @@ OUT_COLUMNS = [
     "cand_samples",
     "missing",
 ]
-
-
-def kind_selected(kind: str, only: str) -> bool:
-    if only == "all":
-        return True
-    if only == "performance":
-        return kind in ("performance", "memory")
-    return kind in ("accuracy", "other")
 
 
 @dataclass
@@ -239,241 +228,16 @@ def compare(base: Side | str | Path, cand: Side | str | Path, options: Options |
     for side in (base, cand):
         if side.meta.get("interrupted"):
             flags.append(f"{side.label} is an interrupted run: {side.meta['interrupted']}")
-    b, c = base.rows, cand.rows
-    if o.statistics == "default":
-        b = b[~b["statistic"].isin(QUANTILE_STATISTICS)]
-        c = c[~c["statistic"].isin(QUANTILE_STATISTICS)]
-    ids = identity_keys(b, c)
-    b, c = with_identity(b, ids), with_identity(c, ids)
-    key = KEY + ["ident", "occurrence"]
-    m = b.merge(c, on=key, how="outer", suffixes=("_b", "_c"), indicator=True)
-    if ids:
-        flags.append(f"rows sharing a key are told apart by their extra field(s): {', '.join(ids)}")
-    for side_df, lab in ((b, "base"), (c, "candidate")):
-        dups = side_df[side_df["occurrence"] > 1]
-        if len(dups):
-            flags.append(
-                f"{lab}: {len(dups)} row(s) repeat a key (lab, experiment, variant, shape, dtype, metric, "
-                f"statistic, extra); they are matched in order of appearance and numbered, not averaged"
-            )
-
-    # noise of time rows, borrowed by the per-time rows of the same group
-    out = []
-    group_cols = ["lab", "experiment", "variant", "shape", "dtype", "ident", "occurrence"]
-    time_gain: dict[tuple, tuple[float, float, float, float, bool]] = {}
-
-    def row_base(r) -> dict:
-        unit = next((u for u in (r.get("unit_b"), r.get("unit_c")) if isinstance(u, str) and u), "")
-        d = direction(r["metric"], unit)
-        return dict(
-            lab=r["lab"],
-            experiment=r["experiment"],
-            variant=r["variant"],
-            shape=r["shape"],
-            dtype=r["dtype"],
-            metric=r["metric"],
-            statistic=r["statistic"],
-            ident=r["ident"],
-            occurrence=int(r["occurrence"]),
-            unit=unit,
-            kind=d.kind,
-            better=d.better,
-            base=r.get("value_b"),
-            candidate=r.get("value_c"),
-            ratio=math.nan,
-            gain=math.nan,
-            lo=math.nan,
-            hi=math.nan,
-            p_value=math.nan,
-            n_base=0,
-            n_cand=0,
-            noise="",
-            verdict="",
-            note="",
-            regression=False,
-            improvement=False,
-            base_stable=stable_flag(r.get("stable_b")),
-            cand_stable=stable_flag(r.get("stable_c")),
-            base_stability=reason_text(r.get("stability_b")),
-            cand_stability=reason_text(r.get("stability_c")),
-            base_samples=None,
-            cand_samples=None,
-        ), d
-
-    pending_derived = []
+    m, merge_flags = merge_sides(base, cand, o)
+    flags += merge_flags
     not_run = sorted(labs_of(base, ran_only=True) - labs_of(cand))
-    for _, r in m.iterrows():
-        row, d = row_base(r)
-        if not kind_selected(d.kind, o.only):
-            continue
-        if r["_merge"] in ("left_only", "right_only"):
-            left = r["_merge"] == "left_only"
-            why = "the lab did not run in the candidate" if r["lab"] in not_run else cdiff.explain_one_sided(r["lab"])
-            row.update(
-                verdict="only in base" if left else "only in candidate",
-                note=("missing in candidate" if left else "new in candidate") + (f": {why}" if why else ""),
-                base=r["value_b"] if left else math.nan,
-                candidate=math.nan if left else r["value_c"],
-            )
-            out.append(row)
-            continue
-        fb, fc = bool(r["failed_b"]), bool(r["failed_c"])
-        if fb or fc:
-            v = {(True, True): "failed both", (False, True): "failed", (True, False): "fixed"}[(fb, fc)]
-            row.update(
-                verdict=v,
-                note="ran in base, failed in candidate"
-                if v == "failed"
-                else ("failed in base, runs in candidate" if v == "fixed" else ""),
-            )
-            out.append(row)
-            continue
-        if mismatch and d.kind in ("performance", "memory") and not o.allows("device"):
-            row.update(verdict="device differs", note="not compared: runs on different devices")
-            out.append(row)
-            continue
-        blockers = cdiff.blockers(r["lab"], d.kind, r.get("extra_b"), r.get("extra_c"))
-        blocked = cdiff.not_allowed(blockers)
-        if blocked:
-            cdiff.count_blocked(blocked, row_label_short(r))
-            cats = ",".join(c for c, _ in blocked)
-            row.update(
-                verdict=NOT_COMPARABLE,
-                note=f"not compared: {'; '.join(w for _, w in blocked)} (--allow-context-diff {cats} to compare)",
-            )
-            out.append(row)
-            continue
-        if blockers:
-            row["note"] = "compared as asked although " + "; ".join(w for _, w in blockers)
-        vb, vc = float(r["value_b"]), float(r["value_c"])
-        sb, sc = r["samples_b"], r["samples_c"]
-        row.update(
-            n_base=0 if sb is None else int(sb.size),
-            n_cand=0 if sc is None else int(sc.size),
-            base_samples=sb,
-            cand_samples=sc,
-        )
-        if not (math.isfinite(vb) and math.isfinite(vc)):
-            row.update(verdict="no value", note="a value is NaN or infinite")
-            out.append(row)
-            continue
-        delta = None
-        if d.scale == "db":
-            delta = vc - vb
-            row["ratio"] = vc / vb if vb != 0 else math.nan
-            gain = 10 ** ((delta if d.better == "higher" else -delta) / 10)
-        elif vb == 0 or vc == 0:
-            if vb == vc:
-                gain, row["ratio"] = 1.0, 1.0
-            else:
-                row["ratio"] = math.inf if vb == 0 else 0.0
-                worse = (vc > vb) if d.better == "lower" else (vc < vb)
-                gain = 0.0 if worse else math.inf
-        else:
-            row["ratio"] = vc / vb
-            gain = vb / vc if d.better == "lower" else vc / vb
-        row["gain"] = gain
-        have = sb is not None and sc is not None and sb.size >= o.min_samples and sc.size >= o.min_samples
-        lo = hi = pw = pb = math.nan
-        if have and d.scale == "ratio" and vb > 0 and vc > 0:
-            rlo, rhi = bootstrap_ratio(sb, sc, n=o.bootstrap, confidence=o.confidence)
-            lo, hi = (1 / rhi, 1 / rlo) if d.better == "lower" else (rlo, rhi)
-            if o.method == "rank":
-                thr = o.accuracy_threshold if d.kind == "accuracy" else o.threshold
-                pw, pb = rank_pvalues(sb, sc, 1 + thr, d.better)
-            row["noise"] = f"bootstrap {int(o.confidence * 100)}%" + (" + rank test" if o.method == "rank" else "")
-            time_gain[tuple(r[c] for c in group_cols) + (r["metric"],)] = (gain, lo, hi, pw, pb)
-        elif have:
-            row["note"] = "samples kept but not usable for a ratio"
-        if d.kind == "performance" and not have and r["metric"].endswith(PER_TIME_SUFFIXES):
-            pending_derived.append((row, d, delta, r))
-            out.append(row)
-            continue
-        verdict, note = judge(gain, lo, hi, pw, pb, d, o, delta=delta)
-        row.update(lo=lo, hi=hi, p_value=min(pw, pb), verdict=verdict, note=note or row["note"])
-        out.append(row)
-
-    for row, d, delta, r in pending_derived:
-        suffix = next(s for s in PER_TIME_SUFFIXES if r["metric"].endswith(s))
-        tkey = tuple(r[c] for c in group_cols) + (r["metric"][: -len(suffix)] + "time",)
-        lo = hi = pw = pb = math.nan
-        if tkey in time_gain:
-            tg, tlo, thi, tpw, tpb = time_gain[tkey]
-            g = row["gain"]
-            if math.isfinite(g) and g > 0 and tg > 0:
-                # same bytes (flops) over the same times: the ratio moves with the time's ratio
-                lo, hi, pw, pb = g * tlo / tg, g * thi / tg, tpw, tpb
-                row["noise"] = "from the time row's samples"
-        verdict, note = judge(row["gain"], lo, hi, pw, pb, d, o, delta=delta)
-        row.update(lo=lo, hi=hi, p_value=min(pw, pb), verdict=verdict, note=note)
-
-    df = pd.DataFrame(out, columns=OUT_COLUMNS)
+    df = pd.DataFrame(RowJudge(o, cdiff, mismatch, not_run).rows(m), columns=OUT_COLUMNS)
     stability = {side.label: stability_summary(side.rows) for side in (base, cand)}
     too_noisy = o.only != "accuracy" and any(v.share > o.max_unstable_share for v in stability.values())
-    for label, v in stability.items():
-        if v.unstable:
-            over = v.share > o.max_unstable_share
-            flags.append(
-                f"{label}: {v}"
-                + (
-                    f", over the limit of {o.max_unstable_share:.0%}: not comparable, performance rows not gated"
-                    if over
-                    else ": their rows are 'noisy', never slower or faster"
-                )
-            )
+    flags += stability_flags(stability, o)
     if len(df):
-        mark_noisy(df)
-        gated = df["kind"].map(
-            lambda k: (
-                o.gate == "all"
-                or (o.gate == "performance" and k in ("performance", "memory"))
-                or (o.gate == "accuracy" and k == "accuracy")
-            )
-        )
-        # a performance figure without kept samples has no noise estimate: shown, never gated
-        # (a machine-load swing would fail the gate); deterministic accuracy figures do gate
-        unmeasured_noise = (
-            df["kind"].isin(("performance", "memory")) & (df["noise"] == "") & (df["verdict"] != "failed")
-        )
-        df.loc[unmeasured_noise & df["verdict"].isin(WORSE_VERDICTS), "note"] = (
-            "no samples, so no noise estimate: not gated"
-        )
-        df["regression"] = df["verdict"].isin(WORSE_VERDICTS) & gated & ~unmeasured_noise
-        if too_noisy:  # timings of a run this noisy are no evidence; accuracy figures still gate
-            df.loc[df["kind"] == "performance", "regression"] = False
-        df["improvement"] = df["verdict"].isin(("faster", "more accurate", "less memory", "fixed"))
-        # a row of the base that the candidate lacks fails the gate like a regression: a gate must not
-        # pass by omission.  Not counted here: rows of a lab that failed (``failed_notebooks``) or did
-        # not run at all (``missing_labs``), and rows of a lab whose parameters differ (explained by them)
         explained = {lab for lab in set(df["lab"]) if cdiff.param_categories(lab)}
-        df["missing"] = (
-            (df["verdict"] == "only in base") & gated & ~df["lab"].isin(failed_labs(cand) | set(not_run) | explained)
-        )
-        order = {
-            "failed": 0,
-            "slower": 1,
-            "less accurate": 1,
-            "more memory": 1,
-            "changed": 2,
-            NOISY: 2,
-            "device differs": 3,
-            NOT_COMPARABLE: 3,
-            "only in base": 4,
-            "only in candidate": 5,
-            "no value": 6,
-            "failed both": 6,
-            "faster": 7,
-            "more accurate": 7,
-            "less memory": 7,
-            "fixed": 7,
-            "same": 8,
-        }
-        df["_o"] = df["verdict"].map(order).fillna(9)
-        df = (
-            df.sort_values(["_o", "lab", "experiment", "variant", "shape", "dtype", "metric"], kind="stable")
-            .drop(columns="_o")
-            .reset_index(drop=True)
-        )
+        df = gate(df, o, too_noisy, not_gated=failed_labs(cand) | set(not_run) | explained)
     n_b, n_c = (df["verdict"] == "only in base").sum(), (df["verdict"] == "only in candidate").sum()
     if n_b or n_c:
         flags.append(f"{n_b} row(s) only in base, {n_c} only in candidate: listed, not compared")
@@ -496,19 +260,101 @@ def compare(base: Side | str | Path, cand: Side | str | Path, options: Options |
     )
 
 
-def row_label_short(r) -> str:
-    return f"{r['lab']} {r['experiment']}/{r['variant']} {r['shape']} {r['metric']}".strip()
+def merge_sides(base: Side, cand: Side, o: Options) -> tuple[pd.DataFrame, list[str]]:
+    """Both sides' rows matched on their key (outer join, ``_merge`` tells one-sided rows),
+    and the flags that say how rows sharing a key were told apart."""
+    flags = []
+    b, c = base.rows, cand.rows
+    if o.statistics == "default":
+        b = b[~b["statistic"].isin(QUANTILE_STATISTICS)]
+        c = c[~c["statistic"].isin(QUANTILE_STATISTICS)]
+    ids = identity_keys(b, c)
+    b, c = with_identity(b, ids), with_identity(c, ids)
+    key = KEY + ["ident", "occurrence"]
+    m = b.merge(c, on=key, how="outer", suffixes=("_b", "_c"), indicator=True)
+    if ids:
+        flags.append(f"rows sharing a key are told apart by their extra field(s): {', '.join(ids)}")
+    for side_df, lab in ((b, "base"), (c, "candidate")):
+        dups = side_df[side_df["occurrence"] > 1]
+        if len(dups):
+            flags.append(
+                f"{lab}: {len(dups)} row(s) repeat a key (lab, experiment, variant, shape, dtype, metric, "
+                f"statistic, extra); they are matched in order of appearance and numbered, not averaged"
+            )
+    return m, flags
 
 
-def stable_flag(v) -> bool | None:
-    """True / False / None (not a timing, or not judged) from a merged column's value."""
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return None
-    return bool(v)
+def stability_flags(stability: dict[str, StabilitySummary], o: Options) -> list[str]:
+    """One flag per side with unstable timings: noisy rows, or a run too noisy to gate."""
+    flags = []
+    for label, v in stability.items():
+        if v.unstable:
+            over = v.share > o.max_unstable_share
+            flags.append(
+                f"{label}: {v}"
+                + (
+                    f", over the limit of {o.max_unstable_share:.0%}: not comparable, performance rows not gated"
+                    if over
+                    else ": their rows are 'noisy', never slower or faster"
+                )
+            )
+    return flags
 
 
-def reason_text(v) -> str:
-    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+#: the order rows are listed in: failures and regressions first, unchanged rows last
+VERDICT_ORDER = {
+    "failed": 0,
+    "slower": 1,
+    "less accurate": 1,
+    "more memory": 1,
+    "changed": 2,
+    NOISY: 2,
+    "device differs": 3,
+    NOT_COMPARABLE: 3,
+    "only in base": 4,
+    "only in candidate": 5,
+    "no value": 6,
+    "failed both": 6,
+    "faster": 7,
+    "more accurate": 7,
+    "less memory": 7,
+    "fixed": 7,
+    "same": 8,
+}
+
+
+def gate(df: pd.DataFrame, o: Options, too_noisy: bool, not_gated: set[str]) -> pd.DataFrame:
+    """Mark noisy rows, the regressions, improvements and missing rows the gate counts, and
+    sort.  ``not_gated``: labs whose one-sided rows are explained elsewhere (failed, not run,
+    or run with other parameters)."""
+    mark_noisy(df)
+    gated = df["kind"].map(
+        lambda k: (
+            o.gate == "all"
+            or (o.gate == "performance" and k in ("performance", "memory"))
+            or (o.gate == "accuracy" and k == "accuracy")
+        )
+    )
+    # a performance figure without kept samples has no noise estimate: shown, never gated
+    # (a machine-load swing would fail the gate); deterministic accuracy figures do gate
+    unmeasured_noise = df["kind"].isin(("performance", "memory")) & (df["noise"] == "") & (df["verdict"] != "failed")
+    df.loc[unmeasured_noise & df["verdict"].isin(WORSE_VERDICTS), "note"] = (
+        "no samples, so no noise estimate: not gated"
+    )
+    df["regression"] = df["verdict"].isin(WORSE_VERDICTS) & gated & ~unmeasured_noise
+    if too_noisy:  # timings of a run this noisy are no evidence; accuracy figures still gate
+        df.loc[df["kind"] == "performance", "regression"] = False
+    df["improvement"] = df["verdict"].isin(("faster", "more accurate", "less memory", "fixed"))
+    # a row of the base that the candidate lacks fails the gate like a regression: a gate must not
+    # pass by omission.  Not counted here: rows of a lab that failed (``failed_notebooks``) or did
+    # not run at all (``missing_labs``), and rows of a lab whose parameters differ (explained by them)
+    df["missing"] = (df["verdict"] == "only in base") & gated & ~df["lab"].isin(not_gated)
+    df["_o"] = df["verdict"].map(VERDICT_ORDER).fillna(9)
+    return (
+        df.sort_values(["_o", "lab", "experiment", "variant", "shape", "dtype", "metric"], kind="stable")
+        .drop(columns="_o")
+        .reset_index(drop=True)
+    )
 
 
 #: verdicts a noisy timing does not override: they are about the row's presence or failure

@@ -1,0 +1,236 @@
+"""One merged row's verdict, in stages: present on one side only, failed, not comparable
+(device or context), no value, then the gain and its noise; per-time rows without samples
+borrow the noise of their time row once every row has been seen (:class:`RowJudge`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from lab_utils.run.compare.coverage import ContextDiff
+from lab_utils.run.compare.options import Options
+from lab_utils.run.compare.rules import NOT_COMPARABLE, PER_TIME_SUFFIXES, Direction, direction
+from lab_utils.run.compare.stats import bootstrap_ratio, judge, rank_pvalues
+
+#: the fields that tell one case apart: a time row and its per-time rows share them
+GROUP_COLS = ["lab", "experiment", "variant", "shape", "dtype", "ident", "occurrence"]
+
+
+def kind_selected(kind: str, only: str) -> bool:
+    if only == "all":
+        return True
+    if only == "performance":
+        return kind in ("performance", "memory")
+    return kind in ("accuracy", "other")
+
+
+def row_label_short(r) -> str:
+    return f"{r['lab']} {r['experiment']}/{r['variant']} {r['shape']} {r['metric']}".strip()
+
+
+def stable_flag(v) -> bool | None:
+    """True / False / None (not a timing, or not judged) from a merged column's value."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return None
+    return bool(v)
+
+
+def reason_text(v) -> str:
+    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+
+
+def row_base(r) -> tuple[dict, Direction]:
+    """The output row of merged row ``r`` before any verdict, and its metric's direction."""
+    unit = next((u for u in (r.get("unit_b"), r.get("unit_c")) if isinstance(u, str) and u), "")
+    d = direction(r["metric"], unit)
+    return dict(
+        lab=r["lab"],
+        experiment=r["experiment"],
+        variant=r["variant"],
+        shape=r["shape"],
+        dtype=r["dtype"],
+        metric=r["metric"],
+        statistic=r["statistic"],
+        ident=r["ident"],
+        occurrence=int(r["occurrence"]),
+        unit=unit,
+        kind=d.kind,
+        better=d.better,
+        base=r.get("value_b"),
+        candidate=r.get("value_c"),
+        ratio=math.nan,
+        gain=math.nan,
+        lo=math.nan,
+        hi=math.nan,
+        p_value=math.nan,
+        n_base=0,
+        n_cand=0,
+        noise="",
+        verdict="",
+        note="",
+        regression=False,
+        improvement=False,
+        base_stable=stable_flag(r.get("stable_b")),
+        cand_stable=stable_flag(r.get("stable_c")),
+        base_stability=reason_text(r.get("stability_b")),
+        cand_stability=reason_text(r.get("stability_c")),
+        base_samples=None,
+        cand_samples=None,
+    ), d
+
+
+def point_gain(d: Direction, vb: float, vc: float) -> tuple[float, float, float | None]:
+    """(gain, ratio, delta) of two finite values: gain > 1 is better for the candidate; delta
+    (candidate - base) only for dB figures, whose gain is a power ratio."""
+    delta = None
+    if d.scale == "db":
+        delta = vc - vb
+        ratio = vc / vb if vb != 0 else math.nan
+        gain = 10 ** ((delta if d.better == "higher" else -delta) / 10)
+    elif vb == 0 or vc == 0:
+        if vb == vc:
+            gain, ratio = 1.0, 1.0
+        else:
+            ratio = math.inf if vb == 0 else 0.0
+            worse = (vc > vb) if d.better == "lower" else (vc < vb)
+            gain = 0.0 if worse else math.inf
+    else:
+        ratio = vc / vb
+        gain = vb / vc if d.better == "lower" else vc / vb
+    return gain, ratio, delta
+
+
+def sample_interval(sb, sc, d: Direction, o: Options) -> tuple[float, float, float, float]:
+    """(lo, hi, p_worse, p_better) of the gain from both sides' samples."""
+    rlo, rhi = bootstrap_ratio(sb, sc, n=o.bootstrap, confidence=o.confidence)
+    lo, hi = (1 / rhi, 1 / rlo) if d.better == "lower" else (rlo, rhi)
+    pw = pb = math.nan
+    if o.method == "rank":
+        thr = o.accuracy_threshold if d.kind == "accuracy" else o.threshold
+        pw, pb = rank_pvalues(sb, sc, 1 + thr, d.better)
+    return lo, hi, pw, pb
+
+
+@dataclass
+class RowJudge:
+    """Judges the merged rows of one comparison, in order (:meth:`rows`)."""
+
+    o: Options
+    cdiff: ContextDiff
+    mismatch: bool
+    not_run: list[str]
+    #: (group + metric) of a time row -> (gain, lo, hi, p_worse, p_better), for its per-time rows
+    time_gain: dict[tuple, tuple[float, float, float, float, float]] = field(default_factory=dict)
+    #: per-time rows without samples, judged once every time row is known
+    pending: list = field(default_factory=list)
+
+    def rows(self, m: pd.DataFrame) -> list[dict]:
+        out = []
+        for _, r in m.iterrows():
+            row, d = row_base(r)
+            if not kind_selected(d.kind, self.o.only):
+                continue
+            out.append(row)
+            if self.one_sided(row, r) or self.failed(row, r) or self.not_comparable(row, r, d):
+                continue
+            self.measured(row, r, d)
+        for row, d, delta, r in self.pending:
+            self.derived(row, d, delta, r)
+        return out
+
+    def one_sided(self, row: dict, r) -> bool:
+        if r["_merge"] not in ("left_only", "right_only"):
+            return False
+        left = r["_merge"] == "left_only"
+        why = (
+            "the lab did not run in the candidate"
+            if r["lab"] in self.not_run
+            else self.cdiff.explain_one_sided(r["lab"])
+        )
+        row.update(
+            verdict="only in base" if left else "only in candidate",
+            note=("missing in candidate" if left else "new in candidate") + (f": {why}" if why else ""),
+            base=r["value_b"] if left else math.nan,
+            candidate=math.nan if left else r["value_c"],
+        )
+        return True
+
+    @staticmethod
+    def failed(row: dict, r) -> bool:
+        fb, fc = bool(r["failed_b"]), bool(r["failed_c"])
+        if not (fb or fc):
+            return False
+        v = {(True, True): "failed both", (False, True): "failed", (True, False): "fixed"}[(fb, fc)]
+        row.update(
+            verdict=v,
+            note="ran in base, failed in candidate"
+            if v == "failed"
+            else ("failed in base, runs in candidate" if v == "fixed" else ""),
+        )
+        return True
+
+    def not_comparable(self, row: dict, r, d: Direction) -> bool:
+        if self.mismatch and d.kind in ("performance", "memory") and not self.o.allows("device"):
+            row.update(verdict="device differs", note="not compared: runs on different devices")
+            return True
+        blockers = self.cdiff.blockers(r["lab"], d.kind, r.get("extra_b"), r.get("extra_c"))
+        blocked = self.cdiff.not_allowed(blockers)
+        if blocked:
+            self.cdiff.count_blocked(blocked, row_label_short(r))
+            cats = ",".join(c for c, _ in blocked)
+            row.update(
+                verdict=NOT_COMPARABLE,
+                note=f"not compared: {'; '.join(w for _, w in blocked)} (--allow-context-diff {cats} to compare)",
+            )
+            return True
+        if blockers:
+            row["note"] = "compared as asked although " + "; ".join(w for _, w in blockers)
+        return False
+
+    def measured(self, row: dict, r, d: Direction) -> None:
+        """The verdict of a row present, run and comparable on both sides."""
+        o = self.o
+        vb, vc = float(r["value_b"]), float(r["value_c"])
+        sb, sc = r["samples_b"], r["samples_c"]
+        row.update(
+            n_base=0 if sb is None else int(sb.size),
+            n_cand=0 if sc is None else int(sc.size),
+            base_samples=sb,
+            cand_samples=sc,
+        )
+        if not (math.isfinite(vb) and math.isfinite(vc)):
+            row.update(verdict="no value", note="a value is NaN or infinite")
+            return
+        gain, row["ratio"], delta = point_gain(d, vb, vc)
+        row["gain"] = gain
+        have = sb is not None and sc is not None and sb.size >= o.min_samples and sc.size >= o.min_samples
+        lo = hi = pw = pb = math.nan
+        if have and d.scale == "ratio" and vb > 0 and vc > 0:
+            lo, hi, pw, pb = sample_interval(sb, sc, d, o)
+            row["noise"] = f"bootstrap {int(o.confidence * 100)}%" + (" + rank test" if o.method == "rank" else "")
+            self.time_gain[tuple(r[c] for c in GROUP_COLS) + (r["metric"],)] = (gain, lo, hi, pw, pb)
+        elif have:
+            row["note"] = "samples kept but not usable for a ratio"
+        if d.kind == "performance" and not have and r["metric"].endswith(PER_TIME_SUFFIXES):
+            self.pending.append((row, d, delta, r))
+            return
+        verdict, note = judge(gain, lo, hi, pw, pb, d, o, delta=delta)
+        row.update(lo=lo, hi=hi, p_value=min(pw, pb), verdict=verdict, note=note or row["note"])
+
+    def derived(self, row: dict, d: Direction, delta, r) -> None:
+        """A per-time row (bytes or FLOPs per second) without samples: its interval follows
+        the time row of the same case."""
+        suffix = next(s for s in PER_TIME_SUFFIXES if r["metric"].endswith(s))
+        tkey = tuple(r[c] for c in GROUP_COLS) + (r["metric"][: -len(suffix)] + "time",)
+        lo = hi = pw = pb = math.nan
+        if tkey in self.time_gain:
+            tg, tlo, thi, tpw, tpb = self.time_gain[tkey]
+            g = row["gain"]
+            if math.isfinite(g) and g > 0 and tg > 0:
+                # same bytes (flops) over the same times: the ratio moves with the time's ratio
+                lo, hi, pw, pb = g * tlo / tg, g * thi / tg, tpw, tpb
+                row["noise"] = "from the time row's samples"
+        verdict, note = judge(row["gain"], lo, hi, pw, pb, d, self.o, delta=delta)
+        row.update(lo=lo, hi=hi, p_value=min(pw, pb), verdict=verdict, note=note)
