@@ -111,7 +111,9 @@ def choose_cpu_threads(requested: int | str | None = None) -> ThreadChoice:
             raise ValueError(
                 f"parameter 'timing_threads' = {requested!r} is not allowed: expected 'auto' or an integer >= 1"
             )
-        return ThreadChoice(n, policy, cores, math.nan, f"{n} thread(s), set by {policy} ({cores} usable cores)")
+        share = os.environ.get("PERFLAB_THREAD_SHARE")  # perflab run --parallel: labs share the budget
+        why = f"{n} thread(s), set by {policy} ({cores} usable cores)" + (f"; {share}" if share else "")
+        return ThreadChoice(n, policy, cores, math.nan, why)
     busy = busy_cores()
     if busy is None:
         return ThreadChoice(cores, "auto", cores, math.nan, f"{cores} thread(s): all usable cores (load unknown)")

@@ -9,9 +9,10 @@ node's files into one folder, checks that each rank 0..world-1 reported exactly 
 the :class:`~.launch.DistResult` that the lab checks against the single-process run
 (:func:`check_against_single_process`, the same :func:`.verify.compare` as on one machine).
 
-On one machine the same path runs as ``nnodes`` torchrun launches rendezvousing on
-``127.0.0.1`` (:func:`launch_nodes`; what the tests run, gloo, one rank per launch).  Node 0's
-launch hosts the rendezvous store (``--rdzv-conf is_host=1``), the others join it.
+On one machine the same path runs as ``nnodes`` tasks of one submitit local job, each a torchrun
+launch rendezvousing on ``127.0.0.1`` (``perflab run --executor local --nodes 2``; what the tests
+run, gloo, one rank per launch).  Node 0's launch hosts the rendezvous store
+(``--rdzv-conf is_host=1``), the others join it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 from ..core.config import ConfigError
-from .launch import GRACE_S, DistResult, DistRunError, free_port
+from .launch import GRACE_S, DistResult, DistRunError
 from .spec import DistConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,53 +142,6 @@ def gather(cfg: DistConfig, node_dirs: list[Path], out: Path, wall_s: float = fl
         raise DistRunError("raised", f"ranks {missing} of {cfg.world_size} wrote no result\n{logs}", missing[0], out)
     ranks = [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(cfg.world_size)]
     return DistResult(cfg, out, wall_s, ranks)
-
-
-def launch_nodes(cfg: DistConfig, nnodes: int, out: str | Path, *, nproc_per_node: int = 1) -> DistResult:
-    """``nnodes`` torchrun launches on this machine that rendezvous on 127.0.0.1 like ``nnodes``
-    machines would; results gathered into ``out``.  ``cfg.world_size`` must be nnodes x nproc_per_node."""
-    if cfg.world_size != nnodes * nproc_per_node:
-        raise ConfigError(
-            "world_size",
-            cfg.world_size,
-            f"nodes x processes per node = {nnodes} x {nproc_per_node} = {nnodes * nproc_per_node}",
-        )
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    spec = out / "spec.json"
-    spec.write_text(json.dumps([json.loads(cfg.to_json())]))
-    endpoint, rdzv_id = f"127.0.0.1:{free_port()}", f"perflab-local-{os.getpid()}-{time.monotonic_ns()}"
-    dirs = [out / f"node{i}" for i in range(nnodes)]
-    t0 = time.monotonic()
-    procs: list[subprocess.Popen] = []
-    try:
-        for i, d in enumerate(dirs):
-            cmd = torchrun_command(
-                spec,
-                d,
-                nnodes=nnodes,
-                nproc_per_node=nproc_per_node,
-                endpoint=endpoint,
-                rdzv_id=rdzv_id,
-                is_host=i == 0,
-            )
-            procs.append(_start(cmd, d))
-        deadline = t0 + cfg.timeout_s
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-    finally:
-        _end(procs)
-    codes = [p.returncode for p in procs]
-    if any(c != 0 for c in codes):
-        timed_out = time.monotonic() > t0 + cfg.timeout_s
-        logs = "\n".join(
-            f"--- node {i} (exit {c}) torchrun.log:\n{_log_tail(d)}" for i, (d, c) in enumerate(zip(dirs, codes))
-        )
-        kind = "timeout" if timed_out else "raised"
-        raise DistRunError(kind, f"the {nnodes}-node launch failed (exit codes {codes})\n{logs}", None, out, codes)
-    return gather(cfg, dirs, out, time.monotonic() - t0)
 
 
 def check_against_single_process(res: DistResult, ref_dir: Path):

@@ -1,6 +1,8 @@
 """The ``perflab`` command.
 
 perflab run SUITE [--param key=value ...] [--only NOTEBOOK ...] [--out DIR] [--timing-threads N|auto]
+            [--parallel N] [--devices 0,1,...] [--executor local|slurm] [--partition P] [--nodes N] ...
+            (jobs: lab_utils.run.parallel, docs/cluster.md)
 perflab run --list
 perflab ceilings [--force] [--quick]
 perflab nb refresh LAB.ipynb ...
@@ -22,6 +24,7 @@ from lab_utils.core.records import load_records, thread_cut_note
 from lab_utils.run.compare import baseline_main, lab_name
 from lab_utils.run.compare import main as compare_main
 from lab_utils.run.nbtools import refresh
+from lab_utils.run.parallel import add_job_options, job_options
 from lab_utils.run.runner import RunInterrupted, SuiteError, list_suites, load_suite, parse_overrides, run_suite
 from lab_utils.run.workspace import main as lab_main
 from lab_utils.stability.numdiff import numdiff_main
@@ -51,6 +54,7 @@ def _cmd_run(a) -> int:
             only=[lab_name(x) for x in a.only] if a.only else None,
             progress=not a.no_progress,
             timing_threads=a.timing_threads,
+            jobs=job_options(a),
         )
     except (SuiteError, ConfigError, ValueError) as e:
         print(f"perflab run: {e}", file=sys.stderr)
@@ -138,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         help="CPU threads every lab times with (default: auto, the cores other processes leave free; "
         "recorded in each report's context)",
     )
+    add_job_options(r)
     r.set_defaults(fn=_cmd_run)
     c = sub.add_parser("ceilings", help="measure (or show cached) copy and matmul ceilings")
     c.add_argument("--force", action="store_true", help="re-measure even if cached (without it, the cache is shown)")

@@ -16,7 +16,7 @@
   by ``mem_gb``; outcomes come back in item order, failures included, for the caller to reduce.
 * :func:`job_guard` is what a job runs under: on a cancel (SIGINT / SIGTERM) or the time-limit
   signal (SIGUSR2) it ends every process the job started (a notebook's kernel lives in its own
-  session and would otherwise outlive it) and raises :class:`JobStopped`.
+  session and would otherwise outlive it) and the job ends with :class:`JobEnded` saying which.
 """
 
 from __future__ import annotations
@@ -47,7 +47,13 @@ CANCEL_WAIT_S = 20.0
 
 
 class JobStopped(KeyboardInterrupt):
-    """Raised inside a job when it is cancelled or reaches its time limit (``reason`` says which)."""
+    """Raised inside a job by the signal that cancels it or ends its time (a KeyboardInterrupt, so
+    that no ``except Exception`` on the way swallows it); :func:`job_guard` turns it into
+    :class:`JobEnded` for submitit to report."""
+
+
+class JobEnded(RuntimeError):
+    """A job cancelled or out of time: "cancelled (signal SIGTERM)", "timed out (signal SIGUSR2)"."""
 
 
 @dataclass(frozen=True)
@@ -179,9 +185,9 @@ def _job_log(job, limit: int = 6000) -> str:
 def _state_of(job, error: str) -> str:
     """failed / timed out / cancelled, from what the job raised and what the scheduler says."""
     sched = str(getattr(job, "state", "") or "").upper()
-    if "JobStopped: timed out" in error or "TIMEOUT" in sched:
+    if "JobEnded: timed out" in error or "TIMEOUT" in sched:
         return "timed out"
-    if "JobStopped: cancelled" in error or sched.startswith("CANCELLED") or sched == "INTERRUPTED":
+    if "JobEnded: cancelled" in error or sched.startswith("CANCELLED") or sched == "INTERRUPTED":
         return "cancelled"
     return "failed"
 
@@ -223,6 +229,11 @@ def cancel_all(jobs: Sequence, wait_s: float = CANCEL_WAIT_S) -> None:
     _wait_ended(live, wait_s)
 
 
+def _wait(seconds: float) -> None:
+    """Between polls of the running jobs (a test replaces it to interrupt a run mid-way)."""
+    time.sleep(seconds)
+
+
 class _Slots:
     """Device ids handed to tasks: a task waits until as many as it asks for are free."""
 
@@ -257,6 +268,7 @@ def run_tasks(
     slots = _Slots(devices)
     cap = max_running if opts.executor == "local" and max_running else len(tasks)
     bar = tqdm(total=len(tasks), desc=desc, unit="job", disable=not progress, file=sys.stderr)
+    shown = ""
     try:
         while pending or running:
             while pending and len(running) < cap:
@@ -277,10 +289,12 @@ def run_tasks(
                     bar.update(1)
                     if on_done is not None:
                         on_done(out)
-            bar.set_postfix_str(", ".join(running) or "")
+            if shown != ", ".join(running):
+                shown = ", ".join(running)
+                bar.set_postfix_str(shown)
             if pending or running:
-                time.sleep(POLL_S)
-    except KeyboardInterrupt:
+                _wait(POLL_S)
+    except BaseException:  # Ctrl-C, or an error here: nothing submitted is left running
         cancel_all([job for job, _, _ in running.values()])
         raise
     finally:
@@ -332,6 +346,8 @@ def job_guard() -> Iterator[None]:
     old = {s: signal.signal(s, stop) for s in reasons}
     try:
         yield
+    except JobStopped as e:  # an Exception, so that submitit writes it as the job's error
+        raise JobEnded(str(e)) from None
     finally:
         end_children()
         for s, h in old.items():

@@ -176,19 +176,21 @@ def plan(suite: Suite, overrides: dict | None = None, only: list[str] | None = N
     planned, used = [], set()
     for e in entries:
         defaults = notebook_parameters(e.notebook)
-        for k in e.params:
+        cls = notebook_config_class(e.notebook)
+        # a renamed parameter is accepted under its former name (a warning names both); the
+        # notebook gets, and the records keep, the new name
+        renamed = dict(getattr(cls, "RENAMED", None) or {})
+        params = cls.renamed_params(e.params, old_wins=False) if renamed else dict(e.params)
+        for k in params:
             if k not in defaults:
                 raise SuiteError(
                     f"parameter {k!r} (suite {suite.name}, {e.stem}) is not a parameter of "
                     f"{e.notebook.name}; its parameters: {', '.join(defaults)}"
                 )
-        params = dict(e.params)
-        for k, v in overrides.items():
-            if k in defaults:
-                params[k] = v
-                used.add(k)
+        ours = {k: v for k, v in overrides.items() if renamed.get(k, k) in defaults}
+        params.update(cls.renamed_params(ours, old_wins=False) if renamed else ours)
+        used.update(ours)
         resolved = {**defaults, **params}
-        cls = notebook_config_class(e.notebook)
         if cls is not None:
             try:
                 cls.from_params(resolved)

@@ -1,0 +1,302 @@
+"""Suites as jobs (issue 26): side by side (--parallel), through submitit's local executor (the path
+a SLURM run takes), Ctrl-C, bad options, and lab 06 across two torchrun launches on localhost."""
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+
+from lab_utils.core.config import ConfigError
+from lab_utils.core.records import load_records
+from lab_utils.distributed.launch import DistRunError
+from lab_utils.distributed.rendezvous import gather, srun_line, torchrun_command
+from lab_utils.distributed.spec import DistConfig
+from lab_utils.distributed.verify import TOLERANCES
+from lab_utils.run import cli, executors, parallel, runner
+from lab_utils.run.compare.baselines import timing_free
+from lab_utils.run.executors import MapOptions, Task, cluster_options, map_jobs, run_tasks
+from lab_utils.run.nbtools import make_notebook
+from lab_utils.run.runner import RunInterrupted, run_suite
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "lab_utils.studies.ceilings:CeilingsLabConfig"
+# an accuracy figure against float64 (timing-free) and a "time" row (a performance figure that
+# depends on the thread count it was given, so it differs between the runs and must be left out)
+ACC = (
+    "import torch\nfrom lab_utils.core.records import Recorder\nfrom lab_utils.core.timing import choose_cpu_threads\n"
+    "g = torch.Generator().manual_seed(reps)\na = torch.randn(48, 48, generator=g)\n"
+    "ref = a.double() @ a.double()\nerr = float(((a @ a).double() - ref).norm() / ref.norm())\n"
+    "rec = Recorder('acc', params={'reps': reps})\nrec.add('matmul', 'f32', 'rel_err', err)\n"
+    "rec.add('matmul', 'f32', 'time', float(choose_cpu_threads().threads), 'ms', statistic='median')\n"
+    "rec.save()"
+)
+STARTED = (
+    "import json, os, pathlib\np = pathlib.Path(os.environ['PERFLAB_ARTIFACTS_DIR'])\n"
+    "(p / 'started.json').write_text(json.dumps({'kernel': os.getpid(), 'job': os.getppid()}))\n"
+)
+
+
+def _nb(path: Path, body: str) -> str:
+    nb = make_notebook([("md", "# t"), ("params", 'device = "cpu"\nreps = 5'), ("code", body)], config=CONFIG)
+    path.write_text(nbformat.writes(nb))
+    return str(path)
+
+
+@pytest.fixture
+def suites(tmp_path, monkeypatch):
+    pdir, labs = tmp_path / "parameterized", tmp_path / "labs"
+    pdir.mkdir()
+    labs.mkdir()
+    nbs = {
+        "acc": ACC,
+        "bad": "raise ValueError('deliberate failure')",
+        "die": STARTED + "import signal\nos.kill(os.getppid(), signal.SIGKILL)",  # the job dies (OOM-killer style)
+        "slow": STARTED + "import time\ntime.sleep(600)",
+    }
+    paths = {k: _nb(labs / f"{k}.ipynb", v) for k, v in nbs.items()}
+    suite = {
+        "two": [{"notebook": paths["acc"]}, {"notebook": paths["acc"], "params": {"reps": 7}}],
+        "failing": [{"notebook": paths["bad"]}, {"notebook": paths["die"]}],
+        "slow": [{"notebook": paths["slow"]}],
+    }
+    for name, entries in suite.items():
+        (pdir / f"{name}.yaml").write_text(yaml.safe_dump({"description": name, "notebooks": entries}))
+    # the second "acc" entry needs its own stem: a copy under another name
+    two = yaml.safe_load((pdir / "two.yaml").read_text())
+    two["notebooks"][1]["notebook"] = _nb(labs / "acc7.ipynb", ACC)
+    (pdir / "two.yaml").write_text(yaml.safe_dump(two))
+    monkeypatch.setenv("PERFLAB_PARAMETERIZED", str(pdir))
+    return tmp_path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _procs_naming(text: str) -> list[str]:
+    """Command lines of running processes that mention ``text`` (a run's folder)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmd and _alive(int(d)):
+                out.append(cmd)
+    return out
+
+
+def _key(df):
+    cols = ["notebook", "experiment", "variant", "metric", "unit", "shape", "dtype", "statistic", "value"]
+    return sorted(map(tuple, df[cols].astype(str).values.tolist()))
+
+
+def test_two_labs_side_by_side_record_what_a_sequential_run_records(suites):
+    """--parallel 2: the same timing-free rows as one after the other, each lab's thread share in
+    its context, and the index says what ran each lab."""
+    seq = run_suite("two", out_dir=suites / "seq", progress=False)
+    par = run_suite("two", out_dir=suites / "par", progress=False, jobs={"parallel": 2})
+    assert seq.ok and par.ok, (seq.statuses, par.statuses)
+    a, b = load_records(seq.path), load_records(par.path)
+    assert len(a) == len(b) == 4 and (a["metric"] == "time").sum() == 2
+    ta, tb = timing_free(a), timing_free(b)
+    assert len(ta) == 2 and "time" not in set(ta["metric"]), ta  # the timing rows are what is left out
+    assert _key(ta) == _key(tb)
+    assert all(0 < v < 1e-5 for v in tb["value"]), tb  # float32 matmul against float64
+    status = {s["notebook"]: s for s in json.loads((par.path / "status.json").read_text())}
+    index = (par.path / "index.html").read_text()
+    for lab in ("acc", "acc7"):
+        assert status[lab]["ran_on"].startswith("cpu, ") and "local job" in status[lab]["ran_on"]
+        assert status[lab]["ran_on"] in index
+        ctx = json.loads((par.path / "records" / lab / "records.json").read_text())["context"]
+        threads = ctx["timing"]["cpu_threads"]
+        assert threads["policy"] == "PERFLAB_TIMING_THREADS" and "shared by up to 2 labs" in threads["reason"]
+    assert not (par.path / "jobs").exists() and not list((suites / "par").glob(".tmp-*"))
+
+
+def test_local_executor_shows_failed_jobs_like_failed_notebooks(suites):
+    """Through submitit's local executor: a notebook that raises is a failed notebook; a job that dies
+    (its process killed) is a failed row with its log and half-run notebook; nothing keeps running."""
+    out = suites / "r"
+    res = run_suite("failing", out_dir=out, progress=False, jobs={"executor": "local", "parallel": 2})
+    st = {s.notebook: s for s in res.statuses}
+    assert not res.ok and list(st) == ["bad", "die"]
+    assert st["bad"].status == "failed" and "deliberate failure" in st["bad"].error
+    assert st["die"].status == "failed" and st["die"].error.startswith("job failed: "), st["die"].error
+    assert "has not produced any output" in st["die"].error
+    assert (res.path / "logs" / "die.job.log").is_file() and st["die"].html == "html/die.html"
+    index = (res.path / "index.html").read_text()
+    assert "2 of 2 FAILED" in index and "job failed" in index
+    pids = json.loads((res.path / "artifacts" / "die" / "started.json").read_text())
+    deadline = time.monotonic() + 20  # the dead job's kernel notices its parent is gone
+    while _alive(pids["kernel"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _alive(pids["kernel"]) and not _alive(pids["job"])
+    assert not _procs_naming(str(out)) and not list(out.glob(".tmp-*"))
+
+
+def test_ctrl_c_cancels_the_jobs_and_leaves_nothing_behind(suites, monkeypatch):
+    """Ctrl-C while the jobs run: they are cancelled, their kernels and processes end, no folder
+    is left (nothing had finished), and the CLI says so in one line with exit code 130."""
+    out = suites / "r"
+    seen = {}
+
+    def interrupt_when_running(seconds):
+        for f in out.glob(".tmp-*/artifacts/*/started.json"):
+            seen[f.parent.name] = json.loads(f.read_text())
+        if seen:
+            raise KeyboardInterrupt
+        time.sleep(seconds)
+
+    monkeypatch.setattr(executors, "_wait", interrupt_when_running)
+    with pytest.raises(RunInterrupted, match="nothing was kept"):
+        run_suite("slow", out_dir=out, progress=False, jobs={"executor": "local"})
+    assert seen, "the job never started its notebook"
+    deadline = time.monotonic() + 10
+    pids = [p for v in seen.values() for p in v.values()]
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(map(_alive, pids)), pids
+    assert not _procs_naming(str(out)), _procs_naming(str(out))
+    assert not [p for p in out.iterdir() if p.name != "latest"]
+
+
+def test_bad_job_options_are_refused_before_anything_is_submitted(suites, tmp_path, capsys):
+    never = suites / "never"
+    cases = [
+        ({"executor": "slurm"}, "'--partition' = None"),
+        ({"executor": "pbs"}, "'--executor' = 'pbs'"),
+        ({"parallel": 0}, "'--parallel' = 0"),
+        ({"executor": "slurm", "parallel": 2, "cluster": {"partition": "gpu"}}, "'--parallel' = 2"),
+        ({"cluster": {"partition": "gpu"}}, "'--partition' = 'gpu'"),
+        ({"cluster": {"nodes": 2}}, "no 06_distributed lab"),
+        ({"cluster": {"timeout_min": 0}}, "'--time-limit' = 0"),
+        ({"devices": "0,0"}, "'--devices' = '0,0'"),
+    ]
+    if parallel.visible_gpus() == 0:
+        cases.append(({"devices": "0"}, "no visible GPU"))
+    for jobs, msg in cases:
+        with pytest.raises(ConfigError, match=msg.replace("(", r"\(")):
+            run_suite("two", out_dir=never, jobs=jobs)
+    cfg = tmp_path / "perflab.slurm.yaml"
+    cfg.write_text("partition: gpu\nqueue: fast\n")
+    with pytest.raises(ConfigError, match="'perflab.slurm.yaml: queue' = 'fast'.*partition"):
+        run_suite("two", out_dir=never, jobs={"executor": "slurm", "cluster": {"config": str(cfg)}})
+    assert not never.exists()
+    assert cli.main(["run", "two", "--out", str(never), "--executor", "slurm"]) == 2
+    assert "'--partition' = None is not allowed" in capsys.readouterr().err and not never.exists()
+
+
+def test_slurm_options_map_to_sbatch(tmp_path, monkeypatch):
+    """What each option becomes in the sbatch script submitit writes (nothing is submitted; this
+    machine has no SLURM, so submitit's check for srun is told it has)."""
+    from submitit.slurm.slurm import SlurmExecutor, _make_sbatch_string
+
+    monkeypatch.setattr(SlurmExecutor, "affinity", classmethod(lambda cls: 1))
+
+    cfg = tmp_path / "perflab.slurm.yaml"
+    cfg.write_text("partition: gpu\naccount: proj42\ntimeout_min: 90\ngpus_per_node: 8\nmem_gb: 64\n")
+    opts = cluster_options("slurm", cfg, nodes=2, timeout_min=30)
+    ex = executors.make_executor(opts, tmp_path / "jobs", name="06_distributed@2nodes", gpus=8, nodes=2)
+    text = _make_sbatch_string(command="true", folder=tmp_path / "jobs", **ex._executor.parameters)
+    for line in (
+        "--partition=gpu",
+        "--account=proj42",
+        "--time=30",
+        "--gpus-per-node=8",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--mem=64GB",
+        "--signal=USR2@60",
+    ):
+        assert f"#SBATCH {line}" in text, (line, text)
+
+
+def test_devices_are_pinned_and_a_big_lab_waits_for_its_devices(tmp_path):
+    """Each job sees only its devices (CUDA_VISIBLE_DEVICES); the 2-device job starts only when the
+    1-device job ahead of it has freed its device."""
+    sh = ["sh", "-c", 'date +%s.%N; echo "$CUDA_VISIBLE_DEVICES"; sleep 1; date +%s.%N']
+    tasks = [
+        Task("a", subprocess.check_output, (sh,), devices=1),
+        Task("big", subprocess.check_output, (sh,), devices=2),
+        Task("b", subprocess.check_output, (sh,), devices=1),
+    ]
+    done = run_tasks(tasks, cluster_options("local"), tmp_path, max_running=2, devices=[0, 1], progress=False)
+    got = {k: o.value.decode().split() for k, o in done.items()}
+    assert {k: got[k][1] for k in got} == {"a": "0", "big": "0,1", "b": "0"}
+    assert {k: o.devices for k, o in done.items()} == {"a": (0,), "big": (0, 1), "b": (0,)}
+    assert float(got["big"][0]) >= float(got["a"][2]) and float(got["b"][0]) >= float(got["big"][2])
+
+
+def _grab(n: int) -> int:
+    return len(bytearray(n << 20))
+
+
+def test_map_jobs_keeps_order_reports_failures_and_bounds_memory(tmp_path):
+    """The map issue 23's trace analysis calls: outcomes in item order; an item over the worker's
+    memory bound fails alone (MemoryError), the others are results."""
+    outs = map_jobs(_grab, [1, 3000, 2], MapOptions("pool", workers=2, mem_gb=2.0), tmp_path, progress=False)
+    assert [o.state for o in outs] == ["ok", "failed", "ok"] and [outs[0].value, outs[2].value] == [2**20, 2 << 20]
+    assert "mem_gb=2.0" in outs[1].error
+    outs = map_jobs(abs, [-3, 4], MapOptions("local", workers=2, mem_gb=2.0), tmp_path / "jobs", progress=False)
+    assert [o.value for o in outs] == [3, 4] and not (tmp_path / "jobs").exists()
+    with pytest.raises(ConfigError, match="'executor' = 'ray'"):
+        map_jobs(abs, [1], MapOptions("ray"), tmp_path)
+
+
+TINY = dict(strategy="ddp", world_size=2, steps=2, profile=False, backend="gloo", timeout_s=180.0, hang_timeout_s=90.0)
+
+
+def test_lab06_across_two_nodes_two_torchrun_launches_rendezvous_on_localhost(tmp_path):
+    """--nodes 2 with the local executor: one job, two tasks, each a torchrun launch (one rank) that
+    meets the other through the c10d rendezvous on 127.0.0.1; task 0 gathers the nodes' results,
+    checks them against the single-process run as lab 06 does and records the agreement."""
+    cfg = DistConfig(**TINY)
+    opts = cluster_options("local", timeout_min=10)
+    task = parallel.multinode_task(cfg, 2, 1, tmp_path, opts)
+    assert (task.key, task.nodes) == ("06_distributed@2nodes", 2)
+    o = run_tasks([task], opts, tmp_path / "jobs", progress=False)[task.key]
+    assert o.ok, o.error + o.log
+    a = o.value["agreement"]
+    assert a["ok"] and a["world_size"] == 2 and a["loss_rel"] <= TOLERANCES["float32"][0], a
+    out = tmp_path / "artifacts" / task.key
+    for node in ("node0", "node1"):
+        assert "--rdzv-backend=c10d" not in (out / node / "torchrun.log").read_text()  # a log, not an echo
+        assert json.loads((out / node / "exit.json").read_text())["code"] == 0
+    ranks = [json.loads((out / "gathered" / f"result-rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["losses"] == ranks[1]["losses"]
+    rows = json.loads((tmp_path / "records" / task.key / "records.json").read_text())["rows"]
+    got = {r["metric"]: r["value"] for r in rows}
+    assert got["ranks"] == 2 and got["loss_rel_err"] == a["loss_rel"], got
+    with pytest.raises(DistRunError, match=r"ranks \[2, 3\] of 4 wrote no result"):
+        gather(DistConfig(**{**TINY, "world_size": 4}), [out / "node0", out / "node1"], tmp_path / "g")
+
+
+def test_nodes_option_plans_lab06s_first_strategy_across_the_nodes(tmp_path):
+    planned = runner.plan(runner.load_suite(ROOT / "parameterized" / "smoke.yaml"), only=["06_distributed"])
+    jp = parallel.plan_jobs(planned, executor="local", cluster={"nodes": 2})
+    tasks = parallel._tasks(planned, jp, tmp_path, tmp_path / "final", 600, {})
+    assert [(t.key, t.nodes) for t in tasks] == [("06_distributed", 1), ("06_distributed@2nodes", 2)]
+    spec = json.loads((tmp_path / "artifacts" / "06_distributed@2nodes" / "spec.json").read_text())[0]
+    assert spec["world_size"] == 2 and spec["strategy"] == planned[0].resolved["strategies"][0]
+
+
+def test_launch_lines_name_the_rendezvous():
+    cmd = torchrun_command(
+        Path("s.json"), Path("o"), nnodes=2, nproc_per_node=8, endpoint="h:29500", rdzv_id="j1", is_host=False
+    )
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    for part in ("--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d", "--rdzv-endpoint=h:29500", "--rdzv-id=j1"):
+        assert part in cmd
+    line = srun_line("spec.json", "runs", nodes=4, gpus_per_node=8)
+    assert line.startswith("srun --nodes=4 --ntasks-per-node=1 ") and "--rdzv-backend=c10d" in line
