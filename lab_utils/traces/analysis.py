@@ -48,11 +48,12 @@ import pandas as pd
 
 from lab_utils.core.config import ConfigError, check_choice
 from lab_utils.core.records import Recorder
-from lab_utils.traces import breakdown
+from lab_utils.traces import breakdown, collectives
 from lab_utils.traces.attribute import Attributed, attribute
 from lab_utils.traces.launches import launch_stats
 from lab_utils.traces.phases import PhaseTable
 from lab_utils.traces.reader import RankTrace, read_job
+from lab_utils.traces.roofline import op_roofline
 
 SCOPES = ("steps", "hta", "all")
 TEMPORAL = ("idle", "compute", "communication", "memory", "other")
@@ -163,6 +164,34 @@ class TraceAnalysis:
             for w, grp in k.groupby("window"):
                 rows.append({"rank": r, "window": w, "count": len(grp), "total_us": float(grp["dur"].sum())})
         return pd.DataFrame(rows, columns=["rank", "window", "count", "total_us"])
+
+    # -- beyond: roofline and collectives ------------------------------------------------
+    def roofline(self, rank: int | None = None, scope: str = "steps") -> pd.DataFrame:
+        """Per launching op with recorded shapes: FLOPs, bytes, TFLOP/s, GB/s, % of peak, bound."""
+        rank = self._rank(rank)
+        return op_roofline(self.kernels(rank, scope), self.traces[rank].host, self.device(rank))
+
+    def collectives(self, scope: str = "all") -> pd.DataFrame:
+        """One row per NCCL/RCCL call on every rank: collective, algorithm, bytes, bus bandwidth, exposed/hidden."""
+        parts = [self._calls(r, scope).assign(rank=r) for r in self.ranks]
+        return pd.concat(parts, ignore_index=True)
+
+    def _calls(self, rank: int, scope: str = "all") -> pd.DataFrame:
+        t = self.traces[rank]
+        return collectives.calls(self.kernels(rank, scope), t.host, t.world_size)
+
+    def skew(self) -> pd.DataFrame:
+        """Across the ranks: per collective call, arrival skew, transfer and per-rank wait (us)."""
+        per = {r: self._calls(r) for r in self.ranks}
+        return collectives.skew(per, {r: float(self.traces[r].t0_us) for r in self.ranks})
+
+    def straggler(self) -> collectives.Straggler:
+        return collectives.straggler(self.skew(), len(self.ranks))
+
+    def alpha_beta(self, duration: str = "dur") -> dict[str, collectives.AlphaBeta]:
+        """Lab 06's alpha-beta model fitted on every rank's sized calls (``duration``: ``dur`` or ``exposed_us``)."""
+        events = [e for r in self.ranks for e in collectives.events_of(self._calls(r), duration)]
+        return collectives.fit_alpha_beta(events)
 
     # -- summary and records --------------------------------------------------------------
     def summary(self) -> str:

@@ -93,20 +93,25 @@ def _launches(host: pd.DataFrame) -> pd.DataFrame:
     )
 
 
-def _ops(host: pd.DataFrame, k: pd.DataFrame) -> np.ndarray:
-    """Launching operator: by External id, else the innermost cpu_op enclosing the launch on its thread."""
+def _ops(host: pd.DataFrame, k: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Launching operator (host row index, name): by External id, else the innermost cpu_op
+    enclosing the launch on its thread."""
     ops = host[host["cat"].astype(str).eq("cpu_op")]
-    by_ext = ops[ops["external_id"] >= 0].drop_duplicates("external_id").set_index("external_id")["name"].astype(str)
-    out = k["external_id"].map(by_ext).to_numpy(dtype=object)
-    missing = pd.isna(out) & k["launch_ts"].notna().to_numpy()
+    by_ext = pd.Series(ops.index, index=ops["external_id"].to_numpy())
+    by_ext = by_ext[by_ext.index >= 0]
+    by_ext = by_ext[~by_ext.index.duplicated()]
+    idx = k["external_id"].map(by_ext).to_numpy(dtype=np.float64).copy()
+    missing = np.isnan(idx) & k["launch_ts"].notna().to_numpy()
     if missing.any():
         for tid, grp in ops.groupby(ops["tid"].astype(str), observed=True):
             sel = np.flatnonzero(missing & (k["launch_tid"].to_numpy() == tid))
             if len(sel):
-                lab = np.full(len(sel), None, dtype=object)
-                _paint(k["launch_ts"].to_numpy()[sel], grp, grp["name"].astype(str).to_numpy(), lab)
-                out[sel] = lab
-    return np.where(pd.isna(out), "", out).astype(object)
+                lab = np.full(len(sel), np.nan)
+                _paint(k["launch_ts"].to_numpy()[sel], grp, grp.index.to_numpy(dtype=np.float64), lab)
+                idx[sel] = lab
+    op_index = np.where(np.isnan(idx), -1, idx).astype(np.int64)
+    names = host["name"].astype(str).to_numpy()
+    return op_index, np.where(op_index >= 0, names[np.clip(op_index, 0, None)], "").astype(object)
 
 
 def _window(launch: np.ndarray, steps: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
@@ -168,7 +173,7 @@ def attribute(trace: RankTrace, phases: PhaseTable | None = None) -> Attributed:
         ops = host[host["cat"].astype(str).eq("cpu_op")]
         main_tid = str(ops["tid"].astype(str).mode().iloc[0]) if len(ops) else None
     k = gpu.merge(_launches(host), on="correlation", how="left")
-    k["op"] = _ops(host, k) if len(k) else np.array([], dtype=object)
+    k["op_index"], k["op"] = _ops(host, k) if len(k) else (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=object))
     launch = k["launch_ts"].to_numpy(dtype=np.float64)
     if not has_steps:  # one window: every launched activity is in step 0
         k["step"] = np.where(np.isnan(launch), -1, 0)
