@@ -197,8 +197,6 @@ FUNCTION_ALLOWED = {
     "lab_utils/attention/varlen.py:time_padding_vs_packing": "TODO issue 22",
     "lab_utils/core/records.py:Recorder.add": "TODO issue 22",
     "lab_utils/core/records.py:Recorder.add_timing": "TODO issue 22",
-    "lab_utils/core/timing.py:bench": "TODO issue 22: split into stages, knobs into BenchOptions",
-    "lab_utils/core/timing.py:cuda_samples": "TODO issue 22",
     "lab_utils/distributed/projection.py:comm_plan": "TODO issue 22",
     "lab_utils/distributed/projection.py:project": "TODO issue 22",
     "lab_utils/fused/blocks.py:block_cases": "TODO issue 22",

@@ -11,6 +11,7 @@ from lab_utils.core import timing as timing_mod
 from lab_utils.core.timing import (
     THREADS_ENV,
     BenchError,
+    BenchOptions,
     StabilityRules,
     Timing,
     bench,
@@ -208,9 +209,9 @@ def test_cuda_reps_are_honoured_within_a_stated_limit(monkeypatch):
         return [50.0] * max(1, int(rep / 50.0))  # what do_bench does for a 50 ms call
 
     monkeypatch.setattr(tt, "do_bench", fake_do_bench)
-    kw = dict(warmup_ms=25, rep_ms=100, est_ms=50.0, cuda_graph=False, flush_l2=True, grad_to_none=None)
-    samples, method = cuda_samples(lambda: None, reps=20, limit_ms=60_000, **kw)
+    o = BenchOptions(reps=20, warmup_ms=25, rep_ms=100, cuda_graph=False, flush_l2=True, grad_to_none=None)
+    samples, method = cuda_samples(lambda: None, o, est_ms=50.0, limit_ms=60_000)
     assert method == "do_bench" and len(samples) >= 20 and asked[0] >= 20 * 50
     asked.clear()
-    samples, _ = cuda_samples(lambda: None, reps=20, limit_ms=200, **kw)  # the limit wins: fewer samples
+    samples, _ = cuda_samples(lambda: None, o, est_ms=50.0, limit_ms=200)  # the limit wins: fewer samples
     assert 1 <= len(samples) < 20 and all(r <= 200 for r in asked)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -311,22 +311,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def cuda_samples(
-    fn,
-    *,
-    reps: int,
-    warmup_ms: float,
-    rep_ms: float,
-    est_ms: float,
-    limit_ms: float,
-    cuda_graph: bool,
-    flush_l2: bool,
-    grad_to_none,
-) -> tuple[list[float], str]:
-    """At least ``reps`` device-timed samples (fewer only when ``limit_ms`` runs out)."""
+def cuda_samples(fn, o: BenchOptions, *, est_ms: float, limit_ms: float) -> tuple[list[float], str]:
+    """At least ``o.reps`` device-timed samples (fewer only when ``limit_ms`` runs out)."""
     import triton.testing as tt  # noqa: PLC0415  (triton is imported only where a GPU is timed)
 
-    if not flush_l2 and not cuda_graph:
+    reps, warmup_ms, cuda_graph, grad_to_none = o.reps, o.warmup_ms, o.cuda_graph, o.grad_to_none
+    if not o.flush_l2 and not cuda_graph:
         return _event_loop(fn, reps=reps, warmup_ms=warmup_ms, est_ms=est_ms), "events"
     t0 = time.perf_counter()
     asked_ms = 0.0  # what the do_bench calls were given: their warm-up and measuring time
@@ -336,7 +326,7 @@ def cuda_samples(
         if samples and left_ms <= est_ms:
             break
         # do_bench repeats for rep / (its estimate of one call): ask for the samples still missing
-        want_ms = max(rep_ms if not samples else 0.0, (reps - len(samples)) * est_ms * 1.2)
+        want_ms = max(o.rep_ms if not samples else 0.0, (reps - len(samples)) * est_ms * 1.2)
         rep = max(min(want_ms, left_ms), est_ms)
         asked_ms += rep + (0.0 if cuda_graph else warmup_ms)
         if cuda_graph:
@@ -362,39 +352,91 @@ def _cpu_samples(fn, *, n: int, number: int, warmup_ms: float, threads: int) -> 
     return samples, (cpu / wall if wall > 0 else math.nan)
 
 
+@dataclass(frozen=True)
+class BenchOptions:
+    """How :func:`bench` measures (``bench(fn, BenchOptions(reps=20))``, or the same fields as
+    keywords: ``bench(fn, reps=20)``).  ``reps``: samples on every device (on CUDA, do_bench's
+    time budget is raised to fit them, within a third of ``budget_s``); ``retries``: new
+    attempts when the samples are judged unstable; ``threads``: CPU intra-op threads (default:
+    :func:`choose_cpu_threads`); ``rules``: the stability rules (:data:`DEFAULT_RULES`)."""
+
+    reps: int = 50
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    min_sample_ms: float = 1.0
+    budget_s: float = 60.0
+    cuda_graph: bool = False
+    flush_l2: bool = True
+    check_finite: bool = True
+    grad_to_none: Any = None
+    retries: int = 2
+    threads: int | str | None = None
+    rules: StabilityRules | None = None
+
+    def __post_init__(self):
+        if isinstance(self.reps, bool) or not isinstance(self.reps, int) or self.reps < 3:
+            raise ValueError(f"parameter 'reps' = {self.reps} is not allowed: expected an integer >= 3")
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
+            raise ValueError(f"parameter 'retries' = {self.retries!r} is not allowed: expected an integer >= 0")
+
+
+#: one measuring attempt: (samples in ms, method, extra meta, stability verdict)
+Attempt = tuple[list[float], str, dict, Stability]
+
+
 def bench(
     fn: Callable[[], Any],
+    options: BenchOptions | None = None,
     *,
     name: str = "",
     device: str | torch.device | None = None,
-    reps: int = 50,
-    warmup_ms: float = 25.0,
-    rep_ms: float = 100.0,
-    min_sample_ms: float = 1.0,
-    budget_s: float = 60.0,
-    cuda_graph: bool = False,
-    flush_l2: bool = True,
-    check_finite: bool = True,
-    grad_to_none=None,
-    retries: int = 2,
-    threads: int | str | None = None,
-    rules: StabilityRules | None = None,
+    **kw,
 ) -> Timing:
     """Time ``fn()``; raise :class:`BenchError` if it raises, returns NaN/Inf, or would
-    exceed ``budget_s``.  ``reps`` is the sample count on every device (on CUDA, do_bench's
-    time budget is raised to fit it, within a third of ``budget_s``).  The samples are
-    judged (:func:`judge_samples`); an unstable measurement is taken again up to
-    ``retries`` times while the budget allows.  ``threads``: CPU intra-op threads
-    (default: :func:`choose_cpu_threads`)."""
+    exceed ``budget_s``.  ``options`` (:class:`BenchOptions`, or its fields as keywords ``kw``)
+    say how.  The samples are judged (:func:`judge_samples`); an unstable measurement is taken
+    again up to ``retries`` times while the budget allows."""
+    o = replace(options, **kw) if options is not None else BenchOptions(**kw)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 3:
-        raise ValueError(f"parameter 'reps' = {reps} is not allowed: expected an integer >= 3")
-    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-        raise ValueError(f"parameter 'retries' = {retries!r} is not allowed: expected an integer >= 0")
-    rules = rules or DEFAULT_RULES
     t_start = time.perf_counter()
+    first_ms, est_ms = _first_calls(fn, dev, name, o)
+    if dev.type == "cuda":
+        limit_ms = o.budget_s * 1e3 / 3
+        meta = {"flush_l2": o.flush_l2 and not o.cuda_graph, "cuda_graph": o.cuda_graph, "time_limit_ms": limit_ms}
 
-    # First call: compile / autotune / lazy init.  Out of the statistics, but checked.
+        def measure() -> tuple[list[float], str, dict]:
+            s, method = cuda_samples(fn, o, est_ms=est_ms, limit_ms=limit_ms)
+            return s, method, {}
+    else:
+        n, number = _cpu_sample_plan(est_ms, name, o)
+        meta = {"number_per_sample": number}
+
+        def measure() -> tuple[list[float], str, dict]:
+            choice = choose_cpu_threads(o.threads)
+            s, on_cpu = _cpu_samples(fn, n=n, number=number, warmup_ms=o.warmup_ms, threads=choice.threads)
+            extra = {"threads": choice.threads, "threads_reason": choice.reason, "on_cpu": round(on_cpu, 3)}
+            return s, "torch.utils.benchmark", extra
+
+    attempts = _attempts(measure, o, t_start)
+    samples, method, extra, verdict = _kept(attempts, o.retries)
+    if dev.type == "cuda" and len(samples) < o.reps:
+        verdict = _note(verdict, f"{len(samples)} of {o.reps} samples within the time limit of {limit_ms / 1e3:.1f} s")
+    return Timing(
+        name,
+        str(dev),
+        method,
+        tuple(float(s) for s in samples),
+        first_ms,
+        meta={**meta, **extra, "reps": o.reps, "attempts": len(attempts)},
+        verdict=verdict,
+    )
+
+
+def _first_calls(fn, dev: torch.device, name: str, o: BenchOptions) -> tuple[float, float]:
+    """(first call's ms, compile-free estimate of one call's ms).  The first call compiles,
+    autotunes or initialises lazily: out of the statistics, but checked (raises, non-finite
+    output, over the budget); the second gives the estimate that sizes the run."""
+    budget_s = o.budget_s
     try:
         _sync(dev)
         t0 = time.perf_counter()
@@ -403,7 +445,7 @@ def bench(
         first_ms = (time.perf_counter() - t0) * 1e3
     except Exception as e:  # noqa: BLE001 - we re-raise with context
         raise BenchError(BenchFailure(name, "raised", f"{type(e).__name__}: {e}")) from e
-    if check_finite:
+    if o.check_finite:
         bad = _nonfinite(out)
         if bad:
             raise BenchError(BenchFailure(name, "nonfinite", bad))
@@ -412,56 +454,39 @@ def bench(
         raise BenchError(
             BenchFailure(name, "budget", f"first call took {first_ms / 1e3:.1f} s, over the budget of {budget_s} s")
         )
-
-    # Second call gives a compile-free estimate for sizing the run against the budget.
     t0 = time.perf_counter()
     try:
         fn()
         _sync(dev)
     except Exception as e:  # noqa: BLE001
         raise BenchError(BenchFailure(name, "raised", f"{type(e).__name__}: {e}")) from e
-    est_ms = max((time.perf_counter() - t0) * 1e3, 1e-4)
+    return first_ms, max((time.perf_counter() - t0) * 1e3, 1e-4)
 
-    if dev.type == "cuda":
-        limit_ms = budget_s * 1e3 / 3
-        meta = {"flush_l2": flush_l2 and not cuda_graph, "cuda_graph": cuda_graph, "time_limit_ms": limit_ms}
 
-        def measure() -> tuple[list[float], str, dict]:
-            s, method = cuda_samples(
-                fn,
-                reps=reps,
-                warmup_ms=warmup_ms,
-                rep_ms=rep_ms,
-                est_ms=est_ms,
-                limit_ms=limit_ms,
-                cuda_graph=cuda_graph,
-                flush_l2=flush_l2,
-                grad_to_none=grad_to_none,
-            )
-            return s, method, {}
-    else:
-        number = max(1, int(math.ceil(min_sample_ms / est_ms)))
-        n = reps
-        if est_ms * number * n / 1e3 > budget_s:  # shrink to the budget, never below 3 samples
-            n = max(3, int(budget_s * 1e3 / (est_ms * number)))
-            if est_ms * number * n / 1e3 > budget_s * 1.5:
-                raise BenchError(
-                    BenchFailure(
-                        name,
-                        "budget",
-                        f"one call takes {est_ms:.1f} ms; 3 samples would exceed the budget of {budget_s} s",
-                    )
+def _cpu_sample_plan(est_ms: float, name: str, o: BenchOptions) -> tuple[int, int]:
+    """(samples, calls per sample) on CPU: each sample lasts ``min_sample_ms`` or more, and the
+    samples fit the budget (never fewer than 3; raises when 3 would not fit)."""
+    min_sample_ms, budget_s = o.min_sample_ms, o.budget_s
+    number = max(1, int(math.ceil(min_sample_ms / est_ms)))
+    n = o.reps
+    if est_ms * number * n / 1e3 > budget_s:  # shrink to the budget, never below 3 samples
+        n = max(3, int(budget_s * 1e3 / (est_ms * number)))
+        if est_ms * number * n / 1e3 > budget_s * 1.5:
+            raise BenchError(
+                BenchFailure(
+                    name,
+                    "budget",
+                    f"one call takes {est_ms:.1f} ms; 3 samples would exceed the budget of {budget_s} s",
                 )
-        meta = {"number_per_sample": number}
+            )
+    return n, number
 
-        def measure() -> tuple[list[float], str, dict]:
-            choice = choose_cpu_threads(threads)
-            s, on_cpu = _cpu_samples(fn, n=n, number=number, warmup_ms=warmup_ms, threads=choice.threads)
-            extra = {"threads": choice.threads, "threads_reason": choice.reason, "on_cpu": round(on_cpu, 3)}
-            return s, "torch.utils.benchmark", extra
 
-    attempts: list[tuple[list[float], str, dict, Stability]] = []
-    for attempt in range(1 + retries):
+def _attempts(measure: Callable[[], tuple[list[float], str, dict]], o: BenchOptions, t_start: float) -> list[Attempt]:
+    """Measure and judge; again (up to ``retries`` times) while unstable and the budget allows."""
+    rules = o.rules or DEFAULT_RULES
+    attempts: list[Attempt] = []
+    for attempt in range(1 + o.retries):
         a0 = time.perf_counter()
         samples, method, extra = measure()
         # with one thread the op runs on this thread: its CPU time over the wall time says how
@@ -471,12 +496,17 @@ def bench(
         if verdict.stable:
             break
         spent = time.perf_counter() - t_start
-        if attempt < retries and spent + (time.perf_counter() - a0) > budget_s:
+        if attempt < o.retries and spent + (time.perf_counter() - a0) > o.budget_s:
             attempts[-1] = (samples, method, extra, _note(verdict, "no budget left to measure again"))
             break
-        if attempt < retries:
+        if attempt < o.retries:
             time.sleep(0.05)  # let a burst of other work pass before measuring again
-    # the last attempt when it is stable, else the steadiest (smallest p80/p20) of them all
+    return attempts
+
+
+def _kept(attempts: list[Attempt], retries: int) -> Attempt:
+    """The last attempt when it is stable, else the steadiest (smallest p80/p20) of them all,
+    its verdict saying how many attempts it took."""
     kept = attempts[-1] if attempts[-1][3].stable else min(attempts, key=lambda a: _finite_or_inf(a[3].spread))
     samples, method, extra, verdict = kept
     k = len(attempts)
@@ -489,17 +519,7 @@ def bench(
             f"unstable in all {k} attempt(s)" if k > 1 else ("unstable" if retries else "unstable (no retry allowed)")
         )
         verdict = Stability(False, f"{tries}; kept the steadiest: {verdict.reason}", verdict.spread, verdict.stalls, k)
-    if dev.type == "cuda" and len(samples) < reps:
-        verdict = _note(verdict, f"{len(samples)} of {reps} samples within the time limit of {limit_ms / 1e3:.1f} s")
-    return Timing(
-        name,
-        str(dev),
-        method,
-        tuple(float(s) for s in samples),
-        first_ms,
-        meta={**meta, **extra, "reps": reps, "attempts": k},
-        verdict=verdict,
-    )
+    return samples, method, extra, verdict
 
 
 def _finite_or_inf(x: float) -> float:
