@@ -12,7 +12,8 @@ From them, per rank and step:
   overlaps compute, ``exposed_ms`` = the rest; ``idle_ms`` = the step window covered
   by neither; ``overlap_fraction`` = hidden / comm.
 
-The alpha-beta model fits ``time = alpha + beta * bytes`` per collective kind to events
+The alpha-beta model (its fit lives in :mod:`lab_utils.traces.collectives`, shared with the
+trace analysis of real GPU jobs) fits ``time = alpha + beta * bytes`` per collective kind to events
 measured in a sweep of message sizes (same extraction, so fit and prediction agree on
 what "bytes" means); a step's communication is predicted by summing the model over the
 step's collectives and compared with the measured durations.
@@ -20,13 +21,18 @@ step's collectives and compared with the measured durations.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from lab_utils.traces.collectives import SWEEP_ALIAS, AlphaBeta, CollectiveEvent, fit_alpha_beta
+from lab_utils.traces.reader import events as trace_events
+
+#: re-exported: lab 06 and its tests take the collective record and the fit from here
+__all__ = ["AlphaBeta", "CollectiveEvent", "fit_alpha_beta", "load_trace", "collectives", "overlap", "predict_comm_ms"]
 
 ITEMSIZE = {
     "float": 4,
@@ -42,14 +48,6 @@ ITEMSIZE = {
 }
 COMM_PREFIXES = ("gloo:", "nccl:")
 STEP_MARK = "perflab_dist_step"
-
-
-@dataclass
-class CollectiveEvent:
-    kind: str
-    bytes: int
-    start_us: float
-    dur_us: float
 
 
 @dataclass
@@ -103,7 +101,8 @@ def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> fl
 
 
 def load_trace(path: str | Path) -> list[dict]:
-    return [e for e in json.loads(Path(path).read_text()).get("traceEvents", []) if e.get("ph") == "X"]
+    """The complete events of a rank's trace (``.json`` or ``.json.gz``), read by :mod:`lab_utils.traces.reader`."""
+    return trace_events(path)
 
 
 def _is_comm(e: dict) -> bool:
@@ -176,74 +175,18 @@ def overlap(events: list[dict]) -> OverlapSummary:
 SWEEP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
-@dataclass
-class AlphaBeta:
-    kind: str
-    alpha_us: float  # latency per call
-    beta_us_per_byte: float
-    n_events: int
-    r2: float
-    median_abs_err_pct: float  # of the fit on its own sweep
-
-    @property
-    def gbps(self) -> float:
-        return 1e-3 / self.beta_us_per_byte if self.beta_us_per_byte > 0 else float("inf")
-
-    def predict_us(self, nbytes: float) -> float:
-        return self.alpha_us + self.beta_us_per_byte * nbytes
-
-
-def fit_alpha_beta(events: list[CollectiveEvent]) -> dict[str, AlphaBeta]:
-    """Least-squares ``dur = alpha + beta * bytes`` per kind over the median duration at each
-    message size (medians, because a loaded machine adds stalls to single calls; alpha and
-    beta clipped at 0).  ``send``/``recv`` fit as one ``send_recv`` kind; barriers carry no payload."""
-    groups: dict[str, dict[int, list[float]]] = {}
-    for e in events:
-        k = _SWEEP_ALIAS.get(e.kind, e.kind)
-        if k == "barrier":
-            continue
-        groups.setdefault(k, {}).setdefault(e.bytes, []).append(e.dur_us)
-    out = {}
-    for k, by in sorted(groups.items()):
-        if len(by) < 3:
-            continue
-        xs = np.array(sorted(by), dtype=float)
-        ys = np.array([np.median(by[int(x)]) for x in xs], dtype=float)
-        beta, alpha = np.polyfit(xs, ys, 1, w=1 / np.maximum(ys, 1e-9))  # relative-error weighting
-        alpha, beta = max(float(alpha), 0.0), max(float(beta), 0.0)
-        pred = alpha + beta * xs
-        ss = float(((ys - ys.mean()) ** 2).sum())
-        r2 = 1 - float(((ys - pred) ** 2).sum()) / ss if ss > 0 else float("nan")
-        err = float(np.median(np.abs(pred - ys) / np.maximum(ys, 1e-9))) * 100
-        out[k] = AlphaBeta(k, alpha, beta, sum(len(v) for v in by.values()), r2, err)
-    return out
-
-
 def predict_comm_ms(events: list[CollectiveEvent], model: dict[str, AlphaBeta]) -> tuple[float, float, int]:
     """(predicted ms, measured ms, events without a model) summed over ``events`` that have a model."""
     pred = meas = 0.0
     missing = 0
     for e in events:
-        m = model.get(_SWEEP_ALIAS.get(e.kind, e.kind))
+        m = model.get(SWEEP_ALIAS.get(e.kind, e.kind))
         if m is None:
             missing += 1
             continue
         pred += m.predict_us(e.bytes)
         meas += e.dur_us
     return pred / 1e3, meas / 1e3, missing
-
-
-_SWEEP_ALIAS = {
-    "send": "send_recv",
-    "recv": "send_recv",
-    "_allgather_base": "all_gather",
-    "allgather": "all_gather",
-    "allreduce": "all_reduce",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "_reduce_scatter_base": "reduce_scatter",
-    "alltoall": "all_to_all",
-    "all_to_all_single": "all_to_all",
-}
 
 
 def sweep_collectives(sizes_bytes: list[int], reps: int, device: torch.device, group=None) -> None:

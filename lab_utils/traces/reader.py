@@ -39,7 +39,6 @@ import gzip
 import io
 import os
 import re
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -297,8 +296,11 @@ def read_rank(path: str | Path, fallback_rank: int = 0, *, alone: bool = True) -
     t0 = int(min(a.min() for a in c["ts_i"] if len(a))) if c["ts_i"] else 0
     df = _frame(c, t0)
     parts = {k: df[df["kind"] == i].drop(columns="kind").reset_index(drop=True) for i, k in enumerate(_KINDS)}
-    for k in ("gpu", "host"):
-        parts[k] = parts[k].dropna(axis=1, how="all")
+    for k in _KINDS:  # the optional argument columns only where some event recorded them
+        df_k = parts[k]
+        parts[k] = df_k.drop(
+            columns=[c for c in _Columns.EXTRA + _Columns.SHAPES if c in df_k and df_k[c].isna().all()]
+        )
     props = head.deviceProperties or []
     info = head.distributedInfo or {}
     gpu_dev = parts["gpu"]["device"]
@@ -358,8 +360,33 @@ def read_job(path: str | Path, *, workers: int | None = None) -> dict[int, RankT
     return dict(sorted(out.items()))
 
 
-def iter_events(path: str | Path) -> Iterator[dict]:
-    """Every complete event of one file as a small dict (name, cat, ts, dur, tid, args subset)."""
+def events(path: str | Path) -> list[dict]:
+    """The complete events of one file kept here, as Chrome-trace dicts (``ph``, ``name``, ``cat``,
+    absolute ``ts``, ``dur``, ``pid``, ``tid`` and the args read: ``External id``, ``correlation``,
+    ``stream``, ``Input Dims``, ``Input type``), host events first, each table in file order.
+    For code written against ``json.load(...)["traceEvents"]``; it reads ``.json.gz`` too."""
     r = read_rank(path)
+    out = []
     for kind in _KINDS:
-        yield from getattr(r, kind).to_dict("records")
+        df = getattr(r, kind)
+        dims = df["input_dims"].to_numpy() if "input_dims" in df else [None] * len(df)
+        types = df["input_type"].to_numpy() if "input_type" in df else [None] * len(df)
+        for row, d, t in zip(df.itertuples(index=False), dims, types):
+            args = {"External id": row.external_id, "correlation": row.correlation, "stream": row.stream}
+            args = {k: int(v) for k, v in args.items() if v >= 0}
+            if d is not None:
+                args["Input Dims"] = msgspec.json.decode(d)
+            if t is not None:
+                args["Input type"] = msgspec.json.decode(t)
+            out.append(
+                {"ph": "X", "name": str(row.name), "cat": str(row.cat), "ts": r.t0_us + row.ts, "dur": row.dur,
+                 "pid": _num(row.pid), "tid": _num(row.tid), "args": args}
+            )  # fmt: skip
+    return out
+
+
+def _num(x: str) -> int | str:
+    try:
+        return int(x)
+    except ValueError:
+        return x
