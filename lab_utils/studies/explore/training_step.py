@@ -9,6 +9,11 @@ configurations of one afternoon stay apart in ``rec.save()`` and ``perflab compa
 
 The precision control picks the step's storage dtype and autocast; the recipe control
 swaps the model's linear layers for a low-precision recipe of ``lab_utils.precision.quantized``.
+
+Every timing carries its verdict (``timing.judge_samples`` of the profiled steps): the step
+time's (which its TFLOP/s and MFU take) and each phase's, named in ``unstable_phases`` and in
+the phase bars' hover.  On a GPU the batch and bucket choices include the lab's GPU set's
+(``parameterized/sets/01_training_step/gpu.yaml``).
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import holoviews as hv
 import pandas as pd
 import torch
+import yaml
 
 from lab_utils.attention.attend import PATHS as ATTENTION_PATHS
 from lab_utils.attention.attend import get_path
@@ -43,8 +50,33 @@ INTERPRETED = (
 )
 
 
+GPU_SET = Path(__file__).resolve().parents[3] / "parameterized" / "sets" / "01_training_step" / "gpu.yaml"
+
+
 def _bucket(b) -> str:
     return f"{int(b[0])}x{int(b[1])}"
+
+
+def gpu_sizes(path: Path = GPU_SET) -> tuple[tuple, tuple]:
+    """The lab's GPU set's batch sizes and buckets ("HxW")."""
+    s = yaml.safe_load(Path(path).read_text()) or {}
+    batches = (int(s["batch_size"]),) if "batch_size" in s else ()
+    return batches, tuple(_bucket(b) for b in s.get("buckets", ()))
+
+
+def explorer_controls(device_type: str) -> tuple[Control, ...]:
+    """The seams; on CUDA the batch and bucket choices gain the lab's GPU set's sizes."""
+    batches, buckets = gpu_sizes() if device_type == "cuda" else ((), ())
+    return (
+        Control("activation_checkpoint", CHECKPOINT_POLICIES, "none", "checkpointing"),
+        Control("compile", (), False, "torch.compile"),
+        Control("kernels", KERNELS, "eager"),
+        Control("attention_path", ATTENTION_PATHS, "sdpa", "attention path"),
+        Control("precision", tuple(PRECISIONS), "fp32"),
+        Control("recipe", tuple(RECIPES), "bf16", "recipe"),
+        Control("batch", tuple(sorted({*BATCHES, *batches})), 2),
+        Control("bucket", (*BUCKETS, *(b for b in buckets if b not in BUCKETS)), "64x64"),
+    )
 
 
 @dataclass
@@ -59,16 +91,7 @@ class TrainingStepExplorer(Explorer):
     lab: ClassVar[str] = "01_training_step"
     title: ClassVar[str] = "Explore: the training step's seams (A/B)"
     live_help: ClassVar[str] = "change a seam: a few steps are profiled and land beside the earlier configurations"
-    controls: ClassVar[tuple[Control, ...]] = (
-        Control("activation_checkpoint", CHECKPOINT_POLICIES, "none", "checkpointing"),
-        Control("compile", (), False, "torch.compile"),
-        Control("kernels", KERNELS, "eager"),
-        Control("attention_path", ATTENTION_PATHS, "sdpa", "attention path"),
-        Control("precision", tuple(PRECISIONS), "fp32"),
-        Control("recipe", tuple(RECIPES), "bf16", "recipe"),
-        Control("batch", BATCHES, 2),
-        Control("bucket", BUCKETS, "64x64"),
-    )
+    controls: ClassVar[tuple[Control, ...]] = explorer_controls("cpu")
 
     @classmethod
     def for_lab(
@@ -84,15 +107,21 @@ class TrainingStepExplorer(Explorer):
             attention_path=cfg.attention_path,
             precision=precision,
             recipe=cfg.recipe,
-            batch=cfg.batch_size if cfg.batch_size in BATCHES else 2,
+            batch=cfg.batch_size,
             bucket="lab",
         )
         return cls(rec=rec, defaults=defaults, base=cfg, info=info, measured=measured)
 
     def __post_init__(self):
-        super().__post_init__()
         self.base = self.base or TrainingStepLabConfig(steps=2, warmup_steps=1)
         self.info = self.info or device_info(self.base.device)
+        cuda = torch.device(self.info.torch_device).type == "cuda"
+        ctl = list(explorer_controls("cuda" if cuda else "cpu"))  # per instance: the device's and the lab's sizes
+        i = next(k for k, c in enumerate(ctl) if c.name == "batch")
+        if self.base.batch_size not in ctl[i].options:
+            ctl[i] = Control("batch", tuple(sorted({*ctl[i].options, self.base.batch_size})), 2)
+        self.controls = tuple(ctl)
+        super().__post_init__()
 
     def label(self, cfg: dict) -> str:
         return (
@@ -160,24 +189,35 @@ class TrainingStepExplorer(Explorer):
         pct = mfu.pct.get("measured matmul ceiling", math.nan)
         peak = rep.cuda_peak_bytes if rep.cuda_peak_bytes is not None else rep.analysis.peak_allocated_bytes
         # per step, a checkpoint every N steps amortised (profiler.PERIODIC_RULE), as in the lab's own figures
-        phases = pd.Series({f.phase: f.ms for f in rep.phase_figures()}).reindex(list(PHASES)).fillna(0.0)
+        figs = rep.phase_figures()
+        phases = pd.Series({f.phase: f.ms for f in figs}).reindex(list(PHASES)).fillna(0.0)
+        verdicts = {f.phase: f.verdict for f in figs if f.samples}
+        step_v = rep.step_verdict  # TFLOP/s and MFU come from the step times: they take its verdict
         row = dict(
             config=label,
+            stable=step_v.stable,
+            step_stability=str(step_v),
+            unstable_phases=", ".join(p for p, v in verdicts.items() if not v.stable) or "none",
             step_ms=float(steps.amortised_ms.median()),
             tflops=float(mfu.tflops.get("achieved", math.nan)),
             mfu_pct_of_measured=float(pct) if pct is not None else math.nan,
             peak_mib=float(peak) / 2**20 if peak is not None else math.nan,
             **{f"{k}_ms": float(v) for k, v in phases.items()},
         )
-        return Result(0, cfg, row, data=dict(phases=phases))
+        verdict = {p: str(v) for p, v in verdicts.items()}
+        return Result(0, cfg, row, data=dict(phases=phases, verdicts=verdict))
 
     def figures(self, results: list[Result]) -> list:
         names = [f"#{r.index}" for r in results]
         ph = pd.DataFrame(
-            [dict(config=n, phase=k, ms=float(v)) for n, r in zip(names, results) for k, v in r.data["phases"].items()],
-            columns=["config", "phase", "ms"],
+            [
+                dict(config=n, phase=k, ms=float(v), stability=r.data.get("verdicts", {}).get(k, "not run"))
+                for n, r in zip(names, results)
+                for k, v in r.data["phases"].items()
+            ],
+            columns=["config", "phase", "ms", "stability"],
         )
-        bars = hv.Bars(ph, ["config", "phase"], "ms").opts(
+        bars = hv.Bars(ph, ["config", "phase"], ["ms", "stability"]).opts(
             stacked=True,
             cmap=PHASE_COLORS,
             tools=["hover"],
