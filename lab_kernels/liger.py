@@ -50,16 +50,42 @@ from . import layer_norm_modulate, rms_norm, rope, swiglu  # noqa: F401  (their 
 from .registry import register
 
 try:  # optional: a bare GPU machine may not have it
-    from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-    from liger_kernel.ops.rope import LigerRopeFunction
-    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-
     LIGER_VERSION: str | None = importlib.metadata.version("liger-kernel")
-    _IMPORT_ERROR = ""
-except Exception as e:  # noqa: BLE001 - the reason is what the registry reports
+except importlib.metadata.PackageNotFoundError:
     LIGER_VERSION = None
-    _IMPORT_ERROR = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+_OPS: dict = {}
+
+
+def _liger():
+    """Liger's autograd functions, imported on first use: importing its ops probes for an NPU
+    through transformers (seconds), which ``import lab_kernels`` should not pay."""
+    if not _OPS:
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction  # noqa: PLC0415
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction  # noqa: PLC0415
+        from liger_kernel.ops.rope import LigerRopeFunction  # noqa: PLC0415
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction  # noqa: PLC0415
+
+        _OPS.update(
+            rms_norm=LigerRMSNormFunction,
+            layer_norm=LigerLayerNormFunction,
+            rope=LigerRopeFunction,
+            swiglu=LigerSiLUMulFunction,
+        )
+    return _OPS
+
+
+def liger_import_why_not() -> str | None:
+    """None when Liger's ops import, else why not (cached by Python's import system)."""
+    if LIGER_VERSION is None:
+        return "liger-kernel not installed"
+    try:
+        _liger()
+    except Exception as e:  # noqa: BLE001 - the reason is what the registry reports
+        first = str(e).splitlines()[0] if str(e) else ""
+        return f"liger-kernel {LIGER_VERSION} does not import: {type(e).__name__}: {first}"
+    return None
+
 
 LIBRARY = "liger-kernel"
 
@@ -134,7 +160,7 @@ def _probe() -> str | None:
     """Run Liger's RMSNorm (a float argument and a libdevice call) on a tiny input."""
     x = torch.randn(4, 8)
     try:
-        y = LigerRMSNormFunction.apply(x, torch.ones(8), 1e-6, 0.0, "llama", False)
+        y = _liger()["rms_norm"].apply(x, torch.ones(8), 1e-6, 0.0, "llama", False)
     except Exception as e:  # noqa: BLE001 - the failure is the verdict
         cause = e.__cause__ or e
         return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
@@ -192,24 +218,22 @@ def interpreter_bf16_why_not() -> str | None:
             got = None if torch.equal(c, a * b) else f"{c.float().tolist()} for {(a * b).float().tolist()}"
         except Exception as e:  # noqa: BLE001 - the failure is the verdict
             got = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        _SHIMS["bf16"] = None if got is None else f"a bfloat16 x bfloat16 probe kernel gave {got}"
+        _SHIMS["bf16"] = None if got is None else f"a bfloat16 x bfloat16 probe gave {got}"
     return _SHIMS["bf16"]
 
 
 def liger_why_not(device=None, dtype=None, shape=None, *, bf16_arith: bool = False, **_) -> str | None:
     """Capability check shared by the liger variants (the registry adds the Triton reasons).
     ``bf16_arith``: the kernel computes in bfloat16 (not only loads and stores it)."""
-    if LIGER_VERSION is None:
-        return f"liger-kernel not installed ({_IMPORT_ERROR})"
+    why = liger_import_why_not()
+    if why:
+        return why
     if device == "cpu" and C.interpreted() and not C.interpreter_why_not():
         why = interpreter_why_not()
         if why:
             return why
         if bf16_arith and dtype == torch.bfloat16 and interpreter_bf16_why_not():
-            return (
-                "this Liger kernel computes in bfloat16, which Triton's interpreter gets wrong here "
-                f"({interpreter_bf16_why_not()}): checked in float32 and float16 on CPU, bfloat16 on a GPU"
-            )
+            return "computes in bfloat16, which Triton's interpreter gets wrong (probed): bfloat16 on a GPU only"
     if shape is not None:
         return C.row_width_reason("liger", shape)
     return None
@@ -238,7 +262,7 @@ def _shimmed(fn):
 @_shimmed
 def liger_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Liger RMSNorm, FLUX's casting (llama mode), dx never written over the incoming gradient."""
-    return LigerRMSNormFunction.apply(x, weight, eps, 0.0, "llama", False)
+    return _liger()["rms_norm"].apply(x, weight, eps, 0.0, "llama", False)
 
 
 def _bcast_rows(t: torch.Tensor) -> torch.Tensor:
@@ -251,14 +275,14 @@ def liger_layer_norm_modulate(x, shift, scale, eps: float = 1e-6):
     """One Liger LayerNorm per sample, weight ``1 + scale_b`` and bias ``shift_b`` in float32."""
     w = 1.0 + _bcast_rows(scale).float()
     b = _bcast_rows(shift).float()
-    ys = [LigerLayerNormFunction.apply(x[i], w[i], b[i], eps) for i in range(x.shape[0])]
+    ys = [_liger()["layer_norm"].apply(x[i], w[i], b[i], eps) for i in range(x.shape[0])]
     return ys[0].unsqueeze(0) if len(ys) == 1 else torch.stack(ys)
 
 
 @_shimmed
 def liger_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Liger SwiGLU as is: silu(gate) * up (its backward overwrites the saved gate and up)."""
-    return LigerSiLUMulFunction.apply(gate, up)
+    return _liger()["swiglu"].apply(gate, up)
 
 
 def pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
@@ -284,7 +308,7 @@ def half_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tor
 def liger_rope(q, k, cos, sin):
     """Liger RoPE on the block's pair layout (see the module note: two copies of q and k)."""
     c, s = half_tables(cos, sin)
-    oq, ok = LigerRopeFunction.apply(pairs_to_halves(q), pairs_to_halves(k), c, s)
+    oq, ok = _liger()["rope"].apply(pairs_to_halves(q), pairs_to_halves(k), c, s)
     return halves_to_pairs(oq), halves_to_pairs(ok)
 
 

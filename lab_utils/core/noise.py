@@ -13,6 +13,9 @@ line (a real warning) stays visible:
   kernel matters.
 * torch deprecates ``register_constant`` on Enum subclasses, which torchao calls on import:
   nothing a user of the lab can act on.
+* diffusers warns on import that torchao 0.18 lacks the tensor classes (NF4, uintx) it would
+  allow when loading a torchao-quantized checkpoint; the labs load none (lab 02 builds diffusers'
+  FLUX blocks from random weights).
 * DCP warns on every save and load without a process group that it assumes one process.
   That is the intent wherever the lab does it (the trainer's checkpoints; a distributed run
   always has its group), and ``dcp.async_save`` warns from its worker thread, after any
@@ -39,6 +42,7 @@ import torch
 KINETO_MARKER = re.compile(r"^USDT:.*ActivityProfilerHandler\.cpp:\d+\] profiler_(?:start|stop)\s*$")
 TORCHAO_SO = re.compile(r"Failed to load .*torchao.*\.so")
 ENUM_CONSTANT = re.compile(r"is an Enum subclass and is now natively supported by torch\.compile")
+DIFFUSERS_TORCHAO = re.compile(r"Unable to import `torchao` Tensor objects")
 DCP_SINGLE_PROCESS = re.compile(r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent")
 
 #: Known noise lines in a captured stream (a notebook's stderr): always these, whatever the machine.
@@ -64,7 +68,10 @@ def install_log_filters() -> None:
     if _INSTALLED:
         return
     warnings.filterwarnings("ignore", message=DCP_SINGLE_PROCESS.pattern, category=UserWarning)
-    wanted = {"torch.utils._pytree": _DropMatching(ENUM_CONSTANT)}
+    wanted = {
+        "torch.utils._pytree": _DropMatching(ENUM_CONSTANT),
+        "diffusers.quantizers.torchao.torchao_quantizer": _DropMatching(DIFFUSERS_TORCHAO),
+    }
     if not torch.cuda.is_available():
         wanted["torchao"] = _DropMatching(TORCHAO_SO)
     for name, f in wanted.items():

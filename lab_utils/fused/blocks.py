@@ -1,7 +1,8 @@
 """Whole MMDiT blocks with the fused ops from one provider: the same double- or single-stream
-block (same weights, same inputs) with its fused ops taken from eager torch or the Triton
-kernels, optionally compiled whole; their outputs compared with the eager block's and their
-forward + backward timed (Triton on CPU: compared, never timed)."""
+block (same weights, same inputs) with its fused ops taken from eager torch, the Triton
+kernels or Liger's, optionally compiled whole, or diffusers' own block (its QKV projections
+unfused or fused: ``lab_utils.fused.peer_blocks``); their outputs compared with the eager
+block's and their forward + backward timed (Triton on CPU: compared, never timed)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,32 @@ from dataclasses import dataclass
 
 import torch
 
+from lab_kernels import get_variant
 from lab_utils.core.records import Recorder
 from lab_utils.core.timing import try_bench
+from lab_utils.fused import peer_blocks as peers
 from lab_utils.fused.ops import as_dtype, as_tuple, peak_memory_bytes
 from lab_utils.model import DoubleStreamBlock, KernelSet, MMDiTConfig, Seams, SingleStreamBlock
+from lab_utils.model.config import kernel_map
 
 BLOCK_PROVIDERS = {
-    # name: (kernels variant for every fused op, torch.compile the whole block)
+    # name: (kernels variant for every fused op, or {op: variant}; torch.compile the whole block)
     "eager": ("eager", False),
     "compile": ("eager", True),
     "triton": ("triton", False),
     "triton+compile": ("triton", True),
+    "liger": (peers.LIGER_KERNELS, False),
+    # diffusers' own block (kernels: none of perflab's), QKV projections unfused / fused
+    "diffusers": ("diffusers", False),
+    "diffusers+fused_qkv": ("diffusers", False),
 }
+
+
+def interpreted_kernels(kernels) -> bool:
+    """Whether a provider's kernels include a Triton variant (on CPU: the interpreter, never timed)."""
+    if kernels == "diffusers":
+        return False
+    return any(get_variant(op, name).kind == "triton" for op, name in kernel_map(kernels).items())
 
 
 @dataclass
@@ -32,8 +47,9 @@ class BlockCase:
     fn: Callable  # one forward + backward
     forward: Callable  # forward only -> outputs
     shape: str
-    kernels: str
+    kernels: str  # a variant name, "liger" (lab_utils.fused.peer_blocks.LIGER_KERNELS) or "diffusers"
     compiled: bool
+    interpreted: bool = False  # Triton kernels on CPU: compared, never timed
 
 
 def _block_inputs(cfg, kind: str, batch: int, img_tokens: int, txt_tokens: int, dtype, device, seed: int):
@@ -76,31 +92,43 @@ def block_cases(
             raise ValueError(f"parameter 'block_kinds' has {kind!r}; allowed: 'double', 'single'")
         cls = DoubleStreamBlock if kind == "double" else SingleStreamBlock
         torch.manual_seed(seed)
-        base = cls(cfg, Seams(KernelSet("eager"), cfg.attention_path)).to(device=device, dtype=dt)
+        base = cls(cfg, Seams(KernelSet("eager"), cfg.attention_path))
+        ref = None
+        if any(p in peers.DIFFUSERS_PROVIDERS for p in providers):  # every provider on diffusers' weights
+            ref = peers.diffusers_block(kind, cfg, seed=seed)
+            peers.load_into(base, kind, ref)
+        base = base.to(device=device, dtype=dt)
         inputs = _block_inputs(cfg, kind, batch, img_tokens, txt_tokens, dt, device, seed)
         diff = [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
+        shape = (
+            f"B{batch}xLimg{img_tokens}xLtxt{txt_tokens}xD{cfg.hidden_size}"
+            if kind == "double"
+            else f"B{batch}xL{img_tokens + txt_tokens}xD{cfg.hidden_size}"
+        )
         for p in providers:
             kernels, comp = BLOCK_PROVIDERS[p]
-            blk = copy.deepcopy(base)
-            seams = Seams(KernelSet(kernels, device=device, dtype=dt), cfg.attention_path)
-            for m in blk.modules():
-                if hasattr(m, "_seams"):
-                    m._seams = seams
-            fwd = torch.compile(blk) if comp else blk
+            if p in peers.DIFFUSERS_PROVIDERS:
+                blk = copy.deepcopy(ref).to(device=device, dtype=dt)
+                if peers.DIFFUSERS_PROVIDERS[p]:
+                    peers.fuse_qkv(blk)
+                fwd = peers.diffusers_forward(blk, kind, txt_tokens)
+            else:
+                blk = copy.deepcopy(base)
+                seams = Seams(KernelSet(kernels, device=device, dtype=dt), cfg.attention_path)
+                for m in blk.modules():
+                    if hasattr(m, "_seams"):
+                        m._seams = seams
+                fwd = torch.compile(blk) if comp else blk
             params = [q for q in blk.parameters() if q.requires_grad]
 
             def one(fwd=fwd, params=params, inputs=inputs, diff=diff):
                 outs = as_tuple(fwd(*inputs))
                 return torch.autograd.grad(outs, diff + params, [torch.ones_like(o) for o in outs])
 
-            shape = (
-                f"B{batch}xLimg{img_tokens}xLtxt{txt_tokens}xD{cfg.hidden_size}"
-                if kind == "double"
-                else f"B{batch}xL{img_tokens + txt_tokens}xD{cfg.hidden_size}"
-            )
-            out.append(
-                BlockCase(p, kind, one, lambda fwd=fwd, inputs=inputs: as_tuple(fwd(*inputs)), shape, kernels, comp)
-            )
+            label = p if p in ("liger", *peers.DIFFUSERS_PROVIDERS) else kernels
+            interp = torch.device(device).type == "cpu" and interpreted_kernels(kernels)
+            forward = lambda fwd=fwd, inputs=inputs: as_tuple(fwd(*inputs))  # noqa: E731
+            out.append(BlockCase(p, kind, one, forward, shape, label, comp, interp))
     return out
 
 
@@ -139,8 +167,8 @@ def block_compare(
     eager_ms: dict[str, float] = {}
     for c in sorted(cases, key=lambda c: c.provider != "eager"):
         extra = dict(kind=c.kind, kernels=c.kernels, compiled=c.compiled, direction="fwd+bwd")
-        if c.kernels == "triton" and dev.type == "cpu":
-            continue  # interpreter: correctness only (block_agreement)
+        if c.interpreted:
+            continue  # Triton's interpreter: correctness only (block_agreement)
         t = try_bench(c.fn, name=f"{c.kind}/{c.provider}", device=dev, reps=reps, budget_s=budget_s)
         rec.add_timing(experiment, c.provider, t, shape=c.shape, dtype=dtype, **extra)
         if not getattr(t, "ok", False):

@@ -53,9 +53,9 @@ class FusedKernelsConfig(LabConfig):
     check_tokens: int = 37  # correctness problem: irregular on purpose
     check_hidden: int = 781
     check_head_dim: int = 62
-    check_variants: tuple = ("eager", "triton", "torch")  # "compile" adds one compile per dtype
+    check_variants: tuple = ("eager", "triton", "torch", "liger")  # "compile" adds one compile per dtype
     sweep_ops: tuple = ("rms_norm", "gelu_tanh")
-    sweep_variants: tuple = ("eager", "torch")  # plus "compile", "triton" (GPU), library names
+    sweep_variants: tuple = ("eager", "torch", "liger")  # plus "compile", "triton"; Triton kinds timed on GPU only
     preset: str = "small"  # hidden sizes (and MLP width) from the model preset
     tokens: tuple = (128, 1024)
     batch: int = 1
@@ -63,7 +63,7 @@ class FusedKernelsConfig(LabConfig):
     budget_s: float = 5.0
     block_preset: str = "tiny"
     block_kinds: tuple = ("double", "single")
-    block_providers: tuple = ("eager", "triton")
+    block_providers: tuple = ("eager", "triton", "liger", "diffusers", "diffusers+fused_qkv")
     block_img_tokens: int = 64
     block_txt_tokens: int = 16
     block_dtype: str = "float32"
@@ -153,6 +153,25 @@ def variants_here(lab: Lab) -> str:
     wide = fused.spec("rms_norm").problem_kw(fused.Problem(1, 4, 100_000))
     why = get_variant("rms_norm", "triton").why_not(dev, torch.float32, **wide)
     lines.append(f"rms_norm/triton on rows of 100000: {why}")
+    return "\n".join(lines)
+
+
+def peers_note() -> str:
+    """The peer library's kernels: which ops Liger-Kernel serves here (and how, in the variant's
+    description), what the interpreter needed to run them, and the Liger ops left out with why."""
+    from lab_kernels import liger  # noqa: PLC0415  (the package imports it; named here for its tables)
+
+    lines = [f"liger-kernel {liger.LIGER_VERSION or 'not installed'}"]
+    for op in fused.OP_NAMES:
+        for v in variants(op, include_unavailable=True):
+            if v.extra.get("library"):
+                lines.append(f"  {op}/{v.name}: {v.description}")
+    if lab_kernels.TRITON_INTERPRETED and liger.LIGER_VERSION:
+        liger.interpreter_why_not()
+        lines.append(f"interpreter: {liger.interpreter_note() or 'no shim needed'}")
+        lines.append(f"interpreter and bfloat16: {liger.interpreter_bf16_why_not() or 'right'}")
+    lines.append("not used, with why:")
+    lines += [f"  {name}: {why}" for name, why in liger.EXCLUDED.items()]
     return "\n".join(lines)
 
 
