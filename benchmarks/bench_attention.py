@@ -32,6 +32,7 @@ from lab_utils.core.ceilings import get_ceilings
 from lab_utils.core.device import device_info, pick_device
 from lab_utils.core.dtypes import LAB_DTYPES, parse_dtype
 from lab_utils.core.records import Recorder
+from lab_utils.core.session import Session
 
 PRESETS = {
     # FLUX-dev: 24 heads x 128, joint sequence 512 text + 4096 image tokens at 1024^2.
@@ -97,21 +98,17 @@ def main(argv=None) -> int:
     params.pop("buckets")
     rec = Recorder(lab="03_attention", params=params, device=dev, ceilings=ceilings)
     t0 = time.perf_counter()
-    rows = A.sweep(
-        paths=p["paths"],
-        masks=p["masks"],
-        seq_lens=p["seq_lens"],
-        head_dims=p["head_dims"],
+    grid = A.SweepGrid(
+        paths=tuple(p["paths"]),
+        masks=tuple(p["masks"]),
+        seq_lens=tuple(p["seq_lens"]),
+        head_dims=tuple(p["head_dims"]),
         directions=tuple(a.directions),
         batch=p["batch"],
         heads=p["heads"],
         dtype=dtype,
-        device=dev,
-        rec=rec,
-        ceilings=ceilings,
-        reps=p["reps"],
-        budget_s=p["budget_s"],
     )
+    rows = A.sweep(grid, Session(dev, rec, ceilings), A.SweepOptions(reps=p["reps"], budget_s=p["budget_s"]))
     for r in rows:
         status = f"{r['time_ms']:.4g} ms" + (
             f"  {r['tflops']:.3g} TFLOP/s" if r.get("tflops") == r.get("tflops") and "tflops" in r else ""

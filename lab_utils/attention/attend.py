@@ -56,6 +56,7 @@ from lab_utils.attention.paths import (
 )
 from lab_utils.core.checks import compare, tolerance
 from lab_utils.core.dtypes import dtype_name
+from lab_utils.core.session import Session
 from lab_utils.core.timing import try_bench
 
 __all__ = [
@@ -78,6 +79,8 @@ __all__ = [
     "get_path",
     "path_table",
     "random_qkv",
+    "SweepGrid",
+    "SweepOptions",
     "sweep",
 ]
 
@@ -272,157 +275,217 @@ def attention_bytes(B: int, H: int, Lq: int, Lk: int, head_dim: int, dtype, back
     return float(fwd + (bwd if backward else 0))
 
 
+@dataclass(frozen=True)
+class SweepGrid:
+    """The cases :func:`sweep` times: every (seq_len, head_dim, mask) x path x direction, at
+    batch ``batch`` and ``heads`` heads in ``dtype``."""
+
+    paths: tuple[str, ...]
+    masks: tuple[str, ...]
+    seq_lens: tuple[int, ...]
+    head_dims: tuple[int, ...]
+    directions: tuple[str, ...] = ("fwd", "fwd+bwd")
+    batch: int = 1
+    heads: int = 8
+    dtype: torch.dtype = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    """How :func:`sweep` times: ``reps`` samples within ``budget_s`` per case; the block-mask
+    build timed too (``block_mask_cost``); paths that materialise the scores skipped above
+    ``score_limit_gb``; the backward's FLOPs by ``flop_convention`` ("kernel" or "model")."""
+
+    reps: int = 10
+    budget_s: float = 30.0
+    block_mask_cost: bool = True
+    score_limit_gb: float = 8.0
+    flop_convention: str = "kernel"
+
+
 def sweep(
+    grid: SweepGrid,
+    session: Session | None = None,
+    options: SweepOptions | None = None,
     *,
-    paths,
-    masks,
-    seq_lens,
-    head_dims,
-    directions=("fwd", "fwd+bwd"),
-    batch: int = 1,
-    heads: int = 8,
-    dtype=torch.bfloat16,
-    device="cpu",
-    rec=None,
-    ceilings=None,
-    reps: int = 10,
-    budget_s: float = 30.0,
-    block_mask_cost: bool = True,
-    score_limit_gb: float = 8.0,
-    seed: int = 0,
-    flop_convention: str = "kernel",
     progress: Callable[[list], Iterable] | None = None,
 ) -> list[dict]:
-    """Time every (seq_len, head_dim, mask, path, direction) that can run here.
+    """Time every case of ``grid`` that can run on ``session.device``.
 
     FLOPs are mask-aware (``masks.attention_flops``: allowed pairs only) and their backward
-    follows ``flop_convention`` (``lab_utils.core.flops``: "kernel" = 2.5x forward, the matmuls a
-    flash backward runs; "model" = 2x, what MFU counts), recorded on every row; TFLOP/s and %
-    of the measured matmul ceiling go to ``rec`` (``Recorder.add_timing``) as rows of
-    experiment "sweep"; the block-mask build time of each mask as experiment
-    "block_mask_build".  Returns one summary dict per case (with the reason when a case
-    did not run).  Triton on CPU is never timed (interpreter).  ``progress`` wraps the list
-    of (seq_len, head_dim, mask) cases (e.g. ``tqdm``) to show progress."""
-    device = str(device)
-    dev_type = torch.device(device).type
-    elt = torch.empty((), dtype=dtype).element_size()
-    out = []
-    g = torch.Generator().manual_seed(seed)
-    cases = [(L, D, mname) for L in seq_lens for D in head_dims for mname in masks]
-    for L, D, mname in progress(cases) if progress is not None else cases:
-        mask = make_mask(mname, L)
-        fl = attention_flops(mask, batch, heads, L, L, D, convention=flop_convention)
-        shape = f"B{batch}xH{heads}xL{L}xD{D}"
-        base = dict(seq_len=L, head_dim=D, mask=mname, shape=shape, density=fl.density, flop_convention=fl.convention)
-        if block_mask_cost and mask.kind != "full":
-            t = try_bench(
-                lambda mask=mask, L=L: flex_block_mask(
-                    mask, batch, None, L, L, device=device, compile=dev_type == "cuda"
-                ),
-                name=f"block_mask/{mname}",
-                device=device,
-                reps=max(3, reps // 2),
-                budget_s=budget_s,
-                check_finite=False,
-            )
-            if rec is not None:
-                rec.add_timing(
-                    "block_mask_build", "flex", t, shape=shape, dtype=dtype, mask=mname, seq_len=L, head_dim=D
-                )
-            out.append(
-                dict(
-                    base,
-                    path="block_mask_build",
-                    direction="build",
-                    time_ms=t.median_ms if t.ok else math.nan,
-                    note="" if t.ok else f"{t.kind}: {t.reason}",
-                )
-            )
-        q, k, v, do = (torch.randn(batch, heads, L, D, generator=g).to(device=device, dtype=dtype) for _ in range(4))
-        for path in paths:
-            p = get_path(path)
-            for direction in directions:
-                bwd = direction == "fwd+bwd"
-                row = dict(base, path=path, direction=direction)
-                why = p.why_not(
-                    device=device,
-                    dtype=dtype,
-                    mask=mask.kind,
-                    layout="bhld",
-                    head_dim=D,
-                    lq=L,
-                    lk=L,
-                    backward=bwd,
-                )
-                if why is None and p.kind == "triton" and dev_type == "cpu":
-                    why = "Triton runs through the interpreter on CPU: correctness only, never timed"
-                if (
-                    why is None
-                    and path in MATERIALISING
-                    and batch * heads * L * L * max(elt, 4) > score_limit_gb * 2**30
-                ):
-                    why = (
-                        f"materialises {batch * heads * L * L * max(elt, 4) / 2**30:.1f} GiB of scores "
-                        f"(> score_limit_gb={score_limit_gb})"
-                    )
-                if why:
-                    out.append(dict(row, time_ms=math.nan, note=why))
-                    continue
-                qq, kk, vv = (t.detach().requires_grad_(bwd) for t in (q, k, v))
+    follows ``options.flop_convention`` (``lab_utils.core.flops``: "kernel" = 2.5x forward, the
+    matmuls a flash backward runs; "model" = 2x, what MFU counts), recorded on every row;
+    TFLOP/s and % of the measured matmul ceiling go to ``session.rec``
+    (``Recorder.add_timing``) as rows of experiment "sweep"; the block-mask build time of each
+    mask as experiment "block_mask_build".  Returns one summary dict per case (with the reason
+    when a case did not run).  Triton on CPU is never timed (interpreter).  ``progress`` wraps
+    the list of (seq_len, head_dim, mask) cases (e.g. ``tqdm``) to show progress."""
+    return _Sweep(grid, session or Session(), options or SweepOptions()).run(progress)
 
-                def fn(qq=qq, kk=kk, vv=vv, bwd=bwd, path=path, mask=mask, do=do):
-                    if not bwd:
-                        with torch.no_grad():
-                            return attend(qq, kk, vv, path=path, mask=mask)
-                    o = attend(qq, kk, vv, path=path, mask=mask)
-                    return torch.autograd.grad(o, (qq, kk, vv), do)
 
-                flops = fl.fwd_bwd if bwd else fl.fwd
-                # the context every record of this case carries
-                case = dict(
-                    mask=mname,
-                    direction=direction,
-                    seq_len=L,
-                    head_dim=D,
-                    density=fl.density,
-                    flop_convention=fl.convention,
-                )
-                t = try_bench(fn, name=f"{path}/{mname}/{direction}", device=device, reps=reps, budget_s=budget_s)
-                if rec is not None:
-                    rec.add_timing(
-                        "sweep",
-                        path,
-                        t,
-                        shape=shape,
-                        dtype=dtype,
-                        flops=flops,
-                        bytes=attention_bytes(batch, heads, L, L, D, dtype, bwd),
-                        ceilings=ceilings,
-                        **case,
-                    )
-                ok = getattr(t, "ok", False)
-                peak = ceilings.matmul(dtype) if ceilings is not None else None
-                if rec is not None and ok and peak:
-                    # how close attention comes to the matmul units: achieved over measured dense-matmul TFLOP/s
-                    rec.add(
-                        "sweep",
-                        path,
-                        "pct_of_matmul",
-                        100 * flops / (t.median_ms * 1e-3) / 1e12 / peak,
-                        "%",
-                        shape=shape,
-                        dtype=dtype,
-                        statistic="median",
-                        formula=f"mask-aware {fl.convention}-convention flops / time / measured matmul TFLOP/s",
-                        **case,
-                    )
-                out.append(
-                    dict(
-                        row,
-                        time_ms=t.median_ms if ok else math.nan,
-                        tflops=flops / (t.median_ms * 1e-3) / 1e12 if ok else math.nan,
-                        note="" if ok else f"{t.kind}: {t.reason}",
-                    )
-                )
-                del fn
-    return out
+@dataclass
+class _Case:
+    """One (seq_len, head_dim, mask) of a sweep, and the context its rows carry."""
+
+    L: int
+    D: int
+    mname: str
+    mask: Mask
+    fl: object  # masks.AttentionFlops
+    shape: str
+
+    def base(self) -> dict:
+        return dict(
+            seq_len=self.L,
+            head_dim=self.D,
+            mask=self.mname,
+            shape=self.shape,
+            density=self.fl.density,
+            flop_convention=self.fl.convention,
+        )
+
+
+class _Sweep:
+    """The stages of :func:`sweep`: per case the block-mask build, then each path and
+    direction: why it cannot run here, or its timing and records."""
+
+    def __init__(self, grid: SweepGrid, session: Session, options: SweepOptions):
+        self.grid, self.session, self.o = grid, session, options
+        self.device = str(session.device)
+        self.dev_type = torch.device(self.device).type
+        self.elt = torch.empty((), dtype=grid.dtype).element_size()
+
+    def run(self, progress) -> list[dict]:
+        gr, out = self.grid, []
+        g = torch.Generator().manual_seed(self.session.seed)
+        cases = [(L, D, mname) for L in gr.seq_lens for D in gr.head_dims for mname in gr.masks]
+        for L, D, mname in progress(cases) if progress is not None else cases:
+            mask = make_mask(mname, L)
+            fl = attention_flops(mask, gr.batch, gr.heads, L, L, D, convention=self.o.flop_convention)
+            c = _Case(L, D, mname, mask, fl, f"B{gr.batch}xH{gr.heads}xL{L}xD{D}")
+            if self.o.block_mask_cost and mask.kind != "full":
+                out.append(self.block_mask_row(c))
+            qkvdo = tuple(
+                torch.randn(gr.batch, gr.heads, L, D, generator=g).to(device=self.device, dtype=gr.dtype)
+                for _ in range(4)
+            )
+            for path in gr.paths:
+                p = get_path(path)
+                out += [self.timed_row(c, p, path, direction, qkvdo) for direction in gr.directions]
+        return out
+
+    def block_mask_row(self, c: _Case) -> dict:
+        """The block mask's build time (flex's preprocessing, cached by ``attend``)."""
+        gr, o, rec = self.grid, self.o, self.session.rec
+        t = try_bench(
+            lambda: flex_block_mask(
+                c.mask, gr.batch, None, c.L, c.L, device=self.device, compile=self.dev_type == "cuda"
+            ),
+            name=f"block_mask/{c.mname}",
+            device=self.device,
+            reps=max(3, o.reps // 2),
+            budget_s=o.budget_s,
+            check_finite=False,
+        )
+        if rec is not None:
+            rec.add_timing(
+                "block_mask_build", "flex", t, shape=c.shape, dtype=gr.dtype, mask=c.mname, seq_len=c.L, head_dim=c.D
+            )
+        return dict(
+            c.base(),
+            path="block_mask_build",
+            direction="build",
+            time_ms=t.median_ms if t.ok else math.nan,
+            note="" if t.ok else f"{t.kind}: {t.reason}",
+        )
+
+    def skip_reason(self, c: _Case, p: AttentionPath, path: str, bwd: bool) -> str | None:
+        """Why this path cannot (or must not) be timed here, or None."""
+        gr = self.grid
+        why = p.why_not(
+            device=self.device,
+            dtype=gr.dtype,
+            mask=c.mask.kind,
+            layout="bhld",
+            head_dim=c.D,
+            lq=c.L,
+            lk=c.L,
+            backward=bwd,
+        )
+        if why is None and p.kind == "triton" and self.dev_type == "cpu":
+            why = "Triton runs through the interpreter on CPU: correctness only, never timed"
+        score_bytes = gr.batch * gr.heads * c.L * c.L * max(self.elt, 4)
+        if why is None and path in MATERIALISING and score_bytes > self.o.score_limit_gb * 2**30:
+            why = f"materialises {score_bytes / 2**30:.1f} GiB of scores (> score_limit_gb={self.o.score_limit_gb})"
+        return why
+
+    def timed_row(self, c: _Case, p: AttentionPath, path: str, direction: str, qkvdo) -> dict:
+        bwd = direction == "fwd+bwd"
+        row = dict(c.base(), path=path, direction=direction)
+        why = self.skip_reason(c, p, path, bwd)
+        if why:
+            return dict(row, time_ms=math.nan, note=why)
+        q, k, v, do = qkvdo
+        qq, kk, vv = (t.detach().requires_grad_(bwd) for t in (q, k, v))
+
+        def fn():
+            if not bwd:
+                with torch.no_grad():
+                    return attend(qq, kk, vv, path=path, mask=c.mask)
+            o = attend(qq, kk, vv, path=path, mask=c.mask)
+            return torch.autograd.grad(o, (qq, kk, vv), do)
+
+        flops = c.fl.fwd_bwd if bwd else c.fl.fwd
+        t = try_bench(
+            fn, name=f"{path}/{c.mname}/{direction}", device=self.device, reps=self.o.reps, budget_s=self.o.budget_s
+        )
+        ok = getattr(t, "ok", False)
+        self.record(c, path, direction, t, flops)
+        return dict(
+            row,
+            time_ms=t.median_ms if ok else math.nan,
+            tflops=flops / (t.median_ms * 1e-3) / 1e12 if ok else math.nan,
+            note="" if ok else f"{t.kind}: {t.reason}",
+        )
+
+    def record(self, c: _Case, path: str, direction: str, t, flops: float) -> None:
+        """The timing row, and how close attention comes to the matmul units: achieved over
+        measured dense-matmul TFLOP/s."""
+        rec, ceilings, gr = self.session.rec, self.session.ceilings, self.grid
+        if rec is None:
+            return
+        # the context every record of this case carries
+        case = dict(
+            mask=c.mname,
+            direction=direction,
+            seq_len=c.L,
+            head_dim=c.D,
+            density=c.fl.density,
+            flop_convention=c.fl.convention,
+        )
+        bwd = direction == "fwd+bwd"
+        rec.add_timing(
+            "sweep",
+            path,
+            t,
+            shape=c.shape,
+            dtype=gr.dtype,
+            flops=flops,
+            bytes=attention_bytes(gr.batch, gr.heads, c.L, c.L, c.D, gr.dtype, bwd),
+            ceilings=ceilings,
+            **case,
+        )
+        peak = ceilings.matmul(gr.dtype) if ceilings is not None else None
+        if getattr(t, "ok", False) and peak:
+            rec.add(
+                "sweep",
+                path,
+                "pct_of_matmul",
+                100 * flops / (t.median_ms * 1e-3) / 1e12 / peak,
+                "%",
+                shape=c.shape,
+                dtype=gr.dtype,
+                statistic="median",
+                formula=f"mask-aware {c.fl.convention}-convention flops / time / measured matmul TFLOP/s",
+                **case,
+            )

@@ -34,6 +34,7 @@ from lab_utils.core.config import (
 )
 from lab_utils.core.dtypes import LAB_DTYPES, parse_dtype
 from lab_utils.core.records import Recorder
+from lab_utils.core.session import Session
 from lab_utils.studies.headline import Figure, fmt, register, rows
 
 
@@ -318,19 +319,18 @@ def run_sweep(cfg: AttentionLabConfig, device, rec: Recorder, ceilings: Ceilings
     """The timing sweep of :func:`lab_utils.attention.attend.sweep` at the lab's parameters (one row per case)."""
     return pd.DataFrame(
         A.sweep(
-            paths=list(cfg.paths),
-            masks=list(cfg.masks),
-            seq_lens=list(cfg.seq_lens),
-            head_dims=list(cfg.head_dims),
-            directions=tuple(cfg.directions),
-            batch=cfg.batch,
-            heads=cfg.heads,
-            dtype=cfg.torch_dtype,
-            device=device,
-            rec=rec,
-            ceilings=ceilings,
-            reps=cfg.reps,
-            budget_s=cfg.budget_s,
+            A.SweepGrid(
+                paths=tuple(cfg.paths),
+                masks=tuple(cfg.masks),
+                seq_lens=tuple(cfg.seq_lens),
+                head_dims=tuple(cfg.head_dims),
+                directions=tuple(cfg.directions),
+                batch=cfg.batch,
+                heads=cfg.heads,
+                dtype=cfg.torch_dtype,
+            ),
+            Session(device, rec, ceilings),
+            A.SweepOptions(reps=cfg.reps, budget_s=cfg.budget_s),
             progress=lambda cases: tqdm(cases, desc="attention sweep (seq_len, head_dim, mask)"),
         )
     )
