@@ -323,3 +323,18 @@ def test_alpha_beta_fit_is_the_one_lab_06_uses():
     ev = [collectives.CollectiveEvent("all_reduce", b, 0.0, 5.0 + 1e-3 * b) for b in (1_000, 10_000, 100_000) * 2]
     fit = collectives.fit_alpha_beta(ev)["all_reduce"]
     assert fit.alpha_us == pytest.approx(5.0) and fit.beta_us_per_byte == pytest.approx(1e-3)
+
+
+def test_the_labs_own_trace_reader_uses_these_rules(tmp_path):
+    """lab_utils.profiling.traces (lab 01's profiler) reads .json.gz, a trace without steps,
+    and charges a kernel to the step that launched it, through this package."""
+    from lab_utils.profiling.traces import analyse_trace
+
+    src = json.loads(lagging(tmp_path).read_text())
+    gz = write(tmp_path / "lag.pt.trace.json.gz", src["traceEvents"], gz=True)
+    a = analyse_trace(gz)
+    by = a.categories_by_step.set_index(["step", "category"])["ms"]
+    assert by[(1, "matmul")] == pytest.approx(0.03) and by[(2, "matmul")] == 0.0
+    ev = [op("aten::mm", 0, 10, 1), launch(1, 2, ext=1), kernel("gemm", 1, 20, 5)]
+    one = analyse_trace(write(tmp_path / "nosteps.json", ev))
+    assert list(one.steps["step"]) == [0] and one.categories.set_index("category").loc["matmul", "ms"] == 0.005

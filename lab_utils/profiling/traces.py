@@ -13,16 +13,18 @@ operators and the allocation curve (what :mod:`lab_utils.profiling.profiler` rep
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from lab_utils.model.train import PHASES
+from lab_utils.traces.attribute import attribute
+from lab_utils.traces.reader import read_rank
 
 CATEGORIES = (
     "matmul",
@@ -177,42 +179,47 @@ class TraceAnalysis:
     top_ops_by_step: pd.DataFrame | None = None  # step, name, ms (the top operators, 0 where absent)
 
 
+def _read(path: str | Path, device_kind: str | None):
+    """Host events (nested), GPU activities with their launching op and step, step windows.
+
+    Reading, launch attribution and step windows come from :mod:`lab_utils.traces` (``.json``
+    and ``.json.gz``; a trace without ``ProfilerStep`` ranges is one window, step 0).  A kernel
+    is charged to the step that launched it; one whose launch the trace lacks, to the step it ran in."""
+    rt = read_rank(path)
+    host_df = rt.host[rt.host["cat"].astype(str).isin(("cpu_op", "user_annotation", "python_function"))]
+    host = [
+        _Ev(str(n), str(c), float(ts), float(d), str(t), int(x) if x >= 0 else None)
+        for n, c, ts, d, t, x in zip(
+            host_df["name"], host_df["cat"], host_df["ts"], host_df["dur"], host_df["tid"], host_df["external_id"]
+        )
+    ]
+    by_index = dict(zip(host_df.index, host))
+    _nest(host)
+    att = attribute(rt)
+    windows = [(int(r.step), float(r.ts), float(r.end)) for r in att.steps.itertuples()]
+    if device_kind is None:
+        device_kind = "cuda" if len(rt.gpu) else "cpu"
+    kernels = []
+    for k in att.kernels.itertuples():
+        op = by_index.get(k.op_index)
+        step = int(k.step) if k.window == "step" else _step_of(windows, float(k.ts)) if np.isnan(k.launch_ts) else None
+        kernels.append((str(k.name), op, float(k.ts), float(k.dur), step))
+    return rt, host, kernels, windows, device_kind
+
+
+def _step_of(windows: list[tuple[int, float, float]], ts: float) -> int | None:
+    for k, s, t in windows:
+        if s <= ts < t:
+            return k
+    return None
+
+
 def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int = 15) -> TraceAnalysis:
     """Analyse a Chrome trace written by ``torch.profiler`` (see the module note)."""
-    data = json.loads(Path(path).read_text())
-    raw = data["traceEvents"] if isinstance(data, dict) else data
-    xs = [e for e in raw if e.get("ph") == "X" and "dur" in e]
-    kernel_cats = {"kernel", "gpu_memcpy", "gpu_memset"}
-    kernels = [e for e in xs if e.get("cat") in kernel_cats]
-    if device_kind is None:
-        device_kind = "cuda" if kernels else "cpu"
-    # host-side step ranges only (CUDA traces repeat them as "gpu_user_annotation" on the device timeline)
-    step_evs = sorted(
-        (e for e in xs if e.get("cat") == "user_annotation" and re.fullmatch(r"ProfilerStep#\d+", e.get("name", ""))),
-        key=lambda e: e["ts"],
-    )
-    if not step_evs:
-        raise ValueError(f"{path}: no ProfilerStep#k ranges; was the profiler stepped with prof.step()?")
-    host = [
-        _Ev(
-            e["name"],
-            e.get("cat", ""),
-            float(e["ts"]),
-            float(e["dur"]),
-            (e.get("pid"), e.get("tid")),
-            (e.get("args") or {}).get("External id"),
-        )
-        for e in xs
-        if e.get("cat") in ("cpu_op", "user_annotation", "python_function")
-    ]
-    _nest(host)
-    windows = [(int(e["name"].split("#")[1]), float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in step_evs]
+    rt, host, kernels, windows, device_kind = _read(path, device_kind)
 
     def step_of(ts: float):
-        for k, s, t in windows:
-            if s <= ts < t:
-                return k
-        return None
+        return _step_of(windows, ts)
 
     # phases ---------------------------------------------------------------------------
     prow = []
@@ -228,14 +235,10 @@ def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int 
     # work items: (name, launching op, category, duration us, start, end, step) ----------
     items = []
     if device_kind == "cuda":
-        by_ext = {e.ext: e for e in host if e.cat == "cpu_op" and e.ext is not None}
-        for k in kernels:
-            ext = (k.get("args") or {}).get("External id")
-            op = by_ext.get(ext)
+        for name, op, ts, dur, step in kernels:
             opname = op.name if op is not None else ""
-            cat = categorize(k["name"], opname, bool(op and op.opt))
-            ts, dur = float(k["ts"]), float(k["dur"])
-            items.append((k["name"], opname or k["name"], cat, dur, ts, ts + dur, step_of(ts)))
+            cat = categorize(name, opname, bool(op and op.opt))
+            items.append((name, opname or name, cat, dur, ts, ts + dur, step))
         source = "cuda kernels"
     else:
         for e in host:
@@ -303,13 +306,8 @@ def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int 
     # memory ----------------------------------------------------------------------------
     want = 1 if device_kind == "cuda" else 0
     t0 = windows[0][1]
-    mrow = []
-    for e in raw:
-        if e.get("name") == "[memory]":
-            a = e.get("args") or {}
-            if a.get("Device Type") == want and "Total Allocated" in a:
-                mrow.append((float(e["ts"]), float(a["Total Allocated"])))
-    mrow.sort()
+    m = rt.memory[rt.memory["device_type"] == want].sort_values("ts")
+    mrow = list(zip(m["ts"].astype(float), m["allocated"].astype(float)))
     memory = pd.DataFrame(
         [dict(t_ms=(ts - t0) / 1e3, allocated_mb=b / 2**20) for ts, b in mrow], columns=["t_ms", "allocated_mb"]
     )

@@ -30,7 +30,9 @@ Tables of a :class:`RankTrace` (pandas, one row per complete event ``ph == "X"``
 * ``host``: ``cpu_op``, ``user_annotation``, ``python_function``, runtime and driver calls with
   name, cat, ts, dur, pid, tid, correlation, external_id and, where recorded, input dims/types;
 * ``sync``: ``cuda_sync`` events (kept apart: they are waits, not GPU work);
-* ``gpu_ranges``: ``gpu_user_annotation`` ranges (the host ranges mirrored on the GPU timeline).
+* ``gpu_ranges``: ``gpu_user_annotation`` ranges (the host ranges mirrored on the GPU timeline);
+* ``memory``: the allocator's totals (``[memory]`` events of ``profile_memory=True``): ts,
+  allocated bytes, device type (0 CPU, 1 CUDA).
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class _Args(msgspec.Struct):
     pg_ranks: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Process Group Ranks")
     input_dims: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Input Dims")
     input_type: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Input type")
+    total_allocated: int | float | None = msgspec.field(default=None, name="Total Allocated")
+    device_type: int | None = msgspec.field(default=None, name="Device Type")
 
 
 class _Event(msgspec.Struct):
@@ -110,6 +114,7 @@ class RankTrace:
     host: pd.DataFrame
     sync: pd.DataFrame
     gpu_ranges: pd.DataFrame
+    memory: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=["ts", "allocated", "device_type"]))
     device_name: str | None = None
     world_size: int | None = None
     distributed: dict = field(default_factory=dict)
@@ -140,11 +145,15 @@ class _Columns:
 
     def __init__(self) -> None:
         self.cols: dict[str, list] = {k: [] for k in self.KEYS + self.EXTRA + self.SHAPES}
+        self.memory: list[tuple[float, float, int | None]] = []
         self.kinds = {c: 0 for c in GPU_CATS} | {c: 1 for c in HOST_CATS}
         self.kinds |= {c: 2 for c in SYNC_CATS} | {c: 3 for c in GPU_RANGE_CATS}
 
     def add(self, events: list[_Event]) -> None:
         kinds = self.kinds
+        for e in events:  # allocator totals (``[memory]`` instant events, profile_memory=True)
+            if e.name == "[memory]" and e.args is not None and e.args.total_allocated is not None and len(e.ts):
+                self.memory.append((float(bytes(e.ts)), float(e.args.total_allocated), e.args.device_type))
         keep = [e for e in events if e.ph == "X" and e.cat in kinds and len(e.ts)]
         if not keep:
             return
@@ -306,7 +315,10 @@ def read_rank(path: str | Path, fallback_rank: int = 0, *, alone: bool = True) -
     gpu_dev = parts["gpu"]["device"]
     dev_id = int(gpu_dev.mode().iloc[0]) if len(gpu_dev) and (gpu_dev >= 0).any() else 0
     name = next((p.get("name") for p in props if p.get("id") == dev_id), None)
+    mem = pd.DataFrame(cols.memory, columns=["ts", "allocated", "device_type"])
+    mem["ts"] = mem["ts"] - t0
     return RankTrace(
+        memory=mem,
         rank=_rank_from(head, path, fallback_rank, alone),
         path=str(path),
         t0_us=int(t0),
