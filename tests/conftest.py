@@ -5,8 +5,11 @@ replays one seed) and a failing test's report carries a "perflab seed" section w
 command to reproduce it.
 """
 
+import json
 import os
 import random
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,3 +73,39 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@dataclass
+class SmokeRun:
+    """The smoke suite's report for this session; ``stale`` says why it may not be this tree's
+    run (``None``: it is, so its executed notebooks can stand in for a run of the labs here)."""
+
+    path: Path
+    stale: str | None
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory) -> SmokeRun:
+    """The real smoke suite, run once per session and shared by every test that needs a report
+    (the browser tests, the labs' checked outputs), unless ``$PERFLAB_REPORT`` names a finished
+    report folder to reuse."""
+    from lab_utils.core.records import git_commit
+
+    given = os.environ.get("PERFLAB_REPORT")
+    if given:
+        p = Path(given).resolve()
+        assert (p / "index.html").exists() and (p / "status.json").exists(), (
+            f"$PERFLAB_REPORT={given} is not a finished report folder (index.html, status.json)"
+        )
+        made, here = json.loads((p / "context.json").read_text()).get("commit", "unknown"), git_commit()
+        clean = made == here and "dirty" not in here and made != "unknown"
+        return SmokeRun(p, None if clean else f"$PERFLAB_REPORT was made at {made}, this tree is {here}")
+    from lab_utils.run.runner import run_suite
+
+    res = run_suite("smoke", out_dir=tmp_path_factory.mktemp("smoke-report"), progress=False)
+    return SmokeRun(res.path, None)
+
+
+@pytest.fixture(scope="session")
+def smoke_report(smoke_run) -> Path:
+    return smoke_run.path

@@ -7,7 +7,8 @@
 (b) JupyterLab: a server of our own on a free loopback port opens a lab, runs all its
     cells, and changing the HoloMap's dtype picker redraws the plot.
 
-The report comes from a session fixture that runs the real smoke suite once
+The report comes from a session fixture (``smoke_report`` in conftest.py, shared with
+tests/test_lab_outputs.py) that runs the real smoke suite once
 (``lab_utils.run.runner.run_suite("smoke", out_dir=tmp)``) unless ``$PERFLAB_REPORT`` names
 a finished report folder to reuse.  Skipped, with the reason, when Chromium is missing.
 """
@@ -15,7 +16,6 @@ a finished report folder to reuse.  Skipped, with the reason, when Chromium is m
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import time
@@ -42,21 +42,6 @@ def _suite_notebooks() -> list[str]:
     stems = [e.stem for e in load_suite(SUITE).entries]
     assert stems, f"the {SUITE} suite lists no notebook"
     return stems
-
-
-@pytest.fixture(scope="session")
-def smoke_report(tmp_path_factory) -> Path:
-    given = os.environ.get("PERFLAB_REPORT")
-    if given:
-        p = Path(given).resolve()
-        assert (p / "index.html").exists() and (p / "status.json").exists(), (
-            f"$PERFLAB_REPORT={given} is not a finished report folder (index.html, status.json)"
-        )
-        return p
-    from lab_utils.run.runner import run_suite
-
-    res = run_suite(SUITE, out_dir=tmp_path_factory.mktemp("smoke-report"), progress=False)
-    return res.path
 
 
 @pytest.fixture(scope="module")
