@@ -40,6 +40,7 @@ from lab_utils.core.records import Recorder
 from lab_utils.model import LARGE_PRESETS, PRESETS, build_model, image_ids, patchify, resolve_config, text_ids
 from lab_utils.model.train import TrainConfig, Trainer
 from lab_utils.precision import numerics as N
+from lab_utils.precision import peers
 from lab_utils.precision import quantized as P
 from lab_utils.profiling.profiler import profile_training
 from lab_utils.studies.headline import Figure, register, rows
@@ -81,7 +82,9 @@ class LowPrecisionLabConfig(LabConfig):
     matmul_shares: list = field(default_factory=lambda: [0.3, 0.6, 0.8])  # what-if shares beside the measured one
     profile_steps: int = 2  # profiled training steps of `preset` that measure the matmul share
     preset: str = "tiny"
-    recipes: list = field(default_factory=lambda: ["fp8_tensor", "mxfp8"])
+    recipes: list = field(
+        default_factory=lambda: ["fp8_tensor", "mxfp8", "torchao_float8_tensorwise", "torchao_float8_rowwise"]
+    )
     steps: int = 10
     seeds: list = field(default_factory=lambda: [0, 1])
     batch_size: int = 4
@@ -485,13 +488,22 @@ def recipe_tables(recipes) -> pd.DataFrame:
     return pd.concat({r: P.RECIPES[r].table().set_index("matmul") for r in recipes})
 
 
+def recipe_sources(recipes, device) -> pd.DataFrame:
+    """Whose each recipe is, how it runs here or why not (``lab_utils.precision.peers``)."""
+    return peers.recipe_sources(recipes, device)
+
+
 def run_convergence(cfg: LowPrecisionLabConfig, device, rec: Recorder) -> P.ConvergenceResult:
     """bf16 and every recipe from the same initialisation and batches; recorded; the
     divergences are printed."""
     task = mmdit_task(cfg.preset, batch_size=cfg.batch_size, device=device)
+    refused = {r: peers.recipe_why_not(r, device) for r in cfg.recipes}
+    for r, why in refused.items():
+        if why:
+            print(f"{r}: not run here: {why}")
     res = P.run_convergence(
         task,
-        cfg.recipes,
+        [r for r in cfg.recipes if not refused[r]],
         steps=cfg.steps,
         seeds=cfg.seeds,
         lr=cfg.lr,
