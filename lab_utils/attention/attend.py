@@ -136,7 +136,7 @@ def attend(
     k,
     v,
     *,
-    path: str = "sdpa",
+    path: str | AttentionPath = "sdpa",
     mask=None,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
@@ -144,8 +144,10 @@ def attend(
 ) -> torch.Tensor:
     """Attention on ``path``; see the module docstring for layouts and masks.
     Raises :class:`AttentionError` naming the parameter when the input is malformed or
-    the path cannot honour the problem."""
-    p = get_path(path)
+    the path cannot honour the problem.  ``path`` is a name or an :class:`AttentionPath`
+    already looked up (the model's seam resolves its path once)."""
+    p = path if isinstance(path, AttentionPath) else get_path(path)
+    path = p.name
     mask = normalize_mask(mask)
     prob = check_inputs(q, k, v, mask=mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     reason = p.why_not(**prob.as_check())

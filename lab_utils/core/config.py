@@ -9,9 +9,11 @@ any heavy work starts.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import warnings
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 
 class ConfigError(ValueError):
@@ -20,6 +22,17 @@ class ConfigError(ValueError):
     def __init__(self, param: str, value: Any, allowed: str):
         self.param, self.value, self.allowed = param, value, allowed
         super().__init__(f"parameter {param!r} = {value!r} is not allowed: expected {allowed}")
+
+
+class DeprecatedParameter(FutureWarning):
+    """A parameter given under its former name: accepted for one release, under its new name."""
+
+
+def rename_message(old: str, new: str, owner: str) -> str:
+    return (
+        f"parameter {old!r} of {owner} is now {new!r}: the old name is accepted for one release "
+        f"(records use {new!r}); rename it in your notebook, YAML set or --param"
+    )
 
 
 def check_choice(param: str, value: Any, allowed: Iterable[Any]) -> None:
@@ -79,16 +92,40 @@ def check_bool(param: str, value: Any) -> None:
 @dataclasses.dataclass(frozen=True)
 class LabConfig:
     """Base for a lab's parameters.  Subclasses are frozen dataclasses whose field
-    names are exactly the notebook's parameter names; they validate in ``__post_init__``."""
+    names are exactly the notebook's parameter names; they validate in ``__post_init__``.
+
+    ``RENAMED`` maps a parameter's former name to its name now: :meth:`from_params` accepts
+    the old name for one release, with a :class:`DeprecatedParameter` warning naming both."""
+
+    RENAMED: ClassVar[Mapping[str, str]] = {}
 
     @classmethod
     def param_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
+        return [f.name for f in dataclasses.fields(cls) if f.init]
+
+    @classmethod
+    def renamed_params(cls, params: Mapping[str, Any], *, old_wins: bool = True) -> dict[str, Any]:
+        """``params`` with every former name (:attr:`RENAMED`) under its new name, each with a
+        warning naming old and new.  Where both names are present the old one's value is kept
+        when ``old_wins`` (a notebook's globals: papermill injected the old name after the
+        parameters cell set the new one); otherwise both together are a ConfigError."""
+        out = dict(params)
+        for old, new in cls.RENAMED.items():
+            if old not in out:
+                continue
+            value = out.pop(old)
+            if new in out and not old_wins and out[new] != value:
+                raise ConfigError(old, value, f"one name only: {old!r} was renamed {new!r}, and both are given")
+            warnings.warn(rename_message(old, new, cls.__name__), DeprecatedParameter, stacklevel=3)
+            out[new] = value
+        return out
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], *, strict: bool = False):
-        """Build from a mapping (a notebook's ``globals()``, a YAML set); extra keys are
-        ignored unless ``strict``, in which case an unknown key is a ConfigError."""
+        """Build from a mapping (a notebook's ``globals()``, a YAML set): the one place where
+        flat parameters become a config.  Former names are mapped (:meth:`renamed_params`);
+        extra keys are ignored unless ``strict``, in which case an unknown key is a ConfigError."""
+        params = cls.renamed_params(params)
         names = set(cls.param_names())
         if strict:
             for k in params:
@@ -97,4 +134,9 @@ class LabConfig:
         return cls(**{k: v for k, v in params.items() if k in names})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The parameters by name (fields built from them, ``init=False``, are left out)."""
+        return {n: _plain(getattr(self, n)) for n in self.param_names()}
+
+
+def _plain(v: Any) -> Any:
+    return dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else copy.deepcopy(v)

@@ -17,6 +17,7 @@ from torch import nn
 
 from lab_kernels import get_variant
 from lab_utils.attention.attend import attend
+from lab_utils.attention.paths import AttentionPath, get_path
 from lab_utils.core.config import ConfigError
 from lab_utils.model.config import KERNEL_OPS, MMDiTConfig, kernel_map, registered_variants
 
@@ -167,7 +168,8 @@ class Seams(MutableMapping):
         self.recipe = recipe
         self.activation_checkpoint = "none"  # set by the policy's apply(model)
         self.notes: dict[str, str] = {}
-        self.attend = _sdpa if attention_path == "sdpa" else partial(_attend_path, path=attention_path)
+        # resolved once: "sdpa" calls torch directly, any other name is looked up in the registry here
+        self.attend = _sdpa if attention_path == "sdpa" else partial(_attend_path, path=get_path(attention_path))
 
     @classmethod
     def from_config(cls, cfg: MMDiTConfig, ops: KernelSet) -> Seams:
@@ -200,7 +202,7 @@ def _sdpa(q, k, v, mask=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def _attend_path(q, k, v, mask=None, *, path: str):
+def _attend_path(q, k, v, mask=None, *, path: AttentionPath):
     return attend(q, k, v, path=path, mask=mask)
 
 

@@ -33,10 +33,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lab_utils.attention.varlen import normalize_buckets
-from lab_utils.core.config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int
+from lab_utils.core.config import LabConfig, check_bool, check_choice, check_float, check_int
 from lab_utils.core.device import annotate, pick_device
 from lab_utils.core.dtypes import DTYPES
-from lab_utils.model.config import PRESETS, MMDiTConfig, resolve_config
+from lab_utils.model.config import MMDiTConfig, resolve_config
 from lab_utils.model.data import SyntheticImageCaptions, forever, make_loader
 from lab_utils.model.encoders import Encoders, precompute, text_vocab
 from lab_utils.model.layers import image_ids, patchify, text_ids
@@ -176,9 +176,16 @@ def _check_buckets(value, mcfg: MMDiTConfig) -> list[tuple[int, int]]:
     return bk
 
 
+#: The notebook parameters that are the model's: mapped into :attr:`TrainConfig.model` once.
+MODEL_PARAMS = ("preset", "kernels", "attention_path", "recipe", "activation_checkpoint")
+
+
 @dataclass(frozen=True)
 class TrainConfig(LabConfig):
-    """Parameters of the training step (field names == the notebook's parameters)."""
+    """Parameters of the training step (field names == the notebook's parameters).
+
+    The model's parameters (:data:`MODEL_PARAMS`) are validated where they are defined, by
+    :class:`MMDiTConfig`, which this config builds once and holds as :attr:`model`."""
 
     preset: str = "tiny"
     device: str = "auto"
@@ -206,9 +213,13 @@ class TrainConfig(LabConfig):
     ckpt_every: int = 0  # 0 = never
     ckpt_format: str = "torch"
     seed: int = 0
+    #: the model's config, built once from the model's parameters (not a parameter itself)
+    model: MMDiTConfig = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        check_choice("preset", self.preset, PRESETS)
+        # the model's parameters: validated once, by the model's config (same error text everywhere)
+        model = MMDiTConfig.from_preset(self.preset, **{k: getattr(self, k) for k in MODEL_PARAMS[1:]})
+        object.__setattr__(self, "model", model)
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
         check_int("batch_size", self.batch_size, min=1)
         check_int("min_caption_len", self.min_caption_len, min=1)
@@ -229,22 +240,11 @@ class TrainConfig(LabConfig):
         check_int("ckpt_every", self.ckpt_every, min=0)
         check_choice("ckpt_format", self.ckpt_format, CKPT_FORMATS)
         check_int("seed", self.seed, min=0)
-        mcfg = self.model_config()  # validates activation_checkpoint / kernels / attention_path
-        object.__setattr__(self, "buckets", [list(b) for b in _check_buckets(self.buckets, mcfg)])
+        object.__setattr__(self, "buckets", [list(b) for b in _check_buckets(self.buckets, model)])
 
     def model_config(self) -> MMDiTConfig:
-        try:
-            return MMDiTConfig.from_preset(
-                self.preset,
-                activation_checkpoint=self.activation_checkpoint,
-                kernels=self.kernels,
-                attention_path=self.attention_path,
-                recipe=self.recipe,
-            )
-        except ConfigError as e:
-            if e.param == "checkpoint":
-                raise ConfigError("activation_checkpoint", e.value, e.allowed) from None
-            raise
+        """The model's config (built once, in ``__post_init__``)."""
+        return self.model
 
 
 # --------------------------------------------------------------------------------------
@@ -355,7 +355,7 @@ class Trainer:
 
         c = self.cfg
         self.device = pick_device(c.device)
-        self.model_cfg = c.model_config()
+        self.model_cfg = c.model
         if self.sync_phases is None:
             self.sync_phases = self.device.type == "cuda"
         self.model = build_model(self.model_cfg, self.device, DTYPES[c.dtype], seed=c.seed).train()

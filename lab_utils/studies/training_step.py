@@ -35,6 +35,7 @@ from lab_utils.profiling.profiler import (
     profile_training,
     training_step_flops,
 )
+from lab_utils.step.load import DEFAULT_STEP, check_step_spec
 from lab_utils.studies.headline import Figure, fmt, register, rows, verdict
 
 
@@ -45,16 +46,14 @@ class TrainingStepLabConfig(TrainConfig):
     warmup_steps: int = 1  # profiled but not analysed (compile, first-call effects)
     steps: int = 6  # active, analysed steps: each figure's samples (its noise is judged from them)
     quick_ceilings: bool = True
+    step: str = DEFAULT_STEP  # your training step, "package.module:function" (docs/your_model.md)
 
     def __post_init__(self):
         super().__post_init__()
         check_int("warmup_steps", self.warmup_steps, min=0)
         check_int("steps", self.steps, min=1)
         check_bool("quick_ceilings", self.quick_ceilings)
-
-    def train_config(self) -> TrainConfig:
-        names = set(TrainConfig.param_names())
-        return TrainConfig(**{k: v for k, v in self.to_dict().items() if k in names})
+        check_step_spec(self.step)  # imports and is callable; its first step is checked by your_step.load
 
 
 PHASE_COLORS = dict(zip(PHASES, ("#8c8c8c", "#e377c2", "#bcbd22", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd")))
@@ -326,7 +325,7 @@ class StepProfile:
 
 def profile_step(cfg: TrainingStepLabConfig, info: DeviceInfo, *, lab: str = "01_training_step") -> StepProfile:
     """Build the trainer from the lab's parameters, profile it, record every number."""
-    trainer = Trainer(cfg.train_config())
+    trainer = Trainer(cfg)  # the lab's config is the step's (a TrainConfig): nothing rebuilt
     seams = dict(trainer.model.seams)
     try:
         report = profile_training(trainer, active=cfg.steps, warmup=cfg.warmup_steps)
