@@ -206,7 +206,6 @@ FUNCTION_ALLOWED = {
     "lab_utils/plan/planner.py:build_plan": "TODO issue 22",
     "lab_utils/precision/numerics.py:_record_path": "TODO issue 22",
     "lab_utils/precision/quantized.py:run_convergence": "TODO issue 22: split into stages",
-    "lab_utils/profiling/profiler.py:ProfileReport.record": "TODO issue 22: split into stages",
     "lab_utils/run/compare/baselines.py:baseline_main": "TODO issue 22: split into stages",
     "lab_utils/run/runner.py:run_suite": "TODO issue 22",
     "lab_utils/stability/training.py:train_run": "TODO issue 22: split into stages",

@@ -280,7 +280,16 @@ class ProfileReport:
     ) -> None:
         """Write the report's numbers as records (one row per number, plus the trace path).
         Every time figure keeps its per-step ``samples`` and their stability verdict."""
-        a = self.analysis
+        self._record_steps(rec, variant, shape)
+        self._record_phases(rec, shape)
+        step_total = float(self.steps.step_ms.median())
+        self._record_categories(rec, shape, step_total)
+        self._record_top_ops(rec, shape, step_total)
+        self._record_mfu(rec, variant, shape, ceilings, datasheet, dtype)
+        self._record_memory_and_files(rec, variant, shape)
+
+    def _record_steps(self, rec, variant: str, shape: str) -> None:
+        """Per step: phase coverage and FLOPs; the step time with its per-step samples."""
         st = self.steps
         for r in st.itertuples():
             rec.add("step", variant, "phase_coverage", 100 * r.coverage, "%", shape=shape, statistic=f"step{r.step}")
@@ -307,6 +316,9 @@ class ProfileReport:
             **_judged(st.amortised_ms, step_v),
             **({"rule": PERIODIC_RULE, "periods": self.periods} if self.periods else {}),
         )
+
+    def _record_phases(self, rec, shape: str) -> None:
+        """Each phase's time (and, for a periodic phase, its time per event)."""
         for f in self.phase_figures():
             extra = dict(every=f.every, per_event_ms=f.per_event_ms, events=f.events, rule=PERIODIC_RULE)
             rec.add(
@@ -332,7 +344,10 @@ class ProfileReport:
                     samples=list(f.samples) if f.events else None,
                     every=f.every,
                 )
-        step_total = float(st.step_ms.median())
+
+    def _record_categories(self, rec, shape: str, step_total: float) -> None:
+        """Each category's time per step (median over steps) and its share of the step."""
+        a, st = self.analysis, self.steps
         by_step = a.categories_by_step.pivot_table(index="step", columns="category", values="ms", aggfunc="sum")
         for c in a.categories.category:
             x = by_step[c].to_numpy(float) if c in by_step else np.zeros(len(st))
@@ -349,6 +364,10 @@ class ProfileReport:
                 source=a.source,
                 **_judged(x),
             )
+
+    def _record_top_ops(self, rec, shape: str, step_total: float) -> None:
+        """The top ops' time per step, calls per step and share of the step."""
+        a, st = self.analysis, self.steps
         ops = a.top_ops_by_step
         for r in a.top_ops.itertuples():
             x = ops[ops.name == r.name].ms.to_numpy(float) if ops is not None else np.asarray([r.ms / len(st)])
@@ -366,6 +385,10 @@ class ProfileReport:
                 pct_of_step=100 * med / step_total if step_total > 0 else math.nan,
                 **_judged(x),
             )
+
+    def _record_mfu(self, rec, variant: str, shape: str, ceilings, datasheet, dtype: str) -> None:
+        """Achieved TFLOP/s and % of each peak, their samples judged as the step time's."""
+        step_v = self.step_verdict
         for r in self.mfu(ceilings, datasheet, dtype).itertuples():
             judged = dict(
                 samples=list(r.samples), stable=step_v.stable, stability=f"from the step time's: {step_v.reason}"
@@ -397,6 +420,10 @@ class ProfileReport:
                     reference=r.reference,
                     **judged,
                 )
+
+    def _record_memory_and_files(self, rec, variant: str, shape: str) -> None:
+        """Peak memory (profiler events, and CUDA's own counter) and the trace / memory files."""
+        a = self.analysis
         if not math.isnan(a.peak_allocated_bytes):
             rec.add(
                 "memory",
