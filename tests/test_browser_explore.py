@@ -197,3 +197,58 @@ def test_lab01_explorer_in_jupyterlab(chrome, tmp_path):
         finally:
             page.close()
     assert srv.proc.poll() is not None, "the JupyterLab server is still running"
+
+
+PLAN_CELLS = [
+    "from lab_utils.core.plots import init\n"
+    "from lab_utils.core.records import Recorder\n"
+    "from lab_utils.plan.planner import ALL_PHASES, StepProfile, build_plan\n"
+    "from lab_utils.studies import plan as study\n"
+    "from lab_utils.studies.explore.plan import PlanExplorer\n\n"
+    "hv = init()\n"
+    'cfg = study.PlanLabConfig(preset="tiny", device="cpu", buckets=[[64, 64]], num_samples=16)\n'
+    "rec = study.recorder(cfg)\n\n\n"
+    "def synthetic(c):  # a machine whose phase times are known: precomputed encoders take 0 ms\n"
+    "    enc = 0.0 if c.encoders == 'precomputed' else 1.0\n"
+    "    ph = dict.fromkeys(ALL_PHASES, 0.0) | dict(text_encoding=10 * enc, image_encoding=20 * enc, forward=30.0)\n"
+    "    samples = (60.0, 60.5, 59.8, 60.2)\n"
+    "    return StepProfile(ph, dict.fromkeys(ph, 0.1), 80.0, 1e9, 32.0, samples, '', c.to_dict())\n\n\n"
+    'res = build_plan(cfg.train_config(), ["encoders"], measure=synthetic)\n'
+    'print("records written to", rec.save())',
+    "PlanExplorer.for_lab(cfg, res, rec, measure_fn=synthetic).show()",
+]
+
+
+def test_lab08_plan_explorer_in_jupyterlab(chrome, tmp_path):
+    """Issue 21 item 9: pick a lever -> its predicted plan lands as a row at once; tick 'measure it'
+    -> the plan is measured and its row shows the measured step and the timing's verdict."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in PLAN_CELLS])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    work = tmp_path / "nb"
+    work.mkdir()
+    nbformat.write(nb, work / "explore_08.ipynb")
+    with B.jupyter_lab(work, tmp_path / "jupyter") as srv:
+        page, watch = _open_lab(chrome, srv, "explore_08.ipynb")
+        try:
+            _run_all(page, srv)
+            _wait(page, "the plan explorer", lambda: page.locator(".perflab-explorer select").count() > 0, 60, srv)
+            rows0 = page.evaluate(ROWS_JS)
+            _select(page, "encoders").select_option(label="precomputed")
+            _wait(page, "the predicted plan's row", lambda: page.evaluate(ROWS_JS) > rows0, 60, srv)
+            table = page.locator(".perflab-explore-table")
+            assert (
+                "encoders=precomputed" in table.inner_text()
+                and "predicted from the measured step" in table.inner_text()
+            )
+            page.locator(".perflab-explorer .widget-checkbox", has=page.locator("text=measure it")).locator(
+                "input"
+            ).click()
+            _wait(page, "the measured plan's row", lambda: page.evaluate(ROWS_JS) > rows0 + 1, 60, srv)
+            last = table.locator("tbody tr").last.inner_text()
+            assert "stable:" in last and "encoders=precomputed" in last, last
+            assert not watch.outside, f"JupyterLab requested outside addresses: {watch.outside}"
+            assert not watch.errors, f"JupyterLab console errors: {watch.errors}"
+        finally:
+            page.close()
+    files = list((work / ".perflab" / "records").glob("08_plan-*.json"))
+    assert len(files) == 1 and "step_time" in files[0].read_text(), "the measured plan did not reach the records file"
