@@ -208,7 +208,6 @@ FUNCTION_ALLOWED = {
     "lab_utils/precision/quantized.py:run_convergence": "TODO issue 22: split into stages",
     "lab_utils/run/compare/baselines.py:baseline_main": "TODO issue 22: split into stages",
     "lab_utils/run/runner.py:run_suite": "TODO issue 22",
-    "lab_utils/stability/training.py:train_run": "TODO issue 22: split into stages",
     "lab_utils/step/stability.py:run": "TODO issue 22",
     "lab_utils/studies/attention.py:correctness_table": "TODO issue 22",
     "lab_utils/step/levers.py:measure_levers": "TODO issue 22 (issue 24's, landed after this test)",

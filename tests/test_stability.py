@@ -18,23 +18,20 @@ from lab_utils.core.records import Recorder, load_records
 from lab_utils.model.mmdit import build_model
 from lab_utils.model.train import rf_loss, synthetic_batch
 from lab_utils.stability.numdiff import numdiff_main, numerics_diff, rel_diff, telemetry_frame
+from lab_utils.stability.optim import (
+    DynamicLossScaler,
+    StabilityAdamW,
+    half_ulp,
+    lost_update_mask,
+    stochastic_round_bf16,
+)
 from lab_utils.stability.telemetry import (
     Telemetry,
     disable_qk_norm,
     inject_nonfinite,
     locate_nonfinite,
 )
-from lab_utils.stability.training import (
-    CLIP_NOOP,
-    DynamicLossScaler,
-    RunSpec,
-    SpikeDetector,
-    StabilityAdamW,
-    half_ulp,
-    lost_update_mask,
-    stochastic_round_bf16,
-    train_run,
-)
+from lab_utils.stability.training import CLIP_NOOP, RunSpec, SpikeDetector, train_run
 
 SEED = 1234
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -3,15 +3,9 @@ detection and the policies that answer a spike, and a training loop that uses th
 
 Design note
 -----------
-* :class:`StabilityAdamW` is AdamW whose update ``u`` is always computed in float32 and then
-  stored one of three ways: ``plain`` (round to nearest into the parameter's dtype: pure bf16
-  training when the parameters are bf16), ``master`` (an fp32 master copy accumulates the
-  updates; the parameter is its rounded copy) or ``stochastic`` (stochastic rounding of
-  ``w + u`` into bf16, unbiased: E[SR(x)] = x).  With ``track=True`` it returns, per
-  parameter, ||u||², ||w||² and how many elements' updates are below half an ulp of the
-  stored weight (:func:`lost_update_mask`): the updates that round away.
-* :class:`DynamicLossScaler` is fp16's dynamic loss scaling: multiply the loss, unscale the
-  gradients, skip the step and halve the scale on overflow, double it after N good steps.
+* :class:`StabilityAdamW` (AdamW whose float32 update is stored plain, into an fp32 master or
+  by stochastic rounding, and says which updates round away) and :class:`DynamicLossScaler`
+  (fp16's dynamic loss scaling) live in :mod:`lab_utils.stability.optim`.
 * :class:`SpikeDetector` scores the loss and gradient norm by a robust z-score (median and
   MAD over a window of accepted steps).  The policies production runs use answer a spike:
   ``skip`` the update, ``clip`` the gradient harder (to the window's median norm, before
@@ -39,9 +33,10 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from lab_utils.core.config import ConfigError, LabConfig, check_bool, check_choice, check_float, check_int
+from lab_utils.core.config import LabConfig, check_bool, check_choice, check_float, check_int
 from lab_utils.model.mmdit import build_model
 from lab_utils.model.train import rf_loss, synthetic_batch
+from lab_utils.stability.optim import DynamicLossScaler, StabilityAdamW
 from lab_utils.stability.telemetry import (
     NAN_PHASES,
     NonFiniteReport,
@@ -51,211 +46,9 @@ from lab_utils.stability.telemetry import (
     locate_nonfinite,
 )
 
-# mantissa bits and the smallest normal exponent of the storage formats
-_FLOAT_BITS = {torch.float32: (23, -126), torch.bfloat16: (7, -126), torch.float16: (10, -14)}
 PRECISIONS = ("fp32", "bf16_autocast", "bf16", "bf16_master", "bf16_sr", "fp16_scaled")
 SPIKE_POLICIES = ("none", "skip", "clip", "rewind")
 PROVOKE = ("none", "batch", "lr")
-
-
-# ------------------------------------------------------------------------------ rounding
-def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """float32 -> bfloat16 with stochastic rounding: round the magnitude up with probability
-    equal to the dropped fraction of a bf16 ulp (add 16 random low bits, then truncate)."""
-    bits = x.detach().float().contiguous().view(torch.int32)
-    r = torch.randint(0, 1 << 16, x.shape, generator=generator, device=x.device, dtype=torch.int32)
-    out = ((bits + r) & -65536).view(torch.float32)
-    out = torch.where(torch.isfinite(x), out, x.float())  # NaN/Inf pass through
-    return out.to(torch.bfloat16)  # exact: the low 16 bits are zero
-
-
-def half_ulp(w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Half the spacing of ``dtype`` (default: ``w``'s) above |w|, float32; at zero and in the
-    subnormal range, half the subnormal step.  Read from the exponent bits (a few cheap ops:
-    the telemetry computes it for every weight of a sampled step)."""
-    dtype = dtype or w.dtype
-    if dtype not in _FLOAT_BITS:
-        raise ConfigError("dtype", dtype, "float32, bfloat16 or float16")
-    mbits, emin = _FLOAT_BITS[dtype]
-    pow2 = (w.detach().float().contiguous().view(torch.int32) & 0x7F800000).view(torch.float32)  # 2^floor(log2|w|)
-    return pow2.clamp_min(2.0**emin) * 2.0 ** -(mbits + 1)
-
-
-def lost_update_mask(w: torch.Tensor, u: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Elements whose update ``u`` is smaller than half an ulp of the stored weight ``w``:
-    round-to-nearest storage drops them entirely.  Below a power of two the spacing halves,
-    so an update towards zero from one is compared with a quarter of the ulp above."""
-    dtype = dtype or w.dtype
-    wf, uf = w.detach().float().contiguous(), u.detach().float()
-    hu = half_ulp(wf, dtype)
-    down = (
-        ((wf.view(torch.int32) & 0x007FFFFF) == 0) & (wf.abs() > 2.0 ** _FLOAT_BITS[dtype][1]) & ((uf < 0) != (wf < 0))
-    )
-    return uf.abs() < torch.where(down, hu * 0.5, hu)
-
-
-# ------------------------------------------------------------------------------ optimizer
-class StabilityAdamW(torch.optim.Optimizer):
-    """AdamW with float32 math and a choice of how the update is stored (see module note).
-
-    ``mode``: "plain" | "master" | "stochastic".  ``track``: fill ``last_stats`` {param:
-    (update_sq, weight_sq, lost, numel)} on the next steps (tensors, no sync).  The lost
-    updates are counted on every ``lost_stride``-th element of tensors larger than 4096
-    elements (an estimate of the fraction, standard error below 1e-3 for a 4M-element
-    weight at stride 16; the exact count costs more than the rest of the optimizer step)
-    and scaled to the whole tensor: ``lost`` estimates the tensor's count out of ``numel``,
-    so summing over tensors weighs each by its size (small tensors, counted in full, would
-    otherwise weigh ``lost_stride`` times their share).
-
-    :meth:`snapshot` / :meth:`restore` checkpoint the state (moments, master copies, the
-    stochastic-rounding generators) by value: torch's ``load_state_dict`` keeps references
-    to the loaded tensors and casts them to the parameter's dtype (fp32 moments and master
-    weights of bf16 parameters would come back in bf16)."""
-
-    MODES = ("plain", "master", "stochastic")
-
-    def __init__(
-        self,
-        params,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=0.0,
-        *,
-        mode="plain",
-        seed: int = 0,
-        lost_stride: int = 16,
-    ):
-        check_float("lr", lr, min=0, min_exclusive=True)
-        check_float("beta1", betas[0], min=0, max=0.999999)
-        check_float("beta2", betas[1], min=0, max=0.999999)
-        check_float("eps", eps, min=0, min_exclusive=True)
-        check_float("weight_decay", weight_decay, min=0)
-        check_choice("mode", mode, self.MODES)
-        check_int("lost_stride", lost_stride, min=1)
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.mode, self.seed, self.track, self.lost_stride = mode, seed, False, lost_stride
-        self.last_stats: dict = {}
-        self._gen: dict[torch.device, torch.Generator] = {}
-
-    def _generator(self, device) -> torch.Generator:
-        if device not in self._gen:
-            self._gen[device] = torch.Generator(device).manual_seed(self.seed)
-        return self._gen[device]
-
-    def snapshot(self) -> dict:
-        """A copy of everything the next steps depend on (not shared with the optimizer)."""
-        return dict(
-            state={p: _clone_state(st) for p, st in self.state.items()},
-            lr=[g["lr"] for g in self.param_groups],
-            gen={d: g.get_state() for d, g in self._gen.items()},
-        )
-
-    def restore(self, snap: dict) -> None:
-        """Back to ``snap`` (copied again: a snapshot survives any number of restores)."""
-        self.state.clear()
-        for p, st in snap["state"].items():
-            self.state[p] = _clone_state(st)
-        for g, lr in zip(self.param_groups, snap["lr"]):
-            g["lr"] = lr
-        for d in list(self._gen):
-            if d in snap["gen"]:
-                self._gen[d].set_state(snap["gen"][d])
-            else:
-                del self._gen[d]  # created after the snapshot: starts again from the seed
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        self.last_stats = {}
-        for group in self.param_groups:
-            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if not st:
-                    st["step"] = 0
-                    st["m"] = torch.zeros_like(p, dtype=torch.float32)
-                    st["v"] = torch.zeros_like(p, dtype=torch.float32)
-                    if self.mode == "master" and p.dtype != torch.float32:
-                        st["master"] = p.detach().float().clone()
-                st["step"] += 1
-                g = p.grad.float()
-                st["m"].lerp_(g, 1 - b1)
-                st["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
-                t = st["step"]
-                w32 = st["master"] if "master" in st else p.float()
-                mhat = st["m"] / (1 - b1**t)
-                vhat = st["v"] / (1 - b2**t)
-                u = -lr * (mhat / (vhat.sqrt() + eps) + wd * w32)
-                store = torch.float32 if "master" in st else p.dtype
-                if self.track:
-                    n = u.numel()
-                    k = self.lost_stride if n > 4096 else 1
-                    wl, ul = w32.reshape(-1)[::k], u.reshape(-1)[::k]
-                    lost = lost_update_mask(wl, ul, store).sum()  # w32 is exact in `store`
-                    if wl.numel() != n:  # the sample's fraction stands for the whole tensor
-                        lost = lost.float() * (n / wl.numel())
-                    self.last_stats[p] = (u.square().sum(), w32.square().sum(), lost, n)
-                if "master" in st:
-                    st["master"].add_(u)
-                    p.copy_(st["master"])
-                elif self.mode == "stochastic" and p.dtype == torch.bfloat16:
-                    p.copy_(stochastic_round_bf16(w32 + u, self._generator(p.device)))
-                else:
-                    p.copy_(w32 + u)
-        return None
-
-
-def _clone_state(st: dict) -> dict:
-    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in st.items()}
-
-
-# ------------------------------------------------------------------------------ loss scaling
-@dataclass
-class DynamicLossScaler:
-    """fp16 dynamic loss scaling: ``scale`` the loss, :meth:`unscale_` the gradients (returns
-    False on overflow), :meth:`update` after the step (halve on overflow, double after
-    ``growth_interval`` good steps).  ``history``: (step, scale, skipped)."""
-
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 10
-    scale: float = field(init=False)
-    history: list[tuple[int, float, bool]] = field(init=False, default_factory=list)
-
-    def __post_init__(self):
-        check_float("init_scale", self.init_scale, min=0, min_exclusive=True)
-        check_float("growth_factor", self.growth_factor, min=1, min_exclusive=True)
-        check_float("backoff_factor", self.backoff_factor, min=0, max=1, min_exclusive=True)
-        check_int("growth_interval", self.growth_interval, min=1)
-        self.scale, self._good = float(self.init_scale), 0
-
-    @torch.no_grad()
-    def unscale_(self, params) -> bool:
-        grads = [p.grad for p in params if p.grad is not None]
-        for g in grads:
-            g.div_(self.scale)
-        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
-
-    def state(self) -> tuple[float, int, int]:
-        return self.scale, self._good, len(self.history)
-
-    def restore(self, state: tuple[float, int, int]) -> None:
-        """Back to a :meth:`state` (a rewind): the later history is dropped, the replay writes it again."""
-        self.scale, self._good = state[0], state[1]
-        del self.history[state[2] :]
-
-    def update(self, step: int, finite: bool) -> None:
-        self.history.append((step, self.scale, not finite))
-        if not finite:
-            self.scale *= self.backoff_factor
-            self._good = 0
-        else:
-            self._good += 1
-            if self._good % self.growth_interval == 0:
-                self.scale *= self.growth_factor
 
 
 # ------------------------------------------------------------------------------ spikes
@@ -444,138 +237,195 @@ def make_batches(spec: RunSpec, dtype: torch.dtype, device) -> list:
 
 def train_run(spec: RunSpec, *, progress: bool = False) -> RunResult:
     """Train ``spec.steps`` steps of one :class:`RunSpec`; see the module note."""
-    dev = torch.device(spec.device)
-    dtype = _MODEL_DTYPE.get(spec.precision, torch.float32)
-    model = build_model(spec.preset, dev, dtype, seed=spec.seed, recipe=spec.recipe).train()
-    if not spec.qk_norm:
-        disable_qk_norm(model)
-    tel = Telemetry(model, every=spec.telemetry_every, head_groups=spec.head_groups)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = StabilityAdamW(
-        params,
-        lr=spec.lr,
-        betas=(spec.beta1, spec.beta2),
-        eps=spec.eps,
-        weight_decay=spec.weight_decay,
-        mode=_OPT_MODE.get(spec.precision, "plain"),
-        seed=spec.seed,
-    )
-    scaler = None
-    if spec.precision == "fp16_scaled":
-        scaler = DynamicLossScaler(spec.loss_scale_init, growth_interval=spec.loss_scale_interval)
-    detector = SpikeDetector(spec.spike_window, spec.spike_threshold, min(6, spec.spike_window), spec.spike_patience)
-    batches = make_batches(spec, dtype, dev)
-    ac = _AUTOCAST.get(spec.precision)
-    poison = None
-    if spec.nan_module:
-        poison = (spec.nan_module, spec.nan_phase)
-    rows: dict[int, dict] = {}
-    events: list[tuple[int, NonFiniteReport | None]] = []
-    skipped_batches: set[int] = set()
-    rewound: dict[int, dict] = {}
-    ckpt = None
-    replayed, rewinds, i = 0, 0, 0
-    bar = tqdm(total=spec.steps, desc=spec.name, disable=not progress, leave=False)
-    try:
-        while i < spec.steps:
-            if spec.spike_policy == "rewind" and (ckpt is None or (i % spec.ckpt_every == 0 and ckpt.step != i)):
-                ckpt = _Checkpoint(
-                    i,
-                    copy.deepcopy(model.state_dict()),
-                    opt.snapshot(),
-                    detector.state(),
-                    scaler.state() if scaler else None,
-                )
-            if i in skipped_batches:
-                rows[i] = rewound[i] | dict(loss=math.nan, grad_norm=math.nan, action="rewound: batch skipped")
+    return _Run(spec).train(progress)
+
+
+class _Run:
+    """One run's state and its stages: build (``__init__``), checkpoint, forward and backward
+    with the non-finite check, the spike policy, a rewind, the update."""
+
+    def __init__(self, spec: RunSpec):
+        self.spec = spec
+        self.dev = dev = torch.device(spec.device)
+        dtype = _MODEL_DTYPE.get(spec.precision, torch.float32)
+        self.model = build_model(spec.preset, dev, dtype, seed=spec.seed, recipe=spec.recipe).train()
+        if not spec.qk_norm:
+            disable_qk_norm(self.model)
+        self.tel = Telemetry(self.model, every=spec.telemetry_every, head_groups=spec.head_groups)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = StabilityAdamW(
+            self.params,
+            lr=spec.lr,
+            betas=(spec.beta1, spec.beta2),
+            eps=spec.eps,
+            weight_decay=spec.weight_decay,
+            mode=_OPT_MODE.get(spec.precision, "plain"),
+            seed=spec.seed,
+        )
+        self.scaler = None
+        if spec.precision == "fp16_scaled":
+            self.scaler = DynamicLossScaler(spec.loss_scale_init, growth_interval=spec.loss_scale_interval)
+        self.detector = SpikeDetector(
+            spec.spike_window, spec.spike_threshold, min(6, spec.spike_window), spec.spike_patience
+        )
+        self.batches = make_batches(spec, dtype, dev)
+        self.ac = _AUTOCAST.get(spec.precision)
+        self.poison = (spec.nan_module, spec.nan_phase) if spec.nan_module else None
+        self.rows: dict[int, dict] = {}
+        self.events: list[tuple[int, NonFiniteReport | None]] = []
+        self.skipped_batches: set[int] = set()
+        self.rewound: dict[int, dict] = {}
+        self.ckpt: _Checkpoint | None = None
+        self.replayed, self.rewinds = 0, 0
+
+    def train(self, progress: bool) -> RunResult:
+        spec, i = self.spec, 0
+        bar = tqdm(total=spec.steps, desc=spec.name, disable=not progress, leave=False)
+        try:
+            while i < spec.steps:
+                self.checkpoint(i)
+                if i in self.skipped_batches:
+                    self.rows[i] = self.rewound[i] | dict(
+                        loss=math.nan, grad_norm=math.nan, action="rewound: batch skipped"
+                    )
+                    i += 1
+                    bar.update(1)
+                    continue
+                back = self.step(i)
+                if back is not None:
+                    i = back
+                    continue
                 i += 1
                 bar.update(1)
-                continue
-            batch = batches[i % spec.num_batches]
-            if spec.provoke == "batch" and i == spec.provoke_step:
-                batch = copy.copy(batch)
-                batch.img = batch.img * spec.poison_scale
-            lr = spec.lr * (spec.lr_jump if spec.provoke == "lr" and i == spec.provoke_step else 1.0)
-            for grp in opt.param_groups:
-                grp["lr"] = lr
-            hook = inject_nonfinite(model, *poison) if poison and i == spec.nan_step else None
+        finally:
+            bar.close()
+            self.tel.close()
+        steps = pd.DataFrame([self.rows[k] for k in sorted(self.rows)])
+        return RunResult(spec, steps, self.tel.frame(), self.events, self.replayed)
 
-            def forward(batch=batch, i=i):
-                g = torch.Generator(dev).manual_seed(spec.seed * 100_003 + i)
-                with torch.autocast(dev.type, dtype=ac or torch.bfloat16, enabled=ac is not None):
-                    return rf_loss(model, batch, g, return_parts=True)
+    def checkpoint(self, i: int) -> None:
+        """Under the rewind policy: an in-memory checkpoint, held by value, every ``ckpt_every`` steps."""
+        spec, ckpt = self.spec, self.ckpt
+        if spec.spike_policy == "rewind" and (ckpt is None or (i % spec.ckpt_every == 0 and ckpt.step != i)):
+            self.ckpt = _Checkpoint(
+                i,
+                copy.deepcopy(self.model.state_dict()),
+                self.opt.snapshot(),
+                self.detector.state(),
+                self.scaler.state() if self.scaler else None,
+            )
 
-            tel.begin_step(i)
-            parts = forward()
-            loss = parts.loss
-            (loss * (scaler.scale if scaler else 1.0)).backward()
-            finite = scaler.unscale_(params) if scaler else True
-            tel.after_backward()
-            gn = torch.nn.utils.clip_grad_norm_(params, spec.grad_clip if spec.grad_clip > 0 else math.inf)
-            loss_v, gn_v = float(loss.detach()), float(gn)
-            finite = finite and math.isfinite(loss_v) and math.isfinite(gn_v)
-            row = dict(step=i, loss=loss_v, grad_norm=gn_v, lr=lr, action="step")
-            if scaler:
-                row["loss_scale"] = scaler.scale
-            if not finite and scaler is None:
-                opt.zero_grad(set_to_none=True)
-                events.append((i, locate_nonfinite(model, lambda: forward().loss)))
-                row["action"] = "non-finite: skipped"
-            elif not finite:
-                row["action"] = "overflow: skipped"
-            check = detector.observe(loss_v, gn_v) if finite else SpikeCheck(False, 0.0, 0.0)
-            row.update(spike=check.spike, z_loss=check.z_loss, z_grad=check.z_grad)
-            apply = finite
-            if finite and check.spike and spec.spike_policy == "skip":
-                apply, row["action"] = False, "spike: skipped"
-            elif finite and check.spike and spec.spike_policy == "clip":
-                # the gradient has been clipped to grad_clip already: the policy acts when the
-                # window's median norm is below the norm left after that
-                to = detector.median_grad()
-                if to < (min(gn_v, spec.grad_clip) if spec.grad_clip > 0 else gn_v):
-                    torch.nn.utils.clip_grad_norm_(params, to)
-                    row["action"] = "spike: clipped"
-                else:
-                    row["action"] = CLIP_NOOP
-            elif finite and check.spike and spec.spike_policy == "rewind" and rewinds < MAX_REWINDS:
-                skipped_batches.add(i)
-                rewound[i] = row
-                rewinds += 1
-                replayed += i - ckpt.step
-                model.load_state_dict(ckpt.model)  # copies into the parameters
-                opt.restore(ckpt.optimizer)  # copies too: the checkpoint stays as it was taken
-                detector.restore(ckpt.detector)
-                if scaler:
-                    scaler.restore(ckpt.scaler)
-                opt.zero_grad(set_to_none=True)
-                tel.end_step()
-                # the steps from the checkpoint on run again: keep the replay's rows only (a
-                # skipped batch is not replayed: its rows are the only ones it has)
-                tel.drop_steps(s for s in range(ckpt.step, i) if s not in skipped_batches)
-                events = [(s, e) for s, e in events if not ckpt.step <= s < i]
-                i = ckpt.step
-                if hook is not None:
-                    hook.remove()
-                continue
-            if apply:
-                opt.track = tel.active
-                opt.step()
-                tel.after_step(opt.last_stats)
-            if scaler:
-                scaler.update(i, finite)
-            opt.zero_grad(set_to_none=True)
-            if finite:
-                with torch.no_grad():
-                    per = (parts.pred.detach().float() - parts.target.float()).square().mean(dim=(1, 2))
-                tel.log_loss(parts.t, per)
-            tel.end_step()
+    def forward(self, batch, i: int):
+        g = torch.Generator(self.dev).manual_seed(self.spec.seed * 100_003 + i)
+        with torch.autocast(self.dev.type, dtype=self.ac or torch.bfloat16, enabled=self.ac is not None):
+            return rf_loss(self.model, batch, g, return_parts=True)
+
+    def step(self, i: int) -> int | None:
+        """Step ``i`` (its row kept in ``rows``); returns the step to go back to when the spike
+        policy rewinds, else None."""
+        spec = self.spec
+        batch = self.batches[i % spec.num_batches]
+        if spec.provoke == "batch" and i == spec.provoke_step:
+            batch = copy.copy(batch)
+            batch.img = batch.img * spec.poison_scale
+        lr = spec.lr * (spec.lr_jump if spec.provoke == "lr" and i == spec.provoke_step else 1.0)
+        for grp in self.opt.param_groups:
+            grp["lr"] = lr
+        hook = inject_nonfinite(self.model, *self.poison) if self.poison and i == spec.nan_step else None
+        parts, row, finite = self.forward_backward(i, batch, lr)
+        check = self.detector.observe(row["loss"], row["grad_norm"]) if finite else SpikeCheck(False, 0.0, 0.0)
+        row.update(spike=check.spike, z_loss=check.z_loss, z_grad=check.z_grad)
+        apply = self.spike_policy(row, check, finite)
+        if apply == "rewind":
+            back = self.rewind(i, row)
             if hook is not None:
                 hook.remove()
-            rows[i] = row
-            i += 1
-            bar.update(1)
-    finally:
-        bar.close()
-        tel.close()
-    steps = pd.DataFrame([rows[k] for k in sorted(rows)])
-    return RunResult(spec, steps, tel.frame(), events, replayed)
+            return back
+        self.update(i, parts, finite, apply)
+        if hook is not None:
+            hook.remove()
+        self.rows[i] = row
+        return None
+
+    def forward_backward(self, i: int, batch, lr: float) -> tuple:
+        """(loss parts, the step's row, whether loss and gradient norm are finite); a non-finite
+        step without a loss scaler is replayed under the NaN locator."""
+        tel, scaler, params = self.tel, self.scaler, self.params
+        tel.begin_step(i)
+        parts = self.forward(batch, i)
+        loss = parts.loss
+        (loss * (scaler.scale if scaler else 1.0)).backward()
+        finite = scaler.unscale_(params) if scaler else True
+        tel.after_backward()
+        clip = self.spec.grad_clip
+        gn = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf)
+        loss_v, gn_v = float(loss.detach()), float(gn)
+        finite = finite and math.isfinite(loss_v) and math.isfinite(gn_v)
+        row = dict(step=i, loss=loss_v, grad_norm=gn_v, lr=lr, action="step")
+        if scaler:
+            row["loss_scale"] = scaler.scale
+        if not finite and scaler is None:
+            self.opt.zero_grad(set_to_none=True)
+            self.events.append((i, locate_nonfinite(self.model, lambda: self.forward(batch, i).loss)))
+            row["action"] = "non-finite: skipped"
+        elif not finite:
+            row["action"] = "overflow: skipped"
+        return parts, row, finite
+
+    def spike_policy(self, row: dict, check: SpikeCheck, finite: bool) -> bool | str:
+        """Whether to apply the update (True / False), or "rewind"; the row's action says why."""
+        spec = self.spec
+        if not (finite and check.spike):
+            return finite
+        if spec.spike_policy == "skip":
+            row["action"] = "spike: skipped"
+            return False
+        if spec.spike_policy == "clip":
+            # the gradient has been clipped to grad_clip already: the policy acts when the
+            # window's median norm is below the norm left after that
+            gn_v, to = row["grad_norm"], self.detector.median_grad()
+            if to < (min(gn_v, spec.grad_clip) if spec.grad_clip > 0 else gn_v):
+                torch.nn.utils.clip_grad_norm_(self.params, to)
+                row["action"] = "spike: clipped"
+            else:
+                row["action"] = CLIP_NOOP
+            return True
+        if spec.spike_policy == "rewind" and self.rewinds < MAX_REWINDS:
+            return "rewind"
+        return True
+
+    def rewind(self, i: int, row: dict) -> int:
+        """Back to the checkpoint (weights, moments, detector, loss scale), batch ``i`` skipped."""
+        ckpt = self.ckpt
+        self.skipped_batches.add(i)
+        self.rewound[i] = row
+        self.rewinds += 1
+        self.replayed += i - ckpt.step
+        self.model.load_state_dict(ckpt.model)  # copies into the parameters
+        self.opt.restore(ckpt.optimizer)  # copies too: the checkpoint stays as it was taken
+        self.detector.restore(ckpt.detector)
+        if self.scaler:
+            self.scaler.restore(ckpt.scaler)
+        self.opt.zero_grad(set_to_none=True)
+        self.tel.end_step()
+        # the steps from the checkpoint on run again: keep the replay's rows only (a
+        # skipped batch is not replayed: its rows are the only ones it has)
+        self.tel.drop_steps(s for s in range(ckpt.step, i) if s not in self.skipped_batches)
+        self.events = [(s, e) for s, e in self.events if not ckpt.step <= s < i]
+        return ckpt.step
+
+    def update(self, i: int, parts, finite: bool, apply: bool) -> None:
+        """The optimizer step (when applied), the loss scale's update, per-timestep losses."""
+        tel, opt = self.tel, self.opt
+        if apply:
+            opt.track = tel.active
+            opt.step()
+            tel.after_step(opt.last_stats)
+        if self.scaler:
+            self.scaler.update(i, finite)
+        opt.zero_grad(set_to_none=True)
+        if finite:
+            with torch.no_grad():
+                per = (parts.pred.detach().float() - parts.target.float()).square().mean(dim=(1, 2))
+            tel.log_loss(parts.t, per)
+        tel.end_step()
