@@ -35,7 +35,7 @@ from lab_utils.distributed.projection import Links, comm_plan, events_per_call, 
 from lab_utils.distributed.spec import COMPONENTS
 from lab_utils.distributed.verify import ATTENTION_TOL, EMULATED_TOL, Agreement, compare, tolerance_key
 from lab_utils.distributed.worker import emulated_dp_step, single_process_run
-from lab_utils.model import CHECKPOINT_POLICIES, PRESETS
+from lab_utils.model import ACTIVATION_CHECKPOINTS, PRESETS
 from lab_utils.studies.distributed_faults import bad_input_lines, fault_lines  # noqa: F401  (the notebook calls study.*)
 from lab_utils.studies.headline import Figure, fmt, register, rows
 
@@ -60,6 +60,9 @@ def case_params(name: str) -> dict:
 
 @dataclass(frozen=True)
 class DistributedLabConfig(LabConfig):
+    # renamed parameters, accepted under their former names for one release
+    RENAMED = {"checkpoint": "activation_checkpoint"}
+
     world_sizes: tuple = (1, 2)
     strategies: tuple = (
         "ddp",
@@ -78,7 +81,7 @@ class DistributedLabConfig(LabConfig):
     width: int = 64
     txt_len: int = 8
     steps: int = 3
-    checkpoint: str = "none"
+    activation_checkpoint: str = "none"  # the model's activation-checkpointing policy
     backend: str = "auto"
     sweep_reps: int = 5
     timeout_s: float = 240.0
@@ -108,7 +111,7 @@ class DistributedLabConfig(LabConfig):
                     )
         check_choice("preset", self.preset, PRESETS)
         check_choice("projection_preset", self.projection_preset, PRESETS)
-        check_choice("checkpoint", self.checkpoint, CHECKPOINT_POLICIES)
+        check_choice("activation_checkpoint", self.activation_checkpoint, ACTIVATION_CHECKPOINTS)
         check_int("steps", self.steps, min=1, max=1000)
         check_int("sweep_reps", self.sweep_reps, min=1, max=100)
         check_int_list("projection_gpus", list(self.projection_gpus), min=1)
@@ -129,7 +132,7 @@ class DistributedLabConfig(LabConfig):
             width=self.width,
             txt_len=self.txt_len,
             steps=self.steps,
-            activation_checkpoint=self.checkpoint,
+            activation_checkpoint=self.activation_checkpoint,
             backend=self.backend,
             sweep_reps=self.sweep_reps,
             timeout_s=self.timeout_s,
