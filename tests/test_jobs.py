@@ -19,7 +19,7 @@ from lab_utils.distributed.spec import DistConfig
 from lab_utils.distributed.verify import TOLERANCES
 from lab_utils.run import cli, executors, parallel, runner
 from lab_utils.run.compare.baselines import timing_free
-from lab_utils.run.executors import MapOptions, Task, cluster_options, map_jobs, run_tasks
+from lab_utils.run.executors import ClusterOptions, MapOptions, Task, cluster_options, map_jobs, run_tasks
 from lab_utils.run.nbtools import make_notebook
 from lab_utils.run.runner import RunInterrupted, run_suite
 
@@ -61,15 +61,18 @@ def suites(tmp_path, monkeypatch):
     paths = {k: _nb(labs / f"{k}.ipynb", v) for k, v in nbs.items()}
     suite = {
         "two": [{"notebook": paths["acc"]}, {"notebook": paths["acc"], "params": {"reps": 7}}],
-        "failing": [{"notebook": paths["bad"]}, {"notebook": paths["die"]}],
+        "mixed": [{"notebook": paths["acc"]}, {"notebook": paths["acc"], "params": {"reps": 7}}]
+        + [{"notebook": paths["bad"]}, {"notebook": paths["die"]}],
         "slow": [{"notebook": paths["slow"]}],
     }
     for name, entries in suite.items():
         (pdir / f"{name}.yaml").write_text(yaml.safe_dump({"description": name, "notebooks": entries}))
     # the second "acc" entry needs its own stem: a copy under another name
-    two = yaml.safe_load((pdir / "two.yaml").read_text())
-    two["notebooks"][1]["notebook"] = _nb(labs / "acc7.ipynb", ACC)
-    (pdir / "two.yaml").write_text(yaml.safe_dump(two))
+    acc7 = _nb(labs / "acc7.ipynb", ACC)
+    for name in ("two", "mixed"):
+        data = yaml.safe_load((pdir / f"{name}.yaml").read_text())
+        data["notebooks"][1]["notebook"] = acc7
+        (pdir / f"{name}.yaml").write_text(yaml.safe_dump(data))
     monkeypatch.setenv("PERFLAB_PARAMETERIZED", str(pdir))
     return tmp_path
 
@@ -101,48 +104,44 @@ def _key(df):
     return sorted(map(tuple, df[cols].astype(str).values.tolist()))
 
 
-def test_two_labs_side_by_side_record_what_a_sequential_run_records(suites):
-    """--parallel 2: the same timing-free rows as one after the other, each lab's thread share in
-    its context, and the index says what ran each lab."""
+def test_labs_side_by_side_record_what_a_sequential_run_records_and_failed_jobs_show(suites, capsys):
+    """`perflab run --parallel 2` (submitit's local executor, the path a SLURM run takes): the labs
+    that ran record the same timing-free rows as one after the other, each with its thread share in
+    its context and what ran it in the index; a notebook that raises is a failed notebook, a job that
+    dies (its process killed, OOM-killer style) a failed row with its log and half-run notebook; no
+    process of the run is left."""
     seq = run_suite("two", out_dir=suites / "seq", progress=False)
-    par = run_suite("two", out_dir=suites / "par", progress=False, jobs={"parallel": 2})
-    assert seq.ok and par.ok, (seq.statuses, par.statuses)
-    a, b = load_records(seq.path), load_records(par.path)
+    assert seq.ok, seq.statuses
+    out = suites / "par"
+    assert cli.main(["run", "mixed", "--parallel", "2", "--out", str(out), "--no-progress"]) == 1
+    assert "2 notebook(s) failed" in capsys.readouterr().err
+    par = (out / "latest").resolve()
+    a, b = load_records(seq.path), load_records(par)
     assert len(a) == len(b) == 4 and (a["metric"] == "time").sum() == 2
     ta, tb = timing_free(a), timing_free(b)
     assert len(ta) == 2 and "time" not in set(ta["metric"]), ta  # the timing rows are what is left out
     assert _key(ta) == _key(tb)
     assert all(0 < v < 1e-5 for v in tb["value"]), tb  # float32 matmul against float64
-    status = {s["notebook"]: s for s in json.loads((par.path / "status.json").read_text())}
-    index = (par.path / "index.html").read_text()
+    status = {s["notebook"]: s for s in json.loads((par / "status.json").read_text())}
+    index = (par / "index.html").read_text()
+    assert list(status) == ["acc", "acc7", "bad", "die"] and "2 of 4 FAILED" in index
     for lab in ("acc", "acc7"):
-        assert status[lab]["ran_on"].startswith("cpu, ") and "local job" in status[lab]["ran_on"]
-        assert status[lab]["ran_on"] in index
-        ctx = json.loads((par.path / "records" / lab / "records.json").read_text())["context"]
+        assert status[lab]["status"] == "ok" and status[lab]["ran_on"].startswith("cpu, ")
+        assert "local job" in status[lab]["ran_on"] and status[lab]["ran_on"] in index
+        ctx = json.loads((par / "records" / lab / "records.json").read_text())["context"]
         threads = ctx["timing"]["cpu_threads"]
         assert threads["policy"] == "PERFLAB_TIMING_THREADS" and "shared by up to 2 labs" in threads["reason"]
-    assert not (par.path / "jobs").exists() and not list((suites / "par").glob(".tmp-*"))
-
-
-def test_local_executor_shows_failed_jobs_like_failed_notebooks(suites):
-    """Through submitit's local executor: a notebook that raises is a failed notebook; a job that dies
-    (its process killed) is a failed row with its log and half-run notebook; nothing keeps running."""
-    out = suites / "r"
-    res = run_suite("failing", out_dir=out, progress=False, jobs={"executor": "local", "parallel": 2})
-    st = {s.notebook: s for s in res.statuses}
-    assert not res.ok and list(st) == ["bad", "die"]
-    assert st["bad"].status == "failed" and "deliberate failure" in st["bad"].error
-    assert st["die"].status == "failed" and st["die"].error.startswith("job failed: "), st["die"].error
-    assert "has not produced any output" in st["die"].error
-    assert (res.path / "logs" / "die.job.log").is_file() and st["die"].html == "html/die.html"
-    index = (res.path / "index.html").read_text()
-    assert "2 of 2 FAILED" in index and "job failed" in index
-    pids = json.loads((res.path / "artifacts" / "die" / "started.json").read_text())
+    assert status["bad"]["status"] == "failed" and "deliberate failure" in status["bad"]["error"]
+    die = status["die"]
+    assert die["status"] == "failed" and die["error"].startswith("job failed: "), die["error"]
+    assert "has not produced any output" in die["error"] and "job failed" in index
+    assert (par / "logs" / "die.job.log").is_file() and die["html"] == "html/die.html"
+    pids = json.loads((par / "artifacts" / "die" / "started.json").read_text())
     deadline = time.monotonic() + 20  # the dead job's kernel notices its parent is gone
     while _alive(pids["kernel"]) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _alive(pids["kernel"]) and not _alive(pids["job"])
-    assert not _procs_naming(str(out)) and not list(out.glob(".tmp-*"))
+    assert not _procs_naming(str(out)) and not list(out.glob(".tmp-*")) and not (par / "jobs").exists()
 
 
 def test_ctrl_c_cancels_the_jobs_and_leaves_nothing_behind(suites, monkeypatch):
@@ -238,6 +237,18 @@ def test_devices_are_pinned_and_a_big_lab_waits_for_its_devices(tmp_path):
     assert float(got["big"][0]) >= float(got["a"][2]) and float(got["b"][0]) >= float(got["big"][2])
 
 
+def test_a_job_out_of_time_is_timed_out_and_ends_what_it_started(tmp_path):
+    """The time-limit signal (SIGUSR2 a few seconds before the limit, as SLURM's --signal) ends the
+    job with the state "timed out"; the sleeping child it started is gone too."""
+    opts = ClusterOptions(executor="local", timeout_min=0.5)  # 30 s, the signal at 25 s; the CLI allows >= 1 min
+    sh = ["sh", "-c", "echo $$ > " + str(tmp_path / "child.pid") + "; exec sleep 600"]
+    task = Task("slow", executors._bounded_call, (subprocess.check_output, sh, None))
+    o = run_tasks([task], opts, tmp_path / "jobs", progress=False)["slow"]
+    assert o.state == "timed out", (o.state, o.error)
+    child = int((tmp_path / "child.pid").read_text())
+    assert not _alive(child)
+
+
 def _grab(n: int) -> int:
     return len(bytearray(n << 20))
 
@@ -284,7 +295,7 @@ def test_lab06_across_two_nodes_two_torchrun_launches_rendezvous_on_localhost(tm
 
 def test_nodes_option_plans_lab06s_first_strategy_across_the_nodes(tmp_path):
     planned = runner.plan(runner.load_suite(ROOT / "parameterized" / "smoke.yaml"), only=["06_distributed"])
-    jp = parallel.plan_jobs(planned, executor="local", cluster={"nodes": 2})
+    jp = parallel.plan_jobs(planned, runner.JOB_HOOKS, executor="local", cluster={"nodes": 2})
     tasks = parallel._tasks(planned, jp, tmp_path, tmp_path / "final", 600, {})
     assert [(t.key, t.nodes) for t in tasks] == [("06_distributed", 1), ("06_distributed@2nodes", 2)]
     spec = json.loads((tmp_path / "artifacts" / "06_distributed@2nodes" / "spec.json").read_text())[0]

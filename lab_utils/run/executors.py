@@ -185,7 +185,7 @@ def _job_log(job, limit: int = 6000) -> str:
 def _state_of(job, error: str) -> str:
     """failed / timed out / cancelled, from what the job raised and what the scheduler says."""
     sched = str(getattr(job, "state", "") or "").upper()
-    if "JobEnded: timed out" in error or "TIMEOUT" in sched:
+    if "JobEnded: timed out" in error or "not requeued because: timed-out" in error or "TIMEOUT" in sched:
         return "timed out"
     if "JobEnded: cancelled" in error or sched.startswith("CANCELLED") or sched == "INTERRUPTED":
         return "cancelled"
@@ -283,6 +283,8 @@ def run_tasks(
             for key, (job, ids, t0) in list(running.items()):
                 if job.done():
                     out = replace(outcome_of(job, key), devices=ids, seconds=time.monotonic() - t0)
+                    if out.state == "failed" and out.seconds >= 60 * opts.timeout_min:  # ended by the limit
+                        out.state, out.error = "timed out", f"ran past timeout_min={opts.timeout_min}\n{out.error}"
                     done[key] = out
                     del running[key]
                     slots.give(ids)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,10 +38,21 @@ DIST_LAB = "06_distributed"
 
 
 @dataclass(frozen=True)
+class RunnerHooks:
+    """What the jobs take from the runner (``runner.JOB_HOOKS``; passed in, so that this module,
+    which the runner imports, does not import it back)."""
+
+    run_one: Callable  # execute one planned notebook into the report folder -> its status
+    status: type  # the status row class
+    config_class: Callable  # a notebook's LabConfig class
+
+
+@dataclass(frozen=True)
 class JobPlan:
     """How a suite's labs run as jobs (validated by :func:`plan_jobs`)."""
 
     cluster: ClusterOptions
+    hooks: RunnerHooks
     parallel: int = 1
     devices: tuple[int, ...] = ()
     threads_per_lab: int | None = None  # CPU: each job's timing threads
@@ -77,7 +89,9 @@ def lab_devices(p, ndev: int) -> int:
     return max(sizes)
 
 
-def plan_jobs(planned, *, executor=None, parallel=None, devices=None, timing_threads=None, cluster=None) -> JobPlan:
+def plan_jobs(
+    planned, hooks: RunnerHooks, *, executor=None, parallel=None, devices=None, timing_threads=None, cluster=None
+) -> JobPlan:
     """Validate the job options against the suite; ``cluster``: :func:`.executors.cluster_options`
     keyword values (partition, account, timeout_min, gpus_per_node, nodes, config)."""
     cluster = dict(cluster or {})
@@ -111,14 +125,12 @@ def plan_jobs(planned, *, executor=None, parallel=None, devices=None, timing_thr
     if executor == "local" and not ids:
         budget = choose_cpu_threads(timing_threads).threads
         per_lab = max(1, budget // min(parallel, len(planned)))
-    return JobPlan(opts, parallel, tuple(ids or ()), per_lab, budget)
+    return JobPlan(opts, hooks, parallel, tuple(ids or ()), per_lab, budget)
 
 
-def multinode_spec(p, nodes: int, per_node: int):
+def multinode_spec(p, nodes: int, per_node: int, config_class: Callable):
     """Lab 06's first strategy on ``nodes`` x ``per_node`` ranks, validated (mesh, batch) here."""
-    from lab_utils.run.runner import notebook_config_class  # noqa: PLC0415
-
-    cls = notebook_config_class(p.entry.notebook)
+    cls = config_class(p.entry.notebook)
     lab = cls.from_params({**p.resolved, "world_sizes": [1]})
     cfg = lab.dist_config(lab.strategies[0], nodes * per_node)
     cfg.mesh  # noqa: B018 - validates the world size against the strategy and batch
@@ -126,13 +138,11 @@ def multinode_spec(p, nodes: int, per_node: int):
 
 
 # ----------------------------------------------------------------------------- in the job
-def run_lab(p, tmp: Path, final: Path, timeout_s: int, env: dict):
+def run_lab(run_one: Callable, p, tmp: Path, final: Path, timeout_s: int, env: dict):
     """One lab's job: the runner's notebook execution with this job's environment."""
-    from lab_utils.run.runner import _run_one  # noqa: PLC0415
-
     os.environ.update(env)
     with job_guard():
-        return _run_one(p, tmp, final, timeout_s)
+        return run_one(p, tmp, final, timeout_s)
 
 
 def run_multinode(spec_json: str, out: Path, rec_dir: Path, per_node: int, port: int | None, lab: str):
@@ -185,13 +195,12 @@ def _ran_on(o: Outcome, plan: JobPlan) -> str:
     return where
 
 
-def _failed_status(p, o: Outcome, tmp: Path, final: Path, stem: str):
+def _failed_status(p, o: Outcome, tmp: Path, final: Path, stem: str, status_cls: type):
     """A job that did not return a status: a failed row, its log, and the half-run notebook if any."""
     from lab_utils.run import report  # noqa: PLC0415
-    from lab_utils.run.runner import NotebookStatus  # noqa: PLC0415
 
     path = str(p.entry.notebook) if p is not None else stem
-    st = NotebookStatus(notebook=stem, path=path, status="failed", params=p.resolved if p is not None else {})
+    st = status_cls(notebook=stem, path=path, status="failed", params=p.resolved if p is not None else {})
     first = next((ln for ln in reversed(o.error.splitlines()) if ln.strip() and not ln.startswith(("-", " "))), "")
     st.error = f"job {o.state}: {first or o.error[:300]}\n{o.error[-3000:]}"
     st.seconds = o.seconds
@@ -212,12 +221,13 @@ def _tasks(planned, plan: JobPlan, tmp: Path, final: Path, timeout_s: int, env: 
     tasks = []
     for p in planned:
         need = lab_devices(p, len(plan.devices) if plan.cluster.executor == "local" else gpus)
-        tasks.append(Task(p.entry.stem, run_lab, (p, tmp, final, timeout_s, env), devices=need))
+        tasks.append(Task(p.entry.stem, run_lab, (plan.hooks.run_one, p, tmp, final, timeout_s, env), devices=need))
     nodes = plan.cluster.nodes
     dist = next((p for p in planned if p.entry.stem == DIST_LAB), None)
     if nodes > 1 and dist is not None:
         per_node = max(gpus, 1) if plan.cluster.executor == "slurm" else 1
-        tasks.append(multinode_task(multinode_spec(dist, nodes, per_node), nodes, per_node, tmp, plan.cluster))
+        cfg = multinode_spec(dist, nodes, per_node, plan.hooks.config_class)
+        tasks.append(multinode_task(cfg, nodes, per_node, tmp, plan.cluster))
     return tasks
 
 
@@ -242,8 +252,6 @@ def run_jobs(planned, plan: JobPlan, tmp: Path, final: Path, timeout_s: int, pro
     """Run the suite's labs as jobs; append each lab's status to ``statuses`` in suite order once
     all have ended.  Ctrl-C: the jobs are cancelled and ended, the unfinished labs' partial files
     and the job folder removed, finished labs' statuses appended; then KeyboardInterrupt."""
-    from lab_utils.run.runner import NotebookStatus  # noqa: PLC0415
-
     env = {"TQDM_DISABLE": "1", "PERFLAB_RUN_ID": os.environ.get("PERFLAB_RUN_ID", "")}
     if plan.threads_per_lab:
         env[THREADS_ENV] = str(plan.threads_per_lab)
@@ -273,14 +281,15 @@ def run_jobs(planned, plan: JobPlan, tmp: Path, final: Path, timeout_s: int, pro
                 for part in ("notebooks/{}.ipynb", "html/{}.html", "records/{}", "artifacts/{}"):
                     f = tmp / part.format(t.key)
                     shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink(missing_ok=True)
-        statuses.extend(_statuses(tasks, done, by_stem, plan, tmp, final, NotebookStatus))
+        statuses.extend(_statuses(tasks, done, by_stem, plan, tmp, final))
         raise
     finally:
         shutil.rmtree(jobs_dir, ignore_errors=True)
-    statuses.extend(_statuses(tasks, done, by_stem, plan, tmp, final, NotebookStatus))
+    statuses.extend(_statuses(tasks, done, by_stem, plan, tmp, final))
 
 
-def _statuses(tasks, done, by_stem, plan, tmp, final, status_cls) -> list:
+def _statuses(tasks, done, by_stem, plan: JobPlan, tmp, final) -> list:
+    status_cls = plan.hooks.status
     out = []
     for t in tasks:
         o = done.get(t.key)
@@ -296,7 +305,7 @@ def _statuses(tasks, done, by_stem, plan, tmp, final, status_cls) -> list:
             st = status_cls(notebook=t.key, path=f"{DIST_LAB} across nodes", status="ok", seconds=o.seconds)
             st.params = {"agreement": (o.value or {}).get("agreement")}
         else:
-            st = _failed_status(p, o, tmp, final, t.key)
+            st = _failed_status(p, o, tmp, final, t.key, status_cls)
         st.ran_on = _ran_on(o, plan)
         out.append(st)
     return out
