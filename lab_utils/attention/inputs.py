@@ -84,6 +84,14 @@ def normalize_mask(mask):
 
 def check_inputs(q, k, v, *, mask=None, cu_seqlens=None, max_seqlen=None) -> Problem:
     """Validate shapes, dtypes, devices, cu_seqlens and the mask; describe the problem."""
+    _check_tensors(q, k, v)
+    if cu_seqlens is not None:
+        return _check_packed(q, k, v, mask, cu_seqlens, max_seqlen)
+    return _check_bhld(q, k, v, mask)
+
+
+def _check_tensors(q, k, v) -> None:
+    """q, k, v: floating-point tensors of one dtype on one device."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise AttentionError(name, type(t).__name__, "a tensor")
@@ -94,55 +102,62 @@ def check_inputs(q, k, v, *, mask=None, cu_seqlens=None, max_seqlen=None) -> Pro
             raise AttentionError(name, f"dtype {t.dtype}", f"the dtype of q ({q.dtype})")
         if t.device != q.device:
             raise AttentionError(name, f"device {t.device}", f"the device of q ({q.device})")
-    packed = cu_seqlens is not None
-    if packed:
-        if q.dim() != 3:
-            raise AttentionError("q", f"shape {tuple(q.shape)}", "(T, H, Dh) when cu_seqlens is given")
-        for name, t in (("k", k), ("v", v)):
-            if t.shape != q.shape:
-                raise AttentionError(
-                    name,
-                    f"shape {tuple(t.shape)}",
-                    f"the shape of q {tuple(q.shape)} (packed attention is self-attention)",
-                )
-        try:
-            kernel.check_cu_seqlens(cu_seqlens, q.shape[0])
-        except ValueError as e:
+
+
+def _check_packed(q, k, v, mask, cu_seqlens, max_seqlen) -> Problem:
+    """The packed layout: (T, H, Dh) self-attention with valid ``cu_seqlens``, a mask that
+    applies inside every sequence."""
+    if q.dim() != 3:
+        raise AttentionError("q", f"shape {tuple(q.shape)}", "(T, H, Dh) when cu_seqlens is given")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape != q.shape:
             raise AttentionError(
-                "cu_seqlens",
-                cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens,
-                str(e).split(" must ", 1)[-1],
-            ) from None
-        lengths = tuple(int(x) for x in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
-        if max_seqlen is not None and max_seqlen < max(lengths):
-            raise AttentionError("max_seqlen", max_seqlen, f">= the longest sequence ({max(lengths)})")
-        if isinstance(mask, torch.Tensor):
-            raise AttentionError(
-                "mask",
-                "a dense tensor",
-                "a Mask (mask_mod) or 'causal'/'full' in the packed layout (positions inside each sequence)",
+                name,
+                f"shape {tuple(t.shape)}",
+                f"the shape of q {tuple(q.shape)} (packed attention is self-attention)",
             )
-        if isinstance(mask, Mask) and mask.length is not None and any(n != mask.length for n in lengths):
-            raise AttentionError(
-                "mask",
-                mask.name,
-                f"a mask valid for every packed sequence; it was built for "
-                f"{mask.length} tokens, the sequences have {list(lengths)}",
-            )
-        B, H, L = len(lengths), q.shape[1], max(lengths)
-        return Problem(
-            "packed",
-            B,
-            H,
-            L,
-            L,
-            q.shape[2],
-            q.dtype,
-            q.device.type,
-            _mask_kind(mask),
-            any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled(),
-            lengths,
+    try:
+        kernel.check_cu_seqlens(cu_seqlens, q.shape[0])
+    except ValueError as e:
+        raise AttentionError(
+            "cu_seqlens",
+            cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens,
+            str(e).split(" must ", 1)[-1],
+        ) from None
+    lengths = tuple(int(x) for x in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
+    if max_seqlen is not None and max_seqlen < max(lengths):
+        raise AttentionError("max_seqlen", max_seqlen, f">= the longest sequence ({max(lengths)})")
+    if isinstance(mask, torch.Tensor):
+        raise AttentionError(
+            "mask",
+            "a dense tensor",
+            "a Mask (mask_mod) or 'causal'/'full' in the packed layout (positions inside each sequence)",
         )
+    if isinstance(mask, Mask) and mask.length is not None and any(n != mask.length for n in lengths):
+        raise AttentionError(
+            "mask",
+            mask.name,
+            f"a mask valid for every packed sequence; it was built for "
+            f"{mask.length} tokens, the sequences have {list(lengths)}",
+        )
+    B, H, L = len(lengths), q.shape[1], max(lengths)
+    return Problem(
+        "packed",
+        B,
+        H,
+        L,
+        L,
+        q.shape[2],
+        q.dtype,
+        q.device.type,
+        _mask_kind(mask),
+        any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled(),
+        lengths,
+    )
+
+
+def _check_bhld(q, k, v, mask) -> Problem:
+    """The (B, H, L, Dh) layout: k and v match q, the mask fits (Lq, Lk)."""
     if q.dim() != 4:
         raise AttentionError("q", f"shape {tuple(q.shape)}", "(B, H, L, Dh), or (T, H, Dh) with cu_seqlens")
     if k.dim() != 4 or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
@@ -160,6 +175,25 @@ def check_inputs(q, k, v, *, mask=None, cu_seqlens=None, max_seqlen=None) -> Pro
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     kind = _mask_kind(mask)
+    _check_mask(mask, kind, q, (B, H, Lq, Lk))
+    return Problem(
+        "bhld",
+        B,
+        H,
+        Lq,
+        Lk,
+        D,
+        q.dtype,
+        q.device.type,
+        kind,
+        any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled(),
+    )
+
+
+def _check_mask(mask, kind: str, q, dims: tuple[int, int, int, int]) -> None:
+    """A dense mask broadcasts to (B, H, Lq, Lk) on q's device; a Mask was built for this
+    length; causal needs Lq == Lk."""
+    B, H, Lq, Lk = dims
     if isinstance(mask, torch.Tensor):
         try:
             torch.broadcast_shapes(mask.shape, (B, H, Lq, Lk))
@@ -183,15 +217,3 @@ def check_inputs(q, k, v, *, mask=None, cu_seqlens=None, max_seqlen=None) -> Pro
         raise AttentionError(
             "mask", "causal", f"full or a custom mask when Lq != Lk ({Lq} != {Lk}): causal alignment would be ambiguous"
         )
-    return Problem(
-        "bhld",
-        B,
-        H,
-        Lq,
-        Lk,
-        D,
-        q.dtype,
-        q.device.type,
-        kind,
-        any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled(),
-    )
