@@ -338,3 +338,28 @@ def test_the_labs_own_trace_reader_uses_these_rules(tmp_path):
     ev = [op("aten::mm", 0, 10, 1), launch(1, 2, ext=1), kernel("gemm", 1, 20, 5)]
     one = analyse_trace(write(tmp_path / "nosteps.json", ev))
     assert list(one.steps["step"]) == [0] and one.categories.set_index("category").loc["matmul", "ms"] == 0.005
+
+
+def test_reading_memory_stays_bounded_by_the_kept_events(tmp_path, monkeypatch):
+    """Streamed in blocks: the peak stays below the JSON's size and a third of what ``json.loads``
+    of the same text needs (its Python objects)."""
+    import tracemalloc
+
+    ev = [step(1, 0, 10**7)]
+    for i in range(20_000):
+        name = f"void some_templated_kernel<float, {i % 50}>(Params)"
+        ev += [launch(i + 1, 10 * i), kernel(name, i + 1, 10 * i + 5, 3)]
+    path = write(tmp_path / "many.json", ev)
+    size = path.stat().st_size
+    monkeypatch.setattr(reader_mod, "BLOCK_BYTES", 256 << 10)
+    peaks = {}
+    for how, fn in (("json", lambda: json.loads(path.read_bytes())), ("perflab", lambda: read_rank(path))):
+        tracemalloc.start()
+        try:
+            out = fn()
+            peaks[how] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert len(out.gpu) == 20_000 and len(out.host) == 20_001
+    assert peaks["perflab"] < size, f"peak {peaks['perflab'] / 1e6:.1f} MB for a {size / 1e6:.1f} MB trace"
+    assert peaks["perflab"] < peaks["json"] / 3, peaks

@@ -137,14 +137,20 @@ def _open_bytes(path: Path) -> io.BufferedIOBase:
 
 
 class _Columns:
-    """Grows column lists block by block; names are interned once per trace."""
+    """Grows numpy columns block by block.  Strings (name, cat, pid, tid) are interned into
+    integer codes once per trace; the rare argument columns (NCCL's, shapes) are kept sparse,
+    as (row, value) pairs: a kept event costs about 60 bytes whatever the file's size."""
 
-    KEYS = ("kind", "cat", "name", "pid", "tid", "ts_i", "ts_f", "dur", "corr", "ext", "stream", "device")
-    EXTRA = ("nbytes", "collective", "in_nelems", "out_nelems", "dtype", "group_size", "pg_name", "pg_ranks")
+    STR = ("name", "cat", "pid", "tid")
+    INT = ("corr", "ext", "stream", "device")
+    EXTRA = ("nbytes", "collective", "in_nelems", "out_nelems", "dtype", "group_size", "pg_name")
     SHAPES = ("input_dims", "input_type")
 
     def __init__(self) -> None:
-        self.cols: dict[str, list] = {k: [] for k in self.KEYS + self.EXTRA + self.SHAPES}
+        self.cols: dict[str, list] = {k: [] for k in ("kind", "ts_i", "ts_f", "dur") + self.STR + self.INT}
+        self.codes: dict[str, dict] = {k: {} for k in self.STR}
+        self.sparse: dict[str, list[tuple[int, object]]] = {k: [] for k in self.EXTRA + self.SHAPES + ("pg_ranks",)}
+        self.n = 0
         self.memory: list[tuple[float, float, int | None]] = []
         self.kinds = {c: 0 for c in GPU_CATS} | {c: 1 for c in HOST_CATS}
         self.kinds |= {c: 2 for c in SYNC_CATS} | {c: 3 for c in GPU_RANGE_CATS}
@@ -164,57 +170,69 @@ class _Columns:
         c["ts_f"].append(np.char.add(b"0.", frac).astype(np.float64))
         c["kind"].append(np.array([kinds[e.cat] for e in keep], dtype=np.int8))
         c["dur"].append(np.array([e.dur for e in keep], dtype=np.float64))
-        for key, attr in (("cat", "cat"), ("name", "name"), ("pid", "pid"), ("tid", "tid")):
-            c[key].extend([getattr(e, attr) for e in keep])
-        args = [e.args for e in keep]
+        for key in self.STR:
+            table = self.codes[key]
+            c[key].append(np.array([table.setdefault(getattr(e, key), len(table)) for e in keep], dtype=np.int32))
         none = _Args()
-        args = [a if a is not None else none for a in args]
-        for key, attr in (("corr", "correlation"), ("ext", "external_id"), ("stream", "stream"), ("device", "device")):
-            c[key].extend([getattr(a, attr) for a in args])
-        for key in self.EXTRA + self.SHAPES:
-            vals = [getattr(a, key) for a in args]
-            if isinstance(vals[0], msgspec.Raw):
-                vals = [bytes(v) or None for v in vals]
-            c[key].extend(vals)
+        args = [e.args if e.args is not None else none for e in keep]
+        for key, attr in zip(self.INT, ("correlation", "external_id", "stream", "device")):
+            c[key].append(_int_col([getattr(a, attr) for a in args]))
+        n = self.n
+        for key in self.EXTRA:
+            self.sparse[key] += [(n + i, v) for i, a in enumerate(args) if (v := getattr(a, key)) is not None]
+        for key in self.SHAPES + ("pg_ranks",):  # msgspec.Raw: empty when absent
+            self.sparse[key] += [(n + i, bytes(v)) for i, a in enumerate(args) if len(v := getattr(a, key))]
+        self.n += len(keep)
 
 
 def _int_col(values: list, fill: int = -1) -> np.ndarray:
-    out = np.full(len(values), fill, dtype=np.int64)
-    for i, v in enumerate(values):
-        if v is None:
-            continue
-        try:
-            out[i] = int(v)
-        except (TypeError, ValueError):
-            pass  # a named stream ("stream 7 [copy]") or id that is not a number stays `fill`
-    return out
+    """Integers; None, and ids that are not numbers (a named stream "stream 7 [copy]"), become ``fill``."""
+    return np.array([v if type(v) is int else _to_int(v, fill) for v in values], dtype=np.int64)
+
+
+def _to_int(v, fill: int) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return fill
 
 
 def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
 
 
-def _frame(cols: dict[str, list], t0: int) -> pd.DataFrame:
-    ts = (_cat(cols["ts_i"], np.int64) - t0).astype(np.float64) + _cat(cols["ts_f"], np.float64)
-    df = pd.DataFrame(
-        {
-            "kind": _cat(cols["kind"], np.int8),
-            "name": pd.Categorical(cols["name"]),
-            "cat": pd.Categorical(cols["cat"]),
-            "ts": ts,
-            "dur": _cat(cols["dur"], np.float64),
-            "pid": pd.Categorical([str(p) for p in cols["pid"]]),
-            "tid": pd.Categorical([str(t) for t in cols["tid"]]),
-            "correlation": _int_col(cols["corr"]),
-            "external_id": _int_col(cols["ext"]),
-            "stream": _int_col(cols["stream"]),
-            "device": _int_col(cols["device"]),
-        }
+def _strings(codes: np.ndarray, table: dict) -> pd.Categorical:
+    names = [str(k) for k in table]  # insertion order = code order
+    return (
+        pd.Categorical.from_codes(codes, categories=pd.Index(names).unique())
+        if _unique(names)
+        else (pd.Categorical(np.asarray(names, dtype=object)[codes]))
     )
+
+
+def _unique(names: list[str]) -> bool:
+    return len(set(names)) == len(names)
+
+
+def _frame(cols: _Columns, t0: int) -> pd.DataFrame:
+    c = cols.cols
+    ts = (_cat(c["ts_i"], np.int64) - t0).astype(np.float64) + _cat(c["ts_f"], np.float64)
+    data = {"kind": _cat(c["kind"], np.int8)}
+    for key in ("name", "cat"):
+        data[key] = _strings(_cat(c[key], np.int32), cols.codes[key])
+    data |= {"ts": ts, "dur": _cat(c["dur"], np.float64)}
+    for key in ("pid", "tid"):
+        data[key] = _strings(_cat(c[key], np.int32), cols.codes[key])
+    for key, col in zip(_Columns.INT, ("correlation", "external_id", "stream", "device")):
+        data[col] = _cat(c[key], np.int64)
+    df = pd.DataFrame(data)
     df["end"] = df["ts"] + df["dur"]
-    for k in _Columns.EXTRA + _Columns.SHAPES:
-        if any(v is not None for v in cols[k]):
-            df[k] = pd.array(cols[k], dtype=object)
+    for k, pairs in cols.sparse.items():
+        if pairs:
+            col = np.full(len(df), None, dtype=object)
+            rows, vals = zip(*pairs)
+            col[list(rows)] = list(vals)
+            df[k] = pd.array(col, dtype=object)
     return df
 
 
@@ -303,12 +321,12 @@ def read_rank(path: str | Path, fallback_rank: int = 0, *, alone: bool = True) -
             raise ConfigError("path", str(path), allowed) from exc
     c = cols.cols
     t0 = int(min(a.min() for a in c["ts_i"] if len(a))) if c["ts_i"] else 0
-    df = _frame(c, t0)
+    df = _frame(cols, t0)
     parts = {k: df[df["kind"] == i].drop(columns="kind").reset_index(drop=True) for i, k in enumerate(_KINDS)}
     for k in _KINDS:  # the optional argument columns only where some event recorded them
         df_k = parts[k]
         parts[k] = df_k.drop(
-            columns=[c for c in _Columns.EXTRA + _Columns.SHAPES if c in df_k and df_k[c].isna().all()]
+            columns=[c for c in _Columns.EXTRA + _Columns.SHAPES + ("pg_ranks",) if c in df_k and df_k[c].isna().all()]
         )
     props = head.deviceProperties or []
     info = head.distributedInfo or {}
