@@ -45,6 +45,12 @@ def test_training_step_explorer_shows_the_verdict_of_every_timing():
     bars = ex.figures(ex.results)[0]
     assert "stability" in [d.name for d in bars.vdims], "the phase bars' hover has no verdict"
     assert set(bars.dframe()["stability"]) - {"not run"}, "no phase of the bars carries a verdict"
+    # the lab's figure (time per step by phase), the lab's own step as "#1 lab"
+    assert [d.name for d in bars.kdims] == ["phase", "config"] and bars.opts.get().kwargs["ylabel"] == "ms per step"
+    assert "Time per step by phase" in bars.opts.get().kwargs["title"]
+    first = bars.dframe().query("config == '#1 lab'").set_index("phase")["ms"]
+    want = {f.phase: f.ms for f in measured.report.phase_figures()}
+    assert first.to_dict() == pytest.approx({p: want.get(p, 0.0) for p in first.index}), "#1 is not the lab's step"
 
 
 def test_training_step_explorer_offers_the_labs_gpu_sizes_on_cuda():
@@ -73,6 +79,10 @@ def test_low_precision_explorer_quantizes_the_labs_tensor():
     assert want.sqnr_db != other.sqnr_db, "the check cannot tell the shapes apart"
     assert row["shape"] == "64x96" and row["sqnr_db"] == round(want.sqnr_db, 2)
     assert {r["shape"] for r in ex.rec.rows} == {"64x96"}
+    heat = ex.figures(ex.results)[1].get(0)  # the lab's SQNR map: tensor x variant
+    assert isinstance(heat, hv.HeatMap) and [d.name for d in heat.kdims] == ["tensor", "variant"]
+    cells = heat.dframe()
+    assert cells["sqnr_db"].tolist() == [round(row["sqnr_db"], 1)] and cells.tensor.tolist() == ["laplace 64x96"]
     gpu = "x".join(map(str, _sets("04_low_precision")["tensor_shape"]))
     assert gpu in dict((c.name, c.options) for c in explorer_controls(cfg.to_dict(), "cuda"))["shape"]
     assert gpu not in dict((c.name, c.options) for c in explorer_controls(cfg.to_dict(), "cpu"))["shape"]
@@ -98,6 +108,10 @@ def test_distributed_explorer_runs_the_labs_step_with_a_verdict_on_its_timings()
     assert row["step_ms"] == pytest.approx(sorted(step["samples"])[1], rel=1e-12)
     assert rows["comm_time"]["stable"] is False and "1 sample" in row["comm_stability"]
     assert math.isfinite(row["final_loss"])
+    bars = ex.figures(ex.results)[1]  # the lab's figure: compute / exposed / idle per run and rank
+    assert [d.name for d in bars.kdims] == ["run_rank", "part"] and "per rank" in bars.opts.get().kwargs["title"]
+    parts = bars.dframe()
+    assert set(parts.part) == {"compute", "exposed", "idle"} and parts.run_rank.str.startswith("#1").all()
 
 
 def test_distributed_explorer_offers_the_labs_world_sizes():

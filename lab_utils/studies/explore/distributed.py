@@ -21,13 +21,13 @@ import tempfile
 from dataclasses import dataclass
 from typing import ClassVar
 
-import holoviews as hv
 import pandas as pd
 
 from lab_utils.core.config import ConfigError
 from lab_utils.core.timing import judge_samples
 from lab_utils.distributed import STRATEGIES, DistConfig, DistRunError, launch
 from lab_utils.model.train import artifacts_dir
+from lab_utils.studies.distributed import overlap_bars
 from lab_utils.studies.explore.base import Control, Explorer, Progress, Result, Unavailable, explored_scatter
 
 STEPS = 3
@@ -136,7 +136,8 @@ class DistributedExplorer(Explorer):
             stable=step_v.stable,
             wall_s=res.wall_s,
         )
-        return Result(0, cfg, row, data=dict(losses=list(res.losses)))
+        ov = [{**r["overlap"], "rank": r.get("rank", i)} for i, r in enumerate(res.ranks) if r.get("overlap")]
+        return Result(0, cfg, row, data=dict(losses=list(res.losses), overlap=ov))
 
     def figures(self, results: list[Result]) -> list:
         runs = [f"#{r.index} {self.label(r.config)}" for r in results]
@@ -154,14 +155,11 @@ class DistributedExplorer(Explorer):
             framewise=True,
             title="Loss per step of each run (same data and seed)",
         )
-        comm = pd.DataFrame(
-            [
-                dict(run=n.split(" ")[0], label=n, comm_ms=r.row["comm_ms"], comm_mb=r.row["comm_mb"])
-                for n, r in zip(runs, results)
-            ],
-            columns=["run", "label", "comm_ms", "comm_mb"],
+        ov = pd.DataFrame(
+            [dict(run=n, **o) for n, r in zip(runs, results) for o in r.data.get("overlap", [])],
+            columns=["run", "rank", "compute_ms", "exposed_ms", "idle_ms"],
         )
-        bars = hv.Bars(comm, "run", ["comm_ms", "comm_mb", "label"]).opts(
-            tools=["hover"], ylabel="ms in collectives (rank 0, profiled step)", title="Communication", framewise=True
-        )
+        if ov.empty:  # the same kind of figure before any profiled step (a live figure keeps its kind)
+            ov = pd.DataFrame([dict(run="no profiled step yet", rank=0, compute_ms=0.0, exposed_ms=0.0, idle_ms=0.0)])
+        bars = overlap_bars(ov)  # the lab's own figure of its runs, here of the explored ones
         return [curves, bars]

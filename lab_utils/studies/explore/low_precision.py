@@ -34,6 +34,7 @@ from lab_utils.core.device import pick_device
 from lab_utils.precision.numerics import DISTRIBUTIONS, error_stats, format_grid_histogram, make_tensor
 from lab_utils.precision.quantized import RECIPES, mlp_task, run_convergence
 from lab_utils.studies.explore.base import Control, Explorer, Progress, Result, Unavailable, explored_scatter
+from lab_utils.studies.low_precision import sqnr_heatmap
 
 SCALINGS = ("tensor", "row", "block")
 BLOCKS = ("default", 16, 32, 128)
@@ -158,6 +159,22 @@ class LowPrecisionExplorer(Explorer):
         progress(total, total, "done")
         return Result(0, cfg, row, data=dict(hist=hist, curves=curves))
 
+    def sqnr_map(self, results: list[Result]):
+        """The lab's SQNR heat map (``studies.low_precision.sqnr_heatmap``: tensor x variant) of the
+        explored configurations: the distribution and shape across, the format's settings down."""
+        s = pd.DataFrame(
+            [
+                dict(
+                    tensor=f"{r.config['dist']} {r.config['shape']}",
+                    variant=self.label({**r.config, "dist": "", "shape": "", "recipe": "none"}).strip(),
+                    sqnr_db=r.row["sqnr_db"],
+                )
+                for r in results
+            ],
+            columns=["tensor", "variant", "sqnr_db"],
+        )
+        return sqnr_heatmap(s).opts(hv.opts.HeatMap(framewise=True, width=380, title="SQNR (dB), as in the lab's map"))
+
     def figures(self, results: list[Result]) -> list:
         if results:
             last = results[-1]
@@ -170,13 +187,7 @@ class LowPrecisionExplorer(Explorer):
             tools=["hover"], xrotation=90, xlabel="grid value (units of the group scale)", ylabel="share", title=title
         )
         hist = hist.opts(framewise=True, width=760)
-        s = pd.DataFrame(
-            [dict(config=f"#{r.index}", label=self.label(r.config), sqnr_db=r.row["sqnr_db"]) for r in results],
-            columns=["config", "label", "sqnr_db"],
-        )
-        sq = hv.Bars(s, "config", ["sqnr_db", "label"]).opts(
-            tools=["hover"], ylabel="SQNR (dB)", title="SQNR of the explored configurations", framewise=True, width=380
-        )
+        sq = self.sqnr_map(results)
         c = [r.data["curves"].assign(run=f"#{r.index}") for r in results if r.data["curves"] is not None]
         curves = pd.concat(c) if c else pd.DataFrame(columns=["step", "loss", "recipe", "run"])
         conv = explored_scatter(

@@ -36,8 +36,9 @@ from lab_utils.core.device import DeviceInfo, device_info
 from lab_utils.model import CHECKPOINT_POLICIES
 from lab_utils.model.train import PHASES
 from lab_utils.precision.quantized import RECIPES
+from lab_utils.profiling.profiler import PERIODIC_RULE, periodic_note
 from lab_utils.studies.explore.base import Control, Explorer, Progress, Result
-from lab_utils.studies.training_step import PHASE_COLORS, StepProfile, TrainingStepLabConfig, profile_step
+from lab_utils.studies.training_step import StepProfile, TrainingStepLabConfig, profile_step
 
 #: precision choice -> (parameter storage dtype, autocast)
 PRECISIONS = {"fp32": ("float32", "none"), "bf16 autocast": ("float32", "bf16"), "bf16 weights": ("bfloat16", "none")}
@@ -205,10 +206,11 @@ class TrainingStepExplorer(Explorer):
             **{f"{k}_ms": float(v) for k, v in phases.items()},
         )
         verdict = {p: str(v) for p, v in verdicts.items()}
-        return Result(0, cfg, row, data=dict(phases=phases, verdicts=verdict))
+        note = periodic_note(figs)
+        return Result(0, cfg, row, data=dict(phases=phases, verdicts=verdict, lab=p is self.measured, note=note))
 
     def figures(self, results: list[Result]) -> list:
-        names = [f"#{r.index}" for r in results]
+        names = [f"#{r.index}" + (" lab" if r.data.get("lab") else "") for r in results]
         ph = pd.DataFrame(
             [
                 dict(config=n, phase=k, ms=float(v), stability=r.data.get("verdicts", {}).get(k, "not run"))
@@ -217,14 +219,19 @@ class TrainingStepExplorer(Explorer):
             ],
             columns=["config", "phase", "ms", "stability"],
         )
-        bars = hv.Bars(ph, ["config", "phase"], ["ms", "stability"]).opts(
-            stacked=True,
-            cmap=PHASE_COLORS,
+        notes = sorted({r.data.get("note", "") for r in results} - {""})
+        # the lab's figure (studies.training_step.phase_summary_bars: time per step by phase, periodic
+        # phases amortised) with one bar per configuration in each phase; "#1 lab" is the lab's own step
+        bars = hv.Bars(ph, ["phase", "config"], ["ms", "stability"]).opts(
+            color="config",
+            cmap="Category10",
             tools=["hover"],
-            xlabel="configuration (# in the table)",
-            ylabel="ms (median step)",
-            title="Phases per configuration",
+            xlabel="phase" + (f" · {'; '.join(notes)} ({PERIODIC_RULE})" if notes else ""),
+            ylabel="ms per step",
+            title="Time per step by phase: the lab's step and the explored configurations (# in the table)",
             legend_position="right",
+            multi_level=True,
+            width=760,
             framewise=True,
         )
         summary = pd.DataFrame(
