@@ -280,90 +280,125 @@ class ConvergenceResult:
         return out
 
 
+@dataclass(frozen=True)
+class ConvergenceOptions:
+    """How :func:`run_convergence` trains and judges: ``steps`` AdamW steps at ``lr`` per
+    seed; ``baseline`` and every recipe under ``autocast_dtype``; the final gap over the last
+    ``window`` steps (default: a quarter); per-timestep losses in ``n_buckets`` buckets; a run
+    diverges when its loss exceeds ``diverge_factor`` x its first loss after step 5."""
+
+    steps: int = 30
+    seeds: tuple[int, ...] = (0, 1)
+    lr: float = 1e-3
+    baseline: str = "bf16"
+    autocast_dtype: torch.dtype | None = torch.bfloat16
+    window: int | None = None
+    n_buckets: int = 4
+    diverge_factor: float = 3.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "seeds", tuple(self.seeds))
+        object.__setattr__(self, "window", self.window or max(1, self.steps // 4))
+
+
 def run_convergence(
     task: TrainTask,
     recipes: Iterable[str | Recipe],
+    options: ConvergenceOptions | None = None,
     *,
-    steps: int = 30,
-    seeds: Iterable[int] = (0, 1),
-    lr: float = 1e-3,
-    baseline: str = "bf16",
-    autocast_dtype: torch.dtype | None = torch.bfloat16,
-    window: int | None = None,
-    n_buckets: int = 4,
-    diverge_factor: float = 3.0,
     progress: Callable[[list], Iterable] | None = None,
+    **kw,
 ) -> ConvergenceResult:
     """Train ``steps`` AdamW steps per (seed, recipe) from the same initialisation and data.
 
-    The baseline runs under ``autocast_dtype`` (bf16) like every recipe; a recipe's
-    converted layers quantize their operands on top.  Divergence: a non-finite loss, or
-    the loss above ``diverge_factor`` x the run's first loss after step 5; that run stops
-    and is reported.  Final gap: per seed, mean loss over the last ``window`` steps of
-    recipe minus baseline (paired by seed), mean and 95% t-interval over seeds.
-    ``progress`` wraps the list of (recipe, seed) runs (e.g. ``tqdm``) to show progress."""
-    seeds = list(seeds)
+    ``options``: :class:`ConvergenceOptions`, or its fields as keywords ``kw``.  The baseline
+    runs under ``autocast_dtype`` (bf16) like every recipe; a recipe's converted layers
+    quantize their operands on top.  Divergence: a non-finite loss, or the loss above
+    ``diverge_factor`` x the run's first loss after step 5; that run stops and is reported.
+    Final gap: per seed, mean loss over the last ``window`` steps of recipe minus baseline
+    (paired by seed), mean and 95% t-interval over seeds.  ``progress`` wraps the list of
+    (recipe, seed) runs (e.g. ``tqdm``) to show progress."""
+    o = replace(options, **kw) if options is not None else ConvergenceOptions(**kw)
+    baseline = o.baseline
     names = [baseline] + [get_recipe(r).name for r in recipes if get_recipe(r).name != baseline]
-    window = window or max(1, steps // 4)
     curve_rows, bucket_rows, div_rows = [], [], []
     secs = {}
-    edges = torch.linspace(0, 1, n_buckets + 1)
-    runs = [(name, seed) for name in names for seed in seeds]
+    runs = [(name, seed) for name in names for seed in o.seeds]
     for name, seed in progress(runs) if progress is not None else runs:
         t0 = time.perf_counter()
-        model = task.make_model(seed)
-        apply_recipe(model, name, seed=seed)
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        first = None
-        last_per, last_t = [], []
-        for step in range(steps):
-            dev_type = next(model.parameters()).device.type
-            ctx = torch.autocast(dev_type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-            with ctx:
-                per, t = task.loss(model, step, seed)
-            loss = per.mean()
-            lv = float(loss.detach())
-            if not math.isfinite(lv):
-                div_rows.append(dict(recipe=name, seed=seed, step=step, reason="non-finite loss"))
-                break
-            first = lv if first is None else first
-            if step >= 5 and lv > diverge_factor * first:
-                div_rows.append(
-                    dict(
-                        recipe=name,
-                        seed=seed,
-                        step=step,
-                        reason=f"loss {lv:.3g} > {diverge_factor} x first {first:.3g}",
-                    )
-                )
-                curve_rows.append(dict(recipe=name, seed=seed, step=step, loss=lv))
-                break
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            curve_rows.append(dict(recipe=name, seed=seed, step=step, loss=lv))
-            if step >= steps - window:
-                last_per.append(per.detach().float())
-                last_t.append(t.detach().float())
+        curve, last_per, last_t, div = _train_one(task, name, seed, o)
+        curve_rows += curve
+        div_rows += div
         if last_per:
-            per_all, t_all = torch.cat(last_per), torch.cat(last_t)
-            b = torch.bucketize(t_all, edges[1:-1])
-            for k in range(n_buckets):
-                m = b == k
-                if bool(m.any()):
-                    bucket_rows.append(
-                        dict(
-                            recipe=name,
-                            seed=seed,
-                            bucket=f"t∈[{edges[k]:.2f},{edges[k + 1]:.2f})",
-                            loss=float(per_all[m].mean()),
-                            n=int(m.sum()),
-                        )
-                    )
+            bucket_rows += _loss_buckets(torch.cat(last_per), torch.cat(last_t), name, seed, o.n_buckets)
         secs[name] = secs.get(name, 0.0) + time.perf_counter() - t0
     curves = pd.DataFrame(curve_rows)
     divs = pd.DataFrame(div_rows, columns=["recipe", "seed", "step", "reason"])
+    gaps = _final_gaps(curves, divs, names, o)
+    return ConvergenceResult(curves, pd.DataFrame(bucket_rows), gaps, divs, baseline, o.window, secs)
+
+
+def _train_one(task: TrainTask, name: str, seed: int, o: ConvergenceOptions) -> tuple[list, list, list, list]:
+    """One (recipe, seed) run: (loss curve rows, per-sample losses and timesteps of the last
+    ``window`` steps, divergence rows)."""
+    steps, window, diverge_factor, autocast_dtype = o.steps, o.window, o.diverge_factor, o.autocast_dtype
+    model = task.make_model(seed)
+    apply_recipe(model, name, seed=seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=0.0)
+    curve_rows, div_rows = [], []
+    first = None
+    last_per, last_t = [], []
+    for step in range(steps):
+        dev_type = next(model.parameters()).device.type
+        ctx = torch.autocast(dev_type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+        with ctx:
+            per, t = task.loss(model, step, seed)
+        loss = per.mean()
+        lv = float(loss.detach())
+        if not math.isfinite(lv):
+            div_rows.append(dict(recipe=name, seed=seed, step=step, reason="non-finite loss"))
+            break
+        first = lv if first is None else first
+        if step >= 5 and lv > diverge_factor * first:
+            div_rows.append(
+                dict(recipe=name, seed=seed, step=step, reason=f"loss {lv:.3g} > {diverge_factor} x first {first:.3g}")
+            )
+            curve_rows.append(dict(recipe=name, seed=seed, step=step, loss=lv))
+            break
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        curve_rows.append(dict(recipe=name, seed=seed, step=step, loss=lv))
+        if step >= steps - window:
+            last_per.append(per.detach().float())
+            last_t.append(t.detach().float())
+    return curve_rows, last_per, last_t, div_rows
+
+
+def _loss_buckets(per_all: torch.Tensor, t_all: torch.Tensor, name: str, seed: int, n_buckets: int) -> list[dict]:
+    """Mean per-sample loss in each of ``n_buckets`` equal timestep buckets of [0, 1]."""
+    edges = torch.linspace(0, 1, n_buckets + 1)
+    b = torch.bucketize(t_all, edges[1:-1])
+    rows = []
+    for k in range(n_buckets):
+        m = b == k
+        if bool(m.any()):
+            rows.append(
+                dict(
+                    recipe=name,
+                    seed=seed,
+                    bucket=f"t∈[{edges[k]:.2f},{edges[k + 1]:.2f})",
+                    loss=float(per_all[m].mean()),
+                    n=int(m.sum()),
+                )
+            )
+    return rows
+
+
+def _final_gaps(curves: pd.DataFrame, divs: pd.DataFrame, names: list[str], o: ConvergenceOptions) -> pd.DataFrame:
+    """Per recipe: the final loss minus the baseline's, paired by seed: mean and 95% t-interval."""
+    steps, window, baseline = o.steps, o.window, o.baseline
     final = (
         curves[curves.step >= steps - window].groupby(["recipe", "seed"])["loss"].mean().unstack("seed")
         if len(curves)
@@ -387,7 +422,7 @@ def run_convergence(
         else:
             half = float("nan")
         gap_rows.append(dict(recipe=name, gap=mean, ci_low=mean - half, ci_high=mean + half, n_seeds=n, diverged=False))
-    return ConvergenceResult(curves, pd.DataFrame(bucket_rows), pd.DataFrame(gap_rows), divs, baseline, window, secs)
+    return pd.DataFrame(gap_rows)
 
 
 def matmul_share_from_analysis(analysis) -> float:
@@ -414,5 +449,6 @@ __all__ = [
     "get_recipe",
     "matmul_share_from_analysis",
     "mlp_task",
+    "ConvergenceOptions",
     "run_convergence",
 ]
