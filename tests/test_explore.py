@@ -274,8 +274,8 @@ def test_memory_explorer_measures_the_labs_step_and_lands_on_its_pareto_plot(mon
     lab = pd.DataFrame([dict(policy="none", time_ms=4.0, peak_bytes=900, stable=True, device="cpu")])
     ex = ex_mod.MemoryExplorer.for_lab(cfg, measured=lab)
     row = ex.run().result.row
-    assert seen == [(cfg.step(), cfg.dtype)], "the explorer's default step is the lab's"
-    assert row["shape"] == study.sh_str(cfg.step())
+    assert seen == [(cfg.step_shape(), cfg.dtype)], "the explorer's default step is the lab's"
+    assert row["shape"] == study.sh_str(cfg.step_shape())
     assert row["stable"] is False and row["stability"].startswith("UNSTABLE"), row["stability"]
     (plot,) = ex.figures(ex.results)
     marks = {el.label: el for el in plot if el.label}

@@ -59,10 +59,12 @@ class Entry:
     notebook: Path
     set: str | None
     params: dict
+    name: str = ""  # the suite item's ``name``: a notebook run twice in one suite needs one
 
     @property
     def stem(self) -> str:
-        return self.notebook.stem
+        """What the run's outputs are named by: the item's ``name``, else the notebook's stem."""
+        return self.name or self.notebook.stem
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,10 @@ def load_suite(name: str | Path) -> Suite:
                 )
             params.update(yaml.safe_load(set_path.read_text()) or {})
         params.update(item.get("params") or {})
-        entries.append(Entry(nb, set_name, params))
+        entry = Entry(nb, set_name, params, str(item.get("name") or ""))
+        if any(e.stem == entry.stem for e in entries):
+            raise SuiteError(f"{path}: notebooks[{i}]: {entry.stem!r} runs twice; give one a distinct 'name'")
+        entries.append(entry)
     return Suite(name=path.stem, description=str(data.get("description", "")), entries=tuple(entries), path=path)
 
 
@@ -340,7 +345,7 @@ def run_suite(
     planned = plan(s, overrides, only)
     if timing_threads is not None:
         choose_cpu_threads(timing_threads)  # validates before anything runs
-    job_plan = parallel.plan_jobs(planned, JOB_HOOKS, timing_threads=timing_threads, **jobs) if jobs else None
+    job_plan = parallel.plan_jobs(planned, timing_threads=timing_threads, **jobs) if jobs is not None else None
     out_dir = Path(out_dir or ROOT / "reports")
     run_id, tmp = _make_run_dir(out_dir, run_id, s.name)
     final = out_dir / run_id
@@ -454,7 +459,3 @@ def _run_one(p: Planned, tmp: Path, final: Path, timeout_s: int) -> NotebookStat
             st.error = (st.error + "; " if st.error else "") + f"HTML export failed: {_error_of(e)}"
             st.status = "failed"
     return st
-
-
-#: what ``perflab run --parallel/--executor`` jobs take from here (lab_utils.run.parallel)
-JOB_HOOKS = parallel.RunnerHooks(run_one=_run_one, status=NotebookStatus, config_class=notebook_config_class)

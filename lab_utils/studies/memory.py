@@ -30,6 +30,7 @@ from lab_utils.core.plots import init
 from lab_utils.core.records import Recorder
 from lab_utils.model import CHECKPOINT_POLICIES, PRESETS, build_model, resolve_config
 from lab_utils.model.train import artifacts_dir
+from lab_utils.step.load import DEFAULT_STEP, check_step_spec
 from lab_utils.studies.headline import Figure, fmt, register, rows
 
 LAB = "05_memory"
@@ -59,6 +60,7 @@ class MemoryLabConfig(LabConfig):
     confirm_fit: bool = False  # on CUDA: bisect a real step to the OOM edge
     reps: int = 3
     seed: int = 0
+    step: str = DEFAULT_STEP  # your training step, "package.module:function" (docs/your_model.md)
 
     def __post_init__(self):
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
@@ -85,6 +87,7 @@ class MemoryLabConfig(LabConfig):
         check_int_list("fsdp_gpus", list(self.fsdp_gpus), min=1)
         check_int("reps", self.reps, min=3)
         check_int("seed", self.seed, min=0)
+        check_step_spec(self.step)  # imports and is callable; its first step is checked by your_step.load
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device", self.device, "'auto' or 'cpu' (no CUDA device is visible here)")
 
@@ -92,7 +95,7 @@ class MemoryLabConfig(LabConfig):
     def device_bytes(self) -> int:
         return int(self.device_memory_gb * GB) if self.device_memory_gb > 0 else mem.default_device_bytes()
 
-    def step(self) -> mem.StepShape:
+    def step_shape(self) -> mem.StepShape:
         return mem.step_shape(
             resolve_config(self.preset), self.batch_size, self.resolution, self.resolution, self.txt_len
         )
@@ -110,7 +113,7 @@ def recorder(cfg: MemoryLabConfig) -> Recorder:
 def formula_check(cfg: MemoryLabConfig) -> pd.DataFrame:
     """Hooks against the analytic model for every formula policy at the lab's step (CPU); a
     mismatch raises.  One row per policy."""
-    mcfg, sh = resolve_config(cfg.preset), cfg.step()
+    mcfg, sh = resolve_config(cfg.preset), cfg.step_shape()
     rows = []
     for pol in mem.FORMULA_POLICIES:
         meas = mem.measure_saved(mcfg, sh, cfg.dtype, pol, seed=cfg.seed)
@@ -125,7 +128,7 @@ def formula_check(cfg: MemoryLabConfig) -> pd.DataFrame:
 
 def block_ops(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     """Saved bytes of ``inspect_block`` by the op that made them (no checkpointing)."""
-    mcfg, sh = resolve_config(cfg.preset), cfg.step()
+    mcfg, sh = resolve_config(cfg.preset), cfg.step_shape()
     rep = mem.measure_saved(mcfg, sh, cfg.dtype, "none", seed=cfg.seed)
     df = pd.DataFrame(rep.rows())
     df = df[df.region == cfg.inspect_block].groupby(["op", "dtype"], as_index=False)["bytes"].agg(["sum", "count"])
@@ -211,7 +214,7 @@ def block_state_table(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
 def compare(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     """Every policy on one step: saved bytes (hooks, formula), peak, FLOPs, time; gradients
     checked equal to no checkpointing (raises otherwise)."""
-    mcfg, sh = resolve_config(cfg.preset), cfg.step()
+    mcfg, sh = resolve_config(cfg.preset), cfg.step_shape()
     dev = pick_device(cfg.device)
     res = mem.compare_policies(mcfg, sh, cfg.dtype, cfg.policies, device=dev, seed=cfg.seed, reps=cfg.reps)
     base = next((r.flops for r in res if r.policy == "none"), None)
@@ -361,7 +364,7 @@ def timeline(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     full data goes to the artifacts, the per-category peaks to records."""
     dev = pick_device(cfg.device)
     dt = parse_dtype("dtype", cfg.dtype)
-    mcfg, sh = resolve_config(cfg.preset), cfg.step()
+    mcfg, sh = resolve_config(cfg.preset), cfg.step_shape()
     model = build_model(mcfg, device=dev, dtype=dt, seed=cfg.seed)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -401,7 +404,7 @@ def timeline_plot(df: pd.DataFrame, max_points: int = 1500):
 def peak_table(cfg: MemoryLabConfig, top: int = 10) -> pd.DataFrame:
     """The largest storages kept for the backward (end of the forward: where memory peaks),
     with the region and op that made them."""
-    mcfg, sh = resolve_config(cfg.preset), cfg.step()
+    mcfg, sh = resolve_config(cfg.preset), cfg.step_shape()
     rep = mem.measure_saved(mcfg, sh, cfg.dtype, "none", seed=cfg.seed)
     return pd.DataFrame([dataclasses.asdict(t) for t in mem.largest_live(rep, top)])
 

@@ -31,6 +31,7 @@ from lab_utils.plan.planner import (
     waterfall,
 )
 from lab_utils.profiling.profiler import PERIODIC_RULE
+from lab_utils.step.load import DEFAULT_STEP, check_step_spec
 from lab_utils.studies.headline import Figure, fmt, register, rows, verdict
 
 LAB = "08_plan"
@@ -46,6 +47,7 @@ class PlanLabConfig(TrainConfig):
     warmup_steps: int = 2
     verify_top: int = 2  # plans run again to check the prediction
     statistic: str = "median"  # per-phase figure over the profiled steps: "median" | "min"
+    step: str = DEFAULT_STEP  # your training step, "package.module:function" (docs/your_model.md)
 
     def __post_init__(self):
         super().__post_init__()
@@ -54,6 +56,7 @@ class PlanLabConfig(TrainConfig):
         check_int("warmup_steps", self.warmup_steps, min=0)
         check_int("verify_top", self.verify_top, min=1, max=5)
         check_choice("statistic", self.statistic, STATISTICS)
+        check_step_spec(self.step)  # imports and is callable; its first step is checked by your_step.load
         if self.statistic == "min" and self.steps < 2:
             raise ConfigError("steps", self.steps, "at least 2 when statistic is 'min'")
 

@@ -31,6 +31,7 @@ from lab_utils.precision.quantized import RECIPES
 from lab_utils.stability.numdiff import NumericsDiff, numerics_diff
 from lab_utils.stability.telemetry import NAN_PHASES
 from lab_utils.stability.training import PROVOKE, SPIKE_POLICIES, RunResult, RunSpec, train_run
+from lab_utils.step.load import DEFAULT_STEP, check_step_spec
 from lab_utils.studies.headline import Figure, register, rows
 
 LAB = "07_stability"
@@ -49,6 +50,7 @@ class StabilityLabConfig(LabConfig):
     resolution: int = 64
     txt_len: int = 8
     seed: int = 0
+    step: str = DEFAULT_STEP  # your training step, "package.module:function" (docs/your_model.md)
     telemetry_every: int = 1
     head_groups: int = 2
     qk_lr: float = 1e-2
@@ -82,6 +84,7 @@ class StabilityLabConfig(LabConfig):
             check_int(name, getattr(self, name), min=1)
         check_int("telemetry_every", self.telemetry_every, min=1)
         check_int("seed", self.seed, min=0)
+        check_step_spec(self.step)  # imports and is callable; its first step is checked by your_step.load
         for name in ("qk_lr", "precision_lr", "adam_lr", "recipe_lr", "spike_lr", "drift_tol", "poison_scale"):
             check_float(name, getattr(self, name), min=0, min_exclusive=True)
         check_float("loss_scale_init", self.loss_scale_init, min=1)

@@ -18,6 +18,7 @@ from lab_utils.step import memory as step_memory
 from lab_utils.step import stability as step_stability
 from lab_utils.step.contract import StepFactory, blocks, identity
 from lab_utils.step.load import DEFAULT_STEP, build_step, check_step_spec, load_step
+from lab_utils.step.memory import FORMULA_NOTE
 from lab_utils.step.profile import GenericProfile, profile_step, record_profile
 
 #: Largest batch the what-fits bisection tries (a step of each size it tries is run).
@@ -25,7 +26,7 @@ FIT_MAX_BATCH = 16
 #: Steps of each spike run and the step whose loss is scaled to provoke a spike.
 SPIKE_STEPS, SPIKE_AT = 12, 8
 
-__all__ = ["DEFAULT_STEP", "check_step_spec"]
+__all__ = ["DEFAULT_STEP", "FORMULA_NOTE", "check_step_spec"]
 
 
 def _kwargs(cfg) -> dict:
@@ -59,14 +60,18 @@ def step_lines(step: StepFactory) -> list[str]:
     ]
 
 
-def _extra(step: StepFactory) -> dict:
+def _extra(step: StepFactory, rec: Recorder | None = None) -> dict:
+    """The identity fields each generic row carries (and, given ``rec``, its parameters)."""
     i = identity(step)
+    if rec is not None:
+        rec.params["step_identity"] = i.as_dict()
     return dict(model_class=i.model_class, parameters=i.parameters, config=i.config_hash)
 
 
 # ----------------------------------------------------------------------------- lab 01
 def profile(cfg, step: StepFactory, rec: Recorder, datasheet=None, dtype: str = "fp32") -> GenericProfile:
     """Lab 01's profile of the step (``cfg.steps`` profiled after ``cfg.warmup_steps``), recorded."""
+    _extra(step, rec)
     prof = profile_step(step, steps=cfg.steps, warmup=cfg.warmup_steps)
     record_profile(rec, prof, datasheet=datasheet, dtype=dtype)
     return prof
@@ -81,13 +86,20 @@ def phase_bars(prof: GenericProfile):
 
 
 # ----------------------------------------------------------------------------- lab 05
-def memory(cfg, step: StepFactory, rec: Recorder, *, progress: bool = True) -> dict:
-    """Lab 05 on the step: state from the optimizer, saved bytes by region and op, every
-    generic policy (gradients checked), what fits ``cfg.device_bytes`` by bisection."""
-    key, ex = identity(step).key, _extra(step)
+def record_state(rec: Recorder, step: StepFactory) -> dict[str, int]:
+    """Parameters, gradients and optimizer state of the step, recorded under its identity."""
+    key, ex = identity(step).key, _extra(step, rec)
     state = step_memory.state_bytes(step)
     for k, v in state.items():
         rec.add("step_memory", f"{key} · {k}", "bytes", v, "B", **ex)
+    return state
+
+
+def memory(cfg, step: StepFactory, rec: Recorder, *, progress: bool = True) -> dict:
+    """Lab 05 on the step: state from the optimizer, saved bytes by region and op, every
+    generic policy (gradients checked), what fits ``cfg.device_bytes`` by bisection."""
+    key, ex = identity(step).key, _extra(step, rec)
+    state = record_state(rec, step)
     saved = step_memory.measure_saved(step, "none")
     for region, v in saved.by("region").items():
         rec.add("step_saved", f"{key} · {region}", "bytes", v, "B", **ex)
@@ -134,7 +146,7 @@ def stability(cfg, rec: Recorder, *, progress: bool = True) -> dict:
     layer of the last, forward and backward), telemetry, and a provoked spike under each
     policy (each run on a fresh build of the step: same weights, same batches)."""
     step = build_step(cfg.step, **_kwargs(cfg))
-    key, ex = identity(step).key, _extra(step)
+    key, ex = identity(step).key, _extra(step, rec)
     lines = step_stability.locator_lines(step)
     runs, tel = {}, None
     for pol in ("none", "skip", "clip", "rewind"):
@@ -174,7 +186,7 @@ def levers(cfg, rec: Recorder, *, progress: bool = True) -> tuple[pd.DataFrame, 
         progress=progress,
     )  # fmt: skip
     step = build_step(cfg.step, **kw)
-    key, ex = identity(step).key, _extra(step)
+    key, ex = identity(step).key, _extra(step, rec)
     for r in df.itertuples():
         rec.add_timing("step_levers", f"{key} · {r.lever}={r.setting}", r.timing, batch=r.batch, **ex)
     return df.drop(columns="timing"), step_levers.excluded_frame(excluded)

@@ -88,7 +88,7 @@ class MemoryExplorer(Explorer):
         super().__post_init__()
 
     def lab_step(self) -> str:
-        return sh_str(self.base.step())
+        return sh_str(self.base.step_shape())
 
     def why_not(self, cfg: dict) -> str | None:
         if not acts_on(cfg["policy"], self.dev.type):
