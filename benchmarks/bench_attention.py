@@ -33,6 +33,7 @@ from lab_utils.core.device import device_info, pick_device
 from lab_utils.core.dtypes import LAB_DTYPES, parse_dtype
 from lab_utils.core.records import Recorder
 from lab_utils.core.session import Session
+from lab_utils.core.timing import BenchOptions
 
 PRESETS = {
     # FLUX-dev: 24 heads x 128, joint sequence 512 text + 4096 image tokens at 1024^2.
@@ -127,12 +128,9 @@ def main(argv=None) -> int:
                 max(p["head_dims"]),
                 paths=p["paths"],
                 dtype=dtype,
-                device=dev,
+                session=Session(dev, rec, ceilings),
                 backward=bwd,
-                rec=rec,
-                reps=p["reps"],
-                budget_s=p["budget_s"],
-                ceilings=ceilings,
+                bench=BenchOptions(reps=p["reps"], budget_s=p["budget_s"]),
             )
     out = Path(a.out) if a.out else (Path(__file__).parent / "results" / f"attention_{info.kind}_{p['dtype']}")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -192,7 +192,6 @@ MAX_PARAMETERS = 8  # excluding self / cls; *args and **kwargs count one each
 FUNCTION_ALLOWED = {
     "lab_utils/attention/attend.py:random_qkv": "TODO issue 22",
     "lab_utils/attention/paths.py:AttentionPath.why_not": "TODO issue 22",
-    "lab_utils/attention/varlen.py:time_padding_vs_packing": "TODO issue 22",
     "lab_utils/core/records.py:Recorder.add": "TODO issue 22",
     "lab_utils/core/records.py:Recorder.add_timing": "TODO issue 22",
     "lab_utils/distributed/projection.py:comm_plan": "TODO issue 22",

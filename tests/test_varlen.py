@@ -13,6 +13,7 @@ from lab_utils.attention import attend as A
 from lab_utils.attention import varlen as V
 from lab_utils.core.checks import assert_close
 from lab_utils.core.config import ConfigError
+from lab_utils.core.timing import BenchOptions
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +69,7 @@ def test_triton_packed_matches_padded_reference():
 
 def test_time_padding_vs_packing_rows():
     b = V.VarlenBatch((23, 40), (16, 30), (7, 10), ((1, 1),) * 2)
-    rows = V.time_padding_vs_packing(b, 2, 64, paths=["sdpa", "triton"], reps=3, budget_s=5)
+    rows = V.time_padding_vs_packing(b, 2, 64, paths=["sdpa", "triton"], bench=BenchOptions(reps=3, budget_s=5))
     by = {(r["path"], r["layout"]): r for r in rows}
     assert by[("sdpa", "padded")]["time_ms"] > 0 and by[("sdpa", "packed")]["time_ms"] > 0
     if not torch.cuda.is_available():

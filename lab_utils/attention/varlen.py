@@ -32,7 +32,8 @@ import torch
 from lab_utils.attention.attend import attend, get_path
 from lab_utils.core import flops as F
 from lab_utils.core.config import ConfigError, check_int
-from lab_utils.core.timing import try_bench
+from lab_utils.core.session import Session
+from lab_utils.core.timing import BenchOptions, try_bench
 
 #: FLUX-style ~1 megapixel aspect-ratio buckets (height, width in pixels).
 BUCKETS_1MP = [
@@ -189,6 +190,10 @@ def unpad(x: torch.Tensor, batch: VarlenBatch) -> torch.Tensor:
     return torch.cat([x[i, :, :n].transpose(0, 1) for i, n in enumerate(batch.lengths)], 0)
 
 
+#: how padding and packing are timed unless asked otherwise
+PAD_PACK_BENCH = BenchOptions(reps=5, budget_s=20.0)
+
+
 def time_padding_vs_packing(
     batch: VarlenBatch,
     heads: int,
@@ -196,17 +201,17 @@ def time_padding_vs_packing(
     *,
     paths,
     dtype=torch.float32,
-    device="cpu",
+    session: Session | None = None,
     backward: bool = False,
-    rec=None,
-    reps: int = 5,
-    budget_s: float = 20.0,
-    ceilings=None,
+    bench: BenchOptions = PAD_PACK_BENCH,
 ) -> list[dict]:
-    """Time each path on the padded (key-padding mask) and the packed layout of one batch.
-    TFLOP/s are *useful* (packed) FLOPs / time for both, so padding's waste shows as a
-    lower rate.  Paths that cannot run a layout, or cannot be timed here (Triton on
-    CPU), give a row with the reason.  With ``rec`` every timing is recorded."""
+    """Time each path on the padded (key-padding mask) and the packed layout of one batch,
+    on ``session.device`` (default: CPU), measured as ``bench`` says.  TFLOP/s are *useful*
+    (packed) FLOPs / time for both, so padding's waste shows as a lower rate.  Paths that
+    cannot run a layout, or cannot be timed here (Triton on CPU), give a row with the
+    reason.  With ``session.rec`` every timing is recorded (against ``session.ceilings``)."""
+    session = session or Session()
+    device, rec, ceilings = session.device, session.rec, session.ceilings
     costs = {c.layout: c for c in pad_pack_costs(batch, heads, head_dim, dtype)}
     useful = costs["packed"].fwd_flops + (costs["packed"].bwd_flops if backward else 0.0)
     inp = make_inputs(batch, heads, head_dim, dtype=dtype, device=device, requires_grad=backward)
@@ -246,7 +251,7 @@ def time_padding_vs_packing(
                     torch.autograd.grad(o, args, torch.ones_like(o))
                 return o
 
-            t = try_bench(fn, name=f"{path}/{layout}", device=device, reps=reps, budget_s=budget_s)
+            t = try_bench(fn, bench, name=f"{path}/{layout}", device=device)
             if rec is not None:
                 rec.add_timing(
                     "pad_vs_pack",

@@ -543,9 +543,9 @@ def _event_loop(fn, *, reps: int, warmup_ms: float, est_ms: float) -> list[float
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
-def try_bench(fn: Callable[[], Any], **kwargs) -> Timing | BenchFailure:
+def try_bench(fn: Callable[[], Any], options: BenchOptions | None = None, **kwargs) -> Timing | BenchFailure:
     """Like :func:`bench` but a failure is returned (to be recorded), not raised."""
     try:
-        return bench(fn, **kwargs)
+        return bench(fn, options, **kwargs)
     except BenchError as e:
         return e.failure

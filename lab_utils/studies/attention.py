@@ -35,6 +35,7 @@ from lab_utils.core.config import (
 from lab_utils.core.dtypes import LAB_DTYPES, parse_dtype
 from lab_utils.core.records import Recorder
 from lab_utils.core.session import Session
+from lab_utils.core.timing import BenchOptions
 from lab_utils.studies.headline import Figure, fmt, register, rows
 
 
@@ -458,11 +459,8 @@ def run_pad_vs_pack(
         max(cfg.head_dims),
         paths=[*cfg.paths, *(["triton"] if "triton" not in cfg.paths else [])],
         dtype=cfg.torch_dtype,
-        device=device,
-        rec=rec,
-        reps=cfg.reps,
-        budget_s=cfg.budget_s,
-        ceilings=ceilings,
+        session=Session(device, rec, ceilings),
+        bench=BenchOptions(reps=cfg.reps, budget_s=cfg.budget_s),
     )
     cols = ["path", "layout", "tokens", "useful_fraction", "time_ms", "useful_tflops", "note"]
     df = pd.DataFrame(rows)
