@@ -27,6 +27,7 @@ import lab_kernels
 from lab_kernels import lowp_matmul as L
 from lab_kernels import quant as Q
 from lab_utils.core.checks import rel_error, sqnr_db
+from lab_utils.core.session import Session
 from lab_utils.core.timing import try_bench
 
 DISTRIBUTIONS = ("gaussian", "laplace", "student_t", "outlier_channels")
@@ -271,14 +272,17 @@ def _record_path(rec, variant: str, t, e: dict, *, shape, dtype, flops: float, n
 
 
 def matmul_sweep(
-    shapes, formats, *, device="cpu", reps: int = 10, seed: int = 0, rec=None, budget_s: float = 5.0
+    shapes, formats, session: Session | None = None, *, reps: int = 10, budget_s: float = 5.0
 ) -> pd.DataFrame:
     """Per shape (M, K, N) and format: error vs float64 of the emulated path (and of
     ``torch._scaled_mm`` where it runs), and the time of bf16 ``F.linear``, the emulated
     path (quantize + dequantize + fp32 matmul: on CPU this times *emulation*, not a
-    low-precision unit) and ``_scaled_mm``.  Rows go to ``rec`` when given."""
+    low-precision unit) and ``_scaled_mm``, on ``session.device`` with inputs from
+    ``session.seed``.  Rows go to ``session.rec`` when given."""
+    session = session or Session()
+    rec, seed = session.rec, session.seed
     triton_fp8 = lab_kernels.get_variant("lowp_matmul", "triton")
-    dev = torch.device(device)
+    dev = torch.device(session.device)
     rows = []
     for M, K, N in shapes:
         g = torch.Generator().manual_seed(seed)

@@ -37,6 +37,7 @@ from lab_utils.core.config import (
 )
 from lab_utils.core.device import DeviceInfo, device_info, pick_device
 from lab_utils.core.records import Recorder
+from lab_utils.core.session import Session
 from lab_utils.model import LARGE_PRESETS, PRESETS, build_model, image_ids, patchify, resolve_config, text_ids
 from lab_utils.model.train import TrainConfig, Trainer
 from lab_utils.precision import numerics as N
@@ -365,9 +366,8 @@ def sqnr_heatmap(
 
 # --------------------------------------------------------------------------- matmuls
 def run_matmuls(cfg: LowPrecisionLabConfig, device, rec: Recorder) -> pd.DataFrame:
-    return N.matmul_sweep(
-        [tuple(s) for s in cfg.matmul_shapes], cfg.matmul_formats, device=device, reps=cfg.reps, rec=rec
-    )
+    shapes = [tuple(s) for s in cfg.matmul_shapes]
+    return N.matmul_sweep(shapes, cfg.matmul_formats, Session(device, rec), reps=cfg.reps)
 
 
 def matmul_table(mm: pd.DataFrame) -> pd.DataFrame:
