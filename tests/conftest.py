@@ -109,3 +109,14 @@ def smoke_run(tmp_path_factory) -> SmokeRun:
 @pytest.fixture(scope="session")
 def smoke_report(smoke_run) -> Path:
     return smoke_run.path
+
+
+SMOKE_GROUP = "smoke-report"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n N --dist loadgroup``) a session fixture is made once per worker:
+    every test that needs the smoke report goes to one worker, so the suite runs once."""
+    for item in items:
+        if {"smoke_run", "smoke_report"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group(SMOKE_GROUP))

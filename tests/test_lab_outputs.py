@@ -62,6 +62,7 @@ def _run_at_defaults(lab: Path, out: Path) -> nbformat.NotebookNode:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("smoke-report")  # conftest's SMOKE_GROUP: the worker that holds the smoke run
 @pytest.mark.parametrize("lab", LABS, ids=[p.stem for p in LABS])
 def test_checked_outputs_match_the_committed_lab(lab, request, tmp_path):
     committed = nbcheck.read(lab)  # before anything runs: what this run is held to
@@ -149,3 +150,22 @@ def test_the_smoke_run_stands_in_only_at_the_defaults():
     assert nbcheck.same_as_defaults({"progress": False}, defaults, cuda=False) == ["progress=False (default True)"]
     assert nbcheck.same_as_defaults({"shape": [3, 2]}, defaults, cuda=False) == ["shape=[3, 2] (default [2, 3])"]
     assert nbcheck.same_as_defaults({"bogus": 1}, defaults, cuda=False) == ["bogus=1 (not a parameter of the lab)"]
+
+
+def test_tests_that_need_the_smoke_report_share_one_xdist_worker():
+    """Under ``-n N --dist loadgroup`` the smoke suite runs once: its users carry one xdist group."""
+    import conftest
+
+    class Item:
+        def __init__(self, *names):
+            self.fixturenames, self.marks = names, []
+
+        def add_marker(self, m):
+            self.marks.append(m)
+
+    users, other = Item("smoke_report", "chrome"), Item("tmp_path")
+    conftest.pytest_collection_modifyitems(None, [users, other, Item("smoke_run")])
+    assert [(m.name, m.args) for m in users.marks] == [("xdist_group", (conftest.SMOKE_GROUP,))]
+    assert other.marks == []
+    mark = test_checked_outputs_match_the_committed_lab.pytestmark
+    assert ("xdist_group", (conftest.SMOKE_GROUP,)) in [(m.name, m.args) for m in mark]
