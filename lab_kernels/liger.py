@@ -330,6 +330,12 @@ _ADAPTERS = {
     "rope": (liger_rope, _rope_check, "Liger RoPE (half layout) between two pair<->half copies (adapter)"),
 }
 
+#: why Liger's SwiGLU backward is never timed on reused inputs (lab_utils.fused.ops.bench_variant)
+SWIGLU_OVERWRITES = (
+    "Liger's SwiGLU backward writes the gradients over its inputs: timed calls repeated on the same "
+    "inputs would run on the last call's gradients, which overflow to inf within tens of calls"
+)
+
 for _op, (_fn, _check, _desc) in _ADAPTERS.items():
     register(
         _op,
@@ -341,4 +347,5 @@ for _op, (_fn, _check, _desc) in _ADAPTERS.items():
         description=_desc,
         library=LIBRARY,
         library_version=LIGER_VERSION,
+        **({"backward_overwrites_inputs": SWIGLU_OVERWRITES} if _op == "swiglu" else {}),
     )

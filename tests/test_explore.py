@@ -207,6 +207,9 @@ def test_fused_explorer_checks_then_times_and_never_times_triton_on_cpu():
     assert r.row["check"] == "ok" and r.row["gbs"] > 0
     t = ex.run(variant="triton", op="rms_norm").result
     assert t.row["check"] == "ok" and math.isnan(t.row["time_ms"]) and NOT_TIMED in t.row["note"]
+    lg = ex.run(variant="liger", op="rms_norm").result  # the peer library's kernel: checked, not timed here
+    assert lg.row["check"] == "ok" and math.isnan(lg.row["time_ms"]) and NOT_TIMED in lg.row["note"]
+    assert "no variant 'liger'" in ex.why_not(dict(ex.defaults, op="gelu_tanh", variant="liger", dtype="float32"))
 
 
 def test_attention_explorer():

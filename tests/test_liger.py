@@ -72,6 +72,20 @@ def test_swiglu_backward_overwrites_its_inputs_with_the_gradients(gen):
     assert torch.allclose(dgate, dc * up0 * sig * (1 + gate0 * (1 - sig)), rtol=1e-5, atol=1e-6)
 
 
+def test_swiglu_backward_is_not_timed_on_reused_inputs(monkeypatch):
+    """Timing repeats calls on the same inputs, which Liger's SwiGLU backward overwrites: its fwd+bwd
+    and bwd are refused with the reason (its forward is timed where Triton is)."""
+    from lab_kernels import registry
+
+    v = get_variant("swiglu", "liger")
+    assert "overflow" in v.extra["backward_overwrites_inputs"]
+    monkeypatch.setattr(registry.Variant, "timeable", lambda self, device: True)  # as on a GPU
+    monkeypatch.setattr(registry.Variant, "why_not", lambda self, *a, **k: None)
+    for direction in ("fwd+bwd", "bwd"):
+        t, mem = fused.bench_variant("swiglu", "liger", fused.Problem(1, 8, 64), torch.float32, direction)
+        assert not t.ok and "writes the gradients over its inputs" in t.reason and mem is None
+
+
 def test_reasons_when_liger_is_missing_or_a_head_dim_is_odd(monkeypatch):
     assert get_variant("rope", "liger").why_not("cpu", torch.float32, head_dim=62) is None
     why = get_variant("rope", "liger").why_not("cpu", torch.float32, head_dim=7)

@@ -23,7 +23,7 @@ from lab_utils.core.dtypes import LAB_DTYPES
 from lab_utils.fused import ops as fused
 from lab_utils.studies.explore.base import Control, Explorer, Progress, Result, explored_scatter
 
-VARIANTS = ("eager", "compile", "triton", "torch")
+VARIANTS = ("eager", "compile", "triton", "torch", "liger")  # liger: Liger-Kernel (lab_kernels.liger)
 TOKENS = (61, 256, 1024, 4096)
 HIDDEN = (96, 768, 3072)
 HEAD_DIMS = (32, 64, 128)
