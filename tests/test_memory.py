@@ -111,7 +111,7 @@ def test_offload_on_cpu_is_labelled_as_device_bytes(monkeypatch):
     failed = BenchFailure("step", "budget", "not timed in this test")
     fake = [mem.PolicyResult(p, 100, 100, 200, 1.0, failed, True) for p in ("none", "offload")]
     monkeypatch.setattr(mem, "compare_policies", lambda *a, **k: fake)  # the policies' runs: not under test
-    cfg = MemoryLabConfig(policies=("none", "offload"), device="cpu")
+    cfg = MemoryLabConfig(activation_checkpoints=("none", "offload"), device="cpu")
     rec = study.recorder(cfg)
     df = study.compare(cfg, rec).set_index("policy")
     assert "moves nothing" in df.loc["offload", "saved_bytes_are"]
@@ -185,7 +185,7 @@ def test_what_fits_and_gpus_needed():
 @pytest.mark.parametrize(
     "bad, param",
     [
-        (dict(policies=["none", "often"]), "policies"),
+        (dict(activation_checkpoints=["none", "often"]), "activation_checkpoints"),
         (dict(inspect_block="single_blocks.9"), "inspect_block"),
         (dict(device_memory_gb=-1.0), "device_memory_gb"),
         (dict(dtype="int8"), "dtype"),
@@ -280,7 +280,7 @@ def test_lab_table_carries_stability_and_device(monkeypatch):
     failed = BenchFailure("step", "budget", "not timed in this test")
     fake = [mem.PolicyResult(p, 100, 100, 200, 1.0, failed, True) for p in ("none", "offload")]
     monkeypatch.setattr(mem, "compare_policies", lambda *a, **k: fake)
-    cfg = MemoryLabConfig(policies=("none", "offload"), device="cpu")
+    cfg = MemoryLabConfig(activation_checkpoints=("none", "offload"), device="cpu")
     df = study.compare(cfg, study.recorder(cfg))
     assert list(df.stable) == [False, False] and set(df.device) == {"cpu"}
     assert (study.pareto_front(df).mark != study.FRONT).all()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import holoviews as hv
@@ -28,7 +28,7 @@ from lab_utils.core.device import pick_device
 from lab_utils.core.dtypes import parse_dtype
 from lab_utils.core.plots import init
 from lab_utils.core.records import Recorder
-from lab_utils.model import CHECKPOINT_POLICIES, PRESETS, build_model, resolve_config
+from lab_utils.model import ACTIVATION_CHECKPOINTS, PRESETS, MMDiTConfig, build_model, resolve_config
 from lab_utils.model.train import artifacts_dir
 from lab_utils.step.load import DEFAULT_STEP, check_step_spec
 from lab_utils.studies.headline import Figure, fmt, register, rows
@@ -39,14 +39,18 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class MemoryLabConfig(LabConfig):
+    # renamed parameters, accepted under their former names for one release
+    RENAMED = {"policies": "activation_checkpoints"}
+
     device: str = "auto"
     preset: str = "tiny"  # the model whose step is measured
     dtype: str = "float32"
     batch_size: int = 4
     resolution: int = 128  # square image, pixels
     txt_len: int = 8
-    # every policy but compile_budget, which compiles every block (slow on a CPU; the gpu set adds it)
-    policies: tuple = tuple(p for p in CHECKPOINT_POLICIES if p != "compile_budget")
+    # the activation-checkpointing policies compared: every one but compile_budget, which compiles
+    # every block (slow on a CPU; the gpu set adds it)
+    activation_checkpoints: tuple = tuple(p for p in ACTIVATION_CHECKPOINTS if p != "compile_budget")
     account_presets: tuple = ("tiny", "small", "medium", "flux-dev")
     account_dtypes: tuple = ("float32", "bfloat16")
     account_resolution: int = 1024  # the step shape the accounting table projects to
@@ -61,18 +65,20 @@ class MemoryLabConfig(LabConfig):
     reps: int = 3
     seed: int = 0
     step: str = DEFAULT_STEP  # your training step, "package.module:function" (docs/your_model.md)
+    #: the measured model's config, built once from ``preset`` (not a parameter itself)
+    model: MMDiTConfig = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
-        check_choice("preset", self.preset, PRESETS)
+        cfg = MMDiTConfig.from_preset(self.preset)  # validates preset
+        object.__setattr__(self, "model", cfg)
         check_choice("dtype", self.dtype, mem.MEMORY_DTYPES)
         check_int("batch_size", self.batch_size, min=1)
         check_int("txt_len", self.txt_len, min=1)
-        check_choices("policies", list(self.policies), CHECKPOINT_POLICIES)
+        check_choices("activation_checkpoints", list(self.activation_checkpoints), ACTIVATION_CHECKPOINTS)
         check_choices("account_presets", list(self.account_presets), PRESETS)
         check_choices("account_dtypes", list(self.account_dtypes), mem.MEMORY_DTYPES)
         check_int("account_txt_len", self.account_txt_len, min=1)
-        cfg = resolve_config(self.preset)
         cfg.check_resolution(self.resolution, self.resolution, "resolution")
         cfg.check_resolution(self.account_resolution, self.account_resolution, "account_resolution")
         mem.check_block(cfg, self.inspect_block, "inspect_block")
@@ -96,9 +102,7 @@ class MemoryLabConfig(LabConfig):
         return int(self.device_memory_gb * GB) if self.device_memory_gb > 0 else mem.default_device_bytes()
 
     def step_shape(self) -> mem.StepShape:
-        return mem.step_shape(
-            resolve_config(self.preset), self.batch_size, self.resolution, self.resolution, self.txt_len
-        )
+        return mem.step_shape(self.model, self.batch_size, self.resolution, self.resolution, self.txt_len)
 
 
 def recorder(cfg: MemoryLabConfig) -> Recorder:
@@ -113,7 +117,7 @@ def recorder(cfg: MemoryLabConfig) -> Recorder:
 def formula_check(cfg: MemoryLabConfig) -> pd.DataFrame:
     """Hooks against the analytic model for every formula policy at the lab's step (CPU); a
     mismatch raises.  One row per policy."""
-    mcfg, sh = resolve_config(cfg.preset), cfg.step_shape()
+    mcfg, sh = cfg.model, cfg.step_shape()
     rows = []
     for pol in mem.FORMULA_POLICIES:
         meas = mem.measure_saved(mcfg, sh, cfg.dtype, pol, seed=cfg.seed)
@@ -128,7 +132,7 @@ def formula_check(cfg: MemoryLabConfig) -> pd.DataFrame:
 
 def block_ops(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     """Saved bytes of ``inspect_block`` by the op that made them (no checkpointing)."""
-    mcfg, sh = resolve_config(cfg.preset), cfg.step_shape()
+    mcfg, sh = cfg.model, cfg.step_shape()
     rep = mem.measure_saved(mcfg, sh, cfg.dtype, "none", seed=cfg.seed)
     df = pd.DataFrame(rep.rows())
     df = df[df.region == cfg.inspect_block].groupby(["op", "dtype"], as_index=False)["bytes"].agg(["sum", "count"])
@@ -214,9 +218,10 @@ def block_state_table(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
 def compare(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     """Every policy on one step: saved bytes (hooks, formula), peak, FLOPs, time; gradients
     checked equal to no checkpointing (raises otherwise)."""
-    mcfg, sh = resolve_config(cfg.preset), cfg.step_shape()
+    mcfg, sh = cfg.model, cfg.step_shape()
     dev = pick_device(cfg.device)
-    res = mem.compare_policies(mcfg, sh, cfg.dtype, cfg.policies, device=dev, seed=cfg.seed, reps=cfg.reps)
+    acs = cfg.activation_checkpoints
+    res = mem.compare_policies(mcfg, sh, cfg.dtype, acs, device=dev, seed=cfg.seed, reps=cfg.reps)
     base = next((r.flops for r in res if r.policy == "none"), None)
     rows = []
     for r in res:
@@ -364,7 +369,7 @@ def timeline(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     full data goes to the artifacts, the per-category peaks to records."""
     dev = pick_device(cfg.device)
     dt = parse_dtype("dtype", cfg.dtype)
-    mcfg, sh = resolve_config(cfg.preset), cfg.step_shape()
+    mcfg, sh = cfg.model, cfg.step_shape()
     model = build_model(mcfg, device=dev, dtype=dt, seed=cfg.seed)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -404,7 +409,7 @@ def timeline_plot(df: pd.DataFrame, max_points: int = 1500):
 def peak_table(cfg: MemoryLabConfig, top: int = 10) -> pd.DataFrame:
     """The largest storages kept for the backward (end of the forward: where memory peaks),
     with the region and op that made them."""
-    mcfg, sh = resolve_config(cfg.preset), cfg.step_shape()
+    mcfg, sh = cfg.model, cfg.step_shape()
     rep = mem.measure_saved(mcfg, sh, cfg.dtype, "none", seed=cfg.seed)
     return pd.DataFrame([dataclasses.asdict(t) for t in mem.largest_live(rep, top)])
 
