@@ -24,6 +24,7 @@ from lab_utils.run.compare.comparison import compare
 from lab_utils.run.compare.options import Options, lab_name
 from lab_utils.run.compare.rules import EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, CompareError, direction
 from lab_utils.run.compare.sides import baseline_kind, baselines_root, first_value, load_side
+from lab_utils.run.migrate import migrate_baseline, migrate_context
 from lab_utils.run.runner import SuiteError, parse_overrides, run_suite
 
 PERFORMANCE_KINDS = ("performance", "memory")
@@ -78,8 +79,9 @@ def store_baseline(
     tmp.mkdir(parents=True)
     # exact floats (pandas' to_json keeps 10 decimals: a check then finds thousands of "changed" rows)
     write_records_json(rows, tmp / "records.json", indent=0)
-    # the notebooks' parameters stay: a check against a run with other parameters is flagged by them
-    keep_ctx = dict(ctx)
+    # the notebooks' parameters stay (under their current names): a check against a run with
+    # other parameters is flagged by them
+    keep_ctx, _ = migrate_context(ctx)
     (tmp / "context.json").write_text(json.dumps(keep_ctx, indent=1, default=str) + "\n")
     (tmp / "status.json").write_text(json.dumps(status, indent=1) + "\n")
     meta = {
@@ -153,10 +155,21 @@ def baseline_main(argv: Sequence[str] | None = None) -> int:
     add_compare_options(c)
     s = sub.add_parser("show", help="list stored baselines")
     s.add_argument("--kind", default=None)
+    m = sub.add_parser(
+        "migrate", help="rename parameters a lab has renamed in stored baselines' context.json (idempotent)"
+    )
+    m.add_argument("--kind", default=None, help="one baseline kind (default: every stored one)")
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         if getattr(a, "only", None):
             a.only = [lab_name(x) for x in a.only]
+        if a.cmd == "migrate":
+            root = baselines_root()
+            kinds = [a.kind] if a.kind else sorted(p.name for p in root.glob("*") if (p / "context.json").exists())
+            for k in kinds:
+                done = migrate_baseline(root / k)
+                print(f"{k}: " + ("; ".join(done) if done else "nothing to rename"))
+            return EXIT_OK
         if a.cmd == "show":
             root = baselines_root()
             kinds = [a.kind] if a.kind else sorted(p.name for p in root.glob("*") if (p / "baseline.json").exists())

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from lab_utils.run.compare.options import Options
 from lab_utils.run.compare.rules import CompareError
 from lab_utils.run.compare.sides import Side, extra_dict
+from lab_utils.run.migrate import migrate_params
 
 #: software fields that follow the device (a CPU run has no CUDA and interprets Triton)
 DEVICE_SOFTWARE = ("cuda_version", "triton_interpret")
@@ -89,6 +90,8 @@ def notebook_params(side: Side) -> dict[str, dict] | None:
     if not isinstance(nbs, list):
         return None
     out = {str(n["notebook"]): n.get("params") or {} for n in nbs if isinstance(n, dict) and n.get("notebook")}
+    # a run stored before a parameter was renamed is read under the current names
+    out = {nb: migrate_params(nb, params)[0] for nb, params in out.items()}
     return out or None
 
 
