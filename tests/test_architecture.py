@@ -203,7 +203,6 @@ FUNCTION_ALLOWED = {
     "lab_utils/model/train.py:synthetic_batch": "TODO issue 22",
     "lab_utils/plan/planner.py:build_plan": "TODO issue 22",
     "lab_utils/precision/numerics.py:_record_path": "TODO issue 22",
-    "lab_utils/run/compare/baselines.py:baseline_main": "TODO issue 22: split into stages",
     "lab_utils/run/runner.py:run_suite": "TODO issue 22",
     "lab_utils/step/stability.py:run": "TODO issue 22",
     "lab_utils/studies/attention.py:correctness_table": "TODO issue 22",

@@ -171,76 +171,90 @@ def baseline_main(argv: Sequence[str] | None = None) -> int:
                 print(f"{k}: " + ("; ".join(done) if done else "nothing to rename"))
             return EXIT_OK
         if a.cmd == "show":
-            root = baselines_root()
-            kinds = [a.kind] if a.kind else sorted(p.name for p in root.glob("*") if (p / "baseline.json").exists())
-            if not kinds:
-                print(f"no baselines under {root}")
-            for k in kinds:
-                f = root / k / "baseline.json"
-                if not f.exists():
-                    print(f"{k}: no baseline ({f} missing)")
-                    continue
-                m = json.loads(f.read_text())
-                print(
-                    f"{k}: {m.get('rows')} rows from run {m.get('run_id')} (suite {m.get('suite')}, "
-                    f"{'timing-free' if m.get('timing_free') else 'full'}) on {m.get('device')}, commit "
-                    f"{', '.join(m.get('commits') or ['?'])}, stored {m.get('stored')}"
-                )
-            return EXIT_OK
+            return show_baselines(a.kind)
         if a.cmd == "refresh":
-            report = a.report
-            if report is None:
-                res = run_for_baseline(a.suite, a.param, a.out, a.only)
-                report = res.path
-                if not res.ok and not a.allow_failed:
-                    print(
-                        f"perflab baseline: the run {res.run_id} had failures; baseline not stored (see {res.index})",
-                        file=sys.stderr,
-                    )
-                    return EXIT_REGRESSION
-            dest = store_baseline(
-                report,
-                kind=a.kind,
-                timing_free_only=a.timing_free,
-                allow_failed=a.allow_failed,
-                command=command_line(argv),
-            )
-            m = json.loads((dest / "baseline.json").read_text())
-            print(f"perflab baseline: stored {m['rows']} rows of {m['run_id']} as {dest}")
-            commits = m.get("commits") or []
-            if len(commits) > 1 or any(c.endswith("-dirty") for c in commits):
-                print(
-                    f"perflab baseline: WARNING: its rows come from {', '.join(commits)}; a baseline should be one "
-                    f"clean commit's run (commit the change, then refresh)",
-                    file=sys.stderr,
-                )
-            return EXIT_OK
-        # check
-        if a.report is None:
-            res = run_for_baseline(a.suite, a.param, a.run_out, a.only)
-            cand_ref = res.path
-        else:
-            cand_ref = a.report
-        cand = load_side(cand_ref, "candidate")
-        kind = a.kind or baseline_kind(cand.context)
-        bdir = baselines_root() / kind
-        if not (bdir / "baseline.json").exists():
-            print(
-                f"perflab baseline: no stored baseline for kind {kind!r} ({bdir}); create one with "
-                f"`perflab baseline refresh`",
-                file=sys.stderr,
-            )
-            return EXIT_USAGE
-        base = load_side(bdir, "baseline")
-        o = options_from(a)
-        if base.meta.get("timing_free") and o.only == "all":
-            o = Options(**{**o.__dict__, "only": "accuracy"})
-            print(f"perflab baseline: the {kind} baseline is timing-free: comparing accuracy rows only")
-        cmp = compare(base, cand, o)
-        return finish(cmp, a, "perflab baseline check")
+            return refresh_baseline(a, argv)
+        return check_baseline(a)
     except (CompareError, ConfigError) as e:
         print(f"perflab baseline: {e}", file=sys.stderr)
         return EXIT_USAGE
     except SuiteError as e:
         print(f"perflab baseline: {e}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def show_baselines(kind: str | None) -> int:
+    """``perflab baseline show``: one line per stored baseline."""
+    root = baselines_root()
+    kinds = [kind] if kind else sorted(p.name for p in root.glob("*") if (p / "baseline.json").exists())
+    if not kinds:
+        print(f"no baselines under {root}")
+    for k in kinds:
+        f = root / k / "baseline.json"
+        if not f.exists():
+            print(f"{k}: no baseline ({f} missing)")
+            continue
+        m = json.loads(f.read_text())
+        print(
+            f"{k}: {m.get('rows')} rows from run {m.get('run_id')} (suite {m.get('suite')}, "
+            f"{'timing-free' if m.get('timing_free') else 'full'}) on {m.get('device')}, commit "
+            f"{', '.join(m.get('commits') or ['?'])}, stored {m.get('stored')}"
+        )
+    return EXIT_OK
+
+
+def refresh_baseline(a: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``perflab baseline refresh``: run the suite (or take ``--report``) and store it."""
+    report = a.report
+    if report is None:
+        res = run_for_baseline(a.suite, a.param, a.out, a.only)
+        report = res.path
+        if not res.ok and not a.allow_failed:
+            print(
+                f"perflab baseline: the run {res.run_id} had failures; baseline not stored (see {res.index})",
+                file=sys.stderr,
+            )
+            return EXIT_REGRESSION
+    dest = store_baseline(
+        report,
+        kind=a.kind,
+        timing_free_only=a.timing_free,
+        allow_failed=a.allow_failed,
+        command=command_line(argv),
+    )
+    m = json.loads((dest / "baseline.json").read_text())
+    print(f"perflab baseline: stored {m['rows']} rows of {m['run_id']} as {dest}")
+    commits = m.get("commits") or []
+    if len(commits) > 1 or any(c.endswith("-dirty") for c in commits):
+        print(
+            f"perflab baseline: WARNING: its rows come from {', '.join(commits)}; a baseline should be one "
+            f"clean commit's run (commit the change, then refresh)",
+            file=sys.stderr,
+        )
+    return EXIT_OK
+
+
+def check_baseline(a: argparse.Namespace) -> int:
+    """``perflab baseline check``: a fresh run (or ``--report``) against the stored baseline."""
+    if a.report is None:
+        res = run_for_baseline(a.suite, a.param, a.run_out, a.only)
+        cand_ref = res.path
+    else:
+        cand_ref = a.report
+    cand = load_side(cand_ref, "candidate")
+    kind = a.kind or baseline_kind(cand.context)
+    bdir = baselines_root() / kind
+    if not (bdir / "baseline.json").exists():
+        print(
+            f"perflab baseline: no stored baseline for kind {kind!r} ({bdir}); create one with "
+            f"`perflab baseline refresh`",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    base = load_side(bdir, "baseline")
+    o = options_from(a)
+    if base.meta.get("timing_free") and o.only == "all":
+        o = Options(**{**o.__dict__, "only": "accuracy"})
+        print(f"perflab baseline: the {kind} baseline is timing-free: comparing accuracy rows only")
+    cmp = compare(base, cand, o)
+    return finish(cmp, a, "perflab baseline check")
