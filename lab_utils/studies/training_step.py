@@ -55,10 +55,6 @@ class TrainingStepLabConfig(TrainConfig):
         check_bool("quick_ceilings", self.quick_ceilings)
         check_step_spec(self.step)  # imports and is callable; its first step is checked by your_step.load
 
-    def train_config(self) -> TrainConfig:
-        names = set(TrainConfig.param_names())
-        return TrainConfig(**{k: v for k, v in self.to_dict().items() if k in names})
-
 
 PHASE_COLORS = dict(zip(PHASES, ("#8c8c8c", "#e377c2", "#bcbd22", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd")))
 
@@ -329,7 +325,7 @@ class StepProfile:
 
 def profile_step(cfg: TrainingStepLabConfig, info: DeviceInfo, *, lab: str = "01_training_step") -> StepProfile:
     """Build the trainer from the lab's parameters, profile it, record every number."""
-    trainer = Trainer(cfg.train_config())
+    trainer = Trainer(cfg)  # the lab's config is the step's (a TrainConfig): nothing rebuilt
     seams = dict(trainer.model.seams)
     try:
         report = profile_training(trainer, active=cfg.steps, warmup=cfg.warmup_steps)
