@@ -98,22 +98,21 @@ def measure_levers(
     spec: str,
     *,
     levers=GENERIC_LEVERS,
-    device="cpu",
-    dtype=torch.float32,
-    batch_size: int = 2,
-    seed: int = 0,
+    step_kwargs: dict | None = None,
     recipe: str = "fp8_row",
     reps: int = 3,
     progress: bool = True,
 ) -> tuple[pd.DataFrame, list[Excluded]]:
-    """Each lever's settings on the step ``spec`` names, against its baseline (see the module
-    note): rows lever, setting, batch, time_ms, per_sample_ms, speedup, stable; and what was
-    excluded, with the reason (MMDiT-only levers included)."""
+    """Each lever's settings on the step ``spec`` names, built with ``step_kwargs`` (device,
+    dtype, batch_size, seed), against its baseline (see the module note): rows lever, setting,
+    batch, time_ms, per_sample_ms, speedup, stable; and what was excluded, with the reason
+    (MMDiT-only levers included)."""
     check_choices("levers", list(levers), GENERIC_LEVERS)
-    dev = torch.device(device)
+    kw = {"device": "cpu", "dtype": torch.float32, "batch_size": 2, "seed": 0, **(step_kwargs or {})}
+    dev, batch_size, seed = torch.device(kw["device"]), kw["batch_size"] or 2, kw["seed"]
 
     def build(b=batch_size):
-        return build_step(spec, device=dev, dtype=dtype, batch_size=b, seed=seed)
+        return build_step(spec, **{**kw, "device": dev, "batch_size": b})
 
     base = build()
     t0 = _time(base, contextlib.nullcontext, "baseline", reps, dev)

@@ -66,8 +66,7 @@ def run(
     provoke_step: int | None = None,
     provoke_scale: float = 1e3,
     ckpt_every: int = 4,
-    window: int = 8,
-    threshold: float = 6.0,
+    detector: SpikeDetector | None = None,
     progress: bool = False,
 ) -> tuple[pd.DataFrame, pd.DataFrame, list[tuple[int, NonFiniteReport | None]]]:
     """Train ``steps`` steps (batches 1..steps) with telemetry and spike handling; returns the
@@ -81,7 +80,7 @@ def run(
         raise ConfigError("provoke_step", provoke_step, f"a step in 0..{steps - 1}")
     params = [p for p in step.model.parameters() if p.requires_grad]
     tel = telemetry(step)
-    det = SpikeDetector(window, threshold, min(6, window), 4)
+    det = detector or SpikeDetector(8, 6.0, 6, 4)  # a window of 8 steps, z > 6
     rows: dict[int, dict] = {}
     events: list[tuple[int, NonFiniteReport | None]] = []
     skipped: set[int] = set()

@@ -181,10 +181,7 @@ def spike_plot(runs: dict[str, pd.DataFrame]):
 def levers(cfg, rec: Recorder, *, progress: bool = True) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Lab 08's generic levers on the step at its own shapes; the excluded ones with reasons."""
     kw = _kwargs(cfg)
-    df, excluded = step_levers.measure_levers(
-        cfg.step, device=kw["device"], dtype=kw["dtype"], batch_size=kw["batch_size"] or 2, seed=kw["seed"],
-        progress=progress,
-    )  # fmt: skip
+    df, excluded = step_levers.measure_levers(cfg.step, step_kwargs=kw, progress=progress)
     step = build_step(cfg.step, **kw)
     key, ex = identity(step).key, _extra(step, rec)
     for r in df.itertuples():
