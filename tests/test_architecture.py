@@ -205,7 +205,6 @@ FUNCTION_ALLOWED = {
     "lab_utils/precision/numerics.py:_record_path": "TODO issue 22",
     "lab_utils/run/runner.py:run_suite": "TODO issue 22",
     "lab_utils/step/stability.py:run": "TODO issue 22",
-    "lab_utils/studies/attention.py:correctness_table": "TODO issue 22",
     "lab_utils/step/levers.py:measure_levers": "TODO issue 22 (issue 24's, landed after this test)",
     "lab_utils/profiling/traces.py:analyse_trace": "rewritten by issue 23's trace package",
 }

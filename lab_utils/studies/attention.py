@@ -209,22 +209,9 @@ def mask_holomap(names, L: int, *, block_size: int = 16):
 
 
 # --------------------------------------------------------------------------- correctness
-def correctness_table(
-    paths,
-    *,
-    mask=None,
-    B=1,
-    H=2,
-    L=97,
-    head_dim=64,
-    dtype=torch.float32,
-    device="cpu",
-    lengths=None,
-    backward=True,
-    seed=0,
-) -> pd.DataFrame:
-    """Each path vs the float64 reference (out, dq, dk, dv) on one fixed-seed problem."""
-    inputs = A.random_qkv(B, H, L, head_dim, dtype=dtype, device=device, seed=seed, lengths=lengths)
+def correctness_table(paths, inputs: dict, *, mask=None, backward: bool = True) -> pd.DataFrame:
+    """Each path vs the float64 reference (out, dq, dk, dv) on one problem: ``inputs`` from
+    :func:`lab_utils.attention.attend.random_qkv` (fixed seed)."""
     rows = []
     for path in paths:
         for r in A.check_path(path, inputs, mask=mask, backward=backward):
@@ -279,22 +266,25 @@ def check_paths(cfg: AttentionLabConfig, device, rec: Recorder | None = None) ->
     (dense), causal (dense) and causal packed varlen; every row recorded."""
     dt = cfg.torch_dtype
     check_mask = M.make_mask(cfg.mask, cfg.check_len)
-    kw = dict(head_dim=cfg.check_head_dim, dtype=dt, device=device)
+
+    def qkv(seed: int, L: int = 97, lengths=None) -> dict:  # batch 1, 2 heads
+        return A.random_qkv(1, 2, L, cfg.check_head_dim, dtype=dt, device=device, seed=seed, lengths=lengths)
+
     problems = [
         (
             f"dense L={cfg.check_len}, mask {check_mask.name}",
             "dense",
-            correctness_table(cfg.check_paths, mask=check_mask, L=cfg.check_len, seed=0, **kw),
+            correctness_table(cfg.check_paths, qkv(0, cfg.check_len), mask=check_mask),
         ),
         (
             f"dense L={cfg.check_len}, causal",
             "dense_causal",
-            correctness_table(cfg.check_paths, mask="causal", L=cfg.check_len, seed=2, **kw),
+            correctness_table(cfg.check_paths, qkv(2, cfg.check_len), mask="causal"),
         ),
         (
             f"packed lengths {list(cfg.check_lengths)}, causal",
             "packed",
-            correctness_table(cfg.check_paths, mask="causal", lengths=list(cfg.check_lengths), seed=1, **kw),
+            correctness_table(cfg.check_paths, qkv(1, lengths=list(cfg.check_lengths)), mask="causal"),
         ),
     ]
     if rec is not None:
