@@ -363,3 +363,34 @@ def test_reading_memory_stays_bounded_by_the_kept_events(tmp_path, monkeypatch):
     assert len(out.gpu) == 20_000 and len(out.host) == 20_001
     assert peaks["perflab"] < size, f"peak {peaks['perflab'] / 1e6:.1f} MB for a {size / 1e6:.1f} MB trace"
     assert peaks["perflab"] < peaks["json"] / 3, peaks
+
+
+def test_roofline_per_op_from_recorded_shapes_against_the_traced_gpu(tmp_path):
+    m, n, k = 1024, 2048, 512
+    ev = [step(1, 0, 1000)]
+    ev += [op("aten::mm", 10, 20, 5, **{"Input Dims": [[m, k], [k, n]], "Input type": ["c10::BFloat16"] * 2})]
+    ev += [launch(1, 12, ext=5), kernel("sm80_xmma_gemm_bf16bf16", 1, 40, 100.0, ext=5)]
+    ev += [op("aten::add", 200, 20, 6, **{"Input Dims": [[m, n], [m, n], []], "Input type": ["float", "float", ""]})]
+    ev += [launch(2, 205, ext=6), kernel("vectorized_elementwise_kernel<add>", 2, 300, 50.0, ext=6)]
+    props = [{"id": 0, "name": "NVIDIA A100-SXM4-80GB"}]
+    ta = TraceAnalysis(write(tmp_path / "roof.json", ev, deviceProperties=props))
+    rf = ta.roofline(0).set_index("op")
+    mm = rf.loc["aten::mm"]
+    assert mm["flops"] == 2 * m * n * k and mm["bytes"] == 2 * (m * k + k * n + m * n)
+    assert mm["tflops"] == pytest.approx(2 * m * n * k / 100e-6 / 1e12)
+    assert mm["peak_tflops"] == 312.0 and mm["bound"] == "compute"  # A100 bf16 dense; intensity ~ 293 > ridge 153
+    assert mm["pct_of_peak"] == pytest.approx(100 * mm["tflops"] / 312.0)
+    add = rf.loc["aten::add"]
+    assert add["bytes"] == 3 * m * n * 4 and add["bound"] == "memory"
+    assert add["pct_of_peak"] == pytest.approx(100 * (3 * m * n * 4 / 50e-6) / 2039e9)
+
+
+def test_records_carry_each_step_as_a_sample(tmp_path):
+    from lab_utils.core.records import Recorder
+
+    ta = TraceAnalysis(lagging(tmp_path))
+    rows = {r["metric"]: r for r in ta.record(Recorder("09_traces")).rows}
+    kt = rows["kernel_time"]
+    assert kt["variant"] == "rank0" and kt["samples"] == [0.03, 0.01] and kt["value"] == pytest.approx(0.02)
+    assert rows["category:matmul"]["samples"] == [0.03, 0.0]
+    assert {"span", "idle", "compute"} <= set(rows) and "overlap" not in rows  # no communication: no figure

@@ -56,7 +56,7 @@ HOST_CATS = ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cu
 SYNC_CATS = ("cuda_sync",)
 GPU_RANGE_CATS = ("gpu_user_annotation",)
 SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".pt.trace.json.gz")
-BLOCK_BYTES = 8 << 20  # decompressed bytes read per block
+BLOCK_BYTES = 2 << 20  # decompressed bytes per block: 2 MB keeps the peak near 30 MB (8 MB: 115 MB) on a 54 MB trace
 _CUT = re.compile(rb'\}\s*,\s*\{\s*"')
 _RANK_WORD = re.compile(r"rank\D?(\d+)", re.IGNORECASE)
 _LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
@@ -274,7 +274,7 @@ def _stream_events(fh: io.BufferedIOBase, cols: _Columns) -> _Head:
 
 def _last_cut(buf: bytes) -> int | None:
     """Index of the ``}`` closing the last complete event in ``buf`` (a cut candidate)."""
-    start = max(0, len(buf) - (1 << 20))
+    start = max(0, len(buf) - (64 << 10))
     while True:
         last = None
         for m in _CUT.finditer(buf, start):
