@@ -15,6 +15,7 @@ from lab_utils.attention import attend as A
 from lab_utils.attention import masks as M
 from lab_utils.core.config import ConfigError
 from lab_utils.core.records import Recorder
+from lab_utils.core.session import Session
 from lab_utils.studies import attention as S
 
 SMALL = dict(
@@ -137,7 +138,7 @@ def test_pad_pack_costs_printed(capsys):
 def test_sweep_tables_read_the_records():
     cfg = S.AttentionLabConfig(**{**SMALL, "masks": ["causal", "mmdit"]})
     rec = Recorder(lab="03_attention")
-    sweep_df = S.run_sweep(cfg, "cpu", rec, None)
+    sweep_df = S.run_sweep(cfg, Session("cpu", rec))
     timed = sweep_df[sweep_df.path == "sdpa"]
     assert len(timed) == 2 and timed.time_ms.map(math.isfinite).all()
     cost = S.block_mask_cost(sweep_df)

@@ -24,7 +24,3 @@ class Session:
     rec: Recorder | None = None
     ceilings: Ceilings | None = None
     seed: int = 0
-
-    @property
-    def device_type(self) -> str:
-        return torch.device(self.device).type

@@ -21,7 +21,6 @@ from lab_utils.attention import attend as A
 from lab_utils.attention import masks as M
 from lab_utils.attention import varlen as V
 from lab_utils.attention.varlen import normalize_buckets
-from lab_utils.core.ceilings import Ceilings
 from lab_utils.core.config import (
     ConfigError,
     LabConfig,
@@ -306,7 +305,7 @@ def check_paths(cfg: AttentionLabConfig, device, rec: Recorder | None = None) ->
 
 
 # --------------------------------------------------------------------------- speed
-def run_sweep(cfg: AttentionLabConfig, device, rec: Recorder, ceilings: Ceilings) -> pd.DataFrame:
+def run_sweep(cfg: AttentionLabConfig, session: Session) -> pd.DataFrame:
     """The timing sweep of :func:`lab_utils.attention.attend.sweep` at the lab's parameters (one row per case)."""
     return pd.DataFrame(
         A.sweep(
@@ -320,7 +319,7 @@ def run_sweep(cfg: AttentionLabConfig, device, rec: Recorder, ceilings: Ceilings
                 heads=cfg.heads,
                 dtype=cfg.torch_dtype,
             ),
-            Session(device, rec, ceilings),
+            session,
             A.SweepOptions(reps=cfg.reps, budget_s=cfg.budget_s),
             progress=lambda cases: tqdm(cases, desc="attention sweep (seq_len, head_dim, mask)"),
         )
@@ -439,9 +438,7 @@ def check_pad_pack(costs, lengths, heads: int, head_dim: int) -> None:
             raise AssertionError(f"{c.layout}: (tokens, pairs, fwd FLOPs, useful) {got} != direct count {exp}")
 
 
-def run_pad_vs_pack(
-    cfg: AttentionLabConfig, vb: V.VarlenBatch, device, rec: Recorder, ceilings: Ceilings
-) -> pd.DataFrame:
+def run_pad_vs_pack(cfg: AttentionLabConfig, vb: V.VarlenBatch, session: Session) -> pd.DataFrame:
     """Time the timed paths (and Triton, which says why it is not timed on CPU) on both layouts."""
     rows = V.time_padding_vs_packing(
         vb,
@@ -449,7 +446,7 @@ def run_pad_vs_pack(
         max(cfg.head_dims),
         paths=[*cfg.paths, *(["triton"] if "triton" not in cfg.paths else [])],
         dtype=cfg.torch_dtype,
-        session=Session(device, rec, ceilings),
+        session=session,
         bench=BenchOptions(reps=cfg.reps, budget_s=cfg.budget_s),
     )
     cols = ["path", "layout", "tokens", "useful_fraction", "time_ms", "useful_tflops", "note"]
