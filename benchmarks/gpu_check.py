@@ -15,7 +15,8 @@ Sections (each guarded: one that raises is recorded as failed and the others sti
   e4m3, per-tensor scales) matmul throughput, measured now (``lab_utils.core.ceilings``).
 * ``fused``: every Triton fused op of ``lab_kernels`` checked forward and backward against
   float64 at flux-dev widths with an irregular token count (4096 + 512 + 7), then timed (GB/s,
-  % of the measured copy ceiling) beside eager and ``torch.compile`` (``lab_utils.fused.ops``).
+  % of the measured copy ceiling) beside eager and ``torch.compile`` (``lab_utils.fused.ops``);
+  Liger-Kernel's variant of each op it implements is checked and timed beside them.
 * ``attention``: the Triton flash attention checked forward and backward (full, causal, varlen)
   against float64 beside SDPA's flash and cuDNN backends, then each timed forward and backward
   at 4k / 8k / 16k tokens, 24 heads x 128 (TFLOP/s from ``lab_utils.attention.masks.attention_flops``,
@@ -24,6 +25,9 @@ Sections (each guarded: one that raises is recorded as failed and the others sti
   (bf16 written by each kernel; precise and fast accumulation, each asked of both sides alike)
   checked against float64 of the dequantized operands within ``fp8_gemm_tolerance(K, mode)``, and
   timed beside bf16 at 4096^3, 8192^3.
+* ``torchao``: torchao's float8 training (tensorwise, rowwise) on a FLUX-width MLP checked against
+  float64, then timed beside bf16, each compiled (``benchmarks/gpu_check_peers.py``; refused with
+  the reason where torchao is absent or the GPU has no float8 matmuls).
 * ``train``: a few training steps of the ``medium`` MMDiT (synthetic batch: no encoder library)
   eager, compiled, and each replayed as one CUDA graph: phases (torch.profiler), step time,
   MFU and peak memory; where a CUDA graph cannot be captured the reason is recorded.
@@ -84,11 +88,13 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, schedule  # noqa: E402
 
 import lab_kernels  # noqa: E402  (sets TRITON_INTERPRET on a machine without a GPU, before Triton loads)
+from benchmarks import gpu_check_peers as peers  # noqa: E402  (Liger and torchao beside perflab's own)
 from lab_kernels import attention as KA  # noqa: E402
 from lab_kernels import (  # noqa: E402
     get_variant,  # noqa: E402
     interpreter_note,
     interpreter_why_not,
+    variant_names,
 )
 from lab_kernels import lowp_matmul as LM  # noqa: E402
 from lab_utils.attention import attend as A  # noqa: E402
@@ -106,10 +112,11 @@ from lab_utils.plan.planner import measure_step, plan_and_verify  # noqa: E402
 from lab_utils.profiling.profiler import analyse_trace, training_step_flops  # noqa: E402
 
 LAB = "gpu_check"
-SECTIONS = ("ceilings", "fused", "attention", "fp8", "train", "plan")
-#: Share of the whole budget each section is planned to take (seconds of 480; scaled to --budget-s):
-#: compile time dominates `fused` (7 ops x 2 directions) and `train` (the medium MMDiT's blocks).
-SHARES = {"ceilings": 25, "fused": 115, "attention": 90, "fp8": 40, "train": 170, "plan": 40}
+SECTIONS = ("ceilings", "fused", "attention", "fp8", "torchao", "train", "plan")
+#: Share of the whole budget each section is planned to take (seconds of 545; scaled to --budget-s):
+#: compile time dominates `fused` (7 ops x 2 directions, and Liger's 4 ops) and `train` (the medium MMDiT's
+#: blocks); `torchao` compiles three MLPs (bf16 and two float8 recipes).
+SHARES = {"ceilings": 25, "fused": 140, "attention": 90, "fp8": 40, "torchao": 40, "train": 170, "plan": 40}
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_SECTION_FAILED = 0, 1, 2
 EXIT_INTERRUPTED = 130  # SIGTERM / Ctrl-C: the records of the sections done (and of the one stopped) are on disk
 README_BEGIN, README_END = "<!-- gpu_check:table:begin -->", "<!-- gpu_check:table:end -->"
@@ -167,7 +174,7 @@ PLANS = {
         fused_check=(1, 4096 + 512 + 7, 3072, 128),
         fused_time=(4, 4096 + 512 + 7, 3072, 128),
         fused_directions=("fwd", "fwd+bwd"),
-        fused_variants=("eager", "compile", "triton"),
+        fused_variants=("eager", "compile", "triton", "liger"),
         attn_heads=24,
         attn_head_dim=128,
         attn_check_len=4096 + 512 + 7,
@@ -189,7 +196,7 @@ PLANS = {
     ),
     "cpu": Plan(
         name="cpu",
-        budget_s=170.0,
+        budget_s=200.0,  # 170 s before Liger's checks (interpreted, in the fused section) and torchao's
         reps=3,
         item_budget_s=10.0,
         copy_bytes=8 << 20,
@@ -199,7 +206,7 @@ PLANS = {
         fused_check=(1, 45, 192, 64),
         fused_time=(1, 45, 192, 64),
         fused_directions=("fwd", "fwd+bwd"),
-        fused_variants=("eager", "triton"),
+        fused_variants=("eager", "triton", "liger"),
         attn_heads=2,
         attn_head_dim=64,
         attn_check_len=67,
@@ -371,18 +378,20 @@ def section_fused(s: Section) -> None:
     dev, p = s.dev, s.plan
     dt = F.as_dtype(p.dtype)
     pc, pt = F.Problem(*p.fused_check), F.Problem(*p.fused_time)
-    timed = [v for v in p.fused_variants if v != "triton" or get_variant("rms_norm", "triton").timeable(dev)]
+    timed = [v for v in p.fused_variants if get_variant("rms_norm", v).timeable(dev)]  # Triton kinds: GPU only
     copy = s.run.ceilings.copy_gbs if s.run.ceilings else None
     for op in F.OP_NAMES:  # every correctness check first: checks are never under the budget
         _fused_check(s, op, dt, pc)
-    for op in F.OP_NAMES:
-        if s.over_budget(f"{op} timings"):
-            continue
+        peers.liger_check(s, op, dt, pc)
+    for op in F.OP_NAMES:  # what is not timed here, and why: rows whatever the budget leaves
         for variant in p.fused_variants:
-            if variant not in timed:
+            if variant not in timed and variant in variant_names(op):  # liger: only the ops it implements
                 s.not_timed("fused_time", variant, INTERPRETED, op=op)
         for variant, why in p.skip_notes.items():
             s.not_timed("fused_time", variant, why, op=op)
+    for op in F.OP_NAMES:
+        if s.over_budget(f"{op} timings"):
+            continue
         for direction in p.fused_directions:
             if s.over_budget(f"{op} {direction} timing"):
                 continue
@@ -1143,6 +1152,7 @@ SECTION_FNS: dict[str, Callable[[Section], None]] = {
     "fused": section_fused,
     "attention": section_attention,
     "fp8": section_fp8,
+    "torchao": peers.section_torchao,
     "train": section_train,
     "plan": section_plan,
 }
@@ -1524,7 +1534,7 @@ def parse_args(argv: list[str]):
         "--budget-s",
         type=float,
         default=None,
-        help="budget of the sections in seconds (default 450 GPU, 170 CPU), checked between items",
+        help="budget of the sections in seconds (default 450 GPU, 200 CPU), checked between items",
     )
     ap.add_argument("--seed", type=int, default=0, help="seed of every check's inputs (printed, recorded)")
     ap.add_argument("--update-readme", action="store_true", help="rewrite the figures table in --readme")

@@ -98,7 +98,7 @@ def test_cpu_run_without_notebook_packages(cpu_run):
     assert "LOADED-BLOCKED: []" in proc.stdout, log
     status = json.loads((out / "status.json").read_text())
     assert [s["notebook"] for s in status] == [
-        f"gpu_check:{x}" for x in ("ceilings", "fused", "attention", "fp8", "train", "plan")
+        f"gpu_check:{x}" for x in ("ceilings", "fused", "attention", "fp8", "torchao", "train", "plan")
     ]
     assert all(s["status"] == "ok" for s in status), status
     summary = (out / "summary.txt").read_text()
@@ -122,6 +122,16 @@ def test_cpu_run_records(cpu_run):
     ops = {json.loads(e)["op"] for e in fc["extra"]}
     assert ops == {"rms_norm", "layer_norm_modulate", "gated_residual", "gelu_tanh", "swiglu", "rope", "qk_norm_rope"}
     assert any("grad" in json.loads(e)["tensor"] for e in fc["extra"])
+    # Liger's variant of each op it implements, checked beside Triton (bf16 ones Liger computes in
+    # bf16 in float32 here: the interpreter's bf16 arithmetic is wrong), never timed on CPU
+    lc = fc[(fc["variant"] == "liger") & (fc["statistic"] == "max")]
+    assert {json.loads(e)["op"] for e in lc["extra"]} == {"rms_norm", "layer_norm_modulate", "swiglu", "rope"}
+    assert all(json.loads(e)["ok"] for e in lc["extra"])
+    lt = df[(df["experiment"] == "fused_time") & (df["variant"] == "liger") & (df["metric"] == "time")]
+    assert len(lt) and set(lt["statistic"]) == {"not_timed"}
+    # torchao is blocked here as on a bare GPU machine: refused with the reason, not failed
+    ao = df[df["experiment"] == "torchao_time"]
+    assert len(ao) == 3 and all("torchao is not importable" in json.loads(e)["reason"] for e in ao["extra"])
     # attention: full, causal and varlen checked on the Triton path, dq/dk/dv included
     ac = df[(df["experiment"] == "attention_check") & (df["variant"] == "triton") & (df["statistic"] == "max")]
     cases = {(json.loads(e)["mask"], json.loads(e)["tensor"]) for e in ac["extra"]}
@@ -226,6 +236,21 @@ def test_raising_section_is_recorded_and_the_rest_run(gc, monkeypatch, tmp_path)
     assert status["gpu_check:fused"]["status"] == "failed"
     assert "planted failure" in status["gpu_check:fused"]["error"]
     assert status["gpu_check:fp8"]["status"] == "ok" and status["gpu_check:fp8"]["rows"] > 0
+
+
+def test_torchao_float8_training_is_checked_on_cpu_and_a_bad_result_fails(gc, monkeypatch, tmp_path):
+    """torchao's float8 MLP (tensorwise, rowwise; emulated on CPU) against float64, SQNR in dB held
+    to the floor; never timed on CPU; a floor no result can meet fails the run (exit 1)."""
+    rc = gc.main(["--device", "cpu", "--sections", "torchao", "--out", str(tmp_path / "r")])
+    assert rc == gc.EXIT_OK
+    df = load_records(tmp_path / "r")
+    chk = df[df["experiment"] == "torchao_check"]
+    assert set(chk["variant"]) == {"float8_tensorwise", "float8_rowwise"} and len(chk) == 6
+    assert (chk["value"] >= gc.peers.MIN_SQNR_DB).all() and (chk["value"] < 60).all()  # float8, not a no-op
+    t = df[df["experiment"] == "torchao_time"]
+    assert set(t["statistic"]) == {"not_timed"} and len(t) == 3
+    monkeypatch.setattr(gc.peers, "MIN_SQNR_DB", 1000.0)
+    assert gc.main(["--device", "cpu", "--sections", "torchao", "--out", str(tmp_path / "r2")]) == gc.EXIT_CHECK_FAILED
 
 
 def test_device_kind_is_the_one_compare_gives(gc):
