@@ -111,6 +111,18 @@ def test_peer_variants_large_irregular(op, variant, gen):
     fused.assert_variant_ok(op, variant, torch.float32, BIG_HERE[op], seed=_seed(gen))
 
 
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU: the caching allocator is what gets poisoned")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op,variant", PEERS)
+def test_peer_outputs_over_poisoned_memory(op, variant, dtype, gen):
+    """A peer library allocates its own outputs (no buffer to hand it): fill the CUDA caching
+    allocator's free memory with NaN first, so an element its kernels leave unwritten reads NaN and
+    fails the float64 check (which counts NaN disagreements), at the large irregular shape."""
+    poison = torch.full((1 << 28,), float("nan"), device="cuda")
+    del poison  # its blocks return to the cache, NaN-filled, for the allocations below
+    fused.assert_variant_ok(op, variant, dtype, BIG[op], device="cuda", seed=_seed(gen))
+
+
 #: unit roundoff (half the spacing of 1.0's neighbours) of the low-precision dtypes
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
