@@ -345,7 +345,7 @@ def run_suite(
     planned = plan(s, overrides, only)
     if timing_threads is not None:
         choose_cpu_threads(timing_threads)  # validates before anything runs
-    job_plan = parallel.plan_jobs(planned, timing_threads=timing_threads, **jobs) if jobs is not None else None
+    job_plan = parallel.plan_jobs(planned, JOB_HOOKS, timing_threads=timing_threads, **jobs) if jobs else None
     out_dir = Path(out_dir or ROOT / "reports")
     run_id, tmp = _make_run_dir(out_dir, run_id, s.name)
     final = out_dir / run_id
@@ -459,3 +459,7 @@ def _run_one(p: Planned, tmp: Path, final: Path, timeout_s: int) -> NotebookStat
             st.error = (st.error + "; " if st.error else "") + f"HTML export failed: {_error_of(e)}"
             st.status = "failed"
     return st
+
+
+#: what ``perflab run --parallel/--executor`` jobs take from here (lab_utils.run.parallel)
+JOB_HOOKS = parallel.RunnerHooks(run_one=_run_one, status=NotebookStatus, config_class=notebook_config_class)
