@@ -1,4 +1,4 @@
-"""docs/your_model.md (the README's "Your model" section) works as written: its Python block,
+"""The README's "Your model" section works as written: its Python block,
 saved as a module, is a factory the labs accept (imported by name, its first step checked)
 and the generic measurements run on it at its tiny size."""
 
@@ -16,11 +16,18 @@ from lab_utils.step.load import load_step
 from lab_utils.step.memory import grads_of, measure_saved
 from lab_utils.step.stability import locate
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "your_model.md"
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def section() -> str:
+    text = README.read_text()
+    start = text.index("## Your model\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end]
 
 
 def code_blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", DOC.read_text(), flags=re.S)
+    return re.findall(rf"```{lang}\n(.*?)```", section(), flags=re.S)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +49,7 @@ def doc_step(tmp_path_factory):
 def test_the_doc_names_the_factory_it_defines():
     (sh,) = code_blocks("bash")
     assert "--param step=my_models.flux:flux_step" in sh
-    assert "my_models/flux.py" in DOC.read_text()
+    assert "my_models/flux.py" in section()
 
 
 def test_the_doc_example_is_a_factory_the_labs_accept(doc_step):
