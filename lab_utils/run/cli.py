@@ -10,6 +10,7 @@ perflab lab [--reset [NAME ...]] [-- JUPYTER-ARGS]  (lab_utils.run.workspace: Ju
 perflab compare BASE CANDIDATE [...]      (lab_utils.run.compare)
 perflab baseline refresh|check [...]      (lab_utils.run.compare.baselines)
 perflab numdiff A B [--variant-a V] [...]  (lab_utils.stability.numdiff: where two runs' telemetry parts)
+perflab trace PATH | trace diff A B [...]  (lab_utils.run.trace_cli: profiler traces, files or folders)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from lab_utils.run.compare import main as compare_main
 from lab_utils.run.nbtools import refresh
 from lab_utils.run.parallel import add_job_options, job_options
 from lab_utils.run.runner import RunInterrupted, SuiteError, list_suites, load_suite, parse_overrides, run_suite
+from lab_utils.run.trace_cli import main as trace_main
 from lab_utils.run.workspace import main as lab_main
 from lab_utils.stability.numdiff import numdiff_main
 
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         return numdiff_main(argv[1:])
     if argv and argv[0] == "lab":
         return lab_main(argv[1:])
+    if argv and argv[0] == "trace":
+        return trace_main(argv[1:])
     ap = argparse.ArgumentParser(
         prog="perflab", description="perflab: a performance lab for diffusion-transformer training"
     )
@@ -157,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("compare", help="compare two reports (see `perflab compare --help`)")
     sub.add_parser("baseline", help="stored baselines (see `perflab baseline --help`)")
     sub.add_parser("lab", help="JupyterLab on git-ignored working copies of labs/ (see `perflab lab --help`)")
+    sub.add_parser("trace", help="analyse profiler traces: `perflab trace PATH`, `perflab trace diff A B`")
     sub.add_parser("numdiff", help="where two reports' telemetry first differs (see `perflab numdiff --help`)")
     a = ap.parse_args(argv)
     return a.fn(a)

@@ -68,11 +68,12 @@ class TraceAnalysis:
         *,
         phases: PhaseTable | None = None,
         workers: int | None = None,
+        attributed: dict[int, Attributed] | None = None,
     ):
         self.path = str(path) if not isinstance(path, dict) else "<traces>"
         self.traces: dict[int, RankTrace] = path if isinstance(path, dict) else read_job(path, workers=workers)
         self.phase_table = phases or PhaseTable()
-        self._attr: dict[int, Attributed] = {}
+        self._attr: dict[int, Attributed] = dict(attributed or {})  # ranks attributed elsewhere (trace_cli's jobs)
 
     # -- access ---------------------------------------------------------------------------
     @property

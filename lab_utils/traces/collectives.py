@@ -93,7 +93,9 @@ def calls(kernels: pd.DataFrame, host: pd.DataFrame | None = None, world_size: i
     k = kernels[kernels["name"].astype(str).str.match(_NCCL.pattern, case=False)].copy()
     cols = ["ts", "end", "dur", "stream", "step", "window", "external_id", "name"]
     out = k[cols].reset_index(drop=True)
-    parsed = pd.DataFrame([parse_name(n) for n in out["name"].astype(str)], index=out.index)
+    parsed = pd.DataFrame(
+        [parse_name(n) for n in out["name"].astype(str)], index=out.index, columns=list(parse_name(""))
+    )
     out = pd.concat([out, parsed], axis=1)
     args = {c: (k[src].to_numpy() if src in k else np.full(len(k), None)) for c, src in _ARGS.items()}
     if host is not None and "in_nelems" in host and len(k):  # the launching host call's record
