@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
 
+from lab_utils.core.config import ConfigError
 from lab_utils.core.records import load_records
 from lab_utils.run.cli import main as perflab
 from lab_utils.traces import TraceAnalysis
@@ -120,3 +122,19 @@ def test_folder_of_two_ranks_is_mapped_per_rank_and_reduced_to_one_job(tmp_path,
 def test_a_missing_path_is_a_usage_error_naming_it(tmp_path, capsys):
     assert perflab(["trace", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_planner_takes_a_traces_measured_phase_times_as_its_step(tmp_path):
+    from lab_utils.plan.from_trace import profile_from_trace
+    from lab_utils.plan.planner import ALL_PHASES
+
+    prof = profile_from_trace(job(tmp_path / "a.json", gemm_us=300.0))
+    assert set(prof.phases) == set(ALL_PHASES)
+    # the GEMM is launched inside "## forward ##"; the add outside every range: it stays in "other"
+    assert prof.phases["forward"] == pytest.approx(0.3) and prof.phases["backward"] == 0.0
+    assert prof.step_samples == pytest.approx((1.0,) * 4)  # four 1000 us ProfilerStep windows
+    assert prof.total_ms == pytest.approx(1.0) and prof.phases["other"] == pytest.approx(0.7)
+    assert prof.phase_samples["forward"] == pytest.approx([0.3] * 4)
+    assert math.isnan(prof.flops)
+    with pytest.raises(ConfigError, match="statistic"):
+        profile_from_trace(tmp_path / "a.json", statistic="mean")
