@@ -31,10 +31,15 @@ from lab_utils.core.records import Recorder
 from lab_utils.model import ACTIVATION_CHECKPOINTS, PRESETS, MMDiTConfig, build_model, resolve_config
 from lab_utils.model.train import artifacts_dir
 from lab_utils.step.load import DEFAULT_STEP, check_step_spec
+from lab_utils.step.policies import STEP_POLICIES
+from lab_utils.step.skip import default_step_only, passes_skipped
 from lab_utils.studies.headline import Figure, fmt, register, rows
 
 LAB = "05_memory"
 GB = 1e9
+#: Why sections 1-4 run on perflab's MMDiT only (on another ``step`` each returns one line saying so).
+MMDIT_ONLY = "the formula and FSDP projection are MMDiT-only"
+mmdit_only = default_step_only(MMDIT_ONLY)
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,8 @@ class MemoryLabConfig(LabConfig):
     reps: int = 3
     seed: int = 0
     step: str = DEFAULT_STEP  # your training step, "package.module:function" (docs/your_model.md)
+    step_policies: tuple = STEP_POLICIES  # the checkpointing policies applied to your step's blocks
+    step_fit_max_batch: int = 16  # largest batch the what-fits bisection on your step tries
     #: the measured model's config, built once from ``preset`` (not a parameter itself)
     model: MMDiTConfig = field(init=False, repr=False, compare=False)
 
@@ -93,6 +100,8 @@ class MemoryLabConfig(LabConfig):
         check_int_list("fsdp_gpus", list(self.fsdp_gpus), min=1)
         check_int("reps", self.reps, min=3)
         check_int("seed", self.seed, min=0)
+        check_choices("step_policies", list(self.step_policies), STEP_POLICIES)
+        check_int("step_fit_max_batch", self.step_fit_max_batch, min=1)
         check_step_spec(self.step)  # imports and is callable; its first step is checked by your_step.load
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device", self.device, "'auto' or 'cpu' (no CUDA device is visible here)")
@@ -114,6 +123,7 @@ def recorder(cfg: MemoryLabConfig) -> Recorder:
 # --------------------------------------------------------------------------------------
 
 
+@mmdit_only
 def formula_check(cfg: MemoryLabConfig) -> pd.DataFrame:
     """Hooks against the analytic model for every formula policy at the lab's step (CPU); a
     mismatch raises.  One row per policy."""
@@ -130,6 +140,7 @@ def formula_check(cfg: MemoryLabConfig) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+@mmdit_only
 def block_ops(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     """Saved bytes of ``inspect_block`` by the op that made them (no checkpointing)."""
     mcfg, sh = cfg.model, cfg.step_shape()
@@ -156,6 +167,7 @@ def sh_str(sh: mem.StepShape) -> str:
     return f"{sh.batch}x({sh.img_tokens}+{sh.txt_tokens})"
 
 
+@mmdit_only
 def accounting(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     """Per preset x dtype x policy: bytes per class at ``account_resolution`` (state from the
     model on meta, activations from the formula, transient from its model), batch 1."""
@@ -176,6 +188,7 @@ def accounting(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+@mmdit_only
 def per_token_table(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     """Bytes per token per block at ``account_resolution`` (image tokens) + ``account_txt_len``
     (text tokens), batch 1, no checkpointing, CUDA's float32 LayerNorm statistics."""
@@ -201,6 +214,7 @@ def per_token_table(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+@mmdit_only
 def block_state_table(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     """Parameter/gradient/optimizer bytes per region of the lab's preset (built on meta)."""
     model = build_model(cfg.preset, device="meta", dtype=parse_dtype("dtype", cfg.dtype))
@@ -215,6 +229,7 @@ def block_state_table(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
 # --------------------------------------------------------------------------------------
 
 
+@mmdit_only
 def compare(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     """Every policy on one step: saved bytes (hooks, formula), peak, FLOPs, time; gradients
     checked equal to no checkpointing (raises otherwise)."""
@@ -303,6 +318,7 @@ def pareto_front(df: pd.DataFrame, step: str | None = None) -> pd.DataFrame:
     return d
 
 
+@passes_skipped
 def pareto_plot(df: pd.DataFrame, step: str | None = None, title: str = "AC policies: peak memory vs step time"):
     """Peak memory against step time per policy, each point marked (``pareto_front``): the
     front is drawn through stable timings of policies that act on the device only; when there
@@ -341,6 +357,7 @@ def gpu_set(path: Path = GPU_SET) -> dict:
     return yaml.safe_load(Path(path).read_text()) or {}
 
 
+@passes_skipped
 def class_bars(df: pd.DataFrame, dtype: str = "bfloat16"):
     """Stacked bytes per class for each preset x policy (GB), one frame per preset."""
     init()
@@ -364,6 +381,7 @@ def class_bars(df: pd.DataFrame, dtype: str = "bfloat16"):
 # --------------------------------------------------------------------------------------
 
 
+@mmdit_only
 def timeline(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     """One AdamW step's categorized memory timeline (profiler on CPU, snapshot on CUDA); the
     full data goes to the artifacts, the per-category peaks to records."""
@@ -394,6 +412,7 @@ def timeline(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     return df
 
 
+@passes_skipped
 def timeline_plot(df: pd.DataFrame, max_points: int = 1500):
     init()
     d = mem.downsample(df, max_points)
@@ -406,6 +425,7 @@ def timeline_plot(df: pd.DataFrame, max_points: int = 1500):
     )
 
 
+@mmdit_only
 def peak_table(cfg: MemoryLabConfig, top: int = 10) -> pd.DataFrame:
     """The largest storages kept for the backward (end of the forward: where memory peaks),
     with the region and op that made them."""
@@ -419,6 +439,7 @@ def peak_table(cfg: MemoryLabConfig, top: int = 10) -> pd.DataFrame:
 # --------------------------------------------------------------------------------------
 
 
+@mmdit_only
 def fits(cfg: MemoryLabConfig, rec: Recorder, presets=("medium", "flux-dev"), dtype="bfloat16") -> pd.DataFrame:
     """Largest batch per square resolution that the predicted peak fits in ``device_bytes``."""
     rows = []
@@ -441,10 +462,12 @@ def fits(cfg: MemoryLabConfig, rec: Recorder, presets=("medium", "flux-dev"), dt
     return pd.DataFrame(rows)
 
 
+@passes_skipped
 def fits_table(df: pd.DataFrame) -> pd.DataFrame:
     return df.pivot_table(index=["preset", "policy"], columns="resolution", values="max_batch").astype(int)
 
 
+@mmdit_only
 def fsdp_projection(cfg: MemoryLabConfig, rec: Recorder, preset: str = "flux-dev", dtype: str = "bfloat16"):
     """Per-rank predicted peak at 1024 px, batch 1, for N GPUs (state sharded as ``fully_shard``
     allocates it on the fullest rank, padding included; activations not sharded), and the
@@ -472,6 +495,7 @@ def fsdp_projection(cfg: MemoryLabConfig, rec: Recorder, preset: str = "flux-dev
     return pd.DataFrame(rows)
 
 
+@mmdit_only
 def fsdp_check(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     """Real fully_shard AdamW steps on gloo at every world size (one spawn): per-rank bytes
     fully_shard allocates (padded parameter and gradient shards), the bytes each rank holds,
@@ -487,6 +511,7 @@ def fsdp_check(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
     return pd.DataFrame(rows).drop(columns=["params", "projected_params"])
 
 
+@mmdit_only
 def confirm_fits(cfg: MemoryLabConfig, rec: Recorder, preset: str = "medium", resolution: int = 1024) -> pd.DataFrame:
     """On CUDA: bisect the batch of a real step to the OOM edge per policy (an OOM is caught,
     recorded, and the search goes on); beside it the prediction.  The step holds the state the

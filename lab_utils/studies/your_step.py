@@ -103,15 +103,20 @@ def memory(cfg, step: StepFactory, rec: Recorder, *, progress: bool = True) -> d
     saved = step_memory.measure_saved(step, "none")
     for region, v in saved.by("region").items():
         rec.add("step_saved", f"{key} · {region}", "bytes", v, "B", **ex)
-    pol = step_memory.compare_policies(step, reps=getattr(cfg, "reps", 3), progress=progress)
+    policies = getattr(cfg, "step_policies", step_memory.STEP_POLICIES)
+    pol = step_memory.compare_policies(step, policies, reps=getattr(cfg, "reps", 3), progress=progress)
     for r in pol.itertuples():
         rec.add("step_policies", f"{key} · {r.policy}", "saved", r.saved_bytes, "B", **ex)
         rec.add("step_policies", f"{key} · {r.policy}", "peak", r.peak_bytes, "B", **ex)
         rec.add_timing("step_policies", f"{key} · {r.policy}", r.timing, **ex)
+    cap = getattr(cfg, "step_fit_max_batch", FIT_MAX_BATCH)
     fit = step_memory.fits_bisect(
-        lambda b: build_step(cfg.step, **{**_kwargs(cfg), "batch_size": b}), cfg.device_bytes, max_batch=FIT_MAX_BATCH
+        lambda b: build_step(cfg.step, **{**_kwargs(cfg), "batch_size": b}), cfg.device_bytes, max_batch=cap
     )
-    rec.add("step_fits", key, "max_batch", fit["batch"], "samples", device_bytes=fit["device_bytes"], **ex)
+    fit["capped_at"] = cap
+    rec.add(
+        "step_fits", key, "max_batch", fit["batch"], "samples", device_bytes=fit["device_bytes"], capped_at=cap, **ex
+    )
     return dict(state=state, saved=saved, policies=pol, fits=fit)
 
 
@@ -125,7 +130,14 @@ def memory_tables(res: dict) -> dict[str, pd.DataFrame]:
         f"{b}: {v / 2**20:.1f} MiB" if v is not None else f"{b}: OOM" for b, v in sorted(f["tried"].items())
     )
     fits = pd.DataFrame(
-        [dict(device_GB=f["device_bytes"] / 1e9, largest_batch=f["batch"], capped_at=FIT_MAX_BATCH, tried=tried)]
+        [
+            dict(
+                device_GB=f["device_bytes"] / 1e9,
+                largest_batch=f["batch"],
+                capped_at=f.get("capped_at", FIT_MAX_BATCH),
+                tried=tried,
+            )
+        ]
     )
     return dict(state=st, saved=sv, policies=pol, fits=fits)
 
