@@ -27,7 +27,6 @@ from lab_utils.run.compare import main as compare_main
 from lab_utils.run.nbtools import refresh
 from lab_utils.run.parallel import add_job_options, job_options
 from lab_utils.run.runner import RunInterrupted, SuiteError, list_suites, load_suite, parse_overrides, run_suite
-from lab_utils.run.trace_cli import main as trace_main
 from lab_utils.run.workspace import main as lab_main
 from lab_utils.stability.numdiff import numdiff_main
 
@@ -122,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "lab":
         return lab_main(argv[1:])
     if argv and argv[0] == "trace":
+        from lab_utils.run.trace_cli import main as trace_main  # noqa: PLC0415  (holoviews: seconds to import)
+
         return trace_main(argv[1:])
     ap = argparse.ArgumentParser(
         prog="perflab", description="perflab: a performance lab for diffusion-transformer training"
