@@ -2,7 +2,7 @@
 on a CPU): diffusers' ``FluxTransformer2DModel`` and ``SD3Transformer2DModel`` trained with
 the rectified-flow objective, and transformers' ``LlamaForCausalLM`` with next-token loss.
 Use them as ``step = "lab_utils.step.examples:flux_step"`` (``sd3_step``, ``llama_step``), or
-copy one as the start of your own (docs/your_model.md is the FLUX one, complete)."""
+copy one as the start of your own (the README's "Your model" section is the FLUX one, complete)."""
 
 from __future__ import annotations
 

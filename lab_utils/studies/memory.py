@@ -69,7 +69,7 @@ class MemoryLabConfig(LabConfig):
     confirm_fit: bool = False  # on CUDA: bisect a real step to the OOM edge
     reps: int = 3
     seed: int = 0
-    step: str = DEFAULT_STEP  # your training step, "package.module:function" (docs/your_model.md)
+    step: str = DEFAULT_STEP  # your training step, "package.module:function" (the README's "Your model")
     step_policies: tuple = STEP_POLICIES  # the checkpointing policies applied to your step's blocks
     step_fit_max_batch: int = 16  # largest batch the what-fits bisection on your step tries
     #: the measured model's config, built once from ``preset`` (not a parameter itself)

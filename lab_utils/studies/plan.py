@@ -47,7 +47,7 @@ class PlanLabConfig(TrainConfig):
     warmup_steps: int = 2
     verify_top: int = 2  # plans run again to check the prediction
     statistic: str = "median"  # per-phase figure over the profiled steps: "median" | "min"
-    step: str = DEFAULT_STEP  # your training step, "package.module:function" (docs/your_model.md)
+    step: str = DEFAULT_STEP  # your training step, "package.module:function" (the README's "Your model")
 
     def __post_init__(self):
         super().__post_init__()

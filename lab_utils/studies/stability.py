@@ -50,7 +50,7 @@ class StabilityLabConfig(LabConfig):
     resolution: int = 64
     txt_len: int = 8
     seed: int = 0
-    step: str = DEFAULT_STEP  # your training step, "package.module:function" (docs/your_model.md)
+    step: str = DEFAULT_STEP  # your training step, "package.module:function" (the README's "Your model")
     telemetry_every: int = 1
     head_groups: int = 2
     qk_lr: float = 1e-2

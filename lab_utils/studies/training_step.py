@@ -46,7 +46,7 @@ class TrainingStepLabConfig(TrainConfig):
     warmup_steps: int = 1  # profiled but not analysed (compile, first-call effects)
     steps: int = 6  # active, analysed steps: each figure's samples (its noise is judged from them)
     quick_ceilings: bool = True
-    step: str = DEFAULT_STEP  # your training step, "package.module:function" (docs/your_model.md)
+    step: str = DEFAULT_STEP  # your training step, "package.module:function" (the README's "Your model")
 
     def __post_init__(self):
         super().__post_init__()

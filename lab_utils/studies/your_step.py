@@ -1,5 +1,5 @@
 """Your own training step in labs 01, 05, 07 and 08: the section each of those labs runs on the
-step its ``step`` parameter names (``"package.module:function"``, see docs/your_model.md;
+step its ``step`` parameter names (``"package.module:function"``, see the README's "Your model";
 default perflab's MMDiT).  The step is loaded and its first step checked right after the
 lab's config, before the lab measures anything (:func:`load`); each lab then calls its one
 function here, which measures, records (every row keyed by the step's identity) and returns
