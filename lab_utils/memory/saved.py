@@ -75,10 +75,12 @@ class RegionTracker:
         names = set(EMBED_REGIONS) | {n for n, _ in model.named_modules() if n.count(".") == 1 and "blocks." in n}
         for name, mod in model.named_modules():
             if name in names:
-                self.handles.append(mod.register_forward_pre_hook(self._enter(name)))
-                self.handles.append(mod.register_forward_hook(self._leave(name), always_call=True))
-        self.handles.append(model.register_forward_pre_hook(self._enter("model")))
-        self.handles.append(model.register_forward_hook(self._leave("model"), always_call=True))
+                self._track(mod, name)
+        self._track(model, "model")
+
+    def _track(self, mod: nn.Module, name: str) -> None:
+        self.handles.append(mod.register_forward_pre_hook(self._enter(name)))
+        self.handles.append(mod.register_forward_hook(self._leave(name), always_call=True))
 
     def _enter(self, name):
         def hook(mod, args):

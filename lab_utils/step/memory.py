@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from lab_utils.core.config import check_int
 from lab_utils.core.noise import quiet_stderr_fd
 from lab_utils.core.timing import try_bench
-from lab_utils.memory.saved import CreatorMode, storage_bytes, storage_key
+from lab_utils.memory.saved import CreatorMode, RegionTracker, storage_bytes, storage_key
 from lab_utils.step.contract import StepFactory, blocks, region_of
 from lab_utils.step.policies import STEP_POLICIES, applied
 
@@ -72,36 +72,15 @@ def state_bytes(step: StepFactory) -> dict[str, int]:
 # --------------------------------------------------------------------------------------
 
 
-class ModuleTracker:
-    """The innermost module running (forward pre/post hooks on every module); ``loss`` outside."""
+class ModuleTracker(RegionTracker):
+    """The innermost module running (forward pre/post hooks on every module, by its
+    ``named_modules`` name); ``loss`` outside."""
 
     def __init__(self, model: nn.Module, outside: str = "loss"):
         self.stack = [outside]
         self.handles = []
         for name, mod in model.named_modules():
-            self.handles.append(mod.register_forward_pre_hook(self._enter(name or "model")))
-            self.handles.append(mod.register_forward_hook(self._leave(name or "model"), always_call=True))
-
-    def _enter(self, name):
-        def hook(mod, args):
-            self.stack.append(name)
-
-        return hook
-
-    def _leave(self, name):
-        def hook(mod, args, out):
-            if self.stack[-1] == name:
-                self.stack.pop()
-
-        return hook
-
-    @property
-    def current(self) -> str:
-        return self.stack[-1]
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
+            self._track(mod, name or "model")
 
 
 @dataclass
