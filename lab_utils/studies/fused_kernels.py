@@ -156,7 +156,7 @@ def variants_here(lab: Lab) -> str:
     return "\n".join(lines)
 
 
-def peers_note() -> str:
+def peers_text() -> str:
     """The peer library's kernels: which ops Liger-Kernel serves here (and how, in the variant's
     description), what the interpreter needed to run them, and the Liger ops left out with why."""
     from lab_kernels import liger  # noqa: PLC0415  (the package imports it; named here for its tables)
