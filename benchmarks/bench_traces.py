@@ -2,7 +2,7 @@
 
 Rerun: ``pip install -e .[traces]`` then ``python benchmarks/bench_traces.py [--traces DIR] [--repeats N]``.
 
-For every job folder of ``../shared/data/gpu-traces`` (one file per rank) and for the whole
+For every job folder of the folder ``--traces`` names (one file per rank) and for the whole
 set, each tool reads the traces and summarises them, in a fresh subprocess per measurement:
 
 * perflab: ``TraceAnalysis(folder)`` then ``temporal()``, ``shares()``, ``overlap()``,
@@ -34,7 +34,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACES = ROOT.parent / "shared" / "data" / "gpu-traces"
 OUT = ROOT / "benchmarks" / "results" / "bench_traces.json"
 TOOLS = ("perflab", "hta")
 
@@ -126,7 +125,9 @@ def _json_mb(folder: Path) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--traces", type=Path, default=DEFAULT_TRACES)
+    parser.add_argument(
+        "--traces", type=Path, required=True, help="a folder of job folders, one profiler trace file per rank in each"
+    )
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--one", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -1,9 +1,9 @@
 """HolisticTraceAnalysis's figures for the real GPU traces, stored once so CI needs no HTA.
 
 Rerun (HTA is the optional extra ``traces``): ``pip install -e .[traces]`` then
-``python benchmarks/hta_reference.py [--traces ../shared/data/gpu-traces]``.
+``python benchmarks/hta_reference.py --traces FOLDER``.
 
-For every job folder of ``../shared/data/gpu-traces`` (one folder = one job, one file per
+For every job folder of the folder ``--traces`` names (one folder = one job, one file per
 rank) this runs HolisticTraceAnalysis 0.5 in its exact mode
 (``TraceAnalysis(trace_dir=job, include_last_profiler_step=True)`` with
 ``HTA_DISABLE_NS_ROUNDING=1`` in the environment, so ns float timestamps keep their
@@ -38,7 +38,6 @@ import pandas as pd  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACES = ROOT.parent / "shared" / "data" / "gpu-traces"
 DEFAULT_OUT = ROOT / "tests" / "data" / "hta_reference.json"
 
 
@@ -92,7 +91,9 @@ def _job_figures(job: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--traces", type=Path, default=DEFAULT_TRACES)
+    parser.add_argument(
+        "--traces", type=Path, required=True, help="a folder of job folders, one profiler trace file per rank in each"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     if not args.traces.is_dir():

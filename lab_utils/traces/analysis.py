@@ -9,7 +9,7 @@ Example (any Kineto trace; the paths are the real traces the tests use)::
 
     from lab_utils.traces import TraceAnalysis
 
-    ta = TraceAnalysis("../shared/data/gpu-traces/multirank_2of128")  # folder: one file per rank
+    ta = TraceAnalysis("traces/my_job")  # a folder: one file per rank
     ta.ranks                      # [0, 1]
     ta.steps(0)                   # step, ts, end, dur: the ProfilerStep windows (us after the trace start)
     ta.kernels(0)                 # every kernel/memcpy/memset with launch, op, step, window, range, phase, block,
