@@ -169,3 +169,11 @@ def test_tests_that_need_the_smoke_report_share_one_xdist_worker():
     assert other.marks == []
     mark = test_checked_outputs_match_the_committed_lab.pytestmark
     assert ("xdist_group", (conftest.SMOKE_GROUP,)) in [(m.name, m.args) for m in mark]
+
+
+def test_each_lab_runs_once_per_session():
+    """``make test``'s time: a lab whose smoke set differs from its defaults is run twice per
+    session (the smoke suite, then here at its defaults).  Keep every smoke set equal to its lab's
+    defaults on a CPU machine (a cheaper lab is cheaper defaults, not a different smoke set)."""
+    twice = {lab.stem: why for lab in LABS if (why := _smoke_differs(lab)) and why != "not in the smoke suite"}
+    assert not twice, f"these labs would run twice in make test: {twice}"
