@@ -476,8 +476,10 @@ def profile_training(
     out_dir: str | Path | None = None,
     name: str = "01_training_step",
     memory: bool = True,
+    record_shapes: bool = False,
 ) -> ProfileReport:
-    """Profile ``wait + warmup + active`` trainer steps; analyse the active ones."""
+    """Profile ``wait + warmup + active`` trainer steps; analyse the active ones
+    (``record_shapes``: operators' input shapes in the trace, for lab 09's per-op roofline)."""
     for p, v in (("steps", active), ("warmup_steps", warmup)):
         if isinstance(v, bool) or not isinstance(v, int) or v < (1 if p == "steps" else 0):
             raise ConfigError(p, v, "an integer >= " + ("1" if p == "steps" else "0"))
@@ -502,7 +504,7 @@ def profile_training(
                 activities=acts,
                 schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
                 profile_memory=memory,
-                record_shapes=False,
+                record_shapes=record_shapes,
                 on_trace_ready=on_ready,
             ) as prof,
         ):

@@ -5,7 +5,9 @@ operators and the allocation curve (what :mod:`lab_utils.profiling.profiler` rep
   (``lab_utils.model.train.PHASES``), summed per step, from the host timeline only
   (CUDA traces repeat them as ``gpu_user_annotation``).
 * categories: on CUDA from device kernels (kernel name, else the op that launched it);
-  on CPU from operators' *self* time (nesting removed, so nothing is counted twice).
+  on CPU from operators' *self* time (nesting removed, so nothing is counted twice).  Names are
+  categorised by the operator table of :mod:`lab_utils.traces.categories` (``OPERATOR_RULES``, the
+  table lab 09's CPU rule uses too), into this module's coarser :data:`CATEGORIES`.
   ``idle/gap`` is step time not covered by any kernel (CUDA) or operator (CPU).
 * every figure is also kept per profiled step (``phases``, ``categories_by_step``,
   ``top_ops_by_step``): the samples a figure's noise is judged from.
@@ -24,6 +26,7 @@ import pandas as pd
 
 from lab_utils.model.train import PHASES
 from lab_utils.traces.attribute import attribute
+from lab_utils.traces.categories import operator_category
 from lab_utils.traces.reader import read_rank
 
 CATEGORIES = (
@@ -39,47 +42,6 @@ CATEGORIES = (
 )
 IDLE = "idle/gap"
 
-_RULES: list[tuple[str, re.Pattern]] = [
-    (
-        "communication",
-        re.compile(
-            r"nccl|all_?reduce|all_?gather|reduce_?scatter|c10d|alltoall|broadcast_coalesced"
-            r"|record_param_comms|\bsend\b|\brecv\b"
-        ),
-    ),
-    ("optimizer", re.compile(r"_foreach_|fused_adam|multi_tensor_apply|adamw?_|optimizer")),
-    ("attention", re.compile(r"flash|fmha|attention|sdpa|softmax|scaled_dot_product|cudnn_.*attn")),
-    ("normalization", re.compile(r"layer_?norm|rms_?norm|group_?norm|batch_?norm|instance_?norm")),
-    ("matmul", re.compile(r"gemm|\bmm\b|addmm|bmm|matmul|linear|conv|xmma|cutlass|cublas|wgmma|sm\d+_|baddbmm")),
-    (
-        "reduction",
-        re.compile(
-            r"reduce|\bsum\b|mean|\bmax\b|\bmin\b|argmax|argmin|vector_norm|\bnorm\b|\bvar\b|\bstd\b"
-            r"|cumsum|topk|\ball\b|\bany\b|mse_loss"
-        ),
-    ),
-    (
-        "copy/cast",
-        re.compile(
-            r"copy|memcpy|memset|_to_copy|\bto\b|contiguous|clone|\bcat\b|stack|index|gather"
-            r"|scatter|pad|fill|zero_|repeat|expand|transpose|permute|reshape|view|slice|select"
-            r"|unfold|flip|roll|split|chunk|narrow|empty|as_strided|detach|unbind|resize|squeeze|\bt\b|alias"
-            r"|full|zeros|ones|arange|scalar_tensor|lift_fresh|type_as|meshgrid|embedding"
-        ),
-    ),
-    (
-        "elementwise/activation",
-        re.compile(
-            r"elementwise|vectorized|unrolled|gelu|silu|relu|sigmoid|tanh|\badd|\bsub"
-            r"|\bmul|\bdiv|exp|log|pow|rsqrt|sqrt|\bsin\b|\bcos\b|where|neg|abs|clamp"
-            r"|rand|normal|uniform|bernoulli|dropout|lerp|addcmul|addcdiv|sign|erf"
-            r"|maximum|minimum|\beq\b|\bne\b|\bgt\b|\blt\b|\bge\b|\ble\b|logical|rsub|reciprocal|bitwise"
-            r"|__and__|__or__"
-        ),
-    ),
-]
-
-
 _AUTOGRAD = re.compile(r"^(autograd::|torch::autograd::)|Backward\d+$")
 
 
@@ -93,10 +55,9 @@ def categorize(name: str, op: str = "", under_optimizer: bool = False) -> str:
     for text in (name, op):
         if not text:
             continue
-        t = text.lower().replace("aten::", " ").replace("::", " ")
-        for cat, rx in _RULES:
-            if rx.search(t):
-                return cat
+        cat = operator_category(text)  # the one operator table, in lab_utils.traces.categories
+        if cat != "other":
+            return cat
     return "other"
 
 

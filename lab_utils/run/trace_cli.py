@@ -123,7 +123,7 @@ def summary_text(ta: TraceAnalysis, fig: dict) -> str:
         lines.append(f"  {row['rank']:4d} {row['step']:4d} {vals}")
     for row in fig["idle"]:
         lines.append(f"rank {row['rank']} idle split (ms): " + ", ".join(
-            f"{k} {(v or 0) / 1e3:.3f}" for k, v in row.items() if k != "rank"))  # fmt: skip
+            f"{k} {(v or 0) / 1e3:.3f}" for k, v in row.items() if k not in ("rank", "rule")))  # fmt: skip
     calls = fig["collectives"]
     if calls:
         df = pd.DataFrame(calls)

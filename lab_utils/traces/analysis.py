@@ -36,6 +36,11 @@ a ``ProfilerStep`` (kernels launched before, after or without a launch are repor
 :meth:`windows`); ``"hta"`` takes what HolisticTraceAnalysis 0.5 takes with
 ``include_last_profiler_step=True`` (launched in the trace, not after the last step; everything
 when the trace has fewer than two steps); ``"all"`` takes every activity.
+
+A rank whose trace has no GPU activity (recorded on CPU) is read by the CPU rule
+(:mod:`lab_utils.traces.cpu`: its leaf operators stand as kernels, one stream per thread):
+:meth:`TraceAnalysis.rule` says ``"cpu"`` for it, the per-rank tables carry it in their ``rule``
+column, the summary says it, and the launch-bound verdict is not given (nothing is launched).
 """
 
 from __future__ import annotations
@@ -47,8 +52,9 @@ import numpy as np
 import pandas as pd
 
 from lab_utils.core.config import ConfigError, check_choice
+from lab_utils.core.device import DatasheetPeak
 from lab_utils.core.records import Recorder
-from lab_utils.traces import breakdown, collectives
+from lab_utils.traces import breakdown, collectives, cpu
 from lab_utils.traces.attribute import Attributed, attribute
 from lab_utils.traces.launches import launch_stats
 from lab_utils.traces.phases import PhaseTable
@@ -112,9 +118,13 @@ class TraceAnalysis:
     def device(self, rank: int | None = None) -> str | None:
         return self.traces[self._rank(rank)].device_name
 
+    def rule(self, rank: int | None = None) -> str:
+        """``"gpu"``: GPU activities; ``"cpu"``: no GPU activity, read by the CPU rule (:mod:`lab_utils.traces.cpu`)."""
+        return self.attributed(rank).rule
+
     # -- per rank / per step figures ------------------------------------------------------
     def _per_rank(self, fn, scope: str) -> pd.DataFrame:
-        return pd.DataFrame([{"rank": r, **fn(self.kernels(r, scope))} for r in self.ranks])
+        return pd.DataFrame([{"rank": r, "rule": self.rule(r), **fn(self.kernels(r, scope))} for r in self.ranks])
 
     def temporal(self, by: str = "rank", scope: str = "steps") -> pd.DataFrame:
         """Span, busy, idle and the exclusive compute/communication/memory/other split (us and % of span)."""
@@ -146,7 +156,16 @@ class TraceAnalysis:
         return breakdown.top_kernels(self.kernels(rank, scope), n)
 
     def launch_stats(self, scope: str = "steps", **thresholds) -> pd.DataFrame:
-        return self._per_rank(lambda k: asdict(launch_stats(k, **thresholds)), scope)
+        """Per rank (:mod:`lab_utils.traces.launches`); a rank read by the CPU rule gets no verdict."""
+        df = self._per_rank(lambda k: asdict(launch_stats(k, **thresholds)), scope)
+        is_cpu = df["rule"] == cpu.RULE if len(df) else pd.Series(dtype=bool)
+        if is_cpu.any():
+            df.loc[is_cpu, "launch_bound"] = False
+            df.loc[is_cpu, "reason"] = (
+                "CPU trace (CPU rule): each operator runs where it is called, nothing is queued, "
+                "so the launch-bound verdict does not apply"
+            )
+        return df
 
     def phases(self, scope: str = "steps") -> pd.DataFrame:
         """GPU time (us) per rank, step and phase (``(none)``: launched outside any phase range)."""
@@ -167,10 +186,14 @@ class TraceAnalysis:
         return pd.DataFrame(rows, columns=["rank", "window", "count", "total_us"])
 
     # -- beyond: roofline and collectives ------------------------------------------------
-    def roofline(self, rank: int | None = None, scope: str = "steps") -> pd.DataFrame:
-        """Per launching op with recorded shapes: FLOPs, bytes, TFLOP/s, GB/s, % of peak, bound."""
+    def roofline(
+        self, rank: int | None = None, scope: str = "steps", peak: DatasheetPeak | None = None
+    ) -> pd.DataFrame:
+        """Per launching op with recorded shapes: FLOPs, bytes, TFLOP/s, GB/s, % of peak, bound.
+        ``peak``: the peaks to hold them to (a CPU's measured ceilings); default the datasheet row
+        of the GPU the trace names."""
         rank = self._rank(rank)
-        return op_roofline(self.kernels(rank, scope), self.traces[rank].host, self.device(rank))
+        return op_roofline(self.kernels(rank, scope), self.traces[rank].host, self.device(rank), peak=peak)
 
     def collectives(self, scope: str = "all") -> pd.DataFrame:
         """One row per NCCL/RCCL call on every rank: collective, algorithm, bytes, bus bandwidth, exposed/hidden."""
@@ -179,6 +202,8 @@ class TraceAnalysis:
 
     def _calls(self, rank: int, scope: str = "all") -> pd.DataFrame:
         t = self.traces[rank]
+        if self.rule(rank) == cpu.RULE:
+            return collectives.cpu_calls(self.kernels(rank, scope), t.world_size)
         return collectives.calls(self.kernels(rank, scope), t.host, t.world_size)
 
     def skew(self) -> pd.DataFrame:
@@ -204,8 +229,11 @@ class TraceAnalysis:
         for r in self.ranks:
             row = t.loc[r]
             n_steps = int(self.attributed(r).has_steps) and len(self.steps(r))
+            device = "CPU" if self.rule(r) == cpu.RULE else self.device(r) or "device not recorded"
+            if self.rule(r) == cpu.RULE:
+                lines.append(f"rank {r}: {cpu.RULE_TEXT}")
             lines.append(
-                f"rank {r} ({self.device(r) or 'device not recorded'}, {n_steps or 'no'} steps): span "
+                f"rank {r} ({device}, {n_steps or 'no'} steps): span "
                 f"{row['span'] / 1e3:.1f} ms, idle {row['idle_pct']:.1f}%, compute {row['compute_pct']:.1f}%, "
                 f"exposed comm {row['communication_pct']:.1f}%, memory {row['memory_pct']:.1f}%, "
                 f"comm overlapped {ov.loc[r]:.1f}%"

@@ -21,6 +21,10 @@ Rules (each pinned by a test in tests/test_traces_rules.py):
   of the *main* thread (the one holding ``ProfilerStep``) that enclose it in time, the launch
   thread's own ranges taking precedence.  ``range`` is the innermost such range, ``phase`` the
   innermost one with a phase (:mod:`lab_utils.traces.phases`), ``block`` the innermost MMDiT block.
+* **CPU traces**: a rank whose trace has no GPU activity is read by the CPU rule
+  (:mod:`lab_utils.traces.cpu`): its leaf operators (and its collectives, whole) stand as the
+  activities, each launched by itself, then attributed to steps and ranges as above;
+  ``Attributed.rule`` is ``"cpu"`` (``"gpu"`` otherwise).
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from lab_utils.traces.categories import category, hta_type
+from lab_utils.traces import cpu
+from lab_utils.traces.categories import category, hta_type, operator_category, operator_hta_type
 from lab_utils.traces.phases import PhaseTable, block_of
 from lab_utils.traces.reader import RankTrace
 
@@ -49,6 +54,7 @@ class Attributed:
     steps: pd.DataFrame  # step, ts, end, dur (host-side windows, us after t0)
     has_steps: bool
     main_tid: str | None
+    rule: str = "gpu"  # "cpu": no GPU activity, read by the CPU rule (lab_utils.traces.cpu)
 
 
 def step_windows(host: pd.DataFrame) -> pd.DataFrame:
@@ -172,8 +178,12 @@ def attribute(trace: RankTrace, phases: PhaseTable | None = None) -> Attributed:
     elif len(host):
         ops = host[host["cat"].astype(str).eq("cpu_op")]
         main_tid = str(ops["tid"].astype(str).mode().iloc[0]) if len(ops) else None
-    k = gpu.merge(_launches(host), on="correlation", how="left")
-    k["op_index"], k["op"] = _ops(host, k) if len(k) else (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=object))
+    rule = cpu.RULE if cpu.applies(trace) else "gpu"
+    if rule == cpu.RULE:
+        k = cpu.launch_columns(cpu.activities(trace))
+    else:
+        k = gpu.merge(_launches(host), on="correlation", how="left")
+        k["op_index"], k["op"] = _ops(host, k) if len(k) else (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=object))
     launch = k["launch_ts"].to_numpy(dtype=np.float64)
     if not has_steps:  # one window: every launched activity is in step 0
         k["step"] = np.where(np.isnan(launch), -1, 0)
@@ -187,7 +197,11 @@ def attribute(trace: RankTrace, phases: PhaseTable | None = None) -> Attributed:
     for key, arr in _ranges(host, k, main_tid, phases).items():
         k[key] = arr
     names, cats = k["name"].astype(str).to_numpy(), k["cat"].astype(str).to_numpy()
-    k["hta_type"] = [hta_type(n) for n in names]
-    k["category"] = [category(n, c, o) for n, c, o in zip(names, cats, k["op"].to_numpy())]
+    if rule == cpu.RULE:
+        k["hta_type"] = [operator_hta_type(n) for n in names]
+        k["category"] = [operator_category(n) for n in names]
+    else:
+        k["hta_type"] = [hta_type(n) for n in names]
+        k["category"] = [category(n, c, o) for n, c, o in zip(names, cats, k["op"].to_numpy())]
     k["queue_delay"] = k["ts"] - k["launch_ts"]
-    return Attributed(trace.rank, k, steps.drop(columns="tid"), has_steps, main_tid)
+    return Attributed(trace.rank, k, steps.drop(columns="tid"), has_steps, main_tid, rule)

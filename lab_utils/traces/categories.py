@@ -30,6 +30,18 @@ perflab's categories (``category``), first match wins, tested on real kernel nam
 ``fused (triton)``         other Triton kernels (``triton_``/``triton__0d1d...``: Inductor's fused kernels)
 ``other``                  none of the above
 =========================  ===========================================================================
+
+Operators (``kind == "cpu_op"``: a CPU trace read by the CPU rule, :mod:`lab_utils.traces.cpu`)
+take :data:`OPERATOR_RULES`, the operator-name table lab 01's profiler has always used
+(:func:`lab_utils.profiling.traces.categorize` reads it from here: one table for both): first match
+wins, in this order: communication (``c10d``, ``gloo:``, ``record_param_comms``, collectives by
+name), optimizer (``_foreach_``, fused Adam), attention (``sdpa``, ``softmax``), normalization,
+matmul (``mm``, ``addmm``, ``bmm``, ``linear``, ``conv``), reduction, copy/cast (copies, views,
+layout, allocation), elementwise/activation.  Their HolisticTraceAnalysis type
+(:func:`operator_hta_type`): ``COMMUNICATION`` for the communication operators, ``MEMORY`` for the
+copies (``copy_``, ``to``, ``_to_copy``, ``cat``, ``clone``, ``contiguous``), ``OTHER`` for
+operators that move no data (views, ``empty``, ``detach``, ``as_strided``), ``COMPUTATION`` for
+every other operator.
 """
 
 from __future__ import annotations
@@ -91,6 +103,81 @@ RULES: tuple[tuple[str, re.Pattern], ...] = (
 )
 
 
+#: operator names (``aten::mm``, ``c10d::allreduce_``, ``gloo:all_reduce``) -> category; the names are
+#: lower-cased and ``aten::`` / ``::`` turned into blanks before the search (see the module note)
+OPERATOR_RULES: tuple[tuple[str, re.Pattern], ...] = (
+    (
+        "communication",
+        re.compile(
+            r"nccl|gloo:|all_?reduce|all_?gather|reduce_?scatter|c10d|alltoall|broadcast_coalesced"
+            r"|record_param_comms|\bsend\b|\brecv\b"
+        ),
+    ),
+    ("optimizer", re.compile(r"_foreach_|fused_adam|multi_tensor_apply|adamw?_|optimizer")),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|softmax|scaled_dot_product|cudnn_.*attn")),
+    ("normalization", re.compile(r"layer_?norm|rms_?norm|group_?norm|batch_?norm|instance_?norm")),
+    ("matmul", re.compile(r"gemm|\bmm\b|addmm|bmm|matmul|linear|conv|xmma|cutlass|cublas|wgmma|sm\d+_|baddbmm")),
+    (
+        "reduction",
+        re.compile(
+            r"reduce|\bsum\b|mean|\bmax\b|\bmin\b|argmax|argmin|vector_norm|\bnorm\b|\bvar\b|\bstd\b"
+            r"|cumsum|topk|\ball\b|\bany\b|mse_loss"
+        ),
+    ),
+    (
+        "copy/cast",
+        re.compile(
+            r"copy|memcpy|memset|_to_copy|\bto\b|contiguous|clone|\bcat\b|stack|index|gather"
+            r"|scatter|pad|fill|zero_|repeat|expand|transpose|permute|reshape|view|slice|select"
+            r"|unfold|flip|roll|split|chunk|narrow|empty|as_strided|detach|unbind|resize|squeeze|\bt\b|alias"
+            r"|full|zeros|ones|arange|scalar_tensor|lift_fresh|type_as|meshgrid|embedding"
+        ),
+    ),
+    (
+        "elementwise/activation",
+        re.compile(
+            r"elementwise|vectorized|unrolled|gelu|silu|relu|sigmoid|tanh|\badd|\bsub"
+            r"|\bmul|\bdiv|exp|log|pow|rsqrt|sqrt|\bsin\b|\bcos\b|where|neg|abs|clamp"
+            r"|rand|normal|uniform|bernoulli|dropout|lerp|addcmul|addcdiv|sign|erf"
+            r"|maximum|minimum|\beq\b|\bne\b|\bgt\b|\blt\b|\bge\b|\ble\b|logical|rsub|reciprocal|bitwise"
+            r"|__and__|__or__"
+        ),
+    ),
+)
+_OP_MEMORY = re.compile(r"^aten::(copy_|_copy_from|_copy_from_and_resize|to|_to_copy|cat|clone|contiguous|stack)$")
+_OP_NO_DATA = re.compile(
+    r"^aten::(empty|empty_strided|empty_like|view|_unsafe_view|_reshape_alias|reshape|as_strided|detach|detach_"
+    r"|alias|lift_fresh|t|transpose|permute|expand|unsqueeze|squeeze|select|slice|split|chunk|narrow|unbind"
+    r"|resize_|set_|result_type|item|_local_scalar_dense|is_nonzero)$"
+)
+
+
+def _operator_text(name: str) -> str:
+    return name.lower().replace("aten::", " ").replace("::", " ")
+
+
+@lru_cache(maxsize=65536)
+def operator_category(name: str) -> str:
+    """The category of an operator's name through :data:`OPERATOR_RULES` ("other" when none matches)."""
+    text = _operator_text(name)
+    for cat, rx in OPERATOR_RULES:
+        if rx.search(text):
+            return cat
+    return "other"
+
+
+@lru_cache(maxsize=65536)
+def operator_hta_type(name: str) -> str:
+    """The HolisticTraceAnalysis type an operator stands as under the CPU rule (see the module note)."""
+    if operator_category(name) == "communication":
+        return "COMMUNICATION"
+    if _OP_MEMORY.match(name):
+        return "MEMORY"
+    if _OP_NO_DATA.match(name):
+        return "OTHER"
+    return "COMPUTATION"
+
+
 _COPY_FUNCTOR = re.compile(r"direct_copy_kernel|copy_kernel_cuda|copy_device_to_device")
 
 
@@ -121,6 +208,8 @@ def category(name: str, kind: str = "kernel", op: str = "") -> str:
     ``kind``: the event's ``cat`` (``kernel``, ``gpu_memcpy``, ``gpu_memset``); ``op``: the
     operator that launched it, consulted when the kernel's own name says nothing.
     """
+    if kind == "cpu_op":  # an operator standing as a kernel (the CPU rule): the operator table
+        return operator_category(name)
     if kind in ("gpu_memcpy", "Memcpy"):
         return "memcpy"
     if kind in ("gpu_memset", "Memset"):

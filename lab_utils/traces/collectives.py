@@ -27,6 +27,7 @@ median transfer; otherwise there is none.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
@@ -122,6 +123,67 @@ def calls(kernels: pd.DataFrame, host: pd.DataFrame | None = None, world_size: i
     out["hidden_us"] = _covered(out["ts"].to_numpy(), out["end"].to_numpy(), union(comp["ts"], comp["end"]))
     out["exposed_us"] = out["dur"] - out["hidden_us"]
     return out.drop(columns=["collective_arg", "dtype_arg"])
+
+
+_BACKEND_RANGE = re.compile(r"^(gloo|mpi|ucc):")
+
+
+def cpu_calls(kernels: pd.DataFrame, world_size: int | None = None) -> pd.DataFrame:
+    """One row per collective of a rank read by the CPU rule (:mod:`lab_utils.traces.cpu`), in
+    :func:`calls`' columns.  The calls are the backend's ranges (``gloo:all_reduce``: the transfer
+    on the backend's thread) when the trace has them, else the communication operators
+    (``c10d::allreduce_``, ``record_param_comms``).  Kind from the name (or ``Collective name``);
+    bytes from ``In msg nelems`` x ``dtype`` where recorded, else the input tensors' recorded
+    shapes and types (``record_shapes=True``; NaN without them); no algorithm or protocol."""
+    comm = kernels[kernels["hta_type"] == "COMMUNICATION"]
+    backend = comm["name"].astype(str).str.match(_BACKEND_RANGE.pattern)
+    k = comm[backend] if backend.any() else comm
+    out = k[["ts", "end", "dur", "stream", "step", "window", "external_id", "name"]].reset_index(drop=True)
+    arg = k["collective"].to_numpy() if "collective" in k else np.full(len(k), None)
+    out["collective"] = [_cpu_kind(str(n), a) for n, a in zip(out["name"], arg)]
+    for c in ("algorithm", "protocol", "redop"):
+        out[c] = None
+    get = {c: (k[c].to_numpy() if c in k else np.full(len(k), None)) for c in _ARGS.values()}
+    out["dtype"] = get["dtype"]
+    out["in_nelems"], out["out_nelems"] = get["in_nelems"], get["out_nelems"]
+    out["group_size"], out["pg_name"] = get["group_size"], get["pg_name"]
+    n_in = pd.to_numeric(out["in_nelems"], errors="coerce").to_numpy(dtype=np.float64)
+    by_arg = n_in * np.array([_itemsize(d) for d in out["dtype"]])
+    dims = k["input_dims"].to_numpy() if "input_dims" in k else np.full(len(k), None)
+    types = k["input_type"].to_numpy() if "input_type" in k else np.full(len(k), None)
+    by_shape = np.array([_tensor_bytes(d, t) for d, t in zip(dims, types)], dtype=np.float64)
+    out["bytes"] = np.where(np.isfinite(by_arg), by_arg, by_shape)
+    n = pd.to_numeric(out["group_size"], errors="coerce").fillna(world_size or np.nan).to_numpy(dtype=np.float64)
+    factor = np.array([_BUS[c](g) if c in _BUS and g > 1 else 1.0 for c, g in zip(out["collective"], n)])
+    out["group"] = n
+    out["algbw_gbps"] = out["bytes"] / (out["dur"] * 1e3)
+    out["busbw_gbps"] = out["algbw_gbps"] * factor
+    comp = kernels[kernels["hta_type"] == "COMPUTATION"]
+    out["hidden_us"] = _covered(out["ts"].to_numpy(), out["end"].to_numpy(), union(comp["ts"], comp["end"]))
+    out["exposed_us"] = out["dur"] - out["hidden_us"]
+    return out
+
+
+def _cpu_kind(name: str, arg) -> str:
+    """``gloo:all_reduce`` / ``c10d::allreduce_`` / a ``Collective name`` -> perflab's kind."""
+    raw = str(arg) if isinstance(arg, str) and arg else name.split(":")[-1]
+    key = raw.strip("_").replace("_", "").lower()
+    return KINDS.get(key, raw.strip("_"))
+
+
+def _tensor_bytes(dims, types) -> float:
+    """Bytes of the recorded input tensors (``Input Dims``/``Input type`` as raw JSON), NaN if none."""
+    if dims is None or types is None:
+        return float("nan")
+    try:
+        d, t = json.loads(dims), json.loads(types)
+    except (TypeError, ValueError):
+        return float("nan")
+    total = 0.0
+    for shape, typ in zip(d, t):
+        if isinstance(shape, list) and shape and all(isinstance(x, int) for x in shape):
+            total += float(np.prod(shape)) * _itemsize(typ)
+    return total if total > 0 else float("nan")
 
 
 #: argument columns of a call and the reader's column each comes from

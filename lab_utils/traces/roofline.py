@@ -31,7 +31,7 @@ import re
 import numpy as np
 import pandas as pd
 
-from lab_utils.core.device import datasheet_for
+from lab_utils.core.device import DatasheetPeak, datasheet_for
 from lab_utils.core.flops import FUSED_FLOPS_PER_ELEMENT, attention_flops, matmul_flops
 
 ITEMSIZE = {"float": 4, "double": 8, "c10::half": 2, "c10::bfloat16": 2, "half": 2, "bfloat16": 2, "long int": 8}
@@ -89,8 +89,11 @@ def cost(op: str, dims: list, types: list) -> tuple[float, float, str] | None:
     return None
 
 
-def op_roofline(kernels: pd.DataFrame, host: pd.DataFrame, device_name: str | None) -> pd.DataFrame:
-    """One row per (op, shapes, types) that launched kernels (see the module note)."""
+def op_roofline(
+    kernels: pd.DataFrame, host: pd.DataFrame, device_name: str | None, peak: DatasheetPeak | None = None
+) -> pd.DataFrame:
+    """One row per (op, shapes, types) that launched kernels (see the module note); ``peak``
+    replaces the datasheet row of ``device_name`` (a CPU's measured ceilings)."""
     cols = ["op", "shapes", "types", "kind", "calls", "gpu_us", "flops", "bytes", "tflops", "gbps", "intensity"]
     cols += ["peak_tflops", "peak_gbps", "pct_of_peak", "bound", "device"]
     if "input_dims" not in host:
@@ -121,7 +124,7 @@ def op_roofline(kernels: pd.DataFrame, host: pd.DataFrame, device_name: str | No
     df["tflops"] = df["flops"] / (df["gpu_us"] * 1e6)
     df["gbps"] = df["bytes"] / (df["gpu_us"] * 1e3)
     df["intensity"] = df["flops"] / df["bytes"]
-    peak = datasheet_for(device_name)
+    peak = peak or datasheet_for(device_name)
     half = df["types"].str.contains("Half|BFloat16", case=False)
     if peak is not None:
         df["peak_tflops"] = np.where(half, peak.bf16_tflops, peak.tf32_tflops)
@@ -135,5 +138,5 @@ def op_roofline(kernels: pd.DataFrame, host: pd.DataFrame, device_name: str | No
     else:
         df["peak_tflops"] = df["peak_gbps"] = df["pct_of_peak"] = np.nan
         df["bound"] = "no datasheet for " + str(device_name)
-    df["device"] = device_name
+    df["device"] = device_name if peak is None or device_name else peak.name
     return df.sort_values("gpu_us", ascending=False).reset_index(drop=True)[cols]
