@@ -46,7 +46,7 @@ def test_a_given_cpu_trace_is_read_by_the_cpu_rule_and_its_facts_hold(given):
     t = study.temporal_tables(lt)
     assert list(t["trace"]) == ["trace"] and t["rule"].iloc[0] == "cpu"
     cats = study.category_table(lt.analyses["trace"])
-    assert cats["pct"].sum() == pytest.approx(100.0)
+    assert cats["pct"].sum() == pytest.approx(100.0, abs=0.01)  # each row rounded to 3 decimals
 
 
 def test_explorer_selects_rank_step_and_phase(given):

@@ -131,3 +131,22 @@ def test_the_rule_is_not_applied_to_a_trace_with_gpu_kernels(tmp_path):
     ta = TraceAnalysis(write(tmp_path / "one.json", ev))
     assert ta.rule(0) == "gpu" and list(ta.kernels(0)["name"]) == ["sm80_xmma_gemm"]
     assert RULE_TEXT not in ta.summary()
+
+
+def test_whole_operators_and_record_param_comms_sizes(tmp_path):
+    """A CPU trace as written by a backend that records ``record_param_comms`` (NCCL-style args):
+    the matmul and the collective stand whole (what they enclose is not counted again), the
+    collective's size comes from the record inside it, a leaf outside both is an activity."""
+    comms = {"Collective name": "allreduce", "In msg nelems": 1000, "dtype": "Float", "Group size": 2}
+    ev = [step(1, 0, 1000), op("aten::linear", 10, 100, 1), op("aten::addmm", 20, 80, 2), op("aten::expand", 25, 5, 3)]
+    ev += [op("c10d::allreduce_", 200, 300, 4), op("record_param_comms", 210, 280, 5, **comms)]
+    ev += [op("aten::empty", 220, 2, 6), op("aten::relu", 600, 50, 7)]
+    ta = TraceAnalysis(write(tmp_path / "cpu.json", ev))
+    k = ta.kernels(0).set_index("name")
+    assert ta.rule(0) == "cpu" and sorted(k.index) == ["aten::linear", "aten::relu", "c10d::allreduce_"]
+    assert k.loc["aten::linear", "category"] == "matmul" and k.loc["c10d::allreduce_", "hta_type"] == "COMMUNICATION"
+    assert k["dur"].sum() == 100 + 300 + 50
+    calls = ta.collectives()
+    assert list(calls["collective"]) == ["all_reduce"] and list(calls["bytes"]) == [4000.0]
+    assert calls["busbw_gbps"].iloc[0] == pytest.approx(4000 / 300e3)  # 2(n-1)/n = 1 for two ranks
+    assert ta.shares().iloc[0]["COMMUNICATION"] == pytest.approx(100 * 300 / 450)

@@ -203,7 +203,7 @@ class TraceAnalysis:
     def _calls(self, rank: int, scope: str = "all") -> pd.DataFrame:
         t = self.traces[rank]
         if self.rule(rank) == cpu.RULE:
-            return collectives.cpu_calls(self.kernels(rank, scope), t.world_size)
+            return collectives.cpu_calls(self.kernels(rank, scope), t.world_size, t.host)
         return collectives.calls(self.kernels(rank, scope), t.host, t.world_size)
 
     def skew(self) -> pd.DataFrame:

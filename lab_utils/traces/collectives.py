@@ -128,22 +128,26 @@ def calls(kernels: pd.DataFrame, host: pd.DataFrame | None = None, world_size: i
 _BACKEND_RANGE = re.compile(r"^(gloo|mpi|ucc):")
 
 
-def cpu_calls(kernels: pd.DataFrame, world_size: int | None = None) -> pd.DataFrame:
+def cpu_calls(kernels: pd.DataFrame, world_size: int | None = None, host: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per collective of a rank read by the CPU rule (:mod:`lab_utils.traces.cpu`), in
     :func:`calls`' columns.  The calls are the backend's ranges (``gloo:all_reduce``: the transfer
     on the backend's thread) when the trace has them, else the communication operators
     (``c10d::allreduce_``, ``record_param_comms``).  Kind from the name (or ``Collective name``);
-    bytes from ``In msg nelems`` x ``dtype`` where recorded, else the input tensors' recorded
+    bytes from ``In msg nelems`` x ``dtype`` where recorded, on the call or on the
+    ``record_param_comms`` inside it (same thread, ``host``), else the input tensors' recorded
     shapes and types (``record_shapes=True``; NaN without them); no algorithm or protocol."""
     comm = kernels[kernels["hta_type"] == "COMMUNICATION"]
     backend = comm["name"].astype(str).str.match(_BACKEND_RANGE.pattern)
     k = comm[backend] if backend.any() else comm
     out = k[["ts", "end", "dur", "stream", "step", "window", "external_id", "name"]].reset_index(drop=True)
     arg = k["collective"].to_numpy() if "collective" in k else np.full(len(k), None)
+    get = {c: (k[c].to_numpy(dtype=object, copy=True) if c in k else np.full(len(k), None)) for c in _ARGS.values()}
+    if host is not None and "in_nelems" in host:
+        _args_from_inside(k, host, get)
+    arg = np.where(pd.isna(arg), get["collective"], arg)
     out["collective"] = [_cpu_kind(str(n), a) for n, a in zip(out["name"], arg)]
     for c in ("algorithm", "protocol", "redop"):
         out[c] = None
-    get = {c: (k[c].to_numpy() if c in k else np.full(len(k), None)) for c in _ARGS.values()}
     out["dtype"] = get["dtype"]
     out["in_nelems"], out["out_nelems"] = get["in_nelems"], get["out_nelems"]
     out["group_size"], out["pg_name"] = get["group_size"], get["pg_name"]
@@ -162,6 +166,24 @@ def cpu_calls(kernels: pd.DataFrame, world_size: int | None = None) -> pd.DataFr
     out["hidden_us"] = _covered(out["ts"].to_numpy(), out["end"].to_numpy(), union(comp["ts"], comp["end"]))
     out["exposed_us"] = out["dur"] - out["hidden_us"]
     return out
+
+
+def _args_from_inside(k: pd.DataFrame, host: pd.DataFrame, get: dict) -> None:
+    """Fill ``get``'s missing argument columns of each call from a sized record
+    (``record_param_comms``) that the call encloses on its thread."""
+    rec = host[host["in_nelems"].notna()]
+    if not len(rec):
+        return
+    tids = rec["tid"].astype(str).to_numpy()
+    for i, (ts, end, tid) in enumerate(zip(k["ts"], k["end"], k["tid"].astype(str))):
+        if not pd.isna(get["in_nelems"][i]):
+            continue
+        inside = rec[(tids == tid) & (rec["ts"].to_numpy() >= ts) & (rec["end"].to_numpy() <= end)]
+        if len(inside):
+            first = inside.iloc[0]
+            for src in get:
+                if src in inside and pd.isna(get[src][i]):
+                    get[src][i] = first[src]
 
 
 def _cpu_kind(name: str, arg) -> str:
