@@ -3,7 +3,9 @@ loss spikes with skip / clip / rewind.
 
 * telemetry: :class:`lab_utils.stability.telemetry.Telemetry` on the step's blocks (activation
   RMS / max of each block output, gradient norm per block and in total, update ratio and the
-  fraction of lost updates per block from a weight snapshot around the optimizer step);
+  fraction of lost updates per block from a weight snapshot around the optimizer step) and
+  :class:`StepTelemetry`'s attention logit max per block, from every
+  ``scaled_dot_product_attention`` call the block makes (any model: no seam needed);
 * the locator replays one step under :class:`~lab_utils.stability.telemetry.NaNLocator`
   (hooks on every module and parameter) and names the first module whose output or gradient
   is non-finite;
@@ -20,6 +22,8 @@ import math
 
 import pandas as pd
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
 from lab_utils.core.config import ConfigError, check_choice, check_float, check_int
@@ -31,9 +35,111 @@ from lab_utils.step.contract import StepFactory, blocks
 MAX_REWINDS = 3
 
 
-def telemetry(step: StepFactory, *, every: int = 1) -> Telemetry:
-    """Telemetry hooked on the step's detected blocks (``close()`` it when done)."""
-    return Telemetry(step.model, every=every, head_groups=1, blocks=blocks(step))
+def sdpa_logit_max(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The largest pre-softmax logit ``q·kᵀ·scale`` of one ``scaled_dot_product_attention`` call
+    (its own q, k and ``scale``, default ``1/sqrt(E)``; grouped-query keys repeated to the query
+    heads; the mask is ignored, so a bound), one head at a time (an (L, S) matrix at most)."""
+    q = args[0] if args else kwargs["query"]
+    k = args[1] if len(args) > 1 else kwargs["key"]
+    q, k = q.detach().float(), k.detach().float()
+    scale = kwargs.get("scale", args[6] if len(args) > 6 else None) or q.shape[-1] ** -0.5
+    if q.dim() < 3:
+        return (q @ k.transpose(-1, -2)).amax() * scale
+    if k.shape[-3] != q.shape[-3]:
+        if q.shape[-3] % k.shape[-3]:
+            return None  # heads that do not group: not an attention this reads
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    heads = [(q[..., h, :, :] @ k[..., h, :, :].transpose(-1, -2)).amax() for h in range(q.shape[-3])]
+    return torch.stack(heads).amax() * scale
+
+
+class _AttentionCalls(TorchFunctionMode):
+    """While entered, hands every ``scaled_dot_product_attention`` call to ``note``."""
+
+    def __init__(self, note):
+        super().__init__()
+        self.note = note
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.note(args, kwargs)
+        return func(*args, **kwargs)
+
+
+class StepTelemetry(Telemetry):
+    """:class:`Telemetry` on a step's detected blocks, plus ``logit_max`` per block (stream
+    ``attn``): the largest logit of the ``scaled_dot_product_attention`` calls made inside the
+    block during a sampled step's forward (and a checkpointed block's recompute: the same
+    values), by :func:`sdpa_logit_max`.  A model that calls no SDPA gets no such rows."""
+
+    def __init__(self, step: StepFactory, *, every: int = 1):
+        super().__init__(step.model, every=every, head_groups=1, blocks=blocks(step))
+        self.current: list[str] = []  # the blocks whose forward is running, innermost last
+        self.logit_max: dict[str, torch.Tensor] = {}
+        self.mode: _AttentionCalls | None = None
+        self.hooks = []
+        for name, mod in self.blocks:
+            self.hooks.append(mod.register_forward_pre_hook(self.enter(name)))
+            self.hooks.append(mod.register_forward_hook(self.leave))
+
+    def enter(self, name: str):
+        def hook(mod, args) -> None:
+            self.current.append(name)
+
+        return hook
+
+    def leave(self, mod, args, out) -> None:  # returns None: the block's output stays its own
+        if self.current:
+            self.current.pop()
+
+    def note(self, args: tuple, kwargs: dict) -> None:
+        if self.current:
+            with torch.no_grad():
+                v = sdpa_logit_max(args, kwargs)
+            if v is None:
+                return
+            b = self.current[-1]
+            self.logit_max[b] = v if b not in self.logit_max else torch.maximum(self.logit_max[b], v)
+
+    def begin_step(self, step: int) -> bool:
+        active = super().begin_step(step)
+        self.logit_max, self.current = {}, []
+        if active and self.mode is None:
+            self.mode = _AttentionCalls(self.note)
+            self.mode.__enter__()
+        return active
+
+    def stop(self) -> None:
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
+
+    def after_backward(self, grad_scale: float = 1.0) -> None:
+        self.stop()
+        super().after_backward(grad_scale)
+
+    def end_step(self) -> None:
+        self.stop()
+        step, active = self.step, self.active
+        super().end_step()
+        if active:
+            vals = {b: float(v) for b, v in self.logit_max.items()}
+            self.rows += [dict(step=step, block=b, stream="attn", stat="logit_max", value=v) for b, v in vals.items()]
+        self.logit_max = {}
+
+    def close(self) -> None:
+        self.stop()
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        super().close()
+
+
+def telemetry(step: StepFactory, *, every: int = 1) -> StepTelemetry:
+    """Telemetry hooked on the step's detected blocks, attention logit max included (``close()``
+    it when done)."""
+    return StepTelemetry(step, every=every)
 
 
 def locate(step: StepFactory, k: int, *, module: str | None = None, phase: str = "forward"):

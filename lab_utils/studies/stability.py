@@ -32,12 +32,15 @@ from lab_utils.stability.numdiff import NumericsDiff, numerics_diff
 from lab_utils.stability.telemetry import NAN_PHASES
 from lab_utils.stability.training import PROVOKE, SPIKE_POLICIES, RunResult, RunSpec, train_run
 from lab_utils.step.load import DEFAULT_STEP, check_step_spec
+from lab_utils.step.skip import default_step_only, default_step_only_in, hand_on_skipped
 from lab_utils.studies.headline import Figure, register, rows
 
 LAB = "07_stability"
 PRECISION_RUNS = ("fp32", "bf16", "bf16_master", "bf16_sr")
 # act_rms is left out: the residual stream dominates a block's output RMS and hides a block's own error
 DRIFT_STATS = ("act_max", "logit_max", "grad_norm")
+MMDIT_QK = "QK-norm on and off acts on the MMDiT's qk_norm_rope seam (your step's logit max is in its telemetry)"
+MMDIT_LOOP = "this experiment trains the MMDiT in its own loop (train_run at its presets and blocks)"
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ def _run_all(cfg: StabilityLabConfig, specs: list[RunSpec], desc: str) -> dict[s
 
 
 # ------------------------------------------------------------------------------ experiments
+@default_step_only(MMDIT_QK)
 def run_qk_norm(cfg: StabilityLabConfig) -> dict[str, RunResult]:
     """QK-norm on vs off at a high learning rate, no clipping."""
     kw = dict(lr=cfg.qk_lr, steps=cfg.qk_steps, grad_clip=0.0)
@@ -503,6 +507,10 @@ def diff_heatmap(d: NumericsDiff, stat: str, name: str):
     )
 
 
+def diff_heatmaps(diffs: dict[str, NumericsDiff], stat: str):
+    return hv.Layout([diff_heatmap(d, stat, name) for name, d in diffs.items()]).cols(1)
+
+
 def loss_scale_plot(r: RunResult):
     st = r.steps
     skipped = st[st.action.str.contains("skipped")]
@@ -560,6 +568,16 @@ def record_drift(rec: Recorder, table: pd.DataFrame) -> None:
         rec.add("recipe_drift", r.recipe, f"first_step_{r.stat}", r.at_step, "step", block=r.drift_starts_in)
 
 
+# on another step the experiments return one Skipped line and what reads them hands it on (see "Your step")
+default_step_only_in(globals(), MMDIT_LOOP, "run_precision run_adam run_recipes run_loss_scaling run_spikes")
+default_step_only_in(globals(), MMDIT_LOOP, "nan_locator_lines")
+hand_on_skipped(
+    globals(),
+    "recipe_diffs qk_table qk_verdict_lines precision_table precision_verdict_lines adam_table "
+    "drift_table loss_scaling_table spike_table spike_verdict_lines policy_check_lines closing_lines "
+    "logit_max_plot loss_plot update_ratio_plot lost_update_plot block_heatmap diff_heatmaps "
+    "loss_scale_plot spike_plot record_runs record_table record_drift",
+)
 # --------------------------------------------------------------------------------------
 # The takeaway (from records only: the report's index builds the same line)
 # --------------------------------------------------------------------------------------

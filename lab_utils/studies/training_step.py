@@ -36,6 +36,7 @@ from lab_utils.profiling.profiler import (
     training_step_flops,
 )
 from lab_utils.step.load import DEFAULT_STEP, check_step_spec
+from lab_utils.step.skip import Skipped, default_step_only, passes_skipped, skipped
 from lab_utils.studies.headline import Figure, fmt, register, rows, verdict
 
 
@@ -56,9 +57,21 @@ class TrainingStepLabConfig(TrainConfig):
         check_step_spec(self.step)  # imports and is callable; its first step is checked by your_step.load
 
 
+#: Why lab 01's sections on perflab's MMDiT are skipped on another ``step`` (one line each).
+MMDIT_FACTS = (
+    "the presets, the faithfulness to diffusers' FLUX blocks, the FLOP derivation and the bad-input "
+    "checks are the MMDiT's"
+)
+MMDIT_PROFILE = (
+    "the trainer's profile (encoders, bucketed loader, checkpoints, the MMDiT's seams) and its explorer are MMDiT-only"
+)
+#: the checked facts take the lab's config only to be skipped on another step (without one they run)
+mmdit_facts = default_step_only(MMDIT_FACTS)
+
 PHASE_COLORS = dict(zip(PHASES, ("#8c8c8c", "#e377c2", "#bcbd22", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd")))
 
 
+@passes_skipped
 def phase_bars(report: ProfileReport):
     """Stacked bar of phases per profiled step (hover shows ms)."""
     df = report.analysis.phases.copy()
@@ -75,6 +88,7 @@ def phase_bars(report: ProfileReport):
     )
 
 
+@passes_skipped
 def phase_table(report: ProfileReport) -> pd.DataFrame:
     """Each phase's time per step with its samples' verdict; a checkpoint every N steps counts
     as its cost per save / N (:data:`lab_utils.profiling.profiler.PERIODIC_RULE`), its full cost beside it."""
@@ -92,6 +106,7 @@ def phase_table(report: ProfileReport) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["phase", "ms_per_step", "every_n_steps", "ms_per_event", "samples", "verdict"])
 
 
+@passes_skipped
 def phase_summary_bars(report: ProfileReport):
     """Time per step by phase (median over the profiled steps), periodic phases amortised;
     the rule and each periodic phase's full cost are stated on the figure (its x label)."""
@@ -113,6 +128,7 @@ def phase_summary_bars(report: ProfileReport):
     )
 
 
+@passes_skipped
 def category_map(report: ProfileReport):
     """Time per kernel category, for all steps together and per step (HoloMap slider)."""
     a = report.analysis
@@ -128,6 +144,7 @@ def category_map(report: ProfileReport):
     return hv.HoloMap(els, kdims=["steps"])
 
 
+@passes_skipped
 def top_ops_table(report: ProfileReport):
     """The top operators with their full names (a styled HTML table: a bokeh table cuts long
     names at its column width): total ms over the profiled steps, median ms per step, share."""
@@ -146,6 +163,7 @@ def top_ops_table(report: ProfileReport):
     )
 
 
+@passes_skipped
 def memory_curve(report: ProfileReport):
     a = report.analysis
     what = "allocated (CUDA caching allocator)" if a.device_kind == "cuda" else "allocated since profiling began (CPU)"
@@ -158,6 +176,7 @@ def memory_curve(report: ProfileReport):
     return hv.Overlay([curve, *lines])
 
 
+@passes_skipped
 def mfu_bars(mfu: pd.DataFrame):
     df = mfu[mfu.pct.notna()].copy()
     if not len(df):
@@ -181,6 +200,7 @@ def _sig(v, digits: int = 4):
         return v
 
 
+@passes_skipped
 def steps_frame(report: ProfileReport) -> pd.DataFrame:
     """Per profiled step: time (as profiled, and with periodic phases amortised), phase
     coverage, busy/idle, FLOPs and TFLOP/s (4 significant digits)."""
@@ -190,6 +210,7 @@ def steps_frame(report: ProfileReport) -> pd.DataFrame:
     return df
 
 
+@passes_skipped
 def mfu_table(mfu: pd.DataFrame):
     t = mfu.copy()
     t["tflops"] = t.tflops.map(lambda v: f"{v:.3g}")
@@ -207,7 +228,8 @@ def mfu_table(mfu: pd.DataFrame):
 PUBLIC_PARAMS_B = {"flux-dev": 11.9, "flux-schnell": 11.9, "t5": 4.76, "clip": 0.123, "vae": 0.0838}
 
 
-def preset_lines() -> list[str]:
+@mmdit_facts
+def preset_lines(cfg=None) -> list[str]:
     """One line per preset (built on meta: nothing allocated), parameter counts checked
     against the analytic count, plus flux-dev's encoders."""
     lines = []
@@ -231,7 +253,8 @@ def preset_lines() -> list[str]:
     return lines
 
 
-def faithfulness_lines(seed: int = 0) -> list[str]:
+@mmdit_facts
+def faithfulness_lines(cfg=None, seed: int = 0) -> list[str]:
     """The model against diffusers' FLUX blocks, and a tiny model that must learn a fixed batch."""
     errs = diffusers_block_errors(seed=seed)
     same = {k: v < 1e-5 for k, v in errs.items()}
@@ -274,7 +297,8 @@ def forward_flops_from_modules(preset: str, batch: int, img: int, txt: int) -> f
     return total + blocks * 4.0 * batch * (img + txt) ** 2 * model.cfg.hidden_size
 
 
-def flop_lines() -> list[str]:
+@mmdit_facts
+def flop_lines(cfg=None) -> list[str]:
     """A tiny step's counted FLOPs against the analytic forward, and flux-dev's forward at
     1024 px; each held to a derivation by hand (raises when one differs)."""
     tc = MMDiTConfig.from_preset("tiny")
@@ -294,7 +318,8 @@ def flop_lines() -> list[str]:
     ]
 
 
-def bad_input_lines() -> list[str]:
+@mmdit_facts
+def bad_input_lines(cfg=None) -> list[str]:
     """What a bad parameter is told (each must be refused before any work starts)."""
     out = []
     for make in (
@@ -324,7 +349,13 @@ class StepProfile:
 
 
 def profile_step(cfg: TrainingStepLabConfig, info: DeviceInfo, *, lab: str = "01_training_step") -> StepProfile:
-    """Build the trainer from the lab's parameters, profile it, record every number."""
+    """Build the trainer from the lab's parameters, profile it, record every number.  On another
+    ``step`` nothing is profiled: the report, seams and MFU are one :class:`Skipped` line, the
+    recorder (no ceilings measured) is the one the "Your step" section writes to."""
+    skip = skipped(cfg.step, MMDIT_PROFILE)
+    if skip is not None:
+        rec = Recorder(lab=lab, params=cfg.to_dict(), device=info.torch_device)
+        return StepProfile(skip, rec, skip, mfu_dtype(cfg), skip)
     trainer = Trainer(cfg)  # the lab's config is the step's (a TrainConfig): nothing rebuilt
     seams = dict(trainer.model.seams)
     try:
@@ -341,6 +372,8 @@ def profile_step(cfg: TrainingStepLabConfig, info: DeviceInfo, *, lab: str = "01
 
 def artifact_lines(p: StepProfile) -> list[str]:
     r = p.report
+    if isinstance(r, Skipped):
+        return [str(r)]
     lines = [f"trace: {r.trace_path}"]
     if r.memory_html_path is not None:
         lines.append(f"CUDA memory history: {r.memory_html_path}")

@@ -24,6 +24,7 @@ from lab_utils.core.device import pick_device
 from lab_utils.memory import MEMORY_DTYPES, compare_policies, step_shape
 from lab_utils.model import CHECKPOINT_POLICIES, MMDiTConfig
 from lab_utils.model import PRESETS as MODEL_PRESETS
+from lab_utils.step.skip import default_step_only
 from lab_utils.studies.explore.base import Control, Explorer, Progress, Result
 from lab_utils.studies.memory import MemoryLabConfig, acts_on, gpu_set, pareto_plot, sh_str
 
@@ -31,6 +32,11 @@ PRESETS = ("tiny", "small")
 BATCHES = (1, 2, 4)
 RESOLUTIONS = (64, 128)
 TXT_LENS = (8, 16)
+#: Why the explorer is skipped on another ``step`` (it measures the MMDiT's policies at its presets' shapes).
+EXPLORER_MMDIT_ONLY = (
+    "the explorer measures the MMDiT's checkpointing policies at its presets' shapes; "
+    "your step's policies, peak and time are in section 'Your step'"
+)
 
 
 def _with(options: tuple, *values) -> tuple:
@@ -77,6 +83,7 @@ class MemoryExplorer(Explorer):
     controls: ClassVar[tuple[Control, ...]] = explorer_controls("cpu")
 
     @classmethod
+    @default_step_only(EXPLORER_MMDIT_ONLY, arg=1)  # on another step: one line saying why
     def for_lab(cls, cfg: MemoryLabConfig, rec=None, measured: pd.DataFrame | None = None) -> MemoryExplorer:
         """The explorer at the lab's own step (preset, dtype, batch, resolution, text length)."""
         return cls(rec=rec, device=cfg.device, reps=cfg.reps, base=cfg, measured=measured)

@@ -15,14 +15,16 @@ import holoviews as hv
 import pandas as pd
 
 from lab_utils.stability.training import PRECISIONS, PROVOKE, SPIKE_POLICIES, RunSpec, train_run
+from lab_utils.step.skip import default_step_only
 from lab_utils.studies.explore.base import Control, Explorer, Progress, Result
+from lab_utils.studies.stability import MMDIT_LOOP
 
 STEPS = 12
 
 
 @dataclass
 class StabilityExplorer(Explorer):
-    """``StabilityExplorer(rec).show()``."""
+    """``StabilityExplorer.for_lab(cfg, rec).show()`` (or ``StabilityExplorer(rec)``)."""
 
     steps: int = STEPS
 
@@ -35,6 +37,13 @@ class StabilityExplorer(Explorer):
         Control("provoke", PROVOKE, "none", "provoke a spike"),
         Control("qk_norm", (), True, "QK-norm"),
     )
+
+    @classmethod
+    @default_step_only(MMDIT_LOOP, arg=1)  # on another step: one line saying why
+    def for_lab(cls, cfg, rec=None) -> StabilityExplorer:
+        """The lab's explorer (short MMDiT runs); on a lab whose ``step`` is another model's, the
+        line saying why it does not run."""
+        return cls(rec=rec)
 
     def spec(self, cfg: dict) -> RunSpec:
         return RunSpec(

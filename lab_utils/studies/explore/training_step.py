@@ -37,8 +37,9 @@ from lab_utils.model import CHECKPOINT_POLICIES
 from lab_utils.model.train import PHASES
 from lab_utils.precision.quantized import RECIPES
 from lab_utils.profiling.profiler import PERIODIC_RULE, periodic_note
+from lab_utils.step.skip import default_step_only
 from lab_utils.studies.explore.base import Control, Explorer, Progress, Result
-from lab_utils.studies.training_step import StepProfile, TrainingStepLabConfig, profile_step
+from lab_utils.studies.training_step import MMDIT_PROFILE, StepProfile, TrainingStepLabConfig, profile_step
 
 #: precision choice -> (parameter storage dtype, autocast)
 PRECISIONS = {"fp32": ("float32", "none"), "bf16 autocast": ("float32", "bf16"), "bf16 weights": ("bfloat16", "none")}
@@ -95,6 +96,7 @@ class TrainingStepExplorer(Explorer):
     controls: ClassVar[tuple[Control, ...]] = explorer_controls("cpu")
 
     @classmethod
+    @default_step_only(MMDIT_PROFILE, arg=1)  # on another step: one line saying why
     def for_lab(
         cls, cfg: TrainingStepLabConfig, info: DeviceInfo | None = None, rec=None, measured: StepProfile | None = None
     ) -> TrainingStepExplorer:
