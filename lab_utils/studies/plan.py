@@ -32,9 +32,13 @@ from lab_utils.plan.planner import (
 )
 from lab_utils.profiling.profiler import PERIODIC_RULE
 from lab_utils.step.load import DEFAULT_STEP, check_step_spec
+from lab_utils.step.skip import default_step_only, passes_skipped
 from lab_utils.studies.headline import Figure, fmt, register, rows, verdict
 
 LAB = "08_plan"
+#: Why the planner's sections are skipped on another ``step`` (its generic levers: section "Your step").
+MMDIT_PLAN = "the planner measures and varies the MMDiT trainer's seams (its levers act on them)"
+mmdit_only = default_step_only(MMDIT_PLAN)
 CPU_LEVERS = ("attention_path", "activation_checkpoint", "encoders", "num_workers", "ckpt_format")
 
 
@@ -70,6 +74,7 @@ def recorder(cfg: PlanLabConfig) -> Recorder:
 
 
 # ------------------------------------------------------------------------------- checked facts
+@mmdit_only
 def lever_table(cfg: PlanLabConfig) -> pd.DataFrame:
     """Each lever's settings to measure here, and those excluded with their reason."""
     device = pick_device(cfg.device)
@@ -113,6 +118,7 @@ def composition_check() -> pd.DataFrame:
 
 
 # ------------------------------------------------------------------------------- measuring
+@mmdit_only
 def run(cfg: PlanLabConfig, rec: Recorder, progress=None) -> PlanResult:
     """Measure the step and each lever setting, rank every combination."""
     res = build_plan(
@@ -128,6 +134,7 @@ def run(cfg: PlanLabConfig, rec: Recorder, progress=None) -> PlanResult:
     return res
 
 
+@mmdit_only
 def check(cfg: PlanLabConfig, res: PlanResult, rec: Recorder) -> pd.DataFrame:
     """Run the top plans again through the same Trainer and profiler (asserting their
     seams are the predicted ones), record everything, return predicted vs measured."""
@@ -140,6 +147,7 @@ def _shape(cfg: PlanLabConfig) -> str:
     return f"{cfg.preset} b{cfg.batch_size} {'x'.join(str(x) for x in cfg.buckets[0])}"
 
 
+@passes_skipped
 def seams_verdict(res: PlanResult) -> str:
     """Checked text: how many plans were verified, and that each ran its predicted seams
     (``verify`` asserts it; which levers the best plans pull depends on the measurement)."""
@@ -148,6 +156,7 @@ def seams_verdict(res: PlanResult) -> str:
 
 
 # ------------------------------------------------------------------------------- tables
+@passes_skipped
 def base_table(res: PlanResult) -> pd.DataFrame:
     """The measured step per phase: ms per step (a checkpoint every N steps amortised: its cost
     per save / N, ``lab_utils.profiling.profiler.PERIODIC_RULE``, as lab 01 counts it), beside the full
@@ -172,6 +181,7 @@ def base_table(res: PlanResult) -> pd.DataFrame:
     return df
 
 
+@passes_skipped
 def periodic_line(res: PlanResult) -> str:
     """The rule for phases that run every N steps, with the measured step's numbers."""
     parts = [
@@ -181,6 +191,7 @@ def periodic_line(res: PlanResult) -> str:
     return f"{PERIODIC_RULE}" + (": " + "; ".join(parts) if parts else " (none here)")
 
 
+@passes_skipped
 def effects_table(res: PlanResult, batch_size: int | None = None) -> pd.DataFrame:
     """Each measured lever setting alone: its phase ratios, step time, gain and peak-memory
     change; where it frees memory, about how many more samples per batch that buys (freed
@@ -206,6 +217,7 @@ def effects_table(res: PlanResult, batch_size: int | None = None) -> pd.DataFram
     return pd.DataFrame(rows)
 
 
+@passes_skipped
 def plans_table(res: PlanResult, n: int = 10) -> pd.DataFrame:
     rows = []
     for rank, p in enumerate(res.plans[:n], 1):
@@ -248,6 +260,7 @@ def verify_table(res: PlanResult) -> pd.DataFrame:
     return df.dropna(axis=1, how="all")  # no rebase: no drift columns, rather than columns of NaN
 
 
+@passes_skipped
 def verify_phases(res: PlanResult) -> pd.DataFrame:
     """Predicted vs measured ms per phase (and the total) of each verified plan."""
     rows = []
@@ -261,6 +274,7 @@ def verify_phases(res: PlanResult) -> pd.DataFrame:
 
 
 # ------------------------------------------------------------------------------- plots
+@passes_skipped
 def waterfall_plot(res: PlanResult):
     """From the measured step to the best plan, each bar a lever's step-time change."""
     best = next((p for p in res.plans if p.choices), res.plans[0])
@@ -296,6 +310,7 @@ def _phase_ticks(plot, element) -> None:
     ax.group_label_orientation = 0.5  # radians: long phase names do not collide
 
 
+@passes_skipped
 def prediction_plot(res: PlanResult):
     """Predicted vs measured per phase and total for each verified plan: grouped bars, the
     phase names as ticks and a legend for predicted / measured."""
@@ -327,6 +342,7 @@ def prediction_plot(res: PlanResult):
 
 
 # ------------------------------------------------------------------------------- words
+@passes_skipped
 def recommendations(res: PlanResult, n: int = 3) -> str:
     """Plain-language top ``n``: each lever of the best plans with its measured gain and risk."""
     scored = sorted(res.effects, key=lambda e: compose(res.base, [e]).total_ms)

@@ -27,8 +27,9 @@ import torch
 from lab_utils.core.config import ConfigError
 from lab_utils.core.timing import judge_samples
 from lab_utils.plan.planner import Plan, PlanResult, StepProfile, compose, judge, measure_step, peak_tflops_for
+from lab_utils.step.skip import default_step_only
 from lab_utils.studies.explore.base import Control, Explorer, Progress, Result, Unavailable
-from lab_utils.studies.plan import PREDICTION_COLORS, PlanLabConfig
+from lab_utils.studies.plan import MMDIT_PLAN, PREDICTION_COLORS, PlanLabConfig
 
 OFF = "off"
 RUN = "run"
@@ -69,6 +70,7 @@ class PlanExplorer(Explorer):
     )
 
     @classmethod
+    @default_step_only(MMDIT_PLAN, arg=1)  # on another step: one line saying why
     def for_lab(cls, cfg: PlanLabConfig, res: PlanResult, rec=None, **kw) -> PlanExplorer:
         """The explorer on the lab's measured step and lever effects, measuring as the lab does."""
         return cls(rec=rec, res=res, steps=cfg.steps, warmup=cfg.warmup_steps, statistic=cfg.statistic, **kw)

@@ -1,0 +1,212 @@
+"""Issue 24's matrix: labs 01, 05, 07 and 08 run end to end (papermill, through the runner) with
+``step`` set to each of diffusers' FLUX and SD3 transformers and transformers' Llama
+(``parameterized/step_matrix.yaml``: 12 runs, each lab at its ``smoke_step`` set, three at a time
+in the runner's process pool).  Each run is checked for: the notebook completed; the generic sections ("Your step")
+wrote their records, every row carrying the step's identity (factory, model class, parameter
+count, config hash) and no row of a measurement of perflab's MMDiT; every MMDiT-only section
+printed the line saying why it was skipped.
+
+The smoke suite's ``05_memory_flux`` is this matrix's lab 05 on FLUX with the same parameters
+(checked below): when the session runs the smoke suite anyway (``make test``) that run is checked
+instead of running the notebook a second time; run alone, this file runs all 12."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+
+from lab_utils.run.executors import MapOptions, map_jobs
+from lab_utils.run.runner import JOB_HOOKS, ROOT, NotebookStatus, load_suite, plan
+from lab_utils.step.skip import skipped
+from lab_utils.studies import memory, stability, training_step
+from lab_utils.studies import plan as plan_study
+from lab_utils.studies.explore.memory import EXPLORER_MMDIT_ONLY
+
+SUITE = ROOT / "parameterized" / "step_matrix.yaml"
+EXAMPLES = "lab_utils.step.examples"
+#: short name -> (factory, the model class's name)
+STEPS = {
+    "flux": (f"{EXAMPLES}:flux_step", "FluxTransformer2DModel"),
+    "sd3": (f"{EXAMPLES}:sd3_step", "SD3Transformer2DModel"),
+    "llama": (f"{EXAMPLES}:llama_step", "LlamaForCausalLM"),
+}
+#: lab -> (the generic experiments it records on any step, the reasons its MMDiT-only sections give)
+LABS = {
+    "01_training_step": ({"step_profile"}, (training_step.MMDIT_FACTS, training_step.MMDIT_PROFILE)),
+    "05_memory": (
+        {"step_memory", "step_saved", "step_policies", "step_fits"},
+        (memory.MMDIT_ONLY, EXPLORER_MMDIT_ONLY),
+    ),
+    "07_stability": (
+        {"step_spikes", "step_telemetry"},
+        (stability.MMDIT_QK, stability.MMDIT_LOOP),
+    ),
+    "08_plan": ({"step_levers"}, (plan_study.MMDIT_PLAN,)),
+}
+#: lab 01's generic profile: the metrics it records on any step
+PROFILE_METRICS = {"step_time", "phase_time", "category_time", "flops", "peak_allocated"}
+REUSED = "05_memory_flux"  # the smoke suite's entry of the same name
+RUNS = [f"{lab}_{s}" for lab in LABS for s in STEPS]
+#: Runs at once: most of a run is its kernel starting and importing (torch, diffusers, holoviews),
+#: so one more than this machine's 2 cores keeps both busy; each kernel computes on one thread.
+PARALLEL = 3
+THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@dataclass
+class Run:
+    stem: str
+    status: str
+    error: str | None
+    seconds: float
+    notebook: Path
+    records: Path
+
+
+def _runs_of(report: Path, stems) -> dict[str, Run]:
+    status = {s["notebook"]: s for s in json.loads((report / "status.json").read_text())}
+    return {
+        stem: Run(
+            stem,
+            status[stem]["status"],
+            status[stem]["error"],
+            status[stem]["seconds"],
+            report / "notebooks" / f"{stem}.ipynb",
+            report / "records" / stem / "records.json",
+        )
+        for stem in stems
+    }
+
+
+def _session_runs_the_smoke_suite(request) -> bool:
+    """Whether another test of this session needs the smoke suite's report (``make test``: yes),
+    on this process (under xdist another worker would run it a second time)."""
+    if hasattr(request.config, "workerinput"):
+        return False
+    return any({"smoke_run", "smoke_report"} & set(getattr(i, "fixturenames", ())) for i in request.session.items)
+
+
+def run_planned(item: tuple) -> NotebookStatus:
+    """One planned notebook through the runner's own execution (papermill, records, HTML), in a
+    pool worker forked from this process (no job process importing the runner again)."""
+    p, out = item
+    return JOB_HOOKS.run_one(p, out, out, 600)
+
+
+def run_matrix(stems: list[str], out: Path) -> dict[str, Run]:
+    """The suite's runs ``stems``, validated by the runner's ``plan``, ``PARALLEL`` at a time on
+    :func:`lab_utils.run.executors.map_jobs`' process pool, as a headless run sees them."""
+    planned = plan(load_suite(SUITE), only=stems)
+    for d in ("notebooks", "html", "logs"):
+        (out / d).mkdir(parents=True, exist_ok=True)
+    env = {**THREADS, "TQDM_DISABLE": "1", "PERFLAB_RUN_ID": out.name}
+    saved = {k: os.environ.get(k) for k in (*env, "PERFLAB_RECORDS_DIR", "PERFLAB_ARTIFACTS_DIR")}
+    os.environ.update(env)  # the workers and their kernels inherit it
+    try:
+        opts = MapOptions(executor="pool", workers=PARALLEL, mem_gb=None)  # no bound: the kernels inherit it
+        outs = map_jobs(run_planned, [(p, out) for p in planned], opts, out / "jobs", progress=False)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    runs = {}
+    for p, o in zip(planned, outs):
+        st = o.value if o.ok else NotebookStatus(p.entry.stem, "", status="failed", error=o.error)
+        nb, rec = out / "notebooks" / f"{st.notebook}.ipynb", out / "records" / st.notebook / "records.json"
+        runs[st.notebook] = Run(st.notebook, st.status, st.error, st.seconds, nb, rec)
+    return runs
+
+
+@pytest.fixture(scope="session")
+def step_matrix(request, tmp_path_factory) -> dict[str, Run]:
+    runs: dict[str, Run] = {}
+    only = list(RUNS)
+    if _session_runs_the_smoke_suite(request):
+        smoke = request.getfixturevalue("smoke_run")
+        if smoke.stale is None:
+            runs |= _runs_of(smoke.path, [REUSED])
+            only.remove(REUSED)
+    t0 = time.perf_counter()
+    runs |= run_matrix(only, tmp_path_factory.mktemp("step-matrix"))
+    wall = time.perf_counter() - t0
+    print(f"\nstep matrix: {len(only)} runs in {wall:.0f} s wall ({PARALLEL} at a time)")
+    for r in runs.values():
+        reused = "  (the smoke run's)" if r.stem not in only else ""
+        print(f"  {r.stem:26s} {r.status:6s} {r.seconds:6.1f} s{reused}")
+    return runs
+
+
+def test_the_matrix_is_every_lab_on_every_model():
+    suite = load_suite(SUITE)
+    got = {e.stem: (e.notebook.stem, e.set, e.params["step"]) for e in suite.entries}
+    assert got == {f"{lab}_{s}": (lab, "smoke_step", STEPS[s][0]) for lab in LABS for s in STEPS}
+    plan(suite)  # every run's parameters validate (the step imports)
+
+
+def test_the_smoke_suites_lab_05_on_flux_is_the_matrixs():
+    """What lets the matrix check the smoke run's 05_memory_flux instead of running it again."""
+    smoke = {p.entry.stem: p.resolved for p in plan(load_suite("smoke"), only=[REUSED])}
+    ours = {p.entry.stem: p.resolved for p in plan(load_suite(SUITE), only=[REUSED])}
+    assert smoke == ours
+    sets = ROOT / "parameterized" / "sets" / "05_memory"
+    flux, step = (yaml.safe_load((sets / f"{n}.yaml").read_text()) for n in ("smoke_flux", "smoke_step"))
+    assert flux == {**step, "step": STEPS["flux"][0]}
+
+
+def _outputs(nb) -> str:
+    text = []
+    for c in nb.cells:
+        for o in c.get("outputs", []):
+            text.append(o.get("text", "") if o.output_type == "stream" else o.get("data", {}).get("text/plain", ""))
+    return "\n".join(text)
+
+
+@pytest.mark.parametrize("stem", RUNS)
+def test_a_lab_runs_end_to_end_on_a_model_perflab_did_not_write(step_matrix, stem):
+    lab, short = stem.rsplit("_", 1)
+    factory, model_class = STEPS[short]
+    generic, reasons = LABS[lab]
+    run = step_matrix[stem]
+    assert run.status == "ok", f"{stem}: {run.error}"
+
+    # the notebook completed: every code cell ran, none raised
+    nb = nbformat.read(run.notebook, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.execution_count is not None for c in code), f"{stem}: a cell did not run"
+    assert not [o for c in code for o in c.get("outputs", []) if o.output_type == "error"], stem
+    out = _outputs(nb)
+
+    # the records carry the step's identity, the run's parameters too
+    data = json.loads(run.records.read_text())
+    ident = data["context"]["params"]["step_identity"]
+    assert ident["factory"] == factory and ident["model_class"].endswith("." + model_class), ident
+    assert ident["parameters"] > 0 and re.fullmatch(r"[0-9a-f]{12}", ident["config_hash"]), ident
+    key = f"{factory}/{ident['model_class']}"
+    # ... and the step's lines say so ("Your step": loaded and its first step checked)
+    assert f"step: {key} · {ident['parameters']:,} parameters · config {ident['config_hash']}" in out, stem
+
+    # the generic sections wrote their records, each row the step's; no row measured the MMDiT
+    rows = data["rows"]
+    experiments = {r["experiment"] for r in rows}
+    assert experiments == generic, f"{stem}: records of {experiments - generic}, missing {generic - experiments}"
+    for r in rows:
+        extra = json.loads(r["extra"] or "{}")
+        assert r["variant"].startswith(key), r
+        assert (extra["model_class"], extra["parameters"], extra["config"]) == (
+            ident["model_class"],
+            ident["parameters"],
+            ident["config_hash"],
+        ), r
+    if lab == "01_training_step":
+        assert PROFILE_METRICS <= {r["metric"] for r in rows}, stem
+
+    # every MMDiT-only section said why it was skipped
+    for why in reasons:
+        assert skipped(factory, why).reason in out, f"{stem}: no skip line for {why!r}"
