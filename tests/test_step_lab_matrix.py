@@ -168,6 +168,8 @@ def _outputs(nb) -> str:
     return "\n".join(text)
 
 
+@pytest.mark.slow  # the matrix: ~2.5 minutes on 2 cores, paid by the first of these tests
+@pytest.mark.xdist_group("step-matrix")  # under xdist (--dist loadgroup) one worker runs the matrix once
 @pytest.mark.parametrize("stem", RUNS)
 def test_a_lab_runs_end_to_end_on_a_model_perflab_did_not_write(step_matrix, stem):
     lab, short = stem.rsplit("_", 1)
