@@ -29,7 +29,7 @@ GOAL_PCT = 15.0
 
 def one(cfg: PlanLabConfig) -> dict:
     t0 = time.perf_counter()
-    res = build_plan(cfg.train_config(), cfg.levers, steps=cfg.steps, warmup=cfg.warmup_steps, statistic=cfg.statistic)
+    res = build_plan(cfg.train, cfg.levers, steps=cfg.steps, warmup=cfg.warmup_steps, statistic=cfg.statistic)
     ver = verify(res, top=cfg.verify_top, steps=cfg.steps, warmup=cfg.warmup_steps, statistic=cfg.statistic)
     return dict(
         seconds=round(time.perf_counter() - t0, 1),

@@ -218,7 +218,7 @@ PLAN_CELLS = [
     "    ph = dict.fromkeys(ALL_PHASES, 0.0) | dict(text_encoding=10 * enc, image_encoding=20 * enc, forward=30.0)\n"
     "    samples = (60.0, 60.5, 59.8, 60.2)\n"
     "    return StepProfile(ph, dict.fromkeys(ph, 0.1), 80.0, 1e9, 32.0, samples, '', c.to_dict())\n\n\n"
-    'res = build_plan(cfg.train_config(), ["encoders"], measure=synthetic)\n'
+    'res = build_plan(cfg.train, ["encoders"], measure=synthetic)\n'
     'print("records written to", rec.save())',
     "PlanExplorer.for_lab(cfg, res, rec, measure_fn=synthetic).show()",
 ]

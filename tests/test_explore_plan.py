@@ -21,7 +21,7 @@ hv.extension("bokeh")
 
 @pytest.fixture(scope="module")
 def res():
-    return build_plan(CFG.train_config(), ["encoders", "activation_checkpoint"], measure=fake_measure)
+    return build_plan(CFG.train, ["encoders", "activation_checkpoint"], measure=fake_measure)
 
 
 def _explorer(res, measure=fake_measure):

@@ -55,17 +55,26 @@ def _holds(frame, value) -> bool:
 
 
 def files_holding(value, fn) -> list[str]:
-    """Repository files (lab_utils/, lab_kernels/) whose code holds ``value`` in a local variable
-    (or in a dict / list / tuple that is one) while ``fn`` runs, in first-seen order."""
+    """Repository files (lab_utils/, lab_kernels/) whose code holds ``value`` while ``fn`` runs, in
+    first-seen order: a file whose code has it in a local variable (or in a dict / list / tuple that
+    is one), and a file whose code passes it into a call (the caller of a frame that holds it on
+    entry), so that a value handed on inside an expression, ``f(**{k: getattr(self, k) ...})``,
+    never bound to a name there, still counts its file."""
     seen: dict[str, None] = {}
     roots = (str(ROOT / "lab_utils"), str(ROOT / "lab_kernels"))
 
+    def add(frame):
+        seen.setdefault(str(Path(frame.f_code.co_filename).relative_to(ROOT)), None)
+
     def local(frame, event, arg):
         if _holds(frame, value):
-            seen.setdefault(str(Path(frame.f_code.co_filename).relative_to(ROOT)), None)
+            add(frame)
         return local
 
     def call(frame, event, arg):
+        caller = frame.f_back
+        if caller is not None and caller.f_code.co_filename.startswith(roots) and _holds(frame, value):
+            add(caller)
         return local(frame, event, arg) if frame.f_code.co_filename.startswith(roots) else None
 
     old = sys.gettrace()
@@ -77,35 +86,51 @@ def files_holding(value, fn) -> list[str]:
     return list(seen)
 
 
-#: The path of ``attention_path`` from lab 01's parameters cell to its kernel: each file and
-#: what it does with the value.  The notebook cell is hop 1.  At 08ca8a2 the same trace found 7:
+#: The path of ``attention_path`` from a lab's parameters cell to its kernel: each file and what
+#: it does with the value.  The notebook cell is hop 1.  At 08ca8a2 the same trace found 7:
 #: these and studies/training_step.py (TrainConfig rebuilt by filtering to_dict) and
-#: attention/attend.py (the registry looked up by name on every call).
+#: attention/attend.py (the registry looked up by name on every call).  At 18a0638, counting the
+#: files that pass the value on as well, it found 6: these and model/train.py (TrainConfig's
+#: ``__post_init__`` handed its model parameters to MMDiTConfig); lab 08 went through
+#: studies/plan.py too (``train_config()`` rebuilt a TrainConfig from ``to_dict``).
 ATTENTION_PATH_HOPS = {
-    "labs/01_training_step.ipynb": "the parameters cell: attention_path = ...",
-    "lab_utils/core/config.py": "LabConfig.from_params maps the flat parameters once; check_choice (the one check)",
-    "lab_utils/model/config.py": "MMDiTConfig (built once by TrainConfig, held as .model) validates it",
+    "labs/<the lab>.ipynb": "the parameters cell: attention_path = ...",
+    "lab_utils/core/config.py": "LabConfig.from_params maps the flat parameters once, and LabConfig builds the "
+    "configs it holds from them (built_from: TrainConfig.model); check_choice (the one check)",
+    "lab_utils/model/config.py": "MMDiTConfig (built once, held as TrainConfig.model) validates it",
     "lab_utils/model/layers.py": "Seams resolves the name to its AttentionPath once, at build",
     "lab_utils/attention/paths.py": "REGISTRY: the path's kernel",
 }
 
 
-def test_attention_path_reaches_its_kernel_in_at_most_5_files(monkeypatch):
+def _lab01_step(params):
     from lab_utils.model.train import Trainer
     from lab_utils.studies.training_step import TrainingStepLabConfig
 
+    trainer = Trainer(TrainingStepLabConfig.from_params(params))
+    try:
+        trainer.step()
+    finally:
+        trainer.close()
+
+
+def _lab08_step(params):
+    from lab_utils.model.train import Trainer
+    from lab_utils.studies.plan import PlanLabConfig
+
+    trainer = Trainer(PlanLabConfig.from_params(params).train)  # the step the plan measures first
+    try:
+        trainer.step()
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("lab, step", [("01_training_step", _lab01_step), ("08_plan", _lab08_step)])
+def test_attention_path_reaches_its_kernel_in_at_most_5_files(lab, step, monkeypatch):
     value = Traced("math")
-    defaults = notebook_parameters(ROOT / "labs/01_training_step.ipynb")
+    defaults = notebook_parameters(ROOT / f"labs/{lab}.ipynb")
     params = {**defaults, "attention_path": value, "device": "cpu", "encoders": "precomputed", "num_samples": 2}
     params.update(buckets=[[64, 64]], batch_size=2, ckpt_every=0, num_workers=0)
-
-    def notebook_to_kernel():
-        cfg = TrainingStepLabConfig.from_params(params)
-        trainer = Trainer(cfg)
-        try:
-            trainer.step()
-        finally:
-            trainer.close()
 
     counts = {"sdpa_math": 0}
     real = torch.nn.functional.scaled_dot_product_attention
@@ -115,12 +140,35 @@ def test_attention_path_reaches_its_kernel_in_at_most_5_files(monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
-    files = ["labs/01_training_step.ipynb", *files_holding(value, notebook_to_kernel)]
-    print("attention_path passes through:", files)
+    files = ["labs/<the lab>.ipynb", *files_holding(value, lambda: step(params))]
+    print(f"attention_path passes through (lab {lab}):", files)
     assert counts["sdpa_math"] > 0  # the math path's kernel ran (it is SDPA's math backend)
     assert set(files) <= set(ATTENTION_PATH_HOPS), set(files) - set(ATTENTION_PATH_HOPS)
     assert len(files) <= 5
     assert files[-1] == "lab_utils/attention/paths.py"
+
+
+def test_the_hop_trace_counts_a_file_that_only_passes_the_value_on():
+    """A file whose code hands the value on inside an expression, never binding it to a name
+    (``build(**{p: getattr(self, p) ...})``, as TrainConfig's ``__post_init__`` handed
+    attention_path to MMDiTConfig before ``built_from``), is a hop too."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Holder(core_config.LabConfig):
+        attention_path: str = "sdpa"
+        held: tuple = core_config.built_from(lambda attention_path: (attention_path,), ("attention_path",))
+
+    value = Traced("sdpa")
+    h = None
+
+    def build():
+        nonlocal h
+        h = Holder(attention_path=value)
+
+    # LabConfig.__post_init__ (core/config.py) binds no name to the value: only its passing it on counts it
+    assert files_holding(value, build) == ["lab_utils/core/config.py"]
+    assert h.held[0] is value and "held" not in h.to_dict()
 
 
 def test_attention_path_is_checked_once_with_one_message(monkeypatch):
@@ -156,6 +204,71 @@ def test_attention_path_is_checked_once_with_one_message(monkeypatch):
         messages.add(str(e.value))
     (msg,) = messages
     assert msg.startswith("parameter 'attention_path' = 'fast' is not allowed: expected one of 'reference', 'sdpa'")
+
+
+CHECKS = ("check_choice", "check_choices", "check_int", "check_float", "check_int_list", "check_bool")
+
+
+def count_checks(monkeypatch) -> list[str]:
+    """The parameter names every ``core.config`` check is called with from now on (each module
+    that imported a check by name gets the counting one)."""
+    calls: list[str] = []
+    for name in CHECKS:
+        real = getattr(core_config, name)
+
+        def counting(param, *a, _real=real, **k):
+            calls.append(param)
+            return _real(param, *a, **k)
+
+        for mod in [m for n, m in list(sys.modules.items()) if n.startswith("lab_utils") and m is not None]:
+            if getattr(mod, name, None) is real:
+                monkeypatch.setattr(mod, name, counting)
+    return calls
+
+
+def _lab01(params):
+    from lab_utils.studies.training_step import TrainingStepLabConfig
+
+    cfg = TrainingStepLabConfig.from_params(params)
+    assert cfg.model_config() is cfg.model_config()
+
+
+def _lab05(params):
+    from lab_utils.studies.memory import MemoryLabConfig
+
+    cfg = MemoryLabConfig.from_params(params)
+    assert cfg.model.preset == cfg.preset
+
+
+def _lab08(params):
+    from lab_utils.studies import plan as study
+
+    cfg = study.PlanLabConfig.from_params(params)
+    study.lever_table(cfg), study.lever_table(cfg)  # the step's config is used, never rebuilt
+    assert cfg.train is cfg.train and cfg.train.model.attention_path == params.get("attention_path", "sdpa")
+
+
+@pytest.mark.parametrize("lab, build", [("01_training_step", _lab01), ("05_memory", _lab05), ("08_plan", _lab08)])
+def test_each_value_is_checked_once_when_a_lab_config_is_built_and_used(lab, build, monkeypatch):
+    """A lab's config holds the configs it is made of (the step's TrainConfig, the model's
+    MMDiTConfig), built once: no parameter goes through a check twice (lab 08 rebuilt its
+    TrainConfig from ``to_dict`` each time the plan used it, so every step parameter was checked
+    again, attention_path by MMDiTConfig a second time)."""
+    import collections
+
+    import lab_utils.studies.memory  # noqa: F401  (imported before the checks are counted)
+    import lab_utils.studies.plan  # noqa: F401
+    import lab_utils.studies.training_step  # noqa: F401
+
+    params = {**notebook_parameters(ROOT / f"labs/{lab}.ipynb"), "device": "cpu"}
+    if lab != "05_memory":
+        params["attention_path"] = "math"
+    calls = count_checks(monkeypatch)
+    build(params)
+    twice = {p: n for p, n in collections.Counter(calls).items() if n > 1}
+    assert calls and not twice, f"{lab}: checked more than once: {twice}"
+    if lab != "05_memory":
+        assert calls.count("attention_path") == 1
 
 
 # ------------------------------------------------------------------ parameters cells vs checks

@@ -29,7 +29,7 @@ def fake_measure(cfg):
 
 @pytest.fixture(scope="module")
 def res():
-    r = build_plan(CFG.train_config(), ["encoders", "activation_checkpoint", "pin_memory"], measure=fake_measure)
+    r = build_plan(CFG.train, ["encoders", "activation_checkpoint", "pin_memory"], measure=fake_measure)
     verify(r, top=2, measure=fake_measure)
     return r
 
@@ -102,9 +102,9 @@ def test_a_checkpoint_every_n_steps_counts_as_its_cost_over_n_in_both_labs():
 
     ck = [0.0, 0.0, 0.0, 40.0, 0.0, 0.0, 0.0, 40.0]
     rep = synthetic_report({"forward": [10.0] * 8, "checkpoint": ck}, periods={"checkpoint": 4})
-    prof = profile_from_report(rep, CFG.train_config())
+    prof = profile_from_report(rep, CFG.train)
     assert prof.phases["checkpoint"] == 10.0 and prof.periodic == {"checkpoint": (4, 40.0)}
-    r = build_plan(CFG.train_config(), [], measure=lambda c: prof)
+    r = build_plan(CFG.train, [], measure=lambda c: prof)
     t = study.base_table(r).set_index("phase")
     assert (t.loc["checkpoint", "ms_per_step"], t.loc["checkpoint", "ms_per_event"]) == (10.0, 40.0)
     assert t.loc["checkpoint", "every_n_steps"] == 4 and "40 ms per checkpoint" in study.periodic_line(r)
@@ -127,8 +127,8 @@ def test_lab08_base_phases_carry_samples_and_the_timing_verdict():
     fwd = [10.0, 10.1, 9.9, 10.0, 40.0, 10.05, 10.0, 9.95]
     ck = [0.0, 0.0, 0.0, 40.0, 0.0, 0.0, 0.0, 41.0]
     rep = synthetic_report({"forward": fwd, "backward": [20.0] * 8, "checkpoint": ck}, periods={"checkpoint": 4})
-    prof = profile_from_report(rep, CFG.train_config())
-    r = build_plan(CFG.train_config(), [], measure=lambda c: prof)
+    prof = profile_from_report(rep, CFG.train)
+    r = build_plan(CFG.train, [], measure=lambda c: prof)
     rec = Recorder(lab="08_plan")
     record_plan(rec, r)
     base = {x["variant"]: x for x in rec.rows if x["experiment"] == "base" and x["metric"] == "time"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 
@@ -89,6 +89,19 @@ def check_bool(param: str, value: Any) -> None:
         raise ConfigError(param, value, "True or False")
 
 
+_BUILT_FROM = "perflab_built_from"
+
+
+def built_from(build: Callable[..., Any], params: Iterable[str]) -> Any:
+    """A field holding a config built once from some of its holder's parameters: when the holder
+    is built, :meth:`LabConfig.__post_init__` calls ``build(**{p: holder.p for p in params})``, so
+    those values are checked once, by the config they belong to (with its error text), and the
+    holder's own module never handles them.  Not a parameter: left out of ``__init__``, ``repr``,
+    comparisons and :meth:`LabConfig.to_dict`."""
+    meta = {_BUILT_FROM: (build, tuple(params))}
+    return dataclasses.field(init=False, repr=False, compare=False, metadata=meta)
+
+
 @dataclasses.dataclass(frozen=True)
 class LabConfig:
     """Base for a lab's parameters.  Subclasses are frozen dataclasses whose field
@@ -98,6 +111,15 @@ class LabConfig:
     the old name for one release, with a :class:`DeprecatedParameter` warning naming both."""
 
     RENAMED: ClassVar[Mapping[str, str]] = {}
+
+    def __post_init__(self):
+        """Build the fields declared with :func:`built_from`, in field order: the one place where
+        a config's flat parameters are mapped into the configs it holds.  A subclass that checks
+        its own parameters in ``__post_init__`` calls this first (``super().__post_init__()``)."""
+        for f in dataclasses.fields(self):
+            if _BUILT_FROM in f.metadata:
+                build, params = f.metadata[_BUILT_FROM]
+                object.__setattr__(self, f.name, build(**{p: getattr(self, p) for p in params}))
 
     @classmethod
     def param_names(cls) -> list[str]:

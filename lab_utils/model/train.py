@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lab_utils.attention.varlen import normalize_buckets
-from lab_utils.core.config import LabConfig, check_bool, check_choice, check_float, check_int
+from lab_utils.core.config import LabConfig, built_from, check_bool, check_choice, check_float, check_int
 from lab_utils.core.device import annotate, pick_device
 from lab_utils.core.dtypes import DTYPES
 from lab_utils.model.config import MMDiTConfig, resolve_config
@@ -181,11 +181,10 @@ MODEL_PARAMS = ("preset", "kernels", "attention_path", "recipe", "activation_che
 
 
 @dataclass(frozen=True)
-class TrainConfig(LabConfig):
-    """Parameters of the training step (field names == the notebook's parameters).
-
-    The model's parameters (:data:`MODEL_PARAMS`) are validated where they are defined, by
-    :class:`MMDiTConfig`, which this config builds once and holds as :attr:`model`."""
+class TrainParams(LabConfig):
+    """The training step's parameters: names (== the notebook's parameters), defaults and what
+    they mean.  :class:`TrainConfig` checks them; a lab config that holds its step's TrainConfig
+    as a field (lab 08's) declares the same parameters by deriving from this."""
 
     preset: str = "tiny"
     device: str = "auto"
@@ -213,13 +212,22 @@ class TrainConfig(LabConfig):
     ckpt_every: int = 0  # 0 = never
     ckpt_format: str = "torch"
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class TrainConfig(TrainParams):
+    """The training step's checked config.
+
+    The model's parameters (:data:`MODEL_PARAMS`) are checked where they are defined, by
+    :class:`MMDiTConfig`, which :class:`~lab_utils.core.config.LabConfig` builds from them once
+    (``built_from``) and this config holds as :attr:`model`; this module never handles them."""
+
     #: the model's config, built once from the model's parameters (not a parameter itself)
-    model: MMDiTConfig = field(init=False, repr=False, compare=False)
+    model: MMDiTConfig = built_from(MMDiTConfig.from_preset, MODEL_PARAMS)
 
     def __post_init__(self):
-        # the model's parameters: validated once, by the model's config (same error text everywhere)
-        model = MMDiTConfig.from_preset(self.preset, **{k: getattr(self, k) for k in MODEL_PARAMS[1:]})
-        object.__setattr__(self, "model", model)
+        super().__post_init__()  # builds .model: the model's parameters checked once, by MMDiTConfig
+        model = self.model
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
         check_int("batch_size", self.batch_size, min=1)
         check_int("min_caption_len", self.min_caption_len, min=1)

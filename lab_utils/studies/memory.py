@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import holoviews as hv
@@ -18,6 +18,7 @@ from lab_utils import memory as mem
 from lab_utils.core.config import (
     ConfigError,
     LabConfig,
+    built_from,
     check_choice,
     check_choices,
     check_float,
@@ -73,12 +74,12 @@ class MemoryLabConfig(LabConfig):
     step_policies: tuple = STEP_POLICIES  # the checkpointing policies applied to your step's blocks
     step_fit_max_batch: int = 16  # largest batch the what-fits bisection on your step tries
     #: the measured model's config, built once from ``preset`` (not a parameter itself)
-    model: MMDiTConfig = field(init=False, repr=False, compare=False)
+    model: MMDiTConfig = built_from(MMDiTConfig.from_preset, ("preset",))
 
     def __post_init__(self):
+        super().__post_init__()  # builds .model (checks preset)
+        cfg = self.model
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
-        cfg = MMDiTConfig.from_preset(self.preset)  # validates preset
-        object.__setattr__(self, "model", cfg)
         check_choice("dtype", self.dtype, mem.MEMORY_DTYPES)
         check_int("batch_size", self.batch_size, min=1)
         check_int("txt_len", self.txt_len, min=1)

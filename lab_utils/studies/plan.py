@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import holoviews as hv
 import pandas as pd
 
-from lab_utils.core.config import ConfigError, check_choice, check_int
+from lab_utils.core.config import ConfigError, built_from, check_choice, check_int
 from lab_utils.core.device import pick_device
 from lab_utils.core.records import Recorder
-from lab_utils.model.train import TrainConfig
+from lab_utils.model.train import TrainConfig, TrainParams
 from lab_utils.plan.levers import LEVERS, candidates, check_levers
 from lab_utils.plan.planner import (
     ALL_PHASES,
@@ -43,8 +43,11 @@ CPU_LEVERS = ("attention_path", "activation_checkpoint", "encoders", "num_worker
 
 
 @dataclass(frozen=True)
-class PlanLabConfig(TrainConfig):
-    """Parameters of ``labs/08_plan.ipynb``: the measured step's plus the plan's."""
+class PlanLabConfig(TrainParams):
+    """Parameters of ``labs/08_plan.ipynb``: the measured step's plus the plan's.
+
+    The step's parameters are checked once, by the :class:`TrainConfig` built from them and held
+    as :attr:`train` (the planner varies that config lever by lever)."""
 
     levers: tuple = CPU_LEVERS  # lever names (lab_utils.plan.levers.LEVERS)
     steps: int = 6  # profiled steps per measurement
@@ -52,9 +55,11 @@ class PlanLabConfig(TrainConfig):
     verify_top: int = 2  # plans run again to check the prediction
     statistic: str = "median"  # per-phase figure over the profiled steps: "median" | "min"
     step: str = DEFAULT_STEP  # your training step, "package.module:function" (the README's "Your model")
+    #: the measured step's config, built once from the step's parameters (not a parameter itself)
+    train: TrainConfig = built_from(TrainConfig, TrainParams.param_names())
 
     def __post_init__(self):
-        super().__post_init__()
+        super().__post_init__()  # builds .train: the step's parameters checked once, by TrainConfig
         object.__setattr__(self, "levers", check_levers("levers", list(self.levers) if self.levers else self.levers))
         check_int("steps", self.steps, min=1)
         check_int("warmup_steps", self.warmup_steps, min=0)
@@ -63,10 +68,6 @@ class PlanLabConfig(TrainConfig):
         check_step_spec(self.step)  # imports and is callable; its first step is checked by your_step.load
         if self.statistic == "min" and self.steps < 2:
             raise ConfigError("steps", self.steps, "at least 2 when statistic is 'min'")
-
-    def train_config(self) -> TrainConfig:
-        names = set(TrainConfig.param_names())
-        return TrainConfig(**{k: v for k, v in self.to_dict().items() if k in names})
 
 
 def recorder(cfg: PlanLabConfig) -> Recorder:
@@ -80,7 +81,7 @@ def lever_table(cfg: PlanLabConfig) -> pd.DataFrame:
     device = pick_device(cfg.device)
     rows = []
     for lv in cfg.levers:
-        ok, out = candidates(lv, cfg.train_config(), device)
+        ok, out = candidates(lv, cfg.train, device)
         rows += [dict(lever=lv, setting=str(v), status="measured", reason="") for v in ok]
         rows += [dict(lever=x.lever, setting=str(x.value), status="excluded", reason=x.reason) for x in out]
     return pd.DataFrame(rows, columns=["lever", "setting", "status", "reason"])
@@ -122,7 +123,7 @@ def composition_check() -> pd.DataFrame:
 def run(cfg: PlanLabConfig, rec: Recorder, progress=None) -> PlanResult:
     """Measure the step and each lever setting, rank every combination."""
     res = build_plan(
-        cfg.train_config(),
+        cfg.train,
         cfg.levers,
         steps=cfg.steps,
         warmup=cfg.warmup_steps,
@@ -144,7 +145,7 @@ def check(cfg: PlanLabConfig, res: PlanResult, rec: Recorder) -> pd.DataFrame:
 
 
 def _shape(cfg: PlanLabConfig) -> str:
-    return f"{cfg.preset} b{cfg.batch_size} {'x'.join(str(x) for x in cfg.buckets[0])}"
+    return f"{cfg.preset} b{cfg.batch_size} {'x'.join(str(x) for x in cfg.train.buckets[0])}"
 
 
 @passes_skipped
