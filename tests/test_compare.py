@@ -417,8 +417,9 @@ def test_baseline_refresh_check_show(tmp_path, runs, monkeypatch, capsys):
     assert (tmp_path / "o2" / "compare.html").exists()
     # timing-free: only load-independent rows are stored, and the check compares only those
     assert C.baseline_main(["refresh", "--report", str(base), "--timing-free", "--kind", "cpu-tf"]) == 0
-    tf = json.loads((tmp_path / "baselines" / "cpu-tf" / "records.json").read_text())
-    assert {r["metric"] for r in tf} == {"max_abs_err", "sqnr", "params"}
+    assert not (tmp_path / "baselines" / "cpu-tf" / "records.json").exists()
+    tf = pd.read_parquet(tmp_path / "baselines" / "cpu-tf" / "records.parquet")
+    assert set(tf["metric"]) == {"max_abs_err", "sqnr", "params"}
     capsys.readouterr()
     rc = C.baseline_main(["check", "--report", str(cand), "--kind", "cpu-tf", "--out", str(tmp_path / "o3")])
     out = capsys.readouterr().out

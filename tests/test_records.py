@@ -1,5 +1,6 @@
 import json
 import math
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -151,3 +152,69 @@ def test_a_reports_gathered_records_json_keeps_every_value(tmp_path, monkeypatch
     assert [s[0] for s in back["samples"][:4]] == vals[:4]
     pq = load_records(tmp_path / "records.parquet")
     assert pq["value"].iloc[:6].tolist() == back["value"].iloc[:6].tolist()
+
+
+# ------------------------------------------------------------------------- records as Parquet
+def same_cell(a, b) -> bool:
+    """One cell read from two files holds the same value: floats bit for bit (NaN is NaN), samples
+    element by element (a list from JSON, an array from Parquet), nulls as nulls."""
+    if isinstance(a, (list, tuple)) or hasattr(a, "__array__"):
+        if not (isinstance(b, (list, tuple)) or hasattr(b, "__array__")) or len(a) != len(b):
+            return False
+        return all(same_cell(float(x), float(y)) for x, y in zip(a, b, strict=True))
+    if a is None or b is None:
+        return a is None and b is None
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or a == b
+    return type(a) is type(b) and a == b
+
+
+def assert_same_rows(a: pd.DataFrame, b: pd.DataFrame) -> None:
+    assert len(a) == len(b) and list(a.columns) == list(b.columns), (a.shape, b.shape)
+    for c in a.columns:
+        bad = [i for i, (x, y) in enumerate(zip(a[c], b[c], strict=True)) if not same_cell(x, y)]
+        if bad:
+            i = bad[0]
+            raise AssertionError(f"column {c!r}: {len(bad)} rows differ, row {i}: {a[c].iloc[i]!r} != {b[c].iloc[i]!r}")
+
+
+def test_records_read_back_the_same_from_parquet_as_from_json(tmp_path):
+    """A stored baseline is Parquet now (its JSON was 3.8 MB): every value, sample, verdict and
+    null reads back as the exact JSON gives it."""
+    from lab_utils.core.records import write_records_json, write_records_parquet
+
+    vals = [1 / 3 * 1e-7, 0.1 + 0.2, 5e-324, 123456.78901234567, math.inf, -math.inf, math.nan]
+    rows = [
+        dict(zip(ROW_COLUMNS, [""] * len(ROW_COLUMNS)), lab="99_test", metric="m", value=v, unit="ms")
+        | dict(samples=[v, 1 / 7] if i % 3 else None, stable=[True, False, None][i % 3], extra='{"k": "é"}')
+        for i, v in enumerate(vals)
+    ]
+    df = pd.DataFrame(rows, columns=ROW_COLUMNS)
+    from_json = load_records(write_records_json(df, tmp_path / "records.json"))
+    from_parquet = load_records(write_records_parquet(df, tmp_path / "records.parquet"))
+    assert_same_rows(from_json, from_parquet)
+    assert from_parquet["stable"].tolist() == [True, False, None, True, False, None, True]
+    assert from_parquet["samples"].iloc[0] is None and list(from_parquet["samples"].iloc[4]) == [math.inf, 1 / 7]
+    assert not same_cell(1.0, 1.0 + 2**-52) and not same_cell([1.0], [1.0, 2.0])  # the check can fail
+
+
+STORED = Path(__file__).resolve().parents[1] / "parameterized" / "baselines"
+MAX_STORED_BYTES = 1_500_000
+
+
+def test_stored_baselines_are_parquet_and_small():
+    """Each file of a stored baseline stays under 1.5 MB: the records are Parquet (the CPU
+    baseline's records.json was 3.8 MB, its records.parquet is ~72 kB), so a refresh does not
+    add megabytes to the repository's history each time."""
+    kinds = [p for p in STORED.iterdir() if p.is_dir()]
+    assert kinds
+    for kind in kinds:
+        assert (kind / "records.parquet").exists() and not (kind / "records.json").exists(), kind.name
+        meta = json.loads((kind / "baseline.json").read_text())
+        assert len(load_records(kind)) == meta["rows"], kind.name
+        for f in kind.rglob("*"):
+            assert f.stat().st_size < MAX_STORED_BYTES, (
+                f"{f.relative_to(STORED)} is {f.stat().st_size / 1e6:.1f} MB: a stored baseline's file stays under "
+                f"{MAX_STORED_BYTES / 1e6} MB (every refresh adds it to git's history; records go to Parquet, "
+                f"`perflab baseline refresh` writes them so)"
+            )

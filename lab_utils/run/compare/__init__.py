@@ -58,7 +58,7 @@ covers, context and parameter differences), ``comparison`` (``compare``,
 ``Comparison``), ``text`` and ``html`` (outputs), ``cli`` (``perflab
 compare``) and ``baselines`` (``perflab baseline``).
 
-Baselines live in ``parameterized/baselines/<kind>/`` (``records.json``,
+Baselines live in ``parameterized/baselines/<kind>/`` (``records.parquet``,
 ``context.json``, ``baseline.json``) with ``<kind>`` = ``cpu`` or
 ``cuda-<gpu-model>`` (``baseline_kind()``), written by ``perflab baseline refresh``.
 """

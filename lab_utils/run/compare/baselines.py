@@ -1,6 +1,8 @@
-"""Stored baselines per device kind: ``parameterized/baselines/<kind>/`` (``records.json``,
+"""Stored baselines per device kind: ``parameterized/baselines/<kind>/`` (``records.parquet``,
 ``context.json``, ``status.json``, ``baseline.json``), with ``<kind>`` = ``cpu`` or
-``cuda-<gpu-model>`` (``baseline_kind()``); ``perflab baseline refresh|check|show``."""
+``cuda-<gpu-model>`` (``baseline_kind()``); ``perflab baseline refresh|check|show``.  Baselines
+stored before the records were Parquet hold ``records.json``: they still read (``load_records``
+takes a folder's ``records.parquet`` first, else its ``records.json``)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from lab_utils.core.config import ConfigError
-from lab_utils.core.records import load_records, write_records_json
+from lab_utils.core.records import load_records, write_records_parquet
 from lab_utils.run.compare.cli import add_compare_options, finish, options_from
 from lab_utils.run.compare.comparison import compare
 from lab_utils.run.compare.options import Options, lab_name
@@ -77,8 +79,9 @@ def store_baseline(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    # exact floats (pandas' to_json keeps 10 decimals: a check then finds thousands of "changed" rows)
-    write_records_json(rows, tmp / "records.json", indent=0)
+    # Parquet: exact floats (pandas' to_json keeps 10 decimals: a check then finds thousands of
+    # "changed" rows) and a fiftieth of the size of exact JSON, whose every row repeats the context
+    write_records_parquet(rows, tmp / "records.parquet")
     # the notebooks' parameters stay (under their current names): a check against a run with
     # other parameters is flagged by them
     keep_ctx, _ = migrate_context(ctx)
