@@ -34,6 +34,7 @@ import torch
 from lab_utils.core.ceilings import get_ceilings
 from lab_utils.core.device import device_info, pick_device
 from lab_utils.core.records import Recorder, run_context
+from lab_utils.core.session import Session
 from lab_utils.fused import blocks as fused_blocks
 from lab_utils.fused import ops as kb
 from lab_utils.studies.fused_kernels import BLOCK_TOLERANCE, sweep_frame
@@ -134,13 +135,8 @@ def main(argv=None) -> int:
     print(f"{info.name}: {len(a.ops)} ops x {len(problems)} sizes x {p['dtypes']} x {p['directions']}", flush=True)
     for op in a.ops:
         kb.sweep(
-            rec,
-            [op],
-            problems,
-            p["dtypes"],
-            p["directions"],
-            device=dev,
-            variant_names=p["variants"],
+            kb.OpGrid([op], problems, p["dtypes"], p["directions"], p["variants"]),
+            Session(dev, rec),
             reps=p["reps"],
             budget_s=p["budget_s"],
             check=kb.Problem(1, 37, 781, 62),

@@ -104,6 +104,7 @@ from lab_utils.core.checks import rel_error  # noqa: E402
 from lab_utils.core.config import ConfigError  # noqa: E402
 from lab_utils.core.device import annotate, datasheet_for, device_info, pick_device  # noqa: E402
 from lab_utils.core.records import CONTEXT_COLUMNS, ROW_COLUMNS, Recorder, load_records  # noqa: E402
+from lab_utils.core.session import Session  # noqa: E402
 from lab_utils.core.timing import BenchError, try_bench  # noqa: E402
 from lab_utils.fused import ops as F  # noqa: E402
 from lab_utils.model import build_model, resolve_config  # noqa: E402
@@ -397,13 +398,8 @@ def section_fused(s: Section) -> None:
                 continue
             first = len(s.rec.rows)
             F.sweep(
-                s.rec,
-                [op],
-                [pt],
-                [dt],
-                [direction],
-                device=dev,
-                variant_names=timed,
+                F.OpGrid([op], [pt], [dt], [direction], timed),
+                Session(dev, s.rec),
                 reps=p.reps,
                 budget_s=p.item_budget_s,
                 experiment="fused_time",

@@ -191,8 +191,6 @@ MAX_PARAMETERS = 8  # excluding self / cls; *args and **kwargs count one each
 #: An entry that no longer offends fails the test too, so the list only shrinks.
 _COLUMNS = "one keyword per column of a tidy record row: a row object would only rename them"
 _FACTORY = "a factory: sizes, then keyword settings with defaults (dtype, device, seed, ...)"
-_ISSUE_25 = "fused/ is mid-change for issue 25 (Liger variants; its tests call these): group after"
-_NOT_YET = "named inputs of one what-if model or plan, each with a default: not grouped yet (issue 22)"
 FUNCTION_ALLOWED = {
     "lab_utils/attention/attend.py:random_qkv": _FACTORY,
     "lab_utils/model/train.py:synthetic_batch": _FACTORY,
@@ -200,14 +198,8 @@ FUNCTION_ALLOWED = {
     "lab_utils/attention/paths.py:AttentionPath.why_not": "one keyword per field of Problem.as_check(), splatted",
     "lab_utils/core/records.py:Recorder.add": _COLUMNS,
     "lab_utils/core/records.py:Recorder.add_timing": _COLUMNS,
-    "lab_utils/precision/numerics.py:_record_path": _COLUMNS,
-    "lab_utils/distributed/projection.py:comm_plan": _NOT_YET,
-    "lab_utils/distributed/projection.py:project": _NOT_YET,
-    "lab_utils/plan/planner.py:build_plan": _NOT_YET,
     "lab_utils/run/runner.py:run_suite": "one keyword per `perflab run` flag (issue 26 added jobs): not grouped yet",
-    "lab_utils/fused/blocks.py:block_cases": _ISSUE_25,
-    "lab_utils/fused/ops.py:bench_variant": _ISSUE_25,
-    "lab_utils/fused/ops.py:sweep": _ISSUE_25,
+    "lab_utils/fused/blocks.py:block_cases": _FACTORY,
     "lab_utils/profiling/traces.py:analyse_trace": "rewritten by issue 23's trace package",
 }
 

@@ -23,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lab_kernels import get_variant
 from lab_utils.core import flops as F
 from lab_utils.core.records import Recorder
+from lab_utils.core.session import Session
 from lab_utils.core.timing import Timing
 from lab_utils.fused import blocks as fused_blocks
 from lab_utils.fused import ops as kb
@@ -286,7 +287,7 @@ def test_sweep_speedup_reads_eager_over_variant(fake_bench, temporary_variant):
     temporary_variant("gelu_tanh", "fast2x", gelu)
     rec = Recorder("test")
     p = kb.Problem(1, 4, 32)
-    kb.sweep(rec, ["gelu_tanh"], [p], ["float32"], ["fwd"], variant_names=["slow2x", "fast2x"], reps=3)
+    kb.sweep(kb.OpGrid(["gelu_tanh"], [p], ["float32"], ["fwd"], ["slow2x", "fast2x"]), Session("cpu", rec), reps=3)
     df = rec.frame()
     speed = dict(df[df.metric == "speedup_vs_eager"][["variant", "value"]].values)
     assert speed == {"eager": 1.0, "slow2x": 0.5, "fast2x": 2.0}

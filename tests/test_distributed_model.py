@@ -20,7 +20,7 @@ from lab_utils.distributed.__main__ import main as dist_cli
 from lab_utils.distributed.comm import CollectiveEvent, collectives, fit_alpha_beta, overlap, predict_comm_ms
 from lab_utils.distributed.launch import check_local_devices
 from lab_utils.distributed.parallel import linear2_permutation, qkv_permutation
-from lab_utils.distributed.projection import comm_plan, fastest, project
+from lab_utils.distributed.projection import RankBatch, comm_plan, fastest, project
 from lab_utils.model import analytic_param_count, resolve_config
 from lab_utils.studies import distributed as study
 from lab_utils.studies.distributed import DistributedLabConfig, case_params, run_lab
@@ -117,9 +117,9 @@ def test_alpha_beta_fit_recovers_a_line_and_predicts():
 
 
 def test_comm_plan_bytes_of_ddp_and_fsdp():
-    kw = dict(batch_per_dp=2, img_tokens=16, txt_tokens=8)
-    ddp = comm_plan("tiny", "ddp", (2, 1, 1, 1), **kw)
-    fsdp = comm_plan("tiny", "fsdp", (1, 2, 1, 1), **kw)
+    batch = RankBatch(batch_per_dp=2, img_tokens=16, txt_tokens=8)
+    ddp = comm_plan("tiny", "ddp", (2, 1, 1, 1), batch)
+    fsdp = comm_plan("tiny", "fsdp", (1, 2, 1, 1), batch)
     p = analytic_param_count(resolve_config("tiny"))
     assert sum(c.payload_bytes * c.calls for c in ddp) == pytest.approx(4 * p)
     rs = sum(c.payload_bytes * c.calls for c in fsdp if c.kind == "reduce_scatter")

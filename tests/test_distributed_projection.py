@@ -11,6 +11,7 @@ from lab_utils.distributed.projection import (
     DDP_BUCKET_BYTES,
     Comm,
     Links,
+    RankBatch,
     comm_plan,
     plan_time_fitted,
     plan_time_links,
@@ -47,7 +48,7 @@ def test_a_send_recv_pair_leaves_two_events_per_call():
 
 def test_ddp_gradients_go_in_buckets_of_at_most_25_mib():
     total = 4 * analytic_param_count(resolve_config("flux-dev"))  # float32 gradients, ~48 GB
-    (c,) = comm_plan("flux-dev", "ddp", (2, 1, 1, 1), batch_per_dp=1, img_tokens=16, txt_tokens=8)
+    (c,) = comm_plan("flux-dev", "ddp", (2, 1, 1, 1), RankBatch(batch_per_dp=1, img_tokens=16, txt_tokens=8))
     assert c.kind == "all_reduce" and c.group == 2
     assert c.calls == math.ceil(total / DDP_BUCKET_BYTES) and c.payload_bytes <= DDP_BUCKET_BYTES
     assert c.payload_bytes * c.calls == pytest.approx(total)
@@ -59,9 +60,7 @@ def test_fsdp_gathers_each_units_shard_once_or_twice(reshard):
     twice when parameters are resharded after the forward (forward and backward) except the
     root, which stays gathered; a reduce-scatter of the whole unit's gradient."""
     n = 2
-    plan = comm_plan(
-        "tiny", "fsdp", (1, n, 1, 1), batch_per_dp=2, img_tokens=16, txt_tokens=8, reshard_after_forward=reshard
-    )
+    plan = comm_plan("tiny", "fsdp", (1, n, 1, 1), RankBatch(2, 16, 8), reshard_after_forward=reshard)
     gathers = [c for c in plan if c.kind == "all_gather"]
     scatters = [c for c in plan if c.kind == "reduce_scatter"]
     cfg = resolve_config("tiny")

@@ -8,6 +8,7 @@ import torch
 
 import lab_kernels
 from lab_utils.core.records import Recorder
+from lab_utils.core.session import Session
 from lab_utils.fused import blocks as fused_blocks
 from lab_utils.fused import ops as kb
 
@@ -63,9 +64,8 @@ def test_checker_catches_an_unwritten_output(temporary_variant):
 def test_sweep_rows_and_triton_never_timed_on_cpu():
     rec = Recorder("test")
     p = kb.Problem(1, 16, 64)
-    kb.sweep(
-        rec, ["swiglu"], [p], ["float32"], ["fwd", "fwd+bwd"], variant_names=["eager", "triton"], reps=3, budget_s=10
-    )
+    grid = kb.OpGrid(["swiglu"], [p], ["float32"], ["fwd", "fwd+bwd"], ["eager", "triton"])
+    kb.sweep(grid, Session("cpu", rec), reps=3, budget_s=10)
     df = rec.frame()
     timed = set(df[df.metric == "time"].variant)
     assert "eager" in timed
@@ -84,10 +84,12 @@ def test_sweep_checks_every_variant_before_timing_it(temporary_variant):
     temporary_variant("gelu_tanh", "fast_but_wrong", lambda x: 1.01 * torch.nn.functional.gelu(x, approximate="tanh"))
     rec = Recorder("test")
     p = kb.Problem(1, 8, 64)
-    checked = kb.sweep(rec, ["gelu_tanh"], [p], ["float32"], ["fwd"], variant_names=["eager"], reps=3, check=p)
+    grid = kb.OpGrid(["gelu_tanh"], [p], ["float32"], ["fwd"], ["eager"])
+    checked = kb.sweep(grid, Session("cpu", rec), reps=3, check=p)
     assert ("gelu_tanh", "eager", "float32") in checked
     with pytest.raises(AssertionError, match="fast_but_wrong"):
-        kb.sweep(rec, ["gelu_tanh"], [p], ["float32"], ["fwd"], variant_names=["fast_but_wrong"], reps=3, check=p)
+        grid = kb.OpGrid(["gelu_tanh"], [p], ["float32"], ["fwd"], ["fast_but_wrong"])
+        kb.sweep(grid, Session("cpu", rec), reps=3, check=p)
     assert "fast_but_wrong" not in set(rec.frame().variant)
 
 

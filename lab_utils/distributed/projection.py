@@ -58,6 +58,30 @@ class Links:
     ib_alpha_us: float = 20.0
 
 
+@dataclass(frozen=True)
+class RankBatch:
+    """What one data-parallel rank processes per step: ``batch_per_dp`` samples of ``img_tokens``
+    image and ``txt_tokens`` text tokens (defaults: FLUX at 1024x1024 with a 512-token prompt)."""
+
+    batch_per_dp: int = 1
+    img_tokens: int = 4096
+    txt_tokens: int = 512
+
+    @property
+    def tokens(self) -> int:
+        return self.img_tokens + self.txt_tokens
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """The GPU a projection assumes: its datasheet dense bf16 peak and HBM (H200 SXM: 989
+    TFLOP/s, 141 GB) and the model FLOP utilisation (MFU) it is assumed to reach."""
+
+    peak_tflops: float = 989.0
+    mfu: float = 0.4
+    hbm_gb: float = 141.0
+
+
 def _block_params(mcfg) -> tuple[int, int]:
     d, m = mcfg.hidden_size, mcfg.mlp_hidden
     double = 2 * (d * 6 * d + 6 * d + d * 3 * d + 3 * d + 2 * mcfg.head_dim + d * d + d + d * m + m + m * d + d)
@@ -69,10 +93,8 @@ def comm_plan(
     preset: str,
     strategy: str,
     mesh: tuple[int, int, int, int],
+    batch: RankBatch,
     *,
-    batch_per_dp: int,
-    img_tokens: int,
-    txt_tokens: int,
     param_bytes: int = 4,
     grad_bytes: int = 4,
     act_bytes: int = 4,
@@ -88,7 +110,7 @@ def comm_plan(
     bd, bs = _block_params(mcfg)
     blocks = [bd] * mcfg.depth_double + [bs] * mcfg.depth_single
     root = p_total - sum(blocks)
-    L = img_tokens + txt_tokens
+    batch_per_dp, L = batch.batch_per_dp, batch.tokens
     plan: list[Comm] = []
     if "ddp" in parts and rep * cp > 1:
         total = p_total * grad_bytes
@@ -182,12 +204,8 @@ def project(
     gpus: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024),
     *,
     links: Links | None = None,
-    img_tokens: int = 4096,
-    txt_tokens: int = 512,
-    batch_per_dp: int = 1,
-    peak_tflops: float = 989.0,
-    mfu: float = 0.4,
-    hbm_gb: float = 141.0,
+    batch: RankBatch | None = None,
+    gpu: Gpu | None = None,
     overlap: OverlapModel | None = None,
     comm_rel_err: float = 0.0,
     compute_rel_err: float = 0.25,
@@ -195,16 +213,18 @@ def project(
     """One row per (N, strategy, mesh): memory, compute, communication, exposed communication with
     its low/high band, step time (and band), samples/s and the dominant assumption.
 
-    ``overlap``: the overlap model (default: nothing measured, 0.5 over 0..1); ``comm_rel_err``:
-    the alpha-beta model's measured relative error; ``compute_rel_err``: the stated error of the
-    compute time (the MFU is an assumption)."""
-    links = links or Links()
+    ``links``, ``batch``, ``gpu``: the interconnect, each data-parallel rank's batch and the GPU
+    (defaults: :class:`Links`, :class:`RankBatch`, :class:`Gpu`); ``overlap``: the overlap model
+    (default: nothing measured, 0.5 over 0..1); ``comm_rel_err``: the alpha-beta model's measured
+    relative error; ``compute_rel_err``: the stated error of the compute time (the MFU is an
+    assumption)."""
+    links, batch, gpu = links or Links(), batch or RankBatch(), gpu or Gpu()
     overlap = overlap or OverlapModel()
     mcfg = resolve_config(preset)
     p_total = analytic_param_count(mcfg)
-    L = img_tokens + txt_tokens
+    batch_per_dp, L = batch.batch_per_dp, batch.tokens
     n_blocks = mcfg.depth_double + mcfg.depth_single
-    fl = forward_flops(mcfg, batch_per_dp, img_tokens, txt_tokens)
+    fl = forward_flops(mcfg, batch_per_dp, batch.img_tokens, batch.txt_tokens)
     rows = []
     for n in gpus:
         for strategy, mesh in _meshes(n, mcfg.num_heads):
@@ -212,18 +232,8 @@ def project(
             dp = rep * shard
             # full activation checkpointing: forward + recomputed forward + backward = 4x forward FLOPs
             flops_rank = 4 * fl["total"] / (cp * tp)
-            compute_s = flops_rank / (peak_tflops * 1e12 * mfu)
-            plan = comm_plan(
-                preset,
-                strategy,
-                mesh,
-                batch_per_dp=batch_per_dp,
-                img_tokens=img_tokens,
-                txt_tokens=txt_tokens,
-                param_bytes=2,
-                grad_bytes=4,
-                act_bytes=2,
-            )
+            compute_s = flops_rank / (gpu.peak_tflops * 1e12 * gpu.mfu)
+            plan = comm_plan(preset, strategy, mesh, batch, param_bytes=2, grad_bytes=4, act_bytes=2)
             t = plan_time_links(plan, links, mesh)
             comm_s = t["dp"] + t["tp"] + t["cp"]
             ov = overlap.for_strategy(strategy)
@@ -247,7 +257,7 @@ def project(
                     mesh="x".join(map(str, mesh)),
                     dp=dp,
                     memory_gb=states_gb + acts_gb,
-                    fits=states_gb + acts_gb <= hbm_gb,
+                    fits=states_gb + acts_gb <= gpu.hbm_gb,
                     compute_ms=compute_s * 1e3,
                     comm_dp_ms=t["dp"] * 1e3,
                     comm_tp_ms=t["tp"] * 1e3,

@@ -43,7 +43,8 @@ from tqdm.auto import tqdm
 
 from lab_kernels import get_variant, variants
 from lab_utils.core.checks import compare, tolerance
-from lab_utils.core.records import Recorder, fmt_dtype
+from lab_utils.core.records import fmt_dtype
+from lab_utils.core.session import Session
 from lab_utils.core.timing import BenchFailure, try_bench
 from lab_utils.fused.inputs import (
     DIRECTIONS,
@@ -305,7 +306,6 @@ def bench_variant(
     device="cpu",
     reps: int = 20,
     budget_s: float = 20.0,
-    rep_ms: float = 100.0,
 ):
     """Timing (or BenchFailure) and peak memory of one variant; refuses Triton on CPU."""
     v = get_variant(op, variant)
@@ -323,35 +323,47 @@ def bench_variant(
         fn = _bench_fn(op, variant, problem, dtype, direction, device)
     except Exception as e:  # noqa: BLE001 - recorded as a failure row
         return BenchFailure(f"{op}/{variant}", "raised", f"{type(e).__name__}: {e}"), None
-    t = time_op(fn, name=f"{op}/{variant}/{direction}", device=device, reps=reps, budget_s=budget_s, rep_ms=rep_ms)
+    t = time_op(fn, name=f"{op}/{variant}/{direction}", device=device, reps=reps, budget_s=budget_s)
     mem = peak_memory_bytes(fn, device) if getattr(t, "ok", False) else None
     return t, mem
 
 
+@dataclass(frozen=True)
+class OpGrid:
+    """What :func:`sweep` times: each op on each problem, dtype and direction; ``variant_names``:
+    only these variants (and eager, the speedup baseline), None: every timeable one."""
+
+    ops: Sequence[str]
+    problems: Sequence[Problem]
+    dtypes: Sequence
+    directions: Sequence[str] = ("fwd",)
+    variant_names: Sequence[str] | None = None
+
+
 def sweep(
-    rec: Recorder,
-    ops: Sequence[str],
-    problems: Sequence[Problem],
-    dtypes: Sequence,
-    directions: Sequence[str],
+    grid: OpGrid,
+    session: Session,
     *,
-    device="cpu",
-    variant_names: Sequence[str] | None = None,
     reps: int = 20,
     budget_s: float = 20.0,
     experiment: str = "op_sweep",
     progress: bool = False,
     check: Problem | None = None,
-    check_seed: int | None = 0,
 ) -> list[tuple[str, str, str]]:
-    """Providers × sweep: every timeable variant of each op on each problem, dtype and
-    direction -> rows (time median/p20/p80, GB/s, % of copy ceiling, speedup over eager,
-    peak memory).  Untimeable variants (Triton on CPU) get no rows.
+    """Providers × sweep: every timeable variant of each op of ``grid`` on each problem, dtype
+    and direction, on ``session.device`` -> rows in ``session.rec`` (time median/p20/p80, GB/s,
+    % of copy ceiling, speedup over eager, peak memory).  Untimeable variants (Triton on CPU)
+    get no rows.
 
     ``check``: before a variant is timed for the first time (per op and dtype), it is checked
-    against float64 on this problem (or on the timed one where it cannot run this one), the
-    gradients too when a direction includes the backward; a failure raises AssertionError and
-    nothing more is timed.  Returns the (op, variant, dtype) triples checked."""
+    against float64 on this problem (or on the timed one where it cannot run this one), with
+    inputs drawn from ``session.seed``, the gradients too when a direction includes the
+    backward; a failure raises AssertionError and nothing more is timed.  Returns the
+    (op, variant, dtype) triples checked."""
+    rec, device, variant_names = session.rec, session.device, grid.variant_names
+    if rec is None:
+        raise ValueError("sweep writes rows: give the session a Recorder (Session(device, rec))")
+    ops, problems, dtypes, directions = grid.ops, grid.problems, grid.dtypes, grid.directions
     items = [(op, p, d, dr) for op in ops for p in problems for d in dtypes for dr in directions]
     items = tqdm(items, desc="sweep", disable=not progress)
     grads = any(d != "fwd" for d in directions)
@@ -367,7 +379,7 @@ def sweep(
                 continue
             if check is not None and (op, v.name, fmt_dtype(dt)) not in checked:
                 where = check if v.can_run(device, dt, **spec(op).problem_kw(check)) else p
-                assert_variant_ok(op, v.name, dt, where, device=device, seed=check_seed, grads=grads)
+                assert_variant_ok(op, v.name, dt, where, device=device, seed=session.seed, grads=grads)
                 checked.append((op, v.name, fmt_dtype(dt)))
             t, mem = bench_variant(op, v.name, p, dt, direction, device=device, reps=reps, budget_s=budget_s)
             nbytes = bytes_moved(op, p, dt, direction)
@@ -423,6 +435,7 @@ __all__ = [
     "OPS",
     "OP_NAMES",
     "CheckRow",
+    "OpGrid",
     "Draw",
     "OpInputs",
     "OpSpec",

@@ -308,12 +308,11 @@ def build_plan(
     world_size: int = 1,
     measure: Callable[[TrainConfig], StepProfile] | None = None,
     statistic: str = "median",
-    repeat_base: bool = True,
 ) -> PlanResult:
     """Measure the step, each lever setting that can run here, and rank every combination.
-    ``measure`` (default: :func:`measure_step`) profiles one TrainConfig. ``repeat_base``:
-    measure the step again after the levers and merge both runs (drift on a shared
-    machine then weighs on the base as on the levers)."""
+    ``measure`` (default: :func:`measure_step`) profiles one TrainConfig.  The step is measured
+    again after the levers and both runs merged (drift on a shared machine then weighs on the
+    base as on the levers)."""
     levers = check_levers("levers", list(levers))
     measure = measure or (lambda c: measure_step(c, steps=steps, warmup=warmup, statistic=statistic))
     device = pick_device(base_cfg.device)
@@ -335,7 +334,7 @@ def build_plan(
             measured.append((lv, v, measure(cfg)))
         except (RuntimeError, NotImplementedError) as err:
             excluded.append(Excluded(lv, v, f"failed to run: {type(err).__name__}: {str(err)[:160]}"))
-    if repeat_base and measured:
+    if measured:
         base = merge_profiles(base, measure(base_cfg), statistic=statistic)
     effects = [effect_of(lv, v, base, m) for lv, v, m in measured]
     plans, bad = enumerate_plans(base_cfg, base, effects, peak_tflops=peak_tflops_for(device))

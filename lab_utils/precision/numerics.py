@@ -261,13 +261,14 @@ def format_grid_histogram(x: torch.Tensor, fmt: str, **kw) -> pd.DataFrame:
 GEMM_ONLY = "GEMM only (operands pre-quantized)"
 
 
-def _record_path(rec, variant: str, t, e: dict, *, shape, dtype, flops: float, note=None, sqnr: bool = True) -> None:
-    """One matmul path's timing (and its SQNR against the float64 product) as records."""
+def _record_path(rec, variant: str, t, e: dict | None, *, shape, dtype, flops: float, note=None) -> None:
+    """One matmul path's timing and its SQNR against the float64 product (from its error
+    figures ``e``; None: the timing alone) as records."""
     if rec is None:
         return
     extra = {} if note is None else {"note": note}
     rec.add_timing("matmul", variant, t, shape=shape, dtype=dtype, flops=flops, **extra)
-    if sqnr:
+    if e is not None:
         rec.add("matmul", variant, "sqnr", e["sqnr_db"], "dB", shape=shape, dtype=dtype)
 
 
@@ -331,9 +332,7 @@ def matmul_sweep(
                 rows.append(
                     dict(shape=shape, path="triton fp8/tensor", fmt=fmt, time_ms=getattr(t, "median_ms", math.nan), **e)
                 )
-                _record_path(
-                    rec, f"triton {fmt}/tensor", t, e, shape=shape, dtype=fmt, flops=flops, note=GEMM_ONLY, sqnr=False
-                )
+                _record_path(rec, f"triton {fmt}/tensor", t, None, shape=shape, dtype=fmt, flops=flops, note=GEMM_ONLY)
             for gran in ("tensor", "row"):
                 why = L.scaled_mm_why_not(dev, fmt=fmt, granularity=gran)
                 if why:

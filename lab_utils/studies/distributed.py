@@ -31,7 +31,16 @@ from lab_utils.distributed import DistConfig, DistResult, launch_cases
 from lab_utils.distributed.comm import AlphaBeta, CollectiveEvent, fit_alpha_beta, predict_comm_ms
 from lab_utils.distributed.launch import check_local_devices, local_world_sizes
 from lab_utils.distributed.overlap import overlap_model
-from lab_utils.distributed.projection import Links, comm_plan, events_per_call, fastest, plan_time_fitted, project
+from lab_utils.distributed.projection import (
+    Gpu,
+    Links,
+    RankBatch,
+    comm_plan,
+    events_per_call,
+    fastest,
+    plan_time_fitted,
+    project,
+)
 from lab_utils.distributed.spec import COMPONENTS
 from lab_utils.distributed.verify import ATTENTION_TOL, EMULATED_TOL, Agreement, compare, tolerance_key
 from lab_utils.distributed.worker import emulated_dp_step, single_process_run
@@ -383,9 +392,7 @@ def prediction_frame(runs: LabRuns, fit: dict[str, AlphaBeta]) -> pd.DataFrame:
             c.preset,
             c.strategy,
             m.shape,
-            batch_per_dp=c.batch_size // m.dp,
-            img_tokens=(c.height // 16) * (c.width // 16),
-            txt_tokens=c.txt_len,
+            RankBatch(c.batch_size // m.dp, (c.height // 16) * (c.width // 16), c.txt_len),
             reshard_after_forward=c.reshard_after_forward,
             param_bytes=2 if c.mixed_precision else 4,
         )
@@ -440,8 +447,10 @@ def projection(cfg: DistributedLabConfig, runs: LabRuns | None = None, pred: pd.
     model = overlap_model(list(zip(ov["run"].str.split(" ").str[0], ov["overlap_fraction"]))) if len(ov) else None
     err = pred["trace_error_pct"].abs().median() / 100 if pred is not None and len(pred) else 0.0
     links = Links(cfg.nvlink_gbps, cfg.ib_gbps, cfg.gpus_per_node)
-    kw = dict(peak_tflops=cfg.peak_tflops, mfu=cfg.mfu, hbm_gb=cfg.hbm_gb, overlap=model, comm_rel_err=err)
-    return project(cfg.projection_preset, tuple(cfg.projection_gpus), links=links, **kw)
+    gpu = Gpu(cfg.peak_tflops, cfg.mfu, cfg.hbm_gb)
+    return project(
+        cfg.projection_preset, tuple(cfg.projection_gpus), links=links, gpu=gpu, overlap=model, comm_rel_err=err
+    )
 
 
 def record_projection(rec: Recorder, df: pd.DataFrame) -> None:

@@ -26,6 +26,7 @@ from lab_utils.core.config import LabConfig
 from lab_utils.core.device import pick_device
 from lab_utils.core.records import Recorder
 from lab_utils.core.roofline import roofline as roofline_point
+from lab_utils.core.session import Session
 from lab_utils.fused import blocks as fused_blocks
 from lab_utils.fused import ops as fused
 from lab_utils.model import PRESETS
@@ -205,9 +206,9 @@ def run_sweep(lab: Lab) -> str:
     cfg = lab.cfg
     problems = cfg.problems()
     checked = fused.sweep(
-        lab.rec, cfg.sweep_ops, problems, [cfg.dtype], cfg.directions, device=lab.device,
-        variant_names=cfg.sweep_variants, reps=cfg.reps, budget_s=cfg.budget_s, progress=True,
-        check=cfg.check_problem, check_seed=cfg.seed,
+        fused.OpGrid(cfg.sweep_ops, problems, [cfg.dtype], cfg.directions, cfg.sweep_variants),
+        Session(lab.device, lab.rec, seed=cfg.seed),
+        reps=cfg.reps, budget_s=cfg.budget_s, progress=True, check=cfg.check_problem,
     )  # fmt: skip
     sw = sweep_frame(lab.rec.frame())
     return (
@@ -222,9 +223,9 @@ def compile_vs_eager(lab: Lab) -> pd.DataFrame:
     if not cfg.compare_compile:
         return pd.DataFrame()
     fused.sweep(
-        lab.rec, [cfg.op], cfg.problems()[-1:], [cfg.dtype], ["fwd"], device=lab.device,
-        variant_names=["eager", "compile"], reps=cfg.reps, budget_s=max(cfg.budget_s, 60),
-        experiment="compile_vs_eager", check=cfg.check_problem, check_seed=cfg.seed,
+        fused.OpGrid([cfg.op], cfg.problems()[-1:], [cfg.dtype], ["fwd"], ["eager", "compile"]),
+        Session(lab.device, lab.rec, seed=cfg.seed),
+        reps=cfg.reps, budget_s=max(cfg.budget_s, 60), experiment="compile_vs_eager", check=cfg.check_problem,
     )  # fmt: skip
     cc = lab.rec.frame()
     cc = cc[
