@@ -33,10 +33,38 @@ def test_pick_device():
         ("NVIDIA H200", "H200"),
         ("NVIDIA A100-SXM4-80GB", "A100"),
         ("NVIDIA B200", "B200"),
+        ("Tesla V100-SXM2-32GB", "V100"),
+        ("Tesla V100-PCIE-16GB", "V100-PCIE"),
+        ("Quadro GP100", "GP100"),
+        ("Tesla P100-SXM2-16GB", "P100"),
+        ("AMD Instinct MI250X", "MI250X"),
+        ("AMD Instinct MI210", "MI250"),
+        ("AMD Instinct MI300X", "MI300X"),
     ],
 )
 def test_datasheet_lookup(name, key):
     assert datasheet_for(name) is DATASHEET[key]
+
+
+@pytest.mark.parametrize("units,key", [(104, "MI250"), (110, "MI250X"), (304, "MI300X"), (64, None), (None, None)])
+def test_an_unnamed_amd_part_is_known_by_its_compute_units(units, key):
+    """ROCm names an MI250 die only "AMD Radeon Graphics" (the real trace in ../shared does)."""
+    props = {"name": "AMD Radeon Graphics", "numSms": units}
+    assert datasheet_for("AMD Radeon Graphics", props) is (DATASHEET[key] if key else None)
+    assert datasheet_for("NVIDIA Tesla T4", {"numSms": 104}) is None  # units identify AMD parts only
+
+
+def test_matmul_peak_by_input_type():
+    """fp32: TF32 where the part has it, else its fp32 matrix rate (CDNA2), else CUDA cores; a half
+    type without its own unit runs at the fp32 rate (bf16 on V100)."""
+    h, v, m = DATASHEET["H100"], DATASHEET["V100"], DATASHEET["MI250"]
+    assert (h.matmul_tflops("fp32"), h.matmul_tflops("fp16"), h.matmul_tflops("bf16")) == (494.7, 989.4, 989.4)
+    assert (v.matmul_tflops("fp32"), v.matmul_tflops("fp16"), v.matmul_tflops("bf16")) == (15.7, 125.0, 15.7)
+    assert (m.matmul_tflops("fp32"), m.matmul_tflops("bf16"), m.fp32_tflops) == (45.3, 181.0, 22.6)
+    # one die of the two-die MI250X is half the card: 383 TF bf16, 3.2768 TB/s
+    assert DATASHEET["MI250X"].bf16_tflops == pytest.approx(383.0 / 2) and DATASHEET["MI250X"].hbm_gbs == 1638.4
+    with pytest.raises(ValueError, match="dtype='fp8'"):
+        h.matmul_tflops("fp8")
 
 
 def test_datasheet_is_dense():

@@ -166,3 +166,30 @@ def test_kernels_launched_before_the_trace_are_reported_apart(jobs, job):
     w = ta.windows().set_index(["rank", "window"])
     assert w.loc[(rank, "before"), "count"] == len(orphans)
     assert float(pre["dur"].sum()) == pytest.approx(sum(e["dur"] for e in orphans), rel=1e-9)
+
+
+#: job -> (the datasheet row its GPU must get, a float matmul's peak, an elementwise op's peak)
+PEAKS = {
+    "recsys_v100_rank1": ("V100 SXM2", 15.7, 15.7),  # no TF32 and no bf16 unit: fp32 matmuls on CUDA cores
+    "mi250_rocm": ("MI250 (one GCD) / MI210", 45.3, 22.6),  # "AMD Radeon Graphics", 104 CUs: fp32 matrix cores
+    "a100_80gb_rank0of16": ("A100 SXM4 80GB", 156.0, 19.5),  # TF32 tensor cores
+}
+
+
+@pytest.mark.parametrize("job", sorted(PEAKS))
+def test_every_gpu_of_the_test_data_is_held_to_its_datasheet(jobs, job):
+    """The roofline's peaks come from the GPU the trace ran on, V100 and ROCm's unnamed MI250 die
+    included; a float matmul is held to the part's fp32 matmul rate, an elementwise op to its fp32
+    vector rate, and every costed op gets a % of peak and a bound."""
+    ta = jobs[job]
+    rank = ta.ranks[0]
+    name, matmul, vector = PEAKS[job]
+    assert ta.datasheet(rank).name == name
+    rf = ta.roofline(rank, "all")
+    assert len(rf) and rf["pct_of_peak"].notna().all() and rf["bound"].isin(["compute", "memory"]).all()
+    fp32 = rf[~rf["types"].str.contains("Half|BFloat16", case=False)]
+    mm = fp32[fp32["kind"] != "elementwise/norm"]
+    ew = fp32[fp32["kind"] == "elementwise/norm"]
+    assert len(mm) or len(ew)
+    assert (mm["peak_tflops"] == matmul).all() and (ew["peak_tflops"] == vector).all()
+    assert (rf["peak_gbps"] == ta.datasheet(rank).hbm_gbs).all()

@@ -29,7 +29,7 @@ import torch
 
 from lab_utils.core.ceilings import Ceilings, get_ceilings
 from lab_utils.core.config import ConfigError, LabConfig, check_choice, check_int, check_int_list
-from lab_utils.core.device import DatasheetPeak, datasheet_for
+from lab_utils.core.device import DatasheetPeak
 from lab_utils.core.plots import roofline_plot
 from lab_utils.core.records import Recorder
 from lab_utils.model import PRESETS
@@ -340,14 +340,14 @@ def ceilings_for(lt: LabTraces, name: str) -> tuple[Ceilings | None, DatasheetPe
         fp32 = c.matmul("fp32")
         peak = DatasheetPeak(f"{c.device_name} (measured)", fp32, None, None, fp32, c.copy_gbs, 0, "measured", fp32)
         return c, peak, f"this machine's measured CPU ceilings (copy {c.copy_gbs:.0f} GB/s, fp32 matmul)"
-    sheet = datasheet_for(ta.device(r))
+    sheet = ta.datasheet(r)
     if sheet is None:
         return None, None, f"no datasheet row for {ta.device(r)!r}: rates without peaks"
     c = Ceilings(
         device={"name": sheet.name},
         copy_gbs=sheet.hbm_gbs,
         copy_bytes=0,
-        matmul_tflops={"fp32": sheet.tf32_tflops, "tf32": sheet.tf32_tflops, "bf16": sheet.bf16_tflops},
+        matmul_tflops={k: sheet.matmul_tflops("fp32" if k == "tf32" else k) for k in ("fp32", "tf32", "fp16", "bf16")},
         matmul_n={},
     )
     return c, sheet, f"the datasheet of {sheet.name} ({sheet.source})"

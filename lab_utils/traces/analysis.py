@@ -52,7 +52,7 @@ import numpy as np
 import pandas as pd
 
 from lab_utils.core.config import ConfigError, check_choice
-from lab_utils.core.device import DatasheetPeak
+from lab_utils.core.device import DatasheetPeak, datasheet_for
 from lab_utils.core.records import Recorder
 from lab_utils.traces import breakdown, collectives, cpu
 from lab_utils.traces.attribute import Attributed, attribute
@@ -117,6 +117,16 @@ class TraceAnalysis:
 
     def device(self, rank: int | None = None) -> str | None:
         return self.traces[self._rank(rank)].device_name
+
+    def device_properties(self, rank: int | None = None) -> dict:
+        """The ``deviceProperties`` entry of the device ``rank`` ran on ({} when the trace has none)."""
+        t = self.traces[self._rank(rank)]
+        same = [p for p in t.device_properties if p.get("name") == t.device_name]
+        return same[0] if same else {}
+
+    def datasheet(self, rank: int | None = None) -> DatasheetPeak | None:
+        """The datasheet row of the GPU ``rank`` ran on (by name, else by its properties), or None."""
+        return datasheet_for(self.device(rank), self.device_properties(rank))
 
     def rule(self, rank: int | None = None) -> str:
         """``"gpu"``: GPU activities; ``"cpu"``: no GPU activity, read by the CPU rule (:mod:`lab_utils.traces.cpu`)."""
@@ -193,7 +203,8 @@ class TraceAnalysis:
         ``peak``: the peaks to hold them to (a CPU's measured ceilings); default the datasheet row
         of the GPU the trace names."""
         rank = self._rank(rank)
-        return op_roofline(self.kernels(rank, scope), self.traces[rank].host, self.device(rank), peak=peak)
+        k, host = self.kernels(rank, scope), self.traces[rank].host
+        return op_roofline(k, host, self.device(rank), peak=peak, properties=self.device_properties(rank))
 
     def collectives(self, scope: str = "all") -> pd.DataFrame:
         """One row per NCCL/RCCL call on every rank: collective, algorithm, bytes, bus bandwidth, exposed/hidden."""

@@ -19,8 +19,10 @@ Costed operators (FLOPs; bytes = every input read once + the output written once
   FLOPs = elements x the per-element count of ``FUSED_FLOPS_PER_ELEMENT`` where it has the op, else 1;
   a trailing tensor of the output's size (``out=``) is written, not read.
 
-The matmul peak for ``float`` inputs is the TF32 tensor-core peak (what cuBLAS uses when TF32
-is allowed; an upper bound otherwise), for half/bfloat16 the BF16 peak.
+The matmul peak is :meth:`DatasheetPeak.matmul_tflops` of the inputs' type: for ``float`` the TF32
+tensor-core peak where the part has TF32 (what cuBLAS uses when it is allowed; an upper bound
+otherwise), else its fp32 matrix or CUDA-core rate (V100, P100, MI250); for half the fp16 peak,
+for bfloat16 the bf16 peak (on a part without a bf16 unit, the fp32 rate it runs at).
 """
 
 from __future__ import annotations
@@ -90,10 +92,15 @@ def cost(op: str, dims: list, types: list) -> tuple[float, float, str] | None:
 
 
 def op_roofline(
-    kernels: pd.DataFrame, host: pd.DataFrame, device_name: str | None, peak: DatasheetPeak | None = None
+    kernels: pd.DataFrame,
+    host: pd.DataFrame,
+    device_name: str | None,
+    peak: DatasheetPeak | None = None,
+    properties: dict | None = None,
 ) -> pd.DataFrame:
     """One row per (op, shapes, types) that launched kernels (see the module note); ``peak``
-    replaces the datasheet row of ``device_name`` (a CPU's measured ceilings)."""
+    replaces the datasheet row of ``device_name`` (a CPU's measured ceilings); ``properties``:
+    the device's ``deviceProperties`` entry (:func:`datasheet_for` reads it)."""
     cols = ["op", "shapes", "types", "kind", "calls", "gpu_us", "flops", "bytes", "tflops", "gbps", "intensity"]
     cols += ["peak_tflops", "peak_gbps", "pct_of_peak", "bound", "device"]
     if "input_dims" not in host:
@@ -124,10 +131,12 @@ def op_roofline(
     df["tflops"] = df["flops"] / (df["gpu_us"] * 1e6)
     df["gbps"] = df["bytes"] / (df["gpu_us"] * 1e3)
     df["intensity"] = df["flops"] / df["bytes"]
-    peak = peak or datasheet_for(device_name)
+    peak = peak or datasheet_for(device_name, properties)
     half = df["types"].str.contains("Half|BFloat16", case=False)
     if peak is not None:
-        df["peak_tflops"] = np.where(half, peak.bf16_tflops, peak.tf32_tflops)
+        fp16 = df["types"].str.contains("Half", case=False) & ~df["types"].str.contains("BFloat16", case=False)
+        mm = {d: peak.matmul_tflops(d) or np.nan for d in ("fp32", "fp16", "bf16")}
+        df["peak_tflops"] = np.where(half, np.where(fp16, mm["fp16"], mm["bf16"]), mm["fp32"])
         df["peak_tflops"] = np.where(df["kind"] == "elementwise/norm", peak.fp32_tflops or np.nan, df["peak_tflops"])
         df["peak_gbps"] = peak.hbm_gbs
         ridge = df["peak_tflops"] * 1e12 / (df["peak_gbps"] * 1e9)
