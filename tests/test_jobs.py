@@ -114,8 +114,14 @@ def test_labs_side_by_side_record_what_a_sequential_run_records_and_failed_jobs_
     assert seq.ok, seq.statuses
     out = suites / "par"
     assert cli.main(["run", "mixed", "--parallel", "2", "--out", str(out), "--no-progress"]) == 1
-    assert "2 notebook(s) failed" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "2 notebook(s) failed" in err
     par = (out / "latest").resolve()
+    # the run's own context records the labs' share (as each lab's does): a split asked for with
+    # --parallel is not reported as threads a busy machine cut
+    run_threads = json.loads((par / "context.json").read_text())["timing"]["cpu_threads"]
+    assert run_threads["policy"] == "PERFLAB_TIMING_THREADS" and "shared by up to 2 labs" in run_threads["reason"]
+    assert "THREADS CUT" not in err and 'id="threads-cut"' not in (par / "index.html").read_text()
     a, b = load_records(seq.path), load_records(par)
     assert len(a) == len(b) == 4 and (a["metric"] == "time").sum() == 2
     ta, tb = timing_free(a), timing_free(b)

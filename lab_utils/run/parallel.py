@@ -248,17 +248,23 @@ def multinode_task(cfg, nodes: int, per_node: int, tmp: Path, cluster: ClusterOp
     return Task(key, run_multinode, args, devices=0, nodes=nodes, gpus=cluster.gpus_per_node)
 
 
+def thread_env(plan: JobPlan, planned) -> dict[str, str]:
+    """On CPU: the environment that gives each lab its share of the timing-thread budget and says
+    why in its recorded thread choice (empty on GPUs, where labs get devices instead)."""
+    if not plan.threads_per_lab:
+        return {}
+    share = (
+        f"{plan.thread_budget} timing threads shared by up to {min(plan.parallel, len(planned))} labs "
+        f"running at once: {plan.threads_per_lab} each"
+    )
+    return {THREADS_ENV: str(plan.threads_per_lab), SHARE_ENV: share}
+
+
 def run_jobs(planned, plan: JobPlan, tmp: Path, final: Path, timeout_s: int, progress: bool, statuses: list) -> None:
     """Run the suite's labs as jobs; append each lab's status to ``statuses`` in suite order once
     all have ended.  Ctrl-C: the jobs are cancelled and ended, the unfinished labs' partial files
     and the job folder removed, finished labs' statuses appended; then KeyboardInterrupt."""
-    env = {"TQDM_DISABLE": "1", "PERFLAB_RUN_ID": os.environ.get("PERFLAB_RUN_ID", "")}
-    if plan.threads_per_lab:
-        env[THREADS_ENV] = str(plan.threads_per_lab)
-        env[SHARE_ENV] = (
-            f"{plan.thread_budget} timing threads shared by up to {min(plan.parallel, len(planned))} labs "
-            f"running at once: {plan.threads_per_lab} each"
-        )
+    env = {"TQDM_DISABLE": "1", "PERFLAB_RUN_ID": os.environ.get("PERFLAB_RUN_ID", ""), **thread_env(plan, planned)}
     jobs_dir = tmp / "jobs"
     tasks = _tasks(planned, plan, tmp, final, timeout_s, env)
     by_stem = {p.entry.stem: p for p in planned}

@@ -359,6 +359,10 @@ def run_suite(
     os.environ["PERFLAB_RUN_ID"] = run_id
     if timing_threads is not None:
         os.environ[THREADS_ENV] = str(timing_threads)
+    if job_plan is not None:
+        # each lab times with its share of the budget: the run's context (and so its thread-cut
+        # line) records that share as set on purpose, not as a cut forced by a busy machine
+        os.environ.update(parallel.thread_env(job_plan, planned))
     try:
         if job_plan is not None:
             current = "the jobs"
@@ -400,7 +404,14 @@ def run_suite(
     return RunResult(run_id, final, statuses)
 
 
-RUN_ENV = ("PERFLAB_RECORDS_DIR", "PERFLAB_ARTIFACTS_DIR", "PERFLAB_RUN_ID", "TQDM_DISABLE", THREADS_ENV)
+RUN_ENV = (
+    "PERFLAB_RECORDS_DIR",
+    "PERFLAB_ARTIFACTS_DIR",
+    "PERFLAB_RUN_ID",
+    "TQDM_DISABLE",
+    THREADS_ENV,
+    parallel.SHARE_ENV,
+)
 
 
 def _move_noise(nb_path: Path, log: Path) -> None:
