@@ -200,7 +200,6 @@ FUNCTION_ALLOWED = {
     "lab_utils/core/records.py:Recorder.add_timing": _COLUMNS,
     "lab_utils/run/runner.py:run_suite": "one keyword per `perflab run` flag (issue 26 added jobs): not grouped yet",
     "lab_utils/fused/blocks.py:block_cases": _FACTORY,
-    "lab_utils/profiling/traces.py:analyse_trace": "rewritten by issue 23's trace package",
 }
 
 

@@ -175,40 +175,58 @@ def _step_of(windows: list[tuple[int, float, float]], ts: float) -> int | None:
     return None
 
 
+#: one work item of a step: (name, launching op or its own name, category, duration us, start, end, step)
+_Item = tuple[str, str, str, float, float, float, "int | None"]
+
+
 def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int = 15) -> TraceAnalysis:
     """Analyse a Chrome trace written by ``torch.profiler`` (see the module note)."""
     rt, host, kernels, windows, device_kind = _read(path, device_kind)
+    phases = _phases(host, windows)
+    items, source = _items(host, kernels, windows, device_kind)
+    steps = _steps(items, windows, phases, device_kind)
+    in_steps = [it for it in items if it[6] is not None]
+    categories, categories_by_step = _categories(in_steps, steps, windows)
+    top_ops, top_by_step = _top_ops(in_steps, windows, float(steps.step_ms.sum()), top)
+    memory, peak = _memory(rt, windows, device_kind)
+    return TraceAnalysis(
+        device_kind, source, steps, phases, categories, top_ops, memory, peak, categories_by_step, top_by_step
+    )
 
-    def step_of(ts: float):
-        return _step_of(windows, ts)
 
-    # phases ---------------------------------------------------------------------------
+def _phases(host: list[_Ev], windows) -> pd.DataFrame:
+    """The trainer's named ranges, summed per step (step, phase, ms)."""
     prow = []
     for e in host:
         if e.cat == "user_annotation" and e.name in PHASES:
-            k = step_of(e.ts)
+            k = _step_of(windows, e.ts)
             if k is not None:
                 prow.append(dict(step=k, phase=e.name, ms=e.dur / 1e3))
     phases = pd.DataFrame(prow, columns=["step", "phase", "ms"])
     if len(phases):
         phases = phases.groupby(["step", "phase"], as_index=False, sort=False)["ms"].sum()
+    return phases
 
-    # work items: (name, launching op, category, duration us, start, end, step) ----------
+
+def _items(host: list[_Ev], kernels, windows, device_kind: str) -> tuple[list[_Item], str]:
+    """The work a step's time is split into: device kernels on CUDA, operators' self time on CPU."""
     items = []
     if device_kind == "cuda":
         for name, op, ts, dur, step in kernels:
             opname = op.name if op is not None else ""
             cat = categorize(name, opname, bool(op and op.opt))
             items.append((name, opname or name, cat, dur, ts, ts + dur, step))
-        source = "cuda kernels"
-    else:
-        for e in host:
-            if e.cat != "cpu_op":
-                continue
-            cat = categorize(e.name, e.parent_op, e.opt)
-            items.append((e.name, e.name, cat, e.self_us, e.ts, e.end, step_of(e.ts)))
-        source = "cpu operators (self time)"
+        return items, "cuda kernels"
+    for e in host:
+        if e.cat != "cpu_op":
+            continue
+        cat = categorize(e.name, e.parent_op, e.opt)
+        items.append((e.name, e.name, cat, e.self_us, e.ts, e.end, _step_of(windows, e.ts)))
+    return items, "cpu operators (self time)"
 
+
+def _steps(items: list[_Item], windows, phases: pd.DataFrame, device_kind: str) -> pd.DataFrame:
+    """Per step: its time, the phases' sum and coverage, busy (the union of its items) and idle."""
     srow = []
     for k, s, t in windows:
         step_us = t - s
@@ -228,10 +246,11 @@ def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int 
                 idle_ms=max(step_us - busy, 0.0) / 1e3,
             )
         )
-    steps = pd.DataFrame(srow)
-    total_step_ms = float(steps.step_ms.sum())
+    return pd.DataFrame(srow)
 
-    in_steps = [it for it in items if it[6] is not None]
+
+def _categories(in_steps: list[_Item], steps: pd.DataFrame, windows) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Time per category (with idle) over the steps, and per step."""
     cat_ms = defaultdict(float)
     per_step = defaultdict(float)
     for it in in_steps:
@@ -239,12 +258,15 @@ def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int 
         per_step[(it[6], it[2])] += it[3] / 1e3
     by_step = [dict(step=k, category=c, ms=per_step.get((k, c), 0.0)) for k, _, _ in windows for c in CATEGORIES]
     by_step += [dict(step=r.step, category=IDLE, ms=r.idle_ms) for r in steps.itertuples()]
-    categories_by_step = pd.DataFrame(by_step)
     crow = [dict(category=c, ms=cat_ms.get(c, 0.0)) for c in CATEGORIES]
     crow.append(dict(category=IDLE, ms=float(steps.idle_ms.sum())))
     categories = pd.DataFrame(crow)
-    categories["pct_of_step"] = 100 * categories.ms / total_step_ms
+    categories["pct_of_step"] = 100 * categories.ms / float(steps.step_ms.sum())
+    return categories, pd.DataFrame(by_step)
 
+
+def _top_ops(in_steps: list[_Item], windows, total_step_ms: float, top: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The ``top`` operators by time (calls, ms, % of step), and each one's time per step."""
     agg: dict[str, list] = {}
     for it in in_steps:
         a = agg.setdefault(it[1], [it[2], 0, 0.0])
@@ -263,8 +285,12 @@ def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int 
         [dict(step=k, name=n, ms=op_step.get((k, n), 0.0)) for k, _, _ in windows for n in top_ops.name],
         columns=["step", "name", "ms"],
     )
+    return top_ops, top_by_step
 
-    # memory ----------------------------------------------------------------------------
+
+def _memory(rt, windows, device_kind: str) -> tuple[pd.DataFrame, float]:
+    """The allocation curve from the first step's start (binned to its running max past 3000
+    points, so plots stay light and peaks are kept) and the peak allocated bytes."""
     want = 1 if device_kind == "cuda" else 0
     t0 = windows[0][1]
     m = rt.memory[rt.memory["device_type"] == want].sort_values("ts")
@@ -273,10 +299,8 @@ def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int 
         [dict(t_ms=(ts - t0) / 1e3, allocated_mb=b / 2**20) for ts, b in mrow], columns=["t_ms", "allocated_mb"]
     )
     peak = max((b for _, b in mrow), default=float("nan"))
-    if len(memory) > 3000:  # keep plots light: the running max per bin preserves peaks
+    if len(memory) > 3000:
         memory["bin"] = (memory.t_ms / (memory.t_ms.max() / 1500 + 1e-9)).astype(int)
         memory = memory.groupby("bin", as_index=False).agg(t_ms=("t_ms", "first"), allocated_mb=("allocated_mb", "max"))
         memory = memory.drop(columns="bin")
-    return TraceAnalysis(
-        device_kind, source, steps, phases, categories, top_ops, memory, peak, categories_by_step, top_by_step
-    )
+    return memory, peak
