@@ -137,4 +137,6 @@ def test_lab08_base_phases_carry_samples_and_the_timing_verdict():
     assert base["checkpoint"]["samples"] == [40.0, 41.0]  # one per save
     for p in ("forward", "backward", "checkpoint"):
         assert base[p]["stability"] == judge_samples(base[p]["samples"]).reason
-    assert "samples" not in base["text_encoding"] or base["text_encoding"]["samples"] is None
+    # a phase the profile never saw: no samples, no verdict (never a made-up "stable")
+    te = base["text_encoding"]
+    assert (te["value"], te["samples"], te["stable"], te["stability"]) == (0.0, None, None, ""), te
