@@ -316,3 +316,48 @@ def test_block_speedup_reads_eager_over_provider(monkeypatch):
     speed = dict(df[df.metric == "speedup_vs_eager"][["variant", "value"]].values)
     assert speed == {"eager": 1.0, "slow": 0.5, "fast": 2.0}
     assert math.isclose(df[(df.metric == "time") & (df.statistic == "median") & (df.variant == "slow")].value.item(), 6)
+
+
+def test_a_cuda_time_without_a_graph_is_per_call(monkeypatch):
+    """Where a CUDA graph cannot be captured, each sample runs several calls back to back: the
+    recorded time is each sample over the calls it made (counted here), not the sample."""
+    counted = [0]
+
+    def op():
+        counted[0] += 1
+
+    def try_bench(fn, **kw):
+        fn()  # what one sample runs
+        return Timing("fake", "cuda", "events", (8.0, 16.0, 24.0), 0.0)
+
+    monkeypatch.setattr(kb, "try_bench", try_bench)
+    t = kb.time_op(op, name="fake", device="cuda", reps=3, budget_s=1.0, graph=False)
+    calls = counted[0]
+    assert calls > 1
+    assert t.samples_ms == pytest.approx((8.0 / calls, 16.0 / calls, 24.0 / calls), rel=1e-12)
+    assert t.meta["calls_per_sample"] == calls and t.meta["cuda_graph"] is False
+
+
+def test_peak_memory_rows_are_in_mib(fake_bench, monkeypatch):
+    """3 MiB = 3 x 1,048,576 B = 3,145,728 B: the sweep's and the block table's peak-memory rows
+    read 3.0 (not 3.1457..., the same bytes in MB)."""
+    real = kb.bench_variant
+
+    def bench_variant(*a, **kw):
+        t, _ = real(*a, **kw)
+        return t, 3_145_728.0
+
+    monkeypatch.setattr(kb, "bench_variant", bench_variant)
+    rec = Recorder("test")
+    kb.sweep(kb.OpGrid(["gelu_tanh"], [kb.Problem(1, 4, 32)], ["float32"], ["fwd"], []), Session("cpu", rec), reps=3)
+    df = rec.frame()
+    mem = df[df.metric == "peak_memory"]
+    assert len(mem) >= 1 and set(mem.unit) == {"MiB"} and mem.value.tolist() == [3.0] * len(mem)
+
+    monkeypatch.setattr(fused_blocks, "try_bench", lambda fn, *, name, **kw: fake_timing(2.0, name))
+    monkeypatch.setattr(fused_blocks, "peak_memory_bytes", lambda fn, dev: 3_145_728.0)
+    rec = Recorder("test")
+    case = fused_blocks.BlockCase("eager", "single", lambda: None, lambda: None, "1x8x16", "torch", False)
+    fused_blocks.block_compare(rec, [case], reps=3)
+    df = rec.frame()
+    assert df[df.metric == "peak_memory"].value.tolist() == [3.0]
