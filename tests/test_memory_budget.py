@@ -57,6 +57,29 @@ def test_predicted_peak_and_transient_equal_a_hand_sum(policy):
         assert want["transient"] == 225_792
 
 
+def test_compile_budget_is_bounded_by_no_checkpointing():
+    """torch.compile's partitioner may save anything no checkpointing saves: its predicted peak is
+    the hand-summed peak of no checkpointing (not of full recompute, which is smaller)."""
+    cfg, sh = resolve_config("tiny"), mem.StepShape(3, 16, 5)
+    want = _hand_peak(sh, "none")
+    assert mem.predicted_peak(cfg, sh, "float32", "compile_budget") == want
+    assert want["total"] > _hand_peak(sh, "full")["total"]
+
+
+def test_bfloat16_state_by_hand():
+    """bfloat16 parameters: 2 B weight + 2 B gradient (the gradient has the parameter's dtype),
+    8 B of fp32 AdamW moments, 4 B of fp32 master weight per parameter."""
+    n = _n_params("tiny")
+    got = mem.state_totals(resolve_config("tiny"), "bfloat16")
+    assert got == dict(parameters=2 * n, gradients=2 * n, optimizer=8 * n, master_weights=4 * n)
+
+
+def test_default_device_is_an_h200_of_141_decimal_gb():
+    """NVIDIA's datasheet: 141 GB of HBM3e, decimal (131.3 GiB), when no CUDA device is there."""
+    assert mem.H200_BYTES == 141_000_000_000
+    assert round(mem.H200_BYTES / 2**30, 1) == 131.3
+
+
 def test_what_fits_at_its_boundary():
     """The largest batch fits a device of exactly its hand-summed peak, one byte less does not."""
     cfg = resolve_config("tiny")

@@ -13,4 +13,5 @@ def test_gpus_needed_is_the_fewest_ranks_that_fit():
     assert mem.gpus_needed(cfg, sh, "float32", "none", peak[1]) == 1
     assert mem.gpus_needed(cfg, sh, "float32", "none", peak[1] - 1) == 2
     assert mem.gpus_needed(cfg, sh, "float32", "none", peak[3]) == 3
+    assert mem.gpus_needed(cfg, sh, "float32", "none", peak[3], max_gpus=3) == 3  # the last count tried
     assert mem.gpus_needed(cfg, sh, "float32", "none", peak[3] - 1, max_gpus=3) is None
