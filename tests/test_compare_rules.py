@@ -12,8 +12,10 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
+from scipy.stats import binom
 
 from lab_utils.core.records import CONTEXT_COLUMNS, ROW_COLUMNS
 from lab_utils.run import compare as C
@@ -204,3 +206,54 @@ def test_timings_with_samples_at_the_threshold(tmp_path, method):
         # the bandwidth row (no samples of its own) borrows the time row's noise and verdict
         bw = rows[(rows.variant == f"v{i}") & (rows.metric == "bandwidth")].iloc[0]
         assert bw["verdict"] == verdict and bw["noise"] == "from the time row's samples", bw.to_dict()
+
+
+def test_exactly_min_samples_a_side_give_a_noise_test(tmp_path):
+    """Options.min_samples is 3: three samples a side are enough for the bootstrap, so a time 5.01%
+    slower with no noise is a gated regression (two samples a side: threshold only, not gated)."""
+    rows = {}
+    for n in (3, 2):
+        for side, v in (("b", 1.0), ("c", 1 + T + E)):
+            rows.setdefault(side, []).append(
+                dict(value_row(f"n{n}", "time", "ms", v), statistic="median", samples=[v] * n)
+            )
+    cmp = C.compare(write_report(tmp_path / "b", rows["b"]), write_report(tmp_path / "c", rows["c"]))
+    r = cmp.rows.set_index("variant")
+    assert (r.loc["n3", "n_base"], r.loc["n3", "n_cand"]) == (3, 3)
+    assert r.loc["n3", "noise"] == "bootstrap 99%" and r.loc["n3", "verdict"] == "slower" and r.loc["n3", "regression"]
+    assert r.loc["n2", "noise"] == "" and r.loc["n2", "verdict"] == "slower" and not r.loc["n2", "regression"]
+
+
+def test_bootstrap_interval_is_two_sided_against_the_exact_bootstrap_distribution():
+    """Base constant (1.0): the ratio is the median of a resample of the candidate.  For the 21
+    values 1..21, the median of 21 draws is <= j with probability P(Bin(21, j/21) >= 11): 0.056
+    at 7, 0.131 at 8, 0.253 at 9 (and symmetric above).  An 80% two-sided interval cuts 10% off
+    each end: (8, 14); cutting 20% off each (one-sided alpha) would give (9, 13)."""
+    base, cand = np.ones(5), np.arange(1.0, 22.0)
+    cdf = {j: float(binom.sf(10, 21, j / 21)) for j in range(1, 22)}
+    assert cdf[7] < 0.1 < cdf[8] and cdf[8] < 0.2 < cdf[9]  # where the 10% and 20% points fall
+    assert C.bootstrap_ratio(base, cand, confidence=0.8) == (8.0, 14.0)
+
+
+def test_only_performance_keeps_the_memory_rows(tmp_path):
+    rows = [value_row("mem", "peak_memory", "MiB", 100.0), value_row("err", "max_abs_err", "", 1.0)]
+    cand = [value_row("mem", "peak_memory", "MiB", 120.0), value_row("err", "max_abs_err", "", 2.0)]
+    b, c = write_report(tmp_path / "b", rows), write_report(tmp_path / "c", cand)
+    perf = C.compare(b, c, only="performance").rows
+    assert perf.variant.tolist() == ["mem"] and perf.verdict.tolist() == ["more memory"]
+    acc = C.compare(b, c, only="accuracy").rows
+    assert acc.variant.tolist() == ["err"] and acc.verdict.tolist() == ["less accurate"]
+
+
+def test_rank_test_of_an_error_figure_uses_the_accuracy_threshold(tmp_path):
+    """An error 7% larger in every sample: beyond the performance threshold (5%), within the
+    accuracy one (10%): "same" by the rank test as by the bootstrap; 12% larger is "less accurate"."""
+    b, c = [], []
+    for name, f in (("err7", 1.07), ("err12", 1.12)):
+        b.append(dict(value_row(name, "max_abs_err", "", 1.0), statistic="median", samples=[1.0] * 5))
+        c.append(dict(value_row(name, "max_abs_err", "", f), statistic="median", samples=[f] * 5))
+    bp, cp = write_report(tmp_path / "b", b), write_report(tmp_path / "c", c)
+    for method in ("rank", "bootstrap"):
+        r = C.compare(bp, cp, method=method).rows.set_index("variant")
+        assert r.loc["err7", "verdict"] == "same", (method, r.loc["err7"].to_dict())
+        assert r.loc["err12", "verdict"] == "less accurate", (method, r.loc["err12"].to_dict())
