@@ -5,7 +5,8 @@ table, compare row and roofline point of the lab is built from."""
 import numpy as np
 import pytest
 
-from lab_utils.core.timing import Timing, bench, judge_samples
+from lab_utils.core import timing as timing_mod
+from lab_utils.core.timing import BenchError, BenchOptions, Timing, bench, judge_samples
 
 # ten samples whose quantiles are easy to write by hand (numpy's linear interpolation:
 # the q-quantile of 1..10 is 1 + 9q)
@@ -34,3 +35,29 @@ def test_a_short_call_is_repeated_within_each_sample():
     number = t.meta["number_per_sample"]
     assert number > 10
     assert t.median_ms < 0.1  # per call, not per block of calls
+
+
+def test_the_cpu_sample_plan_fits_the_budget_in_seconds():
+    """50 samples of a 2 ms call take 100 ms: within a 60 s budget all 50 are taken; within a
+    0.05 s budget 50 ms / 2 ms = 25; a 0.1 ms call is repeated 10 times per 1 ms sample; three
+    samples of a 40 ms call (120 ms) do not fit 0.05 s even with its 50% allowance (75 ms)."""
+    plan = timing_mod._cpu_sample_plan
+    assert plan(2.0, "t", BenchOptions(reps=50, budget_s=60.0)) == (50, 1)
+    assert plan(2.0, "t", BenchOptions(reps=50, budget_s=0.05)) == (25, 1)
+    assert plan(0.1, "t", BenchOptions(reps=50, budget_s=60.0)) == (50, 10)
+    with pytest.raises(BenchError, match="3 samples would exceed the budget of 0.05 s"):
+        plan(40.0, "t", BenchOptions(reps=50, budget_s=0.05))
+
+
+def test_cuda_samples_get_a_third_of_the_budget(monkeypatch):
+    """The documented limit of a CUDA timing's samples: a third of ``budget_s`` (6 s -> 2000 ms)."""
+    got = {}
+
+    def cuda_samples(fn, o, *, est_ms, limit_ms):
+        got["limit_ms"] = limit_ms
+        return [1.0, 1.0, 1.0], "do_bench"
+
+    monkeypatch.setattr(timing_mod, "_sync", lambda dev: None)
+    monkeypatch.setattr(timing_mod, "cuda_samples", cuda_samples)
+    t = bench(lambda: None, device="cuda", reps=3, budget_s=6.0, check_finite=False, retries=0)
+    assert got["limit_ms"] == pytest.approx(2000.0) and t.meta["time_limit_ms"] == pytest.approx(2000.0)
