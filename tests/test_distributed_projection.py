@@ -15,8 +15,9 @@ from lab_utils.distributed.projection import (
     comm_plan,
     plan_time_fitted,
     plan_time_links,
+    project,
 )
-from lab_utils.model import analytic_param_count, resolve_config
+from lab_utils.model import analytic_param_count, build_model, forward_flops, resolve_config
 
 P = 1e6  # payload bytes of one call
 N = 4  # ranks in the group
@@ -69,3 +70,55 @@ def test_fsdp_gathers_each_units_shard_once_or_twice(reshard):
         assert ag.payload_bytes * n == pytest.approx(rs.payload_bytes) and rs.calls == 1
     assert [c.calls for c in gathers] == [2 if reshard else 1] * (len(gathers) - 1) + [1]
     assert sum(c.payload_bytes for c in scatters) == pytest.approx(4 * analytic_param_count(cfg))
+
+
+@pytest.mark.parametrize("group, link", [(8, "nvlink"), (9, "ib"), (16, "ib")])
+def test_a_group_within_one_node_runs_on_nvlink(group, link):
+    """8 GPUs per node: a group of 8 fits one node (NVLink), 9 and 16 span nodes (InfiniBand).
+    Links of 1 GB/s and 0.5 GB/s, no latency: a 1 MB reduce-scatter moves (n-1)/n MB."""
+    links = Links(nvlink_gbps=1.0, ib_gbps=0.5, nvlink_alpha_us=0.0, ib_alpha_us=0.0, gpus_per_node=8)
+    t = plan_time_links([Comm("reduce_scatter", P, 1, group, "dp", False)], links, (1, group, 1, 1))
+    gbps = 1.0 if link == "nvlink" else 0.5
+    assert t["dp"] == pytest.approx((group - 1) / group * P / (gbps * 1e9), rel=1e-12)
+
+
+def test_link_latency_is_in_microseconds():
+    """Three empty calls on NVLink at 10 us each (20 us across nodes): 30 us (60 us), in seconds."""
+    links = Links(nvlink_alpha_us=10.0, ib_alpha_us=20.0, gpus_per_node=8)
+    assert plan_time_links([Comm("all_reduce", 0.0, 3, 4, "dp", False)], links, (1, 4, 1, 1))["dp"] == pytest.approx(
+        30e-6, rel=1e-12
+    )
+    t = plan_time_links([Comm("all_gather", 0.0, 3, 16, "dp", False)], links, (1, 16, 1, 1))
+    assert t["dp"] == pytest.approx(60e-6, rel=1e-12)
+
+
+def test_ulysses_sends_q_k_v_and_out_both_ways_per_block():
+    """Ulysses context parallelism: per block an all-to-all of q, k, v and the output forward and
+    of their gradients backward (8), each the local (B, L/cp, D) shard of one tensor."""
+    cfg = resolve_config("tiny")
+    batch = RankBatch(batch_per_dp=2, img_tokens=16, txt_tokens=8)
+    (a2a,) = [
+        c for c in comm_plan("tiny", "fsdp+cp_ulysses", (1, 1, 2, 1), batch, act_bytes=2) if c.kind == "all_to_all"
+    ]
+    assert a2a.calls == 8 * (cfg.depth_double + cfg.depth_single) and a2a.group == 2
+    assert a2a.payload_bytes == 2 * (24 / 2) * cfg.hidden_size * 2
+
+
+def test_a_projected_row_by_hand():
+    """tiny at 8 GPUs, links so fast the communication is nil: the compute is 4 forwards (forward,
+    recomputed forward, backward = 2 forwards) of counted FLOPs at 989 TFLOP/s x 40% MFU; samples/s
+    = 8 data-parallel ranks x 2 samples over the step; the per-rank state 18 B per parameter
+    (bf16 weight 2 + fp32 gradient 4 + fp32 master 4 + two fp32 moments 8), sharded 8 ways
+    under FSDP and not under DDP (the activations are the same in both)."""
+    cfg = resolve_config("tiny")
+    n = sum(p.numel() for p in build_model("tiny", device="meta").parameters())
+    batch = RankBatch(batch_per_dp=2, img_tokens=16, txt_tokens=8)
+    fast = Links(nvlink_gbps=1e15, ib_gbps=1e15, nvlink_alpha_us=0.0, ib_alpha_us=0.0)
+    df = project("tiny", gpus=(8,), links=fast, batch=batch).set_index("strategy")
+    fwd = forward_flops(cfg, 2, 16, 8)["total"]
+    compute_s = 4 * fwd / (989e12 * 0.4)
+    fsdp = df.loc["fsdp"]
+    assert fsdp.compute_ms == pytest.approx(compute_s * 1e3, rel=1e-9)
+    assert fsdp.step_ms == pytest.approx(compute_s * 1e3, rel=1e-6)
+    assert fsdp.samples_per_s == pytest.approx(8 * 2 / compute_s, rel=1e-6)
+    assert df.loc["ddp", "memory_gb"] - fsdp.memory_gb == pytest.approx(n * 18 * (1 - 1 / 8) / 1e9, rel=1e-9)

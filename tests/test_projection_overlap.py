@@ -78,3 +78,11 @@ def test_dominant_assumption_is_the_one_a_hand_sensitivity_picks():
     assert s2["overlap"] == pytest.approx(0.0)
     assert s2["bandwidth"] == pytest.approx((10.0 - 0.1) - max(0.2, 0.4 - 0.1))
     assert dominant(s2) == "bandwidth"
+
+
+def test_a_measured_overlap_is_the_mean_of_its_runs():
+    """Three runs of fsdp at 0.2, 0.3 and 1.0: the point is their mean 0.5 (the median would be
+    0.3), the range 0.2..1.0; the unmeasured default is the median of all runs."""
+    m = overlap_model([("fsdp", 0.2), ("fsdp/bf16", 0.3), ("fsdp", 1.0), ("ddp", 0.9)])
+    assert m.for_strategy("fsdp") == OverlapRange(pytest.approx(0.5), 0.2, 1.0, "measured (3 ranks)")
+    assert m.for_strategy("fsdp+tp").point == pytest.approx(0.6)  # median of 0.2, 0.3, 0.9, 1.0
