@@ -135,3 +135,44 @@ def test_a_few_lost_updates_against_none_are_no_divergence():
     d = numerics_diff(frame(0.0), frame(5e-5), tol=0.05)
     first = d.first.set_index("stat").first_step
     assert first["lost_update_frac"] == -1 and first["update_ratio"] == 1
+
+
+def test_the_loss_is_the_mean_of_the_per_sample_losses():
+    """Per-sample losses 1, 2 and 9: the logged loss is their mean, 4 (the median would be 2)."""
+    tel = Telemetry(Toy(), timestep_buckets=1)
+    tel.begin_step(0)
+    tel.log_loss(torch.tensor([0.2, 0.5, 0.8]), torch.tensor([1.0, 2.0, 9.0]))
+    tel.end_step()
+    df = tel.frame()
+    assert value(df, "loss") == 4.0 and value(df, "loss_bucket") == 4.0
+
+
+def _act_rows(step_values: dict[int, tuple[float, float]]) -> pd.DataFrame:
+    """act_rms of double_blocks.0, img and txt streams, per step."""
+    return pd.DataFrame(
+        [
+            dict(step=s, block="double_blocks.0", stream=stream, stat="act_rms", value=v)
+            for s, vals in step_values.items()
+            for stream, v in zip(("img", "txt"), vals)
+        ]
+    )
+
+
+def test_a_divergence_in_one_stream_is_the_blocks_divergence():
+    """Streams are reduced by max: at step 1 the img stream differs by 8% (1.0 against 0.92), the
+    txt stream not at all; the block diverges there at tol 0.05 (a mean over streams, 4%, would not)."""
+    a = _act_rows({0: (1.0, 2.0), 1: (1.0, 2.0)})
+    b = _act_rows({0: (1.0, 2.0), 1: (0.92, 2.0)})
+    d = numerics_diff(a, b, tol=0.05)
+    cell = d.cells[(d.cells.step == 1) & (d.cells.block == "double_blocks.0")]
+    assert cell.rel_diff.item() == pytest.approx(0.08)
+    assert d.first.set_index("stat").first_step["act_rms"] == 1
+
+
+def test_a_difference_of_exactly_tol_is_not_a_divergence():
+    """|1 - 0.75| / 1 = 0.25 exactly (binary fractions): at tol 0.25 no divergence; 0.7499 is one."""
+    a = _act_rows({0: (1.0, 1.0), 1: (1.0, 1.0)})
+    at = numerics_diff(a, _act_rows({0: (1.0, 1.0), 1: (0.75, 1.0)}), tol=0.25)
+    assert at.first.first_step.tolist() == [-1] and at.origin == {}
+    beyond = numerics_diff(a, _act_rows({0: (1.0, 1.0), 1: (0.7499, 1.0)}), tol=0.25)
+    assert beyond.first.first_step.tolist() == [1] and beyond.origin == {"act_rms": ("double_blocks.0", 1)}
