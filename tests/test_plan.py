@@ -207,3 +207,37 @@ def test_plan_and_verify_summary_for_the_gpu_check():
     assert out["device"] == "cpu" and any("pin_memory" in x for x in out["excluded"])
     assert out["verified"][0]["plan"] == "encoders=precomputed" and out["verified"][0]["seams_match"]
     assert out["verified"][0]["error_pct"] == 0.0
+
+
+def test_verification_on_a_machine_that_slowed_reports_drift_and_the_rebased_error():
+    """The plan is built on the synthetic machine; at verification the machine runs the base
+    step 25% slower and the plan's step 50% slower than before (a deliberately slowed machine):
+    drift +25% (fresh base over the planned base), error +50% against the prediction, and
+    against the prediction rebased on the fresh base (1.25x) 1.5 / 1.25 - 1 = +20%."""
+    calls = []
+    res = build_plan(BASE, ["attention_path", "num_workers"], measure=synthetic_measure(calls))
+    fast = synthetic_measure(calls)
+
+    def slowed(cfg):
+        p = fast(cfg)
+        f = 1.25 if cfg == BASE else 1.5
+        return dataclasses.replace(p, phases={k: v * f for k, v in p.phases.items()})
+
+    (v,) = verify(res, top=1, measure=slowed)
+    assert v.drift_pct == pytest.approx(25.0)
+    assert v.error_pct == pytest.approx(50.0)
+    assert v.rebased_ms == pytest.approx(1.25 * v.plan.prediction.total_ms)
+    assert v.rebased_error_pct == pytest.approx(20.0)
+
+
+def test_a_plan_much_faster_than_predicted_is_flagged_too():
+    """The error is judged both ways: a step measured at half the prediction (-50%) is as broken
+    as one at twice it."""
+    base = profile(forward=100.0, backward=100.0)
+    a = Effect("compile", True, dict(forward=0.5, backward=0.5), 0.0, {})
+    plans, _ = enumerate_plans(BASE, base, [a])
+    one = next(p for p in plans if p.choices)
+    measured = profile(seams=one.config.to_dict(), forward=25.0, backward=25.0)
+    v = judge(one, measured)
+    assert math.isclose(v.error_pct, -50.0)
+    assert "phase 'forward' is off most" in v.broken
