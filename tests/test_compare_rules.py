@@ -21,7 +21,7 @@ from lab_utils.core.records import CONTEXT_COLUMNS, ROW_COLUMNS
 from lab_utils.run import compare as C
 from lab_utils.run.compare.options import Options
 from lab_utils.run.compare.rules import Direction
-from lab_utils.run.compare.stats import judge
+from lab_utils.run.compare.stats import judge, rank_pvalues
 
 CPU = {
     "device": "Test CPU 9000",
@@ -257,3 +257,16 @@ def test_rank_test_of_an_error_figure_uses_the_accuracy_threshold(tmp_path):
         r = C.compare(bp, cp, method=method).rows.set_index("variant")
         assert r.loc["err7", "verdict"] == "same", (method, r.loc["err7"].to_dict())
         assert r.loc["err12", "verdict"] == "less accurate", (method, r.loc["err12"].to_dict())
+
+
+def test_rank_tests_of_a_higher_is_better_figure_shift_the_base_by_the_threshold():
+    """Higher is better, threshold 5 %: "better" tests the candidate against base x 1.05 and
+    "worse" against base / 1.05.  Disjoint samples make the one-sided p-values extreme: 2 %
+    better is beyond neither bound, 10 % better beyond the upper, 10 % worse below the lower."""
+    base = np.linspace(1.0, 1.01, 10)
+    pw, pb = rank_pvalues(base, base * 1.02, 1.05, "higher")
+    assert pw > 0.5 and pb > 0.5
+    pw, pb = rank_pvalues(base, base * 1.10, 1.05, "higher")
+    assert pb < 1e-3 and pw > 0.5
+    pw, pb = rank_pvalues(base, base * 0.90, 1.05, "higher")
+    assert pw < 1e-3 and pb > 0.5

@@ -122,3 +122,25 @@ def test_a_projected_row_by_hand():
     assert fsdp.step_ms == pytest.approx(compute_s * 1e3, rel=1e-6)
     assert fsdp.samples_per_s == pytest.approx(8 * 2 / compute_s, rel=1e-6)
     assert df.loc["ddp", "memory_gb"] - fsdp.memory_gb == pytest.approx(n * 18 * (1 - 1 / 8) / 1e9, rel=1e-9)
+
+
+def test_tensor_parallel_all_reduces_the_cp_ranks_tokens_per_row_parallel_layer():
+    """flux-dev (19 double, 38 single blocks) with TP 2 and CP 2: an all-reduce per row-parallel
+    output, each over the joint img + txt length (a double block: attention proj and fc2 = 2; a
+    single block: linear2 = 1), forward and backward: 2 x (19 x 2 + 38) = 152 calls, each of
+    the CP rank's 2 x 24 / 2 = 24 tokens x 3072 x 2 bytes."""
+    batch = RankBatch(batch_per_dp=2, img_tokens=16, txt_tokens=8)
+    (tp,) = [c for c in comm_plan("flux-dev", "fsdp+cp_ulysses", (1, 1, 2, 2), batch, act_bytes=2) if c.scope == "tp"]
+    assert tp.kind == "all_reduce" and tp.group == 2
+    assert tp.calls == 152
+    assert tp.payload_bytes == 24 * 3072 * 2
+
+
+@pytest.mark.parametrize("cp,tp,on_ib", [(2, 4, False), (4, 2, False), (4, 4, True), (2, 8, True)])
+def test_a_cp_group_spans_its_tp_stride(cp, tp, on_ib):
+    """Ranks are laid out TP fastest: a CP group of cp ranks spans cp x tp GPUs, NVLink up to 8
+    (one node), InfiniBand beyond.  Here IB is 1 GB/s and NVLink 1000 GB/s, no latency."""
+    links = Links(nvlink_gbps=1000.0, ib_gbps=1.0, nvlink_alpha_us=0.0, ib_alpha_us=0.0, gpus_per_node=8)
+    t = plan_time_links([Comm("all_to_all", P, 1, cp, "cp", True)], links, (1, 1, cp, tp))["cp"]
+    seconds = (cp - 1) / cp * P / 1e9
+    assert t == pytest.approx(seconds if on_ib else seconds / 1000, rel=1e-12)

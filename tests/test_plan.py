@@ -16,6 +16,7 @@ from lab_utils.plan.levers import LEVERS, candidates, check_levers
 from lab_utils.plan.planner import (
     ALL_PHASES,
     Effect,
+    Plan,
     StepProfile,
     build_plan,
     compose,
@@ -241,3 +242,23 @@ def test_a_plan_much_faster_than_predicted_is_flagged_too():
     v = judge(one, measured)
     assert math.isclose(v.error_pct, -50.0)
     assert "phase 'forward' is off most" in v.broken
+
+
+def test_merged_profiles_keep_the_wider_spread():
+    """Two measurements merged are no more certain than the noisier one: per phase the larger
+    relative spread (10 % and 30 % -> 30 %, either order)."""
+    a = dataclasses.replace(profile(forward=10.0), spread=dict.fromkeys(ALL_PHASES, 0.0) | {"forward": 0.1})
+    b = dataclasses.replace(profile(forward=20.0), spread=dict.fromkeys(ALL_PHASES, 0.0) | {"forward": 0.3})
+    assert merge_profiles(a, b).spread["forward"] == 0.3
+    assert merge_profiles(b, a).spread["forward"] == 0.3
+
+
+def test_waterfall_adds_the_largest_gain_first():
+    """forward 30 ms halved (-15 ms) and backward 50 ms halved (-25 ms): the bars go 80 -> 55
+    (backward) -> 40 (forward), whatever order the plan lists its effects in."""
+    base = profile(forward=30.0, backward=50.0)
+    fwd = Effect("f", 1, {"forward": 0.5}, 0.0, {})
+    bwd = Effect("b", 1, {"backward": 0.5}, 0.0, {})
+    plan = Plan({"f": 1, "b": 1}, BASE, compose(base, [fwd, bwd]), (fwd, bwd))
+    bars = [(r["bar"], r["start"], r["end"]) for r in waterfall(base, plan)]
+    assert bars == [("measured step", 0.0, 80.0), ("b=1", 80.0, 55.0), ("f=1", 55.0, 40.0), ("plan", 0.0, 40.0)]

@@ -61,3 +61,14 @@ def test_cuda_samples_get_a_third_of_the_budget(monkeypatch):
     monkeypatch.setattr(timing_mod, "cuda_samples", cuda_samples)
     t = bench(lambda: None, device="cuda", reps=3, budget_s=6.0, check_finite=False, retries=0)
     assert got["limit_ms"] == pytest.approx(2000.0) and t.meta["time_limit_ms"] == pytest.approx(2000.0)
+
+
+def test_mean_and_spread_of_a_skewed_timing():
+    """1, 2, 3, 4 and a stall of 20: the median is 3, the mean 6 (the stall pulls the mean
+    only); numpy's p20 and p80 sit at positions 0.8 and 3.2: 1.8 and 4 + 0.2 x 16 = 7.2, so the
+    relative spread is (7.2 - 1.8) / 3 = 1.8, over the median (the ten samples 1..10 above have
+    mean = median and cannot tell the two apart)."""
+    t = Timing("t", "cpu", "hand", (20.0, 1.0, 4.0, 2.0, 3.0), 0.0)
+    assert t.median_ms == 3.0 and t.mean_ms == 6.0
+    assert t.p20_ms == pytest.approx(1.8) and t.p80_ms == pytest.approx(7.2)
+    assert t.spread == pytest.approx(1.8)

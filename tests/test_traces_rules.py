@@ -394,3 +394,40 @@ def test_records_carry_each_step_as_a_sample(tmp_path):
     assert kt["variant"] == "rank0" and kt["samples"] == [0.03, 0.01] and kt["value"] == pytest.approx(0.02)
     assert rows["category:matmul"]["samples"] == [0.03, 0.0]
     assert {"span", "idle", "compute"} <= set(rows) and "overlap" not in rows  # no communication: no figure
+
+
+def test_alpha_beta_fit_reads_the_median_duration_at_each_size():
+    """At each size four calls on the line 5 us + 1e-3 us/B and one stalled 100x: the median per
+    size is on the line, so the fit recovers it exactly (a mean would be 20.8x the line)."""
+    from lab_utils.traces.collectives import CollectiveEvent, fit_alpha_beta
+
+    ev = []
+    for b in (1_000, 10_000, 100_000):
+        d = 5.0 + 1e-3 * b
+        ev += [CollectiveEvent("all_reduce", b, 0.0, d)] * 4 + [CollectiveEvent("all_reduce", b, 0.0, 100 * d)]
+    fit = fit_alpha_beta(ev)["all_reduce"]
+    assert fit.alpha_us == pytest.approx(5.0) and fit.beta_us_per_byte == pytest.approx(1e-3)
+    assert fit.n_events == 15
+
+
+def test_transfer_is_the_median_over_ranks():
+    """Three ranks start at 0, 10 and 30 us (the last arrival at 30) and end at 40, 50 and 120:
+    their transfers after the last arrival are 10, 20 and 90 us, median 20 (mean 40)."""
+    import pandas as pd
+
+    per = {
+        r: pd.DataFrame({"collective": "all_reduce", "pg_name": "0", "ts": [s], "end": [e], "bytes": 8.0})
+        for r, (s, e) in enumerate([(0.0, 40.0), (10.0, 50.0), (30.0, 120.0)])
+    }
+    sk = skew(per, dict.fromkeys(per, 0.0))
+    assert list(sk["skew_us"]) == [30.0] and list(sk["transfer_us"]) == [20.0] and list(sk["last_rank"]) == [2]
+
+
+@pytest.mark.parametrize("last,n_ranks,rank", [([1, 1, 0, 2], 4, 1), ([1, 0, 2], 4, None), ([1, 1, 1, 0], 4, 1)])
+def test_a_rank_last_in_exactly_half_of_the_collectives_is_the_straggler(last, n_ranks, rank):
+    """The rule: last in at least half of the collectives (and more often than 1.5 / n), with a
+    median skew of at least 10 % of the median transfer.  Half (2 of 4) is enough; a third is not."""
+    import pandas as pd
+
+    sk = pd.DataFrame({"skew_us": 50.0, "transfer_us": 100.0, "last_rank": last})
+    assert straggler(sk, n_ranks).rank == rank
