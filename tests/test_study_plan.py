@@ -140,3 +140,19 @@ def test_lab08_base_phases_carry_samples_and_the_timing_verdict():
     # a phase the profile never saw: no samples, no verdict (never a made-up "stable")
     te = base["text_encoding"]
     assert (te["value"], te["samples"], te["stable"], te["stability"]) == (0.0, None, None, ""), te
+
+
+def test_a_phases_spread_is_p20_to_p80_over_its_median():
+    """A phase's spread in the plan's profile is (p80 - p20) / median of its per-step
+    samples, by hand with numpy's linear rule: 10, 12, 14, 16, 30 ms give p20 11.6, p80 18.8,
+    median 14, so 7.2 / 14 (quartiles would give 4 / 14); a constant phase has no spread and a
+    phase that never ran has 0."""
+    from test_profiler import synthetic_report
+
+    from lab_utils.plan.planner import profile_from_report
+
+    rep = synthetic_report({"forward": [10.0, 12.0, 14.0, 16.0, 30.0], "backward": [20.0] * 5})
+    prof = profile_from_report(rep, CFG.train)
+    assert prof.phases["forward"] == 14.0
+    assert prof.spread["forward"] == pytest.approx(7.2 / 14, rel=1e-12)
+    assert prof.spread["backward"] == 0.0 and prof.spread["text_encoding"] == 0.0
