@@ -1615,3 +1615,409 @@ MUTANTS = [
         "a phase's spread from its quartiles, not p20/p80",
     ),
 ]
+
+
+# ====================================================================== round 3
+# Files no mutant had touched (the MX/FP8 formats and quantizers, the low-precision GEMM's error
+# model, the attention kernel's mask, lab 05's master AdamW, FSDP check, policies and timeline,
+# the levers and the trace planner, distributed verification, specs and checkpoints, the compare
+# coverage, sides and baselines, the stability optimizer and spike rules): 38 mutants, 18 killed
+# by the tests of the day, the 20 survivors each pinned by a test in tests/test_pins_*.py.
+QU, MEM, PL, DI, CO, ST = "lab_kernels", "memory", "plan", "distributed", "compare", "stability"
+
+FMT, QNT, QTR, LOWP, ATT = (
+    "lab_kernels/formats.py",
+    "lab_kernels/quant.py",
+    "lab_kernels/quant_triton.py",
+    "lab_kernels/lowp_matmul.py",
+    "lab_kernels/attention.py",
+)
+FSDP, POL, MAS, TLN = (
+    "lab_utils/memory/fsdp.py",
+    "lab_utils/memory/policies.py",
+    "lab_utils/memory/master.py",
+    "lab_utils/memory/timeline.py",
+)
+LEV, FTR = "lab_utils/plan/levers.py", "lab_utils/plan/from_trace.py"
+DVER, SPEC, CKPT = (
+    "lab_utils/distributed/verify.py",
+    "lab_utils/distributed/spec.py",
+    "lab_utils/distributed/checkpoint.py",
+)
+COV, SID, BAS = (
+    "lab_utils/run/compare/coverage.py",
+    "lab_utils/run/compare/sides.py",
+    "lab_utils/run/compare/baselines.py",
+)
+OPT, TRN = "lab_utils/stability/optim.py", "lab_utils/stability/training.py"
+
+_QUANT = ["tests/test_quant.py", "tests/test_pins_quant.py"]
+_STAB = ["tests/test_pins_stability.py"] + [
+    f"tests/test_stability.py::{t}"
+    for t in (
+        "test_spike_detector_on_a_series",
+        "test_half_ulp_and_lost_updates_match_rounding",
+        "test_optimizer_plain_fp32_matches_torch_adamw",
+        "test_loss_scaler_backs_off_and_grows",
+        "test_stochastic_rounding_is_unbiased",
+    )
+]
+ROUND3_TESTS = {
+    FMT: _QUANT,
+    QNT: _QUANT,
+    QTR: _QUANT,
+    LOWP: ["tests/test_lowp_matmul.py", "tests/test_pins_quant.py"],
+    ATT: [
+        "tests/test_kernel_attention.py",
+        "tests/test_attention.py::test_triton_dense_matches_float64_reference",
+        "tests/test_attention.py::test_triton_varlen_equals_each_sequence_alone",
+    ],
+    FSDP: ["tests/test_pins_memory.py"],
+    POL: ["tests/test_pins_memory.py"],
+    MAS: ["tests/test_memory_budget.py::test_master_adamw_equals_torch_adamw", "tests/test_pins_memory.py"],
+    TLN: [
+        "tests/test_memory.py::test_downsample_keeps_the_peak",
+        "tests/test_memory.py::test_cuda_trace_categories",
+        "tests/test_pins_memory.py",
+    ],
+    LEV: [
+        "tests/test_plan.py::test_unavailable_levers_are_excluded_with_a_reason_and_the_plan_goes_on",
+        "tests/test_plan.py::test_every_lever_declares_known_phases",
+        "tests/test_pins_plan.py",
+    ],
+    FTR: [
+        "tests/test_trace_cli.py::test_planner_takes_a_traces_measured_phase_times_as_its_step",
+        "tests/test_pins_plan.py",
+    ],
+    DVER: ["tests/test_pins_distributed.py"],
+    SPEC: [
+        "tests/test_distributed_model.py::test_mesh_shapes",
+        "tests/test_distributed_model.py::test_mesh_coordinates_follow_init_device_mesh_layout",
+        "tests/test_distributed_model.py::test_lab_config_refuses_bad_input_before_running",
+        "tests/test_pins_distributed.py",
+    ],
+    CKPT: ["tests/test_distributed.py::test_dcp_checkpoint_of_tp_resumes_in_other_layouts_and_tp_resumes_others"],
+    COV: ["tests/test_compare.py", "tests/test_pins_compare.py"],
+    SID: ["tests/test_compare.py", "tests/test_pins_compare.py"],
+    BAS: ["tests/test_compare.py", "tests/test_pins_compare.py"],
+    OPT: _STAB,
+    TRN: _STAB,
+}
+
+
+ROUND3 = [
+    # ------------------------------------------------------------------ quant / formats
+    _m(
+        "fmt.e4m3_max_480",
+        QU,
+        FMT,
+        '"e4m3": ElemFormat("e4m3", 4, 3, -6, 448.0, 8,',
+        '"e4m3": ElemFormat("e4m3", 4, 3, -6, 480.0, 8,',
+        "e4m3 saturates at 480 (the IEEE-like e4m3 max) instead of e4m3fn's 448",
+    ),
+    _m(
+        "fmt.e5m2_emax_14",
+        QU,
+        FMT,
+        '"e5m2": ElemFormat("e5m2", 5, 2, -14, 57344.0, 15,',
+        '"e5m2": ElemFormat("e5m2", 5, 2, -14, 57344.0, 14,',
+        "e5m2's emax 14 (OCP: 15): the MX floor scale of mxfp8_e5m2 one power of two too large",
+    ),
+    _m(
+        "fmt.mxfp8_bits_scale_per_64",
+        QU,
+        FMT,
+        'Format("mxfp8_e4m3", "e4m3", "mx", 32, 8.25)',
+        'Format("mxfp8_e4m3", "e4m3", "mx", 32, 8.125)',
+        "MXFP8's storage 8.125 bits per element (an E8M0 scale per 64), not 8 + 8/32 = 8.25",
+    ),
+    _m(
+        "fmt.nvfp4_tensor_div",
+        QU,
+        FMT,
+        "NVFP4_TENSOR_DIV = 448.0 * 6.0",
+        "NVFP4_TENSOR_DIV = 448.0",
+        "NVFP4 per-tensor scale amax / 448 (the e2m1 max 6 dropped)",
+    ),
+    _m(
+        "fmt.rceil_is_floor",
+        QU,
+        FMT,
+        "return torch.where(ex == 0, sub, ex - 127 + (man != 0).to(torch.int32))",
+        "return torch.where(ex == 0, sub, ex - 127)",
+        "ceil(log2 d) computed as floor(log2 d): the rceil MX scale a power of two too small (overflow)",
+    ),
+    _m(
+        "quant.fp4_nibble_order",
+        QU,
+        QNT,
+        "(c.reshape(-1)[0::2] | (c.reshape(-1)[1::2] << 4))",
+        "((c.reshape(-1)[0::2] << 4) | c.reshape(-1)[1::2])",
+        "fp4 packing puts the first element in the high nibble",
+    ),
+    _m(
+        "quant.fp8_dequant_multiplies",
+        QU,
+        QNT,
+        "g = _groups_like(vals, lay) / s.reshape(-1, 1)",
+        "g = _groups_like(vals, lay) * s.reshape(-1, 1)",
+        "QuantizedTensor.dequantize multiplies fp8 data by the scale instead of dividing (x ~ data / scale)",
+    ),
+    _m(
+        "qtr.nvfp4_e2m1_max_4",
+        QU,
+        QTR,
+        "bs = tl.math.div_rn(gmax, tl.full([ROWS], 6.0, tl.float32))",
+        "bs = tl.math.div_rn(gmax, tl.full([ROWS], 4.0, tl.float32))",
+        "Triton NVFP4 block scale amax / 4 instead of amax / 6 (e2m1 max)",
+    ),
+    _m(
+        "lowp.tol_promoted_k_term",
+        QU,
+        LOWP,
+        "4 * 2.0**-13 + K * 2.0**-24",
+        "4 * 2.0**-13 + K * 2.0**-23",
+        "promoted FP8 GEMM tolerance's per-K fp32 term doubled (2^-23 per element, not 2^-24)",
+    ),
+    _m(
+        "lowp.tol_fast_floor",
+        QU,
+        LOWP,
+        "math.ceil(K / 32) * 2.0**-13",
+        "(K // 32) * 2.0**-13",
+        "fast-accumulation tolerance counts whole 32-wide steps only (floor): K < 32 gets no accumulation term",
+    ),
+    _m(
+        "lowp.bf16_acc_bits_8",
+        QU,
+        LOWP,
+        '"bf16": Accumulation("bf16", 7, "nearest", 16),',
+        '"bf16": Accumulation("bf16", 8, "nearest", 16),',
+        "bf16 accumulator model keeps 8 explicit mantissa bits (bf16 has 7)",
+    ),
+    _m(
+        "lowp.rne_ties_down",
+        QU,
+        LOWP,
+        "r = (b + ((1 << (drop - 1)) - 1) + lsb) & mask",
+        "r = (b + ((1 << (drop - 1)) - 1)) & mask",
+        "round_mantissa 'nearest' rounds ties down, not to even",
+    ),
+    _m(
+        "attn.fwd_causal_excludes_diagonal",
+        QU,
+        ATT,
+        "ok = ok & (offs_m[:, None] >= n_idx[None, :])",
+        "ok = ok & (offs_m[:, None] > n_idx[None, :])",
+        "causal forward mask off by one: a query does not see its own key",
+    ),
+    # ------------------------------------------------------------------ memory
+    _m(
+        "master.bf16_master",
+        MEM,
+        MAS,
+        "self.master = [p if p.dtype == torch.float32 else p.detach().float() for p in self.params]",
+        "self.master = [p if p.dtype == torch.float32 else p.detach().clone() for p in self.params]",
+        "the master copy of a bf16 parameter kept in bf16, not fp32",
+    ),
+    _m(
+        "master.no_bias_correction",
+        MEM,
+        MAS,
+        "step_size = self.lr / (1 - b1**self.steps)",
+        "step_size = self.lr",
+        "first-moment bias correction dropped",
+    ),
+    _m(
+        "master.decay_without_lr",
+        MEM,
+        MAS,
+        "m.mul_(1 - self.lr * self.weight_decay)",
+        "m.mul_(1 - self.weight_decay)",
+        "decoupled weight decay not scaled by the learning rate",
+    ),
+    _m(
+        "fsdp.mismatch_ignores_padding",
+        MEM,
+        FSDP,
+        'if held != {want["numel"]} or got["padded_numel"] != want["padded_numel"]:',
+        'if held != {want["numel"]}:',
+        "fsdp_mismatches ignores a wrong padded storage size",
+    ),
+    _m(
+        "policies.fp32_grad_tol_loose",
+        MEM,
+        POL,
+        'GRAD_TOL = {"float32": (1e-6, 1e-5),',
+        'GRAD_TOL = {"float32": (1e-6, 1e-2),',
+        "fp32 gradient tolerance of a checkpointing policy 1e-2: a percent-level gradient error passes",
+    ),
+    _m(
+        "timeline.marker_is_activation",
+        MEM,
+        TLN,
+        'cat = cat or ("activations" if i < fwd_end else "temporaries")',
+        'cat = cat or ("activations" if i <= fwd_end else "temporaries")',
+        "the forward's end marker (and allocations at it) counted as activations",
+    ),
+    _m(
+        "timeline.largest_live_smallest",
+        MEM,
+        TLN,
+        "return sorted(report.tensors, key=lambda t: -t.nbytes)[:top]",
+        "return sorted(report.tensors, key=lambda t: t.nbytes)[:top]",
+        "largest_live lists the smallest saved tensors",
+    ),
+    # ------------------------------------------------------------------ plan
+    _m(
+        "levers.fp8_needs_sm90",
+        PL,
+        LEV,
+        "return (ok if cap >= (8, 9) else []), out + (",
+        "return (ok if cap > (8, 9) else []), out + (",
+        "fp8 recipes refused on sm_89 (Ada), which has FP8 tensor cores",
+    ),
+    _m(
+        "levers.mxfp8_on_hopper",
+        PL,
+        LEV,
+        "            if cap < (10, 0)\n",
+        "            if cap < (9, 0)\n",
+        "mxfp8 not excluded on Hopper (sm_90): it needs sm_100",
+    ),
+    _m(
+        "from_trace.us_to_s",
+        PL,
+        FTR,
+        'float(grp["gpu_us"].sum()) / 1e3',
+        'float(grp["gpu_us"].sum()) / 1e6',
+        "a phase's GPU microseconds divided by 1e6 (seconds) while the step is in ms",
+    ),
+    _m(
+        "from_trace.spread_quartiles",
+        PL,
+        FTR,
+        "lo, hi = np.quantile(v, [0.2, 0.8])",
+        "lo, hi = np.quantile(v, [0.25, 0.75])",
+        "a phase's spread from the quartiles, not p20..p80",
+    ),
+    # ------------------------------------------------------------------ distributed
+    _m(
+        "verify.emulation_ignored",
+        DI,
+        DVER,
+        "        ok = ok and emu_worst <= EMULATED_TOL\n",
+        "",
+        "the verdict ignores the comparison with the one-process emulation (bf16 reduction unseen)",
+    ),
+    _m(
+        "verify.bf16_dtype_fp32_tol",
+        DI,
+        DVER,
+        'return "bf16_compute" if cfg.mixed_precision or cfg.dtype == "bfloat16" else "float32"',
+        'return "bf16_compute" if cfg.mixed_precision else "float32"',
+        "a bf16-parameter run is held to the float32 tolerances",
+    ),
+    _m(
+        "spec.hsdp_replicas_3",
+        DI,
+        SPEC,
+        "rep = self.replicate_degree or (2 if rest % 2 == 0 else 1)",
+        "rep = self.replicate_degree or (2 if rest % 2 == 1 else 1)",
+        "HSDP's derived replica count: 2 on an odd world, 1 on an even one",
+    ),
+    _m(
+        "ckpt.unpermute_with_perm",
+        DI,
+        CKPT,
+        "full = t.full_tensor().index_select(dim, torch.argsort(perm).to(t.device))",
+        "full = t.full_tensor().index_select(dim, perm.to(t.device))",
+        "a TP checkpoint saved in the permuted order applied again, not undone",
+    ),
+    # ------------------------------------------------------------------ compare
+    _m(
+        "coverage.cuda_none_unflagged",
+        CO,
+        COV,
+        'if (both or k == "cuda_version") and (b or c) and str(b) != str(c):',
+        "if both and (b or c) and str(b) != str(c):",
+        "a CUDA version on one side only (a CPU torch against a CUDA one) is not a software difference",
+    ),
+    _m(
+        "sides.float_identity",
+        CO,
+        SID,
+        "if any(isinstance(v, float) or isinstance(v, bool) for v in vals):\n                    continue\n",
+        "if False:\n                    continue\n",
+        "measured floats in extra become identity keys: rows stop matching their old selves",
+    ),
+    _m(
+        "baselines.memory_kept_timing_free",
+        CO,
+        BAS,
+        'PERFORMANCE_KINDS = ("performance", "memory")',
+        'PERFORMANCE_KINDS = ("performance",)',
+        "a timing-free baseline keeps memory rows (they depend on the machine)",
+    ),
+    # ------------------------------------------------------------------ stability
+    _m(
+        "optim.half_ulp_is_full_ulp",
+        ST,
+        OPT,
+        "return pow2.clamp_min(2.0**emin) * 2.0 ** -(mbits + 1)",
+        "return pow2.clamp_min(2.0**emin) * 2.0 ** -mbits",
+        "half_ulp returns a whole ulp: twice the lost updates counted",
+    ),
+    _m(
+        "optim.lost_le",
+        ST,
+        OPT,
+        "return uf.abs() < torch.where(down, hu * 0.5, hu)",
+        "return uf.abs() <= torch.where(down, hu * 0.5, hu)",
+        "an update of exactly half an ulp counted as lost",
+    ),
+    _m(
+        "optim.no_v_bias_correction",
+        ST,
+        OPT,
+        'vhat = st["v"] / (1 - b2**t)',
+        'vhat = st["v"]',
+        "second-moment bias correction dropped",
+    ),
+    _m(
+        "optim.scaler_growth_gt",
+        ST,
+        OPT,
+        "if self._good % self.growth_interval == 0:",
+        "if self._good > self.growth_interval:",
+        "the loss scale grows after growth_interval + 1 good steps, then every step",
+    ),
+    _m(
+        "training.mad_unscaled",
+        ST,
+        TRN,
+        "mad = 1.4826 * float(np.median(np.abs(h - med)))",
+        "mad = float(np.median(np.abs(h - med)))",
+        "the robust z-score without the 1.4826 normal-consistency factor",
+    ),
+    _m(
+        "training.spike_ge",
+        ST,
+        TRN,
+        "spike = zl > self.threshold or zg > self.threshold",
+        "spike = zl >= self.threshold or zg > self.threshold",
+        "a loss z-score exactly at the threshold is a spike",
+    ),
+    _m(
+        "training.final_loss_median",
+        ST,
+        TRN,
+        "return float(x.mean()) if len(x) else math.nan",
+        "return float(np.median(x)) if len(x) else math.nan",
+        "final loss the median of the tail, not its mean",
+    ),
+]
+
+
+TESTS.update(ROUND3_TESTS)
+MUTANTS += ROUND3
