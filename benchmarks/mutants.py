@@ -1026,7 +1026,11 @@ MUTANTS = [
         "TFLOP/s from milliseconds as seconds",
     ),
     # ------------------------------------------------------------------ round 2: injection points the
-    # first table left open (each survivor got a test pinning its figure independently)
+    # first table left open (each survivor got a test pinning its figure independently). Left out
+    # as equivalent: flops.causal_pairs `q_len <= k_len` -> `<` (both branches count the same at
+    # equal lengths); distributed/comm._union `s <= out[-1][1]` -> `<` (touching intervals measure
+    # the same merged or not). (A third, the derived row's `g * tlo / tg` -> `tlo`, was thought
+    # equivalent; it is killed: compare.derived_lo_unscaled at the end of round 4.)
     _m("gr.dy_uses_y", K, GR, "(dout * gate[None, :]).to(dy_ptr", "(dout * y).to(dy_ptr", "dy = dout·y, not dout·gate"),
     _m(
         "flops.lnm_bwd_const",
@@ -1613,6 +1617,14 @@ MUTANTS = [
         "lo, hi = np.quantile(f.samples, [0.2, 0.8])",
         "lo, hi = np.quantile(f.samples, [0.25, 0.75])",
         "a phase's spread from its quartiles, not p20/p80",
+    ),
+    _m(
+        "compare.derived_lo_unscaled",
+        C,
+        VER,
+        "lo, hi, pw, pb = g * tlo / tg, g * thi / tg, tpw, tpb",
+        "lo, hi, pw, pb = tlo, g * thi / tg, tpw, tpb",
+        "a GB/s row's lower bound is its time's, not scaled by its own gain (20% more bytes counted)",
     ),
 ]
 
