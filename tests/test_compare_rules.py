@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from scipy.stats import binom
 
 from lab_utils.core.records import CONTEXT_COLUMNS, ROW_COLUMNS
@@ -270,3 +271,16 @@ def test_rank_tests_of_a_higher_is_better_figure_shift_the_base_by_the_threshold
     assert pb < 1e-3 and pw > 0.5
     pw, pb = rank_pvalues(base, base * 0.90, 1.05, "higher")
     assert pw < 1e-3 and pb > 0.5
+
+
+def test_rank_pvalues_take_two_samples_per_side(gen):
+    """Two samples a side is the least a rank test takes: with every candidate above every base,
+    the exact one-sided Mann-Whitney p-value is 1 / C(4, 2) = 1/6 (worse), 1 (better); one
+    sample a side gives no p-value."""
+    s = 1 + float(torch.rand((), generator=gen))
+    base, cand = np.array([1.0, 1.1]) * s, np.array([2.0, 2.1]) * s
+    pw, pb = rank_pvalues(base, cand, 1.05, "lower")
+    assert pw == pytest.approx(1 / 6) and pb == pytest.approx(1.0)
+    pw, pb = rank_pvalues(base, cand, 1.05, "higher")  # higher is better: the same change is better
+    assert pw == pytest.approx(1.0) and pb == pytest.approx(1 / 6)
+    assert all(math.isnan(x) for x in rank_pvalues(base[:1], cand[:1], 1.05, "lower"))

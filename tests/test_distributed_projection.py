@@ -144,3 +144,44 @@ def test_a_cp_group_spans_its_tp_stride(cp, tp, on_ib):
     t = plan_time_links([Comm("all_to_all", P, 1, cp, "cp", True)], links, (1, 1, cp, tp))["cp"]
     seconds = (cp - 1) / cp * P / 1e9
     assert t == pytest.approx(seconds if on_ib else seconds / 1000, rel=1e-12)
+
+
+def test_hsdp_all_reduces_each_units_gradient_shard_over_the_replicas():
+    """HSDP (2 replicas x 2 shards): each unit's gradient is reduce-scattered whole within the
+    shard group, then its 1/2 shard all-reduced over the 2 replicas: the all-reduces carry
+    fp32 x parameters / 2 in all, the reduce-scatters fp32 x parameters."""
+    cfg = resolve_config("tiny")
+    n_params = analytic_param_count(cfg)
+    plan = comm_plan("tiny", "hsdp", (2, 2, 1, 1), RankBatch(2, 16, 8))
+    ars = [c for c in plan if c.kind == "all_reduce"]
+    rss = [c for c in plan if c.kind == "reduce_scatter"]
+    assert len(ars) == len(rss) == cfg.depth_double + cfg.depth_single + 1
+    assert {c.group for c in ars} == {2} and {c.group for c in rss} == {2}
+    assert sum(c.payload_bytes for c in ars) == pytest.approx(4 * n_params / 2)
+    assert sum(c.payload_bytes for c in rss) == pytest.approx(4 * n_params)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp+cp_ring", "fsdp+cp_ulysses"])
+def test_fsdp_with_context_parallel_shards_over_shard_times_cp_ranks(strategy):
+    """Mesh (1, 2, 2, 1): FSDP's group is the 2 x 2 = 4 shard and CP ranks, so each unit's
+    all-gather carries its quarter (the gathered shards, once per unit, sum to the model)."""
+    n_params = analytic_param_count(resolve_config("tiny"))
+    plan = comm_plan("tiny", strategy, (1, 2, 2, 1), RankBatch(2, 16, 8), param_bytes=2)
+    ags = [c for c in plan if c.kind == "all_gather" and c.scope == "dp"]
+    assert ags and {c.group for c in ags} == {4}
+    assert sum(c.payload_bytes for c in ags) == pytest.approx(2 * n_params / 4)
+
+
+def test_projected_state_memory_is_sharded_over_shard_times_cp():
+    """At 8 GPUs, fsdp+cp_ring with CP 2 (mesh 1x4x2x1) shards the 18 B/parameter states 8 ways,
+    as plain FSDP does; the activations (bf16, 2 B) are those of the rank's 24 / 2 tokens: per
+    block one hidden row, plus 20 more rows, each of d values (the module's activation model)."""
+    cfg = resolve_config("tiny")
+    n_params = analytic_param_count(cfg)
+    batch = RankBatch(batch_per_dp=2, img_tokens=16, txt_tokens=8)
+    df = project("tiny", gpus=(8,), batch=batch)
+    row = df[(df.strategy == "fsdp+cp_ring") & (df.mesh == "1x4x2x1")].iloc[0]
+    tok = 2 * 24 / 2
+    n_blocks = cfg.depth_double + cfg.depth_single
+    acts = (n_blocks + 20) * tok * cfg.hidden_size * 2
+    assert row.memory_gb == pytest.approx((n_params * 18 / 8 + acts) / 1e9, rel=1e-12)

@@ -259,3 +259,22 @@ def test_matmul_share_from_analysis():
 
     assert P.matmul_share_from_analysis(Report()) == pytest.approx(0.3)
     assert P.matmul_share_from_analysis(Analysis()) == pytest.approx(0.3)
+
+
+# (forward x, forward W, dgrad dy, dgrad W, wgrad dy, wgrad x): FP8 recipes keep e4m3 for
+# weights and activations and give gradients e5m2's range, except DeepSeek-style blocks
+# (e4m3 everywhere); MXFP8 is e4m3 everywhere.
+_E4, _E5 = "fp8_e4m3", "fp8_e5m2"
+RECIPE_FORMATS = {
+    "fp8_tensor": (_E4, _E4, _E5, _E4, _E5, _E4),
+    "fp8_row": (_E4, _E4, _E5, _E4, _E5, _E4),
+    "fp8_block": (_E4,) * 6,
+    "mxfp8": ("mxfp8_e4m3",) * 6,
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPE_FORMATS))
+def test_each_fp8_recipe_gives_each_operand_its_format(name):
+    r = P.RECIPES[name]
+    ops = ("fwd_x", "fwd_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
+    assert tuple(getattr(r, op).fmt for op in ops) == RECIPE_FORMATS[name]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from lab_utils.step.levers import MMDIT_ONLY, measure_levers
 from lab_utils.step.load import build_step
@@ -40,3 +41,20 @@ def test_the_generic_levers_run_and_the_mmdit_only_ones_say_why():
     assert (df.time_ms > 0).all() and (df.speedup > 0).all()
     why = {e.lever: e.reason for e in excluded}
     assert set(MMDIT_ONLY) <= set(why) and all(why[k] for k in MMDIT_ONLY)
+
+
+def test_a_levers_speedup_is_baseline_time_per_sample_over_its_own(gen):
+    """Speedup per sample, baseline over lever: a lever twice as slow per sample reads 0.5, one
+    that halves the per-sample time at twice the batch reads 4 (hand-derived, random base time)."""
+    from types import SimpleNamespace
+
+    from lab_utils.step.levers import _row
+
+    base_ms = 1.0 + float(torch.rand((), generator=gen))
+    base = SimpleNamespace(median_ms=base_ms)
+    slowed = _row("x", "", 2, SimpleNamespace(median_ms=2 * base_ms), base, 2)
+    assert slowed["per_sample_ms"] == pytest.approx(base_ms)  # 2 * base over a batch of 2
+    assert slowed["speedup"] == pytest.approx(0.5)  # (base / 2) / base
+    bigger = _row("batch_size", 4, 4, SimpleNamespace(median_ms=base_ms / 2), base, 2)
+    assert bigger["speedup"] == pytest.approx(4.0)  # (base / 2) / (base / 8)
+    assert _row("baseline", "", 2, base, base, 2)["speedup"] == pytest.approx(1.0)

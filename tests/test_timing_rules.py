@@ -193,3 +193,12 @@ def test_time_off_the_cpu_judged_for_one_thread_only(feed):
     assert not t.stable and "on a CPU only 50%" in t.stability.reason and t.meta["on_cpu"] == 0.5
     feed.append((QUIET, 0.5))  # with idle workers among several threads the share says nothing
     assert fast_bench(retries=0, threads=2).stable
+
+
+def test_the_bimodal_rule_starts_at_four_samples():
+    """k = max(2, ceil(0.2 n)) samples a side: the gap check needs n >= 2k, first met at n = 4
+    (k = 2), where the one gap is between the 2nd and 3rd sorted samples; at n = 3 there is none."""
+    at = judge_samples([1.0, 2.0, 1.0, 2.0])
+    assert not at.stable and "bimodal: 2 samples near 1 ms and 2 near 2 ms" in at.reason
+    below = judge_samples([1.0, 2.0, 2.0])
+    assert "bimodal" not in below.reason
