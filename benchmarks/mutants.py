@@ -1635,7 +1635,7 @@ MUTANTS = [
 # the levers and the trace planner, distributed verification, specs and checkpoints, the compare
 # coverage, sides and baselines, the stability optimizer and spike rules): 38 mutants, 18 killed
 # by the tests of the day, the 20 survivors each pinned by a test in tests/test_pins_*.py.
-QU, MEM, PL, DI, CO, ST = "lab_kernels", "memory", "plan", "distributed", "compare", "stability"
+ST = "stability"  # lab_kernels, memory, plan, distributed and compare: K, M, P, D, C above
 
 FMT, QNT, QTR, LOWP, ATT = (
     "lab_kernels/formats.py",
@@ -1721,7 +1721,7 @@ ROUND3 = [
     # ------------------------------------------------------------------ quant / formats
     _m(
         "fmt.e4m3_max_480",
-        QU,
+        K,
         FMT,
         '"e4m3": ElemFormat("e4m3", 4, 3, -6, 448.0, 8,',
         '"e4m3": ElemFormat("e4m3", 4, 3, -6, 480.0, 8,',
@@ -1729,7 +1729,7 @@ ROUND3 = [
     ),
     _m(
         "fmt.e5m2_emax_14",
-        QU,
+        K,
         FMT,
         '"e5m2": ElemFormat("e5m2", 5, 2, -14, 57344.0, 15,',
         '"e5m2": ElemFormat("e5m2", 5, 2, -14, 57344.0, 14,',
@@ -1737,7 +1737,7 @@ ROUND3 = [
     ),
     _m(
         "fmt.mxfp8_bits_scale_per_64",
-        QU,
+        K,
         FMT,
         'Format("mxfp8_e4m3", "e4m3", "mx", 32, 8.25)',
         'Format("mxfp8_e4m3", "e4m3", "mx", 32, 8.125)',
@@ -1745,7 +1745,7 @@ ROUND3 = [
     ),
     _m(
         "fmt.nvfp4_tensor_div",
-        QU,
+        K,
         FMT,
         "NVFP4_TENSOR_DIV = 448.0 * 6.0",
         "NVFP4_TENSOR_DIV = 448.0",
@@ -1753,7 +1753,7 @@ ROUND3 = [
     ),
     _m(
         "fmt.rceil_is_floor",
-        QU,
+        K,
         FMT,
         "return torch.where(ex == 0, sub, ex - 127 + (man != 0).to(torch.int32))",
         "return torch.where(ex == 0, sub, ex - 127)",
@@ -1761,7 +1761,7 @@ ROUND3 = [
     ),
     _m(
         "quant.fp4_nibble_order",
-        QU,
+        K,
         QNT,
         "(c.reshape(-1)[0::2] | (c.reshape(-1)[1::2] << 4))",
         "((c.reshape(-1)[0::2] << 4) | c.reshape(-1)[1::2])",
@@ -1769,7 +1769,7 @@ ROUND3 = [
     ),
     _m(
         "quant.fp8_dequant_multiplies",
-        QU,
+        K,
         QNT,
         "g = _groups_like(vals, lay) / s.reshape(-1, 1)",
         "g = _groups_like(vals, lay) * s.reshape(-1, 1)",
@@ -1777,7 +1777,7 @@ ROUND3 = [
     ),
     _m(
         "qtr.nvfp4_e2m1_max_4",
-        QU,
+        K,
         QTR,
         "bs = tl.math.div_rn(gmax, tl.full([ROWS], 6.0, tl.float32))",
         "bs = tl.math.div_rn(gmax, tl.full([ROWS], 4.0, tl.float32))",
@@ -1785,7 +1785,7 @@ ROUND3 = [
     ),
     _m(
         "lowp.tol_promoted_k_term",
-        QU,
+        K,
         LOWP,
         "4 * 2.0**-13 + K * 2.0**-24",
         "4 * 2.0**-13 + K * 2.0**-23",
@@ -1793,7 +1793,7 @@ ROUND3 = [
     ),
     _m(
         "lowp.tol_fast_floor",
-        QU,
+        K,
         LOWP,
         "math.ceil(K / 32) * 2.0**-13",
         "(K // 32) * 2.0**-13",
@@ -1801,7 +1801,7 @@ ROUND3 = [
     ),
     _m(
         "lowp.bf16_acc_bits_8",
-        QU,
+        K,
         LOWP,
         '"bf16": Accumulation("bf16", 7, "nearest", 16),',
         '"bf16": Accumulation("bf16", 8, "nearest", 16),',
@@ -1809,7 +1809,7 @@ ROUND3 = [
     ),
     _m(
         "lowp.rne_ties_down",
-        QU,
+        K,
         LOWP,
         "r = (b + ((1 << (drop - 1)) - 1) + lsb) & mask",
         "r = (b + ((1 << (drop - 1)) - 1)) & mask",
@@ -1817,7 +1817,7 @@ ROUND3 = [
     ),
     _m(
         "attn.fwd_causal_excludes_diagonal",
-        QU,
+        K,
         ATT,
         "ok = ok & (offs_m[:, None] >= n_idx[None, :])",
         "ok = ok & (offs_m[:, None] > n_idx[None, :])",
@@ -1826,7 +1826,7 @@ ROUND3 = [
     # ------------------------------------------------------------------ memory
     _m(
         "master.bf16_master",
-        MEM,
+        M,
         MAS,
         "self.master = [p if p.dtype == torch.float32 else p.detach().float() for p in self.params]",
         "self.master = [p if p.dtype == torch.float32 else p.detach().clone() for p in self.params]",
@@ -1834,7 +1834,7 @@ ROUND3 = [
     ),
     _m(
         "master.no_bias_correction",
-        MEM,
+        M,
         MAS,
         "step_size = self.lr / (1 - b1**self.steps)",
         "step_size = self.lr",
@@ -1842,7 +1842,7 @@ ROUND3 = [
     ),
     _m(
         "master.decay_without_lr",
-        MEM,
+        M,
         MAS,
         "m.mul_(1 - self.lr * self.weight_decay)",
         "m.mul_(1 - self.weight_decay)",
@@ -1850,7 +1850,7 @@ ROUND3 = [
     ),
     _m(
         "fsdp.mismatch_ignores_padding",
-        MEM,
+        M,
         FSDP,
         'if held != {want["numel"]} or got["padded_numel"] != want["padded_numel"]:',
         'if held != {want["numel"]}:',
@@ -1858,7 +1858,7 @@ ROUND3 = [
     ),
     _m(
         "policies.fp32_grad_tol_loose",
-        MEM,
+        M,
         POL,
         'GRAD_TOL = {"float32": (1e-6, 1e-5),',
         'GRAD_TOL = {"float32": (1e-6, 1e-2),',
@@ -1866,7 +1866,7 @@ ROUND3 = [
     ),
     _m(
         "timeline.marker_is_activation",
-        MEM,
+        M,
         TLN,
         'cat = cat or ("activations" if i < fwd_end else "temporaries")',
         'cat = cat or ("activations" if i <= fwd_end else "temporaries")',
@@ -1874,7 +1874,7 @@ ROUND3 = [
     ),
     _m(
         "timeline.largest_live_smallest",
-        MEM,
+        M,
         TLN,
         "return sorted(report.tensors, key=lambda t: -t.nbytes)[:top]",
         "return sorted(report.tensors, key=lambda t: t.nbytes)[:top]",
@@ -1883,7 +1883,7 @@ ROUND3 = [
     # ------------------------------------------------------------------ plan
     _m(
         "levers.fp8_needs_sm90",
-        PL,
+        P,
         LEV,
         "return (ok if cap >= (8, 9) else []), out + (",
         "return (ok if cap > (8, 9) else []), out + (",
@@ -1891,7 +1891,7 @@ ROUND3 = [
     ),
     _m(
         "levers.mxfp8_on_hopper",
-        PL,
+        P,
         LEV,
         "            if cap < (10, 0)\n",
         "            if cap < (9, 0)\n",
@@ -1899,7 +1899,7 @@ ROUND3 = [
     ),
     _m(
         "from_trace.us_to_s",
-        PL,
+        P,
         FTR,
         'float(grp["gpu_us"].sum()) / 1e3',
         'float(grp["gpu_us"].sum()) / 1e6',
@@ -1907,7 +1907,7 @@ ROUND3 = [
     ),
     _m(
         "from_trace.spread_quartiles",
-        PL,
+        P,
         FTR,
         "lo, hi = np.quantile(v, [0.2, 0.8])",
         "lo, hi = np.quantile(v, [0.25, 0.75])",
@@ -1916,7 +1916,7 @@ ROUND3 = [
     # ------------------------------------------------------------------ distributed
     _m(
         "verify.emulation_ignored",
-        DI,
+        D,
         DVER,
         "        ok = ok and emu_worst <= EMULATED_TOL\n",
         "",
@@ -1924,7 +1924,7 @@ ROUND3 = [
     ),
     _m(
         "verify.bf16_dtype_fp32_tol",
-        DI,
+        D,
         DVER,
         'return "bf16_compute" if cfg.mixed_precision or cfg.dtype == "bfloat16" else "float32"',
         'return "bf16_compute" if cfg.mixed_precision else "float32"',
@@ -1932,7 +1932,7 @@ ROUND3 = [
     ),
     _m(
         "spec.hsdp_replicas_3",
-        DI,
+        D,
         SPEC,
         "rep = self.replicate_degree or (2 if rest % 2 == 0 else 1)",
         "rep = self.replicate_degree or (2 if rest % 2 == 1 else 1)",
@@ -1940,7 +1940,7 @@ ROUND3 = [
     ),
     _m(
         "ckpt.unpermute_with_perm",
-        DI,
+        D,
         CKPT,
         "full = t.full_tensor().index_select(dim, torch.argsort(perm).to(t.device))",
         "full = t.full_tensor().index_select(dim, perm.to(t.device))",
@@ -1949,7 +1949,7 @@ ROUND3 = [
     # ------------------------------------------------------------------ compare
     _m(
         "coverage.cuda_none_unflagged",
-        CO,
+        C,
         COV,
         'if (both or k == "cuda_version") and (b or c) and str(b) != str(c):',
         "if both and (b or c) and str(b) != str(c):",
@@ -1957,7 +1957,7 @@ ROUND3 = [
     ),
     _m(
         "sides.float_identity",
-        CO,
+        C,
         SID,
         "if any(isinstance(v, float) or isinstance(v, bool) for v in vals):\n                    continue\n",
         "if False:\n                    continue\n",
@@ -1965,7 +1965,7 @@ ROUND3 = [
     ),
     _m(
         "baselines.memory_kept_timing_free",
-        CO,
+        C,
         BAS,
         'PERFORMANCE_KINDS = ("performance", "memory")',
         'PERFORMANCE_KINDS = ("performance",)',
