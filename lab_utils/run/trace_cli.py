@@ -33,13 +33,16 @@ from lab_utils.core.records import Recorder, json_value
 from lab_utils.run.compare import compare
 from lab_utils.run.compare.rules import CompareError
 from lab_utils.run.executors import MAP_EXECUTORS, MapOptions, map_jobs
-from lab_utils.run.trace_html import render_html
+from lab_utils.run.trace_html import headline, render_html
 from lab_utils.traces import PhaseTable, TraceAnalysis
 from lab_utils.traces.attribute import Attributed, attribute
+from lab_utils.traces.perfetto import perfetto_trace, write_perfetto
 from lab_utils.traces.reader import RankTrace, read_rank, trace_files
+from lab_utils.traces.timeline import check_step, step_timeline
 
 LAB = "trace"
 EXIT_USAGE = 2
+PERFETTO = "trace.perfetto.json.gz"  # the attributed trace for Perfetto (lab_utils.traces.perfetto)
 
 
 # -- reading a job: map per rank, reduce to one TraceAnalysis ------------------------------
@@ -112,7 +115,8 @@ def figures(ta: TraceAnalysis, top: int = 10) -> dict[str, list[dict] | dict]:
 
 def summary_text(ta: TraceAnalysis, fig: dict) -> str:
     """``TraceAnalysis.summary`` plus the per step breakdown, idle split and collectives."""
-    lines = [ta.summary(), "", "per step (ms): rank step span busy idle compute communication memory"]
+    lines = [ta.summary(), "", "in one look:"] + [f"  {s}" for s in headline(fig)]
+    lines += ["", "per step (ms): rank step span busy idle compute communication memory"]
     for row in fig["temporal_by_step"]:
         vals = " ".join(f"{(row.get(c) or 0) / 1e3:8.3f}" for c in ("span", "busy", "idle", "compute",
                                                                       "communication", "memory"))  # fmt: skip
@@ -127,7 +131,7 @@ def summary_text(ta: TraceAnalysis, fig: dict) -> str:
         lines.append("collectives (rank, collective, calls, total ms):")
         lines += [f"  {r} {c:<20} {int(v.calls):5d} {v.total_us / 1e3:9.3f}" for (r, c), v in g.iterrows()]
         if "straggler" in fig:
-            lines.append(f"straggler: {fig['straggler']}")
+            lines.append(f"straggler: {fig['straggler']['verdict']}")
     else:
         lines.append("collectives: none in this trace")
     return "\n".join(lines)
@@ -149,19 +153,29 @@ def _job(a, path: str) -> TraceAnalysis:
 
 
 def cmd_trace(a) -> int:
+    if a.max_bars < 2:
+        raise ConfigError("--max-bars", a.max_bars, "at least 2 bars")
     ta = _job(a, a.path)
+    atts = {r: ta.attributed(r) for r in ta.ranks}
+    if a.step is not None:
+        check_step(a.step, atts, "--step")
     fig = figures(ta, a.top)
+    timeline = step_timeline(ta.traces, atts, a.step, max_bars=a.max_bars)
     text = summary_text(ta, fig)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rec_path = records(ta).save(out / "records.json")
     (out / "trace.json").write_text(json.dumps(fig, indent=1, default=str), encoding="utf-8")
-    (out / "trace.html").write_text(render_html(ta, fig, text), encoding="utf-8")
+    if a.perfetto != "none":
+        doc = perfetto_trace(ta.traces, atts, steps=None if a.perfetto == "all" else timeline.step)
+        write_perfetto(doc, out / PERFETTO)
+    (out / "trace.html").write_text(render_html(ta, fig, text, timeline), encoding="utf-8")
     if a.json:
         print(json.dumps(fig, default=str))
     else:
         print(text)
-        print(f"perflab trace: wrote {out / 'trace.html'}, {rec_path} and trace.json")
+        extra = f", {PERFETTO} ({a.perfetto})" if a.perfetto != "none" else ""
+        print(f"perflab trace: wrote {out / 'trace.html'}, {rec_path}, trace.json{extra}")
     return 0
 
 
@@ -204,6 +218,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      epilog="perflab trace diff A B: compare two traces (see its --help)")  # fmt: skip
         ap.add_argument("path", help="a trace file (.json, .json.gz) or a folder of per-rank trace files")
         ap.add_argument("--top", type=int, default=10, help="top kernels per rank")
+        ap.add_argument("--step", type=int, default=None, help="the ProfilerStep the timeline shows (default: "
+                        "the median-duration step)")  # fmt: skip
+        ap.add_argument("--max-bars", type=int, default=20_000, help="bars in the timeline before short "
+                        "activities are merged (default 20000)")  # fmt: skip
+        ap.add_argument("--perfetto", default="step", choices=("step", "all", "none"), help=f"write {PERFETTO}: "
+                        "the timeline's step (default), the whole attributed trace, or nothing")  # fmt: skip
         _common(ap, ".perflab/trace")
         a, fn = ap.parse_args(argv), cmd_trace
     try:

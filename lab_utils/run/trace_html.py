@@ -1,18 +1,141 @@
 """``trace.html``: the one self-contained page ``perflab trace`` writes (BokehJS inline, no script
-loaded from anywhere else), from :func:`lab_utils.run.trace_cli.figures`' tables."""
+loaded from anywhere else), from :func:`lab_utils.run.trace_cli.figures`' tables.
+
+Reading order: the headline verdicts as sentences (:func:`headline`); the timeline of one step
+per rank and stream (:mod:`lab_utils.traces.timeline`, drawn by :mod:`lab_utils.core.lanes`);
+where each rank's and step's time went; then the tables.  Every table prints times in ms or µs
+with a handful of digits (:func:`fmt_us`), counts with thousands separators and never a number
+in scientific notation; the legends sit right of their plots, outside the drawing area.
+"""
 
 from __future__ import annotations
 
 import html
+import math
 import re
 from collections.abc import Sequence
 
-import holoviews as hv
 import pandas as pd
 from bokeh.embed import components
+from bokeh.layouts import column
 from bokeh.resources import Resources
 
+from lab_utils.core.lanes import lanes_figure, stacked_bars
 from lab_utils.traces import TraceAnalysis
+from lab_utils.traces.timeline import CATEGORY_COLORS, PART_COLORS, Timeline
+
+#: columns whose values are microseconds (printed as µs / ms / s)
+TIME_KEYS = {"span", "busy", "idle", "compute", "communication", "memory", "other", "non_compute", "kernel_time",
+             "total", "mean", "min", "max", "dur", "host_wait", "other_wait", "kernel_wait", "gpu_us", "cpu_us",
+             "length", "self", "gap"}  # fmt: skip
+esc = html.escape
+
+
+def fmt_num(v) -> str:
+    """A number with a few significant digits, thousands separated, never in scientific notation."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    v = float(v)
+    if v == 0:
+        return "0"
+    a = abs(v)
+    if a >= 1000:
+        return f"{v:,.0f}"
+    decimals = min(max(0, 2 - math.floor(math.log10(a))), 9)
+    return f"{v:.{decimals}f}"
+
+
+def fmt_us(v) -> str:
+    """Microseconds as µs, ms or s with three or four significant digits."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "–"
+    v = float(v)
+    a = abs(v)
+    if a >= 1e6:
+        return f"{v / 1e6:,.2f} s"
+    if a >= 1e3:
+        return f"{v / 1e3:,.{2 if a < 1e5 else 1}f} ms"
+    return f"{fmt_num(v)} µs" if v else "0"
+
+
+def fmt_pct(v) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "–"
+    return f"{float(v):.1f}%"
+
+
+def fmt_bytes(v) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "–"
+    v = float(v)
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(v) >= scale:
+            return f"{fmt_num(v / scale)} {unit}"
+    return f"{int(v):,} B"
+
+
+def _kind(key: str, value) -> str:
+    k = key.lower()
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, str) or value is None and not k.endswith(("_us", "_pct", "_ms")):
+        return "text"
+    if k.endswith("_ms"):
+        return "ms"
+    if k.endswith("_us") or k in TIME_KEYS or k.startswith("wait_us"):
+        return "us"
+    if k.endswith("_pct") or k in ("pct", "share_of_step", "overlap") or k.startswith("share_"):
+        return "pct"
+    if k.endswith("_share") or k.endswith("share_of_idle"):
+        return "share"
+    if k in ("bytes",) or k.endswith("_bytes"):
+        return "bytes"
+    if k.endswith("gbps"):
+        return "gbps"
+    return "num"
+
+
+def cell(key: str, value) -> str:
+    """One table cell, formatted by what its column holds (see the module note)."""
+    kind = _kind(key, value)
+    if kind == "text":
+        return esc("" if value is None else str(value))
+    if kind == "bool":
+        return fmt_num(value)
+    if kind == "us":
+        return fmt_us(value)
+    if kind == "ms":
+        return fmt_us(None if value is None else float(value) * 1e3)
+    if kind == "pct":
+        return fmt_pct(value)
+    if kind == "share":
+        return fmt_pct(None if value is None else 100.0 * float(value))
+    if kind == "bytes":
+        return fmt_bytes(value)
+    if kind == "gbps":
+        return f"{fmt_num(value)} GB/s" if value is not None else "–"
+    return fmt_num(value)
+
+
+def table(rows: list[dict], cols: Sequence[str] | None = None, limit: int = 50, labels: dict | None = None) -> str:
+    """An HTML table of ``rows`` (``cols``: which columns, in order; default all)."""
+    if not rows:
+        return "<p class='muted'>none</p>"
+    cols = [c for c in (cols or rows[0].keys()) if any(c in r for r in rows)]
+    labels = labels or {}
+    sample = {c: next((r[c] for r in rows if r.get(c) is not None), None) for c in cols}
+    right = {c: _kind(c, sample[c]) not in ("text",) for c in cols}
+    head = "".join(f"<th class='{'r' if right[c] else ''}'>{esc(labels.get(c, c))}</th>" for c in cols)
+    body = "".join(
+        "<tr>" + "".join(f"<td class='{'r' if right[c] else ''}'>{cell(c, r.get(c))}</td>" for c in cols) + "</tr>"
+        for r in rows[:limit]
+    )
+    more = f"<p class='muted'>{len(rows) - limit:,} more rows in trace.json</p>" if len(rows) > limit else ""
+    return f"<table><tr>{head}</tr>{body}</table>{more}"
 
 
 def inline_bokeh() -> str:
@@ -20,64 +143,163 @@ def inline_bokeh() -> str:
     return re.sub(r"<script[^>]*\bsrc=[^>]*>\s*</script>", "", Resources(mode="inline", components=["bokeh"]).render())
 
 
-def _plots(ta: TraceAnalysis, fig: dict):
-    hv.extension("bokeh", logo=False)
+# -- the headline, as sentences ----------------------------------------------------------------
+def _by_rank(rows: list[dict]) -> dict[int, dict]:
+    return {int(r["rank"]): r for r in rows}
+
+
+def rank_sentence(r: int, t: dict, device: str | None, idle: dict | None, overlap: float | None) -> str:
+    """What one rank's step time went to, as one sentence."""
+    parts = [f"computes {fmt_pct(t.get('compute_pct'))}"]
+    if (t.get("communication_pct") or 0) > 0.05:
+        parts.append(f"waits on communication not hidden by compute {fmt_pct(t.get('communication_pct'))}")
+    if (t.get("memory_pct") or 0) > 0.05:
+        parts.append(f"copies memory {fmt_pct(t.get('memory_pct'))}")
+    idle_part = f"is idle {fmt_pct(t.get('idle_pct'))}"
+    if idle and (idle.get("idle") or 0) > 0:
+        idle_part += f" (of which {100 * (idle.get('host_wait') or 0) / idle['idle']:.0f}% waiting for the host)"
+    parts.append(idle_part)
+    text = f"Rank {r} ({device or 'device not recorded'}): over {fmt_us(t.get('span'))} of steps the GPU "
+    text += ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1] + "."
+    if overlap is not None and isinstance(overlap, float) and math.isfinite(overlap):
+        text += f" Compute hides {overlap:.0f}% of its communication time."
+    return text
+
+
+def launch_sentence(r: int, row: dict) -> str:
+    """The launch-bound verdict of one rank as a sentence."""
+    reason = re.sub(r"^not launch-bound:\s*", "", str(row.get("reason", "")).strip())
+    verdict = "is launch-bound" if row.get("launch_bound") else "is not launch-bound"
+    return f"Rank {r} {verdict}: {reason}".rstrip(".") + "."
+
+
+def _sentence(text: str) -> str:
+    text = text.strip()
+    return (text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")) if text else text
+
+
+def headline(fig: dict, max_ranks: int = 4) -> list[str]:
+    """The page's and the summary's headline verdicts, one sentence each (see the module note)."""
+    out = []
+    temporal, idle = _by_rank(fig["temporal"]), _by_rank(fig["idle"])
+    overlap = {int(r["rank"]): r.get("overlap_pct") for r in fig["overlap"]}
+    launch = _by_rank(fig["launch"])
+    ranks = sorted(temporal)
+    shown = ranks if len(ranks) <= max_ranks else []
+    for r in shown:
+        out.append(rank_sentence(r, temporal[r], fig["devices"].get(str(r)), idle.get(r), overlap.get(r)))
+        if r in launch:
+            out.append(launch_sentence(r, launch[r]))
+    if not shown and ranks:
+        idle_pct = pd.Series({r: temporal[r].get("idle_pct") for r in ranks}, dtype=float)
+        comp = pd.Series({r: temporal[r].get("compute_pct") for r in ranks}, dtype=float)
+        worst = int(idle_pct.idxmax())
+        out.append(
+            f"Over {len(ranks)} ranks the GPU computes a median {comp.median():.1f}% of the steps and is idle "
+            f"{idle_pct.median():.1f}%; the most idle is rank {worst} ({idle_pct.max():.1f}%)."
+        )
+        bound = [r for r in ranks if launch.get(r, {}).get("launch_bound")]
+        out.append(f"Of the {len(ranks)} ranks, {len(bound)} are launch-bound" + (f": {bound[:8]}." if bound else "."))
+    if "straggler" in fig:
+        out.append(_sentence(str(fig["straggler"].get("verdict", ""))))
+    for r, rows in fig.get("top_kernels", {}).items():
+        if rows and (not shown or int(r) in shown[:1]):
+            k = rows[0]
+            out.append(
+                f"The top kernel of rank {r} is {k['name'][:80]} ({k['category']}): {fmt_us(k['total'])} over "
+                f"{int(k['count']):,} calls, {fmt_pct(k.get('pct'))} of its kernel time."
+            )
+    return [s for s in out if s]
+
+
+# -- plots -------------------------------------------------------------------------------------
+PARTS = ["compute", "communication", "memory", "other", "idle"]
+
+
+def timeline_figure(tl: Timeline, width: int = 1100):
+    """The step's timeline (see :mod:`lab_utils.traces.timeline`) as a bokeh figure."""
+    hover = [("name", "@name"), ("category", "@category"), ("lane", "@lane"), ("start", "@start_ms{0,0.000} ms"),
+             ("duration", "@dur_us{0,0.0} µs"), ("op", "@op"), ("phase", "@phase"), ("count", "@count")]  # fmt: skip
+    bars = tl.bars.copy()
+    for c in ("op", "phase"):
+        bars[c] = bars[c].astype(object).where(bars[c].notna(), "")
+    return lanes_figure(
+        bars, tl.lanes, CATEGORY_COLORS, hover=hover, width=width, legend_title="category",
+        title=f"step {tl.step}: per rank, CPU ops and user ranges above each GPU stream (scroll to zoom, drag to pan)",
+    )  # fmt: skip
+
+
+def _time_plots(fig: dict):
     t = pd.DataFrame(fig["temporal"])
-    parts = ["compute", "communication", "memory", "other", "idle"]
-    long = t.melt(id_vars=["rank"], value_vars=[p for p in parts if p in t], var_name="part", value_name="us")
-    long["ms"], long["rank"] = long["us"] / 1e3, long["rank"].astype(str)
-    per_rank = hv.Bars(long, kdims=["rank", "part"], vdims="ms").opts(
-        stacked=True, width=520, height=320, title="per rank: where the span went (ms)", tools=["hover"]
-    )
+    plots = []
+    if len(t):
+        t = t.assign(rank=[f"rank {r}" for r in t["rank"]])
+        for p in PARTS:
+            t[p] = t[p] / 1e3 if p in t else 0.0
+        plots.append(stacked_bars(t, "rank", PARTS, PART_COLORS, title="per rank: where the steps' span went (ms)"))
     s = pd.DataFrame(fig["temporal_by_step"])
-    plots = [per_rank]
     if len(s):
-        s["label"] = "r" + s["rank"].astype(str) + " s" + s["step"].astype(str)
-        ls = s.melt(id_vars=["label"], value_vars=[p for p in parts if p in s], var_name="part", value_name="us")
-        ls["ms"] = ls["us"] / 1e3
-        bars = hv.Bars(ls, kdims=["label", "part"], vdims="ms")
-        plots.append(bars.opts(stacked=True, width=620, height=320, title="per rank and step (ms)", xrotation=45))
-    return hv.render(hv.Layout(plots).cols(2), backend="bokeh")
+        s = s.assign(label=[f"rank {r} · step {st}" for r, st in zip(s["rank"], s["step"])])
+        for p in PARTS:
+            s[p] = s[p] / 1e3 if p in s else 0.0
+        plots.append(stacked_bars(s, "label", PARTS, PART_COLORS, title="per rank and step (ms)"))
+    return plots
 
 
-def _table(rows: list[dict], cols: Sequence[str] | None = None, limit: int = 50) -> str:
-    if not rows:
-        return "<p class='muted'>none</p>"
-    cols = list(cols or rows[0].keys())
-    esc = html.escape
-
-    def cell(v) -> str:
-        return f"{v:.4g}" if isinstance(v, float) else esc(str(v))
-
-    head = "".join(f"<th>{esc(c)}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows[:limit])
-    more = f"<p class='muted'>{len(rows) - limit} more rows in trace.json</p>" if len(rows) > limit else ""
-    return f"<table><tr>{head}</tr>{body}</table>{more}"
+# -- the page ----------------------------------------------------------------------------------
+STYLE = (
+    "body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1400px}"
+    "table{border-collapse:collapse;font-size:12px;margin-bottom:1em}"
+    "td,th{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}"
+    "td.r,th.r{text-align:right;font-variant-numeric:tabular-nums}.muted{color:#777}"
+    "pre{background:#f6f6f6;padding:1em;white-space:pre-wrap;word-break:break-word}"
+    "ul.verdicts li{margin:.3em 0;line-height:1.4}.note{color:#555;font-size:13px}"
+)
 
 
-def render_html(ta: TraceAnalysis, fig: dict, summary: str) -> str:
-    """One self-contained page: BokehJS inline, no script loaded from anywhere else."""
-    script, div = components(_plots(ta, fig))
-    esc = html.escape
-    sections = [("launch verdict", _table(fig["launch"])), ("overlap", _table(fig["overlap"])),
-                ("idle split (us)", _table(fig["idle"])), ("HTA kernel types (%)", _table(fig["shares"])),
-                ("categories", _table(fig["categories"]))]  # fmt: skip
-    sections += [(f"top kernels, rank {r}", _table(rows)) for r, rows in fig["top_kernels"].items()]
-    sections += [("phases (us)", _table(fig["phases"])), ("windows", _table(fig["windows"]))]
-    sections += [(f"roofline, rank {r}", _table(rows)) for r, rows in fig["roofline"].items() if rows]
-    sections.append(("collectives", _table(fig["collectives"])))
+def sections(fig: dict) -> list[tuple[str, str]]:
+    """The tables of the page, in order, as (heading, HTML)."""
+    out = [
+        ("launch statistics and verdict", table(fig["launch"])),
+        ("overlap of communication by compute", table(fig["overlap"])),
+        ("idle split", table(fig["idle"])),
+        ("HolisticTraceAnalysis kernel types (% of kernel time)", table(fig["shares"])),
+        ("categories", table(fig["categories"], ["rank", "category", "count", "total", "pct"])),
+    ]
+    out += [(f"top kernels, rank {r}", table(rows)) for r, rows in fig["top_kernels"].items()]
+    out += [("phases (GPU time per step)", table(fig["phases"])), ("windows", table(fig["windows"]))]
+    out += [(f"roofline, rank {r}", table(rows)) for r, rows in fig["roofline"].items() if rows]
+    out.append(("collectives", table(fig["collectives"])))
     if "skew" in fig:
-        sections.append(("skew across ranks", _table(fig["skew"])))
-    body = "".join(f"<h2>{esc(h)}</h2>{t}" for h, t in sections)
-    style = (
-        "body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;font-size:12px}"
-        "td,th{border:1px solid #ccc;padding:2px 6px}.muted{color:#777}pre{background:#f6f6f6;padding:1em}"
-    )
+        out.append(("skew across ranks", table(fig["skew"])))
+    return out
+
+
+def render_html(ta: TraceAnalysis, fig: dict, summary: str, timeline: Timeline | None = None) -> str:
+    """One self-contained page: BokehJS inline, no script loaded from anywhere else."""
+    plots = []
+    note = ""
+    if timeline is not None and len(timeline.bars):
+        plots.append(timeline_figure(timeline))
+        n = len(timeline.steps)
+        how = f"step {timeline.step} (one of {n} steps)" if n > 1 else f"step {timeline.step} (the trace's only window)"
+        note = (
+            f"<p class='note'>The timeline shows {how} (the median-duration step unless <code>--step N</code> "
+            f"chose it), {len(timeline.bars):,} bars. {esc(timeline.note)}"
+            + (f" Ranks without step {timeline.step}: {timeline.missing}." if timeline.missing else "")
+            + " <code>trace.perfetto.json.gz</code> beside this page opens in Perfetto (ui.perfetto.dev).</p>"
+        )
+    plots += _time_plots(fig)
+    script, div = components(column(*plots)) if plots else ("", "")
+    verdicts = "".join(f"<li>{esc(s)}</li>" for s in headline(fig))
+    body = "".join(f"<h2>{esc(h)}</h2>{t}" for h, t in sections(fig))
     return (
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>perflab trace {esc(ta.path)}</title>'
-        f"{inline_bokeh()}<style>{style}</style></head><body><h1>perflab trace</h1>"
-        f"<pre>{esc(summary)}</pre>{div}{body}{script}</body></html>"
+        f"{inline_bokeh()}<style>{STYLE}</style></head><body><h1>perflab trace</h1>"
+        f"<p class='muted'>{esc(ta.path)}: {len(ta.ranks)} rank(s)</p>"
+        f"<h2>In one look</h2><ul class='verdicts'>{verdicts}</ul>{note}{div}{body}"
+        f"<details><summary>the text summary</summary><pre>{esc(summary)}</pre></details>{script}</body></html>"
     )
 
 
-__all__ = ["inline_bokeh", "render_html"]
+__all__ = ["cell", "fmt_num", "fmt_us", "headline", "inline_bokeh", "render_html", "table", "timeline_figure"]
