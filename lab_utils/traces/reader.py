@@ -26,10 +26,12 @@ stored relative to the trace's first integer microsecond, so a ns-resolution flo
 Tables of a :class:`RankTrace` (pandas, one row per complete event ``ph == "X"``):
 
 * ``gpu``: kernels, memcpy and memset (``cat`` in :data:`GPU_CATS`) with name, cat, ts, dur,
-  stream, device, correlation, external_id and, where recorded, ``bytes`` and NCCL's arguments;
+  stream, device, correlation, external_id and, where recorded, ``bytes`` (``nbytes``), a copy's
+  ``memory bandwidth (GB/s)`` (``memory_gbps``) and NCCL's arguments;
 * ``host``: ``cpu_op``, ``user_annotation``, ``python_function``, runtime and driver calls with
   name, cat, ts, dur, pid, tid, correlation, external_id and, where recorded, input dims/types;
-* ``sync``: ``cuda_sync`` events (kept apart: they are waits, not GPU work);
+* ``sync``: ``cuda_sync`` events (kept apart: they are waits, not GPU work), with the stream and
+  the ``cudaEventRecord`` call (``wait_stream``, ``wait_record``) an event wait waits on;
 * ``gpu_ranges``: ``gpu_user_annotation`` ranges (the host ranges mirrored on the GPU timeline);
 * ``memory``: the allocator's totals (``[memory]`` events of ``profile_memory=True``): ts,
   allocated bytes, device type (0 CPU, 1 CUDA).
@@ -79,6 +81,9 @@ class _Args(msgspec.Struct):
     input_type: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Input type")
     total_allocated: int | float | None = msgspec.field(default=None, name="Total Allocated")
     device_type: int | None = msgspec.field(default=None, name="Device Type")
+    wait_stream: int | None = msgspec.field(default=None, name="wait_on_stream")  # cuda_sync "Stream Wait Event"
+    wait_record: int | None = msgspec.field(default=None, name="wait_on_cuda_event_record_corr_id")
+    memory_gbps: float | None = msgspec.field(default=None, name="memory bandwidth (GB/s)")  # memcpy, memset
 
 
 class _Event(msgspec.Struct):
@@ -143,7 +148,8 @@ class _Columns:
 
     STR = ("name", "cat", "pid", "tid")
     INT = ("corr", "ext", "stream", "device")
-    EXTRA = ("nbytes", "collective", "in_nelems", "out_nelems", "dtype", "group_size", "pg_name")
+    EXTRA = ("nbytes", "collective", "in_nelems", "out_nelems", "dtype", "group_size", "pg_name", "wait_stream",
+             "wait_record", "memory_gbps")  # fmt: skip
     SHAPES = ("input_dims", "input_type")
 
     def __init__(self) -> None:
