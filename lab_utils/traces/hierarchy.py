@@ -18,8 +18,10 @@ The tree (TraceLens' "tree perf" view) of one rank, from its host events:
 Per node: ``gpu_self_us`` is the time of the activities hung directly under it, ``gpu_total_us``
 that of its whole subtree, ``cpu_us`` its own host duration.  :func:`tree` adds the nodes up by
 *path* (the names from the top down), so 48 calls of ``aten::linear`` under one range are one row
-with ``count`` 48.  Invariants (tests/test_traces_hierarchy.py): ``gpu_total_us`` = ``gpu_self_us``
-+ the children's ``gpu_total_us``; the top rows' totals add up to the selection's kernel time.
+with ``count`` 48; kernels are leaf rows under their node, added up by name.  Invariants
+(tests/test_traces_hierarchy.py): a node's ``gpu_total_us`` is the sum of its children's, kernel
+leaves included; its ``gpu_self_us`` that of its kernel leaves; the top rows add up to the
+selection's kernel time.
 """
 
 from __future__ import annotations
