@@ -14,6 +14,7 @@ from bokeh.models import Legend
 from test_traces_rules import ann, kernel, launch, op, step, write
 
 from lab_utils.core.config import ConfigError
+from lab_utils.core.records import load_records
 from lab_utils.run.cli import main as perflab
 from lab_utils.run.trace_html import fmt_num, fmt_us, headline, timeline_figure
 from lab_utils.traces import TraceAnalysis, read_rank
@@ -265,3 +266,31 @@ def test_the_page_draws_in_chromium_and_asks_the_network_for_nothing(tmp_path, c
         assert len(ps) == 3 and not B.undrawn(ps), ps
         assert ps[0]["height"] >= 8 * 22, "the timeline has a row per lane"
         assert not watch.errors and not watch.outside and not ctx.blocked
+
+
+def test_trace_json_page_and_records_carry_the_analyses(tmp_path, capsys):
+    """The critical path of the timeline's step, the call tree, the sequences and the idle per
+    stream reach trace.json, the summary, the page and the records, with the figures of a direct call."""
+    folder = job(tmp_path / "j")
+    out = tmp_path / "out"
+    assert perflab(["trace", str(folder), "--out", str(out), "--workers", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "rank 0 critical path of step 3:" in text and "idle per stream (ms)" in text
+    fig = json.loads((out / "trace.json").read_text())
+    ta = TraceAnalysis(folder, workers=1)
+    cp = ta.critical_path(0, 3)
+    got = fig["analyses"]["0"]["critical_path"]
+    assert got["step"] == 3 and got["length_us"] == pytest.approx(cp.length_us) and cp.length_us > 0
+    assert got["by_bound"] == pytest.approx(cp.by_bound())
+    assert {r["path"] for r in fig["analyses"]["1"]["hierarchy"]} >= {"ProfilerStep > ## forward ## > aten::mm"}
+    assert fig["analyses"]["0"]["sequences"] == []  # one kernel per stream and step: no sequence repeats
+    assert {(r["rank"], r["stream"]) for r in fig["stream_idle"]} == {(0, 7), (0, 20), (1, 7), (1, 20)}
+    page = (out / "trace.html").read_text()
+    for heading in ("critical path, rank 0, step 3", "call tree, rank 1", "idle per stream", "launch outliers, rank 0"):
+        assert f"<h2>{heading}" in page, heading
+    assert "The critical path of step 3 on rank 0 is" in page
+    tl = ta.timeline(3, paths={0: cp.edges})
+    assert tl.lanes[0] == "r0 · critical path" and (tl.bars["kind"] == "path").sum() == (cp.edges["weight"] > 0).sum()
+    rows = load_records(out / "records.json")
+    per_step = rows[(rows["metric"] == "critical_path") & (rows["variant"] == "rank0")].iloc[0]
+    assert list(per_step["samples"]) == pytest.approx([ta.critical_path(0, s).length_us / 1e3 for s in (1, 2, 3)])

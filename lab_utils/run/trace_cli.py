@@ -33,12 +33,13 @@ from lab_utils.core.records import Recorder, json_value
 from lab_utils.run.compare import compare
 from lab_utils.run.compare.rules import CompareError
 from lab_utils.run.executors import MAP_EXECUTORS, MapOptions, map_jobs
+from lab_utils.run.trace_analyses import analysis_figures, critical_paths, summary_lines
 from lab_utils.run.trace_html import headline, render_html
 from lab_utils.traces import PhaseTable, TraceAnalysis
 from lab_utils.traces.attribute import Attributed, attribute
 from lab_utils.traces.perfetto import perfetto_trace, write_perfetto
 from lab_utils.traces.reader import RankTrace, read_rank, trace_files
-from lab_utils.traces.timeline import check_step, step_timeline
+from lab_utils.traces.timeline import check_step, representative_step, step_timeline
 
 LAB = "trace"
 EXIT_USAGE = 2
@@ -87,8 +88,10 @@ def _frame(df: pd.DataFrame) -> list[dict]:
     return [{k: json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
 
 
-def figures(ta: TraceAnalysis, top: int = 10) -> dict[str, list[dict] | dict]:
-    """Every figure of the job as JSON-ready tables (one list of rows per table)."""
+def figures(ta: TraceAnalysis, top: int = 10, step: int | None = None, paths=None) -> dict[str, list[dict] | dict]:
+    """Every figure of the job as JSON-ready tables (one list of rows per table); ``step``: the
+    step the critical path is drawn for (default the median-duration one), ``paths`` those paths
+    when already drawn (:func:`lab_utils.run.trace_analyses.critical_paths`)."""
     out: dict = {
         "path": ta.path,
         "ranks": ta.ranks,
@@ -110,6 +113,7 @@ def figures(ta: TraceAnalysis, top: int = 10) -> dict[str, list[dict] | dict]:
     if len(calls) and len(ta.ranks) > 1:
         out["skew"] = _frame(ta.skew())
         out["straggler"] = {k: json_value(v) for k, v in vars(ta.straggler()).items()}
+    out |= analysis_figures(ta, step, paths) | {"timeline_step": step}
     return out
 
 
@@ -134,7 +138,7 @@ def summary_text(ta: TraceAnalysis, fig: dict) -> str:
             lines.append(f"straggler: {fig['straggler']['verdict']}")
     else:
         lines.append("collectives: none in this trace")
-    return "\n".join(lines)
+    return "\n".join(lines + summary_lines(fig))
 
 
 # -- records and the two commands ------------------------------------------------------------
@@ -159,8 +163,10 @@ def cmd_trace(a) -> int:
     atts = {r: ta.attributed(r) for r in ta.ranks}
     if a.step is not None:
         check_step(a.step, atts, "--step")
-    fig = figures(ta, a.top)
-    timeline = step_timeline(ta.traces, atts, a.step, max_bars=a.max_bars)
+    step = a.step if a.step is not None else representative_step(atts[ta.ranks[0]])
+    paths = critical_paths(ta, step)
+    fig = figures(ta, a.top, step, paths)
+    timeline = step_timeline(ta.traces, atts, step, max_bars=a.max_bars, paths={r: p.edges for r, p in paths.items()})
     text = summary_text(ta, fig)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

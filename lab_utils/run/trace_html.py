@@ -22,6 +22,7 @@ from bokeh.resources import Resources
 
 from lab_utils.core.lanes import lanes_figure, stacked_bars
 from lab_utils.traces import TraceAnalysis
+from lab_utils.traces.sequences import short_name
 from lab_utils.traces.timeline import CATEGORY_COLORS, PART_COLORS, Timeline
 
 #: columns whose values are microseconds (printed as µs / ms / s)
@@ -202,14 +203,52 @@ def headline(fig: dict, max_ranks: int = 4) -> list[str]:
         out.append(f"Of the {len(ranks)} ranks, {len(bound)} are launch-bound" + (f": {bound[:8]}." if bound else "."))
     if "straggler" in fig:
         out.append(_sentence(str(fig["straggler"].get("verdict", ""))))
+    out += analysis_sentences(fig, shown)
     for r, rows in fig.get("top_kernels", {}).items():
         if rows and (not shown or int(r) in shown[:1]):
             k = rows[0]
             out.append(
-                f"The top kernel of rank {r} is {k['name'][:80]} ({k['category']}): {fmt_us(k['total'])} over "
+                f"The top kernel of rank {r} is {short_name(k['name'])[:80]} ({k['category']}): "
+                f"{fmt_us(k['total'])} over "
                 f"{int(k['count']):,} calls, {fmt_pct(k.get('pct'))} of its kernel time."
             )
     return [s for s in out if s]
+
+
+BOUND_WORDS = {"cpu_bound": "host work", "gpu_compute_bound": "GPU compute",
+               "gpu_communication_bound": "GPU communication", "gpu_kernel_launch_overhead": "launch delays",
+               "gpu_kernel_kernel_overhead": "gaps between kernels"}  # fmt: skip
+
+
+def path_sentence(r: str, cp: dict) -> str:
+    """One rank's critical path as a sentence."""
+    parts = sorted(cp["by_bound"].items(), key=lambda kv: -kv[1])
+    split = ", ".join(f"{v:.0f}% {BOUND_WORDS.get(k, k)}" for k, v in parts if v >= 0.5) or "nothing on it"
+    share = f" ({cp['share_of_step']:.0f}% of the step's {fmt_us(cp['window_us'])})" if cp["share_of_step"] else ""
+    text = f"The critical path of step {cp['step']} on rank {r} is {fmt_us(cp['length_us'])}{share}: {split}"
+    top = next((e for e in cp["events"] if e["name"]), None)
+    if top:
+        text += f"; the most of it is {short_name(top['name'])[:80]} ({fmt_us(top['us'])}, {top['pct']:.0f}%)"
+    return text + "."
+
+
+def analysis_sentences(fig: dict, shown: list[int]) -> list[str]:
+    """The critical path and the costliest repeated kernel sequence of each rank shown (the first
+    rank when there are many)."""
+    out = []
+    for r, a in fig.get("analyses", {}).items():
+        if shown and int(r) not in shown or not shown and r != str(fig.get("analysed_ranks", [r])[0]):
+            continue
+        if a.get("critical_path"):
+            out.append(path_sentence(r, a["critical_path"]))
+        if a.get("sequences"):
+            s = a["sequences"][0]
+            out.append(
+                f"The costliest repeated kernel sequence on rank {r} is {s['short'][:160]}: {s['count']:,} times, "
+                f"{fmt_us(s['total_us'])} of kernels and {fmt_us(s['gap_us'])} of gaps between them "
+                "(a fusion candidate)."
+            )
+    return out
 
 
 # -- plots -------------------------------------------------------------------------------------
@@ -272,6 +311,53 @@ def sections(fig: dict) -> list[tuple[str, str]]:
     out.append(("collectives", table(fig["collectives"])))
     if "skew" in fig:
         out.append(("skew across ranks", table(fig["skew"])))
+    out += analysis_sections(fig)
+    return out
+
+
+def tree_table(rows: list[dict], limit: int = 120) -> str:
+    """The call tree as an indented table: each row's name under its parent, GPU total and self."""
+    if not rows:
+        return "<p class='muted'>none</p>"
+    body = "".join(
+        f"<tr><td title='{esc(r['path'])}'>{'&nbsp;' * 4 * int(r['depth'])}{esc(str(r['name'])[:100])}</td>"
+        f"<td>{esc(r['kind'])}</td><td class='r'>{fmt_num(r['count'])}</td>"
+        f"<td class='r'>{fmt_us(r['gpu_total_us'])}</td>"
+        f"<td class='r'>{fmt_us(r['gpu_self_us'])}</td><td class='r'>{fmt_pct(r['gpu_pct'])}</td>"
+        f"<td class='r'>{fmt_us(r['cpu_us'])}</td></tr>"
+        for r in rows[:limit]
+    )
+    head = "<tr><th>name</th><th>kind</th><th class='r'>count</th><th class='r'>GPU total</th>"
+    head += "<th class='r'>GPU self</th><th class='r'>% of GPU time</th><th class='r'>CPU</th></tr>"
+    return f"<table>{head}{body}</table>"
+
+
+def analysis_sections(fig: dict) -> list[tuple[str, str]]:
+    """Sections of the critical path, call tree, sequences, idle per stream, launches and counters."""
+    out = []
+    for r, a in fig.get("analyses", {}).items():
+        cp = a.get("critical_path")
+        if cp:
+            html_ = f"<p>{esc(path_sentence(r, cp))}</p>" + table(cp["by_category"], ["category", "us", "pct", "edges"])
+            html_ += table(cp["events"], ["name", "us", "pct"], labels={"name": "charged to", "us": "time on the path"})
+            out.append((f"critical path, rank {r}, step {cp['step']}", html_))
+        out.append((f"call tree, rank {r} (GPU time up the host's ranges, modules and operators)",
+                    tree_table(a["hierarchy"])))  # fmt: skip
+        out.append((f"repeated kernel sequences, rank {r} (fusion candidates)",
+                    table(a["sequences"], ["short", "length", "count", "total_us", "mean_us", "gap_us", "ops"],
+                          labels={"short": "sequence"}, limit=20)))  # fmt: skip
+        lo = a["launch_outliers"]
+        text = (f"<p>{lo['launches']:,} launch calls; {lo['runtime_outliers']:,} took over 50 µs, "
+                f"{lo['delay_outliers']:,} waited over 100 µs to start, {lo['gpu_shorter_than_cpu']:,} ran "
+                "shorter than their own launch call.</p>")  # fmt: skip
+        worst = table(lo["worst"], ["name", "op", "stream", "step", "cpu_us", "gpu_us", "delay_us", "outlier"])
+        out.append((f"launch outliers, rank {r}", text + worst))
+        out.append((f"launch queue per stream, rank {r}", table(a["queue_length"])))
+        if a["memory_bw"]:
+            out.append((f"memory bandwidth of copies and fills, rank {r} (GB/s in flight)", table(a["memory_bw"])))
+    if fig.get("stream_idle"):
+        cols = ["rank", "stream", "activities", "host_wait", "kernel_wait", "other", "idle", "host_wait_pct"]
+        out.append(("idle per stream (host wait, kernel wait under 30 µs, other)", table(fig["stream_idle"], cols)))
     return out
 
 

@@ -73,6 +73,7 @@ from lab_utils.traces.roofline import op_roofline
 from lab_utils.traces.timeline import Timeline, step_timeline
 
 SCOPES = ("steps", "hta", "all")
+PATH_RANKS, PATH_STEPS = 8, 8  # the critical path is recorded for the first 8 ranks, 8 steps each
 TEMPORAL = ("idle", "compute", "communication", "memory", "other")
 
 
@@ -303,7 +304,8 @@ class TraceAnalysis:
         return "\n".join(lines)
 
     def record(self, rec: Recorder, experiment: str = "trace") -> Recorder:
-        """Add the per-step figures to ``rec`` as rows (median over steps, the steps as samples)."""
+        """Add the per-step figures to ``rec`` as rows (median over steps, the steps as samples), the
+        critical path's length and parts included (first ``PATH_RANKS`` ranks, ``PATH_STEPS`` steps)."""
         for r in self.ranks:
             variant = f"rank{r}"
             per = breakdown.per_step(self.kernels(r, "steps"))
@@ -324,7 +326,18 @@ class TraceAnalysis:
                 vals = k[k["name"].astype(str) == name].groupby("step")["dur"].sum()
                 vals = vals.reindex(per["step"], fill_value=0.0) / 1e3
                 _add(rec, experiment, variant, f"kernel:{name[:120]}", vals, "ms")
+            if r in self.ranks[:PATH_RANKS]:
+                self._record_paths(rec, experiment, variant, r, per["step"].tolist()[:PATH_STEPS])
         return rec
+
+    def _record_paths(self, rec: Recorder, experiment: str, variant: str, rank: int, steps: list[int]) -> None:
+        """The critical path's length and its part per ``bound_by`` (ms), one sample per step."""
+        paths = [self.critical_path(rank, s if self.attributed(rank).has_steps else None) for s in steps]
+        _add(rec, experiment, variant, "critical_path", [p.length_us / 1e3 for p in paths], "ms")
+        bounds = sorted({b for p in paths for b in p.by_bound()})
+        for b in bounds:
+            vals = [p.by_bound().get(b, 0.0) * p.length_us / 1e5 for p in paths]
+            _add(rec, experiment, variant, f"critical_path:{b}", vals, "ms")
 
 
 def _add(rec: Recorder, experiment: str, variant: str, metric: str, values, unit: str) -> None:

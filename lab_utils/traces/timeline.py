@@ -13,6 +13,9 @@ What is drawn (:func:`step_timeline`), per rank, on lanes from top to bottom:
   category ``phase: forward`` ..., ``phase: none`` for a range without one);
 * ``CPU ops``: the outermost CPU operators of the main thread inside the window (``aten::linear``,
   ``Optimizer.step`` ...): what the host was doing while it launched;
+* ``critical path`` (when given, :mod:`lab_utils.traces.critical_path`): the step's critical path,
+  one bar per stretch of it with time, coloured by what bounds it (CPU, GPU compute, GPU
+  communication, launch delay, kernel gap);
 * ``stream S``: the activities (kernels, memcpy, memset) *launched in the step*
   (:mod:`lab_utils.traces.attribute`) on stream ``S``, coloured by perflab's category; the NCCL
   kernels of a stream get their own lane, ``stream S · NCCL``.
@@ -51,6 +54,12 @@ CATEGORY_COLORS = {
 }  # fmt: skip
 _PHASE_COLORS = ("#fdd0a2", "#c6dbef", "#c7e9c0", "#fcbba1", "#dadaeb", "#d9d9d9", "#f4a582", "#eeeeee")
 CATEGORY_COLORS |= dict(zip([f"phase: {p}" for p in PHASES + ("none",)], _PHASE_COLORS))
+#: what bounds a stretch of the critical path (HTA's bound_by) -> its bar's category
+PATH_CATEGORIES = {"cpu_bound": "path: CPU", "gpu_compute_bound": "path: GPU compute",
+                   "gpu_communication_bound": "path: GPU communication",
+                   "gpu_kernel_launch_overhead": "path: launch delay",
+                   "gpu_kernel_kernel_overhead": "path: kernel gap"}  # fmt: skip
+CATEGORY_COLORS |= dict(zip(PATH_CATEGORIES.values(), ("#636363", "#08519c", "#a50f15", "#fd8d3c", "#fdae6b")))
 #: the temporal breakdown's parts (lab_utils.traces.breakdown.temporal)
 PART_COLORS = {"idle": "#c7c7c7", "compute": "#1f77b4", "communication": "#d62728", "memory": "#ff7f0e",
                "other": "#9467bd"}  # fmt: skip
@@ -150,6 +159,15 @@ def _host_bars(rank: int, trace: RankTrace, att: Attributed, lo: float, hi: floa
     return out
 
 
+def _path_bars(rank: int, edges: pd.DataFrame) -> pd.DataFrame:
+    e = edges[edges["weight"] > 0]
+    return pd.DataFrame({"rank": rank, "lane": f"r{rank} · critical path", "kind": "path",
+                         "name": [n or k for n, k in zip(e["name"], e["kind"])],
+                         "category": [PATH_CATEGORIES.get(b, "path: CPU") for b in e["bound_by"]], "phase": None,
+                         "op": None, "stream": e["stream"].to_numpy(), "ts": e["start_us"].to_numpy(),
+                         "end": e["end_us"].to_numpy(), "count": 1, "launch": np.nan})  # fmt: skip
+
+
 def _gpu_bars(rank: int, k: pd.DataFrame) -> pd.DataFrame:
     comm = k["category"].astype(str).eq("communication").to_numpy()
     streams = k["stream"].to_numpy()
@@ -191,8 +209,10 @@ def step_timeline(
     phases: PhaseTable | None = None,
     max_bars: int = MAX_BARS,
     bins: int = BINS,
+    paths: dict[int, pd.DataFrame] | None = None,
 ) -> Timeline:
-    """The bars of ``step`` (default :func:`representative_step` of the first rank) on ``ranks``."""
+    """The bars of ``step`` (default :func:`representative_step` of the first rank) on ``ranks``;
+    ``paths``: per rank, the edges of that step's critical path (``CriticalPath.edges``)."""
     ranks = sorted(ranks if ranks is not None else atts)
     phases = phases or PhaseTable()
     if not ranks:
@@ -213,6 +233,8 @@ def step_timeline(
         k = k[(k["window"] == "step") & (k["step"] == step)]
         gpu = _gpu_bars(r, k)
         rank_parts = _host_bars(r, trace, att, lo, hi, phases) + ([gpu] if len(gpu) else [])
+        if paths and r in paths and len(paths[r]):
+            rank_parts.insert(0, _path_bars(r, paths[r]))
         if not rank_parts:
             continue
         b = pd.concat(rank_parts, ignore_index=True)
@@ -242,6 +264,8 @@ def _lane_key(lane: str) -> tuple:
     rank = int(rank_part[1:])
     if rest.startswith("ranges"):
         return (rank, 0, int(rest.split()[-1]), 0)
+    if rest == "critical path":
+        return (rank, -1, 0, 0)
     if rest == "CPU ops":
         return (rank, 1, 0, 0)
     num = rest.split(" · ")[0].split()[-1]
