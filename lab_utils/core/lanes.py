@@ -52,7 +52,7 @@ def lanes_figure(
     keys.sort(key=lambda k: (list(colors).index(k) if k in colors else len(colors), k))
     for key in keys:
         part = bars[bars[color_by].astype(str) == key]
-        data = {c: part[c].tolist() for c in part.columns}
+        data = {c: _column(part[c]) for c in part.columns}
         r = fig.hbar(
             y="lane",
             left="start_ms",
@@ -71,6 +71,13 @@ def lanes_figure(
     fig.ygrid.grid_line_color = None
     fig.yaxis.major_label_text_font_size = "10px"
     return fig
+
+
+def _column(col: pd.Series) -> list:
+    """A column for the hover: text columns with their missing values shown empty."""
+    if col.dtype == object:
+        return ["" if v is None or (isinstance(v, float) and v != v) else v for v in col]
+    return col.tolist()
 
 
 def stacked_bars(

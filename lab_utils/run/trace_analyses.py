@@ -28,16 +28,6 @@ def rows(df: pd.DataFrame) -> list[dict]:
     return [{k: json_value(v) for k, v in r.items()} for r in df.to_dict(orient="records")]
 
 
-def critical_paths(ta: TraceAnalysis, step: int | None) -> dict[int, CriticalPath]:
-    """The critical path of ``step`` on the first :data:`MAX_RANKS` ranks that have it."""
-    out = {}
-    for r in ta.ranks[:MAX_RANKS]:
-        att = ta.attributed(r)
-        if not att.has_steps or step is None or step in set(att.steps["step"]):
-            out[r] = ta.critical_path(r, step if att.has_steps else None)
-    return out
-
-
 def rank_figures(ta: TraceAnalysis, rank: int, cp: CriticalPath | None) -> dict:
     """The analyses of one rank as JSON-ready tables (see the module note); ``cp``: its critical path."""
     seq = ta.sequences(rank)
@@ -69,9 +59,9 @@ def rank_figures(ta: TraceAnalysis, rank: int, cp: CriticalPath | None) -> dict:
 
 def analysis_figures(ta: TraceAnalysis, step: int | None, paths: dict[int, CriticalPath] | None = None) -> dict:
     """``{"analyses": {rank: ...}, "stream_idle": [...]}`` for ``trace.json`` (see the module note);
-    ``paths``: the critical paths already drawn (default: :func:`critical_paths` of ``step``)."""
+    ``paths``: the critical paths already drawn (default: ``TraceAnalysis.critical_paths(step)``)."""
     ranks = ta.ranks[:MAX_RANKS]
-    paths = critical_paths(ta, step) if paths is None else paths
+    paths = ta.critical_paths(step, MAX_RANKS) if paths is None else paths
     return {
         "analyses": {str(r): rank_figures(ta, r, paths.get(r)) for r in ranks},
         "analysed_ranks": ranks,

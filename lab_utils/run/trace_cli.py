@@ -33,7 +33,7 @@ from lab_utils.core.records import Recorder, json_value
 from lab_utils.run.compare import compare
 from lab_utils.run.compare.rules import CompareError
 from lab_utils.run.executors import MAP_EXECUTORS, MapOptions, map_jobs
-from lab_utils.run.trace_analyses import analysis_figures, critical_paths, summary_lines
+from lab_utils.run.trace_analyses import MAX_RANKS, analysis_figures, summary_lines
 from lab_utils.run.trace_html import headline, render_html
 from lab_utils.traces import PhaseTable, TraceAnalysis
 from lab_utils.traces.attribute import Attributed, attribute
@@ -91,7 +91,7 @@ def _frame(df: pd.DataFrame) -> list[dict]:
 def figures(ta: TraceAnalysis, top: int = 10, step: int | None = None, paths=None) -> dict[str, list[dict] | dict]:
     """Every figure of the job as JSON-ready tables (one list of rows per table); ``step``: the
     step the critical path is drawn for (default the median-duration one), ``paths`` those paths
-    when already drawn (:func:`lab_utils.run.trace_analyses.critical_paths`)."""
+    when already drawn (``TraceAnalysis.critical_paths``)."""
     out: dict = {
         "path": ta.path,
         "ranks": ta.ranks,
@@ -164,7 +164,7 @@ def cmd_trace(a) -> int:
     if a.step is not None:
         check_step(a.step, atts, "--step")
     step = a.step if a.step is not None else representative_step(atts[ta.ranks[0]])
-    paths = critical_paths(ta, step)
+    paths = ta.critical_paths(step, MAX_RANKS)
     fig = figures(ta, a.top, step, paths)
     timeline = step_timeline(ta.traces, atts, step, max_bars=a.max_bars, paths={r: p.edges for r, p in paths.items()})
     text = summary_text(ta, fig)

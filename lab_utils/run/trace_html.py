@@ -23,7 +23,7 @@ from bokeh.resources import Resources
 from lab_utils.core.lanes import lanes_figure, stacked_bars
 from lab_utils.traces import TraceAnalysis
 from lab_utils.traces.sequences import short_name
-from lab_utils.traces.timeline import CATEGORY_COLORS, PART_COLORS, Timeline
+from lab_utils.traces.timeline import CATEGORY_COLORS, HOVER, PART_COLORS, Timeline
 
 #: columns whose values are microseconds (printed as µs / ms / s)
 TIME_KEYS = {"span", "busy", "idle", "compute", "communication", "memory", "other", "non_compute", "kernel_time",
@@ -257,15 +257,8 @@ PARTS = ["compute", "communication", "memory", "other", "idle"]
 
 def timeline_figure(tl: Timeline, width: int = 1100):
     """The step's timeline (see :mod:`lab_utils.traces.timeline`) as a bokeh figure."""
-    hover = [("name", "@name"), ("category", "@category"), ("lane", "@lane"), ("start", "@start_ms{0,0.000} ms"),
-             ("duration", "@dur_us{0,0.0} µs"), ("op", "@op"), ("phase", "@phase"), ("count", "@count")]  # fmt: skip
-    bars = tl.bars.copy()
-    for c in ("op", "phase"):
-        bars[c] = bars[c].astype(object).where(bars[c].notna(), "")
-    return lanes_figure(
-        bars, tl.lanes, CATEGORY_COLORS, hover=hover, width=width, legend_title="category",
-        title=f"step {tl.step}: per rank, CPU ops and user ranges above each GPU stream (scroll to zoom, drag to pan)",
-    )  # fmt: skip
+    return lanes_figure(tl.bars, tl.lanes, CATEGORY_COLORS, hover=HOVER, width=width, legend_title="category",
+                        title=tl.title + " (scroll to zoom, drag to pan)")  # fmt: skip
 
 
 def _time_plots(fig: dict):

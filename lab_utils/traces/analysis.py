@@ -248,6 +248,16 @@ class TraceAnalysis:
         rank = self._rank(rank)
         return critical_path(self.traces[rank], self.attributed(rank), step, hta=hta)
 
+    def critical_paths(self, step: int | None = None, max_ranks: int = PATH_RANKS) -> dict[int, CriticalPath]:
+        """The critical path of ``step`` on the first ``max_ranks`` ranks that have it (a rank without
+        steps: its one window)."""
+        out = {}
+        for r in self.ranks[:max_ranks]:
+            att = self.attributed(r)
+            if not att.has_steps or step is None or step in set(att.steps["step"]):
+                out[r] = self.critical_path(r, step if att.has_steps else None)
+        return out
+
     def hierarchy(self, rank: int | None = None, scope: str = "steps") -> pd.DataFrame:
         """GPU time up the call tree of ``rank`` (:mod:`lab_utils.traces.hierarchy`)."""
         rank = self._rank(rank)

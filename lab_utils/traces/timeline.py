@@ -50,16 +50,19 @@ CATEGORY_COLORS = {
     "matmul": "#1f77b4", "attention": "#9467bd", "normalization": "#17becf", "elementwise/activation": "#2ca02c",
     "reduction": "#bcbd22", "copy/cast": "#8c564b", "embedding": "#e377c2", "communication": "#d62728",
     "optimizer": "#ff7f0e", "memcpy": "#7f7f7f", "memset": "#c7c7c7", "fused (triton)": "#aec7e8", "other": "#dbdb8d",
-    "CPU op": "#a0a0a0", MERGED: "#555555",
+    "CPU op": "#a0a0a0", MERGED: "#969696",
 }  # fmt: skip
 _PHASE_COLORS = ("#fdd0a2", "#c6dbef", "#c7e9c0", "#fcbba1", "#dadaeb", "#d9d9d9", "#f4a582", "#eeeeee")
 CATEGORY_COLORS |= dict(zip([f"phase: {p}" for p in PHASES + ("none",)], _PHASE_COLORS))
+#: the fields a bar's hover shows (bokeh's tooltip form: label, @column)
+HOVER = [("name", "@name"), ("category", "@category"), ("lane", "@lane"), ("start", "@start_ms{0,0.000} ms"),
+         ("duration", "@dur_us{0,0.0} µs"), ("op", "@op"), ("phase", "@phase"), ("count", "@count")]  # fmt: skip
 #: what bounds a stretch of the critical path (HTA's bound_by) -> its bar's category
 PATH_CATEGORIES = {"cpu_bound": "path: CPU", "gpu_compute_bound": "path: GPU compute",
                    "gpu_communication_bound": "path: GPU communication",
                    "gpu_kernel_launch_overhead": "path: launch delay",
                    "gpu_kernel_kernel_overhead": "path: kernel gap"}  # fmt: skip
-CATEGORY_COLORS |= dict(zip(PATH_CATEGORIES.values(), ("#636363", "#08519c", "#a50f15", "#fd8d3c", "#fdae6b")))
+CATEGORY_COLORS |= dict(zip(PATH_CATEGORIES.values(), ("#252525", "#08519c", "#a50f15", "#fd8d3c", "#fdae6b")))
 #: the temporal breakdown's parts (lab_utils.traces.breakdown.temporal)
 PART_COLORS = {"idle": "#c7c7c7", "compute": "#1f77b4", "communication": "#d62728", "memory": "#ff7f0e",
                "other": "#9467bd"}  # fmt: skip
@@ -81,6 +84,10 @@ class Timeline:
     bins: int = BINS
     ranks: list[int] = field(default_factory=list)
     missing: list[int] = field(default_factory=list)  # ranks without this step
+
+    @property
+    def title(self) -> str:
+        return f"step {self.step}: per rank, the critical path, user ranges and CPU ops above each GPU stream"
 
     @property
     def note(self) -> str:
