@@ -225,25 +225,26 @@ def _event_sources(trace: RankTrace, k: pd.DataFrame) -> tuple[dict[int, int], d
     if not len(sync) or "wait_record" not in sync:
         return {}, {}
     host = trace.host
-    calls = host[host["correlation"] >= 0].drop_duplicates("correlation").set_index("correlation")
-    launched = k[k["launch_name"].isin(LAUNCHES) & k["launch_ts"].notna()]
+    calls = host[host["correlation"] >= 0].drop_duplicates("correlation")
+    call_ts = dict(zip(calls["correlation"].astype(int), calls["ts"]))
+    call_tid = dict(zip(calls["correlation"].astype(int), calls["tid"].astype(str)))
+    launched = k[k["launch_name"].isin(LAUNCHES) & k["launch_ts"].notna()].sort_values("launch_ts", kind="stable")
+    by_stream = {int(st): (g["launch_ts"].to_numpy(), g.index.to_numpy()) for st, g in launched.groupby("stream")}
+    by_thread = {(int(st), str(t)): (g["launch_ts"].to_numpy(), g.index.to_numpy())
+                 for (st, t), g in launched.groupby(["stream", "launch_tid"])}  # fmt: skip
     src, dst = {}, {}
     for row in sync[sync["wait_record"].notna()].itertuples(index=False):
-        rec = int(row.wait_record)
-        if rec not in calls.index:
+        rec, corr = int(row.wait_record), int(row.correlation)
+        ts, rows = by_stream.get(int(row.wait_stream), (np.zeros(0), np.zeros(0, dtype=np.int64)))
+        i = np.searchsorted(ts, call_ts.get(rec, -np.inf), side="right") - 1  # the last launch at or before it
+        if rec not in call_ts or i < 0:
             continue
-        before = launched[
-            (launched["stream"] == int(row.wait_stream)) & (launched["launch_ts"] <= calls.loc[rec, "ts"])
-        ]
-        if not len(before):
-            continue
-        src[int(row.correlation)] = int(before["launch_ts"].idxmax())
-        if row.name == "Stream Wait Event" and int(row.correlation) in calls.index:
-            wait = calls.loc[int(row.correlation)]
-            after = launched[(launched["stream"] == int(row.stream)) & (launched["launch_tid"] == str(wait["tid"]))
-                             & (launched["launch_ts"] > wait["ts"])]  # fmt: skip
-            if len(after):
-                dst[int(row.correlation)] = int(after["launch_ts"].idxmin())
+        src[corr] = int(rows[i])
+        if row.name == "Stream Wait Event" and corr in call_ts:
+            ts, rows = by_thread.get((int(row.stream), call_tid[corr]), (np.zeros(0), np.zeros(0, dtype=np.int64)))
+            j = np.searchsorted(ts, call_ts[corr], side="right")  # the first launch after the wait call
+            if j < len(ts):
+                dst[corr] = int(rows[j])
     return src, dst
 
 
