@@ -300,11 +300,11 @@ def _gpu_edges(g: _Graph, trace: RankTrace, k: pd.DataFrame, sel: np.ndarray, ho
 def _longest(g: _Graph) -> tuple[list[int], float]:
     """Edge indices of the longest path by weight (Kahn's order; an edge closing a cycle is dropped)."""
     n = len(g.ts)
-    out_e: list[list[int]] = [[] for _ in range(n)]
-    indeg = np.zeros(n, dtype=np.int64)
-    for e, (u, v) in enumerate(zip(g.src, g.dst)):
-        out_e[u].append(e)
-        indeg[v] += 1
+    src, dst = np.asarray(g.src, dtype=np.int64), np.asarray(g.dst, dtype=np.int64)
+    order = np.argsort(src, kind="stable")  # each node's out-edges, in the order they were added
+    starts = np.searchsorted(src[order], np.arange(n + 1)).tolist()
+    order = order.tolist()
+    indeg = np.bincount(dst, minlength=n).astype(np.int64)
     dist = np.zeros(n)
     via = np.full(n, -1, dtype=np.int64)
     queue = deque(np.flatnonzero(indeg == 0).tolist())
@@ -312,7 +312,7 @@ def _longest(g: _Graph) -> tuple[list[int], float]:
     while queue:
         u = queue.popleft()
         seen += 1
-        for e in out_e[u]:
+        for e in order[starts[u] : starts[u + 1]]:
             v = g.dst[e]
             if dist[u] + g.w[e] > dist[v] or via[v] < 0 and dist[u] + g.w[e] >= dist[v]:
                 dist[v], via[v] = dist[u] + g.w[e], e
@@ -343,7 +343,8 @@ def critical_path(trace: RankTrace, att: Attributed, step: int | None = None, *,
     cats = h["cat"].astype(str)
     names = h["name"].astype(str)
     node_rows = h.index[cats.isin(NODE_CATS)]
-    host_nodes = {int(i): g.pair(int(i), float(h.at[i, "ts"]), float(h.at[i, "end"])) for i in node_rows}
+    nts, nend = h.loc[node_rows, "ts"].to_numpy(), h.loc[node_rows, "end"].to_numpy()
+    host_nodes = {int(i): g.pair(int(i), float(a), float(b)) for i, a, b in zip(node_rows, nts, nend)}
     blocking = set(h.index[names.isin(BLOCKING)].tolist())
     _cpu_edges(g, h, host_nodes, blocking)
     rt = h.loc[node_rows]
@@ -361,22 +362,30 @@ def critical_path(trace: RankTrace, att: Attributed, step: int | None = None, *,
 
 
 def _edges_table(g: _Graph, path: list[int], host: pd.DataFrame, k: pd.DataFrame) -> pd.DataFrame:
-    rows = []
-    for e in path:
-        kind, ev = KINDS[g.kind[e]], g.event[e]
-        name, where, category, stream, bound = "", "", kind, -1, BOUND.get(kind, "")
-        if ev >= 0:
-            name, where, category, bound = str(host.at[ev, "name"]), f"thread {host.at[ev, 'tid']}", "CPU", "cpu_bound"
-        elif ev <= -2:
-            i = -2 - ev
-            name, stream = str(k.at[i, "name"]), int(k.at[i, "stream"])
-            where = f"stream {stream}"
-            if kind == "gpu":
-                category = str(k.at[i, "category"])
-                comm = k.at[i, "hta_type"] == "COMMUNICATION"
-                bound = "gpu_communication_bound" if comm else "gpu_compute_bound"
-        rows.append({"kind": kind, "weight": g.w[e], "name": name, "where": where, "category": category,
-                     "bound_by": bound, "stream": stream, "start_us": g.ts[g.src[e]],
-                     "end_us": g.ts[g.dst[e]]})  # fmt: skip
-    cols = ["kind", "weight", "name", "where", "category", "bound_by", "stream", "start_us", "end_us"]
-    return pd.DataFrame(rows, columns=cols)
+    """The path's edges as a table (see :class:`CriticalPath`), built column by column."""
+    e = np.asarray(path, dtype=np.int64)
+    kind = np.asarray(KINDS, dtype=object)[np.asarray(g.kind, dtype=np.int64)[e]] if len(e) else np.zeros(0, object)
+    ev = np.asarray(g.event, dtype=np.int64)[e] if len(e) else np.zeros(0, np.int64)
+    ts = np.asarray(g.ts)
+    out = pd.DataFrame({"kind": kind, "weight": np.asarray(g.w)[e] if len(e) else np.zeros(0), "name": "",
+                        "where": "", "category": kind.copy(), "bound_by": [BOUND.get(x, "") for x in kind],
+                        "stream": -1, "start_us": ts[np.asarray(g.src)[e]] if len(e) else np.zeros(0),
+                        "end_us": ts[np.asarray(g.dst)[e]] if len(e) else np.zeros(0)})  # fmt: skip
+    on_host, on_gpu = ev >= 0, ev <= -2
+    if on_host.any():
+        rows = host.loc[ev[on_host]]
+        out.loc[on_host, "name"] = rows["name"].astype(str).to_numpy()
+        out.loc[on_host, "where"] = ("thread " + rows["tid"].astype(str)).to_numpy()
+        out.loc[on_host, ["category", "bound_by"]] = ("CPU", "cpu_bound")
+    if on_gpu.any():
+        pos = -2 - ev[on_gpu]
+        out.loc[on_gpu, "name"] = k["name"].astype(str).to_numpy()[pos]
+        streams = k["stream"].to_numpy()[pos]
+        out.loc[on_gpu, "stream"] = streams
+        out.loc[on_gpu, "where"] = [f"stream {x}" for x in streams]
+        gpu = on_gpu & (kind == "gpu")
+        gpos = -2 - ev[gpu]
+        out.loc[gpu, "category"] = k["category"].astype(str).to_numpy()[gpos]
+        comm = k["hta_type"].to_numpy()[gpos] == "COMMUNICATION"
+        out.loc[gpu, "bound_by"] = np.where(comm, "gpu_communication_bound", "gpu_compute_bound")
+    return out
