@@ -305,28 +305,25 @@ class _Columns:
         return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
 
 
-def _frame(cols: _Columns) -> tuple[pd.DataFrame, int]:
-    """Every kept event as one table (``kind`` 0-3 says which of the four), and the trace's t0."""
+def _frame(cols: _Columns) -> tuple[dict[str, pd.DataFrame], int]:
+    """The kept events as the four tables (``_KINDS``), built from the columns kind by kind (no table of
+    every event first: one copy of the data at a time), and the trace's t0.  An optional argument
+    column is given to a table only where one of its events recorded it."""
     whole = np.concatenate([b["ts"][0] for b in cols.blocks]) if cols.blocks else np.zeros(0, dtype=np.int64)
     frac = np.concatenate([b["ts"][1] for b in cols.blocks]) if cols.blocks else np.zeros(0)
     t0 = int(whole.min()) if len(whole) else 0
-    data: dict = {"kind": cols.column("kind", np.int8)}
-    for key in ("name", "cat"):
-        data[key] = cols.strings(key)
+    kind = cols.column("kind", np.int8)
+    data: dict = {key: cols.strings(key) for key in ("name", "cat")}
     data["ts"] = (whole - t0).astype(np.float64) + frac
+    del whole, frac
     data["dur"] = cols.column("dur", np.float64)
     for key in ("pid", "tid"):
         data[key] = cols.strings(key)
     for key in _Columns.INT:
         data[key] = cols.column(key, np.int64)
-    df = pd.DataFrame(data)
-    df["end"] = df["ts"] + df["dur"]
-    for k, pairs in cols.sparse.items():
-        if pairs:
-            col = np.full(len(df), None, dtype=object)
-            rows, vals = zip(*pairs)
-            col[list(rows)] = list(vals)
-            df[k] = pd.array(col, dtype=object)
+    cols.blocks.clear()  # every block's arrays are in ``data`` now
+    sparse = {k: tuple(np.asarray(x) for x in zip(*pairs)) for k, pairs in cols.sparse.items() if pairs}
+    shapes: dict[str, pd.Categorical] = {}
     if cols.shaped:  # each shape field as codes into its distinct texts
         rows = np.concatenate([r for r, _ in cols.shaped])
         codes = np.concatenate([c for _, c in cols.shaped])
@@ -334,12 +331,28 @@ def _frame(cols: _Columns) -> tuple[pd.DataFrame, int]:
         for j, key in enumerate(_Columns.SHAPES):
             table: dict = {}
             per_key = np.array([table.setdefault(f[j], len(table)) if f[j] else -1 for f in fields], dtype=np.int32)
-            col = np.full(len(df), -1, dtype=np.int32)
+            col = np.full(len(kind), -1, dtype=np.int32)
             col[rows] = per_key[codes]
-            if (col >= 0).any():
-                texts = pd.Index([t.decode() for t in table], dtype=object)
-                df[key] = pd.Categorical.from_codes(col, categories=texts)
-    return df, t0
+            shapes[key] = pd.Categorical.from_codes(col, categories=pd.Index([t.decode() for t in table], dtype=object))
+    parts = {}
+    for i, name in enumerate(_KINDS):
+        idx = np.flatnonzero(kind == i)
+        df = pd.DataFrame({k: v[idx] for k, v in data.items()})
+        df["end"] = df["ts"] + df["dur"]
+        pos = np.full(len(kind), -1, dtype=np.int64)
+        pos[idx] = np.arange(len(idx))
+        for k, (rows, vals) in sparse.items():
+            mine = pos[rows.astype(np.int64)]
+            if (mine >= 0).any():
+                col = np.full(len(df), None, dtype=object)
+                col[mine[mine >= 0]] = vals[mine >= 0]
+                df[k] = pd.array(col, dtype=object)
+        for k, cat in shapes.items():
+            sub = cat[idx]
+            if len(sub) and (sub.codes >= 0).any():
+                df[k] = sub
+        parts[name] = df
+    return parts, t0
 
 
 def _stream_events(fh: io.BufferedIOBase, cols: _Columns) -> tuple[_Head, bool]:
@@ -457,13 +470,7 @@ def read_rank(path: str | Path, fallback_rank: int = 0, *, alone: bool = True) -
         raise _unreadable(path, exc) from None
     if not cols.n:
         raise _not_a_trace(path, cols, has_events)
-    df, t0 = _frame(cols)
-    parts = {k: df[df["kind"] == i].drop(columns="kind").reset_index(drop=True) for i, k in enumerate(_KINDS)}
-    for k in _KINDS:  # the optional argument columns only where some event recorded them
-        df_k = parts[k]
-        parts[k] = df_k.drop(
-            columns=[c for c in _Columns.EXTRA + _Columns.SHAPES + ("pg_ranks",) if c in df_k and df_k[c].isna().all()]
-        )
+    parts, t0 = _frame(cols)
     props = head.deviceProperties or []
     info = head.distributedInfo or {}
     gpu_dev = parts["gpu"]["device"]
