@@ -1,20 +1,23 @@
 """``perflab trace PATH`` and ``perflab trace diff A B``: real profiler traces from the command line.
 
-``perflab trace PATH`` (a trace file or a folder holding one file per rank) prints the
-summary of :class:`lab_utils.traces.TraceAnalysis` (per rank and per step breakdown, top
-kernels, overlap, idle split, launch verdict, collectives when present) and writes into
-``--out`` the records ``perflab compare`` reads (``records.json``), the figures as JSON
-(``trace.json``) and one self-contained HTML page (``trace.html``, BokehJS inline).  ``--json``
-prints the figures as JSON instead of the text summary.
+``perflab trace PATH`` (a trace file or a folder holding one file per rank) prints the summary of
+the job (per rank and per step breakdown, top kernels, overlap, idle split, launch verdicts,
+collectives when present) and writes into ``--out`` the records ``perflab compare`` reads
+(``records.json``, their context naming the traces' GPU), the figures as JSON (``trace.json``) and
+one self-contained HTML page (``trace.html``, BokehJS inline).  ``--json`` prints the figures as
+JSON instead of the text summary; ``--gpu NAME`` is the GPU of traces that name none.
 
-A folder's ranks are read and attributed in parallel by
-:func:`lab_utils.run.executors.map_jobs` (``--executor pool|local|slurm``), one job per rank
-file, then reduced to one job.
+A folder's ranks are read by :func:`lab_utils.run.executors.map_jobs` (``--executor
+pool|local|slurm``), one job per rank file: each job reads, attributes and summarises its file
+(:mod:`lab_utils.traces.summary`) and only the summary comes back, merged into one job.  A file that
+cannot be read (truncated, corrupt, not a trace) stops the command before anything is written: one
+line naming it, exit 2.
 
-``perflab trace diff A B`` records both sides (files or folders) and compares them with
-:func:`lab_utils.run.compare.compare`: per category, phase, step and top kernel, each per-step
-figure carrying its steps as samples, so the verdicts (faster, slower, same, noisy) come from
-the spread across steps.
+``perflab trace diff A B`` reads both sides (files or folders), pairs their ranks (the same ranks
+rank by rank, one rank each, as many ranks by position, else pooled), records every kernel,
+launching operator, category and phase per step (a row only one side ran is 0 ms on the other) and
+compares them with :func:`lab_utils.run.compare.compare`: verdicts from the spread across steps, by
+step index; only the times gate (``gate="performance"``), the shares and idle are reported.
 """
 
 from __future__ import annotations
