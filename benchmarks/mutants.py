@@ -336,8 +336,8 @@ MUTANTS = [
         "flops.attn_fwd_4",
         F,
         FL,
-        "fwd = 4.0 * batch * heads * pairs * head_dim",
-        "fwd = 2.0 * batch * heads * pairs * head_dim",
+        "fwd = 2.0 * batch * heads * pairs * (dk + dv)",
+        "fwd = 1.0 * batch * heads * pairs * (dk + dv)",
         "attention forward counts one matmul",
     ),
     _m(
@@ -1548,8 +1548,8 @@ MUTANTS = [
         "coll.transfer_mean",
         D,
         COLL,
-        '"transfer_us": float(np.median(g["end_abs"] - last))',
-        '"transfer_us": float(np.mean(g["end_abs"] - last))',
+        'transfer = float(np.median(g["end_abs"] - last))',
+        'transfer = float(np.mean(g["end_abs"] - last))',
         "transfer over ranks by mean, not median",
     ),
     # telemetry / numdiff
