@@ -14,7 +14,8 @@ The JSON is parsed by ``msgspec`` into typed structs that declare only the field
 (unknown keys are skipped in C, never built as Python objects), and it is streamed: the file is
 decompressed in blocks, the ``traceEvents`` array is cut between events, and each block of
 events is turned into numpy columns before the next is read.  Memory therefore grows with the
-number of events kept (about 60 bytes each plus the distinct names), not with the file's size.
+number of events kept (their tables hold about 90 bytes each plus the distinct names and shapes;
+the read peaks at about twice that), not with the size of the JSON text.
 A cut is only taken where the text reads ``}, {"`` between two events; a cut in the wrong place
 cannot parse (it leaves a bracket open), and the block is then simply kept for the next cut.
 
@@ -228,7 +229,7 @@ class _Columns:
     """Grows the tables block by block.  Each block's strings (name, cat, pid, tid) become integer
     codes into the block's own table of distinct values, joined into one table per trace at the
     end; the argument columns most events lack (NCCL's, sizes, shapes) are kept sparse, as
-    (row, value) pairs, their texts interned.  A kept event costs about 60 bytes whatever the
+    (row, value) pairs, their texts interned.  A kept event costs about 90 bytes whatever the
     file's size."""
 
     STR = ("name", "cat", "pid", "tid")
