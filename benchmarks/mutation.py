@@ -211,7 +211,7 @@ def collect(copy: Path, files: list[str], python: str, seed: int) -> tuple[set[s
     files = [f for f in files if (copy / f).is_file()]
     if not files:
         return set(), set()
-    cmd = [python, "-m", "pytest", "--collect-only", "-q", *PYTEST_ARGS[1:], *files]
+    cmd = [python, "-m", "pytest", "--collect-only", "-q", *PYTEST_ARGS[2:], *files]  # one -q: node ids
     out = subprocess.run(cmd, cwd=copy, env=env_for(copy, seed), capture_output=True, text=True)
     lines = out.stdout.splitlines()
     ids = {ln.strip() for ln in lines if "::" in ln and not ln.startswith(("ERROR", " "))}

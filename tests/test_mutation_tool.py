@@ -74,6 +74,7 @@ room: toy
 tests:
   fakepkg/toy/calc.py:
   - tests/test_calc_extra.py::test_gone
+  - tests/test_calc_extra.py::test_other
   - tests/test_moved.py
 mutants:
 - id: calc.sub
@@ -328,6 +329,8 @@ def test_seeds_are_reproducible_and_drawn_from_each_family_in_turn():
     assert len({m.operator.split("/")[0] for m in a}) == 9  # one of each family before a second of any
     draws = {tuple(m.id for m in gen.sample("x/y/a.py", NINE, 9, s)) for s in range(10)}
     assert len(draws) > 1  # the seed decides which
+    # and which families get the draws when there are fewer draws than families
+    assert len({frozenset(m.operator.split("/")[0] for m in gen.sample("x/y/a.py", NINE, 4, s)) for s in range(10)}) > 1
     assert gen.sample("x/y/b.py", NINE, 9, 3) != a  # and each module draws on its own
     assert len({m.id for m in a}) == 9
     # asked for more than a module has: every valid edit once
