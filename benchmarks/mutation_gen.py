@@ -32,6 +32,7 @@ usually the most numerous) crowds the others out; a mutant provably equivalent t
 from __future__ import annotations
 
 import ast
+import bisect
 import random
 import re
 import types
@@ -95,10 +96,7 @@ class Edit:
 class _Collector(ast.NodeVisitor):
     def __init__(self, source: bytes):
         self.src = source
-        self.starts = [0]
-        for i, b in enumerate(source):
-            if b == 10:
-                self.starts.append(i + 1)
+        self.starts = [0] + [m.end() for m in re.finditer(b"\n", source)]
         lines = source.decode("utf-8").splitlines()
         self.quiet = {i + 1 for i, ln in enumerate(lines) if PRAGMA in ln}
         self.edits: list[Edit] = []
@@ -125,7 +123,7 @@ class _Collector(ast.NodeVisitor):
         return a + len(gap[:i].encode()), a + len(gap[:j].encode())
 
     def add(self, a: int, b: int, replace: str, family: str, operator: str, why: str) -> None:
-        line = self.src.count(b"\n", 0, a) + 1
+        line = bisect.bisect_right(self.starts, a)
         if line in self.quiet:
             return
         where = ".".join(self.scope) or "module level"
@@ -405,15 +403,25 @@ def _code_key(co: types.CodeType) -> tuple:
 
 def equivalence(original: bytes, mutated: bytes) -> str:
     """Why ``mutated`` provably behaves like ``original`` ('' when it cannot be shown trivially)."""
-    if ast.dump(ast.parse(original)) == ast.dump(ast.parse(mutated)):
-        return "the same syntax tree"
-    try:
-        compiled = [compile(src, "<m>", "exec", dont_inherit=True) for src in (original, mutated)]
-        if _code_key(compiled[0]) == _code_key(compiled[1]):
-            return "the same bytecode"
-    except (SyntaxError, ValueError):
+    return _Original(original).equivalence(mutated)
+
+
+class _Original:
+    """A module's syntax tree and bytecode, computed once for all its mutants."""
+
+    def __init__(self, source: bytes):
+        self.tree = ast.dump(ast.parse(source))
+        self.code = _code_key(compile(source, "<m>", "exec", dont_inherit=True))
+
+    def equivalence(self, mutated: bytes) -> str:
+        if ast.dump(ast.parse(mutated)) == self.tree:
+            return "the same syntax tree"
+        try:
+            if _code_key(compile(mutated, "<m>", "exec", dont_inherit=True)) == self.code:
+                return "the same bytecode"
+        except (SyntaxError, ValueError):
+            return ""
         return ""
-    return ""
 
 
 def parses(source: bytes) -> bool:
@@ -447,7 +455,7 @@ def sample(file: str, source: bytes, count: int, seed: int) -> list[Mutant]:
                     texts.add(mutated)
                     picked.append((e, mutated))
                     break
-    stem = Path(file).stem
+    stem, original = Path(file).stem, _Original(source)
     out, ids = [], set()
     for e, mutated in sorted(picked, key=lambda p: (p[0].start, p[0].operator, p[0].replace)):
         base = f"{stem}:{e.line}:{e.col}:{e.operator}"
@@ -464,7 +472,7 @@ def sample(file: str, source: bytes, count: int, seed: int) -> list[Mutant]:
                 end=e.end,
                 line=e.line,
                 operator=f"{e.family}/{e.operator}",
-                equivalent=equivalence(source, mutated),
+                equivalent=original.equivalence(mutated),
             )
         )
     return out
