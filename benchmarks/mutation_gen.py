@@ -97,8 +97,7 @@ class _Collector(ast.NodeVisitor):
     def __init__(self, source: bytes):
         self.src = source
         self.starts = [0] + [m.end() for m in re.finditer(b"\n", source)]
-        lines = source.decode("utf-8").splitlines()
-        self.quiet = {i + 1 for i, ln in enumerate(lines) if PRAGMA in ln}
+        self.quiet = {i + 1 for i, ln in enumerate(source.split(b"\n")) if PRAGMA.encode() in ln}
         self.edits: list[Edit] = []
         self.scope: list[str] = []
 
