@@ -133,17 +133,49 @@ def test_spike_detector_on_a_series():
     assert not det.observe(2.0, 1.0).spike
 
 
+POISONED = dict(steps=12, batch_size=2, provoke_step=9, seed=0)
+
+
+@functools.cache
+def _poisoned_run(policy: str):
+    # a poisoned batch at step 9: one spike, which every policy answers once (rewind: to step 8's checkpoint)
+    return train_run(RunSpec(provoke="batch", spike_policy=policy, ckpt_every=4, name=policy, **POISONED))
+
+
 def test_spike_detector_fires_on_a_provoked_spike_and_not_on_a_clean_run():
-    kw = dict(steps=12, batch_size=2, provoke_step=9, seed=0)
-    clean = train_run(RunSpec(**kw))
+    clean = train_run(RunSpec(**POISONED))
     assert not clean.steps.spike.any(), clean.steps[["step", "loss", "z_loss", "z_grad"]]
-    poisoned = train_run(RunSpec(provoke="batch", spike_policy="skip", **kw))
+    poisoned = _poisoned_run("skip")
     assert poisoned.steps.step[poisoned.steps.spike.astype(bool)].tolist() == [9]
     assert poisoned.steps.action.iloc[9] == "spike: skipped"
-    rewound = train_run(RunSpec(provoke="batch", spike_policy="rewind", ckpt_every=4, **kw))
+    rewound = _poisoned_run("rewind")
     assert rewound.steps.action.iloc[9] == "rewound: batch skipped" and rewound.replayed_steps == 1
     # skipping the poisoned batch's update or rewinding past it gives the same weights
     assert rewound.steps.loss.iloc[-1] == pytest.approx(poisoned.steps.loss.iloc[-1], rel=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["none", "skip", "clip", "rewind"])
+def test_the_spike_steps_loss_is_in_the_telemetry_under_every_policy(policy):
+    """The spike step ran its forward under every policy: its loss and per-timestep losses are in
+    the telemetry once, the values of the step every policy computed alike (the policies part after)."""
+    t, skip = _poisoned_run(policy).telemetry, _poisoned_run("skip")
+    at = t[t.step == POISONED["provoke_step"]].set_index(["stat", "stream"]).value
+    assert (at.index.get_level_values("stat") == "loss").sum() == 1, at
+    assert (at.index.get_level_values("stat") == "loss_bucket").sum() >= 1, at
+    assert at["loss", ""] == skip.steps.loss.iloc[POISONED["provoke_step"]]  # the poisoned batch's loss
+    s = skip.telemetry
+    ref = s[(s.step == POISONED["provoke_step"]) & s.stat.isin(["loss", "loss_bucket"])].set_index(["stat", "stream"])
+    pd.testing.assert_series_equal(at[at.index.get_level_values("stat").isin(["loss", "loss_bucket"])], ref.value)
+
+
+def test_rewind_and_skip_that_computed_the_same_numbers_do_not_diverge():
+    """Rewinding past the poisoned batch computes exactly what skipping it does: the numerics
+    diff of the two runs' telemetry finds no origin and no row that one run has and the other lacks."""
+    skip, rewind = _poisoned_run("skip"), _poisoned_run("rewind")
+    d = numerics_diff(skip.telemetry, rewind.telemetry, tol=1e-6)
+    assert d.origin == {}, (d.origin, d.one_sided.head())
+    assert d.one_sided.empty and d.steps_only == {"a": [], "b": []}
+    assert d.shared == len(skip.telemetry) == len(rewind.telemetry)
 
 
 @functools.cache

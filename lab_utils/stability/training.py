@@ -333,6 +333,8 @@ class _Run:
             grp["lr"] = lr
         hook = inject_nonfinite(self.model, *self.poison) if self.poison and i == spec.nan_step else None
         parts, row, finite = self.forward_backward(i, batch, lr)
+        if finite:  # before any policy acts: a skipped, clipped or rewound step logs the same loss rows
+            self.log_loss(parts)
         check = self.detector.observe(row["loss"], row["grad_norm"]) if finite else SpikeCheck(False, 0.0, 0.0)
         row.update(spike=check.spike, z_loss=check.z_loss, z_grad=check.z_grad)
         apply = self.spike_policy(row, check, finite)
@@ -341,7 +343,7 @@ class _Run:
             if hook is not None:
                 hook.remove()
             return back
-        self.update(i, parts, finite, apply)
+        self.update(i, finite, apply)
         if hook is not None:
             hook.remove()
         self.rows[i] = row
@@ -414,8 +416,14 @@ class _Run:
         self.events = [(s, e) for s, e in self.events if not ckpt.step <= s < i]
         return ckpt.step
 
-    def update(self, i: int, parts, finite: bool, apply: bool) -> None:
-        """The optimizer step (when applied), the loss scale's update, per-timestep losses."""
+    def log_loss(self, parts) -> None:
+        """The step's loss in total and per timestep bucket, into its telemetry."""
+        with torch.no_grad():
+            per = (parts.pred.detach().float() - parts.target.float()).square().mean(dim=(1, 2))
+        self.tel.log_loss(parts.t, per)
+
+    def update(self, i: int, finite: bool, apply: bool) -> None:
+        """The optimizer step (when applied) and the loss scale's update."""
         tel, opt = self.tel, self.opt
         if apply:
             opt.track = tel.active
@@ -424,8 +432,4 @@ class _Run:
         if self.scaler:
             self.scaler.update(i, finite)
         opt.zero_grad(set_to_none=True)
-        if finite:
-            with torch.no_grad():
-                per = (parts.pred.detach().float() - parts.target.float()).square().mean(dim=(1, 2))
-            tel.log_loss(parts.t, per)
         tel.end_step()
