@@ -31,7 +31,7 @@ from lab_utils.stability.telemetry import (
     inject_nonfinite,
     locate_nonfinite,
 )
-from lab_utils.stability.training import CLIP_NOOP, RunSpec, SpikeDetector, train_run
+from lab_utils.stability.training import RunSpec, SpikeDetector, clip_target, train_run
 
 SEED = 1234
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -231,17 +231,45 @@ def test_rewind_restores_the_optimizer_by_value():
         assert torch.equal(snap["state"][p][k], v), k
 
 
-def test_clip_policy_changes_the_trajectory_when_the_global_clip_leaves_room():
-    kw = dict(steps=14, batch_size=2, provoke="batch", provoke_step=10, seed=0)
-    none = train_run(RunSpec(spike_policy="none", grad_clip=0.0, **kw)).steps
-    clip = train_run(RunSpec(spike_policy="clip", grad_clip=0.0, **kw)).steps
-    assert clip.action[10] == "spike: clipped"
+def _by_hand(steps: pd.DataFrame, k: int, grad_clip: float, window: int = 16) -> tuple[float, float]:
+    """(window median raw norm, the clip rule's post-clip norm) of spike step ``k``, from the rows:
+    the last ``window`` accepted steps before it (none of them a spike)."""
+    before = steps[steps.step < k]
+    assert not before.spike.any()
+    med = float(np.median(before.grad_norm.to_numpy()[-window:]))
+    ref = min(grad_clip, med) if grad_clip > 0 else med
+    return med, ref * med / float(steps.grad_norm[k])
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 5.0])  # off; a guard rail above every typical norm (~1.4)
+def test_clip_policy_in_the_median_case_scales_the_spike_by_its_excess(grad_clip):
+    kw = dict(steps=14, batch_size=2, provoke="batch", provoke_step=10, seed=0, grad_clip=grad_clip)
+    none = train_run(RunSpec(spike_policy="none", **kw)).steps
+    clip = train_run(RunSpec(spike_policy="clip", **kw)).steps
+    assert clip.action[10] == "spike: clipped" and clip.clip_ref[10] == "median"
     np.testing.assert_array_equal(clip.loss[:11], none.loss[:11])  # the same run until the clipped step
     assert (clip.loss[11:] != none.loss[11:]).all()
-    # with grad_clip below the typical norm every step is clipped to the same norm already:
-    # the policy says it has nothing to do rather than claiming a clip
-    tight = train_run(RunSpec(spike_policy="clip", grad_clip=1.0, **kw)).steps
-    assert tight.grad_norm.iloc[:10].min() > 1.0 and tight.action[10] == CLIP_NOOP
+    med, want = _by_hand(clip, 10, grad_clip)
+    assert med < clip.grad_norm[10] and (grad_clip == 0 or med < grad_clip)
+    assert clip.clipped_norm[10] == pytest.approx(want, rel=1e-5)  # median x median / norm
+    # none applies the spike as the global clip leaves it: all of it, or grad_clip
+    assert none.clipped_norm[10] == pytest.approx(min(none.grad_norm[10], grad_clip or math.inf), rel=1e-5)
+
+
+def test_clip_target_at_the_boundary_where_the_median_equals_the_clip():
+    """At median == grad_clip the two cases give one number (grad_clip x median / norm) and the
+    target moves continuously through it; a norm at or below the median is left as it is."""
+    at = clip_target(8.0, 1.0, 1.0)
+    assert (at.case, at.ref, at.target) == ("grad_clip", 1.0, 1.0 / 8)
+    above, below = clip_target(8.0, 1.0 + 1e-9, 1.0), clip_target(8.0, 1.0 - 1e-9, 1.0)
+    assert above.case == "grad_clip" and below.case == "median"
+    assert above.target == pytest.approx(1 / 8, rel=1e-8) and below.target == pytest.approx(1 / 8, rel=1e-8)
+    assert clip_target(8.0, 1.31, 1.0).target == pytest.approx(1.31 / 8)  # binding: grad_clip x median / norm
+    assert clip_target(8.0, 0.5, 1.0).target == pytest.approx(0.5 * 0.5 / 8)  # below the clip: median^2 / norm
+    for off in (0.0, math.inf):
+        ct = clip_target(8.0, 2.0, off)
+        assert (ct.case, ct.ref, ct.target) == ("median", 2.0, 0.5)
+    assert clip_target(0.9, 1.0, 0.0).target == 1.0  # not above the median: the target does not bind (no-op)
 
 
 # ------------------------------------------------------------------------------ rounding
