@@ -166,6 +166,7 @@ def test_spike_verdicts_raise_on_a_spike_in_the_clean_run_or_a_missed_one():
         spike_verdict_lines({"clean": noisy, "skip": hit}, 2)
 
 
+@pytest.mark.usefixtures("one_thread")  # the lab's cpu_threads = 1
 def test_clip_policy_at_the_labs_defaults_scales_the_spike_below_what_the_global_clip_leaves():
     """Lab 07's spike runs clip every step to grad_clip = 1.0 and the tiny model's typical norm is
     above it: the spike leaves the global clip at 1.0 like every step, and the clip policy takes it
