@@ -66,6 +66,11 @@ TESTS = {
         "tests/test_timing_statistics.py",
         "tests/test_timing.py",
     ],
+    "lab_utils/core/samples.py": [
+        "tests/test_timing_rules.py",
+        "tests/test_timing_statistics.py",
+        "tests/test_timing.py",
+    ],
     "lab_utils/distributed/projection.py": [
         "tests/test_distributed_projection.py",
         "tests/test_projection_overlap.py",
@@ -166,6 +171,7 @@ RUL, STA, CMP = (
 )
 VER = "lab_utils/run/compare/verdicts.py"
 TIM = "lab_utils/core/timing.py"
+SAM = "lab_utils/core/samples.py"  # the judge of a timing's samples and Timing itself
 PRO, COMM, CP, PAR, COLL = (
     "lab_utils/distributed/projection.py",
     "lab_utils/distributed/comm.py",
@@ -651,7 +657,7 @@ MUTANTS = [
     _m(
         "timing.spread_boundary",
         T,
-        TIM,
+        SAM,
         "if spread > r.max_spread:",
         "if spread > r.max_spread + 0.05:",
         "dispersion threshold moved",
@@ -660,7 +666,7 @@ MUTANTS = [
     _m(
         "timing.spread_ge",
         T,
-        TIM,
+        SAM,
         "if spread > r.max_spread:",
         "if spread >= r.max_spread:",
         "dispersion exactly at the threshold called unstable",
@@ -668,7 +674,7 @@ MUTANTS = [
     _m(
         "timing.stall_or",
         T,
-        TIM,
+        SAM,
         "stalled = x[(x > r.stall_factor * med) & (x - med > r.stall_ms)]",
         "stalled = x[(x > r.stall_factor * med) | (x - med > r.stall_ms)]",
         "a stall needs only one of its two conditions",
@@ -676,7 +682,7 @@ MUTANTS = [
     _m(
         "timing.stall_allowed_ceil",
         T,
-        TIM,
+        SAM,
         "allowed = math.floor(r.max_stall_share * n)",
         "allowed = math.ceil(r.max_stall_share * n)",
         "fewer than 20 samples may hold a stall",
@@ -684,7 +690,7 @@ MUTANTS = [
     _m(
         "timing.stall_strict",
         T,
-        TIM,
+        SAM,
         "if stalled.size > allowed:",
         "if stalled.size > allowed + 1:",
         "one stall too many allowed",
@@ -692,16 +698,16 @@ MUTANTS = [
     _m(
         "timing.bimodal_gap",
         T,
-        TIM,
+        SAM,
         "if jumps.size and float(jumps.max()) > r.bimodal_gap:",
         "if jumps.size and float(jumps.max()) > 2 * r.bimodal_gap:",
         "bimodality threshold doubled",
     ),
-    _m("timing.drift_min_n", T, TIM, "if n >= 9:", "if n >= 30:", "drift only judged on 30 samples or more"),
+    _m("timing.drift_min_n", T, SAM, "if n >= 9:", "if n >= 30:", "drift only judged on 30 samples or more"),
     _m(
         "timing.drift_and",
         T,
-        TIM,
+        SAM,
         "abs(b / a - 1) > r.max_drift and abs(rho) >= r.min_rho",
         "abs(b / a - 1) > r.max_drift or abs(rho) >= r.min_rho",
         "drift needs only one of a shift and a trend",
@@ -709,21 +715,21 @@ MUTANTS = [
     _m(
         "timing.on_cpu_boundary",
         T,
-        TIM,
+        SAM,
         "on_cpu < r.min_on_cpu",
         "on_cpu < r.min_on_cpu - 0.1",
         "descheduled threshold moved",
     ),
-    _m("timing.min_samples", T, TIM, "if n < r.min_samples:", "if n < r.min_samples - 1:", "too few samples judged"),
+    _m("timing.min_samples", T, SAM, "if n < r.min_samples:", "if n < r.min_samples - 1:", "too few samples judged"),
     _m(
         "timing.spread_quantiles",
         T,
-        TIM,
+        SAM,
         "p20, p80 = float(np.quantile(x, 0.2)), float(np.quantile(x, 0.8))",
         "p20, p80 = float(np.quantile(x, 0.1)), float(np.quantile(x, 0.9))",
         "spread from p10/p90",
     ),
-    _m("timing.median_property", T, TIM, "return self.quantile(0.5)", "return self.quantile(0.45)", "median off"),
+    _m("timing.median_property", T, SAM, "return self.quantile(0.5)", "return self.quantile(0.45)", "median off"),
     _m(
         "timing.steadiest_max",
         T,
@@ -1170,7 +1176,7 @@ MUTANTS = [
         "if est_ms * number * n > budget_s:  # shrink",
         "CPU sample plan compares ms with s",
     ),
-    _m("timing.p80_q75", T, TIM, "return self.quantile(0.8)", "return self.quantile(0.75)", "p80 is p75"),
+    _m("timing.p80_q75", T, SAM, "return self.quantile(0.8)", "return self.quantile(0.75)", "p80 is p75"),
     _m(
         "timing.first_call_ms_as_s",
         T,
@@ -1182,7 +1188,7 @@ MUTANTS = [
     _m(
         "timing.on_cpu_le",
         T,
-        TIM,
+        SAM,
         "on_cpu < r.min_on_cpu",
         "on_cpu <= r.min_on_cpu",
         "on-CPU share at the threshold called descheduled",
@@ -1350,16 +1356,16 @@ MUTANTS = [
     _m(
         "timing.spread_over_mean",
         T,
-        TIM,
+        SAM,
         "return (self.p80_ms - self.p20_ms) / self.median_ms if",
         "return (self.p80_ms - self.p20_ms) / self.mean_ms if",
         "relative spread over the mean, not the median",
     ),
-    _m("timing.drift_halves", T, TIM, "third = n // 3", "third = n // 2", "drift compares halves, not thirds"),
+    _m("timing.drift_halves", T, SAM, "third = n // 3", "third = n // 2", "drift compares halves, not thirds"),
     _m(
         "timing.bimodal_trim",
         T,
-        TIM,
+        SAM,
         "k = max(2, math.ceil(0.2 * n))",
         "k = max(1, math.ceil(0.1 * n))",
         "bimodality trims 10 % a side, not 20 %",
@@ -1367,7 +1373,7 @@ MUTANTS = [
     _m(
         "timing.mean_is_median",
         T,
-        TIM,
+        SAM,
         "return float(np.mean(self.samples_ms))",
         "return float(np.median(self.samples_ms))",
         "mean_ms reports the median",
@@ -1375,7 +1381,7 @@ MUTANTS = [
     _m(
         "timing.dispersion_p80_med",
         T,
-        TIM,
+        SAM,
         "spread = p80 / p20 if p20 > 0 else math.inf",
         "spread = p80 / med if med > 0 else math.inf",
         "dispersion p80/median, not p80/p20",
@@ -2237,7 +2243,7 @@ MUTANTS += [
     _m(
         "timing.bimodal_strict",
         T,
-        TIM,
+        SAM,
         "if n >= 2 * k:",
         "if n > 2 * k:",
         "the bimodal check skipped at exactly 2k samples",
@@ -2245,7 +2251,7 @@ MUTANTS += [
     _m(
         "timing.max_drift_15",
         T,
-        TIM,
+        SAM,
         "max_drift: float = 0.10",
         "max_drift: float = 0.15",
         "default drift threshold 15%",
@@ -2253,7 +2259,7 @@ MUTANTS += [
     _m(
         "timing.stall_factor_4",
         T,
-        TIM,
+        SAM,
         "stall_factor: float = 3.0",
         "stall_factor: float = 4.0",
         "default stall factor 4x",
@@ -2261,7 +2267,7 @@ MUTANTS += [
     _m(
         "timing.bimodal_gap_15",
         T,
-        TIM,
+        SAM,
         "bimodal_gap: float = 1.25",
         "bimodal_gap: float = 1.5",
         "default bimodal gap 1.5x",
