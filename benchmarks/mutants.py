@@ -2047,7 +2047,7 @@ MUTANTS += ROUND3
 # 22 killed by the tests of the day; the 9 survivors (levers.speedup_inverted, the three proj.*,
 # stats.rank_min_two, timing.bimodal_strict, optim.v_in_param_dtype, optim.store_param_dtype,
 # recipes.row_grad_e4m3) each pinned by a new test.
-OPTS = "lab_utils/run/compare/options.py"
+OPTS = "lab_utils/run/commands/compare.py"  # the comparison's Options, beside perflab compare's arguments
 QP, LEVS, REC = "lab_utils/precision/quantized.py", "lab_utils/step/levers.py", "lab_utils/precision/recipes.py"
 TESTS.update(
     {

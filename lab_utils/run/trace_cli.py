@@ -34,10 +34,12 @@ from bokeh.embed import components
 from bokeh.resources import Resources
 
 from lab_utils.core.config import ConfigError
+from lab_utils.core.device import HOST
 from lab_utils.core.records import Recorder, json_value
+from lab_utils.run.commands import trace as trace_args
 from lab_utils.run.compare import compare
 from lab_utils.run.compare.rules import CompareError
-from lab_utils.run.executors import MAP_EXECUTORS, MapOptions, map_jobs
+from lab_utils.run.executors import MapOptions, map_jobs
 from lab_utils.traces import PhaseTable, TraceAnalysis
 from lab_utils.traces.attribute import Attributed, attribute
 from lab_utils.traces.reader import RankTrace, read_rank, trace_files
@@ -207,7 +209,8 @@ def render_html(ta: TraceAnalysis, fig: dict, summary: str) -> str:
 def records(ta: TraceAnalysis) -> Recorder:
     """Per-step figures of ``ta`` as rows (no path among the parameters, so two traces compare)."""
     devices = sorted({str(ta.device(r) or "not recorded") for r in ta.ranks})
-    rec = ta.record(Recorder(LAB, params={"trace_devices": devices, "ranks": len(ta.ranks)}))
+    # device=HOST: the rows were read from the trace, not measured here (no torch asked about this machine)
+    rec = ta.record(Recorder(LAB, params={"trace_devices": devices, "ranks": len(ta.ranks)}, device=HOST))
     # a figure that is zero at every step (no communication at all) has no spread to judge: kept
     # in trace.json and the summary, left out of the compared rows
     rec.rows = [r for r in rec.rows if any(abs(float(v)) > 1e-12 for v in (r.get("samples") or [r["value"]]))]
@@ -250,37 +253,24 @@ def cmd_diff(a) -> int:
     return cmp.exit_code
 
 
-def _common(ap: argparse.ArgumentParser, out: str) -> None:
-    ap.add_argument("--out", default=out, help=f"folder for the records and the HTML page (default: {out})")
-    ap.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
-    ap.add_argument("--executor", default="pool", choices=MAP_EXECUTORS, help="where a folder's ranks are read")
-    ap.add_argument("--workers", type=int, default=2, help="ranks read at once (default 2)")
-    ap.add_argument("--mem-gb", type=float, default=4.0, help="memory bound per rank job in GB (default 4)")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``perflab trace PATH`` or ``perflab trace diff A B``; exit 2 on a bad path or argument."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "diff":
-        ap = argparse.ArgumentParser(prog="perflab trace diff", description=__doc__.split("\n\n")[3])
-        ap.add_argument("base")
-        ap.add_argument("candidate")
-        ap.add_argument("--threshold", type=float, default=0.05, help="relative change called a difference")
-        ap.add_argument("--limit", type=int, default=40, help="rows in the printed summary")
-        _common(ap, ".perflab/trace-diff")
-        a, fn = ap.parse_args(argv[1:]), cmd_diff
-    else:
-        ap = argparse.ArgumentParser(prog="perflab trace", description=__doc__.split("\n\n")[1],
-                                     epilog="perflab trace diff A B: compare two traces (see its --help)")  # fmt: skip
-        ap.add_argument("path", help="a trace file (.json, .json.gz) or a folder of per-rank trace files")
-        ap.add_argument("--top", type=int, default=10, help="top kernels per rank")
-        _common(ap, ".perflab/trace")
-        a, fn = ap.parse_args(argv), cmd_trace
+def run(a: argparse.Namespace) -> int:
+    """``perflab trace`` (``a.diff`` false) or ``perflab trace diff`` on parsed arguments; exit 2 on a
+    bad path or argument."""
+    fn, prog = (cmd_diff, "perflab trace diff") if getattr(a, "diff", False) else (cmd_trace, "perflab trace")
     try:
         return fn(a)
     except (ConfigError, CompareError) as e:
-        print(f"{ap.prog}: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return EXIT_USAGE
 
 
-__all__ = ["analyse_rank", "figures", "load_job", "main", "records", "render_html", "summary_text"]
+def main(argv: Sequence[str] | None = None) -> int:
+    """``perflab trace PATH`` or ``perflab trace diff A B`` from a list of arguments."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    diff = bool(argv) and argv[0] == "diff"
+    a = trace_args.parser(diff).parse_args(argv[1:] if diff else argv)
+    a.diff = diff
+    return run(a)
+
+
+__all__ = ["analyse_rank", "figures", "load_job", "main", "records", "render_html", "run", "summary_text"]
