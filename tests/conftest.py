@@ -157,14 +157,12 @@ hv.Curve([(0, 0), (1, reps)])
 
 
 @pytest.fixture(scope="session")
-def tiny_reports(tmp_path_factory):
-    """Two real reports of a one-lab suite run by the runner: ``default`` (traces not kept) and
-    ``kept`` (``keep_traces=True``)."""
+def tiny_suite(tmp_path_factory) -> Path:
+    """A suite file of one lab, :data:`TINY_LAB`."""
     import nbformat
     import yaml
 
     from lab_utils.run.nbtools import make_notebook
-    from lab_utils.run.runner import run_suite
 
     root = tmp_path_factory.mktemp("tiny-suite")
     nb = make_notebook(
@@ -174,6 +172,16 @@ def tiny_reports(tmp_path_factory):
     (root / "tiny.ipynb").write_text(nbformat.writes(nb))
     suite = root / "tiny.yaml"
     suite.write_text(yaml.safe_dump({"description": "tiny", "notebooks": [{"notebook": str(root / "tiny.ipynb")}]}))
+    return suite
+
+
+@pytest.fixture(scope="session")
+def tiny_reports(tiny_suite):
+    """Two real reports of the tiny suite run by the runner: ``default`` (traces not kept) and
+    ``kept`` (``keep_traces=True``)."""
+    from lab_utils.run.runner import run_suite
+
+    suite, root = tiny_suite, tiny_suite.parent
     out = {}
     for name, keep in (("default", False), ("kept", True)):
         res = run_suite(suite, out_dir=root / name, progress=False, keep_traces=keep)
