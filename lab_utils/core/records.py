@@ -310,7 +310,10 @@ class Recorder:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             rows = list(self.rows)  # an explorer's thread may add rows meanwhile
-            tmp.write_text(json.dumps({"context": self.context(), "rows": _jsonable(rows)}, indent=1))
+            # under the runner, compact (a report's records are read by tools); interactive files indented
+            compact = bool(os.environ.get("PERFLAB_RECORDS_DIR"))
+            doc = {"context": self.context(), "rows": _jsonable(rows)}
+            tmp.write_text(json.dumps(doc, indent=None if compact else 1, separators=(",", ":") if compact else None))
             tmp.replace(path)
             if not os.environ.get("PERFLAB_RECORDS_DIR"):
                 self.path = path
