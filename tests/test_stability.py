@@ -17,7 +17,8 @@ from lab_utils.core.config import ConfigError
 from lab_utils.core.records import Recorder, load_records
 from lab_utils.model.mmdit import build_model
 from lab_utils.model.train import rf_loss, synthetic_batch
-from lab_utils.stability.numdiff import numdiff_main, numerics_diff, rel_diff, telemetry_frame
+from lab_utils.run.cli import main as perflab
+from lab_utils.stability.numdiff import numerics_diff, rel_diff, telemetry_frame
 from lab_utils.stability.optim import (
     DynamicLossScaler,
     StabilityAdamW,
@@ -507,7 +508,7 @@ def test_numdiff_command_reads_two_reports_records(tmp_path, capsys):
         for r in _frame(perturb).itertuples():
             rec.add("telemetry", name, r.stat, r.value, "", step=r.step, block=r.block, stream=r.stream)
         paths.append(str(rec.save(tmp_path / f"{name}.json")))
-    assert numdiff_main(paths + ["--tol", "0.1"]) == 0
+    assert perflab(["numdiff", *paths, "--tol", "0.1"]) == 0
     out = capsys.readouterr().out
     assert "act_max: first beyond 0.1 at step 2 in single_blocks.0" in out
 
@@ -580,7 +581,7 @@ def test_nonfinite_telemetry_round_trips_through_records_and_numdiff_sees_it(tmp
     want = b.sort_values(["step", "block", "stream", "stat"])
     assert len(back) == len(want)
     np.testing.assert_array_equal(back.value.to_numpy(), want.value.to_numpy())  # NaN, +Inf, -Inf as such
-    assert numdiff_main(paths) == 0
+    assert perflab(["numdiff", *paths]) == 0
     out = capsys.readouterr().out
     assert "act_max: first beyond 0.05 at step 3 in double_blocks.1" in out
     assert "update_ratio: first beyond 0.05 at step 3" in out
@@ -591,12 +592,12 @@ def test_numdiff_refuses_a_report_without_telemetry_in_one_line(tmp_path, capsys
     rec.add("saved", "none", "bytes", 1.0, "B")
     empty = str(rec.save(tmp_path / "mem.json"))
     good = _records_file(tmp_path, "a", _frame())
-    assert numdiff_main([good, empty]) == 2
+    assert perflab(["numdiff", good, empty]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "has no telemetry records" in err and "mem.json" in err
-    assert numdiff_main([good, str(tmp_path / "missing.json")]) == 2
+    assert perflab(["numdiff", good, str(tmp_path / "missing.json")]) == 2
     assert "cannot read records" in capsys.readouterr().err
-    assert numdiff_main([good, good, "--variant-b", "zz"]) == 2
+    assert perflab(["numdiff", good, good, "--variant-b", "zz"]) == 2
     assert "no telemetry variant 'zz'" in capsys.readouterr().err
 
 
@@ -604,13 +605,13 @@ def test_numdiff_warns_when_the_two_runs_are_unrelated(tmp_path, capsys):
     a = _records_file(tmp_path, "a", _frame(), source="recipes")
     b = _records_file(tmp_path, "b", _frame(), source="recipes")
     c = _records_file(tmp_path, "c", _frame(), source="qk_norm")
-    assert numdiff_main([a, b]) == 0
+    assert perflab(["numdiff", a, b]) == 0
     assert "warning" not in capsys.readouterr().err
-    assert numdiff_main([a, c]) == 0
+    assert perflab(["numdiff", a, c]) == 0
     err = capsys.readouterr().err
     assert "warning" in err and "experiment qk_norm" in err
     d = _records_file(tmp_path, "d", _frame()[lambda f: f.step >= 5].assign(step=lambda f: f.step + 10))
-    assert numdiff_main([a, d]) == 2  # no step in common: nothing to compare, said in one line
+    assert perflab(["numdiff", a, d]) == 2  # no step in common: nothing to compare, said in one line
     assert "sharing steps" in capsys.readouterr().err
 
 
@@ -622,7 +623,7 @@ def test_numdiff_on_two_recorded_runs_names_the_step_one_went_nan(tmp_path, caps
         rec = Recorder("07_stability")
         record_runs(rec, "nan", {name: train_run(RunSpec(name=name, steps=4, batch_size=2, **kw))}, telemetry=True)
         paths.append(str(rec.save(tmp_path / f"{name}.json")))
-    assert numdiff_main(paths) == 0
+    assert perflab(["numdiff", *paths]) == 0
     out = capsys.readouterr().out
     assert "act_max: first beyond 0.05 at step 2 in double_blocks.1" in out, out
     assert "loss: first beyond 0.05 at step 2\n" in out, out

@@ -4,6 +4,10 @@
 Datasheet peaks are *reference* numbers (dense, no sparsity) from the vendor's
 public spec sheets.  They are shown beside measured ceilings (``ceilings.py``) and
 never stand in for them: rooflines and %-of-ceiling use the measured numbers.
+
+The module imports no torch: the trace reader (``perflab[traces]``, no torch) reads the
+datasheets, and :data:`HOST` describes the machine from its package metadata.  The functions
+that ask torch about a device import it where they run.
 """
 
 from __future__ import annotations
@@ -15,11 +19,17 @@ import platform
 import re
 import sys
 from dataclasses import dataclass
-
-import torch
-import triton
+from importlib import metadata
+from typing import TYPE_CHECKING
 
 from lab_utils.core.datasheets import DATASHEET, DatasheetPeak, datasheet_for
+
+if TYPE_CHECKING:
+    import torch
+
+#: the machine itself, no torch device: the context of records read here rather than measured
+#: here (a profiler trace from a file), which must not import torch to describe the machine
+HOST = "host"
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,8 @@ class DeviceInfo:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch  # noqa: PLC0415  (torch: optional under perflab[traces]; seconds to import)
+
         return torch.device(self.kind if self.index is None else f"{self.kind}:{self.index}")
 
     def key(self) -> str:
@@ -71,12 +83,29 @@ def _mem_total() -> int:
         return 0
 
 
-def _triton_version() -> str | None:
-    return getattr(triton, "__version__", None)
+def package_version(name: str) -> str | None:
+    """The installed version of a distribution (``torch``, ``triton``) from its metadata,
+    without importing it; None when it is not installed."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def triton_version() -> str | None:
+    """Triton's version without importing it (Triton must not be imported before ``lab_kernels``
+    decides ``TRITON_INTERPRET``): PyPI's ``triton``, or the builds PyTorch's own index ships."""
+    for name in ("triton", "pytorch-triton", "pytorch-triton-rocm", "pytorch-triton-xpu"):
+        v = package_version(name)
+        if v:
+            return v
+    return None
 
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:
     """``None``/"auto" picks CUDA when present, else CPU; "cuda" without a GPU is an error."""
+    import torch  # noqa: PLC0415  (torch: optional under perflab[traces]; seconds to import)
+
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -90,11 +119,36 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
     return dev
 
 
+def host_info() -> DeviceInfo:
+    """This machine's CPU and software, torch left unimported: versions from the packages'
+    metadata (None when absent), no intra-op thread count (0: no torch asked)."""
+    return DeviceInfo(
+        kind="cpu",
+        name=_cpu_name(),
+        index=None,
+        units=os.cpu_count() or 1,
+        units_name="cores",
+        memory_bytes=_mem_total(),
+        capability=None,
+        torch_version=package_version("torch"),
+        triton_version=triton_version(),
+        cuda_version=None,
+        python_version=sys.version.split()[0],
+        threads=0,
+    )
+
+
 def device_info(device: str | torch.device | None = None) -> DeviceInfo:
+    """The device a measurement runs on (``None``/"auto": CUDA when present, else CPU), or
+    :data:`HOST` for :func:`host_info` (no torch)."""
+    if isinstance(device, str) and device == HOST:
+        return host_info()
+    import torch  # noqa: PLC0415  (torch: optional under perflab[traces]; seconds to import)
+
     dev = pick_device(device)
     common = dict(
         torch_version=torch.__version__,
-        triton_version=_triton_version(),
+        triton_version=triton_version(),
         python_version=sys.version.split()[0],
         threads=torch.get_num_threads(),
     )
@@ -129,6 +183,8 @@ def device_info(device: str | torch.device | None = None) -> DeviceInfo:
 def annotate(name: str, device: torch.device | str | None = None):
     """A named range in both the torch profiler (``record_function``) and, on CUDA, NVTX
     (what Nsight Systems shows); on CPU the NVTX part is skipped (no CUDA runtime)."""
+    import torch  # noqa: PLC0415  (torch: optional under perflab[traces]; seconds to import)
+
     cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
     with torch.profiler.record_function(name):
         if cuda:

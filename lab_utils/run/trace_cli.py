@@ -38,11 +38,13 @@ from bokeh.embed import components
 from bokeh.resources import Resources
 
 from lab_utils.core.config import ConfigError
-from lab_utils.core.datasheets import PART_HELP, check_part
+from lab_utils.core.datasheets import check_part
+from lab_utils.core.device import HOST
 from lab_utils.core.records import Recorder, json_value
+from lab_utils.run.commands import trace as trace_args
 from lab_utils.run.compare import compare
 from lab_utils.run.compare.rules import CompareError
-from lab_utils.run.executors import MAP_EXECUTORS, MapOptions, map_jobs
+from lab_utils.run.executors import MapOptions, map_jobs
 from lab_utils.traces import TraceAnalysis
 from lab_utils.traces.reader import read_rank, trace_files
 from lab_utils.traces.summary import JobSummary, RankSummary, summarise
@@ -272,7 +274,8 @@ def trace_context(job: JobSummary) -> dict:
 def records(job: JobSummary, variants: dict[int, str] | None = None) -> Recorder:
     """Per-step figures of ``job`` as rows (:mod:`lab_utils.traces.summary`); no path or rank among
     the parameters, so two traces compare; ``variants``: rank -> row variant (default ``rank<N>``)."""
-    return job.record(TraceRecorder(LAB, job=job), variants=variants)
+    # device=HOST: the rows were read from the trace, not measured here (no torch asked about this machine)
+    return job.record(TraceRecorder(LAB, device=HOST, job=job), variants=variants)
 
 
 def pair_ranks(base: list[int], cand: list[int]) -> tuple[dict[int, str], dict[int, str], str]:
@@ -362,40 +365,24 @@ def cmd_diff(a) -> int:
     return cmp.exit_code
 
 
-def _common(ap: argparse.ArgumentParser, out: str) -> None:
-    ap.add_argument("--out", default=out, help=f"folder for the records and the HTML page (default: {out})")
-    ap.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
-    ap.add_argument("--executor", default="pool", choices=MAP_EXECUTORS, help="where a folder's ranks are read")
-    ap.add_argument("--workers", type=int, default=2, help="ranks read at once (default 2)")
-    ap.add_argument("--mem-gb", type=float, default=4.0, help="memory bound per rank job in GB (default 4)")
-    ap.add_argument("--gpu", default=None, help="the GPU of traces that name none (its datasheet row): " + PART_HELP)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``perflab trace PATH`` or ``perflab trace diff A B``; exit 2 on a bad path or argument."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "diff":
-        ap = argparse.ArgumentParser(prog="perflab trace diff", description=__doc__.split("\n\n")[3])
-        ap.add_argument("base")
-        ap.add_argument("candidate")
-        ap.add_argument("--threshold", type=float, default=0.05, help="relative change called a difference")
-        ap.add_argument("--limit", type=int, default=40, help="rows in the printed summary")
-        ap.add_argument("--allow-device-mismatch", action="store_true",
-                        help="compare the time rows of traces from different GPUs all the same")  # fmt: skip
-        _common(ap, ".perflab/trace-diff")
-        a, fn = ap.parse_args(argv[1:]), cmd_diff
-    else:
-        ap = argparse.ArgumentParser(prog="perflab trace", description=__doc__.split("\n\n")[1],
-                                     epilog="perflab trace diff A B: compare two traces (see its --help)")  # fmt: skip
-        ap.add_argument("path", help="a trace file (.json, .json.gz) or a folder of per-rank trace files")
-        ap.add_argument("--top", type=int, default=10, help="top kernels per rank")
-        _common(ap, ".perflab/trace")
-        a, fn = ap.parse_args(argv), cmd_trace
+def run(a: argparse.Namespace) -> int:
+    """``perflab trace`` (``a.diff`` false) or ``perflab trace diff`` on parsed arguments; exit 2 on a
+    bad path or argument."""
+    fn, prog = (cmd_diff, "perflab trace diff") if getattr(a, "diff", False) else (cmd_trace, "perflab trace")
     try:
         return fn(a)
     except (ConfigError, CompareError) as e:
-        print(f"{ap.prog}: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``perflab trace PATH`` or ``perflab trace diff A B`` from a list of arguments."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    diff = bool(argv) and argv[0] == "diff"
+    a = trace_args.parser(diff).parse_args(argv[1:] if diff else argv)
+    a.diff = diff
+    return run(a)
 
 
 __all__ = [
@@ -408,6 +395,7 @@ __all__ = [
     "pair_ranks",
     "records",
     "render_html",
+    "run",
     "summary_text",
     "zero_fill",
 ]
