@@ -16,6 +16,9 @@ from test_traces_rules import ann, kernel, launch, op, step, write
 from lab_utils.core.config import ConfigError
 from lab_utils.core.records import load_records
 from lab_utils.run.cli import main as perflab
+from lab_utils.run.commands import trace as trace_args
+from lab_utils.run.trace_analyses import job_timeline
+from lab_utils.run.trace_cli import page_job
 from lab_utils.run.trace_html import fmt_num, fmt_us, headline, timeline_figure
 from lab_utils.traces import TraceAnalysis, read_rank
 from lab_utils.traces.perfetto import perfetto_trace
@@ -294,3 +297,24 @@ def test_trace_json_page_and_records_carry_the_analyses(tmp_path, capsys):
     rows = load_records(out / "records.json")
     per_step = rows[(rows["metric"] == "critical_path") & (rows["variant"] == "rank0")].iloc[0]
     assert list(per_step["samples"]) == pytest.approx([ta.critical_path(0, s).length_us / 1e3 for s in (1, 2, 3)])
+
+
+def test_a_rank_whose_own_median_step_differs_is_read_again_for_the_pages_step(tmp_path, capsys):
+    """Rank 0's median-duration step is 3, rank 1's is 2: each rank's job picks its own, and the page
+    shows rank 0's for both ranks (rank 1 read a second time); ``--step 1`` reads each once."""
+    folder = tmp_path / "j"
+    folder.mkdir()
+    for r, durs in ((0, (100, 300, 200)), (1, (100, 200, 300))):
+        write(folder / f"rank{r}.json", rank_events(durs, rank=r), distributedInfo={"rank": r, "world_size": 2})
+    out = tmp_path / "out"
+    assert perflab(["trace", str(folder), "--out", str(out), "--workers", "1"]) == 0
+    fig = json.loads((out / "trace.json").read_text())
+    assert fig["timeline_step"] == 3
+    assert {r: a["critical_path"]["step"] for r, a in fig["analyses"].items()} == {"0": 3, "1": 3}
+    a = trace_args.parser().parse_args([str(folder), "--workers", "1"])
+    job, step = page_job(a)
+    tl = job_timeline(job, step, a.max_bars)
+    assert step == 3 and {"r0 · stream 7", "r1 · stream 7", "r1 · critical path"} <= set(tl.lanes)
+    assert perflab(["trace", str(folder), "--out", str(out), "--workers", "1", "--step", "1"]) == 0
+    fig = json.loads((out / "trace.json").read_text())
+    assert {r: a["critical_path"]["step"] for r, a in fig["analyses"].items()} == {"0": 1, "1": 1}

@@ -1,11 +1,23 @@
-"""The analyses beyond the breakdown in ``perflab trace``: their figures in ``trace.json`` and their
-lines in the text summary (trace.html draws the same figures: :mod:`lab_utils.run.trace_html`).
+"""What ``perflab trace`` adds to each rank's summary for its page, and how the ranks' parts meet.
 
-Per rank, for the first :data:`MAX_RANKS` ranks: the critical path of the timeline's step
-(:mod:`lab_utils.traces.critical_path`), the call tree down to :data:`TREE_DEPTH` levels
-(:mod:`lab_utils.traces.hierarchy`), the repeated kernel sequences (:mod:`lab_utils.traces.sequences`),
-the launch outliers, the queue length and memory bandwidth summaries; for every rank the idle time
-per stream (:mod:`lab_utils.traces.streams`, :mod:`lab_utils.traces.counters`).
+Each rank's job (:func:`lab_utils.run.trace_cli.analyse_rank`) reads its file once; beside the
+summary of :mod:`lab_utils.traces.summary` it keeps, in ``RankSummary.extras`` (:func:`rank_extras`):
+
+* for every rank: the idle time per stream (:mod:`lab_utils.traces.streams`) and, for the first
+  :data:`MAX_RANKS` rank files, the critical path's length and parts per step (at most
+  :data:`PATH_STEPS` steps; records ``critical_path`` and ``critical_path:<bound_by>`` in ms, so
+  ``perflab trace diff`` compares them);
+* for the first :data:`MAX_RANKS` rank files (``page=True``), for the step the page shows: the
+  timeline's bars (:func:`lab_utils.traces.timeline.rank_bars`, merged past the bar limit), the
+  Perfetto events (that step, or the whole trace), the critical path's figures
+  (:mod:`lab_utils.traces.critical_path`), the call tree down to :data:`TREE_DEPTH` levels
+  (:mod:`lab_utils.traces.hierarchy`), the repeated kernel sequences
+  (:mod:`lab_utils.traces.sequences`), the launch outliers, the queue length and memory
+  bandwidth summaries (:mod:`lab_utils.traces.counters`).
+
+The step: ``--step N``, else each rank job takes its own median-duration step and the page shows
+the first rank's; a rank whose job chose another step is read again for that one
+(:func:`lab_utils.run.trace_cli.load_job`), so ``--step`` reads each file once.
 """
 
 from __future__ import annotations
@@ -18,36 +30,40 @@ from lab_utils.core.records import json_value
 from lab_utils.traces import TraceAnalysis, counters
 from lab_utils.traces.critical_path import CriticalPath
 from lab_utils.traces.hierarchy import top_levels
+from lab_utils.traces.perfetto import perfetto_trace, rank_events
+from lab_utils.traces.timeline import Timeline, all_steps, assemble, rank_bars, representative_step
 
 MAX_RANKS = 8
+PATH_STEPS = 8
 TREE_DEPTH = 5
 TREE_MIN_PCT = 0.5
+PERFETTO_MODES = ("step", "all", "none")
 
 
 def rows(df: pd.DataFrame) -> list[dict]:
     return [{k: json_value(v) for k, v in r.items()} for r in df.to_dict(orient="records")]
 
 
+def path_figures(cp: CriticalPath) -> dict:
+    return {
+        "step": cp.step,
+        "length_us": cp.length_us,
+        "window_us": cp.window_us,
+        "share_of_step": 100.0 * cp.length_us / cp.window_us if cp.window_us > 0 else None,
+        "by_bound": cp.by_bound(),
+        "by_category": rows(cp.by_category()),
+        "events": rows(cp.by_event(10)),
+    }
+
+
 def rank_figures(ta: TraceAnalysis, rank: int, cp: CriticalPath | None) -> dict:
     """The analyses of one rank as JSON-ready tables (see the module note); ``cp``: its critical path."""
-    seq = ta.sequences(rank)
     lo = ta.launch_outliers(rank)
     outliers = lo.table[lo.table["outlier"] != ""].sort_values("delay_us", ascending=False).head(10)
-    path = None
-    if cp is not None:
-        path = {
-            "step": cp.step,
-            "length_us": cp.length_us,
-            "window_us": cp.window_us,
-            "share_of_step": 100.0 * cp.length_us / cp.window_us if cp.window_us > 0 else None,
-            "by_bound": cp.by_bound(),
-            "by_category": rows(cp.by_category()),
-            "events": rows(cp.by_event(10)),
-        }
     return {
-        "critical_path": path,
+        "critical_path": path_figures(cp) if cp is not None else None,
         "hierarchy": rows(top_levels(ta.hierarchy(rank), TREE_DEPTH, TREE_MIN_PCT).head(300)),
-        "sequences": rows(seq.drop(columns=["names"])),
+        "sequences": rows(ta.sequences(rank).drop(columns=["names"])),
         "launch_outliers": {
             **{k: json_value(v) for k, v in asdict(lo).items() if k != "table"},
             "worst": rows(outliers),
@@ -57,16 +73,68 @@ def rank_figures(ta: TraceAnalysis, rank: int, cp: CriticalPath | None) -> dict:
     }
 
 
-def analysis_figures(ta: TraceAnalysis, step: int | None, paths: dict[int, CriticalPath] | None = None) -> dict:
-    """``{"analyses": {rank: ...}, "stream_idle": [...]}`` for ``trace.json`` (see the module note);
-    ``paths``: the critical paths already drawn (default: ``TraceAnalysis.critical_paths(step)``)."""
-    ranks = ta.ranks[:MAX_RANKS]
-    paths = ta.critical_paths(step, MAX_RANKS) if paths is None else paths
-    return {
-        "analyses": {str(r): rank_figures(ta, r, paths.get(r)) for r in ranks},
-        "analysed_ranks": ranks,
-        "stream_idle": rows(ta.stream_idle()),
-    }
+def path_values(ta: TraceAnalysis, rank: int, steps: list[int] | None = None) -> pd.DataFrame:
+    """The critical path per step as record values (``RankSummary.per_step``'s columns): its
+    length and its part per ``bound_by``, ms; the first :data:`PATH_STEPS` steps."""
+    att = ta.attributed(rank)
+    if not att.has_steps:
+        return pd.DataFrame(columns=["metric", "unit", "step_index", "value", "step"])
+    steps = (steps if steps is not None else att.steps["step"].tolist())[:PATH_STEPS]
+    out = []
+    for i, s in enumerate(steps):
+        cp = ta.critical_path(rank, s)
+        out.append({"metric": "critical_path", "unit": "ms", "step_index": i, "value": cp.length_us / 1e3, "step": s})
+        for b, pct in cp.by_bound().items():
+            out.append({"metric": f"critical_path:{b}", "unit": "ms", "step_index": i,
+                        "value": pct * cp.length_us / 1e5, "step": s})  # fmt: skip
+    df = pd.DataFrame(out, columns=["metric", "unit", "step_index", "value", "step"])
+    # a part a step's path lacks is 0 ms there, not a missing sample
+    full = df.pivot_table(index="metric", columns="step_index", values="value", aggfunc="first").fillna(0.0)
+    long = full.stack().rename("value").reset_index()
+    long["unit"] = "ms"
+    long["step"] = [steps[int(i)] for i in long["step_index"]]
+    return long[["metric", "unit", "step_index", "value", "step"]]
+
+
+def rank_extras(ta: TraceAnalysis, rank: int, step: int | None, *, page: bool, max_bars: int, perfetto: str) -> dict:
+    """``RankSummary.extras`` of one rank (see the module note)."""
+    att = ta.attributed(rank)
+    chosen = step if step is not None else representative_step(att)
+    extras: dict = {"stream_idle": rows(ta.stream_idle().query("rank == @rank")), "step": chosen,
+                    "steps": all_steps([att])}  # fmt: skip
+    if not page:
+        return extras
+    has = not att.has_steps or chosen in set(att.steps["step"])
+    cp = ta.critical_path(rank, chosen if att.has_steps else None) if has else None
+    extras["figures"] = rank_figures(ta, rank, cp)
+    extras["bars"] = (rank_bars(rank, ta.traces[rank], att, chosen if att.has_steps else 0, phases=ta.phase_table,
+                                path=cp.edges, max_bars=max_bars) if cp is not None else None)  # fmt: skip
+    if perfetto != "none":
+        steps = None if perfetto == "all" or not att.has_steps else chosen
+        extras["perfetto"] = rank_events(rank, ta.traces[rank], att, steps)
+    return extras
+
+
+def job_timeline(job, step: int, max_bars: int) -> Timeline:
+    """The timeline of ``step`` from the ranks' bars (``extras["bars"]``)."""
+    shown = [r for r in job.ranks if "bars" in job.ranks_[r].extras]
+    parts = [job.ranks_[r].extras["bars"] for r in shown if job.ranks_[r].extras["bars"] is not None]
+    steps = sorted({s for r in job.ranks for s in job.ranks_[r].extras.get("steps", [])})
+    return assemble(parts, step, steps, shown, max_bars=max_bars)
+
+
+def job_perfetto(job) -> dict | None:
+    """The Perfetto document of the ranks that carry their events."""
+    events = [e for r in job.ranks for e in job.ranks_[r].extras.get("perfetto") or []]
+    return perfetto_trace({}, {}) | {"traceEvents": events} if events else None
+
+
+def analysis_figures(job, step: int | None) -> dict:
+    """``{"analyses": {rank: ...}, "stream_idle": [...]}`` for ``trace.json`` (see the module note)."""
+    out = {r: job.ranks_[r].extras["figures"] for r in job.ranks if "figures" in job.ranks_[r].extras}
+    idle = [row for r in job.ranks for row in job.ranks_[r].extras.get("stream_idle", [])]
+    return {"analyses": {str(r): v for r, v in out.items()}, "analysed_ranks": list(out), "stream_idle": idle,
+            "timeline_step": step}  # fmt: skip
 
 
 def _ms(us) -> str:
@@ -80,12 +148,13 @@ def summary_lines(fig: dict) -> list[str]:
         cp = a["critical_path"]
         if cp is None:
             out.append(f"rank {r}: no step {fig.get('timeline_step')} here, no critical path")
-            cp = {"by_bound": {}, "share_of_step": None, "step": None, "length_us": 0, "events": []}
-        bound = ", ".join(f"{k} {v:.1f}%" for k, v in sorted(cp["by_bound"].items(), key=lambda kv: -kv[1]))
-        share = f" ({cp['share_of_step']:.0f}% of the step)" if cp["share_of_step"] is not None else ""
-        out.append(f"rank {r} critical path of step {cp['step']}: {_ms(cp['length_us'])}{share}: {bound or 'empty'}")
-        for e in cp["events"][:3]:
-            out.append(f"    {_ms(e['us']):>12} {e['pct']:5.1f}%  {(e['name'] or '(launch delays)')[:80]}")
+        else:
+            bound = ", ".join(f"{k} {v:.1f}%" for k, v in sorted(cp["by_bound"].items(), key=lambda kv: -kv[1]))
+            share = f" ({cp['share_of_step']:.0f}% of the step)" if cp["share_of_step"] is not None else ""
+            out.append(f"rank {r} critical path of step {cp['step']}: {_ms(cp['length_us'])}{share}: "
+                       f"{bound or 'empty'}")  # fmt: skip
+            for e in cp["events"][:3]:
+                out.append(f"    {_ms(e['us']):>12} {e['pct']:5.1f}%  {(e['name'] or '(launch delays)')[:80]}")
         tree = [t for t in a["hierarchy"] if 0 < t["depth"] <= 2 and t["kind"] != "kernel"][:5]
         if tree:
             out.append(f"rank {r} call tree (GPU time, total / self):")

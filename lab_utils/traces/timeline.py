@@ -116,7 +116,12 @@ def representative_step(att: Attributed) -> int:
 
 def check_step(step: int, atts: dict[int, Attributed], param: str = "step") -> None:
     """``ConfigError`` naming ``param`` unless some rank has step ``step``."""
-    have = sorted({int(s) for a in atts.values() for s in (a.steps["step"] if a.has_steps else [0])})
+    check_steps(param, step, [all_steps([a]) for a in atts.values()])
+
+
+def check_steps(param: str, step: int, steps: list[list[int]]) -> None:
+    """``ConfigError`` naming ``param`` unless one of the ranks' step lists holds ``step``."""
+    have = sorted({int(s) for st in steps for s in st})
     if step not in have:
         shown = have if len(have) <= 12 else have[:6] + ["..."] + have[-3:]
         raise ConfigError(param, step, f"a ProfilerStep number of the trace: {shown}")
@@ -203,8 +208,77 @@ def _decimate(bars: pd.DataFrame, max_bars: int, bins: int, lo: float, hi: float
                    busy=("dur_busy", "sum")).reset_index()  # fmt: skip
     merged = merged.assign(kind="merged", category=MERGED, phase=None, op=None, launch=np.nan)
     merged["name"] = [f"{int(c):,} merged, busy {_us_text(b)}" for c, b in zip(merged["count"], merged["busy"])]
-    out = pd.concat([bars[keep], merged.drop(columns=["bin", "busy"])], ignore_index=True)
-    return out, int(len(short)), threshold
+    merged["dur_busy"] = merged.pop("busy")
+    out = pd.concat([bars[keep], merged.drop(columns=["bin"])], ignore_index=True)
+    return out, int(short["count"].sum()), threshold
+
+
+@dataclass
+class RankBars:
+    """One rank's bars of a step on the shared clock (absolute us), before they meet the others'."""
+
+    rank: int
+    bars: pd.DataFrame
+    lo: float  # the step's window, absolute us
+    hi: float
+    merged: int = 0
+    merged_below_us: float = 0.0
+
+
+def rank_bars(
+    rank: int,
+    trace: RankTrace,
+    att: Attributed,
+    step: int,
+    *,
+    phases: PhaseTable | None = None,
+    path: pd.DataFrame | None = None,
+    max_bars: int = MAX_BARS,
+) -> RankBars | None:
+    """The bars of ``step`` on one rank (see the module note), merged past ``max_bars``; None when
+    the rank has no such step.  ``path``: the edges of its critical path (``CriticalPath.edges``)."""
+    w = att.steps[att.steps["step"] == step]
+    if not len(w):
+        return None
+    lo, hi = float(w["ts"].iloc[0]), float(w["end"].iloc[0])
+    k = att.kernels
+    k = k[(k["window"] == "step") & (k["step"] == step)]
+    gpu = _gpu_bars(rank, k)
+    parts = _host_bars(rank, trace, att, lo, hi, phases or PhaseTable()) + ([gpu] if len(gpu) else [])
+    if path is not None and len(path):
+        parts.insert(0, _path_bars(rank, path))
+    t0 = float(trace.t0_us)
+    if not parts:
+        return RankBars(rank, pd.DataFrame(columns=COLUMNS), lo + t0, hi + t0)
+    b = pd.concat(parts, ignore_index=True)
+    b[["ts", "end", "launch"]] += t0  # absolute: ranks on the shared clock
+    lo, hi = min(lo + t0, float(b["ts"].min())), max(hi + t0, float(b["end"].max()))
+    b["dur_busy"] = b["end"] - b["ts"]
+    b, merged, below = _decimate(b, max_bars, BINS, lo, hi)
+    return RankBars(rank, b, lo, hi, merged, below)
+
+
+def assemble(
+    parts: list[RankBars], step: int, steps: list[int], ranks: list[int], *, max_bars: int = MAX_BARS, bins: int = BINS
+) -> Timeline:
+    """The ranks' bars of one step as one :class:`Timeline`, merged again past ``max_bars``."""
+    missing = sorted(set(ranks) - {p.rank for p in parts})
+    parts = [p for p in parts if len(p.bars)]
+    if not parts:
+        return Timeline(step, steps, 0.0, pd.DataFrame(columns=COLUMNS), [], ranks=ranks, missing=missing)
+    lo, hi = min(p.lo for p in parts), max(p.hi for p in parts)
+    bars = pd.concat([p.bars for p in parts], ignore_index=True)
+    bars, merged, below = _decimate(bars, max_bars, bins, lo, hi)
+    merged += sum(p.merged for p in parts)
+    below = max([below] + [p.merged_below_us for p in parts])
+    bars["start_ms"] = (bars["ts"] - lo) / 1e3
+    bars["end_ms"] = (bars["end"] - lo) / 1e3
+    bars["launch_ms"] = (bars["launch"] - lo) / 1e3
+    bars["dur_us"] = bars["end"] - bars["ts"]
+    bars["on_step"] = step
+    lanes = sorted(bars["lane"].unique(), key=_lane_key)
+    bars = bars[COLUMNS].sort_values(["lane", "start_ms"], key=_sort_key).reset_index(drop=True)
+    return Timeline(step, steps, float(lo), bars, lanes, merged, below, bins, ranks, missing)
 
 
 def step_timeline(
@@ -221,48 +295,20 @@ def step_timeline(
     """The bars of ``step`` (default :func:`representative_step` of the first rank) on ``ranks``;
     ``paths``: per rank, the edges of that step's critical path (``CriticalPath.edges``)."""
     ranks = sorted(ranks if ranks is not None else atts)
-    phases = phases or PhaseTable()
     if not ranks:
         raise ConfigError("ranks", ranks, "at least one rank of the trace")
     if step is None:
         step = representative_step(atts[ranks[0]])
     check_step(step, {r: atts[r] for r in ranks})
-    parts, missing = [], []
-    lo_abs, hi_abs = np.inf, -np.inf
-    for r in ranks:
-        att, trace = atts[r], traces[r]
-        w = att.steps[att.steps["step"] == step]
-        if not len(w):
-            missing.append(r)
-            continue
-        lo, hi = float(w["ts"].iloc[0]), float(w["end"].iloc[0])
-        k = att.kernels
-        k = k[(k["window"] == "step") & (k["step"] == step)]
-        gpu = _gpu_bars(r, k)
-        rank_parts = _host_bars(r, trace, att, lo, hi, phases) + ([gpu] if len(gpu) else [])
-        if paths and r in paths and len(paths[r]):
-            rank_parts.insert(0, _path_bars(r, paths[r]))
-        if not rank_parts:
-            continue
-        b = pd.concat(rank_parts, ignore_index=True)
-        b[["ts", "end", "launch"]] += trace.t0_us  # absolute: ranks on the shared clock
-        lo_abs = min(lo_abs, lo + trace.t0_us, float(b["ts"].min()))
-        hi_abs = max(hi_abs, hi + trace.t0_us, float(b["end"].max()))
-        parts.append(b)
-    steps = sorted({int(s) for a in atts.values() for s in (a.steps["step"] if a.has_steps else [0])})
-    if not parts:
-        return Timeline(step, steps, 0.0, pd.DataFrame(columns=COLUMNS), [], ranks=ranks, missing=missing)
-    bars = pd.concat(parts, ignore_index=True)
-    bars["dur_busy"] = bars["end"] - bars["ts"]
-    bars, merged, below = _decimate(bars, max_bars, bins, lo_abs, hi_abs)
-    bars["start_ms"] = (bars["ts"] - lo_abs) / 1e3
-    bars["end_ms"] = (bars["end"] - lo_abs) / 1e3
-    bars["launch_ms"] = (bars["launch"] - lo_abs) / 1e3
-    bars["dur_us"] = bars["end"] - bars["ts"]
-    bars["on_step"] = step
-    lanes = sorted(bars["lane"].unique(), key=_lane_key)
-    bars = bars[COLUMNS].sort_values(["lane", "start_ms"], key=_sort_key).reset_index(drop=True)
-    return Timeline(step, steps, float(lo_abs), bars, lanes, merged, below, bins, ranks, missing)
+    paths = paths or {}
+    parts = [rank_bars(r, traces[r], atts[r], step, phases=phases, path=paths.get(r), max_bars=1 << 62) for r in ranks]
+    return assemble([p for p in parts if p is not None], step, all_steps(atts.values()), ranks, max_bars=max_bars,
+                    bins=bins)  # fmt: skip
+
+
+def all_steps(atts) -> list[int]:
+    """The step numbers any of ``atts`` has (0 for a trace without steps)."""
+    return sorted({int(s) for a in atts for s in (a.steps["step"] if a.has_steps else [0])})
 
 
 def _lane_key(lane: str) -> tuple:
