@@ -5,8 +5,10 @@ summary of :mod:`lab_utils.traces.summary` it keeps, in ``RankSummary.extras`` (
 
 * for every rank: the idle time per stream (:mod:`lab_utils.traces.streams`) and, for the first
   :data:`MAX_RANKS` rank files, the critical path's length and parts per step (at most
-  :data:`PATH_STEPS` steps; records ``critical_path`` and ``critical_path:<bound_by>`` in ms, so
-  ``perflab trace diff`` compares them);
+  :data:`PATH_STEPS` steps; records ``critical_path`` in ms, which ``perflab trace diff`` gates as a
+  time, and ``critical_path:<bound_by>`` in % of the path, which it reports but never gates: when a
+  kernel gets faster the path's other parts take a larger share of it and may even lengthen, as
+  what the kernel hid comes onto the path);
 * for the first :data:`MAX_RANKS` rank files (``page=True``), for the step the page shows: the
   timeline's bars (:func:`lab_utils.traces.timeline.rank_bars`, merged past the bar limit), the
   Perfetto events (that step, or the whole trace), the critical path's figures
@@ -35,6 +37,8 @@ from lab_utils.traces.timeline import Timeline, all_steps, assemble, rank_bars, 
 
 MAX_RANKS = 8
 PATH_STEPS = 8
+#: unit of a part of the critical path: a share, no better direction for `perflab compare`
+UNIT_OF_PATH = "% of critical path"
 TREE_DEPTH = 5
 TREE_MIN_PCT = 0.5
 PERFETTO_MODES = ("step", "all", "none")
@@ -75,7 +79,7 @@ def rank_figures(ta: TraceAnalysis, rank: int, cp: CriticalPath | None) -> dict:
 
 def path_values(ta: TraceAnalysis, rank: int, steps: list[int] | None = None) -> pd.DataFrame:
     """The critical path per step as record values (``RankSummary.per_step``'s columns): its
-    length and its part per ``bound_by``, ms; the first :data:`PATH_STEPS` steps."""
+    length in ms and its part per ``bound_by`` in % of it; the first :data:`PATH_STEPS` steps."""
     att = ta.attributed(rank)
     if not att.has_steps:
         return pd.DataFrame(columns=["metric", "unit", "step_index", "value", "step"])
@@ -85,13 +89,13 @@ def path_values(ta: TraceAnalysis, rank: int, steps: list[int] | None = None) ->
         cp = ta.critical_path(rank, s)
         out.append({"metric": "critical_path", "unit": "ms", "step_index": i, "value": cp.length_us / 1e3, "step": s})
         for b, pct in cp.by_bound().items():
-            out.append({"metric": f"critical_path:{b}", "unit": "ms", "step_index": i,
-                        "value": pct * cp.length_us / 1e5, "step": s})  # fmt: skip
+            out.append({"metric": f"critical_path:{b}", "unit": UNIT_OF_PATH, "step_index": i,
+                        "value": pct, "step": s})  # fmt: skip
     df = pd.DataFrame(out, columns=["metric", "unit", "step_index", "value", "step"])
     # a part a step's path lacks is 0 ms there, not a missing sample
     full = df.pivot_table(index="metric", columns="step_index", values="value", aggfunc="first").fillna(0.0)
     long = full.stack().rename("value").reset_index()
-    long["unit"] = "ms"
+    long["unit"] = [("ms" if m == "critical_path" else UNIT_OF_PATH) for m in long["metric"]]
     long["step"] = [steps[int(i)] for i in long["step_index"]]
     return long[["metric", "unit", "step_index", "value", "step"]]
 
