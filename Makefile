@@ -7,7 +7,7 @@ SUITE   ?= smoke
 PARAMS  ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup report test lint lab lab-reset ceilings clean
+.PHONY: setup report test lint lab lab-reset ceilings baseline clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -48,6 +48,10 @@ lab-reset: $(STAMP)
 
 ceilings: $(STAMP)
 	$(BIN)/perflab ceilings --force
+
+## Refresh this device kind's stored baseline from a fresh smoke run (commit first: it records the commit).
+baseline: $(STAMP)
+	$(BIN)/perflab baseline refresh --suite $(SUITE) --timing-free
 
 clean:
 	rm -rf $(VENV) reports .perflab

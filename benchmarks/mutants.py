@@ -1142,8 +1142,8 @@ MUTANTS = [
         "compare.only_perf_drops_memory",
         C,
         VER,
-        'return kind in ("performance", "memory")',
-        'return kind == "performance"',
+        'return kind in ("performance", "memory", "reported")',
+        'return kind in ("performance", "reported")',
         "--only performance drops memory rows",
     ),
     _m(
@@ -1967,8 +1967,8 @@ ROUND3 = [
         "baselines.memory_kept_timing_free",
         C,
         BAS,
-        'PERFORMANCE_KINDS = ("performance", "memory")',
-        'PERFORMANCE_KINDS = ("performance",)',
+        'PERFORMANCE_KINDS = ("performance", "memory", "reported")',
+        'PERFORMANCE_KINDS = ("performance", "reported")',
         "a timing-free baseline keeps memory rows (they depend on the machine)",
     ),
     # ------------------------------------------------------------------ stability
@@ -2306,5 +2306,69 @@ MUTANTS += [
         "g = p.grad.float()  #",
         "g = p.grad  #",
         "master AdamW moments updated from the bf16 gradient",
+    ),
+]
+
+# The gate's noise rules (run/compare/rules.py): an error figure on its check's tolerance or its
+# dtype's roundoff, ranked lists as sets, reported rows, identity per key group.
+NOISE = "tests/test_compare_noise_rules.py"
+for _f in (RUL, VER, CMP, "lab_utils/run/compare/sides.py", "lab_utils/run/compare/coverage.py"):
+    TESTS[_f] = [*TESTS.get(_f, []), NOISE]
+MUTANTS += [
+    _m(
+        "rules.tolerance_share_half",
+        C,
+        RUL,
+        "TOLERANCE_SHARE = 0.25",
+        "TOLERANCE_SHARE = 0.5",
+        "an error figure may use half its check's tolerance more before it counts",
+    ),
+    _m(
+        "rules.past_tolerance_inclusive",
+        C,
+        RUL,
+        "if sc > 1 >= sb:",
+        "if sc >= 1 > sb:",
+        "an error figure at its tolerance (which the check passes) called past it",
+    ),
+    _m(
+        "rules.roundoff_no_sqrt",
+        C,
+        RUL,
+        "floor = ROUNDOFF_ULPS * u * math.sqrt(n)",
+        "floor = ROUNDOFF_ULPS * u * n",
+        "the roundoff floor grows with the reduction length, not its square root",
+    ),
+    _m(
+        "rules.heavy_share_inclusive",
+        C,
+        RUL,
+        "if moved > TOP_N_HEAVY_SHARE:",
+        "if moved >= TOP_N_HEAVY_SHARE:",
+        "a ranked item that moved by exactly the heavy share gates",
+    ),
+    _m(
+        "verdicts.cutoff_ignores_full_list",
+        C,
+        VER,
+        "cutoff if n >= member.n else 0.0",
+        "cutoff if n else 0.0",
+        "a list that held every item still takes its lightest item as the cut-off",
+    ),
+    _m(
+        "sides.identity_global",
+        C,
+        "lab_utils/run/compare/sides.py",
+        "keys = [by_group.get(tuple(k), ()) for k in df[KEY].itertuples(index=False, name=None)]",
+        "keys = [sorted(set().union(*by_group.values()))] * len(df)",
+        "identity fields of one key group applied to every row",
+    ),
+    _m(
+        "coverage.device_param_unresolved",
+        C,
+        "lab_utils/run/compare/coverage.py",
+        "if DEVICE_PARAM in params and kind:",
+        "if DEVICE_PARAM in params and not kind:",
+        "a notebook's device='auto' compared as written, not as what it resolved to",
     ),
 ]
