@@ -105,6 +105,7 @@ def test_an_error_figure_is_judged_by_its_share_of_its_checks_tolerance(tmp_path
             (1e-6, 1e-6 + TOL_SHARE * tol),  # a quarter of the tolerance exactly: still float noise
             (1e-6, 1e-6 + TOL_SHARE * tol * 1.01),  # just beyond a quarter: a real loss of accuracy
             (0.5 * tol, tol),  # at the tolerance the check still passes (value <= tolerance); 50% moved
+            (0.9 * tol, tol),  # at it, 10% moved: the check passes, float noise
             (0.9 * tol, tol * 1.0001),  # past the tolerance: the check fails, always a regression
             (1.2 * tol, 0.9 * tol),  # back within it
             (1e-6 + TOL_SHARE * tol * 1.01, 1e-6),  # the same move down
@@ -117,12 +118,13 @@ def test_an_error_figure_is_judged_by_its_share_of_its_checks_tolerance(tmp_path
         "same",
         "less accurate",
         "less accurate",
+        "same",
         "less accurate",
         "more accurate",
         "more accurate",
     ], got
     assert all("(rule: tolerance)" in n for _, n in got), got
-    assert "4.9% -> 6.6%" in got[0][1] and "past its tolerance" in got[5][1]
+    assert "4.9% -> 6.6%" in got[0][1] and "past its tolerance" in got[6][1] and "90.0% -> 100.0%" in got[5][1]
 
 
 def test_a_side_without_the_tolerance_takes_the_other_sides(tmp_path):
@@ -258,6 +260,8 @@ def test_reported_figures_never_gate(tmp_path):
     kept = C.timing_free(pd.DataFrame(rows(1.0, 1.0)))
     assert kept.empty
     assert C.direction("matmul_share", "fraction") == rules.REPORTED
+    assert C.direction("category:idle", "ms") == C.direction("idle_ms", "ms") == rules.REPORTED
+    assert C.direction("idleness_time", "ms") == C.direction("shared_time", "ms") == C.LOWER_TIME
     assert C.direction("time", "ms", json.dumps({"reported": True})) == rules.REPORTED
 
 

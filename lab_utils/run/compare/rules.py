@@ -89,7 +89,7 @@ SIDE_CONTEXT_KEYS = (
 
 #: Metric-name rules, checked first (regex on the metric, case-insensitive).
 METRIC_RULES: list[tuple[str, Direction]] = [
-    (r"(^|_)(share|shares|idle)(_|$)|^(overlap|overlap_fraction|overlap_pct)$", REPORTED),
+    (r"(^|[_:])(share|shares|idle)([_:/]|$)|^(overlap|overlap_fraction|overlap_pct)$", REPORTED),
     (r"sqnr", HIGHER_DB),
     (r"^fit_\w*error|^model_\w*error|prediction_error", TIMING_MODEL_ERROR),
     (
