@@ -198,7 +198,7 @@ FUNCTION_ALLOWED = {
     "lab_utils/attention/paths.py:AttentionPath.why_not": "one keyword per field of Problem.as_check(), splatted",
     "lab_utils/core/records.py:Recorder.add": _COLUMNS,
     "lab_utils/core/records.py:Recorder.add_timing": _COLUMNS,
-    "lab_utils/run/runner.py:run_suite": "one keyword per `perflab run` flag (issue 26 added jobs): not grouped yet",
+    "lab_utils/run/runner.py:run_suite": "one keyword per `perflab run` flag: not grouped yet",
     "lab_utils/fused/blocks.py:block_cases": _FACTORY,
 }
 

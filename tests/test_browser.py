@@ -112,7 +112,7 @@ def test_index_renders(smoke_report, chrome):
                 assert page.locator(f'a[href="{st["html"]}"]').count() == 1, f"index.html has no link to {st['html']}"
         assert B.undrawn(B.plots(page)) == []
         _assert_clean(watch, "index.html")
-        # the Headlines table leads the page, one row per lab with its figures (issue 21 item 14)
+        # the Headlines table leads the page, one row per lab with its figures
         heads = page.locator("table#headlines tr:has(td)")
         rows = {heads.nth(i).locator("td").first.inner_text(): heads.nth(i) for i in range(heads.count())}
         for name, st in _status(smoke_report).items():
@@ -167,7 +167,7 @@ TAKEAWAY_FIRST_JS = """() => {
 
 
 def _assert_opens_with_its_takeaway(page, stem: str):
-    """The takeaway box, filled by the lab's last cell, comes before the lab's first plot (issue 21 item 14)."""
+    """The takeaway box, filled by the lab's last cell, comes before the lab's first plot."""
     box = page.locator(".perflab-takeaway")
     assert box.count() == 1, f"{stem}: {box.count()} takeaway boxes on the page"
     text = box.inner_text()
@@ -176,7 +176,7 @@ def _assert_opens_with_its_takeaway(page, stem: str):
 
 
 def _assert_markdown_rendered(page, stem: str):
-    """No heading shows a literal backslash-n, no output is raw markdown (issue 21 item 15: lab 06)."""
+    """No heading shows a literal backslash-n, no output is raw markdown (lab 06 had both)."""
     heads = page.evaluate("() => [...document.querySelectorAll('h1,h2,h3,h4')].map(e => e.innerText)")
     bad = [h for h in heads if "\\n" in h]
     assert not bad, f"{stem}: headings with a literal \\n: {bad}"

@@ -194,7 +194,7 @@ def test_lab01_explorer_in_jupyterlab(chrome, tmp_path):
             shot = os.environ.get("PERFLAB_EXPLORER_SCREENSHOT")
             shot = str(Path(shot).with_name(Path(shot).stem + "-01.png")) if shot else None
             _explore(page, srv, watch, {"batch": 1}, {"attention path": "efficient"}, timeout_s=90, screenshot=shot)
-            # issue 21 item 9: every timing row shows its verdict; the lab's own step is row #1
+            # every timing row shows its verdict; the lab's own step is row #1
             heads = page.locator(".perflab-explore-table thead th").all_inner_texts()
             assert "step_stability" in heads and "unstable_phases" in heads, heads
             cells = page.locator(".perflab-explore-table tbody tr").first.inner_text()

@@ -1,4 +1,4 @@
-"""Lab 08's explorer (issue 21 item 9): pick levers, see the predicted plan at once, run it and
+"""Lab 08's explorer: pick levers, see the predicted plan at once, run it and
 see the measured step with its stability verdict beside the prediction.  On the synthetic
 machine of test_study_plan.py: every phase time is known, so each prediction is checked
 against a hand sum of the phases."""

@@ -1,5 +1,5 @@
 """The regression gate cannot pass by omission, never compares unlike timings, and a stored
-baseline reads back exactly (perflab issue 21, items 1-4 and the CLI parts of 16).
+baseline reads back exactly.
 
 Synthetic report folders, shaped like the runner's (records, context with the notebooks'
 parameters, status), in tmp_path."""

@@ -330,7 +330,7 @@ def test_gpu_set_of_lab04_asks_only_for_fp8_pairs_cublaslt_runs():
     assert all(Q.FORMATS[f].elem != "e5m2" for f in params["matmul_formats"]), params["matmul_formats"]
 
 
-# ------------------------------------------------------------------ issue 19: the GPU machine's stack
+# ------------------------------------------------------------------ the GPU machine's stack
 def _one_call(fn, **kw):
     """A stand-in for try_bench where the test is not about timing: one call, a made-up timing."""
     from lab_utils.core.timing import Timing

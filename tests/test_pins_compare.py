@@ -1,6 +1,5 @@
 """Pins of what the comparison treats as comparable, matched or timing-free, on hand-made rows and
-contexts (issue 20, round 3 of the mutation benchmark: mutants at injection points no earlier
-mutant touched).
+contexts.
 
 * A CUDA version on one side only (a CUDA torch against a CPU build) is a software difference;
   a Triton version missing on one side is not (older records lack it).

@@ -1,6 +1,5 @@
 """Pins of the distributed verdict (``lab_utils.distributed.verify.compare``) on hand-made losses
-and gradients, no processes spawned (issue 20, round 3 of the mutation benchmark: mutants at
-injection points no earlier mutant touched).
+and gradients, no processes spawned.
 
 * A run whose parameters are bfloat16 is judged with the bf16 tolerances (loss 2e-3, gradient
   vector 5e-2), a float32 run with float32's (1e-5, per parameter 1e-4).

@@ -1,5 +1,4 @@
-"""Pins of the memory room's figures and verdicts against hand counts (issue 20, round 3 of the
-mutation benchmark: mutants at injection points no earlier mutant touched).
+"""Pins of the memory room's figures and verdicts against hand counts.
 
 * ``MasterAdamW``: the bytes it holds for bf16 parameters (an fp32 master, 4 B, and two fp32
   moments, 8 B, per element) and its first step against AdamW written out in float64;

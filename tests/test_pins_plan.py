@@ -1,5 +1,4 @@
-"""Pins of the planner's inputs against hand-made cases (issue 20, round 3 of the mutation
-benchmark: mutants at injection points no earlier mutant touched).
+"""Pins of the planner's inputs against hand-made cases.
 
 * Which precision recipes a GPU may try, as a boundary table over compute capabilities: FP8
   from sm_89 (Ada) on, MXFP8 only from sm_100 (Blackwell); the capability is faked, so this

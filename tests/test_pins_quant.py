@@ -1,5 +1,4 @@
-"""Pins of the low-precision formats' figures against numbers derived outside the code (issue 20,
-round 3 of the mutation benchmark: mutants at injection points no earlier mutant touched).
+"""Pins of the low-precision formats' figures against numbers derived outside the code.
 
 What is pinned, and from where:
 

@@ -1,5 +1,5 @@
-"""Pins of the training-stability figures against hand counts and torch's own rounding (issue 20,
-round 3 of the mutation benchmark: mutants at injection points no earlier mutant touched).
+"""Pins of the training-stability figures against hand counts and torch's own rounding: mutants at points
+no earlier mutant touched found them unpinned.
 
 * ``half_ulp``: half the spacing above |w| in bfloat16, float16 and float32, at 1, 1.5, 2 and 0
   (the subnormal step: float16's is 2^-24, so half of it is 2^-25);

@@ -262,7 +262,7 @@ def test_cuda_profile_kernels_and_memory_history(tmp_path, monkeypatch):
 
 def test_phase_rows_carry_samples_and_the_timing_verdict(report):
     """Every time figure of the step profile keeps its per-step samples and the verdict the
-    timing module's judge gives them (issue 21, item 5)."""
+    timing module's judge gives them."""
     rec = Recorder(lab="01_training_step")
     report.record(rec)
     df = rec.frame()
@@ -322,7 +322,7 @@ def test_one_outlier_step_is_judged_unstable():
 
 def test_a_checkpoint_every_n_steps_is_amortised():
     """A checkpoint every N=4 steps costing C counts as C/4 per step, its full cost beside it,
-    and the step time is amortised the same way (issue 21, item 6)."""
+    and the step time is amortised the same way."""
     ck = [0.0, 0.0, 0.0, 40.0, 0.0, 0.0, 0.0, 40.0]
     rep = synthetic_report({"forward": [10.0] * 8, "checkpoint": ck}, periods={"checkpoint": 4})
     f = {x.phase: x for x in rep.phase_figures()}["checkpoint"]

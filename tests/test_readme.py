@@ -30,7 +30,7 @@ def test_the_first_screen_is_for_a_user():
     assert "make report" in first and "make test" in first
     assert "report: " in first and "records)" in first, "what `make report` prints"
     assert "](docs/report.png)" in first
-    for dev in ("mutation", "durations", "Layout", "pytest --", "round 5", "kill rate"):
+    for dev in ("mutation", "durations", "Layout", "pytest --", "kill rate"):
         assert dev not in first, f"developer material on the first screen: {dev!r}"
 
 
