@@ -11,11 +11,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lab_utils.core.config import check_float, check_int
+from lab_utils.core.config import ConfigError, check_float, check_int
+from lab_utils.core.device import DATASHEET
 from lab_utils.core.dtypes import parse_dtype
-from lab_utils.memory.master import MasterAdamW
-from lab_utils.memory.saved import (
-    H200_BYTES,
+from lab_utils.memory.formula import (
     StepShape,
     batch_for,
     double_block_bytes,
@@ -23,6 +22,7 @@ from lab_utils.memory.saved import (
     single_block_bytes,
     step_shape,
 )
+from lab_utils.memory.master import MasterAdamW
 from lab_utils.model import MMDiTConfig, build_model
 from lab_utils.model.checkpointing import RECOMPUTE_POLICIES
 from lab_utils.model.train import rf_loss
@@ -167,12 +167,38 @@ def gpus_needed(
 # What fits
 # --------------------------------------------------------------------------------------
 
+#: Memory of one H200 (141 GB, decimal) when no device is given and none is here.
+H200_BYTES = 141 * 10**9
+#: GPUs a what-fits may be asked for by name: their datasheet memory, as the vendor states it (GB).
+NAMED_GPUS = {k: v for k, v in DATASHEET.items() if v.memory_gib}
+
 
 def default_device_bytes() -> int:
     """The current CUDA device's memory, else one H200's (141 GB)."""
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     return H200_BYTES
+
+
+def device_memory(value, param: str = "device_memory_gb") -> tuple[int, str]:
+    """Bytes and a description of the device a what-fits is asked for: a number of GB (decimal,
+    as GPUs are sold), a GPU name (its datasheet memory: H100 80 GB, H200 141 GB, B200 180 GB,
+    ...), or 0: this GPU, else an H200."""
+    if isinstance(value, str):
+        key = value.strip().upper()
+        if key not in NAMED_GPUS:
+            raise ConfigError(
+                param, value, "a number of GB, 0 (this GPU, else an H200) or one of " + ", ".join(NAMED_GPUS)
+            )
+        sheet = NAMED_GPUS[key]
+        return int(sheet.memory_gib * 1e9), f"{sheet.name}, {sheet.memory_gib:g} GB (its datasheet)"
+    check_float(param, value, min=0)
+    if value > 0:
+        return int(value * 1e9), f"{value:g} GB (given)"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return int(props.total_memory), f"this GPU ({props.name}, {props.total_memory / 1e9:.0f} GB)"
+    return H200_BYTES, "an H200, 141 GB (no GPU here: name one with device_memory_gb)"
 
 
 def what_fits(

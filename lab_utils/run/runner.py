@@ -41,13 +41,19 @@ from tqdm.auto import tqdm
 from lab_utils.core.config import ConfigError
 from lab_utils.core.cpu_threads import THREADS_ENV, choose_cpu_threads
 from lab_utils.run import parallel, report
-from lab_utils.run.nbtools import strip_noise
+from lab_utils.run.nbtools import drop_absent, strip_noise
+from lab_utils.step import STEP_PATH_ENV
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: lab_utils/run/runner.py -> ../../..
 
 
 class SuiteError(ValueError):
     """A suite, notebook or parameter that cannot be run; raised before anything runs."""
+
+
+class Refused(SuiteError):
+    """A notebook refused its parameters in its first cell (a ``ConfigError`` there: a ``step``
+    whose factory does not load or fails its checks), before it measured anything."""
 
 
 def params_dir() -> Path:
@@ -79,9 +85,21 @@ def list_suites() -> list[str]:
     return sorted(p.stem for p in params_dir().glob("*.yaml"))
 
 
+def notebook_suite(path: Path) -> Suite:
+    """One notebook at its own defaults (``perflab run labs/05_memory.ipynb``), as a suite of one."""
+    nb = path.resolve()
+    return Suite(name=nb.stem, description=f"{path} at its defaults", entries=(Entry(nb, None, {}),), path=nb)
+
+
 def load_suite(name: str | Path) -> Suite:
-    """Load ``parameterized/<name>.yaml`` (or a path to a suite file)."""
+    """Load ``parameterized/<name>.yaml``, a path to a suite file, or a notebook's path (a suite
+    of that notebook at its defaults)."""
     path = Path(name)
+    if path.suffix == ".ipynb":
+        nb = path if path.is_absolute() or path.exists() else ROOT / path
+        if not nb.exists():
+            raise SuiteError(f"notebook {str(name)!r} does not exist (looked in {Path.cwd()} and {ROOT})")
+        return notebook_suite(nb)
     if not (path.suffix in (".yaml", ".yml") and path.exists()):
         path = params_dir() / f"{name}.yaml"
     if not path.exists():
@@ -357,6 +375,8 @@ def run_suite(
     # runner's own bar shows progress instead.
     os.environ["TQDM_DISABLE"] = "1"
     os.environ["PERFLAB_RUN_ID"] = run_id
+    # a lab's step factory may live in the folder the run started in, or beside the labs
+    os.environ[STEP_PATH_ENV] = step_path(saved_env.get(STEP_PATH_ENV), planned)
     if timing_threads is not None:
         os.environ[THREADS_ENV] = str(timing_threads)
     if job_plan is not None:
@@ -399,12 +419,29 @@ def run_suite(
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    refused = [st for st in statuses if st.status == "refused"]
+    if refused and len(refused) == len(statuses):  # nothing was measured: nothing is kept
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise Refused("; ".join(f"{st.notebook}: {st.error}" for st in refused) + " (nothing was run or written)")
     tmp.rename(final)
     _point_latest(out_dir, run_id)
+    if refused:
+        raise Refused(
+            "; ".join(f"{st.notebook}: {st.error}" for st in refused)
+            + f" (refused before measuring; the other notebooks' report: {final / 'index.html'})"
+        )
     return RunResult(run_id, final, statuses)
 
 
+def step_path(existing: str | None, planned: list[Planned]) -> str:
+    """``PERFLAB_STEP_PATH`` for the kernels: what it held, the working directory the run started
+    in, and each notebook's folder (a kernel runs in its notebook's folder)."""
+    dirs = [*(existing or "").split(os.pathsep), os.getcwd(), *(str(p.entry.notebook.parent) for p in planned)]
+    return os.pathsep.join(dict.fromkeys(d for d in dirs if d))
+
+
 RUN_ENV = (
+    STEP_PATH_ENV,
     "PERFLAB_RECORDS_DIR",
     "PERFLAB_ARTIFACTS_DIR",
     "PERFLAB_RUN_ID",
@@ -414,13 +451,26 @@ RUN_ENV = (
 )
 
 
+def _refused_in_first_cell(exc: BaseException, nb_path: Path) -> bool:
+    """Whether a notebook raised a ``ConfigError`` in its first cell after the parameters (where
+    a lab builds its config and loads its step): a refusal of its input, not a failure."""
+    if getattr(exc, "ename", "") != "ConfigError" or not nb_path.exists():
+        return False
+    cells = nbformat.read(nb_path, as_version=4).cells
+    skip = {"parameters", "injected-parameters"}
+    code = [i for i, c in enumerate(cells) if c.cell_type == "code" and not skip & set(c.metadata.get("tags", []))]
+    return bool(code) and getattr(exc, "cell_index", None) == code[0]
+
+
 def _move_noise(nb_path: Path, log: Path) -> None:
-    """Known library log lines leave the executed notebook (and so its report page) for ``log``."""
+    """Known library log lines leave the executed notebook (and so its report page) for ``log``;
+    the sections the lab's step had no capability for leave it too (its footnote names them)."""
     nb = nbformat.read(nb_path, as_version=4)
     removed = strip_noise(nb)
     if removed:
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text("\n".join(removed) + "\n", encoding="utf-8")
+    if drop_absent(nb) or removed:
         nbformat.write(nb, nb_path)
 
 
@@ -455,7 +505,7 @@ def _run_one(p: Planned, tmp: Path, final: Path, timeout_s: int) -> NotebookStat
         )
         st.status = "ok"
     except Exception as e:  # noqa: BLE001 - a failing notebook is recorded, the suite goes on
-        st.status = "failed"
+        st.status = "refused" if _refused_in_first_cell(e, out_nb) else "failed"
         st.error = _error_of(e)
     st.seconds = time.perf_counter() - t0
     if out_nb.exists():

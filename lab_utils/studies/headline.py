@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,13 +54,24 @@ def frame_of(records) -> pd.DataFrame:
     return fill_stability(df) if len(df) else df
 
 
+#: A variant keyed by a step's identity (``Recorder.scope``): "<package.module:function>/<module.Class> · <variant>".
+SCOPED = re.compile(r"^[\w.]+:\w+/[\w.]+(?: · |$)")
+
+
+def unscoped(variant) -> str:
+    """A row's variant without the step identity key a non-default step's rows start with."""
+    return SCOPED.sub("", str(variant))
+
+
 def rows(df: pd.DataFrame, **eq) -> pd.DataFrame:
-    """The rows whose columns equal the given values (a missing column matches nothing)."""
+    """The rows whose columns equal the given values (a missing column matches nothing); a
+    variant is compared without the step identity key (:func:`unscoped`)."""
     m = pd.Series(True, index=df.index)
     for k, v in eq.items():
         if k not in df.columns:
             return df.iloc[0:0]
-        m &= df[k].astype(str) == str(v)
+        col = df[k].map(unscoped) if k == "variant" else df[k].astype(str)
+        m &= col == str(v)
     return df[m & pd.to_numeric(df["value"], errors="coerce").notna()]
 
 
@@ -189,6 +201,7 @@ __all__ = [
     "register",
     "rows",
     "takeaway",
+    "unscoped",
     "unstable_figure",
     "verdict",
 ]
