@@ -8,7 +8,8 @@ import pytest
 
 from lab_utils.core.config import ConfigError
 from lab_utils.core.records import Recorder
-from lab_utils.plan.planner import ALL_PHASES, StepProfile, build_plan, record_plan, verify
+from lab_utils.plan.planner import ALL_PHASES, StepProfile, build_plan, verify
+from lab_utils.plan.summary import record_plan
 from lab_utils.studies import plan as study
 
 hv.extension("bokeh")

@@ -105,10 +105,12 @@ from lab_utils.memory.policies import (
     PolicyResult,
     acts_on,
     compare_policies,
+    excursion,
     grad_mismatch,
     grads_of,
     peak_above,
     saved_means,
+    treated_blocks,
 )
 from lab_utils.memory.saved import (
     CreatorMode,
@@ -157,6 +159,7 @@ __all__ = [
     "device_memory",
     "double_block_bytes",
     "downsample",
+    "excursion",
     "EMBED_REGIONS",
     "Fit",
     "fit_state",
@@ -207,6 +210,7 @@ __all__ = [
     "storage_key",
     "TIMELINE_CATEGORIES",
     "transient_bytes",
+    "treated_blocks",
     "what_fits",
     "whole_step_peak",
 ]

@@ -7,13 +7,13 @@ The peak of a step counts each byte once:
   ``optimizer.state``, each storage once); on CUDA also whatever else the step keeps on the device
   (encoders, buffers: ``memory_allocated`` before the step less the two);
 * **forward + backward**: the peak above that state while the batch is made, the forward runs and
-  the backward makes the gradients (activations, temporaries, and the gradients as they appear);
-* **optimizer step**: the gradients and the batch (still held) plus the peak above them while the
-  optimizer steps.
+  the backward makes the gradients (activations, temporaries, and the gradients as they appear),
+  and what it leaves held (the gradients, the batch, the loss);
+* **optimizer step**: the peak above that while the optimizer steps.
 
-predicted peak = state + max(forward + backward, gradients + batch + optimizer step).  The
-gradients are counted once: inside the backward's peak, or as held by the optimizer step, where
-the step peaks.  Each part is measured on its own (:func:`step_memory`; CPU: the profiler's
+predicted peak = state + max(forward + backward, held after it + optimizer step).  The gradients are
+counted once: inside the backward's peak, or among what it leaves for the optimizer step, where the
+step peaks.  Each part is measured on its own (:func:`step_memory`; CPU: the profiler's
 allocation events, CUDA: ``max_memory_allocated``) and the sum is checked against one whole step
 (:func:`whole_step_peak`).  :func:`fits_bisect` builds the step at other batch sizes from its
 factory (resolved once: :meth:`~lab_utils.step.contract.StepFactory.rebuild`), runs one step for
@@ -33,7 +33,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from lab_utils.core.config import check_int
-from lab_utils.memory.policies import peak_above
+from lab_utils.memory.policies import excursion, peak_above
 from lab_utils.memory.saved import storage_bytes, storage_key
 from lab_utils.step.contract import StepFactory, batch_leaves, run_step
 
@@ -69,10 +69,11 @@ class StepMemory:
     parameters: int
     optimizer: int
     other: int  # CUDA: what else the step keeps on the device before it runs (0 on CPU)
-    gradients: int
-    batch: int
+    gradients: int  # of them, the gradients (one per trainable parameter)
+    batch: int  # and the batch
     forward_backward: int  # peak above the state while the batch is made, forward and backward
-    optimizer_step: int  # peak above the state, gradients and batch while the optimizer steps
+    after_backward: int  # what the backward leaves held for the optimizer: gradients, batch, loss
+    optimizer_step: int  # peak above the state and what the backward left, while the optimizer steps
 
     @property
     def state(self) -> int:
@@ -80,12 +81,12 @@ class StepMemory:
 
     @property
     def peak(self) -> int:
-        return self.state + max(self.forward_backward, self.gradients + self.batch + self.optimizer_step)
+        return self.state + max(self.forward_backward, self.after_backward + self.optimizer_step)
 
     @property
     def peak_phase(self) -> str:
-        held = self.gradients + self.batch + self.optimizer_step
-        return "forward + backward" if self.forward_backward >= held else "optimizer step"
+        later = self.after_backward + self.optimizer_step
+        return "forward + backward" if self.forward_backward >= later else "optimizer step"
 
 
 def _device_other(step: StepFactory, parameters: int, optimizer: int) -> int:
@@ -110,7 +111,7 @@ def step_memory(step: StepFactory, k: int = 1) -> StepMemory:
         held["loss"] = step.loss(step.model, held["batch"])
         held["loss"].backward()
 
-    fb = peak_above(forward_backward, dev)
+    fb, left = excursion(forward_backward, dev)
     batch = _bytes_once(x for x in batch_leaves(held["batch"]) if isinstance(x, torch.Tensor))
 
     def optimizer_step():
@@ -122,7 +123,7 @@ def step_memory(step: StepFactory, k: int = 1) -> StepMemory:
     step.optimizer.zero_grad(set_to_none=True)
     held.clear()
     bs = held_batch_size(step)
-    return StepMemory(bs, st["parameters"], st["optimizer"], other, st["gradients"], batch, fb, opt)
+    return StepMemory(bs, st["parameters"], st["optimizer"], other, st["gradients"], batch, fb, left, opt)
 
 
 def held_batch_size(step: StepFactory) -> int | None:

@@ -53,17 +53,17 @@ def grad_mismatch(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], dt
     return bad + off
 
 
-def peak_above(fn: Callable[[], object], device: torch.device) -> int:
-    """Peak bytes allocated while ``fn()`` runs above what was live before: CUDA's allocator
-    statistics (``max_memory_allocated``), or on CPU the running sum of the profiler's
-    allocation events (+ allocation, - free, in time order)."""
+def excursion(fn: Callable[[], object], device: torch.device) -> tuple[int, int]:
+    """Bytes allocated while ``fn()`` runs above what was live before: at their peak, and still
+    held when it returns.  CUDA's allocator statistics (``max_memory_allocated``), or on CPU the
+    running sum of the profiler's allocation events (+ allocation, - free, in time order)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         fn()
         torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device) - base)
+        return int(torch.cuda.max_memory_allocated(device) - base), int(torch.cuda.memory_allocated(device) - base)
     with (
         quiet_stderr_fd(),  # kineto's profiler_start/stop markers
         torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof,
@@ -74,7 +74,12 @@ def peak_above(fn: Callable[[], object], device: torch.device) -> int:
     for _, nbytes in events:
         live += nbytes
         peak = max(peak, live)
-    return int(peak)
+    return int(peak), int(live)
+
+
+def peak_above(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes allocated while ``fn()`` runs above what was live before (:func:`excursion`)."""
+    return excursion(fn, device)[0]
 
 
 def acts_on(policy: str, device_type: str) -> bool:

@@ -52,7 +52,7 @@ from lab_utils.stability.telemetry import (
     telemetry_of,
 )
 from lab_utils.step.contract import StepFactory, blocks
-from lab_utils.step.mmdit import BLOCKS
+from lab_utils.step.mmdit import BLOCKS, poison_latents
 
 PRECISIONS = ("fp32", "bf16_autocast", "bf16", "bf16_master", "bf16_sr", "fp16_scaled")
 SPIKE_POLICIES = ("none", "skip", "clip", "rewind")
@@ -274,10 +274,7 @@ def mmdit_run_step(spec: RunSpec) -> StepFactory:
         with torch.autocast(dev.type, dtype=ac or torch.bfloat16, enabled=ac is not None):
             return rf_loss(m, batch, return_parts=True)
 
-    def poison(batch, scale: float):
-        return dataclasses.replace(batch, img=batch.img * scale)
-
-    caps = dict(loss_parts=loss_parts, poison_batch=poison)
+    caps = dict(loss_parts=loss_parts, poison_batch=poison_latents)
     loss = lambda m, b: loss_parts(m, b).loss  # noqa: E731
     return StepFactory(model, opt, make_batch, loss, block_class=BLOCKS, capabilities=caps)
 

@@ -75,6 +75,11 @@ class SeamPolicies:
             before.apply(self.model)
 
 
+def poison_latents(batch: Batch, scale: float) -> Batch:
+    """The batch with its latent tokens scaled (lab 07's poisoned batch)."""
+    return dataclasses.replace(batch, img=batch.img * scale)
+
+
 def tokens_of(batch: Batch) -> int:
     """Image tokens of a step (the figure lab 08's tokens per second counts)."""
     return int(batch.batch_size * batch.grid[0] * batch.grid[1])
@@ -152,21 +157,18 @@ def synthetic_step(
             cfg, batch_size, height=height, width=width, txt_len=txt_len, generator=g, device=dev, dtype=dt
         )
 
-    def loss(m, batch: Batch) -> torch.Tensor:
+    def loss_parts(m, batch: Batch):
         g = torch.Generator(device=dev).manual_seed(seed) if dev.type != "meta" else None  # meta: no draws
-        return rf_loss(m, batch, g)
+        return rf_loss(m, batch, g, return_parts=True)
+
+    def loss(m, batch: Batch) -> torch.Tensor:
+        return loss_parts(m, batch).loss
 
     name = str(dt).replace("torch.", "")
     shape = MMDiTShape(cfg, batch_size, height, width, txt_len, name)
+    caps = dict(capabilities(cfg, model, shape), loss_parts=loss_parts, poison_batch=poison_latents)
     return StepFactory(
-        model,
-        opt,
-        make_batch,
-        loss,
-        block_class=BLOCKS,
-        flops=_flops(cfg),
-        config=cfg,
-        capabilities=capabilities(cfg, model, shape),
+        model, opt, make_batch, loss, block_class=BLOCKS, flops=_flops(cfg), config=cfg, capabilities=caps
     )
 
 

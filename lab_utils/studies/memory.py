@@ -95,6 +95,8 @@ class MemoryLabConfig(LabConfig):
         check_int("account_txt_len", self.account_txt_len, min=1)
         cfg.check_resolution(self.resolution, self.resolution, "resolution")
         cfg.check_resolution(self.account_resolution, self.account_resolution, "account_resolution")
+        if self.step == DEFAULT_STEP:  # the MMDiT's block names; another step's are checked against it (check_step)
+            mem.check_block(cfg, self.inspect_block, "inspect_block")
         mem.device_memory(self.device_memory_gb)  # a number of GB >= 0 or a GPU name
         check_int_list("fit_resolutions", list(self.fit_resolutions), min=16)
         for r in self.fit_resolutions:
@@ -418,6 +420,7 @@ def fits(cfg: MemoryLabConfig, step: StepFactory, rec: Recorder) -> pd.DataFrame
                 state_MiB=mib(m.state) if m else None,
                 forward_backward_MiB=mib(m.forward_backward) if m else None,
                 gradients_MiB=mib(m.gradients) if m else None,
+                held_after_backward_MiB=mib(m.after_backward) if m else None,
                 optimizer_step_MiB=mib(m.optimizer_step) if m else None,
                 peaks_in=m.peak_phase if m else "out of memory",
             )
