@@ -15,8 +15,8 @@ from lab_utils.core.config import ConfigError
 from lab_utils.core.timing import BenchFailure
 from lab_utils.model import ACTIVATION_CHECKPOINTS, build_model, resolve_config
 from lab_utils.model.checkpointing import block_policy
-from lab_utils.step.mmdit import synthetic_step
 from lab_utils.step.load import DEFAULT_STEP, load_step
+from lab_utils.step.mmdit import synthetic_step
 from lab_utils.studies import memory as study
 from lab_utils.studies import memory_formula as formula
 from lab_utils.studies.memory import MemoryLabConfig

@@ -36,7 +36,9 @@ def test_a_provoked_spike_is_found_and_handled(llama, policy, action):
     assert list(df.step) == list(range(14)) and not res.nonfinite
     row = df.set_index("step").loc[10]
     assert str(row.action).startswith(action), df[["step", "loss", "action"]]
-    assert spike_verdict_lines({"clean": train_run(dataclasses.replace(spec, provoke="none"), step=llama.rebuild()), policy: res}, 10)
+    assert spike_verdict_lines(
+        {"clean": train_run(dataclasses.replace(spec, provoke="none"), step=llama.rebuild()), policy: res}, 10
+    )
     tel = res.telemetry
     assert set(tel.block.unique()) >= {"model.layers.0", "model.layers.1", "total"}
     assert {"act_rms", "grad_norm", "update_ratio", "lost_update_frac", "logit_max"} <= set(tel.stat)
@@ -51,7 +53,12 @@ def test_the_generic_levers_make_a_plan_on_the_step_and_the_best_is_verified(lla
     assert not ok and "train_config" in out[0].reason  # a trainer's lever: not this step's
     res = build_plan(setup, ["activation_checkpoint", "sdpa_backend", "batch_size"], steps=3, warmup=1, own=llama)
     keys = {e.key for e in res.effects}
-    assert keys == {"activation_checkpoint=full", "activation_checkpoint=selective", "sdpa_backend=math", "batch_size=4"}
+    assert keys == {
+        "activation_checkpoint=full",
+        "activation_checkpoint=selective",
+        "sdpa_backend=math",
+        "batch_size=4",
+    }
     assert res.base.batch == 2 and len(res.plans) == 3 * 2 * 2
     ver = verify(res, top=1, steps=3, warmup=1, own=llama)
     assert len(ver) == 1 and ver[0].seams_match and math.isfinite(ver[0].error_pct)
@@ -65,7 +72,9 @@ def test_a_lever_that_changes_the_batch_is_credited_per_sample(gen):
     per 2 samples 18 ms, so forward x0.9 and backward x0.45 (hand-derived)."""
     fwd = 5.0 + float(torch.rand((), generator=gen))
     base = StepProfile(dict(forward=fwd, backward=2 * fwd), dict(forward=0.0, backward=0.0), 10.0, 1e9, 32.0, batch=2)
-    four = StepProfile(dict(forward=1.8 * fwd, backward=1.8 * fwd), dict(forward=0.0, backward=0.0), 14.0, 2e9, 64.0, batch=4)
+    four = StepProfile(
+        dict(forward=1.8 * fwd, backward=1.8 * fwd), dict(forward=0.0, backward=0.0), 14.0, 2e9, 64.0, batch=4
+    )
     e = effect_of("batch_size", 4, base, four)
     assert e.ratios["forward"] == pytest.approx(0.9) and e.ratios["backward"] == pytest.approx(0.45)
     assert compose(base, [e]).total_ms == pytest.approx(0.9 * fwd + 0.9 * fwd)

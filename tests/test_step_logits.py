@@ -20,6 +20,7 @@ from lab_utils.step.load import DEFAULT_STEP, build_step
 def telemetry(step: StepFactory) -> SdpaTelemetry:
     return SdpaTelemetry(step.model, blocks(step))
 
+
 HEADS, KV_HEADS, DIM, TOKENS = 4, 2, 8, 5
 
 

@@ -33,7 +33,8 @@ def test_the_default_is_the_mmdit_at_the_labs_shape_with_every_capability(lab05_
     shape = step.capabilities["memory_formula"]
     assert (shape.batch, shape.height, shape.width, shape.txt_len) == (2, 64, 64, 8)
     batch = step.make_batch(1)
-    assert batch.img.shape == (2, 16, step.model.cfg.in_channels) and batch.txt.shape == (2, 8, step.model.cfg.context_dim)
+    mc = step.model.cfg
+    assert batch.img.shape == (2, 16, mc.in_channels) and batch.txt.shape == (2, 8, mc.context_dim)
 
 
 @pytest.mark.parametrize("policy", list(mem.FORMULA_POLICIES))

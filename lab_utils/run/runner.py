@@ -45,6 +45,8 @@ from lab_utils.run.nbtools import drop_absent, strip_noise
 from lab_utils.step import STEP_PATH_ENV
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: lab_utils/run/runner.py -> ../../..
+#: where reports go when ``--out`` is not given (default: the repository's ``reports/``)
+REPORTS_ENV = "PERFLAB_REPORTS_DIR"
 
 
 class SuiteError(ValueError):
@@ -364,7 +366,7 @@ def run_suite(
     if timing_threads is not None:
         choose_cpu_threads(timing_threads)  # validates before anything runs
     job_plan = parallel.plan_jobs(planned, JOB_HOOKS, timing_threads=timing_threads, **jobs) if jobs else None
-    out_dir = Path(out_dir or ROOT / "reports")
+    out_dir = Path(out_dir or os.environ.get(REPORTS_ENV) or ROOT / "reports")
     run_id, tmp = _make_run_dir(out_dir, run_id, s.name)
     final = out_dir / run_id
 
@@ -456,10 +458,10 @@ def _refused_in_first_cell(exc: BaseException, nb_path: Path) -> bool:
     a lab builds its config and loads its step): a refusal of its input, not a failure."""
     if getattr(exc, "ename", "") != "ConfigError" or not nb_path.exists():
         return False
-    cells = nbformat.read(nb_path, as_version=4).cells
     skip = {"parameters", "injected-parameters"}
-    code = [i for i, c in enumerate(cells) if c.cell_type == "code" and not skip & set(c.metadata.get("tags", []))]
-    return bool(code) and getattr(exc, "cell_index", None) == code[0]
+    cells = nbformat.read(nb_path, as_version=4).cells
+    code = [c for c in cells if c.cell_type == "code" and not skip & set(c.metadata.get("tags", []))]
+    return bool(code) and any(o.get("ename") == "ConfigError" for o in code[0].get("outputs", []))
 
 
 def _move_noise(nb_path: Path, log: Path) -> None:

@@ -76,7 +76,7 @@ def resolve_factory(spec: Any) -> Callable[..., StepFactory]:
     try:
         mod = importlib.import_module(mod_name)
     except Exception as e:  # noqa: BLE001 - any import failure is the user's module's reason
-        looked = f" (looked in the working directory and {', '.join(where)})" if isinstance(e, ImportError) else ""
+        looked = f" (looked on sys.path and in {', '.join(where)})" if isinstance(e, ImportError) else ""
         raise refuse(spec, f"importing {mod_name!r} failed: {type(e).__name__}: {e}{looked}") from e
     fn = getattr(mod, fn_name, None)
     if fn is None:
