@@ -50,7 +50,7 @@ TESTS = {
         f"{DF}::test_peak_memory_rows_are_in_mib",
     ],
     "lab_utils/memory/budget.py": ["tests/test_memory_gpus_needed.py", "tests/test_memory_budget.py"],
-    "lab_utils/memory/saved.py": [
+    "lab_utils/memory/formula.py": [
         "tests/test_memory.py::test_formula_equals_hooks_every_policy[tiny-bfloat16]",
         "tests/test_memory.py::test_formula_equals_hooks_every_policy[tiny-float32]",
         "tests/test_memory.py::test_formula_extrapolates_on_meta",
@@ -158,7 +158,7 @@ RMS, SWI, GELU, GR, LNM, ROPE, QKR, COM = (
     "lab_kernels/_common.py",
 )
 FL, FUS, FUB = "lab_utils/core/flops.py", "lab_utils/fused/ops.py", "lab_utils/fused/blocks.py"
-BUD, SAV = "lab_utils/memory/budget.py", "lab_utils/memory/saved.py"
+BUD, SAV = "lab_utils/memory/budget.py", "lab_utils/memory/formula.py"
 RUL, STA, CMP = (
     "lab_utils/run/compare/rules.py",
     "lab_utils/run/compare/stats.py",
@@ -1069,7 +1069,7 @@ MUTANTS = [
     _m(
         "memory.h200_gib",
         M,
-        SAV,
+        BUD,
         "H200_BYTES = 141 * 10**9",
         "H200_BYTES = 141 * 2**30",
         "H200 memory as 141 GiB, not 141 GB",
@@ -2042,12 +2042,12 @@ MUTANTS += ROUND3
 # stats.rank_min_two, timing.bimodal_strict, optim.v_in_param_dtype, optim.store_param_dtype,
 # recipes.row_grad_e4m3) each pinned by a new test.
 OPTS = "lab_utils/run/compare/options.py"
-QP, LEVS, REC = "lab_utils/precision/quantized.py", "lab_utils/step/levers.py", "lab_utils/precision/recipes.py"
+QP, REC = "lab_utils/precision/quantized.py", "lab_utils/precision/recipes.py"
 TESTS.update(
     {
         OPTS: ["tests/test_compare_rules.py", "tests/test_compare.py"],
         QP: ["tests/test_precision.py::test_amdahl"],
-        LEVS: ["tests/test_step_labs.py::test_a_levers_speedup_is_baseline_time_per_sample_over_its_own"],
+        PLAN: [*TESTS[PLAN], "tests/test_step_labs.py::test_a_lever_that_changes_the_batch_is_credited_per_sample"],
         REC: ["tests/test_precision.py"],
     }
 )
@@ -2112,11 +2112,11 @@ MUTANTS += [
     ),
     _m(
         "levers.speedup_inverted",
-        "step",
-        LEVS,
-        "speedup=base_per / per if per > 0",
-        "speedup=per / base_per if per > 0",
-        "a lever's speedup reads lever over baseline",
+        P,
+        PLAN,
+        "f = batch / prof.batch",
+        "f = prof.batch / batch",
+        "a lever's time per sample is rescaled the wrong way (a batch-size lever credited upside down)",
     ),
     _m(
         "plan.effect_ratio_inverted",

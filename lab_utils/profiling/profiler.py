@@ -473,9 +473,7 @@ def profile_step(
     """Profile ``warmup + active`` steps of ``step`` (:func:`lab_utils.step.contract.run_step`
     on batches ``start``, ``start + 1``, ...: from batch 0, as a run starts) and analyse the active
     ones (``record_shapes``: operators' input shapes in the trace, for lab 09's per-op roofline)."""
-    for p, v in (("steps", active), ("warmup_steps", warmup)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < (1 if p == "steps" else 0):
-            raise ConfigError(p, v, "an integer >= " + ("1" if p == "steps" else "0"))
+    check_schedule(active, warmup)
     out = Path(out_dir) if out_dir is not None else artifacts_dir() / "traces"
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
@@ -531,9 +529,17 @@ def profile_step(
     )
 
 
+def check_schedule(active, warmup) -> None:
+    """The profiled steps (``steps`` >= 1) and the warm-up (``warmup_steps`` >= 0), as the labs name them."""
+    for p, v in (("steps", active), ("warmup_steps", warmup)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (1 if p == "steps" else 0):
+            raise ConfigError(p, v, "an integer >= " + ("1" if p == "steps" else "0"))
+
+
 def profile_training(trainer: Trainer, **kwargs) -> ProfileReport:
     """:func:`profile_step` on a trainer's step (:meth:`~lab_utils.model.train.Trainer.as_step`), from
     its next step on; the trainer counts the steps profiled."""
+    check_schedule(kwargs.get("active", 3), kwargs.get("warmup", 1))
     kwargs.setdefault("start", trainer.step_index)
     rep = profile_step(trainer.as_step(), **kwargs)
     trainer.step_index += kwargs.get("warmup", 1) + kwargs.get("active", 3)

@@ -377,6 +377,7 @@ def timeline(cfg: MemoryLabConfig, step: StepFactory, rec: Recorder) -> pd.DataF
 def timeline_plot(df: pd.DataFrame, max_points: int = 1500):
     init()
     d = mem.downsample(df, max_points)
+    d = d.groupby("time_ms", as_index=False, sort=True).last()  # events at one instant: the state after them
     cats = [c for c in d.columns if c != "time_ms" and d[c].max() > 0]
     area = hv.Area.stack(hv.Overlay([hv.Area((d.time_ms, d[c] / MIB), "time (ms)", "MiB", label=c) for c in cats]))
     return area.opts(
