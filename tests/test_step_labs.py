@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from lab_utils.plan.planner import StepProfile, build_plan, compose, effect_of, per_batch, verify
+from lab_utils.plan.planner import StepProfile, build_plan, compose, effect_of, measure_step, per_batch, verify
 from lab_utils.plan.setup import StepSetup, step_candidates
 from lab_utils.stability.training import RunSpec, train_run
 from lab_utils.step.load import load_step
@@ -82,3 +82,13 @@ def test_a_lever_that_changes_the_batch_is_credited_per_sample(gen):
     half = per_batch(four, 2)
     assert half.phases["forward"] == pytest.approx(0.9 * fwd) and half.tokens == pytest.approx(32.0)
     assert per_batch(four, None) is four and per_batch(base, 2) is base
+
+
+def test_checkpointing_and_an_sdpa_backend_together_recompute_on_that_backend(llama):
+    """A checkpointed block recomputes in the backward: it must use the forward's SDPA backend
+    (the whole step runs under it), or torch refuses the recomputed tensors."""
+
+    setup = StepSetup.of(llama).replace(activation_checkpoint="full", sdpa_backend="math")
+    prof = measure_step(setup, steps=1, warmup=0)
+    assert prof.seams == {"step": LLAMA, "activation_checkpoint": "full", "sdpa_backend": "math"}
+    assert prof.total_ms > 0

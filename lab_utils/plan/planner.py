@@ -43,7 +43,7 @@ from lab_utils.core.device import datasheet_for, device_info
 from lab_utils.core.timing import choose_cpu_threads, cpu_threads, judge_samples
 from lab_utils.model.train import PHASES, TrainConfig
 from lab_utils.plan.levers import LEVERS, Excluded, candidates, check_levers
-from lab_utils.plan.setup import StepSetup, ran, step_candidates
+from lab_utils.plan.setup import StepSetup, around, ran, step_candidates
 from lab_utils.profiling.profiler import ProfileReport, phase_figure, profile_step
 from lab_utils.step.contract import StepFactory
 
@@ -163,7 +163,8 @@ def measure_step(
     with cpu_threads(threads):
         step = setup.build(own=own)
         try:
-            rep = profile_step(step, active=steps, warmup=warmup, out_dir=out_dir, name="08_plan")
+            with around(step):
+                rep = profile_step(step, active=steps, warmup=warmup, out_dir=out_dir, name="08_plan")
             prof = profile_from_report(rep, ran(step, setup), statistic=statistic, batch=setup.batch_size)
         finally:
             if step is not own and step.close is not None:

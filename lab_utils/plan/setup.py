@@ -9,7 +9,8 @@
   applied to a fresh build of the step's factory (resolved once, never imported again):
   ``batch_size`` builds it at that size, ``compile`` compiles each detected block,
   ``activation_checkpoint`` runs the step's forward under the policy (its blocks from outside, or
-  its own seam), ``sdpa_backend`` under ``torch.nn.attention.sdpa_kernel``, ``recipe`` swaps its
+  its own seam), ``sdpa_backend`` runs it under ``torch.nn.attention.sdpa_kernel`` (:func:`around`:
+  the whole step, a recompute in the backward too), ``recipe`` swaps its
   ``nn.Linear`` layers for the recipe's (``lab_utils.precision.quantized.apply_recipe``).
 
 ``to_dict()`` is what a run of the setup must show it ran (the planner's verification checks it):
@@ -119,8 +120,6 @@ def apply_generic(step: StepFactory, settings: dict) -> StepFactory:
         apply_recipe(step.model, settings["recipe"])
     if settings.get("activation_checkpoint"):
         ctx.append(lambda s=settings["activation_checkpoint"]: policy_applied(step, s))
-    if settings.get("sdpa_backend"):
-        ctx.append(lambda b=settings["sdpa_backend"]: sdpa_kernel([SDPA_BACKENDS[b]]))
     if ctx:
 
         def wrapped(model, batch):
@@ -132,6 +131,13 @@ def apply_generic(step: StepFactory, settings: dict) -> StepFactory:
         step.loss = wrapped
     step.settings = {**step.settings, **settings}
     return step
+
+
+def around(step: StepFactory):
+    """What a run of ``step`` goes under as a whole: its SDPA backend (forward and backward, and a
+    checkpointed block's recompute, on one kernel), else nothing."""
+    backend = step.settings.get("sdpa_backend")
+    return sdpa_kernel([SDPA_BACKENDS[backend]]) if backend else contextlib.nullcontext()
 
 
 def ran(step: StepFactory, setup: StepSetup) -> dict:

@@ -1,6 +1,6 @@
 """The ``perflab`` command.
 
-perflab run SUITE [--param key=value ...] [--only NOTEBOOK ...] [--out DIR] [--timing-threads N|auto]
+perflab run SUITE|NOTEBOOK [--param key=value ...] [--only NOTEBOOK ...] [--out DIR] [--timing-threads N|auto]
             [--parallel N] [--devices 0,1,...] [--executor local|slurm] [--partition P] [--nodes N] ...
             (jobs: lab_utils.run.parallel, docs/cluster.md)
 perflab run --list
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a suite of notebooks headless into reports/<run-id>/")
-    r.add_argument("suite", nargs="?")
+    r.add_argument("suite", nargs="?", help="a suite's name or file, or a notebook's path (labs/05_memory.ipynb)")
     r.add_argument("--list", action="store_true", help="list suites and their notebooks")
     r.add_argument("--param", action="append", metavar="KEY=VALUE", help="override a parameter (YAML value)")
     r.add_argument(
