@@ -28,6 +28,7 @@ import json
 import math
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from lab_utils.traces import TraceAnalysis
@@ -168,28 +169,44 @@ def test_kernels_launched_before_the_trace_are_reported_apart(jobs, job):
     assert float(pre["dur"].sum()) == pytest.approx(sum(e["dur"] for e in orphans), rel=1e-9)
 
 
-#: job -> (the datasheet row its GPU must get, a float matmul's peak, an elementwise op's peak)
+#: job -> (the datasheet row its GPU must get, a float matmul's peak when its kernels ran in TF32, when
+#: they did not, an elementwise op's peak)
 PEAKS = {
-    "recsys_v100_rank1": ("V100 SXM2", 15.7, 15.7),  # no TF32 and no bf16 unit: fp32 matmuls on CUDA cores
-    "mi250_rocm": ("MI250 (one GCD) / MI210", 45.3, 22.6),  # "AMD Radeon Graphics", 104 CUs: fp32 matrix cores
-    "a100_80gb_rank0of16": ("A100 SXM4 80GB", 156.0, 19.5),  # TF32 tensor cores
+    "recsys_v100_rank1": ("V100 SXM2", 15.7, 15.7, 15.7),  # no TF32 and no bf16 unit: fp32 matmuls on CUDA cores
+    "mi250_rocm": ("MI250 (one GCD) / MI210", 45.3, 45.3, 22.6),  # "AMD Radeon Graphics", 104 CUs: fp32 matrix cores
+    "a100_80gb_rank0of16": ("A100 SXM4 80GB", 156.0, 19.5, 19.5),  # cutlass s1688 (TF32) and ampere_sgemm (fp32)
+    "recsys_a100_rank3": ("A100 SXM4 40GB", 156.0, 19.5, 19.5),  # "A100-PG509-200" with 42.5e9 B: the 40 GB part
 }
 
 
 @pytest.mark.parametrize("job", sorted(PEAKS))
 def test_every_gpu_of_the_test_data_is_held_to_its_datasheet(jobs, job):
-    """The roofline's peaks come from the GPU the trace ran on, V100 and ROCm's unnamed MI250 die
-    included; a float matmul is held to the part's fp32 matmul rate, an elementwise op to its fp32
-    vector rate, and every costed op gets a % of peak and a bound."""
+    """The roofline's peaks come from the exact part the trace ran on (V100, ROCm's unnamed MI250 die,
+    the 40 GB A100 its memory size tells); a float matmul is held to the TF32 peak only when the
+    kernels it launched say TF32 (checked here from the kernel names), else to the fp32 rate; an
+    elementwise op to the fp32 vector rate; every costed op gets a % of peak, a bound and its peak's name."""
     ta = jobs[job]
     rank = ta.ranks[0]
-    name, matmul, vector = PEAKS[job]
+    name, tf32, fp32_rate, vector = PEAKS[job]
     assert ta.datasheet(rank).name == name
     rf = ta.roofline(rank, "all")
     assert len(rf) and rf["pct_of_peak"].notna().all() and rf["bound"].isin(["compute", "memory"]).all()
+    assert rf["peak"].str.len().gt(0).all()
     fp32 = rf[~rf["types"].str.contains("Half|BFloat16", case=False)]
-    mm = fp32[fp32["kind"] != "elementwise/norm"]
+    mm = fp32[fp32["kind"] == "matmul"]
     ew = fp32[fp32["kind"] == "elementwise/norm"]
     assert len(mm) or len(ew)
-    assert (mm["peak_tflops"] == matmul).all() and (ew["peak_tflops"] == vector).all()
+    k = ta.kernels(rank, "all")
+    by_op = k[k["op_index"] >= 0].groupby("op_index")["name"].agg(lambda n: any("s1688" in str(x) or "tf32" in
+                                                                                str(x).lower() for x in n))  # fmt: skip
+    calls = ta.traces[rank].host.loc[by_op.index]
+    calls = pd.DataFrame({"op": calls["name"].astype(str), "shapes": calls["input_dims"].astype(str), "tf32": by_op})
+    counted = calls.groupby(["op", "shapes", "tf32"]).size()  # calls per (op, shapes, path), from the names
+    rows = mm.groupby(["op", "shapes", "tf32"])["calls"].sum()
+    assert rows.to_dict() == counted.reindex(rows.index).to_dict()
+    for row in mm.itertuples():
+        assert row.peak_tflops == (tf32 if row.tf32 else fp32_rate), (row.op, row.tf32)
+    assert (ew["peak_tflops"] == vector).all()
     assert (rf["peak_gbps"] == ta.datasheet(rank).hbm_gbs).all()
+    if job.startswith("a100_80gb"):  # this job shows both paths
+        assert mm["tf32"].any() and not mm["tf32"].all()

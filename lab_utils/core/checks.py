@@ -53,12 +53,14 @@ def compare(
     actual: torch.Tensor,
     expected: torch.Tensor,
     *,
-    atol: float,
+    atol: float | torch.Tensor,
     rtol: float,
     name: str = "output",
     equal_nan: bool = False,
     show: int = 5,
 ) -> CloseReport:
+    """Elementwise |actual - expected| <= atol + rtol * |expected|; ``atol`` may be a tensor (broadcast
+    to the shape): a per-element error bound derived from the operands (then usually ``rtol`` = 0)."""
     if actual.shape != expected.shape:
         msg = f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
         return CloseReport(False, -1, expected.numel(), float("inf"), float("inf"), msg)
@@ -71,7 +73,9 @@ def compare(
     # Finite elements compare by tolerance; non-finite ones agree only when both sides
     # hold the same special value (NaN == NaN only with equal_nan).
     same_special = (a_inf & e_inf & (a == e)) | (a_nan & e_nan & equal_nan)
-    bad = torch.where(finite, ~(diff <= atol + rtol * e.abs()), ~same_special)
+    per_element = isinstance(atol, torch.Tensor)
+    allowed = (atol.detach().to("cpu", torch.float64) if per_element else atol) + rtol * e.abs()
+    bad = torch.where(finite, ~(diff <= allowed), ~same_special)
     n_bad = int(bad.sum())
     max_abs = float(diff[finite].max()) if bool(finite.any()) else 0.0
     rel = diff / e.abs().clamp_min(1e-30)
@@ -79,8 +83,9 @@ def compare(
     if n_bad == 0:
         return CloseReport(True, 0, e.numel(), max_abs, max_rel, f"{name}: ok (max abs {max_abs:.3g})")
     idx = bad.nonzero()[:show]
+    how = f"per-element bound, rtol={rtol:g}" if per_element else f"atol={atol:g}, rtol={rtol:g}"
     lines = [
-        f"{name}: {n_bad} of {e.numel()} elements mismatch (atol={atol:g}, rtol={rtol:g}); "
+        f"{name}: {n_bad} of {e.numel()} elements mismatch ({how}); "
         f"max abs err {max_abs:.4g}, max rel err {max_rel:.4g}"
     ]
     nan_dis = int((a_nan ^ e_nan).sum())
@@ -92,7 +97,8 @@ def compare(
         )
     for ix in idx.tolist():
         t = tuple(ix)
-        lines.append(f"  at {t}: actual {a[t].item():.6g}, expected {e[t].item():.6g}")
+        bound = f", allowed {allowed.expand_as(e)[t].item():.3g}" if per_element else ""
+        lines.append(f"  at {t}: actual {a[t].item():.6g}, expected {e[t].item():.6g}{bound}")
     return CloseReport(False, n_bad, e.numel(), max_abs, max_rel, "\n".join(lines))
 
 

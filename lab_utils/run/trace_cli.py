@@ -1,20 +1,23 @@
 """``perflab trace PATH`` and ``perflab trace diff A B``: real profiler traces from the command line.
 
-``perflab trace PATH`` (a trace file or a folder holding one file per rank) prints the
-summary of :class:`lab_utils.traces.TraceAnalysis` (per rank and per step breakdown, top
-kernels, overlap, idle split, launch verdict, collectives when present) and writes into
-``--out`` the records ``perflab compare`` reads (``records.json``), the figures as JSON
-(``trace.json``) and one self-contained HTML page (``trace.html``, BokehJS inline).  ``--json``
-prints the figures as JSON instead of the text summary.
+``perflab trace PATH`` (a trace file or a folder holding one file per rank) prints the summary of
+the job (per rank and per step breakdown, top kernels, overlap, idle split, launch verdicts,
+collectives when present) and writes into ``--out`` the records ``perflab compare`` reads
+(``records.json``, their context naming the traces' GPU), the figures as JSON (``trace.json``) and
+one self-contained HTML page (``trace.html``, BokehJS inline).  ``--json`` prints the figures as
+JSON instead of the text summary; ``--gpu NAME`` is the GPU of traces that name none.
 
-A folder's ranks are read and attributed in parallel by
-:func:`lab_utils.run.executors.map_jobs` (``--executor pool|local|slurm``), one job per rank
-file, then reduced to one job.
+A folder's ranks are read by :func:`lab_utils.run.executors.map_jobs` (``--executor
+pool|local|slurm``), one job per rank file: each job reads, attributes and summarises its file
+(:mod:`lab_utils.traces.summary`) and only the summary comes back, merged into one job.  A file that
+cannot be read (truncated, corrupt, not a trace) stops the command before anything is written: one
+line naming it, exit 2.
 
-``perflab trace diff A B`` records both sides (files or folders) and compares them with
-:func:`lab_utils.run.compare.compare`: per category, phase, step and top kernel, each per-step
-figure carrying its steps as samples, so the verdicts (faster, slower, same, noisy) come from
-the spread across steps.
+``perflab trace diff A B`` reads both sides (files or folders), pairs their ranks (the same ranks
+rank by rank, one rank each, as many ranks by position, else pooled), records every kernel,
+launching operator, category and phase per step (a row only one side ran is 0 ms on the other) and
+compares them with :func:`lab_utils.run.compare.compare`: verdicts from the spread across steps, by
+step index; only the times gate (``gate="performance"``), the shares and idle are reported.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import re
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import holoviews as hv
@@ -34,53 +38,86 @@ from bokeh.embed import components
 from bokeh.resources import Resources
 
 from lab_utils.core.config import ConfigError
+from lab_utils.core.datasheets import check_part
+from lab_utils.core.device import HOST
 from lab_utils.core.records import Recorder, json_value
+from lab_utils.run.commands import trace as trace_args
 from lab_utils.run.compare import compare
 from lab_utils.run.compare.rules import CompareError
-from lab_utils.run.executors import MAP_EXECUTORS, MapOptions, map_jobs
-from lab_utils.traces import PhaseTable, TraceAnalysis
-from lab_utils.traces.attribute import Attributed, attribute
-from lab_utils.traces.reader import RankTrace, read_rank, trace_files
+from lab_utils.run.executors import MapOptions, map_jobs
+from lab_utils.traces import TraceAnalysis
+from lab_utils.traces.reader import read_rank, trace_files
+from lab_utils.traces.summary import JobSummary, RankSummary, summarise
 
 LAB = "trace"
 EXIT_USAGE = 2
 
 
-# -- reading a job: map per rank, reduce to one TraceAnalysis ------------------------------
-def analyse_rank(item: tuple[str, int, bool]) -> tuple[RankTrace, Attributed]:
-    """One rank file read and attributed (a job of :func:`map_jobs`): ``(path, index, alone)``."""
-    path, index, alone = item
-    trace = read_rank(path, index, alone=alone)
-    return trace, attribute(trace, PhaseTable())
+# -- reading a job: map per rank, reduce to one JobSummary ---------------------------------
+@dataclass
+class RankError:
+    """A rank file that could not be read: returned by its job, not raised (any executor carries it)."""
+
+    path: str
+    message: str  # one line
+
+
+def analyse_rank(item: tuple[str, int, bool, str | None]) -> RankSummary | RankError:
+    """One rank file read, attributed and summarised (a job of :func:`map_jobs`):
+    ``(path, index, alone, gpu)``; only the summary comes back (see :mod:`lab_utils.traces.summary`)."""
+    path, index, alone, gpu = item
+    try:
+        trace = read_rank(path, index, alone=alone)
+        ta = TraceAnalysis({trace.rank: trace}, gpu=gpu)
+        return summarise(ta, trace.rank)
+    except ConfigError as e:
+        return RankError(path, one_line(str(e)))
+    except MemoryError:
+        return RankError(path, f"parameter 'path' = {path!r} is not allowed: expected a trace that fits the job's "
+                               "memory (--mem-gb)")  # fmt: skip
+
+
+def one_line(text: str) -> str:
+    """The last non-empty line of ``text`` (a traceback's is the error itself), without its newlines."""
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    return lines[-1] if lines else "no error message"
 
 
 def load_job(
-    path: str | Path, *, executor: str = "pool", workers: int = 2, mem_gb: float | None = 4.0, progress: bool = False
-) -> TraceAnalysis:
-    """``path`` (file or folder) as one :class:`TraceAnalysis`; a folder's ranks through ``map_jobs``."""
+    path: str | Path,
+    *,
+    executor: str = "pool",
+    workers: int = 2,
+    mem_gb: float | None = 4.0,
+    progress: bool = False,
+    gpu: str | None = None,
+) -> JobSummary:
+    """``path`` (file or folder) as one :class:`JobSummary`; a folder's ranks through ``map_jobs``.
+    A rank file that cannot be read raises one ``ConfigError`` naming it (the first, in file order)."""
     files = trace_files(path)
-    items = [(str(f), i, len(files) == 1) for i, f in enumerate(files)]
+    items = [(str(f), i, len(files) == 1, gpu) for i, f in enumerate(files)]
     if len(files) == 1:
-        outs = [analyse_rank(items[0])]
+        outs: list = [analyse_rank(items[0])]
     else:
         with tempfile.TemporaryDirectory(prefix="perflab-trace-") as tmp:
             opts = MapOptions(executor, workers=min(workers, len(files)), mem_gb=mem_gb)
             done = map_jobs(analyse_rank, items, opts, Path(tmp) / "jobs", progress=progress, desc="ranks")
-        failed = [(f, o.error) for f, o in zip(files, done) if o.state != "ok"]
-        if failed:
-            f, err = failed[0]
-            raise ConfigError("path", str(f), f"a readable trace file ({len(failed)} rank file(s) failed; {err})")
-        outs = [o.value for o in done]
-    traces: dict[int, RankTrace] = {}
-    attributed: dict[int, Attributed] = {}
-    for trace, attr in outs:
-        if trace.rank in traces:
-            raise ConfigError("path", str(path), f"one file per rank (rank {trace.rank}: {traces[trace.rank].path} "
-                              f"and {trace.path})")  # fmt: skip
-        traces[trace.rank], attributed[trace.rank] = trace, attr
-    ta = TraceAnalysis(dict(sorted(traces.items())), attributed=attributed)
-    ta.path = str(path)
-    return ta
+        outs = [o.value if o.state == "ok" else RankError(str(f), f"{o.state}: {one_line(o.error)}")
+                for f, o in zip(files, done)]  # fmt: skip
+    failed = [o for o in outs if isinstance(o, RankError)]
+    if failed:
+        of = f" ({len(failed)} of {len(files)} rank files failed)" if len(files) > 1 else ""
+        msg = failed[0].message
+        if msg.startswith("parameter 'path'"):
+            raise ConfigError("path", failed[0].path, msg.split("expected ", 1)[-1] + of)
+        raise ConfigError("path", failed[0].path, f"a trace file its job can read ({msg}){of}")
+    ranks: dict[int, RankSummary] = {}
+    for r in outs:
+        if r.rank in ranks:
+            raise ConfigError("path", str(path), f"one file per rank (rank {r.rank}: {ranks[r.rank].path} "
+                              f"and {r.path})")  # fmt: skip
+        ranks[r.rank] = r
+    return JobSummary(ranks, str(path))
 
 
 # -- figures ---------------------------------------------------------------------------------
@@ -88,35 +125,35 @@ def _frame(df: pd.DataFrame) -> list[dict]:
     return [{k: json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
 
 
-def figures(ta: TraceAnalysis, top: int = 10) -> dict[str, list[dict] | dict]:
+def figures(job: JobSummary, top: int = 10) -> dict[str, list[dict] | dict]:
     """Every figure of the job as JSON-ready tables (one list of rows per table)."""
     out: dict = {
-        "path": ta.path,
-        "ranks": ta.ranks,
-        "devices": {str(r): ta.device(r) for r in ta.ranks},
-        "temporal": _frame(ta.temporal()),
-        "temporal_by_step": _frame(ta.temporal(by="step")),
-        "shares": _frame(ta.shares()),
-        "categories": _frame(ta.categories()),
-        "overlap": _frame(ta.overlap()),
-        "idle": _frame(ta.idle()),
-        "launch": _frame(ta.launch_stats()),
-        "phases": _frame(ta.phases()),
-        "windows": _frame(ta.windows()),
-        "top_kernels": {str(r): _frame(ta.top_kernels(r, top)) for r in ta.ranks},
-        "roofline": {str(r): _frame(ta.roofline(r)) for r in ta.ranks},
+        "path": job.path,
+        "ranks": job.ranks,
+        "devices": {str(r): job.device(r) for r in job.ranks},
+        "temporal": _frame(job.table("temporal")),
+        "temporal_by_step": _frame(job.table("temporal_by_step")),
+        "shares": _frame(job.table("shares")),
+        "categories": _frame(job.table("categories")),
+        "overlap": _frame(job.table("overlap")),
+        "idle": _frame(job.table("idle")),
+        "launch": _frame(job.table("launch")),
+        "phases": _frame(job.table("phases")),
+        "windows": _frame(job.table("windows")),
+        "top_kernels": {str(r): _frame(job.top_kernels(r, top)) for r in job.ranks},
+        "roofline": {str(r): _frame(job.ranks_[r].tables["roofline"]) for r in job.ranks},
     }
-    calls = ta.collectives()
+    calls = job.collectives()
     out["collectives"] = _frame(calls)
-    if len(calls) and len(ta.ranks) > 1:
-        out["skew"] = _frame(ta.skew())
-        out["straggler"] = {k: json_value(v) for k, v in vars(ta.straggler()).items()}
+    if len(calls) and len(job.ranks) > 1:
+        out["skew"] = _frame(job.skew())
+        out["straggler"] = {k: json_value(v) for k, v in vars(job.straggler()).items()}
     return out
 
 
-def summary_text(ta: TraceAnalysis, fig: dict) -> str:
-    """``TraceAnalysis.summary`` plus the per step breakdown, idle split and collectives."""
-    lines = [ta.summary(), "", "per step (ms): rank step span busy idle compute communication memory"]
+def summary_text(job: JobSummary, fig: dict) -> str:
+    """:meth:`JobSummary.summary` plus the per step breakdown, idle split and collectives."""
+    lines = [job.summary(), "", "per step (ms): rank step span busy idle compute communication memory"]
     for row in fig["temporal_by_step"]:
         vals = " ".join(f"{(row.get(c) or 0) / 1e3:8.3f}" for c in ("span", "busy", "idle", "compute",
                                                                       "communication", "memory"))  # fmt: skip
@@ -127,9 +164,15 @@ def summary_text(ta: TraceAnalysis, fig: dict) -> str:
     calls = fig["collectives"]
     if calls:
         df = pd.DataFrame(calls)
-        g = df.groupby(["rank", "collective"]).agg(calls=("collective", "size"), total_us=("dur", "sum"))
-        lines.append("collectives (rank, collective, calls, total ms):")
-        lines += [f"  {r} {c:<20} {int(v.calls):5d} {v.total_us / 1e3:9.3f}" for (r, c), v in g.iterrows()]
+        if "busbw_transfer_gbps" not in df:
+            df["busbw_transfer_gbps"] = float("nan")
+        g = df.groupby(["rank", "collective"]).agg(calls=("collective", "size"), total_us=("dur", "sum"),
+                                                   bus=("busbw_gbps", "median"),
+                                                   transfer=("busbw_transfer_gbps", "median"))  # fmt: skip
+        lines.append("collectives (rank, collective, calls, total ms, median bus GB/s: with the wait for late ranks "
+                     "| from the transfer alone):")  # fmt: skip
+        lines += [f"  {r} {c:<20} {int(v.calls):5d} {v.total_us / 1e3:9.3f} {v.bus:9.2f} | {v.transfer:9.2f}"
+                  for (r, c), v in g.iterrows()]  # fmt: skip
         if "straggler" in fig:
             lines.append(f"straggler: {fig['straggler']}")
     else:
@@ -143,7 +186,7 @@ def inline_bokeh() -> str:
     return re.sub(r"<script[^>]*\bsrc=[^>]*>\s*</script>", "", Resources(mode="inline", components=["bokeh"]).render())
 
 
-def _plots(ta: TraceAnalysis, fig: dict):
+def _plots(fig: dict):
     hv.extension("bokeh", logo=False)
     t = pd.DataFrame(fig["temporal"])
     parts = ["compute", "communication", "memory", "other", "idle"]
@@ -178,9 +221,9 @@ def _table(rows: list[dict], cols: Sequence[str] | None = None, limit: int = 50)
     return f"<table><tr>{head}</tr>{body}</table>{more}"
 
 
-def render_html(ta: TraceAnalysis, fig: dict, summary: str) -> str:
+def render_html(job: JobSummary, fig: dict, summary: str) -> str:
     """One self-contained page: BokehJS inline, no script loaded from anywhere else."""
-    script, div = components(_plots(ta, fig))
+    script, div = components(_plots(fig))
     esc = html.escape
     sections = [("launch verdict", _table(fig["launch"])), ("overlap", _table(fig["overlap"])),
                 ("idle split (us)", _table(fig["idle"])), ("HTA kernel types (%)", _table(fig["shares"])),
@@ -197,36 +240,96 @@ def render_html(ta: TraceAnalysis, fig: dict, summary: str) -> str:
         "td,th{border:1px solid #ccc;padding:2px 6px}.muted{color:#777}pre{background:#f6f6f6;padding:1em}"
     )
     return (
-        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>perflab trace {esc(ta.path)}</title>'
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>perflab trace {esc(job.path)}</title>'
         f"{inline_bokeh()}<style>{style}</style></head><body><h1>perflab trace</h1>"
         f"<pre>{esc(summary)}</pre>{div}{body}{script}</body></html>"
     )
 
 
 # -- records and the two commands ------------------------------------------------------------
-def records(ta: TraceAnalysis) -> Recorder:
-    """Per-step figures of ``ta`` as rows (no path among the parameters, so two traces compare)."""
-    devices = sorted({str(ta.device(r) or "not recorded") for r in ta.ranks})
-    rec = ta.record(Recorder(LAB, params={"trace_devices": devices, "ranks": len(ta.ranks)}))
-    # a figure that is zero at every step (no communication at all) has no spread to judge: kept
-    # in trace.json and the summary, left out of the compared rows
-    rec.rows = [r for r in rec.rows if any(abs(float(v)) > 1e-12 for v in (r.get("samples") or [r["value"]]))]
-    return rec
+@dataclass
+class TraceRecorder(Recorder):
+    """Records of a trace: their context names the GPU the trace ran on (or the ``--gpu`` given for
+    it), never the machine that analysed it."""
+
+    job: JobSummary | None = None
+
+    def context(self) -> dict:
+        ctx = super().context()
+        if self.job is not None:
+            ctx.update(trace_context(self.job))
+        return ctx
 
 
-def _job(a, path: str) -> TraceAnalysis:
-    return load_job(path, executor=a.executor, workers=a.workers, mem_gb=a.mem_gb, progress=not a.json)
+def trace_context(job: JobSummary) -> dict:
+    """``device``, ``device_kind`` and ``device_info`` of the GPU(s) a job's traces ran on."""
+    devices = sorted({str(job.device(r) or "GPU not recorded") for r in job.ranks})
+    rules = sorted({job.ranks_[r].rule for r in job.ranks})
+    props = job.ranks_[job.ranks[0]].properties if job.ranks else {}
+    info = {"name": "; ".join(devices), "units": props.get("numSms"), "memory_bytes": props.get("totalGlobalMem")}
+    return {"device": "; ".join(devices), "device_kind": "cpu trace" if rules == ["cpu"] else "gpu trace",
+            "device_info": {k: v for k, v in info.items() if v is not None}}  # fmt: skip
+
+
+def records(job: JobSummary, variants: dict[int, str] | None = None) -> Recorder:
+    """Per-step figures of ``job`` as rows (:mod:`lab_utils.traces.summary`); no path or rank among
+    the parameters, so two traces compare; ``variants``: rank -> row variant (default ``rank<N>``)."""
+    # device=HOST: the rows were read from the trace, not measured here (no torch asked about this machine)
+    return job.record(TraceRecorder(LAB, device=HOST, job=job), variants=variants)
+
+
+def pair_ranks(base: list[int], cand: list[int]) -> tuple[dict[int, str], dict[int, str], str]:
+    """How two jobs' ranks meet: the same ranks -> rank by rank; one rank each -> those two; as many
+    ranks -> by position; else every rank pooled.  (variants of base, of candidate, in words)."""
+    if base == cand:
+        return ({r: f"rank{r}" for r in base},) * 2 + (f"rank by rank ({len(base)} rank(s))",)
+    if len(base) == len(cand) == 1:
+        return {base[0]: "rank"}, {cand[0]: "rank"}, f"one rank each: rank {base[0]} vs rank {cand[0]}"
+    if len(base) == len(cand):
+        pairs = ", ".join(f"{b}-{c}" for b, c in zip(base, cand))
+        return ({b: f"rank#{i}" for i, b in enumerate(base)}, {c: f"rank#{i}" for i, c in enumerate(cand)},
+                f"by position ({pairs})")  # fmt: skip
+    return (dict.fromkeys(base, "all ranks"), dict.fromkeys(cand, "all ranks"),
+            f"pooled: {len(base)} rank(s) vs {len(cand)}, every rank's steps side by side")  # fmt: skip
+
+
+#: the gated time rows a trace lacks when the kernel, operator, category or phase did not run in it
+ZERO_FILLED = ("kernel:", "op:", "category:", "phase:")
+
+
+def zero_fill(a: Recorder, b: Recorder) -> tuple[int, int, int]:
+    """Give each side the time rows (``ZERO_FILLED``) only the other has, at 0 ms per step: what did
+    not run took no time.  Returns (rows in both, only in a, only in b) as recorded."""
+
+    def index(rec: Recorder) -> dict:
+        return {(r["variant"], r["metric"]): r for r in rec.rows}
+
+    ia, ib = index(a), index(b)
+    both = len(ia.keys() & ib.keys())
+    for mine, theirs, rec in ((ia, ib, a), (ib, ia, b)):
+        steps = {v: len(r["samples"] or []) for (v, m), r in mine.items() if m == "span"}
+        for (variant, metric), row in theirs.items():
+            if (variant, metric) not in mine and metric.startswith(ZERO_FILLED) and variant in steps:
+                rec.add(row["experiment"], variant, metric, 0.0, row["unit"], statistic=row["statistic"],
+                        samples=[0.0] * max(steps[variant], 1), stable=row["stable"],
+                        stability=row["stability"])  # fmt: skip
+    return both, len(ia.keys() - ib.keys()), len(ib.keys() - ia.keys())
+
+
+def _job(a, path: str) -> JobSummary:
+    return load_job(path, executor=a.executor, workers=a.workers, mem_gb=a.mem_gb, progress=not a.json, gpu=a.gpu)
 
 
 def cmd_trace(a) -> int:
-    ta = _job(a, a.path)
-    fig = figures(ta, a.top)
-    text = summary_text(ta, fig)
+    check_part("gpu", a.gpu)
+    job = _job(a, a.path)
+    fig = figures(job, a.top)
+    text = summary_text(job, fig)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    rec_path = records(ta).save(out / "records.json")
+    rec_path = records(job).save(out / "records.json")
     (out / "trace.json").write_text(json.dumps(fig, indent=1, default=str), encoding="utf-8")
-    (out / "trace.html").write_text(render_html(ta, fig, text), encoding="utf-8")
+    (out / "trace.html").write_text(render_html(job, fig, text), encoding="utf-8")
     if a.json:
         print(json.dumps(fig, default=str))
     else:
@@ -236,51 +339,63 @@ def cmd_trace(a) -> int:
 
 
 def cmd_diff(a) -> int:
+    """Both sides read first (a bad one is refused before anything is written), then recorded with
+    their ranks paired, the rows only one side ran filled with zeros, and compared; only the time rows
+    gate (``gate="performance"``: shares and idle are reported)."""
+    check_part("gpu", a.gpu)
+    base, cand = _job(a, a.base), _job(a, a.candidate)
+    vb, vc, how = pair_ranks(base.ranks, cand.ranks)
+    rb, rc = records(base, vb), records(cand, vc)
+    both, only_b, only_c = zero_fill(rb, rc)
     out = Path(a.out)
-    sides = {}
-    for name, path in (("base", a.base), ("candidate", a.candidate)):
-        sides[name] = records(_job(a, path)).save(out / name / "records.json")
-    cmp = compare(sides["base"], sides["candidate"], threshold=a.threshold)
+    sides = {"base": rb.save(out / "base" / "records.json"), "candidate": rc.save(out / "candidate" / "records.json")}
+    cmp = compare(sides["base"], sides["candidate"], threshold=a.threshold, gate="performance",
+                  allow_device_mismatch=a.allow_device_mismatch)  # fmt: skip
     paths = cmp.write(out)
+    total = both + only_b + only_c
+    matched = (f"ranks {how}; rows recorded in both traces: {both} of {total} ({100 * both / max(total, 1):.0f}%), "
+               f"{only_b} only in the base, {only_c} only in the candidate (their times shown at 0 ms on the "
+               "other side)")  # fmt: skip
     if a.json:
-        print(json.dumps(cmp.to_json(), default=str))
+        print(json.dumps(cmp.to_json() | {"ranks": how, "rows_in_both": both, "rows_total": total}, default=str))
     else:
         print(cmp.summary_text(limit=a.limit), end="")
+        print(matched)
         print(f"perflab trace diff: wrote {paths['html']} (and summary.txt, compare.json)")
     return cmp.exit_code
 
 
-def _common(ap: argparse.ArgumentParser, out: str) -> None:
-    ap.add_argument("--out", default=out, help=f"folder for the records and the HTML page (default: {out})")
-    ap.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
-    ap.add_argument("--executor", default="pool", choices=MAP_EXECUTORS, help="where a folder's ranks are read")
-    ap.add_argument("--workers", type=int, default=2, help="ranks read at once (default 2)")
-    ap.add_argument("--mem-gb", type=float, default=4.0, help="memory bound per rank job in GB (default 4)")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``perflab trace PATH`` or ``perflab trace diff A B``; exit 2 on a bad path or argument."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "diff":
-        ap = argparse.ArgumentParser(prog="perflab trace diff", description=__doc__.split("\n\n")[3])
-        ap.add_argument("base")
-        ap.add_argument("candidate")
-        ap.add_argument("--threshold", type=float, default=0.05, help="relative change called a difference")
-        ap.add_argument("--limit", type=int, default=40, help="rows in the printed summary")
-        _common(ap, ".perflab/trace-diff")
-        a, fn = ap.parse_args(argv[1:]), cmd_diff
-    else:
-        ap = argparse.ArgumentParser(prog="perflab trace", description=__doc__.split("\n\n")[1],
-                                     epilog="perflab trace diff A B: compare two traces (see its --help)")  # fmt: skip
-        ap.add_argument("path", help="a trace file (.json, .json.gz) or a folder of per-rank trace files")
-        ap.add_argument("--top", type=int, default=10, help="top kernels per rank")
-        _common(ap, ".perflab/trace")
-        a, fn = ap.parse_args(argv), cmd_trace
+def run(a: argparse.Namespace) -> int:
+    """``perflab trace`` (``a.diff`` false) or ``perflab trace diff`` on parsed arguments; exit 2 on a
+    bad path or argument."""
+    fn, prog = (cmd_diff, "perflab trace diff") if getattr(a, "diff", False) else (cmd_trace, "perflab trace")
     try:
         return fn(a)
     except (ConfigError, CompareError) as e:
-        print(f"{ap.prog}: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return EXIT_USAGE
 
 
-__all__ = ["analyse_rank", "figures", "load_job", "main", "records", "render_html", "summary_text"]
+def main(argv: Sequence[str] | None = None) -> int:
+    """``perflab trace PATH`` or ``perflab trace diff A B`` from a list of arguments."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    diff = bool(argv) and argv[0] == "diff"
+    a = trace_args.parser(diff).parse_args(argv[1:] if diff else argv)
+    a.diff = diff
+    return run(a)
+
+
+__all__ = [
+    "RankError",
+    "TraceRecorder",
+    "analyse_rank",
+    "figures",
+    "load_job",
+    "main",
+    "pair_ranks",
+    "records",
+    "render_html",
+    "run",
+    "summary_text",
+    "zero_fill",
+]

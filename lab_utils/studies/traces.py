@@ -29,7 +29,7 @@ import torch
 
 from lab_utils.core.ceilings import Ceilings, get_ceilings
 from lab_utils.core.config import ConfigError, LabConfig, check_choice, check_int, check_int_list
-from lab_utils.core.device import DatasheetPeak
+from lab_utils.core.datasheets import DatasheetPeak, check_part
 from lab_utils.core.plots import roofline_plot
 from lab_utils.core.records import Recorder
 from lab_utils.model import PRESETS
@@ -59,6 +59,7 @@ class TracesLabConfig(LabConfig):
     numel: tuple = (4096, 65536)  # float32 elements of each all-reduce per step (gloo ranks)
     scope: str = "steps"  # "steps" | "hta" | "all" (TraceAnalysis' scopes)
     top_n: int = 10
+    gpu: str | None = None  # the GPU of a given trace that names none (its datasheet row); None: as the trace says
 
     def __post_init__(self):
         super().__post_init__()
@@ -75,6 +76,7 @@ class TracesLabConfig(LabConfig):
         check_int_list("numel", list(self.numel), min=1)
         check_choice("scope", self.scope, SCOPES)
         check_int("top_n", self.top_n, min=1)
+        check_part("gpu", self.gpu)
 
 
 @dataclass
@@ -115,7 +117,7 @@ def load(cfg: TracesLabConfig, out_dir: str | Path | None = None) -> LabTraces:
     folder by default) and read them."""
     if cfg.trace_path is not None:
         path = Path(cfg.trace_path)
-        return LabTraces({"trace": TraceAnalysis(path)}, {"trace": path}, own=False)
+        return LabTraces({"trace": TraceAnalysis(path, gpu=cfg.gpu)}, {"trace": path}, own=False)
     device = _resolve_device(cfg.device)
     tmp = None
     if out_dir is None:
@@ -392,9 +394,11 @@ def headline(df: pd.DataFrame) -> list[Figure]:
         if not len(span):
             continue
         total = float(span["value"].iloc[0])
-        for part in ("communication",) if name == "gloo" else ("compute", "idle"):
-            r = rows(df, experiment=name, variant="rank0", metric=part)
+        parts = {"communication": "exposed_comm_share"} if name == "gloo" else {"compute": "compute_share",
+                                                                                "idle": "idle_share"}  # fmt: skip
+        for part, metric in parts.items():
+            r = rows(df, experiment=name, variant="rank0", metric=metric)
             if len(r) and total > 0:
-                pct = 100 * float(r["value"].iloc[0]) / total
+                pct = float(r["value"].iloc[0])
                 figs.append(Figure(f"{name} rank 0 {part}", fmt(pct, "%"), f"of a {fmt(total, 'ms')} step (median)"))
     return figs

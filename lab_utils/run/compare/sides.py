@@ -22,7 +22,7 @@ import pandas as pd
 from lab_utils.core.device import device_info
 from lab_utils.core.records import CONTEXT_COLUMNS, fill_stability, load_records
 from lab_utils.run.compare.rules import KEY, CompareError
-from lab_utils.run.runner import ROOT, params_dir
+from lab_utils.run.suites import ROOT, params_dir
 
 
 @dataclass
