@@ -143,6 +143,7 @@ class TraceAnalysis:
     top_ops_by_step: pd.DataFrame | None = None  # step, name, ms (the top operators, 0 where absent)
     #: named phases that run inside another (a factory's "noising" inside "forward"): step, phase, within, ms
     nested_phases: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=["step", "phase", "within", "ms"]))
+    top_n: int = 15  # how many operators top_ops keeps (fewer: the step ran no more)
 
 
 def _read(path: str | Path, device_kind: str | None, names=PHASES):
@@ -200,7 +201,18 @@ def analyse_trace(
     top_ops, top_by_step = _top_ops(in_steps, windows, float(steps.step_ms.sum()), top)
     memory, peak = _memory(rt, windows, device_kind)
     return TraceAnalysis(
-        device_kind, source, steps, phases, categories, top_ops, memory, peak, categories_by_step, top_by_step, nested
+        device_kind,
+        source,
+        steps,
+        phases,
+        categories,
+        top_ops,
+        memory,
+        peak,
+        categories_by_step,
+        top_by_step,
+        nested_phases=nested,
+        top_n=top,
     )
 
 

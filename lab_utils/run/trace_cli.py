@@ -23,19 +23,14 @@ step index; only the times gate (``gate="performance"``), the shares and idle ar
 from __future__ import annotations
 
 import argparse
-import html
 import json
-import re
 import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import holoviews as hv
 import pandas as pd
-from bokeh.embed import components
-from bokeh.resources import Resources
 
 from lab_utils.core.config import ConfigError
 from lab_utils.core.datasheets import check_part
@@ -45,12 +40,25 @@ from lab_utils.run.commands import trace as trace_args
 from lab_utils.run.compare import compare
 from lab_utils.run.compare.rules import CompareError
 from lab_utils.run.executors import MapOptions, map_jobs
+from lab_utils.run.trace_analyses import (
+    MAX_RANKS,
+    analysis_figures,
+    job_perfetto,
+    job_timeline,
+    path_values,
+    rank_extras,
+    summary_lines,
+)
+from lab_utils.run.trace_html import headline, render_html
 from lab_utils.traces import TraceAnalysis
+from lab_utils.traces.perfetto import write_perfetto
 from lab_utils.traces.reader import read_rank, trace_files
 from lab_utils.traces.summary import JobSummary, RankSummary, summarise
+from lab_utils.traces.timeline import check_steps
 
 LAB = "trace"
 EXIT_USAGE = 2
+PERFETTO = "trace.perfetto.json.gz"  # the attributed trace for Perfetto (lab_utils.traces.perfetto)
 
 
 # -- reading a job: map per rank, reduce to one JobSummary ---------------------------------
@@ -62,14 +70,25 @@ class RankError:
     message: str  # one line
 
 
-def analyse_rank(item: tuple[str, int, bool, str | None]) -> RankSummary | RankError:
+def analyse_rank(item: tuple) -> RankSummary | RankError:
     """One rank file read, attributed and summarised (a job of :func:`map_jobs`):
-    ``(path, index, alone, gpu)``; only the summary comes back (see :mod:`lab_utils.traces.summary`)."""
-    path, index, alone, gpu = item
+    ``(path, index, alone, gpu[, options])``; only the summary comes back (see
+    :mod:`lab_utils.traces.summary`).  ``options`` (``perflab trace``'s): ``step``, ``page`` (this rank
+    on the page: its extras, :func:`lab_utils.run.trace_analyses.rank_extras`), ``max_bars``,
+    ``perfetto``, ``paths`` (the critical path per step among the records)."""
+    path, index, alone, gpu = item[:4]
+    opts = item[4] if len(item) > 4 else {}
     try:
         trace = read_rank(path, index, alone=alone)
         ta = TraceAnalysis({trace.rank: trace}, gpu=gpu)
-        return summarise(ta, trace.rank)
+        summary = summarise(ta, trace.rank)
+        if opts.get("paths"):
+            summary.per_step = pd.concat([summary.per_step, path_values(ta, trace.rank)], ignore_index=True)
+        if opts:
+            summary.extras = rank_extras(ta, trace.rank, opts.get("step"), page=bool(opts.get("page")),
+                                         max_bars=opts.get("max_bars", 20_000),
+                                         perfetto=opts.get("perfetto", "none"))  # fmt: skip
+        return summary
     except ConfigError as e:
         return RankError(path, one_line(str(e)))
     except MemoryError:
@@ -91,12 +110,21 @@ def load_job(
     mem_gb: float | None = 4.0,
     progress: bool = False,
     gpu: str | None = None,
+    options: dict | None = None,
+    only: list[int] | None = None,
 ) -> JobSummary:
     """``path`` (file or folder) as one :class:`JobSummary`; a folder's ranks through ``map_jobs``.
-    A rank file that cannot be read raises one ``ConfigError`` naming it (the first, in file order)."""
+    A rank file that cannot be read raises one ``ConfigError`` naming it (the first, in file order).
+    ``options``: what each rank's job adds (:func:`analyse_rank`; ``page`` for the first
+    :data:`~lab_utils.run.trace_analyses.MAX_RANKS` files); ``only``: read these files (by index) alone."""
     files = trace_files(path)
-    items = [(str(f), i, len(files) == 1, gpu) for i, f in enumerate(files)]
-    if len(files) == 1:
+    opts = options or {}
+    first = {"page": opts.get("page", True), "paths": opts.get("paths", True)}  # the first MAX_RANKS files only
+    items = [(str(f), i, len(files) == 1, gpu, opts and opts | {k: v and i < MAX_RANKS for k, v in first.items()})
+             for i, f in enumerate(files)]  # fmt: skip
+    if only is not None:
+        files, items = [files[i] for i in only], [items[i] for i in only]
+    if len(items) == 1:
         outs: list = [analyse_rank(items[0])]
     else:
         with tempfile.TemporaryDirectory(prefix="perflab-trace-") as tmp:
@@ -125,8 +153,9 @@ def _frame(df: pd.DataFrame) -> list[dict]:
     return [{k: json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
 
 
-def figures(job: JobSummary, top: int = 10) -> dict[str, list[dict] | dict]:
-    """Every figure of the job as JSON-ready tables (one list of rows per table)."""
+def figures(job: JobSummary, top: int = 10, step: int | None = None) -> dict[str, list[dict] | dict]:
+    """Every figure of the job as JSON-ready tables (one list of rows per table); with the ranks'
+    extras (``perflab trace``), the analyses of :mod:`lab_utils.run.trace_analyses` for ``step``."""
     out: dict = {
         "path": job.path,
         "ranks": job.ranks,
@@ -148,12 +177,13 @@ def figures(job: JobSummary, top: int = 10) -> dict[str, list[dict] | dict]:
     if len(calls) and len(job.ranks) > 1:
         out["skew"] = _frame(job.skew())
         out["straggler"] = {k: json_value(v) for k, v in vars(job.straggler()).items()}
-    return out
+    return out | analysis_figures(job, step)
 
 
 def summary_text(job: JobSummary, fig: dict) -> str:
     """:meth:`JobSummary.summary` plus the per step breakdown, idle split and collectives."""
-    lines = [job.summary(), "", "per step (ms): rank step span busy idle compute communication memory"]
+    lines = [job.summary(), "", "in one look:"] + [f"  {s}" for s in headline(fig)]
+    lines += ["", "per step (ms): rank step span busy idle compute communication memory"]
     for row in fig["temporal_by_step"]:
         vals = " ".join(f"{(row.get(c) or 0) / 1e3:8.3f}" for c in ("span", "busy", "idle", "compute",
                                                                       "communication", "memory"))  # fmt: skip
@@ -174,76 +204,10 @@ def summary_text(job: JobSummary, fig: dict) -> str:
         lines += [f"  {r} {c:<20} {int(v.calls):5d} {v.total_us / 1e3:9.3f} {v.bus:9.2f} | {v.transfer:9.2f}"
                   for (r, c), v in g.iterrows()]  # fmt: skip
         if "straggler" in fig:
-            lines.append(f"straggler: {fig['straggler']}")
+            lines.append(f"straggler: {fig['straggler']['verdict']}")
     else:
         lines.append("collectives: none in this trace")
-    return "\n".join(lines)
-
-
-# -- the HTML page ---------------------------------------------------------------------------
-def inline_bokeh() -> str:
-    """BokehJS inline, any ``<script src=...>`` another import registered dropped (as the compare page)."""
-    return re.sub(r"<script[^>]*\bsrc=[^>]*>\s*</script>", "", Resources(mode="inline", components=["bokeh"]).render())
-
-
-def _plots(fig: dict):
-    hv.extension("bokeh", logo=False)
-    t = pd.DataFrame(fig["temporal"])
-    parts = ["compute", "communication", "memory", "other", "idle"]
-    long = t.melt(id_vars=["rank"], value_vars=[p for p in parts if p in t], var_name="part", value_name="us")
-    long["ms"], long["rank"] = long["us"] / 1e3, long["rank"].astype(str)
-    per_rank = hv.Bars(long, kdims=["rank", "part"], vdims="ms").opts(
-        stacked=True, width=520, height=320, title="per rank: where the span went (ms)", tools=["hover"]
-    )
-    s = pd.DataFrame(fig["temporal_by_step"])
-    plots = [per_rank]
-    if len(s):
-        s["label"] = "r" + s["rank"].astype(str) + " s" + s["step"].astype(str)
-        ls = s.melt(id_vars=["label"], value_vars=[p for p in parts if p in s], var_name="part", value_name="us")
-        ls["ms"] = ls["us"] / 1e3
-        bars = hv.Bars(ls, kdims=["label", "part"], vdims="ms")
-        plots.append(bars.opts(stacked=True, width=620, height=320, title="per rank and step (ms)", xrotation=45))
-    return hv.render(hv.Layout(plots).cols(2), backend="bokeh")
-
-
-def _table(rows: list[dict], cols: Sequence[str] | None = None, limit: int = 50) -> str:
-    if not rows:
-        return "<p class='muted'>none</p>"
-    cols = list(cols or rows[0].keys())
-    esc = html.escape
-
-    def cell(v) -> str:
-        return f"{v:.4g}" if isinstance(v, float) else esc(str(v))
-
-    head = "".join(f"<th>{esc(c)}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows[:limit])
-    more = f"<p class='muted'>{len(rows) - limit} more rows in trace.json</p>" if len(rows) > limit else ""
-    return f"<table><tr>{head}</tr>{body}</table>{more}"
-
-
-def render_html(job: JobSummary, fig: dict, summary: str) -> str:
-    """One self-contained page: BokehJS inline, no script loaded from anywhere else."""
-    script, div = components(_plots(fig))
-    esc = html.escape
-    sections = [("launch verdict", _table(fig["launch"])), ("overlap", _table(fig["overlap"])),
-                ("idle split (us)", _table(fig["idle"])), ("HTA kernel types (%)", _table(fig["shares"])),
-                ("categories", _table(fig["categories"]))]  # fmt: skip
-    sections += [(f"top kernels, rank {r}", _table(rows)) for r, rows in fig["top_kernels"].items()]
-    sections += [("phases (us)", _table(fig["phases"])), ("windows", _table(fig["windows"]))]
-    sections += [(f"roofline, rank {r}", _table(rows)) for r, rows in fig["roofline"].items() if rows]
-    sections.append(("collectives", _table(fig["collectives"])))
-    if "skew" in fig:
-        sections.append(("skew across ranks", _table(fig["skew"])))
-    body = "".join(f"<h2>{esc(h)}</h2>{t}" for h, t in sections)
-    style = (
-        "body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;font-size:12px}"
-        "td,th{border:1px solid #ccc;padding:2px 6px}.muted{color:#777}pre{background:#f6f6f6;padding:1em}"
-    )
-    return (
-        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>perflab trace {esc(job.path)}</title>'
-        f"{inline_bokeh()}<style>{style}</style></head><body><h1>perflab trace</h1>"
-        f"<pre>{esc(summary)}</pre>{div}{body}{script}</body></html>"
-    )
+    return "\n".join(lines + summary_lines(fig))
 
 
 # -- records and the two commands ------------------------------------------------------------
@@ -294,7 +258,7 @@ def pair_ranks(base: list[int], cand: list[int]) -> tuple[dict[int, str], dict[i
 
 
 #: the gated time rows a trace lacks when the kernel, operator, category or phase did not run in it
-ZERO_FILLED = ("kernel:", "op:", "category:", "phase:")
+ZERO_FILLED = ("kernel:", "op:", "category:", "phase:", "critical_path:")
 
 
 def zero_fill(a: Recorder, b: Recorder) -> tuple[int, int, int]:
@@ -316,25 +280,50 @@ def zero_fill(a: Recorder, b: Recorder) -> tuple[int, int, int]:
     return both, len(ia.keys() - ib.keys()), len(ib.keys() - ia.keys())
 
 
-def _job(a, path: str) -> JobSummary:
-    return load_job(path, executor=a.executor, workers=a.workers, mem_gb=a.mem_gb, progress=not a.json, gpu=a.gpu)
+def _job(a, path: str, options: dict | None = None, only: list[int] | None = None) -> JobSummary:
+    return load_job(path, executor=a.executor, workers=a.workers, mem_gb=a.mem_gb, progress=not a.json, gpu=a.gpu,
+                    options=options, only=only)  # fmt: skip
+
+
+def page_job(a) -> tuple[JobSummary, int]:
+    """The job read with its page's extras, every page rank's for one step (``--step``, else the first
+    rank's median-duration step: a rank whose job chose another is read again for it)."""
+    opts = {"step": a.step, "max_bars": a.max_bars, "perfetto": a.perfetto}
+    job = _job(a, a.path, opts)
+    first = job.ranks_[job.ranks[0]].extras
+    step = a.step if a.step is not None else first["step"]
+    check_steps("--step", step, [job.ranks_[r].extras["steps"] for r in job.ranks])
+    again = [i for i, r in enumerate(job.ranks) if "bars" in job.ranks_[r].extras
+             and job.ranks_[r].extras["step"] != step and step in job.ranks_[r].extras["steps"]]  # fmt: skip
+    if again:
+        index = {str(f): i for i, f in enumerate(trace_files(a.path))}
+        redo = _job(a, a.path, opts | {"step": step}, [index[job.ranks_[job.ranks[i]].path] for i in again])
+        job.ranks_.update(redo.ranks_)
+    return job, step
 
 
 def cmd_trace(a) -> int:
     check_part("gpu", a.gpu)
-    job = _job(a, a.path)
-    fig = figures(job, a.top)
+    if a.max_bars < 2:
+        raise ConfigError("--max-bars", a.max_bars, "at least 2 bars")
+    job, step = page_job(a)
+    fig = figures(job, a.top, step)
+    timeline = job_timeline(job, step, a.max_bars)
     text = summary_text(job, fig)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rec_path = records(job).save(out / "records.json")
     (out / "trace.json").write_text(json.dumps(fig, indent=1, default=str), encoding="utf-8")
-    (out / "trace.html").write_text(render_html(job, fig, text), encoding="utf-8")
+    doc = job_perfetto(job)
+    if doc is not None:
+        write_perfetto(doc, out / PERFETTO)
+    (out / "trace.html").write_text(render_html(job, fig, text, timeline), encoding="utf-8")
     if a.json:
         print(json.dumps(fig, default=str))
     else:
         print(text)
-        print(f"perflab trace: wrote {out / 'trace.html'}, {rec_path} and trace.json")
+        extra = f", {PERFETTO} ({a.perfetto})" if doc is not None else ""
+        print(f"perflab trace: wrote {out / 'trace.html'}, {rec_path}, trace.json{extra}")
     return 0
 
 
@@ -343,7 +332,7 @@ def cmd_diff(a) -> int:
     their ranks paired, the rows only one side ran filled with zeros, and compared; only the time rows
     gate (``gate="performance"``: shares and idle are reported)."""
     check_part("gpu", a.gpu)
-    base, cand = _job(a, a.base), _job(a, a.candidate)
+    base, cand = (_job(a, p, {"paths": True, "page": False}) for p in (a.base, a.candidate))
     vb, vc, how = pair_ranks(base.ranks, cand.ranks)
     rb, rc = records(base, vb), records(cand, vc)
     both, only_b, only_c = zero_fill(rb, rc)
@@ -394,7 +383,6 @@ __all__ = [
     "main",
     "pair_ranks",
     "records",
-    "render_html",
     "run",
     "summary_text",
     "zero_fill",

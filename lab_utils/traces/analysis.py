@@ -28,6 +28,15 @@ Example (any Kineto trace; the paths are the real traces the tests use)::
     ta.collectives()              # per NCCL call: collective, algorithm, bytes, bus bandwidth, exposed/hidden us
     ta.skew()                     # across ranks: per collective call, wait (arrival skew) vs transfer; straggler
     ta.alpha_beta()               # lab 06's alpha-beta model fitted on these collectives
+    ta.critical_path(0)           # the critical path of the median-duration step (or step=N): length, bound_by,
+                                  # per category, the ops and kernels on it (lab_utils.traces.critical_path)
+    ta.hierarchy(0)               # GPU time up the call tree: ranges/modules -> ops -> kernels, self and total
+    ta.sequences(0)               # repeated kernel sequences on a stream, by total time (fusion candidates)
+    ta.stream_idle()              # per rank and stream: idle split into host wait, kernel wait, other (HTA's)
+    ta.launch_outliers(0)         # launch calls and delays beyond HTA's cutoffs (50 us, 100 us)
+    ta.queue_length(0)            # per stream: the launch queue's length over time (a step function)
+    ta.memory_bw(0)               # per memcpy/memset kind: GB/s in flight over time
+    ta.timeline(step=None)        # the bars of one step per rank and stream (lab_utils.traces.timeline)
     ta.summary()                  # a short text report
     ta.record(Recorder("09_traces"))  # tidy rows for perflab compare
 
@@ -53,15 +62,18 @@ import pandas as pd
 from lab_utils.core.config import ConfigError, check_choice
 from lab_utils.core.datasheets import DatasheetPeak, Identified, check_part, identify
 from lab_utils.core.records import Recorder
-from lab_utils.traces import breakdown, collectives, cpu
+from lab_utils.traces import breakdown, collectives, counters, cpu, hierarchy, sequences, streams
 from lab_utils.traces.attribute import Attributed, attribute
+from lab_utils.traces.critical_path import CriticalPath, critical_path
 from lab_utils.traces.launches import launch_stats
 from lab_utils.traces.phases import PhaseTable
 from lab_utils.traces.reader import RankTrace, read_job
 from lab_utils.traces.roofline import op_roofline
 from lab_utils.traces.summary import JobSummary
+from lab_utils.traces.timeline import Timeline, step_timeline
 
 SCOPES = ("steps", "hta", "all")
+PATH_RANKS = 8  # the critical path is drawn for the first 8 ranks (TraceAnalysis.critical_paths)
 TEMPORAL = ("idle", "compute", "communication", "memory", "other")
 
 
@@ -249,6 +261,53 @@ class TraceAnalysis:
         """Lab 06's alpha-beta model fitted on every rank's sized calls (``duration``: ``dur`` or ``exposed_us``)."""
         events = [e for r in self.ranks for e in collectives.events_of(self._calls(r), duration)]
         return collectives.fit_alpha_beta(events)
+
+    # -- HTA's and TraceLens' analyses ----------------------------------------------------
+    def critical_path(self, rank: int | None = None, step: int | None = None, *, hta: bool = False) -> CriticalPath:
+        """The critical path of ``step`` on ``rank`` (default: the median-duration step)."""
+        rank = self._rank(rank)
+        return critical_path(self.traces[rank], self.attributed(rank), step, hta=hta)
+
+    def critical_paths(self, step: int | None = None, max_ranks: int = PATH_RANKS) -> dict[int, CriticalPath]:
+        """The critical path of ``step`` on the first ``max_ranks`` ranks that have it (a rank without
+        steps: its one window)."""
+        out = {}
+        for r in self.ranks[:max_ranks]:
+            att = self.attributed(r)
+            if not att.has_steps or step is None or step in set(att.steps["step"]):
+                out[r] = self.critical_path(r, step if att.has_steps else None)
+        return out
+
+    def hierarchy(self, rank: int | None = None, scope: str = "steps") -> pd.DataFrame:
+        """GPU time up the call tree of ``rank`` (:mod:`lab_utils.traces.hierarchy`)."""
+        rank = self._rank(rank)
+        return hierarchy.tree(self.traces[rank], self.attributed(rank), self.kernels(rank, scope))
+
+    def sequences(self, rank: int | None = None, scope: str = "steps", **options) -> pd.DataFrame:
+        """Repeated kernel sequences of ``rank`` (:func:`lab_utils.traces.sequences.frequent_sequences`)."""
+        return sequences.frequent_sequences(self.kernels(rank, scope), **options)
+
+    def stream_idle(self, scope: str = "steps", kernel_wait_us: float = streams.KERNEL_WAIT_US) -> pd.DataFrame:
+        """Per rank and stream: idle time as host wait, kernel wait and other (:mod:`lab_utils.traces.streams`)."""
+        parts = [streams.stream_idle(self.kernels(r, scope), kernel_wait_us).assign(rank=r) for r in self.ranks]
+        df = pd.concat(parts, ignore_index=True)
+        return df[["rank"] + [c for c in df.columns if c != "rank"]]
+
+    def launch_outliers(self, rank: int | None = None, scope: str = "steps", **cutoffs) -> streams.LaunchOutliers:
+        return streams.launch_outliers(self.kernels(rank, scope), **cutoffs)
+
+    def queue_length(self, rank: int | None = None, scope: str = "steps") -> pd.DataFrame:
+        """The launch queue of each stream over time (:func:`lab_utils.traces.counters.queue_series`)."""
+        return counters.queue_series(self.kernels(rank, scope))
+
+    def memory_bw(self, rank: int | None = None, scope: str = "steps") -> pd.DataFrame:
+        """GB/s of copies and fills in flight over time (:func:`lab_utils.traces.counters.memory_bw_series`)."""
+        return counters.memory_bw_series(self.kernels(rank, scope))
+
+    def timeline(self, step: int | None = None, ranks: list[int] | None = None, **options) -> Timeline:
+        """The bars of one step per rank and stream (:func:`lab_utils.traces.timeline.step_timeline`)."""
+        atts = {r: self.attributed(r) for r in (ranks or self.ranks)}
+        return step_timeline(self.traces, atts, step, phases=self.phase_table, **options)
 
     # -- summary and records --------------------------------------------------------------
     def summary(self) -> str:

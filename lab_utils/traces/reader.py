@@ -27,10 +27,12 @@ stored relative to the trace's first integer microsecond, so a ns-resolution flo
 Tables of a :class:`RankTrace` (pandas, one row per complete event ``ph == "X"``):
 
 * ``gpu``: kernels, memcpy and memset (``cat`` in :data:`GPU_CATS`) with name, cat, ts, dur,
-  stream, device, correlation, external_id and, where recorded, ``bytes`` and NCCL's arguments;
+  stream, device, correlation, external_id and, where recorded, ``bytes`` (``nbytes``), a copy's
+  ``memory bandwidth (GB/s)`` (``memory_gbps``) and NCCL's arguments;
 * ``host``: ``cpu_op``, ``user_annotation``, ``python_function``, runtime and driver calls with
   name, cat, ts, dur, pid, tid, correlation, external_id and, where recorded, input dims/types;
-* ``sync``: ``cuda_sync`` events (kept apart: they are waits, not GPU work);
+* ``sync``: ``cuda_sync`` events (kept apart: they are waits, not GPU work), with the stream and
+  the ``cudaEventRecord`` call (``wait_stream``, ``wait_record``) an event wait waits on;
 * ``gpu_ranges``: ``gpu_user_annotation`` ranges (the host ranges mirrored on the GPU timeline);
 * ``memory``: the allocator's totals (``[memory]`` events of ``profile_memory=True``): ts,
   allocated bytes, device type (0 CPU, 1 CUDA).
@@ -86,6 +88,9 @@ class _Args(msgspec.Struct, gc=False):
     concrete: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Concrete Inputs")
     total_allocated: int | float | None = msgspec.field(default=None, name="Total Allocated")
     device_type: int | None = msgspec.field(default=None, name="Device Type")
+    wait_stream: int | None = msgspec.field(default=None, name="wait_on_stream")  # cuda_sync "Stream Wait Event"
+    wait_record: int | None = msgspec.field(default=None, name="wait_on_cuda_event_record_corr_id")
+    memory_gbps: float | None = msgspec.field(default=None, name="memory bandwidth (GB/s)")  # memcpy, memset
 
 
 class _Event(msgspec.Struct, gc=False):  # gc=False: millions of them, none holds a cycle
@@ -234,7 +239,8 @@ class _Columns:
 
     STR = ("name", "cat", "pid", "tid")
     INT = ("correlation", "external_id", "stream", "device")
-    EXTRA = ("nbytes", "collective", "in_nelems", "out_nelems", "dtype", "group_size", "pg_name")
+    EXTRA = ("nbytes", "collective", "in_nelems", "out_nelems", "dtype", "group_size", "pg_name", "wait_stream",
+             "wait_record", "memory_gbps")  # fmt: skip
     SHAPES = ("input_dims", "input_type", "concrete")  # raw JSON, kept as interned text
     KINDS = {c: 0 for c in GPU_CATS} | {c: 1 for c in HOST_CATS} | {c: 2 for c in SYNC_CATS}
     KINDS |= {c: 3 for c in GPU_RANGE_CATS}
@@ -273,7 +279,8 @@ class _Columns:
         n = self.n
         rare = [i for i, a in enumerate(args) if a.nbytes is not None or a.collective is not None
                 or a.in_nelems is not None or a.dtype is not None or a.group_size is not None
-                or a.pg_name is not None or len(a.pg_ranks)]  # fmt: skip
+                or a.pg_name is not None or len(a.pg_ranks) or a.wait_record is not None
+                or a.memory_gbps is not None]  # fmt: skip
         for key in self.EXTRA:
             self.sparse[key] += [(n + i, v) for i in rare if (v := getattr(args[i], key)) is not None]
         for i in [i for i in rare if len(args[i].pg_ranks)]:

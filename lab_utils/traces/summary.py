@@ -75,10 +75,13 @@ class RankSummary:
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
     #: metric, unit, step_index (0 = the first step), value (ms or %), step
     per_step: pd.DataFrame = field(default_factory=pd.DataFrame)
+    #: what ``perflab trace`` adds for its page (lab_utils.run.trace_analyses: the timeline's bars,
+    #: Perfetto events, the critical path, call tree, sequences ...), empty elsewhere
+    extras: dict = field(default_factory=dict)
 
     def meta(self) -> dict:
         d = asdict(self)
-        d.pop("tables"), d.pop("per_step")
+        d.pop("tables"), d.pop("per_step"), d.pop("extras")
         return d
 
 

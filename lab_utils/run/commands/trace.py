@@ -16,9 +16,14 @@ with one trace file per rank, and print per rank and per step where the time wen
 and the rest, launch statistics with a launch-bound verdict, a per-op roofline where shapes were
 recorded, and collectives with bus bandwidth, skew and a straggler verdict.
 
+Beyond the breakdown: the critical path of a step, GPU time up the call tree (ranges, modules,
+operators, kernels), repeated kernel sequences (fusion candidates), idle per stream (host wait,
+kernel wait, other), launch outliers, the launch queue and copy bandwidth.
+
 Into --out it writes records.json (the rows `perflab compare` reads), trace.json (every figure as
-JSON) and trace.html (one self-contained page). A folder's ranks are read in parallel
-(--executor pool|local|slurm)."""
+JSON), trace.html (one self-contained page: the verdicts as sentences, the timeline of one step per
+rank and stream, the tables) and trace.perfetto.json.gz (the attributed trace for Perfetto). A
+folder's ranks are read in parallel (--executor pool|local|slurm)."""
 EPILOG = "perflab trace diff A B: compare two traces or jobs (see `perflab trace diff --help`)"
 DIFF_DESCRIPTION = """\
 Read both sides (trace files or folders of ranks), pair their ranks (the same ranks rank by rank,
@@ -42,6 +47,21 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """``perflab trace PATH``."""
     ap.add_argument("path", help="a trace file (.json, .json.gz) or a folder of per-rank trace files")
     ap.add_argument("--top", type=int, default=10, help="top kernels per rank")
+    ap.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="the ProfilerStep the timeline and critical path show (default: the median-duration step)",
+    )
+    ap.add_argument(
+        "--max-bars",
+        type=int,
+        default=20_000,
+        help="bars in the timeline before the shortest activities are merged (default 20000)",
+    )
+    ap.add_argument("--perfetto", default="step", choices=("step", "all", "none"),
+                    help="write trace.perfetto.json.gz: the timeline's step (default), the whole attributed "
+                         "trace, or nothing")  # fmt: skip
     _common(ap, ".perflab/trace")
 
 
