@@ -135,10 +135,14 @@ def test_a_step_out_of_memory_does_not_fit_and_the_bisection_goes_on():
 
 def test_the_device_is_named_by_gigabytes_or_gpu():
     assert mem.device_memory("H100")[0] == 80 * 10**9 and mem.device_memory("h200")[0] == 141 * 10**9
+    # a part by its exact name (the datasheet's memory), a family by its first part, the others named
+    assert mem.device_memory("H100 NVL") == (94 * 10**9, "H100 NVL, 94 GB (its datasheet)")
+    assert mem.device_memory("A100 PCIe 40GB")[0] == 40 * 10**9 and mem.device_memory("B200")[0] == 180 * 10**9
+    assert "assumed for 'H100', also H100 NVL 94 GB" in mem.device_memory("H100")[1]
     assert mem.device_memory(0.012)[0] == 12_000_000 and "given" in mem.device_memory(0.012)[1]
     if not torch.cuda.is_available():
         assert mem.device_memory(0.0) == (141 * 10**9, "an H200, 141 GB (no GPU here: name one with device_memory_gb)")
-    for bad in ("H300", -1.0):
+    for bad in ("H300", "RTX 4090", -1.0):
         with pytest.raises(ConfigError) as e:
             mem.device_memory(bad)
         assert e.value.param == "device_memory_gb"

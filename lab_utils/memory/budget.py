@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lab_utils.core.config import ConfigError, check_float, check_int
-from lab_utils.core.device import DATASHEET
+from lab_utils.core.datasheets import DATASHEET, PART_HELP, identify
 from lab_utils.core.dtypes import parse_dtype
 from lab_utils.memory.formula import (
     StepShape,
@@ -169,7 +169,7 @@ def gpus_needed(
 
 #: Memory of one H200 (141 GB, decimal) when no device is given and none is here.
 H200_BYTES = 141 * 10**9
-#: GPUs a what-fits may be asked for by name: their datasheet memory, as the vendor states it (GB).
+#: GPUs a what-fits may be asked for by name: every datasheet part with its memory (GB, as the vendor states it).
 NAMED_GPUS = {k: v for k, v in DATASHEET.items() if v.memory_gib}
 
 
@@ -182,16 +182,22 @@ def default_device_bytes() -> int:
 
 def device_memory(value, param: str = "device_memory_gb") -> tuple[int, str]:
     """Bytes and a description of the device a what-fits is asked for: a number of GB (decimal,
-    as GPUs are sold), a GPU name (its datasheet memory: H100 80 GB, H200 141 GB, B200 180 GB,
-    ...), or 0: this GPU, else an H200."""
+    as GPUs are sold), a GPU name (the datasheet memory of the part it names,
+    :func:`lab_utils.core.datasheets.identify`: "H100 NVL" 94 GB, "H200" 141 GB, "B200" 180 GB; a
+    family's name alone is its first part, "H100" the SXM5's 80 GB, and the label names the
+    others), or 0: this GPU, else an H200."""
     if isinstance(value, str):
-        key = value.strip().upper()
-        if key not in NAMED_GPUS:
+        found = identify(value.strip())
+        if found is None or not found.peak.memory_gib:
             raise ConfigError(
-                param, value, "a number of GB, 0 (this GPU, else an H200) or one of " + ", ".join(NAMED_GPUS)
+                param, value, f"a number of GB, 0 (this GPU, else an H200) or a GPU with a datasheet row: {PART_HELP}"
             )
-        sheet = NAMED_GPUS[key]
-        return int(sheet.memory_gib * 1e9), f"{sheet.name}, {sheet.memory_gib:g} GB (its datasheet)"
+        sheet = found.peak  # a family's name alone: its first part (identify), the others named
+        other = [p for p in DATASHEET.values() if p.family == sheet.family and p.memory_gib != sheet.memory_gib]
+        which = f"; assumed for {value!r}, also {', '.join(f'{p.name} {p.memory_gib:g} GB' for p in other)}"
+        return int(sheet.memory_gib * 1e9), f"{sheet.name}, {sheet.memory_gib:g} GB (its datasheet" + (
+            f"{which})" if found.assumed and other else ")"
+        )
     check_float(param, value, min=0)
     if value > 0:
         return int(value * 1e9), f"{value:g} GB (given)"
