@@ -84,6 +84,13 @@ def fmt(v: float, unit: str = "", digits: int = 3) -> str:
     return text + (f" {unit}" if unit else "")
 
 
+def fmt_bytes(n: float, digits: int = 3) -> str:
+    """A size in MiB below 1 GiB, in GiB from there (binary units, as allocators count)."""
+    if n is None or (isinstance(n, float) and not math.isfinite(n)):
+        return "n/a"
+    return fmt(n / 2**30, "GiB", digits) if abs(n) >= 2**30 else fmt(n / 2**20, "MiB", digits)
+
+
 def verdict(r) -> str:
     """'' for a stable or unjudged figure, 'UNSTABLE' for one whose timing was unstable."""
     return "UNSTABLE" if r.get("stable") is False else ""
@@ -195,6 +202,7 @@ __all__ = [
     "Takeaway",
     "figures_html",
     "fmt",
+    "fmt_bytes",
     "frame_of",
     "headline",
     "headlines",

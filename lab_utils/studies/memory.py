@@ -38,7 +38,7 @@ from lab_utils.model import ACTIVATION_CHECKPOINTS, PRESETS, MMDiTConfig
 from lab_utils.model.train import artifacts_dir
 from lab_utils.step.contract import StepFactory, blocks
 from lab_utils.step.load import DEFAULT_STEP, check_step_spec
-from lab_utils.studies.headline import Figure, fmt, register, rows, unscoped
+from lab_utils.studies.headline import Figure, fmt_bytes, register, rows, unscoped
 
 LAB = "05_memory"
 GB = 1e9
@@ -439,7 +439,7 @@ def fits_lines(df: pd.DataFrame) -> list[str]:
     if f.batch == 0:
         return [f"{device}: not even batch 1 fits (its predicted peak is above the device's memory)"]
     m = f.tried[f.batch]
-    out = [f"{device}: batch {f.batch} fits, predicted peak {fmt(m.peak / MIB, 'MiB')} (in the {m.peak_phase})"]
+    out = [f"{device}: batch {f.batch} fits, predicted peak {fmt_bytes(m.peak)} (in the {m.peak_phase})"]
     if f.capped:
         more = f", about {f.extrapolated} by a line through the measured peaks" if f.extrapolated else ""
         out.append(f"every batch tried fits (up to fit_max_batch = {f.max_batch}){more}")
@@ -468,11 +468,11 @@ def headline(df: pd.DataFrame) -> list[Figure]:
         idle = {unscoped(r.variant) for r in saved.itertuples() if "moves nothing" in _extra(r.extra).get("method", "")}
         none = pk[pol == "none"]
         if len(none):
-            figs.append(Figure("peak memory, no checkpointing", fmt(none.value.iloc[0] / MIB, "MiB"), "measured"))
+            figs.append(Figure("peak memory, no checkpointing", fmt_bytes(none.value.iloc[0]), "measured"))
         acting = pk[~pol.isin(idle)]
         if len(acting):
             b = acting.loc[acting.value.idxmin()]
-            figs.append(Figure("lowest peak", f"{unscoped(b.variant)} {fmt(b.value / MIB, 'MiB')}"))
+            figs.append(Figure("lowest peak", f"{unscoped(b.variant)} {fmt_bytes(b.value)}"))
     got = rows(df, experiment="step_fits", metric="max_batch")
     if len(got):
         r = got.iloc[0]

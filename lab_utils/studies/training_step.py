@@ -42,7 +42,7 @@ from lab_utils.profiling.profiler import profile_step as profile_run
 from lab_utils.step.contract import StepFactory
 from lab_utils.step.load import DEFAULT_STEP, check_step_spec
 from lab_utils.step.mmdit import trainer_step
-from lab_utils.studies.headline import Figure, fmt, register, rows, unscoped, verdict
+from lab_utils.studies.headline import Figure, fmt, fmt_bytes, register, rows, unscoped, verdict
 
 
 @dataclass(frozen=True)
@@ -410,7 +410,7 @@ def headline(df: pd.DataFrame) -> list[Figure]:
     mem = rows(df, experiment="memory", metric="cuda_max_allocated")
     mem = mem if len(mem) else rows(df, experiment="memory", metric="peak_allocated")
     if len(mem):
-        figs.append(Figure("peak memory", fmt(mem.value.iloc[0], "MiB"), mem.metric.iloc[0]))
+        figs.append(Figure("peak memory", fmt_bytes(mem.value.iloc[0] * 2**20), mem.metric.iloc[0]))  # recorded in MiB
     ph = rows(df, experiment="phases", metric="time")
     if "extra" in ph:  # a phase inside another is counted there: not a phase of its own
         ph = ph[~ph.extra.astype(str).str.contains('"within"')]
