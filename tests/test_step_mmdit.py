@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lab_utils import memory as mem
-from lab_utils.model.accounting import training_step_flops
+from lab_utils.model.accounting import forward_flops, training_step_flops
 from lab_utils.model.train import PHASES, TrainConfig
 from lab_utils.profiling.profiler import profile_step
 from lab_utils.step.contract import CAPABILITIES, run_step, same_batch
@@ -44,6 +44,27 @@ def test_the_one_probe_on_the_mmdits_step_equals_the_formula(lab05_step, policy)
     got = mem.measure_saved(step, policy).by_region()
     assert got == mem.saved_bytes_formula(step.model.cfg, sh, "float32", policy), policy
     assert step.model.activation_checkpoint.name == "none"  # the seam is restored after the forward
+
+
+def test_each_policys_recomputed_flops_are_the_forward_flops_of_what_it_recomputes(lab05_step):
+    """Lab 05's recomputed FLOPs (a policy's counted step less no checkpointing's) equal a hand count
+    of the forward it repeats: every block's matmuls and attention (full), one kind's (double /
+    single), the attention alone (save_matmul keeps the matmul outputs), nothing (selective).  The
+    CPU's flash-attention kernel is counted (FlopCounterMode has no formula for it of its own)."""
+    _, step = lab05_step
+    mc = step.model.cfg
+    f = forward_flops(mc, 2, 16, 8)  # batch 2, 64 px = 4 x 4 image tokens, 8 text tokens
+    per_block = f["attention"] / (mc.depth_double + mc.depth_single)
+    want = {
+        "full": f["double_linear"] + f["single_linear"] + f["attention"],
+        "double": f["double_linear"] + mc.depth_double * per_block,
+        "single": f["single_linear"] + mc.depth_single * per_block,
+        "save_matmul": f["attention"],
+        "selective": 0.0,
+    }
+    res = {r.policy: r.flops for r in mem.compare_policies(step, ["none", *want], reps=3, progress=False)}
+    assert {p: res[p] - res["none"] for p in want} == want
+    assert res["none"] > 2 * f["total"]  # forward + backward
 
 
 def test_lab_08s_default_step_is_the_trainer_of_its_config_and_batches_are_seeded():
