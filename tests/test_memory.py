@@ -13,6 +13,7 @@ import torch
 from lab_utils import memory as mem
 from lab_utils.core.config import ConfigError
 from lab_utils.core.timing import BenchFailure
+from lab_utils.memory.saved import measure_saved
 from lab_utils.model import ACTIVATION_CHECKPOINTS, build_model, resolve_config
 from lab_utils.model.checkpointing import block_policy
 from lab_utils.step.load import DEFAULT_STEP, load_step
@@ -51,11 +52,17 @@ def test_formula_counts_a_one_token_stream(sh, dtype):
         assert measured == mem.saved_bytes_formula(cfg, sh, dtype, policy), (sh, dtype, policy)
 
 
-def test_lab_formula_check_with_one_text_token():
-    """The lab accepts txt_len=1; its formula check (every policy) passes there."""
+def test_lab_formula_check_with_one_text_token(monkeypatch):
+    """The lab accepts txt_len=1; its formula check (every policy) passes there, measured on the
+    lab's own step (on CPU no second MMDiT is built for it)."""
     cfg = MemoryLabConfig(txt_len=1, batch_size=2, resolution=32)
-    df = formula.formula_check(cfg, load_step(DEFAULT_STEP, lab=cfg, check=False))
+    step = load_step(DEFAULT_STEP, lab=cfg, check=False)
+    probed = []
+    monkeypatch.setattr(mem, "mmdit_saved", lambda *a, **k: pytest.fail("a second MMDiT built for the check"))
+    monkeypatch.setattr(mem, "measure_saved", lambda s, p: probed.append(s) or measure_saved(s, p))
+    df = formula.formula_check(cfg, step)
     assert list(df.policy) == list(mem.FORMULA_POLICIES) and (df.hooks_bytes == df.formula_bytes).all()
+    assert probed == [step] * len(mem.FORMULA_POLICIES)
 
 
 @pytest.mark.parametrize("depths", [dict(depth_double=0), dict(depth_single=0), dict(depth_double=1, depth_single=1)])

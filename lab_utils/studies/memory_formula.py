@@ -21,13 +21,16 @@ from lab_utils.studies.memory import GB, MemoryLabConfig, sh_str
 
 def formula_check(cfg: MemoryLabConfig, step: StepFactory) -> pd.DataFrame:
     """The hooks against the analytic model of the step's ``memory_formula`` for every formula
-    policy at the lab's step shape, on CPU (where the formula is exact); a mismatch raises.  One
-    row per policy."""
+    policy at the lab's step shape, on CPU (where the formula is exact: the lab's own step there,
+    else the same MMDiT built on CPU); a mismatch raises.  One row per policy."""
     shape = step.capabilities["memory_formula"]
     mcfg, sh = shape.cfg, mem.step_shape(shape.cfg, shape.batch, shape.height, shape.width, shape.txt_len)
     rows = []
     for pol in mem.FORMULA_POLICIES:
-        meas = mem.mmdit_saved(mcfg, sh, shape.dtype, pol, seed=cfg.seed)
+        if step.device.type == "cpu":
+            meas = mem.measure_saved(step, pol)
+        else:  # CUDA keeps LayerNorm statistics in float32: the formula's exact case is the CPU's
+            meas = mem.mmdit_saved(mcfg, sh, shape.dtype, pol, seed=cfg.seed)
         form = mem.saved_bytes_formula(mcfg, sh, shape.dtype, pol)
         if meas.by_region() != form:
             raise AssertionError(f"policy {pol!r}: hooks {meas.by_region()} != formula {form}")
