@@ -133,6 +133,22 @@ def test_a_step_out_of_memory_does_not_fit_and_the_bisection_goes_on():
     assert fit.whole is not None and fit.tried[3].peak == fit.whole
 
 
+def test_the_out_of_memory_edge_is_bisected_over_real_steps_and_counts_each_oom():
+    """The one out-of-memory bisection: on a step that runs out above 3 samples, real steps of its
+    factory (two each) find 3, counting each batch above it that the bisection tries."""
+    step = load_step("test_step_fits:oom_step", batch_size=1)
+    assert mem.oom_edge(step, 8) == (3, 1)  # tries 4 (OOM), 2, 3
+    assert mem.oom_edge(step, 3) == (3, 0) and mem.oom_edge(step, 0) == (0, 0)
+    tried = []
+
+    def trial(b):
+        tried.append(b)
+        if b > 6:
+            raise torch.OutOfMemoryError("test")
+
+    assert mem.fits.oom_bisect(trial, 10) == (6, 2) and tried == [5, 8, 6, 7]
+
+
 def test_the_device_is_named_by_gigabytes_or_gpu():
     assert mem.device_memory("H100")[0] == 80 * 10**9 and mem.device_memory("h200")[0] == 141 * 10**9
     # a part by its exact name (the datasheet's memory), a family by its first part, the others named

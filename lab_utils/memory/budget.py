@@ -14,6 +14,7 @@ from torch import nn
 from lab_utils.core.config import ConfigError, check_float, check_int
 from lab_utils.core.datasheets import DATASHEET, PART_HELP, identify
 from lab_utils.core.dtypes import parse_dtype
+from lab_utils.memory.fits import oom_bisect
 from lab_utils.memory.formula import (
     StepShape,
     batch_for,
@@ -281,25 +282,23 @@ def bisect_fit(
     model.train()
     opt = MasterAdamW(model.parameters(), lr=1e-5)
     sh1 = step_shape(cfg, 1, resolution, resolution, txt_len)
-    lo, ooms, state = 0, 0, {}
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
+    state: dict = {}
+
+    def one_step(b: int) -> None:
         batch = None
         try:
-            batch = batch_for(cfg, StepShape(mid, sh1.img_tokens, txt_len), torch.bfloat16, dev)
+            batch = batch_for(cfg, StepShape(b, sh1.img_tokens, txt_len), torch.bfloat16, dev)
             rf_loss(model, batch).backward()
             opt.step()
-            state = fit_state(model, opt)
-            opt.zero_grad(set_to_none=True)
+            state.clear()
+            state.update(fit_state(model, opt))
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
-            lo = mid
-        except torch.OutOfMemoryError:
-            ooms += 1
-            hi = mid - 1
         finally:
             batch = None
             opt.zero_grad(set_to_none=True)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-    return FitEdge(lo, ooms, state)
+
+    edge, ooms = oom_bisect(one_step, hi)
+    return FitEdge(edge, ooms, state)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -245,23 +245,38 @@ def fits_bisect(step: StepFactory, device_bytes: int, *, max_batch: int = 16, ch
     return out
 
 
-def oom_edge(step: StepFactory, hi: int) -> tuple[int, int]:
-    """On CUDA: the largest batch in [1, ``hi``] whose real steps run (two steps each, built from
-    the step's factory), by bisection, and how many out-of-memory errors it met on the way."""
+def oom_bisect(trial: Callable[[int], object], hi: int) -> tuple[int, int]:
+    """The largest batch in [0, ``hi``] whose ``trial(batch)`` runs without running out of memory,
+    by bisection (each out-of-memory error counted, the search going on), and that count.  The
+    one out-of-memory bisection: :func:`oom_edge` on a lab's step, ``memory.budget.bisect_fit`` on
+    the MMDiT's formula projection; a trial releases what it built (``finally``)."""
+    check_int("hi", hi, min=0)
     lo, ooms = 0, 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        s = None
         try:
-            s = step.rebuild(batch_size=mid)
-            run_step(s, 0)
-            run_step(s, 1)
-            torch.cuda.synchronize(s.device)
+            trial(mid)
             lo = mid
-        except torch.cuda.OutOfMemoryError:
+        except torch.OutOfMemoryError:
             ooms += 1
             hi = mid - 1
+    return lo, ooms
+
+
+def oom_edge(step: StepFactory, hi: int) -> tuple[int, int]:
+    """On CUDA: the largest batch in [1, ``hi``] whose real steps run (two steps each, built from
+    the step's factory), by :func:`oom_bisect`, and how many out-of-memory errors it met on the way."""
+
+    def two_steps(b: int) -> None:
+        s = None
+        try:
+            s = step.rebuild(batch_size=b)
+            run_step(s, 0)
+            run_step(s, 1)
+            if s.device.type == "cuda":
+                torch.cuda.synchronize(s.device)
         finally:
             if s is not None:
                 s = _free(s)
-    return lo, ooms
+
+    return oom_bisect(two_steps, hi)
