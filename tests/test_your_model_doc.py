@@ -1,6 +1,8 @@
 """The README's "Your model" section works as written: its Python block, pasted as
-``my_models/flux.py`` into a fresh project folder (nothing else there), is a factory the labs
-accept, and its exact command, run from that folder, completes lab 05 on it with the whole page."""
+``my_models/flux.py`` into a fresh folder that holds only what a clone after ``make setup`` adds to
+it (``.venv``: this environment), is a factory the labs accept, and its exact command, run from
+that folder in the test's environment (no ``PERFLAB_STEP_PATH``, nothing added to ``PATH``),
+completes lab 05 on it with the whole page."""
 
 from __future__ import annotations
 
@@ -35,9 +37,11 @@ def code_blocks(lang: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
-    """A fresh project folder holding only the README's code, where the README says to save it."""
+    """A fresh folder holding only the README's code, where the README says to save it, and the
+    environment ``make setup`` makes (``.venv``, a link to this one)."""
     (py,) = code_blocks("python")
     folder = tmp_path_factory.mktemp("my-project")
+    (folder / ".venv").symlink_to(Path(sys.prefix), target_is_directory=True)
     (folder / "my_models").mkdir()
     (folder / "my_models" / "flux.py").write_text(py)
     return folder
@@ -45,7 +49,7 @@ def project(tmp_path_factory):
 
 def test_the_doc_names_the_file_and_the_factory_it_defines():
     (sh,) = code_blocks("bash")
-    assert sh.strip() == "perflab run labs/05_memory.ipynb --param step=my_models.flux:flux_step"
+    assert sh.strip() == ".venv/bin/perflab run labs/05_memory.ipynb --param step=my_models.flux:flux_step"
     assert "`my_models/flux.py`" in section() and "device_memory_gb" in section()
 
 
@@ -63,9 +67,8 @@ def test_the_doc_example_loads_from_the_project_folder(project, monkeypatch):
 def test_the_readmes_command_run_from_the_project_folder_completes_lab_05(project, tmp_path):
     (sh,) = code_blocks("bash")
     argv = shlex.split(sh.strip())
-    assert argv[0] == "perflab"
-    bin_dir = str(Path(sys.executable).parent)  # the project's environment, as after `make setup`
-    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"], REPORTS_ENV: str(tmp_path / "reports")}
+    assert argv[0] == ".venv/bin/perflab" and (project / argv[0]).exists(), "perflab is not in this environment"
+    env = {**os.environ, REPORTS_ENV: str(tmp_path / "reports")}  # PATH as it is: the command names its perflab
     env.pop("PERFLAB_STEP_PATH", None)
     r = subprocess.run(argv, cwd=project, env=env, capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
