@@ -304,3 +304,28 @@ def test_lab_table_carries_stability_and_device(monkeypatch):
 def test_gpu_set_is_read_from_the_lab_yaml():
     g = study.gpu_set()
     assert g["device"] == "cuda" and g["resolution"] == 1024 and g["preset"] == "medium"
+
+
+def test_the_takeaway_reads_lab_05s_own_records():
+    """The headline from records alone: the peak without checkpointing, the lowest peak of a policy
+    that acts here (offload on a CPU, whose saved bytes move nothing, is not it), what fits the
+    device named in the row, the extrapolated batch with its thousands separated."""
+    mib = 2**20
+    offload = json.dumps({"method": "save_on_cpu moves nothing on a CPU: bytes it would keep on a GPU"})
+    df = pd.DataFrame(
+        [
+            dict(experiment="policies", variant="none", metric="peak_bytes", value=3 * mib, extra=""),
+            dict(experiment="policies", variant="full", metric="peak_bytes", value=1.5 * mib, extra=""),
+            dict(experiment="policies", variant="offload", metric="peak_bytes", value=1.0 * mib, extra=""),
+            dict(experiment="policies", variant="offload", metric="saved_bytes", value=4096, extra=offload),
+            dict(experiment="step_fits", variant="b16", metric="max_batch", value=16,
+                 extra=json.dumps({"device": "an H200, 141 GB"})),
+            dict(experiment="step_fits", variant="b16", metric="max_batch_extrapolated", value=149619, extra=""),
+        ]
+    )  # fmt: skip
+    got = [str(f) for f in study.headline(df)]
+    assert got == [
+        "peak memory, no checkpointing: 3 MiB (measured)",
+        "lowest peak: full 1.5 MiB",
+        "what fits an H200, 141 GB: batch 16 (about 149,619 extrapolated) (measured on real steps)",
+    ], got

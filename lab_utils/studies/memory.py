@@ -441,7 +441,7 @@ def fits_lines(df: pd.DataFrame) -> list[str]:
     m = f.tried[f.batch]
     out = [f"{device}: batch {f.batch} fits, predicted peak {fmt_bytes(m.peak)} (in the {m.peak_phase})"]
     if f.capped:
-        more = f", about {f.extrapolated} by a line through the measured peaks" if f.extrapolated else ""
+        more = f", about {f.extrapolated:,} by a line through the measured peaks" if f.extrapolated else ""
         out.append(f"every batch tried fits (up to fit_max_batch = {f.max_batch}){more}")
     out.append(f"check: {f.check}" if f.check else "check: not run")
     return out
@@ -478,7 +478,7 @@ def headline(df: pd.DataFrame) -> list[Figure]:
         r = got.iloc[0]
         ex = _extra(r.extra)
         more = rows(df, experiment="step_fits", metric="max_batch_extrapolated")
-        value = f"batch {int(r.value)}" + (f" (about {int(more.value.iloc[0])} extrapolated)" if len(more) else "")
+        value = f"batch {int(r.value)}" + (f" (about {int(more.value.iloc[0]):,} extrapolated)" if len(more) else "")
         figs.append(Figure(f"what fits {ex.get('device', 'the device')}", value, "measured on real steps"))
     fit = rows(df, experiment="what_fits", metric="max_batch")
     if len(fit):
