@@ -1,11 +1,14 @@
 """Labs 01, 05, 07 and 08 take ``step``: each lab's config defaults it to perflab's MMDiT and
 checks its form; each notebook's parameters cell names it and the first cell after it loads it
-(``page.load``: a factory that does not import is refused there, naming ``step``); the smoke suite
+(``page.load``: a factory that does not import is refused there, naming ``step``), and no other
+cell loads or builds a step, so each section measures that one; the smoke suite
 runs lab 05 once more with diffusers' FLUX, under its own name (a notebook that runs twice in a
 suite without one is refused); records keyed by the step's identity keep two models apart in
 perflab compare and match two builds of one."""
 
 from __future__ import annotations
+
+import re
 
 import nbformat
 import pytest
@@ -48,6 +51,10 @@ def test_each_lab_takes_step_defaulting_to_the_mmdit_and_refuses_a_bad_one(lab):
     nb = nbformat.read(ROOT / "labs" / f"{lab}.ipynb", as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code" and "parameters" not in c.metadata.get("tags", [])]
     assert "from_params(globals())" in code[0].source and "step = page.load(cfg, rec)" in code[0].source
+    # one step a run: every section measures the step loaded there; no cell loads or builds another
+    whole = "\n".join(c.source for c in code)
+    assert re.findall(r"\w+\.load\(", whole) == ["page.load("], lab
+    assert not re.findall(r"\b(load_step|build_step|build_model|Trainer|synthetic_step)\b", whole), lab
 
 
 def test_the_smoke_suite_runs_lab_05_once_more_with_flux():
