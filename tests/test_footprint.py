@@ -67,6 +67,21 @@ def test_executed_notebooks_keep_their_text_and_the_pages_their_plots(tiny_repor
     page = (rep / "html" / "tiny.html").read_text()
     assert "Bokeh" in page and "docs_json" in page  # the page still carries BokehJS and the plot
     assert (rep / "html" / "tiny.html").stat().st_size > 10 * (rep / "notebooks" / "tiny.ipynb").stat().st_size
+    # the labs draw on canvas, so a page leaves BokehJS's WebGL bundle out and keeps the others
+    assert "BEGIN bokeh.min.js" in page and "BEGIN bokeh-widgets.min.js" in page and "BEGIN panel.min.js" in page
+    assert "BEGIN bokeh-gl.min.js" not in page and '"output_backend":"webgl"' not in page
+
+
+def test_the_webgl_bundle_goes_only_from_a_page_that_draws_nothing_with_it():
+    gl = "/* BEGIN bokeh-gl.min.js */" + " webgl code" * 100 + " /* END bokeh-gl.min.js */"
+    core = "/* BEGIN bokeh.min.js */ core /* END bokeh.min.js */"
+    canvas = f'<script>{core}{gl}</script><script>docs_json = {{"output_backend":"canvas"}}</script>'
+    dropped = report.drop_unused_webgl(canvas)
+    assert "webgl code" not in dropped and "core" in dropped
+    assert len(canvas) - len(dropped) > 900
+    webgl = canvas.replace('"canvas"', '"webgl"')
+    assert report.drop_unused_webgl(webgl) == webgl  # a plot that draws with WebGL keeps its bundle
+    assert report.drop_unused_webgl(core) == core
 
 
 def test_the_byte_table_counts_every_file_once_by_kind(tmp_path):

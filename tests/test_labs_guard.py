@@ -86,6 +86,8 @@ def test_no_heavy_outputs_outside_checked_cells(lab):
             assert cell.get("execution_count") is None, f"{path.name} cell {i}: stale execution_count"
     assert path.stat().st_size < MAX_LAB_BYTES, f"{path.name} is {path.stat().st_size} bytes: outputs committed?"
     assert "papermill" not in nb.metadata, f"{path.name}: papermill metadata committed"
+    # the kernel's widget models (a tqdm bar's state per update) are no output anyone reads
+    assert "widgets" not in nb.metadata, f"{path.name}: widget state committed (`perflab nb refresh`)"
 
 
 def test_lab_has_parameters_cell_and_config(lab):

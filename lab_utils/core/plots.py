@@ -45,6 +45,9 @@ def init(width: int = 700, height: int = 380):
         if _inline_stylesheets not in Viewable._preprocessing_hooks:
             Viewable._preprocessing_hooks.append(_inline_stylesheets)
         hv.extension("bokeh", inline=True, logo=False)
+        # canvas, not WebGL: the labs' plots are small, and a page that draws none with WebGL leaves
+        # BokehJS's WebGL bundle (190 kB) out of its inline JavaScript (run/report.drop_unused_webgl)
+        hv.renderer("bokeh").webgl = False
         hv.opts.defaults(
             hv.opts.Curve(width=width, height=height, tools=["hover"], show_grid=True),
             hv.opts.Scatter(width=width, height=height, tools=["hover"], size=8, show_grid=True),

@@ -91,6 +91,7 @@ def strip_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
             cell.outputs = []
             cell.execution_count = None
     nb.metadata.pop("papermill", None)
+    nb.metadata.pop("widgets", None)  # the kernel's widget models: a tqdm bar's state, read by nobody
     for cell in nb.cells:
         cell.metadata.pop("papermill", None)
         cell.metadata.pop("execution", None)

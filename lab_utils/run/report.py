@@ -48,9 +48,22 @@ def _panel_css_data_uri(m: re.Match) -> str:
     return "data:text/css;base64," + base64.b64encode(f.read_bytes()).decode()
 
 
+#: BokehJS's WebGL bundle (190 kB in every page): only a plot drawn with ``output_backend="webgl"`` needs it
+WEBGL_BUNDLE = re.compile(r"/\* BEGIN bokeh-gl(?:\.min)?\.js \*/.*?/\* END bokeh-gl(?:\.min)?\.js \*/", re.S)
+WEBGL_BACKEND = re.compile(r"""["']?output_backend["']?\s*:\s*["']webgl["']""")
+
+
+def drop_unused_webgl(text: str) -> str:
+    """The loader's WebGL bundle removed from a page none of whose plots draws with WebGL."""
+    if WEBGL_BACKEND.search(text):
+        return text
+    return WEBGL_BUNDLE.sub("/* bokeh-gl.min.js: no plot of this page draws with WebGL */", text)
+
+
 def make_self_contained(text: str) -> str:
     text = EXTERNAL_SCRIPT.sub("", text)
     text = EXTERNAL_LINK.sub("", text)
+    text = drop_unused_webgl(text)
     return PANEL_CDN.sub(_panel_css_data_uri, text)
 
 
