@@ -109,7 +109,8 @@ from lab_utils.core.timing import BenchError, try_bench  # noqa: E402
 from lab_utils.fused import ops as F  # noqa: E402
 from lab_utils.model import build_model, resolve_config  # noqa: E402
 from lab_utils.model.train import TrainConfig, compile_blocks, rf_loss, synthetic_batch  # noqa: E402
-from lab_utils.plan.planner import measure_step, plan_and_verify  # noqa: E402
+from lab_utils.plan.planner import measure_step  # noqa: E402
+from lab_utils.plan.summary import plan_and_verify  # noqa: E402
 from lab_utils.profiling.profiler import analyse_trace, training_step_flops  # noqa: E402
 
 LAB = "gpu_check"

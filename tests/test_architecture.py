@@ -29,7 +29,7 @@ FOLDER_LAYERS = {
     "plan": 4,
     "memory": 4,
     "distributed": 4,
-    "step": 4,
+    "step": 3,
     "studies": 5,
     "run": 6,
 }

@@ -270,9 +270,12 @@ def test_memory_explorer_measures_the_labs_step_and_lands_on_its_pareto_plot(mon
     seen = []
     timing = Timing("step", "cpu", "torch.utils.benchmark", (5.0, 9.0, 5.1, 14.0, 5.0), 6.0)
 
-    def fake(mcfg, sh, dtype, policies, **k):  # the policy's run itself is covered by test_memory_explorer
-        seen.append((sh, dtype))
-        return [PolicyResult(policies[0], 10, 10, 1000, 1.0, timing, True)]
+    def fake(step, policies, **k):  # the policy's run itself is covered by test_memory_explorer
+        shape = step.capabilities["memory_formula"]
+        seen.append(
+            (study.mem.step_shape(shape.cfg, shape.batch, shape.height, shape.width, shape.txt_len), shape.dtype)
+        )
+        return [PolicyResult(policies[0], 4, 10, 1000, 1.0, timing, True, True)]
 
     monkeypatch.setattr(ex_mod, "compare_policies", fake)
     lab = pd.DataFrame([dict(policy="none", time_ms=4.0, peak_bytes=900, stable=True, device="cpu")])
@@ -285,7 +288,7 @@ def test_memory_explorer_measures_the_labs_step_and_lands_on_its_pareto_plot(mon
     marks = {el.label: el for el in plot if el.label}
     assert list(marks[study.UNSTABLE].data.policy) == ["#1 none"], "the explored point is marked unstable"
     assert list(marks[study.FRONT].data.policy) == ["lab none"], "the lab's policies stand on the same plot"
-    assert plot.opts.get().kwargs["ylabel"] == "peak above start (MB)", "the lab's quantity: peak vs step time"
+    assert plot.opts.get().kwargs["ylabel"] == "peak above start (MiB)", "the lab's quantity: peak vs step time"
 
 
 def test_memory_explorer_offers_the_labs_gpu_sizes_on_cuda():

@@ -8,6 +8,7 @@ import pandas as pd
 
 from lab_utils.memory import CLASSES
 from lab_utils.studies import memory as lab05
+from lab_utils.studies import memory_formula
 
 hv.extension("bokeh")
 
@@ -18,7 +19,7 @@ def _opts(el) -> dict:
 
 def test_class_bars_legend_is_outside_the_bars():
     rows = [dict(preset="tiny", dtype="bfloat16", policy=p, **dict.fromkeys(CLASSES, 1e9)) for p in ("none", "full")]
-    frame = lab05.class_bars(pd.DataFrame(rows)).last
+    frame = memory_formula.class_bars(pd.DataFrame(rows)).last
     assert _opts(frame)["legend_position"] == "right"
     fig = hv.render(frame)
     assert fig.legend and fig.legend[0] in fig.right  # drawn in the right panel, not on the plot area

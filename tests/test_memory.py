@@ -13,13 +13,19 @@ import torch
 from lab_utils import memory as mem
 from lab_utils.core.config import ConfigError
 from lab_utils.core.timing import BenchFailure
-from lab_utils.model import build_model, resolve_config
+from lab_utils.memory.saved import measure_saved
+from lab_utils.model import ACTIVATION_CHECKPOINTS, build_model, resolve_config
 from lab_utils.model.checkpointing import block_policy
+from lab_utils.step.load import DEFAULT_STEP, load_step
+from lab_utils.step.mmdit import synthetic_step
 from lab_utils.studies import memory as study
+from lab_utils.studies import memory_formula as formula
 from lab_utils.studies.memory import MemoryLabConfig
 
 # Irregular step shapes: a 4x5 token grid, odd text length, batch 3 (seeded below).
 SHAPES = {"tiny": mem.StepShape(3, 20, 7), "small": mem.StepShape(2, 12, 5)}
+#: the lab's step for the table tests (its policies' runs are faked there)
+STEP = synthetic_step("tiny", batch_size=1)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -27,7 +33,7 @@ SHAPES = {"tiny": mem.StepShape(3, 20, 7), "small": mem.StepShape(2, 12, 5)}
 def test_formula_equals_hooks_every_policy(preset, dtype):
     cfg, sh = resolve_config(preset), SHAPES[preset]
     for policy in mem.FORMULA_POLICIES:
-        measured = mem.measure_saved(cfg, sh, dtype, policy, seed=0).by_region()
+        measured = mem.mmdit_saved(cfg, sh, dtype, policy, seed=0).by_region()
         assert measured == mem.saved_bytes_formula(cfg, sh, dtype, policy), (preset, dtype, policy)
 
 
@@ -42,14 +48,21 @@ def test_formula_counts_a_one_token_stream(sh, dtype):
     the whole output alive, which the formula counts."""
     cfg = resolve_config("tiny")
     for policy in ("none", "every_other"):  # every block kept; kept and recomputed blocks mixed
-        measured = mem.measure_saved(cfg, sh, dtype, policy, seed=0).by_region()
+        measured = mem.mmdit_saved(cfg, sh, dtype, policy, seed=0).by_region()
         assert measured == mem.saved_bytes_formula(cfg, sh, dtype, policy), (sh, dtype, policy)
 
 
-def test_lab_formula_check_with_one_text_token():
-    """The lab accepts txt_len=1; its formula check (every policy) passes there."""
-    df = study.formula_check(MemoryLabConfig(txt_len=1, batch_size=2, resolution=32))
+def test_lab_formula_check_with_one_text_token(monkeypatch):
+    """The lab accepts txt_len=1; its formula check (every policy) passes there, measured on the
+    lab's own step (on CPU no second MMDiT is built for it)."""
+    cfg = MemoryLabConfig(txt_len=1, batch_size=2, resolution=32)
+    step = load_step(DEFAULT_STEP, lab=cfg, check=False)
+    probed = []
+    monkeypatch.setattr(mem, "mmdit_saved", lambda *a, **k: pytest.fail("a second MMDiT built for the check"))
+    monkeypatch.setattr(mem, "measure_saved", lambda s, p: probed.append(s) or measure_saved(s, p))
+    df = formula.formula_check(cfg, step)
     assert list(df.policy) == list(mem.FORMULA_POLICIES) and (df.hooks_bytes == df.formula_bytes).all()
+    assert probed == [step] * len(mem.FORMULA_POLICIES)
 
 
 @pytest.mark.parametrize("depths", [dict(depth_double=0), dict(depth_single=0), dict(depth_double=1, depth_single=1)])
@@ -57,7 +70,7 @@ def test_formula_without_a_block_kind(depths):
     """With no double-stream block the img_in / txt_in outputs are only concatenated, never kept."""
     cfg, sh = resolve_config("tiny", **depths), mem.StepShape(3, 20, 7)
     for policy in mem.FORMULA_POLICIES if cfg.depth_double == 0 else ("none", "full", "offload"):
-        measured = mem.measure_saved(cfg, sh, "float32", policy, seed=0).by_region()
+        measured = mem.mmdit_saved(cfg, sh, "float32", policy, seed=0).by_region()
         assert measured == mem.saved_bytes_formula(cfg, sh, "float32", policy), (depths, policy)
     if cfg.depth_double == 0:
         assert "img_in" not in measured and "txt_in" not in measured
@@ -83,37 +96,37 @@ def test_bytes_per_token_flux_dev_pinned():
 def test_lab_per_token_table_says_what_it_computes():
     cfg = MemoryLabConfig(account_presets=("flux-dev",), account_dtypes=("bfloat16",))
     rec = study.recorder(cfg)
-    df = study.per_token_table(cfg, rec)
+    df = formula.per_token_table(cfg, rec)
     assert df.bytes_per_token.tolist() == [168_264.0, 155_950.7]
     extra = [json.loads(x) for x in rec.frame().extra]
     assert {(x["tokens"], x["layernorm_stats"]) for x in extra} == {("4096+512", "float32 (CUDA)")}
 
 
-def test_measure_saved_refuses_a_model_of_another_policy():
+def test_a_policy_on_the_mmdits_step_runs_through_its_seam_and_is_undone():
+    """measure_saved applies a policy through the step's own seam (the MMDiT's block runners) for
+    the one forward it measures, and leaves the step's model as it was."""
     cfg, sh = resolve_config("tiny"), mem.StepShape(1, 4, 2)
-    model = build_model(cfg)  # activation_checkpoint="none"
-    with pytest.raises(ConfigError) as e:
-        mem.measure_saved(cfg, sh, "float32", "full", model=model)
-    assert e.value.param == "policy" and "'none'" in str(e.value)
-    with pytest.raises(ConfigError) as e:
-        mem.measure_saved(resolve_config("tiny", hidden_size=32, num_heads=2), sh, "float32", model=model)
-    assert e.value.param == "cfg"
-    own = mem.measure_saved(cfg, sh, "float32", "none", model=model).by_region()
+    step = synthetic_step(cfg, batch_size=1, height=32, width=32, txt_len=2)
+    own = mem.measure_saved(step, "none").by_region()
     assert own == mem.saved_bytes_formula(cfg, sh, "float32", "none")
-    full = build_model(cfg.replace(activation_checkpoint="full"))
-    got = mem.measure_saved(cfg, sh, "float32", model=full).by_region()  # no policy: the model's own
+    got = mem.measure_saved(step, "full").by_region()
     assert got == mem.saved_bytes_formula(cfg, sh, "float32", "full") != own
+    assert step.model.activation_checkpoint.name == "none" and not step.model.block_runners
+    assert mem.policies_of(step) == tuple(ACTIVATION_CHECKPOINTS)  # its own seam: double, single too
+    with pytest.raises(ConfigError, match="activation_checkpoint"):
+        mem.measure_saved(step, "sometimes")
 
 
 def test_offload_on_cpu_is_labelled_as_device_bytes(monkeypatch):
     """On a CPU save_on_cpu moves nothing: the offload row says its saved bytes are what it
     would keep on a GPU, not memory freed here (the lab's table and its records)."""
     failed = BenchFailure("step", "budget", "not timed in this test")
-    fake = [mem.PolicyResult(p, 100, 100, 200, 1.0, failed, True) for p in ("none", "offload")]
+    fake = [mem.PolicyResult(p, 4, 100, 200, 1.0, failed, True, mem.acts_on(p, "cpu")) for p in ("none", "offload")]
     monkeypatch.setattr(mem, "compare_policies", lambda *a, **k: fake)  # the policies' runs: not under test
     cfg = MemoryLabConfig(activation_checkpoints=("none", "offload"), device="cpu")
     rec = study.recorder(cfg)
-    df = study.compare(cfg, rec).set_index("policy")
+    df = study.compare(cfg, STEP, rec).set_index("policy")
+    assert not df.loc["offload", "acts_here"] and df.loc["none", "acts_here"]
     assert "moves nothing" in df.loc["offload", "saved_bytes_are"]
     assert "moves nothing" not in df.loc["none", "saved_bytes_are"]
     f = rec.frame()
@@ -137,7 +150,7 @@ def test_formula_extrapolates_on_meta():
     hooks share; meta runs attention through the math path, so full checkpointing is compared."""
     cfg = resolve_config("flux-dev", depth_double=1, depth_single=1)
     sh = mem.StepShape(1, 64, 16)
-    got = mem.measure_saved(cfg, sh, "bfloat16", "full", device="meta").by_region()
+    got = mem.mmdit_saved(cfg, sh, "bfloat16", "full", device="meta").by_region()
     want = mem.saved_bytes_formula(cfg, sh, "bfloat16", "full", device_type="cuda")
     assert got == want
 
@@ -147,9 +160,11 @@ def test_policy_gradients_equal_no_checkpointing(dtype):
     seed = 1234
     print("seed", seed)
     cfg, sh = resolve_config("tiny"), SHAPES["tiny"]
-    ref = mem.step_grads(cfg, sh, dtype, "none", seed)
+    h, w = mem.pixels_of(cfg, sh)
+    step = synthetic_step(cfg, batch_size=sh.batch, height=h, width=w, txt_len=sh.txt_tokens, dtype=dtype, seed=seed)
+    ref = mem.grads_of(step, "none")
     for policy in mem.FORMULA_POLICIES:
-        assert not mem.grad_mismatch(ref, mem.step_grads(cfg, sh, dtype, policy, seed), dtype), policy
+        assert not mem.grad_mismatch(ref, mem.grads_of(step, policy), dtype), policy
 
 
 def test_block_policy_choices():
@@ -278,10 +293,10 @@ def test_pareto_plot_marks_the_points_and_draws_no_front_through_noise():
 
 def test_lab_table_carries_stability_and_device(monkeypatch):
     failed = BenchFailure("step", "budget", "not timed in this test")
-    fake = [mem.PolicyResult(p, 100, 100, 200, 1.0, failed, True) for p in ("none", "offload")]
+    fake = [mem.PolicyResult(p, 4, 100, 200, 1.0, failed, True, mem.acts_on(p, "cpu")) for p in ("none", "offload")]
     monkeypatch.setattr(mem, "compare_policies", lambda *a, **k: fake)
     cfg = MemoryLabConfig(activation_checkpoints=("none", "offload"), device="cpu")
-    df = study.compare(cfg, study.recorder(cfg))
+    df = study.compare(cfg, STEP, study.recorder(cfg))
     assert list(df.stable) == [False, False] and set(df.device) == {"cpu"}
     assert (study.pareto_front(df).mark != study.FRONT).all()
 
@@ -289,3 +304,28 @@ def test_lab_table_carries_stability_and_device(monkeypatch):
 def test_gpu_set_is_read_from_the_lab_yaml():
     g = study.gpu_set()
     assert g["device"] == "cuda" and g["resolution"] == 1024 and g["preset"] == "medium"
+
+
+def test_the_takeaway_reads_lab_05s_own_records():
+    """The headline from records alone: the peak without checkpointing, the lowest peak of a policy
+    that acts here (offload on a CPU, whose saved bytes move nothing, is not it), what fits the
+    device named in the row, the extrapolated batch with its thousands separated."""
+    mib = 2**20
+    offload = json.dumps({"method": "save_on_cpu moves nothing on a CPU: bytes it would keep on a GPU"})
+    df = pd.DataFrame(
+        [
+            dict(experiment="policies", variant="none", metric="peak_bytes", value=3 * mib, extra=""),
+            dict(experiment="policies", variant="full", metric="peak_bytes", value=1.5 * mib, extra=""),
+            dict(experiment="policies", variant="offload", metric="peak_bytes", value=1.0 * mib, extra=""),
+            dict(experiment="policies", variant="offload", metric="saved_bytes", value=4096, extra=offload),
+            dict(experiment="step_fits", variant="b16", metric="max_batch", value=16,
+                 extra=json.dumps({"device": "an H200, 141 GB"})),
+            dict(experiment="step_fits", variant="b16", metric="max_batch_extrapolated", value=149619, extra=""),
+        ]
+    )  # fmt: skip
+    got = [str(f) for f in study.headline(df)]
+    assert got == [
+        "peak memory, no checkpointing: 3 MiB (measured)",
+        "lowest peak: full 1.5 MiB",
+        "what fits an H200, 141 GB: batch 16 (about 149,619 extrapolated) (measured on real steps)",
+    ], got

@@ -37,10 +37,10 @@ def _hand_peak(sh: mem.StepShape, policy: str) -> dict[str, int]:
     rows = sh.batch * (sh.img_tokens + sh.txt_tokens)
     transient = 2 * rows * (3 * D + M) * 4
     if policy != "none":
-        by = mem.measure_saved(cfg, sh, "float32", "none").by_region()
+        by = mem.mmdit_saved(cfg, sh, "float32", "none").by_region()
         out = rows * D * 4  # img + txt out of a double block, x out of a single block
         transient += max(by["double_blocks.0"] - out, by["single_blocks.0"] - out)
-    act = mem.measure_saved(cfg, sh, "float32", policy).total
+    act = mem.mmdit_saved(cfg, sh, "float32", policy).total
     want = dict(parameters=4 * n, gradients=4 * n, optimizer=8 * n, master_weights=0, activations=act)
     want["transient"] = transient
     want["total"] = sum(want.values())

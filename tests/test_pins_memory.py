@@ -79,5 +79,5 @@ def test_float32_policy_gradients_must_agree_to_rounding(gen):
 
 def test_largest_live_lists_the_largest_storages_first():
     sizes = [64, 4096, 8, 1024, 512]
-    rep = SavedReport([SavedTensor("model", "mm", "saved", n, (n,), "uint8") for n in sizes])
+    rep = SavedReport([SavedTensor("model", "model", "mm", "saved", n, (n,), "uint8") for n in sizes])
     assert [t.nbytes for t in largest_live(rep, top=3)] == [4096, 1024, 512]

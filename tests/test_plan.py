@@ -25,10 +25,10 @@ from lab_utils.plan.planner import (
     judge,
     measure_step,
     merge_profiles,
-    plan_and_verify,
     verify,
     waterfall,
 )
+from lab_utils.plan.summary import plan_and_verify
 
 CPU = torch.device("cpu")
 BASE = TrainConfig(preset="tiny", device="cpu", batch_size=2, buckets=[[64, 64]], num_samples=8, ckpt_every=2)

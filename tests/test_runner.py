@@ -422,3 +422,12 @@ def test_headline_figures_read_plainly():
         "0.0848 %",
         "n/a",
     )
+
+
+def test_a_size_reads_in_mib_below_one_gib_and_in_gib_from_there():
+    """Memory figures in binary units: MiB up to 1 GiB, GiB from it on (a 12B model's state in GiB)."""
+    from lab_utils.studies.headline import fmt_bytes
+
+    assert fmt_bytes(64 * 2**20) == "64 MiB" and fmt_bytes(1.5 * 2**20) == "1.5 MiB"
+    assert fmt_bytes(2**30 - 2**20) == "1,023 MiB" and fmt_bytes(2**30) == "1 GiB"
+    assert fmt_bytes(190e9) == "177 GiB" and fmt_bytes(float("nan")) == "n/a"

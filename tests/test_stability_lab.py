@@ -16,14 +16,12 @@ from lab_utils.stability.numdiff import numerics_diff
 from lab_utils.stability.training import RunResult, RunSpec
 from lab_utils.studies.stability import (
     StabilityLabConfig,
-    drift_table,
     policy_check_lines,
-    precision_verdict_lines,
-    qk_verdict_lines,
     rewind_matches_skip,
     run_spikes,
     spike_verdict_lines,
 )
+from lab_utils.studies.stability_runs import drift_table, precision_verdict_lines, qk_verdict_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 

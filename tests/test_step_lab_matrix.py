@@ -1,14 +1,17 @@
-"""Issue 24's matrix: labs 01, 05, 07 and 08 run end to end (papermill, through the runner) with
-``step`` set to each of diffusers' FLUX and SD3 transformers and transformers' Llama
-(``parameterized/step_matrix.yaml``: 12 runs, each lab at its ``smoke_step`` set, three at a time
-in the runner's process pool).  Each run is checked for: the notebook completed; the generic sections ("Your step")
-wrote their records, every row carrying the step's identity (factory, model class, parameter
-count, config hash) and no row of a measurement of perflab's MMDiT; every MMDiT-only section
-printed the line saying why it was skipped.
+"""The matrix: labs 01, 05, 07 and 08 run end to end (papermill, through the runner) with ``step``
+set to each of diffusers' FLUX and SD3 transformers, transformers' Llama
+(``parameterized/step_matrix.yaml``) and a PixArt-style model written for the tests
+(``tests/pixart_step.py``: cross-attention, adaLN-single, no RoPE; a suite of its own, the tests'
+folder importable): 16 runs, each lab at its ``smoke_step`` set, three at a time in the runner's
+process pool.  Each run is checked for: the notebook completed; every row carries the step's
+identity; the takeaway is built from the step's own figures (lab 01 step time and MFU, lab 05 peak
+memory and what fits, lab 07 where a NaN was located and the provoked spike, lab 08 the best plan
+with its predicted and measured gain); the sections the step has no capability for left the page,
+each capability named once in the footnote; lab 07's report names the module the locator found.
 
 The smoke suite's ``05_memory_flux`` is this matrix's lab 05 on FLUX with the same parameters
 (checked below): when the session runs the smoke suite anyway (``make test``) that run is checked
-instead of running the notebook a second time; run alone, this file runs all 12."""
+instead of running the notebook a second time; run alone, this file runs all 16."""
 
 from __future__ import annotations
 
@@ -25,34 +28,42 @@ import yaml
 
 from lab_utils.run.executors import MapOptions, map_jobs
 from lab_utils.run.runner import JOB_HOOKS, ROOT, NotebookStatus, load_suite, plan
-from lab_utils.step.skip import skipped
-from lab_utils.studies import memory, stability, training_step
-from lab_utils.studies import plan as plan_study
-from lab_utils.studies.explore.memory import EXPLORER_MMDIT_ONLY
+from lab_utils.step import STEP_PATH_ENV
 
 SUITE = ROOT / "parameterized" / "step_matrix.yaml"
+TESTS = Path(__file__).resolve().parent
 EXAMPLES = "lab_utils.step.examples"
 #: short name -> (factory, the model class's name)
 STEPS = {
     "flux": (f"{EXAMPLES}:flux_step", "FluxTransformer2DModel"),
     "sd3": (f"{EXAMPLES}:sd3_step", "SD3Transformer2DModel"),
     "llama": (f"{EXAMPLES}:llama_step", "LlamaForCausalLM"),
+    "pixart": ("pixart_step:pixart_step", "PixArt"),
 }
-#: lab -> (the generic experiments it records on any step, the reasons its MMDiT-only sections give)
+IN_SUITE = ("flux", "sd3", "llama")  # the PixArt-style model lives beside the tests: a suite of its own
+#: lab -> (the experiments it records on any step, its takeaway's figures, the capabilities its page leaves out)
 LABS = {
-    "01_training_step": ({"step_profile"}, (training_step.MMDIT_FACTS, training_step.MMDIT_PROFILE)),
+    "01_training_step": (
+        {"step", "phases", "categories", "top_ops", "mfu", "memory", "artifacts"},
+        ("step time", "MFU", "peak memory", "largest phase"),
+        {"presets", "diffusers_equivalence", "flop_formula", "bad_input", "explorer"},
+    ),
     "05_memory": (
-        {"step_memory", "step_saved", "step_policies", "step_fits"},
-        (memory.MMDIT_ONLY, EXPLORER_MMDIT_ONLY),
+        {"step_memory", "step_saved", "saved_by_op", "policies", "timeline", "step_fits"},
+        ("peak memory, no checkpointing", "lowest peak", "what fits"),
+        {"memory_formula", "fsdp_check", "explorer"},
     ),
     "07_stability": (
-        {"step_spikes", "step_telemetry"},
-        (stability.MMDIT_QK, stability.MMDIT_LOOP),
+        {"nan_locator", "spikes", "spike_summary"},
+        ("NaN located in", "provoked spike", "steps replayed by spike policies"),
+        {"stability_runs", "explorer"},
     ),
-    "08_plan": ({"step_levers"}, (plan_study.MMDIT_PLAN,)),
+    "08_plan": (
+        {"base", "effects", "plans", "verify"},
+        ("measured step", "best plan", "measured gain", "prediction error"),
+        {"explorer"},
+    ),
 }
-#: lab 01's generic profile: the metrics it records on any step
-PROFILE_METRICS = {"step_time", "phase_time", "category_time", "flops", "peak_allocated"}
 REUSED = "05_memory_flux"  # the smoke suite's entry of the same name
 RUNS = [f"{lab}_{s}" for lab in LABS for s in STEPS]
 #: Runs at once: most of a run is its kernel starting and importing (torch, diffusers, holoviews),
@@ -101,13 +112,30 @@ def run_planned(item: tuple) -> NotebookStatus:
     return JOB_HOOKS.run_one(p, out, out, 600)
 
 
+def pixart_suite(folder: Path) -> Path:
+    """The four labs on the tests' PixArt-style model, as a suite file."""
+    entries = [
+        dict(notebook=str(ROOT / "labs" / f"{lab}.ipynb"), name=f"{lab}_pixart", set="smoke_step",
+             params={"step": STEPS["pixart"][0]})
+        for lab in LABS
+    ]  # fmt: skip
+    path = folder / "pixart_matrix.yaml"
+    path.write_text(
+        yaml.safe_dump({"description": "labs 01, 05, 07, 08 on a PixArt-style model", "notebooks": entries})
+    )
+    return path
+
+
 def run_matrix(stems: list[str], out: Path) -> dict[str, Run]:
-    """The suite's runs ``stems``, validated by the runner's ``plan``, ``PARALLEL`` at a time on
+    """The runs ``stems``, validated by the runner's ``plan``, ``PARALLEL`` at a time on
     :func:`lab_utils.run.executors.map_jobs`' process pool, as a headless run sees them."""
-    planned = plan(load_suite(SUITE), only=stems)
+    ours = [x for x in stems if not x.endswith("_pixart")]
+    planned = plan(load_suite(SUITE), only=ours) if ours else []
+    pix = [x for x in stems if x.endswith("_pixart")]
+    planned += plan(load_suite(pixart_suite(out)), only=pix) if pix else []
     for d in ("notebooks", "html", "logs"):
         (out / d).mkdir(parents=True, exist_ok=True)
-    env = {**THREADS, "TQDM_DISABLE": "1", "PERFLAB_RUN_ID": out.name}
+    env = {**THREADS, "TQDM_DISABLE": "1", "PERFLAB_RUN_ID": out.name, STEP_PATH_ENV: str(TESTS)}
     saved = {k: os.environ.get(k) for k in (*env, "PERFLAB_RECORDS_DIR", "PERFLAB_ARTIFACTS_DIR")}
     os.environ.update(env)  # the workers and their kernels inherit it
     try:
@@ -143,11 +171,12 @@ def step_matrix(request, tmp_path_factory) -> dict[str, Run]:
     return runs
 
 
-def test_the_matrix_is_every_lab_on_every_model():
+def test_the_matrix_is_every_lab_on_every_model(tmp_path):
     suite = load_suite(SUITE)
     got = {e.stem: (e.notebook.stem, e.set, e.params["step"]) for e in suite.entries}
-    assert got == {f"{lab}_{s}": (lab, "smoke_step", STEPS[s][0]) for lab in LABS for s in STEPS}
-    plan(suite)  # every run's parameters validate (the step imports)
+    assert got == {f"{lab}_{s}": (lab, "smoke_step", STEPS[s][0]) for lab in LABS for s in IN_SUITE}
+    plan(suite)  # every run's parameters validate
+    assert len(plan(load_suite(pixart_suite(tmp_path)))) == 4
 
 
 def test_the_smoke_suites_lab_05_on_flux_is_the_matrixs():
@@ -160,21 +189,20 @@ def test_the_smoke_suites_lab_05_on_flux_is_the_matrixs():
     assert flux == {**step, "step": STEPS["flux"][0]}
 
 
-def _outputs(nb) -> str:
-    text = []
-    for c in nb.cells:
-        for o in c.get("outputs", []):
-            text.append(o.get("text", "") if o.output_type == "stream" else o.get("data", {}).get("text/plain", ""))
-    return "\n".join(text)
+def _text(o) -> str:
+    if o.output_type == "stream":
+        return o.get("text", "")
+    data = o.get("data", {})
+    return "".join(data.get("text/plain", "")) + "".join(data.get("text/markdown", ""))
 
 
-@pytest.mark.slow  # the matrix: ~2.5 minutes on 2 cores, paid by the first of these tests
+@pytest.mark.slow  # the matrix: ~6 minutes on 2 cores, paid by the first of these tests
 @pytest.mark.xdist_group("step-matrix")  # under xdist (--dist loadgroup) one worker runs the matrix once
 @pytest.mark.parametrize("stem", RUNS)
-def test_a_lab_runs_end_to_end_on_a_model_perflab_did_not_write(step_matrix, stem):
+def test_a_lab_runs_end_to_end_with_its_whole_page_on_a_model_perflab_did_not_write(step_matrix, stem):
     lab, short = stem.rsplit("_", 1)
     factory, model_class = STEPS[short]
-    generic, reasons = LABS[lab]
+    recorded, figures, absent = LABS[lab]
     run = step_matrix[stem]
     assert run.status == "ok", f"{stem}: {run.error}"
 
@@ -183,7 +211,7 @@ def test_a_lab_runs_end_to_end_on_a_model_perflab_did_not_write(step_matrix, ste
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(c.execution_count is not None for c in code), f"{stem}: a cell did not run"
     assert not [o for c in code for o in c.get("outputs", []) if o.output_type == "error"], stem
-    out = _outputs(nb)
+    out = "\n".join(_text(o) for c in nb.cells for o in c.get("outputs", []))
 
     # the records carry the step's identity, the run's parameters too
     data = json.loads(run.records.read_text())
@@ -191,13 +219,9 @@ def test_a_lab_runs_end_to_end_on_a_model_perflab_did_not_write(step_matrix, ste
     assert ident["factory"] == factory and ident["model_class"].endswith("." + model_class), ident
     assert ident["parameters"] > 0 and re.fullmatch(r"[0-9a-f]{12}", ident["config_hash"]), ident
     key = f"{factory}/{ident['model_class']}"
-    # ... and the step's lines say so ("Your step": loaded and its first step checked)
     assert f"step: {key} · {ident['parameters']:,} parameters · config {ident['config_hash']}" in out, stem
-
-    # the generic sections wrote their records, each row the step's; no row measured the MMDiT
     rows = data["rows"]
-    experiments = {r["experiment"] for r in rows}
-    assert experiments == generic, f"{stem}: records of {experiments - generic}, missing {generic - experiments}"
+    assert recorded <= {r["experiment"] for r in rows}, f"{stem}: missing {recorded - {r['experiment'] for r in rows}}"
     for r in rows:
         extra = json.loads(r["extra"] or "{}")
         assert r["variant"].startswith(key), r
@@ -206,9 +230,24 @@ def test_a_lab_runs_end_to_end_on_a_model_perflab_did_not_write(step_matrix, ste
             ident["parameters"],
             ident["config_hash"],
         ), r
-    if lab == "01_training_step":
-        assert PROFILE_METRICS <= {r["metric"] for r in rows}, stem
 
-    # every MMDiT-only section said why it was skipped
-    for why in reasons:
-        assert skipped(factory, why).reason in out, f"{stem}: no skip line for {why!r}"
+    # the takeaway is the step's own figures, shown in the notebook
+    (take,) = [line for line in out.splitlines() if line.startswith("Takeaway: ")]
+    for f in figures:
+        assert re.search(re.escape(f) + r"[^;:]*: ", take), f"{stem}: no {f!r} in {take}"
+    assert "n/a" not in take, take
+
+    # what the step cannot do left the page, each capability named once in the footnote
+    assert not [c for c in nb.cells if c.source.startswith("%%needs")], stem
+    foot = _text(code[-1].outputs[-1])
+    named = set(re.findall(r"`(\w+)`: ", foot))
+    assert named == absent, f"{stem}: footnote names {named}, expected {absent}"
+    assert all(foot.count(f"`{c}`") == 1 for c in absent), foot
+
+    if lab == "07_stability":  # the module the locator found is in the report: the injected one, or inside it
+        found = re.findall(r"injected .+? in (\S+): step \d+, located in (\S+) \(", out)
+        assert len(found) == 3, out
+        assert all(got == want or got.startswith(want + ".") for want, got in found), found
+        assert all(got in take for _, got in found), take
+    if lab == "08_plan":
+        assert "verified plans: 2; each ran exactly its predicted seams: True" in out, stem

@@ -1,4 +1,4 @@
-"""Lab 07's attention logit max on any step (``lab_utils.step.stability.StepTelemetry``): read from
+"""Lab 07's attention logit max on any step (``lab_utils.stability.telemetry.SdpaTelemetry``): read from
 each block's own ``scaled_dot_product_attention`` calls, no seam needed.  Against a float64 count
 written here on a toy model (grouped-query keys, an explicit scale), and present for every
 attention block of the three models no one here wrote."""
@@ -12,9 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lab_utils.step.contract import StepFactory
+from lab_utils.stability.telemetry import SdpaTelemetry, Telemetry, telemetry_of
+from lab_utils.step.contract import StepFactory, blocks
 from lab_utils.step.load import DEFAULT_STEP, build_step
-from lab_utils.step.stability import telemetry
+
+
+def telemetry(step: StepFactory) -> SdpaTelemetry:
+    return SdpaTelemetry(step.model, blocks(step))
+
 
 HEADS, KV_HEADS, DIM, TOKENS = 4, 2, 8, 5
 
@@ -95,7 +100,8 @@ def test_the_logit_max_of_each_block_equals_a_float64_count(gen):
 def test_every_attention_block_of_a_model_no_one_here_wrote_gets_a_logit_max(spec, n_blocks):
     print("seed 0 (the factory's)")
     step = build_step(spec, batch_size=1)
-    tel = telemetry(step)
+    tel = telemetry_of(step.model, blocks(step))
+    assert isinstance(tel, SdpaTelemetry)  # no seam: its SDPA calls
     try:
         tel.begin_step(0)
         step.loss(step.model, step.make_batch(0)).backward()
@@ -114,6 +120,9 @@ def test_on_perflabs_mmdit_the_sdpa_logit_max_is_its_seams():
     generic reading of its SDPA calls (stream ``attn``) must give the same figure per block."""
     print("seed 0 (the factory's)")
     step = build_step(DEFAULT_STEP, batch_size=1)
+    seam = telemetry_of(step.model, blocks(step))
+    assert type(seam) is Telemetry  # the lab reads the seam
+    seam.close()
     tel = telemetry(step)
     try:
         tel.begin_step(0)

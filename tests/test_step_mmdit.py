@@ -1,74 +1,111 @@
-"""On perflab's own MMDiT, the generic path (lab_utils.step) agrees with the MMDiT-specific
-one: the same saved bytes, region by region and policy by policy where both have the policy,
-and the same phase set as lab 01's trainer; the generic profile's figures hold together."""
+"""perflab's MMDiT is one registered step (lab_utils.step.mmdit): built from the lab's own parameters
+(the trainer's step for labs 01 and 08, synthetic batches at the lab's shape for 05 and 07), with
+every capability declared; the one probe of saved activations on its step equals the analytic
+formula region by region under each of its policies (through its own seam), and the one profiler
+on its trainer's step has the trainer's phases and its FLOPs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lab_utils.core.records import Recorder
-from lab_utils.memory.saved import StepShape
-from lab_utils.memory.saved import measure_saved as mmdit_saved
-from lab_utils.model.train import TrainConfig, Trainer
-from lab_utils.profiling.profiler import profile_training, training_step_flops
-from lab_utils.step.contract import STEP_PHASES, identity
+from lab_utils import memory as mem
+from lab_utils.model.accounting import forward_flops, training_step_flops
+from lab_utils.model.train import PHASES, TrainConfig
+from lab_utils.profiling.profiler import profile_step
+from lab_utils.step.contract import CAPABILITIES, run_step, same_batch
 from lab_utils.step.load import DEFAULT_STEP, load_step
-from lab_utils.step.memory import measure_saved
-from lab_utils.step.mmdit import mmdit_factory
-from lab_utils.step.profile import profile_step, record_profile
-
-SHAPE = dict(batch_size=2, height=64, width=64, txt_len=8)  # 4 x 4 tokens
+from lab_utils.studies.memory import MemoryLabConfig
+from lab_utils.studies.plan import PlanLabConfig
+from lab_utils.studies.training_step import TrainingStepLabConfig
 
 
 @pytest.fixture(scope="module")
-def mmdit():
-    step = mmdit_factory("tiny", **SHAPE)
-    step.name = "lab_utils.step.mmdit:mmdit_factory"
-    return step
+def lab05_step():
+    cfg = MemoryLabConfig(device="cpu", batch_size=2, resolution=64, txt_len=8)
+    return cfg, load_step(DEFAULT_STEP, lab=cfg, batch_size=cfg.batch_size)
 
 
-@pytest.mark.parametrize("policy", ["none", "full", "every_other", "selective", "save_matmul", "offload"])
-def test_generic_saved_bytes_equal_the_mmdit_specific_probe(mmdit, policy):
-    sh = StepShape(SHAPE["batch_size"], 16, SHAPE["txt_len"])
-    ref = mmdit_saved("tiny", sh, "float32", policy)
-    got = measure_saved(mmdit, policy)
-    assert got.total == ref.total, (policy, got.total, ref.total)
-    if policy == "none":  # with no policy the regions agree too (a policy's kept inputs are named apart)
-        assert got.by("region") == ref.by_region()
+def test_the_default_is_the_mmdit_at_the_labs_shape_with_every_capability(lab05_step):
+    cfg, step = lab05_step
+    assert type(step.model).__name__ == "MMDiT" and step.model.cfg.preset == "tiny"
+    assert set(CAPABILITIES) - set(step.capabilities) == {"train_config", "trainer"}  # no trainer at lab 05
+    shape = step.capabilities["memory_formula"]
+    assert (shape.batch, shape.height, shape.width, shape.txt_len) == (2, 64, 64, 8)
+    batch = step.make_batch(1)
+    mc = step.model.cfg
+    assert batch.img.shape == (2, 16, mc.in_channels) and batch.txt.shape == (2, 8, mc.context_dim)
 
 
-def test_the_default_step_is_the_mmdit_and_has_lab_01s_phase_set(tmp_path):
-    step = load_step(DEFAULT_STEP)
-    assert type(step.model).__name__ == "MMDiT"
-    prof = profile_step(step, steps=1, warmup=0, out_dir=tmp_path)
-    tr = Trainer(TrainConfig(device="cpu", num_samples=4, encoders="precomputed", buckets=[[64, 64]]))
+@pytest.mark.parametrize("policy", list(mem.FORMULA_POLICIES))
+def test_the_one_probe_on_the_mmdits_step_equals_the_formula(lab05_step, policy):
+    cfg, step = lab05_step
+    sh = mem.StepShape(2, 16, 8)
+    got = mem.measure_saved(step, policy).by_region()
+    assert got == mem.saved_bytes_formula(step.model.cfg, sh, "float32", policy), policy
+    assert step.model.activation_checkpoint.name == "none"  # the seam is restored after the forward
+
+
+def test_each_policys_recomputed_flops_are_the_forward_flops_of_what_it_recomputes(lab05_step):
+    """Lab 05's recomputed FLOPs (a policy's counted step less no checkpointing's) equal a hand count
+    of the forward it repeats: every block's matmuls and attention (full), one kind's (double /
+    single), the attention alone (save_matmul keeps the matmul outputs), nothing (selective).  The
+    CPU's flash-attention kernel is counted (FlopCounterMode has no formula for it of its own)."""
+    _, step = lab05_step
+    mc = step.model.cfg
+    f = forward_flops(mc, 2, 16, 8)  # batch 2, 64 px = 4 x 4 image tokens, 8 text tokens
+    per_block = f["attention"] / (mc.depth_double + mc.depth_single)
+    want = {
+        "full": f["double_linear"] + f["single_linear"] + f["attention"],
+        "double": f["double_linear"] + mc.depth_double * per_block,
+        "single": f["single_linear"] + mc.depth_single * per_block,
+        "save_matmul": f["attention"],
+        "selective": 0.0,
+    }
+    res = {r.policy: r.flops for r in mem.compare_policies(step, ["none", *want], reps=3, progress=False)}
+    assert {p: res[p] - res["none"] for p in want} == want
+    assert res["none"] > 2 * f["total"]  # forward + backward
+
+
+def test_lab_08s_default_step_is_the_trainer_of_its_config_and_batches_are_seeded():
+    cfg = PlanLabConfig(device="cpu", num_samples=4, buckets=[[64, 64]], ckpt_every=0)
+    step = load_step(DEFAULT_STEP, lab=cfg, batch_size=cfg.batch_size)
     try:
-        rep = profile_training(tr, active=1, warmup=0, out_dir=tmp_path)
+        assert step.capabilities["train_config"] == cfg.train
+        assert step.has("trainer") and step.phases == ("data_loading", "text_encoding", "image_encoding")
+        again = step.make_batch(3)  # a loader read out of order restarts at batch 3
+        assert same_batch(again, step.make_batch(3)) and not same_batch(again, step.make_batch(2))
     finally:
-        tr.close()
-    assert prof.phase_set == set(rep.analysis.phases.phase), (prof.phase_set, set(rep.analysis.phases.phase))
-    # the generic FLOPs (FlopCounterMode on the real step) equal the MMDiT's count on meta
-    cfg = step.model.cfg
-    assert prof.flops == training_step_flops(cfg, 2, (4, 4), 8)
-    # the step phases cover the step, the factory's phases nest in data_loading
-    t = prof.phase_table()
-    assert set(t[t.within == ""].phase) == set(STEP_PHASES)
-    assert set(t[t.within != ""].within) == {"data_loading"}
-    cov = prof.report.analysis.steps.coverage
-    assert ((cov > 0.5) & (cov <= 1.0 + 1e-9)).all(), cov
-    rec = Recorder(lab="t")
-    record_profile(rec, prof)
-    df = rec.frame()
-    assert df.variant.str.startswith(identity(step).key).all()
-    assert not df.duplicated(["experiment", "variant", "metric", "statistic"]).any()
+        step.close()
 
 
-def test_the_flux_factory_brings_its_own_phase_inside_the_forward(tmp_path):
-    step = load_step("lab_utils.step.examples:flux_step")
-    prof = profile_step(step, steps=1, warmup=0, out_dir=tmp_path)
-    t = prof.phase_table().set_index("phase")
-    assert t.loc["noising", "within"] == "forward"
-    assert prof.flops_source.startswith("FlopCounterMode") and prof.flops > 0
-    assert prof.peak_bytes > 0
-    assert torch.isfinite(torch.tensor(prof.report.analysis.steps.step_ms.to_numpy())).all()
+def test_lab_01s_default_step_profiles_the_trainers_phases_and_flops(tmp_path):
+    cfg = TrainingStepLabConfig(device="cpu", num_samples=4, encoders="precomputed", buckets=[[64, 64]], ckpt_every=2)
+    step = load_step(DEFAULT_STEP, lab=cfg, batch_size=cfg.batch_size)
+    try:
+        rep = profile_step(step, active=2, warmup=1, out_dir=tmp_path)  # batches 0 (warm-up), 1 and 2
+        shapes = [step.make_batch(k) for k in (1, 2)]  # seeded: the profiled batches again
+    finally:
+        step.close()
+    assert list(rep.phase_frame().columns) == list(PHASES)  # checkpoint every 2 steps included
+    assert rep.periods == {"checkpoint": 2}
+    assert rep.step_flops == [training_step_flops(cfg.model, 2, b.grid, b.txt.shape[1]) for b in shapes]
+    assert rep.flops_source == "FlopCounterMode fwd+bwd on meta"
+    assert rep.analysis.nested_phases.empty  # the trainer's phases follow each other
+    assert rep.tokens == [32.0, 32.0]
+
+
+def test_the_mmdit_trainer_step_checkpoints_every_n_steps_in_its_own_phase():
+    cfg = TrainConfig(device="cpu", num_samples=4, encoders="precomputed", buckets=[[64, 64]], ckpt_every=2)
+    step = load_step(DEFAULT_STEP, lab=cfg)
+    tr = step.capabilities["trainer"]
+    try:
+        saved = []
+        for k in range(1, 5):
+            tr.last_checkpoint = None
+            run_step(step, k)
+            saved.append(tr.last_checkpoint is not None)
+        assert saved == [True, False, True, False]  # after steps 1 and 3: (k + 1) % 2 == 0
+        assert torch.isfinite(torch.stack([p.detach().sum() for p in step.model.parameters()])).all()
+    finally:
+        step.close()

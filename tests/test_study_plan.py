@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import holoviews as hv
 import pytest
+import torch
 
 from lab_utils.core.config import ConfigError
 from lab_utils.core.records import Recorder
-from lab_utils.plan.planner import ALL_PHASES, StepProfile, build_plan, record_plan, verify
+from lab_utils.plan.planner import ALL_PHASES, StepProfile, build_plan, verify
+from lab_utils.plan.summary import record_plan
+from lab_utils.step.contract import StepFactory
 from lab_utils.studies import plan as study
 
 hv.extension("bokeh")
@@ -47,10 +50,30 @@ def test_config_refuses_bad_input():
     assert study.PlanLabConfig.from_params({"levers": ["encoders"]}).levers == ("encoders",)
 
 
+def _step(train=None) -> StepFactory:
+    """A step with (or without) a trainer's config: what the lever table reads of it."""
+    m = torch.nn.Linear(2, 2)
+    caps = {"train_config": train} if train is not None else {}
+    return StepFactory(
+        m, torch.optim.SGD(m.parameters(), lr=0.1), torch.ones, lambda m, b: m(b).sum(), capabilities=caps
+    )
+
+
 def test_checked_facts():
     assert len(study.composition_check()) == 4
-    t = study.lever_table(study.PlanLabConfig(device="cpu", levers=["pin_memory", "encoders"]))
+    cfg = study.PlanLabConfig(device="cpu", levers=["pin_memory", "encoders"])
+    t = study.lever_table(cfg, _step(cfg.train))
     assert list(t.status) == ["excluded", "measured"] and "no GPU" in t.reason.iloc[0]
+    t = study.lever_table(cfg, _step())  # no trainer: its levers are not this step's
+    assert list(t.status) == ["excluded", "excluded"] and all("train_config" in r for r in t.reason)
+
+
+def test_auto_levers_are_the_steps_own():
+    auto = study.PlanLabConfig(device="cpu")
+    assert auto.levers == "auto"
+    assert study.levers_of(auto, _step(auto.train)) == study.CPU_LEVERS
+    assert study.levers_of(auto, _step()) == ("activation_checkpoint", "sdpa_backend", "batch_size")
+    assert study.levers_of(study.PlanLabConfig(device="cpu", levers=["encoders"]), _step()) == ("encoders",)
 
 
 def test_tables_plots_words_and_records(res):

@@ -186,6 +186,15 @@ class Recorder:
     rows: list[dict] = field(default_factory=list)
     #: the file ``save`` writes (set by the first save; later saves rewrite it)
     path: Path | None = field(default=None, repr=False, compare=False)
+    #: what every row of this recorder measured, when it is not the lab's default model: its key
+    #: starts each row's variant ("<key> · <variant>") and its fields join each row's extra, so
+    #: ``perflab compare`` never matches rows of two models (``scope``)
+    scope_key: str = field(default="", compare=False)
+    scope_extra: dict = field(default_factory=dict, compare=False)
+
+    def scope(self, key: str, **extra: Any) -> None:
+        """Key every later row by ``key`` (a step's identity) and give it ``extra``."""
+        self.scope_key, self.scope_extra = key, dict(extra)
 
     def add(
         self,
@@ -205,6 +214,9 @@ class Recorder:
     ) -> dict:
         """One row.  ``stable``/``stability``: the verdict of the timing the value comes
         from (``add_timing`` fills them); None / "" for values that are not timings."""
+        if self.scope_key:
+            variant = f"{self.scope_key} · {variant}" if str(variant) else self.scope_key
+            extra = {**self.scope_extra, **extra}
         row = dict(
             lab=self.lab,
             experiment=experiment,

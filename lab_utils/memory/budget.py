@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lab_utils.core.config import check_float, check_int
+from lab_utils.core.config import ConfigError, check_float, check_int
+from lab_utils.core.datasheets import DATASHEET, PART_HELP, identify
 from lab_utils.core.dtypes import parse_dtype
-from lab_utils.memory.master import MasterAdamW
-from lab_utils.memory.saved import (
-    H200_BYTES,
+from lab_utils.memory.fits import oom_bisect
+from lab_utils.memory.formula import (
     StepShape,
     batch_for,
     double_block_bytes,
@@ -23,6 +23,7 @@ from lab_utils.memory.saved import (
     single_block_bytes,
     step_shape,
 )
+from lab_utils.memory.master import MasterAdamW
 from lab_utils.model import MMDiTConfig, build_model
 from lab_utils.model.checkpointing import RECOMPUTE_POLICIES
 from lab_utils.model.train import rf_loss
@@ -167,12 +168,44 @@ def gpus_needed(
 # What fits
 # --------------------------------------------------------------------------------------
 
+#: Memory of one H200 (141 GB, decimal) when no device is given and none is here.
+H200_BYTES = 141 * 10**9
+#: GPUs a what-fits may be asked for by name: every datasheet part with its memory (GB, as the vendor states it).
+NAMED_GPUS = {k: v for k, v in DATASHEET.items() if v.memory_gib}
+
 
 def default_device_bytes() -> int:
     """The current CUDA device's memory, else one H200's (141 GB)."""
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     return H200_BYTES
+
+
+def device_memory(value, param: str = "device_memory_gb") -> tuple[int, str]:
+    """Bytes and a description of the device a what-fits is asked for: a number of GB (decimal,
+    as GPUs are sold), a GPU name (the datasheet memory of the part it names,
+    :func:`lab_utils.core.datasheets.identify`: "H100 NVL" 94 GB, "H200" 141 GB, "B200" 180 GB; a
+    family's name alone is its first part, "H100" the SXM5's 80 GB, and the label names the
+    others), or 0: this GPU, else an H200."""
+    if isinstance(value, str):
+        found = identify(value.strip())
+        if found is None or not found.peak.memory_gib:
+            raise ConfigError(
+                param, value, f"a number of GB, 0 (this GPU, else an H200) or a GPU with a datasheet row: {PART_HELP}"
+            )
+        sheet = found.peak  # a family's name alone: its first part (identify), the others named
+        other = [p for p in DATASHEET.values() if p.family == sheet.family and p.memory_gib != sheet.memory_gib]
+        which = f"; assumed for {value!r}, also {', '.join(f'{p.name} {p.memory_gib:g} GB' for p in other)}"
+        return int(sheet.memory_gib * 1e9), f"{sheet.name}, {sheet.memory_gib:g} GB (its datasheet" + (
+            f"{which})" if found.assumed and other else ")"
+        )
+    check_float(param, value, min=0)
+    if value > 0:
+        return int(value * 1e9), f"{value:g} GB (given)"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return int(props.total_memory), f"this GPU ({props.name}, {props.total_memory / 1e9:.0f} GB)"
+    return H200_BYTES, "an H200, 141 GB (no GPU here: name one with device_memory_gb)"
 
 
 def what_fits(
@@ -249,25 +282,23 @@ def bisect_fit(
     model.train()
     opt = MasterAdamW(model.parameters(), lr=1e-5)
     sh1 = step_shape(cfg, 1, resolution, resolution, txt_len)
-    lo, ooms, state = 0, 0, {}
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
+    state: dict = {}
+
+    def one_step(b: int) -> None:
         batch = None
         try:
-            batch = batch_for(cfg, StepShape(mid, sh1.img_tokens, txt_len), torch.bfloat16, dev)
+            batch = batch_for(cfg, StepShape(b, sh1.img_tokens, txt_len), torch.bfloat16, dev)
             rf_loss(model, batch).backward()
             opt.step()
-            state = fit_state(model, opt)
-            opt.zero_grad(set_to_none=True)
+            state.clear()
+            state.update(fit_state(model, opt))
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
-            lo = mid
-        except torch.OutOfMemoryError:
-            ooms += 1
-            hi = mid - 1
         finally:
             batch = None
             opt.zero_grad(set_to_none=True)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-    return FitEdge(lo, ooms, state)
+
+    edge, ooms = oom_bisect(one_step, hi)
+    return FitEdge(edge, ooms, state)

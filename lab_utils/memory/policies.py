@@ -1,142 +1,150 @@
-"""Activation-checkpointing policies on the same step: saved bytes, peak, counted FLOPs,
-step time, and gradients against no checkpointing."""
+"""Activation-checkpointing policies on one step: saved bytes, peak, counted FLOPs, step time,
+and gradients against no checkpointing (a mismatch raises).
+
+Every policy runs on the same weights and the same batch (the step's batch 1), through
+:func:`lab_utils.memory.saved.policy_applied`: perflab's MMDiT through its own seam (its double /
+single and compile_budget policies too), any other step's blocks from outside.  A policy that does
+not act on this device (``offload``: ``save_on_cpu`` moves nothing on a CPU) is measured and
+marked, never taken for a saving."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
-from lab_utils.core.dtypes import dtype_name, parse_dtype
+from lab_utils.core.dtypes import dtype_name
 from lab_utils.core.noise import quiet_stderr_fd
 from lab_utils.core.timing import try_bench
-from lab_utils.memory.saved import FORMULA_POLICIES, StepShape, batch_for, measure_saved, saved_bytes_formula
-from lab_utils.model import MMDiTConfig, build_model
-from lab_utils.model.train import rf_loss
-
-# --------------------------------------------------------------------------------------
-# AC policies on the same step: peak, saved bytes, time, recomputed FLOPs, gradients
-# --------------------------------------------------------------------------------------
+from lab_utils.memory.saved import measure_saved, policy_applied
+from lab_utils.model.accounting import count_flops
+from lab_utils.model.checkpointing import ACTIVATION_CHECKPOINTS
+from lab_utils.step.contract import StepFactory, block_groups, blocks
 
 #: Gradient tolerance of a policy against no checkpointing, per dtype (atol, rtol): recompute
 #: replays the same kernels, so on CPU the gradients agree to rounding of reordered sums.
-GRAD_TOL = {"float32": (1e-6, 1e-5), "bfloat16": (2e-2, 2e-2)}
+GRAD_TOL = {"float32": (1e-6, 1e-5), "bfloat16": (2e-2, 2e-2), "float16": (2e-2, 2e-2)}
 
 
-def step_grads(cfg: MMDiTConfig, sh: StepShape, dtype, policy: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Gradients of one rectified-flow step under ``policy`` (same weights and batch for every policy)."""
-    dt = parse_dtype("dtype", dtype)
-    model = build_model(cfg.replace(activation_checkpoint=policy), dtype=dt, seed=seed)
-    model.train()
-    gen = torch.Generator().manual_seed(seed)
-    batch = batch_for(cfg, sh, dt, torch.device("cpu"), gen)
-    rf_loss(model, batch, gen).backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+def grads_of(step: StepFactory, policy: str | None = "none", k: int = 1) -> dict[str, torch.Tensor]:
+    """Gradients of step ``k``'s forward + backward under ``policy`` (weights untouched)."""
+    step.optimizer.zero_grad(set_to_none=True)
+    batch = step.make_batch(k)
+    with policy_applied(step, policy):
+        step.loss(step.model, batch).backward()
+    out = {n: p.grad.detach().clone() for n, p in step.model.named_parameters() if p.grad is not None}
+    step.optimizer.zero_grad(set_to_none=True)
+    return out
 
 
-def grad_mismatch(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], dtype) -> list[str]:
-    """Names of parameters whose gradient differs beyond :data:`GRAD_TOL` (empty = equal)."""
-    atol, rtol = GRAD_TOL[dtype_name(dtype)]
-    return [n for n in ref if not torch.allclose(got[n].float(), ref[n].float(), atol=atol, rtol=rtol)]
+def param_dtype(step: StepFactory) -> str:
+    p = next(step.model.parameters(), None)
+    return dtype_name(p.dtype) if p is not None else "float32"
+
+
+def grad_mismatch(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], dtype="float32") -> list[str]:
+    """Parameters whose gradient differs beyond :data:`GRAD_TOL` of ``dtype``, or that have a
+    gradient on one side only (empty = equal)."""
+    atol, rtol = GRAD_TOL.get(dtype_name(dtype), GRAD_TOL["bfloat16"])
+    bad = sorted(set(ref) ^ set(got))
+    off = [n for n in ref if n in got and not torch.allclose(got[n].float(), ref[n].float(), atol=atol, rtol=rtol)]
+    return bad + off
+
+
+def excursion(fn: Callable[[], object], device: torch.device) -> tuple[int, int]:
+    """Bytes allocated while ``fn()`` runs above what was live before: at their peak, and still
+    held when it returns.  CUDA's allocator statistics (``max_memory_allocated``), or on CPU the
+    running sum of the profiler's allocation events (+ allocation, - free, in time order)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - base), int(torch.cuda.memory_allocated(device) - base)
+    with (
+        quiet_stderr_fd(),  # kineto's profiler_start/stop markers
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return int(peak), int(live)
+
+
+def peak_above(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes allocated while ``fn()`` runs above what was live before (:func:`excursion`)."""
+    return excursion(fn, device)[0]
+
+
+def acts_on(policy: str, device_type: str) -> bool:
+    """Whether a policy does what it is for on this device: ``offload`` (``save_on_cpu``)
+    moves saved activations to host memory, so on a CPU it moves nothing."""
+    return not (policy == "offload" and device_type == "cpu")
+
+
+def saved_means(policy: str, dev: torch.device) -> str:
+    """What a policy's saved bytes are: kept for the backward; under ``offload`` the bytes
+    left on the device, and on a CPU (where ``save_on_cpu`` moves nothing, so neither the
+    memory nor the peak drops) the device bytes it would keep on a GPU."""
+    if policy != "offload":
+        return "kept for the backward (saved_tensors_hooks)"
+    if dev.type == "cpu":
+        return "device bytes it would keep on a GPU (on CPU save_on_cpu moves nothing: no memory is freed here)"
+    return "kept on the device (the rest is in host memory)"
+
+
+def treated_blocks(step: StepFactory, policy: str) -> int:
+    """How many of the step's blocks ``policy`` treats (the MMDiT's seam: its own kinds)."""
+    pol = ACTIVATION_CHECKPOINTS[policy]
+    if step.has("policies"):
+        with policy_applied(step, policy):
+            return len(getattr(step.model, "block_runners", {}))
+    return sum(pol.treats(kind, i) for _, kind, i, _ in block_groups(blocks(step)))
 
 
 @dataclass(frozen=True)
 class PolicyResult:
     policy: str
+    blocks: int  # blocks the policy treats
     saved_bytes: int  # measured by the saved-tensor hooks
-    formula_bytes: int | None  # the analytic model (None for compile_budget)
-    peak_bytes: int  # allocator peak of one step above the state before it
-    flops: float  # counted FLOPs of forward + backward
+    peak_bytes: int  # allocator peak of one forward + backward above the state before it
+    flops: float  # counted FLOPs of forward + backward (recompute included)
     timing: object  # lab_utils.core.timing Timing or BenchFailure
     grads_equal: bool
-
-
-def step_flops(model: nn.Module, batch, gen_seed: int = 0) -> tuple[float, dict[str, torch.Tensor]]:
-    """Counted FLOPs of one forward + backward (``FlopCounterMode``: matmul and attention
-    FLOPs), and the gradients that step produced."""
-    with FlopCounterMode(display=False) as fc:
-        rf_loss(model, batch, torch.Generator(device=batch.img.device).manual_seed(gen_seed)).backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return float(fc.get_total_flops()), grads
-
-
-def step_peak(model: nn.Module, batch, seed: int = 0) -> int:
-    """Peak bytes allocated during one forward + backward above what was live before: CUDA's
-    allocator statistics, or on CPU the profiler's memory events (their running sum)."""
-    dev = batch.img.device
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        base = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        rf_loss(model, batch, gen).backward()
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - base
-    else:
-        with (
-            quiet_stderr_fd(),  # kineto's profiler_start/stop markers
-            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof,
-        ):
-            rf_loss(model, batch, gen).backward()
-        events = sorted(
-            (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-        )
-        live = peak = 0
-        for _, nbytes in events:  # +allocation / -free, in time order
-            live += nbytes
-            peak = max(peak, live)
-    model.zero_grad(set_to_none=True)
-    return int(peak)
+    acts_here: bool  # False: the policy does not do what it is for on this device (offload on CPU)
 
 
 def compare_policies(
-    cfg: MMDiTConfig,
-    sh: StepShape,
-    dtype,
-    policies: Iterable[str],
-    *,
-    device: str | torch.device = "cpu",
-    seed: int = 0,
-    reps: int = 5,
-    progress: bool = True,
+    step: StepFactory, policies: Iterable[str], *, reps: int = 3, progress: bool = True
 ) -> list[PolicyResult]:
-    """Every policy on the same weights and batch: saved bytes (hooks and formula), allocator
-    peak, counted FLOPs, step time (``lab_utils.core.timing``) and its gradients against no
-    checkpointing (a mismatch raises)."""
-    dt = parse_dtype("dtype", dtype)
-    dev = torch.device(device)
+    """Every policy on the same weights and batch (see the module note)."""
     policies = list(policies)
-    batch = batch_for(cfg, sh, dt, dev, torch.Generator(device="cpu").manual_seed(seed))
-    _, ref = step_flops(
-        build_model(cfg.replace(activation_checkpoint="none"), device=dev, dtype=dt, seed=seed), batch, seed
-    )
+    dev, dt = step.device, param_dtype(step)
+    ref = grads_of(step, "none")
+    batch = step.make_batch(1)
     out = []
     for pol in tqdm(policies, desc="AC policies", disable=not progress):
-        pcfg = cfg.replace(activation_checkpoint=pol)
-        model = build_model(pcfg, device=dev, dtype=dt, seed=seed)
-        model.train()
-        saved = measure_saved(pcfg, sh, dt, device=dev, seed=seed, model=model).total
-        formula = (
-            sum(saved_bytes_formula(pcfg, sh, dt, device_type=dev.type).values()) if pol in FORMULA_POLICIES else None
-        )
-        peak = step_peak(model, batch, seed)
-        flops, grads = step_flops(model, batch, seed)
-        bad = grad_mismatch(ref, grads, dt)
+        saved = measure_saved(step, pol).total
+        bad = grad_mismatch(ref, grads_of(step, pol), dt)
         if bad:
             raise AssertionError(f"policy {pol!r}: gradients differ from no checkpointing in {bad[:5]}")
 
-        def step(model=model):
-            rf_loss(model, batch, torch.Generator(device=dev).manual_seed(seed)).backward()
-            model.zero_grad(set_to_none=True)
+        def fwd_bwd(pol=pol):
+            with policy_applied(step, pol):
+                step.loss(step.model, batch).backward()
+            step.optimizer.zero_grad(set_to_none=True)
 
+        peak = peak_above(fwd_bwd, dev)
+        flops, _ = count_flops(fwd_bwd)
         # A shared CPU's step times are context, not results: no retries there.
         timing = try_bench(
-            step,
+            fwd_bwd,
             name=f"step-{pol}",
             device=dev,
             reps=reps,
@@ -144,5 +152,6 @@ def compare_policies(
             check_finite=False,
             retries=2 if dev.type == "cuda" else 0,
         )
-        out.append(PolicyResult(pol, saved, formula, peak, flops, timing, True))
+        treated = treated_blocks(step, pol)
+        out.append(PolicyResult(pol, treated, saved, peak, float(flops), timing, True, acts_on(pol, dev.type)))
     return out

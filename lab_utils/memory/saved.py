@@ -1,34 +1,41 @@
-"""Saved activations: the hooks that measure them (each storage once, attributed to the
-region and op that made it) and the analytic model that equals them."""
+"""Saved activations of a step, measured: every storage autograd keeps for the backward, each
+counted once and attributed to the module that made it, its region and its aten op.
+
+* ``saved_tensors_hooks`` see every tensor autograd saves; parameters and buffers are state,
+  not activations, and are skipped; each *storage* is counted once (views share storage, and a
+  view keeps its whole base alive).  A checkpointed block keeps its inputs and, under a selective
+  policy, the outputs torch caches: ``lab_utils.model.checkpointing.capture`` reports both.
+* A ``TorchDispatchMode`` remembers, for every storage an op creates, the innermost module that
+  was running (forward pre / post hooks on every module) and the op.  A storage's region is the
+  block holding its module, else the module's top-level child, else ``model``; ``input`` for what
+  was made before the step (the batch), ``loss`` for what the loss made outside the model.
+* :func:`measure_saved` runs one forward of a step (its batch made outside the probe) under a
+  policy: the step's own seam when it declares one (perflab's MMDiT), else the policy applied to
+  its blocks from outside.  On the MMDiT its bytes equal the analytic model
+  (:mod:`lab_utils.memory.formula`) region by region; everything works on ``meta`` tensors.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
+import pandas as pd
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lab_utils.core.config import ConfigError, check_choice, check_int
+from lab_utils.core.config import check_choice
 from lab_utils.core.dtypes import parse_dtype
-from lab_utils.model import CHECKPOINT_POLICIES, MMDiTConfig, build_model, resolve_config
-from lab_utils.model.checkpointing import RECOMPUTE_POLICIES, SELECTIVE_POLICIES, block_policy, capture
-from lab_utils.model.train import rf_loss, synthetic_batch
-
-#: The dtypes the memory lab accounts for (parameters and activations in one dtype).
-MEMORY_DTYPES = ("float32", "bfloat16")
-#: Memory of one H200 (141 GB, decimal) when no device is given.
-H200_BYTES = 141 * 10**9
-#: Top-level modules of the MMDiT outside the blocks, each its own region.
-EMBED_REGIONS = ("img_in", "txt_in", "time_in", "vector_in", "guidance_in", "pe_embedder", "final_layer")
-#: Policies whose saved bytes the analytic model predicts exactly.
-FORMULA_POLICIES = tuple(p for p in CHECKPOINT_POLICIES if p != "compile_budget")
+from lab_utils.memory.formula import StepShape, pixels_of
+from lab_utils.model import MMDiTConfig, resolve_config
+from lab_utils.model.checkpointing import GENERIC_POLICIES, applied, capture
+from lab_utils.step.contract import StepFactory, block_groups, blocks, region_of
+from lab_utils.step.mmdit import synthetic_step
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -41,46 +48,20 @@ def storage_bytes(t: torch.Tensor) -> int:
 
 
 # --------------------------------------------------------------------------------------
-# Regions: which part of the model is running
+# Which module is running, and which made a storage
 # --------------------------------------------------------------------------------------
 
 
-def block_names(cfg: MMDiTConfig) -> list[str]:
-    return [f"double_blocks.{i}" for i in range(cfg.depth_double)] + [
-        f"single_blocks.{i}" for i in range(cfg.depth_single)
-    ]
-
-
-def check_block(cfg: MMDiTConfig, block: str, param: str = "block") -> str:
-    """``block`` as "double_blocks.i" / "single_blocks.i"; an index out of range names ``param``."""
-    names = block_names(cfg)
-    if block not in names:
-        raise ConfigError(
-            param,
-            block,
-            f"one of double_blocks.0..{cfg.depth_double - 1}, "
-            f"single_blocks.0..{cfg.depth_single - 1} (preset {cfg.preset!r})",
-        )
-    return block
-
-
-class RegionTracker:
-    """A stack of the model's regions, kept by forward pre/post hooks registered from outside
-    (blocks by ``named_modules`` name, the embedders and final layer by name); outside the
-    model the region is ``outside`` (the loss)."""
+class ModuleTracker:
+    """The innermost module running, by its ``named_modules`` name (``model`` for the root), kept
+    by forward pre / post hooks registered from outside; ``outside`` (the loss) around the model."""
 
     def __init__(self, model: nn.Module, outside: str = "loss"):
         self.stack: list[str] = [outside]
         self.handles = []
-        names = set(EMBED_REGIONS) | {n for n, _ in model.named_modules() if n.count(".") == 1 and "blocks." in n}
         for name, mod in model.named_modules():
-            if name in names:
-                self._track(mod, name)
-        self._track(model, "model")
-
-    def _track(self, mod: nn.Module, name: str) -> None:
-        self.handles.append(mod.register_forward_pre_hook(self._enter(name)))
-        self.handles.append(mod.register_forward_hook(self._leave(name), always_call=True))
+            self.handles.append(mod.register_forward_pre_hook(self._enter(name or "model")))
+            self.handles.append(mod.register_forward_hook(self._leave(name or "model"), always_call=True))
 
     def _enter(self, name):
         def hook(mod, args):
@@ -105,14 +86,14 @@ class RegionTracker:
 
 
 class CreatorMode(TorchDispatchMode):
-    """Remembers, for every storage an op creates, the region and aten op that made it.
+    """Remembers, for every storage an op creates, the module and aten op that made it.
     Outputs that share an input's storage (views, in-place ops) keep their creator."""
 
-    def __init__(self, regions: RegionTracker):
+    def __init__(self, tracker: ModuleTracker):
         super().__init__()
-        self.regions = regions
+        self.tracker = tracker
         self.made: dict[int, tuple[str, str]] = {}
-        self.events: list[tuple[str, str, int, int]] = []  # (region, op, storage key, bytes) per new storage
+        self.events: list[tuple[str, str, int, int]] = []  # (module, op, storage key, bytes) per new storage
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -121,20 +102,21 @@ class CreatorMode(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 k = storage_key(t)
                 if k not in ins:
-                    where = (self.regions.current, func.overloadpacket.__name__)
+                    where = (self.tracker.current, func.overloadpacket.__name__)
                     self.made[k] = where
                     self.events.append((*where, k, storage_bytes(t)))
         return out
 
 
 # --------------------------------------------------------------------------------------
-# Saved-tensor measurement
+# What a forward keeps for the backward
 # --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class SavedTensor:
-    region: str  # "double_blocks.0", "single_blocks.3", "img_in", "model", "loss", "input"
+    region: str  # a block ("double_blocks.0", "layers.3"), a top-level module, "model", "loss" or "input"
+    module: str  # the innermost module that made the storage ("input": made before the step)
     op: str  # the aten op that made the storage ("input" for tensors made outside the step)
     how: str  # "saved" (autograd), "kept_input" (checkpoint), "selective_cache"
     nbytes: int  # of the whole storage
@@ -152,38 +134,47 @@ class SavedReport:
     def total(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
-    def by_region(self) -> dict[str, int]:
-        out: dict[str, int] = defaultdict(int)
+    def by(self, *cols: str) -> dict:
+        """Bytes per value of ``cols`` (one column: its values; several: tuples of them)."""
+        out: dict = defaultdict(int)
         for t in self.tensors:
-            out[t.region] += t.nbytes
+            key = tuple(getattr(t, c if c != "bytes" else "nbytes") for c in cols)
+            out[key if len(cols) > 1 else key[0]] += t.nbytes
         return dict(out)
 
+    def by_region(self) -> dict[str, int]:
+        return self.by("region")
+
     def by_op(self) -> dict[tuple[str, str], int]:
-        out: dict[tuple[str, str], int] = defaultdict(int)
-        for t in self.tensors:
-            out[(t.region, t.op)] += t.nbytes
-        return dict(out)
+        return self.by("region", "op")
 
     def rows(self) -> list[dict]:
         return [
-            dict(region=t.region, op=t.op, how=t.how, bytes=t.nbytes, shape=t.shape, dtype=t.dtype)
+            dict(region=t.region, module=t.module, op=t.op, how=t.how, bytes=t.nbytes, shape=t.shape, dtype=t.dtype)
             for t in self.tensors
         ]
 
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.rows(), columns=["region", "module", "op", "how", "bytes", "shape", "dtype"])
+
 
 @contextmanager
-def saved_tensor_probe(model: nn.Module, *, creators: bool = True) -> Iterator[SavedReport]:
+def saved_tensor_probe(
+    model: nn.Module, block_names: list[str] | None = None, *, creators: bool = True
+) -> Iterator[SavedReport]:
     """Inside: every storage autograd saves (parameters and buffers skipped), every input a
     checkpointed block keeps and every output a selective policy caches, counted once,
-    attributed to the region and op that made it.  The report is complete on exit.
+    attributed to the module and op that made it and to its region among ``block_names``
+    (default: the model's repeated blocks).  The report is complete on exit.
 
-    ``creators=False`` attributes a storage to the region running when it was saved (op
+    ``creators=False`` attributes a storage to the module running when it was saved (op
     "saved"): torch.compile runs eager under a dispatch mode, so the compiled policy is
     measured that way."""
+    names = [n for n, _ in blocks(model)] if block_names is None else list(block_names)
     report = SavedReport()
     state = {storage_key(p) for p in model.parameters()} | {storage_key(b) for b in model.buffers()}
-    regions = RegionTracker(model)
-    mode = CreatorMode(regions) if creators else contextlib.nullcontext()
+    tracker = ModuleTracker(model)
+    mode = CreatorMode(tracker) if creators else contextlib.nullcontext()
     seen: dict[int, tuple[torch.Tensor, str]] = {}
     saved_in: dict[int, tuple[str, str]] = {}
 
@@ -191,7 +182,7 @@ def saved_tensor_probe(model: nn.Module, *, creators: bool = True) -> Iterator[S
         k = storage_key(t)
         if k not in state and k not in seen:
             seen[k] = (t, how)
-            saved_in[k] = (regions.current, "saved")
+            saved_in[k] = (tracker.current, "saved")
 
     def pack(t):
         note(t, "saved")
@@ -209,183 +200,51 @@ def saved_tensor_probe(model: nn.Module, *, creators: bool = True) -> Iterator[S
                 if isinstance(t, torch.Tensor):
                     note(t, "selective_cache")
     finally:
-        regions.remove()
+        tracker.remove()
     for k, (t, how) in seen.items():
-        region, op = mode.made.get(k, ("input", "input")) if creators else saved_in[k]
+        module, op = mode.made.get(k, ("input", "input")) if creators else saved_in[k]
+        region = module if module in ("input", "loss") else region_of("" if module == "model" else module, names)
         report.tensors.append(
-            SavedTensor(region, op, how, storage_bytes(t), tuple(t.shape), str(t.dtype).replace("torch.", ""))
+            SavedTensor(region, module, op, how, storage_bytes(t), tuple(t.shape), str(t.dtype).replace("torch.", ""))
         )
 
 
 # --------------------------------------------------------------------------------------
-# The analytic model of saved activations
+# Policies on a step, and the measurement
 # --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class StepShape:
-    """One step's token shape: batch, image tokens, text tokens."""
-
-    batch: int
-    img_tokens: int
-    txt_tokens: int
-
-    @property
-    def tokens(self) -> int:
-        return self.img_tokens + self.txt_tokens
+def policies_of(step: StepFactory) -> tuple[str, ...]:
+    """The activation-checkpointing policies ``step`` takes: its own seam's (perflab's MMDiT:
+    every policy), else the generic ones its blocks take from outside."""
+    return tuple(step.capabilities["policies"].names) if step.has("policies") else GENERIC_POLICIES
 
 
-def step_shape(cfg: MMDiTConfig, batch: int, height: int, width: int, txt_len: int) -> StepShape:
-    check_int("batch_size", batch, min=1)
-    check_int("txt_len", txt_len, min=1)
-    h, w = cfg.check_resolution(height, width)
-    return StepShape(batch, h * w, txt_len)
+def policy_applied(step: StepFactory, policy: str | None):
+    """Inside: ``policy`` acts on ``step`` (its own seam when it declares one, else its blocks
+    from outside); ``None`` or "none": nothing changes."""
+    if policy in (None, "none"):
+        return contextlib.nullcontext()
+    check_choice("activation_checkpoint", policy, policies_of(step))
+    if step.has("policies"):
+        return step.capabilities["policies"].applied(policy)
+    return applied(block_groups(blocks(step)), policy)
 
 
-def _qk_extra(n_tokens: int, d: int, s: int) -> int:
-    """QK-norm's saved float32 work for q and k of ``n_tokens`` rows: in float32 the
-    normalised q/k (x·rrms); in a 16-bit dtype the float32 upcasts and the rounded
-    normalised q/k."""
-    return 2 * n_tokens * d * 4 + (0 if s == 4 else 2 * n_tokens * d * s)
+def measure_saved(step: StepFactory, policy: str | None = None, k: int = 1) -> SavedReport:
+    """What step ``k``'s forward under ``policy`` keeps for the backward (the batch is made outside
+    the probe; the loss is dropped before the backward)."""
+    batch = step.make_batch(k)
+    step.model.train()
+    names = [n for n, _ in blocks(step)]
+    creators = policy != "compile_budget"
+    with policy_applied(step, policy), saved_tensor_probe(step.model, names, creators=creators) as rep:
+        loss = step.loss(step.model, batch)
+    del loss
+    return rep
 
 
-def double_block_bytes(cfg: MMDiTConfig, sh: StepShape, s: int, stat: int | None = None) -> dict[str, int]:
-    """Bytes a double-stream block saves with no checkpointing, by part: ``own`` (made and
-    freed inside the block) and ``output`` (img and txt out, kept by whoever reads them)."""
-    b, d, m, h, dh = sh.batch, cfg.hidden_size, cfg.mlp_hidden, cfg.num_heads, cfg.head_dim
-    own = 0
-    views = 0  # streams whose slice of the joint attention output the projection saves as a view
-    for n in (sh.img_tokens, sh.txt_tokens):
-        rows = b * n
-        # The projection flattens its (B, n, D) slice of the joint output o (B, Li+Lt, D):
-        # a view when B == 1 or n == 1, else a copy of the slice.  A view keeps all of o.
-        if b == 1 or n == 1:
-            views += 1
-        else:
-            own += rows * d * s  # the copied slice
-        own += 7 * rows * d * s  # 2 LN outs, 2 modulated inputs, proj out, residual, fc2 out
-        own += 2 * rows * m * s  # fc1 out (GELU input), GELU out (fc2 input)
-        own += 9 * b * d * s  # SiLU(vec), adaLN out (6D), two (1 + scale)
-        own += 4 * rows * (stat or s)  # LayerNorm mean and rstd, twice
-        own += 2 * b * h * n * 4  # RMSNorm rrms of q and k (float32)
-        own += 2 * n * dh * 8  # RoPE 2x2 rotation tables of q and k (float32)
-        own += _qk_extra(rows, d, s) + (3 * rows * d * s if s == 4 else 0)  # float32: q/k are views of qkv
-    rows = b * sh.tokens
-    own += 4 * rows * d * s + b * h * sh.tokens * 4  # cat q, k, v; attention out + logsumexp
-    own += rows * d * s if views else 0  # o itself, kept whole by a viewed slice
-    return {"own": own, "output": rows * d * s}
-
-
-def single_block_bytes(cfg: MMDiTConfig, sh: StepShape, s: int, stat: int | None = None) -> dict[str, int]:
-    """Bytes a single-stream block saves with no checkpointing (see :func:`double_block_bytes`)."""
-    b, d, m, h, dh = sh.batch, cfg.hidden_size, cfg.mlp_hidden, cfg.num_heads, cfg.head_dim
-    n = sh.tokens
-    rows = b * n
-    own = 6 * rows * d * s  # LN out, modulated input, q and k after RoPE, attention out, linear2 out
-    own += rows * (3 * d + m) * s  # linear1 out (q k v | mlp; GELU reads it)
-    own += rows * (d + m) * s  # cat(attn, GELU(mlp)), linear2's input
-    own += b * h * n * 4  # attention logsumexp
-    own += 5 * b * d * s  # SiLU(vec), adaLN out (3D), (1 + scale)
-    own += 2 * rows * (stat or s) + 2 * b * h * n * 4 + 2 * n * dh * 8  # LN stats, rrms, RoPE tables
-    own += _qk_extra(rows, d, s)
-    return {"own": own, "output": rows * d * s}
-
-
-def selective_cache_bytes(cfg: MMDiTConfig, sh: StepShape, s: int, kind: str, policy: str) -> int:
-    """What a selective ``policy`` caches in one block: matmul and/or attention outputs."""
-    b, d, m, h = sh.batch, cfg.hidden_size, cfg.mlp_hidden, cfg.num_heads
-    fams = SELECTIVE_POLICIES[policy]
-    out = 0
-    if "matmul" in fams:
-        if kind == "double":
-            for n in (sh.img_tokens, sh.txt_tokens):
-                out += 6 * b * d * s + b * n * (3 * d + d + m + d) * s  # adaLN, qkv, proj, fc1, fc2
-        else:
-            out += 3 * b * d * s + b * sh.tokens * ((3 * d + m) + d) * s  # adaLN, linear1, linear2
-    if "attention" in fams:
-        out += b * sh.tokens * d * s + b * h * sh.tokens * 4
-    return out
-
-
-def saved_bytes_formula(
-    cfg: MMDiTConfig, sh: StepShape, dtype: str | torch.dtype, policy: str | None = None, device_type: str = "cpu"
-) -> dict[str, int]:
-    """Bytes kept for the backward after the forward of one rectified-flow step, per region,
-    from the config alone (device bytes: under ``offload`` what sits in host memory is left
-    out).  Equals :func:`measure_saved` exactly on CPU for every policy in
-    :data:`FORMULA_POLICIES` (tests).  ``device_type="cuda"`` keeps LayerNorm statistics in
-    float32 as CUDA's kernels do (CPU keeps them in the input dtype); flash attention's few
-    RNG-state bytes are left out."""
-    policy = policy or cfg.activation_checkpoint
-    check_choice("activation_checkpoint", policy, FORMULA_POLICIES)
-    s = parse_dtype("dtype", dtype).itemsize
-    stat = s if device_type == "cpu" else 4
-    b, d, c = sh.batch, cfg.hidden_size, cfg.in_channels
-    li, lt, n = sh.img_tokens, sh.txt_tokens, sh.tokens
-    nd, ns = cfg.depth_double, cfg.depth_single
-    offload = policy == "offload"
-    out: dict[str, int] = {}
-    kinds = [("double", i) for i in range(nd)] + [("single", i) for i in range(ns)]
-    for kind, i in kinds:
-        parts = (double_block_bytes if kind == "double" else single_block_bytes)(cfg, sh, s, stat)
-        treated = block_policy(policy, kind, i)
-        if not treated:
-            own = parts["own"]
-        elif policy in SELECTIVE_POLICIES:
-            own = selective_cache_bytes(cfg, sh, s, kind, policy)
-        else:
-            own = 0
-        # The output is kept by the next block (saved, or kept as a checkpoint input) or
-        # by the final layer; the last double block's outputs are only concatenated.
-        last_double = kind == "double" and i == nd - 1
-        last_single = kind == "single" and i == ns - 1
-        if last_double:
-            kept = 0
-        elif offload:
-            kept = parts["output"] if last_single else 0
-        else:
-            kept = parts["output"]
-        out[f"{kind}_blocks.{i}"] = own + kept
-    # img_in / txt_in outputs are kept by the first double block; with no double block they
-    # are only concatenated (cat saves nothing) and the joint sequence is counted in "model".
-    first_keeps = nd > 0 and not offload
-    out["img_in"] = b * li * d * s if first_keeps else 0
-    out["txt_in"] = b * lt * d * s if first_keeps else 0
-    for name in ("time_in", "vector_in") + (("guidance_in",) if cfg.guidance_embed else ()):
-        out[name] = 2 * b * d * s
-    cat_kept = not (offload and ns > 0)
-    out["model"] = b * d * s + (2 if cfg.guidance_embed else 1) * b * 256 * s + (b * n * d * s if cat_kept else 0)
-    ckpt_inputs = policy in RECOMPUTE_POLICIES and any(block_policy(policy, k, i) for k, i in kinds)
-    out["pe_embedder"] = 4 * n * cfg.head_dim if ckpt_inputs else 0
-    out["final_layer"] = 2 * b * d * s + 2 * b * li * stat + 2 * b * li * d * s + (b * li * c * 4 if s == 4 else 0)
-    out["loss"] = b * li * c * s + (1 if s == 4 else 2) * b * li * c * 4
-    out["input"] = b * lt * cfg.context_dim * s + b * cfg.pooled_dim * s
-    return {k: v for k, v in out.items() if v}
-
-
-def bytes_per_token_per_block(
-    cfg: MMDiTConfig,
-    dtype: str | torch.dtype,
-    kind: str = "single",
-    img_tokens: int = 4096,
-    txt_tokens: int = 512,
-    device_type: str = "cuda",
-) -> float:
-    """Saved bytes of one block with no checkpointing (batch 1) per token of its sequence of
-    ``img_tokens + txt_tokens`` tokens; LayerNorm statistics in float32 on ``cuda``, in the
-    activation dtype on ``cpu`` (see :func:`saved_bytes_formula`)."""
-    check_choice("kind", kind, ("double", "single"))
-    check_int("img_tokens", img_tokens, min=1)
-    check_int("txt_tokens", txt_tokens, min=1)
-    check_choice("device_type", device_type, ("cpu", "cuda"))
-    sh = StepShape(1, img_tokens, txt_tokens)
-    s = parse_dtype("dtype", dtype).itemsize
-    stat = s if device_type == "cpu" else 4
-    parts = (double_block_bytes if kind == "double" else single_block_bytes)(cfg, sh, s, stat)
-    return (parts["own"] + parts["output"]) / sh.tokens
-
-
-def measure_saved(
+def mmdit_saved(
     cfg: MMDiTConfig | str,
     sh: StepShape,
     dtype: str | torch.dtype = "float32",
@@ -393,54 +252,19 @@ def measure_saved(
     *,
     device: str | torch.device = "cpu",
     seed: int = 0,
-    model: nn.Module | None = None,
 ) -> SavedReport:
-    """Run the forward of one rectified-flow step (batch built outside the probe) and return
-    what it keeps for the backward.  ``device="meta"`` works for every preset.
-
-    A ``model`` passed in runs the policy applied to it (``model.activation_checkpoint``, taken
-    when ``policy`` is None): a ``policy`` or ``cfg`` that differs from the model's is refused
-    rather than silently measuring something else."""
+    """:func:`measure_saved` on perflab's MMDiT of ``cfg`` at step shape ``sh`` (its synthetic step:
+    ``lab_utils.step.mmdit.synthetic_step``); ``device="meta"`` works for every preset."""
     cfg = resolve_config(cfg)
-    if policy is not None:
-        cfg = cfg.replace(activation_checkpoint=policy)
-    elif model is not None and getattr(model, "cfg", None) is not None:
-        cfg = cfg.replace(activation_checkpoint=model.activation_checkpoint.name)  # none asked for: the model's
-    dt = parse_dtype("dtype", dtype)
-    dev = torch.device(device)
-    if model is None:
-        model = build_model(cfg, device=dev, dtype=dt, seed=seed)
-    else:
-        own = getattr(model, "cfg", None)
-        if own is None:
-            raise ConfigError("model", type(model).__name__, "an MMDiT (built by build_model, with its .cfg)")
-        applied = model.activation_checkpoint.name
-        if applied != cfg.activation_checkpoint:
-            raise ConfigError(
-                "policy",
-                cfg.activation_checkpoint,
-                f"the model's own policy {applied!r} (the model runs the policy applied to it; "
-                "pass policy=None or a model built with this activation_checkpoint)",
-            )
-        if own != cfg:
-            diff = {f.name: getattr(own, f.name) for f in fields(own) if getattr(own, f.name) != getattr(cfg, f.name)}
-            raise ConfigError("cfg", cfg.preset, f"the model's own config (it differs in {diff})")
-    model.train()
-    gen = torch.Generator(device="cpu").manual_seed(seed) if dev.type != "meta" else None
-    batch = batch_for(cfg, sh, dt, dev, gen)
-    with saved_tensor_probe(model, creators=cfg.activation_checkpoint != "compile_budget") as report:
-        loss = rf_loss(model, batch, gen)
-    del loss
-    return report
-
-
-def batch_for(cfg: MMDiTConfig, sh: StepShape, dt: torch.dtype, dev: torch.device, gen=None):
-    """A synthetic batch of ``sh`` (square-ish grid: img_tokens = 1 x img_tokens when not square)."""
-    ppt = cfg.pixels_per_token
-    h = int(math.isqrt(sh.img_tokens))
-    while sh.img_tokens % h:
-        h -= 1
-    w = sh.img_tokens // h
-    return synthetic_batch(
-        cfg, sh.batch, height=h * ppt, width=w * ppt, txt_len=sh.txt_tokens, generator=gen, device=dev, dtype=dt
+    height, width = pixels_of(cfg, sh)
+    step = synthetic_step(
+        cfg,
+        batch_size=sh.batch,
+        height=height,
+        width=width,
+        txt_len=sh.txt_tokens,
+        device=device,
+        dtype=parse_dtype("dtype", dtype),
+        seed=seed,
     )
+    return measure_saved(step, policy)

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from torch import nn
 
 from lab_utils.core.noise import quiet_stderr_fd
 from lab_utils.memory.saved import SavedReport, SavedTensor
-from lab_utils.model.train import rf_loss
+from lab_utils.step.contract import StepFactory
 
 # --------------------------------------------------------------------------------------
 # Timelines
@@ -58,28 +57,29 @@ def profiled_timeline(fn, path: str | Path) -> pd.DataFrame:
     return df
 
 
-def cpu_timeline(model: nn.Module, batch, opt: torch.optim.Optimizer, path: str | Path, seed: int = 0) -> pd.DataFrame:
-    """One AdamW step's categorized memory timeline on CPU (see :func:`profiled_timeline`)."""
-    gen = torch.Generator(device=batch.img.device).manual_seed(seed)
+def cpu_timeline(step: StepFactory, path: str | Path, k: int = 1) -> pd.DataFrame:
+    """Step ``k``'s categorized memory timeline on CPU (its batch made before; forward, backward,
+    optimizer step; see :func:`profiled_timeline`)."""
+    batch = step.make_batch(k)
 
-    def step():
-        rf_loss(model, batch, gen).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def one():
+        step.loss(step.model, batch).backward()
+        step.optimizer.step()
+        step.optimizer.zero_grad(set_to_none=True)
 
-    return profiled_timeline(step, path)
+    return profiled_timeline(one, path)
 
 
-def cuda_timeline(model: nn.Module, batch, opt: torch.optim.Optimizer, path: str | Path, seed: int = 0) -> pd.DataFrame:
-    """One AdamW step under ``torch.cuda.memory._record_memory_history``; the snapshot goes to
+def cuda_timeline(step: StepFactory, path: str | Path, k: int = 1) -> pd.DataFrame:
+    """Step ``k`` under ``torch.cuda.memory._record_memory_history``; the snapshot goes to
     ``path`` (pickle, for pytorch.org/memory_viz) and its trace is categorized by address:
     parameters, gradients and optimizer state are known tensors, the rest is activations
     (alive at the end of the forward) or temporaries."""
-    dev = batch.img.device
+    model, opt, dev = step.model, step.optimizer, step.device
+    batch = step.make_batch(k)
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     try:
-        gen = torch.Generator(device=dev).manual_seed(seed)
-        loss = rf_loss(model, batch, gen)
+        loss = step.loss(model, batch)
         marker = torch.empty(1, device=dev)  # its allocation marks the end of the forward in the trace
         loss.backward()
         opt.step()

@@ -1,11 +1,17 @@
-"""Counting from the config alone: parameters and forward FLOPs of an MMDiT
-(checked against the built model and ``torch.utils.flop_counter`` in tests)."""
+"""Counting: parameters and forward FLOPs of an MMDiT from its config alone (checked against the
+built model and ``torch.utils.flop_counter`` in tests), FLOPs of any function by
+``FlopCounterMode`` (:func:`count_flops`, CPU's flash attention included) and of an MMDiT
+training step on ``meta`` (:func:`training_step_flops`)."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from lab_utils.model.config import MMDiTConfig
+from lab_utils.model.mmdit import build_model
+from lab_utils.model.train import rf_loss, synthetic_batch
 
 
 def num_params(model: nn.Module) -> int:
@@ -55,3 +61,54 @@ def forward_flops(cfg: MMDiTConfig, batch: int, img_tokens: int, txt_tokens: int
     }
     out["total"] = sum(out.values())
     return out
+
+
+def _cpu_sdpa_flop_mapping() -> dict:
+    """FlopCounterMode has formulas for CUDA's SDPA kernels but not for the CPU flash
+    kernel; count it the same way (QKᵀ and PV: 4·B·H·Lq·Lk·Dh forward, 2x backward)."""
+    aten = torch.ops.aten
+    out = {}
+
+    def fwd(q_shape, k_shape, v_shape):
+        b, h, lq, d = q_shape
+        lk = k_shape[-2]
+        return 2 * b * h * lq * lk * d + 2 * b * h * lq * lk * v_shape[-1]
+
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        # FlopCounterMode hands formulas the shapes of tensor arguments
+        def f(query, key, value, *args, out_shape=None, **kw):
+            return fwd(query, key, value)
+
+        def b(grad_out, query, key, value, *args, out_shape=None, **kw):
+            return 2 * fwd(query, key, value)
+
+        out[aten._scaled_dot_product_flash_attention_for_cpu] = f
+        if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+            out[aten._scaled_dot_product_flash_attention_for_cpu_backward] = b
+    return out
+
+
+def count_flops(fn, *, device_kind: str = "meta") -> tuple[int, dict[str, int]]:
+    """FLOPs of ``fn()`` by ``torch.utils.flop_counter``; returns (total, per-op)."""
+    with FlopCounterMode(display=False, custom_mapping=_cpu_sdpa_flop_mapping()) as fc:
+        fn()
+    per_op = {str(k): int(v) for k, v in fc.get_flop_counts().get("Global", {}).items()}
+    return int(fc.get_total_flops()), per_op
+
+
+_FLOP_CACHE: dict[tuple, int] = {}
+
+
+def training_step_flops(model_cfg, batch_size: int, grid: tuple[int, int], txt_len: int) -> int:
+    """Model FLOPs of one training step (forward + backward of the MMDiT) at this shape,
+    counted on a meta-device copy (nothing is computed or allocated)."""
+    cfg = model_cfg.replace(kernels="eager", attention_path="sdpa", activation_checkpoint="none", recipe="bf16")
+    key = (cfg, batch_size, tuple(grid), txt_len)
+    if key not in _FLOP_CACHE:
+        model = build_model(cfg, device="meta").train()
+        h, w = grid
+        ppt = cfg.pixels_per_token
+        batch = synthetic_batch(cfg, batch_size, height=h * ppt, width=w * ppt, txt_len=txt_len, device="meta")
+        total, _ = count_flops(lambda: rf_loss(model, batch).backward())
+        _FLOP_CACHE[key] = total
+    return _FLOP_CACHE[key]

@@ -13,6 +13,12 @@ is one entry of :data:`ACTIVATION_CHECKPOINTS` and nowhere else.
 here are "activation checkpoints" everywhere: the parameter ``activation_checkpoint``
 (lab 05's ``activation_checkpoints`` list), the config field and the model's attribute.
 
+Any other model's repeated blocks take the same policies from outside (:func:`applied`: each
+treated block's ``forward`` runs through the policy's runner while the context is active): the
+:data:`GENERIC_POLICIES`, those that need no block kinds (double / single are the MMDiT's, and
+``compile_budget`` compiles every block: minutes on a CPU).  A block's kind there is the list
+that holds it, and "every other block" counts within each list, as it does per MMDiT kind.
+
 What a policy keeps outside autograd's saved tensors (a checkpointed block's inputs,
 the outputs a selective policy caches) is reported to an active :func:`capture`, so
 that ``lab_utils.memory`` counts every byte kept for the backward exactly.
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from torch._functorch import config as functorch_config
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -56,6 +63,7 @@ class ActivationCheckpoint:
     treatment: str = "recompute"
     blocks: Callable[[str, int], bool] = _every
     saves: tuple[str, ...] = ()
+    generic: bool = True  # acts on any model's blocks (False: needs the MMDiT's block kinds or compiles)
 
     @property
     def recomputes(self) -> bool:
@@ -63,12 +71,15 @@ class ActivationCheckpoint:
         return self.treatment in ("recompute", "selective")
 
     def treats(self, kind: str, index: int) -> bool:
-        """True when block ``index`` of ``kind`` ("double" / "single") is under this policy's treatment."""
-        check_choice("kind", kind, BLOCK_KINDS)
+        """True when block ``index`` of ``kind`` is under this policy's treatment (a policy that is
+        not generic knows the MMDiT's kinds only, "double" / "single")."""
+        if not self.generic:
+            check_choice("kind", kind, BLOCK_KINDS)
         return self.treatment != "keep" and self.blocks(kind, index)
 
-    def runner(self, block: torch.nn.Module, kind: str, index: int) -> Runner | None:
-        """The callable that runs ``block`` under this policy (None: the block runs as it is)."""
+    def runner(self, block: Callable[..., Any], kind: str, index: int) -> Runner | None:
+        """The callable that runs ``block`` (a module, or a block's own ``forward``) under this
+        policy (None: the block runs as it is)."""
         if not self.treats(kind, index):
             return None
         if self.treatment == "offload":
@@ -101,8 +112,12 @@ ACTIVATION_CHECKPOINTS: dict[str, ActivationCheckpoint] = {
     for p in (
         ActivationCheckpoint("none", "keep all activations", "keep"),
         ActivationCheckpoint("full", "recompute every block"),
-        ActivationCheckpoint("double", "recompute the double-stream blocks", blocks=lambda k, i: k == "double"),
-        ActivationCheckpoint("single", "recompute the single-stream blocks", blocks=lambda k, i: k == "single"),
+        ActivationCheckpoint(
+            "double", "recompute the double-stream blocks", blocks=lambda k, i: k == "double", generic=False
+        ),
+        ActivationCheckpoint(
+            "single", "recompute the single-stream blocks", blocks=lambda k, i: k == "single", generic=False
+        ),
         ActivationCheckpoint("every_other", "recompute blocks 0, 2, ... of each kind", blocks=lambda k, i: i % 2 == 0),
         ActivationCheckpoint(
             "selective", "save matmul and attention outputs, recompute the rest", "selective",
@@ -114,12 +129,17 @@ ACTIVATION_CHECKPOINTS: dict[str, ActivationCheckpoint] = {
         ),
         ActivationCheckpoint("offload", "saved tensors to (pinned) host memory", "offload"),
         ActivationCheckpoint(
-            "compile_budget", f"torch.compile under activation_memory_budget={COMPILE_MEMORY_BUDGET}", "compile"
+            "compile_budget",
+            f"torch.compile under activation_memory_budget={COMPILE_MEMORY_BUDGET}",
+            "compile",
+            generic=False,
         ),
     )
 }  # fmt: skip
-#: The same registry under its former name (the explorers and ``lab_utils.step`` read it).
+#: The same registry under its former name (the explorers read it).
 CHECKPOINT_POLICIES = ACTIVATION_CHECKPOINTS
+#: The policies any model's blocks take (:func:`applied`).
+GENERIC_POLICIES = tuple(n for n, p in ACTIVATION_CHECKPOINTS.items() if p.generic)
 #: Views of the registry: policies that recompute inside ``torch.utils.checkpoint``, and the
 #: selective ones with the op families they save.
 RECOMPUTE_POLICIES = tuple(n for n, p in ACTIVATION_CHECKPOINTS.items() if p.recomputes)
@@ -228,10 +248,10 @@ def offload_hooks() -> torch.autograd.graph.saved_tensors_hooks:
     return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
 
 
-def _offloaded(block: torch.nn.Module) -> Runner:
-    def run(*args):
+def _offloaded(block: Callable[..., Any]) -> Runner:
+    def run(*args, **kwargs):
         with offload_hooks():
-            return block(*args)
+            return block(*args, **kwargs)
 
     return run
 
@@ -244,12 +264,47 @@ def _budgeted(block: torch.nn.Module) -> Runner:
     return run
 
 
-def _recomputed(block: torch.nn.Module, kind: str, index: int, context_fn: Callable | None) -> Runner:
+def _recomputed(block: Callable[..., Any], kind: str, index: int, context_fn: Callable | None) -> Runner:
     extra = {} if context_fn is None else {"context_fn": context_fn}
 
-    def run(*args):
+    def run(*args, **kwargs):
+        kept = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         for cap in _CAPTURES:
-            cap.kept_inputs.append((kind, index, [a for a in tree_leaves(args) if isinstance(a, torch.Tensor)]))
-        return checkpoint(block, *args, use_reentrant=False, **extra)
+            cap.kept_inputs.append((kind, index, kept))
+        return checkpoint(block, *args, use_reentrant=False, **extra, **kwargs)
 
     return run
+
+
+# --------------------------------------------------------------------------------------
+# Any model's blocks, from outside
+# --------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def applied(blocks: list[tuple[str, str, int, nn.Module]], policy: str) -> Iterator[None]:
+    """Inside: ``policy`` (one of :data:`GENERIC_POLICIES`) acts on ``blocks`` (name, kind,
+    index, module), each treated block's ``forward`` run by the policy's runner (only while grad
+    is enabled: an inference forward runs as it is); the forwards are restored on exit."""
+    check_choice("activation_checkpoint", policy, GENERIC_POLICIES)
+    pol = ACTIVATION_CHECKPOINTS[policy]
+    touched = []
+    try:
+        for _, kind, index, mod in blocks:
+            fwd = mod.forward
+            run = pol.runner(fwd, kind, index)
+            if run is None:
+                continue
+            touched.append((mod, "forward" in mod.__dict__, mod.__dict__.get("forward")))
+
+            def forward(*args, _fwd=fwd, _run=run, **kwargs):
+                return _run(*args, **kwargs) if torch.is_grad_enabled() else _fwd(*args, **kwargs)
+
+            mod.forward = forward
+        yield
+    finally:
+        for mod, had, old in touched:
+            if had:
+                mod.forward = old
+            else:
+                del mod.forward

@@ -16,12 +16,14 @@ the loss under optional bf16 autocast, backward, gradient clipping, AdamW, optio
 ``torch.profiler.record_function(PHASE)`` so the profiler attributes time to it; on
 CUDA the step synchronises at phase ends (``sync_phases``) so that CPU-side phase
 ranges cover the GPU work they launched (this removes overlap between phases, which
-is the honest price of a per-phase attribution).
+is the honest price of a per-phase attribution).  :meth:`Trainer.as_step` is that step under the
+step contract (``lab_utils.step.contract``), which every measurement of labs 01 and 08 takes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -29,8 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lab_utils.attention.varlen import normalize_buckets
 from lab_utils.core.config import LabConfig, built_from, check_bool, check_choice, check_float, check_int
@@ -41,9 +41,10 @@ from lab_utils.model.data import SyntheticImageCaptions, forever, make_loader
 from lab_utils.model.encoders import Encoders, precompute, text_vocab
 from lab_utils.model.layers import image_ids, patchify, text_ids
 from lab_utils.model.mmdit import MMDiT, build_model
+from lab_utils.model.saving import CKPT_FORMATS, Checkpointer
+from lab_utils.step.contract import Periodic, StepFactory, run_step
 
 PHASES = ("data_loading", "text_encoding", "image_encoding", "forward", "backward", "optimizer", "checkpoint")
-CKPT_FORMATS = ("torch", "dcp", "dcp_async")
 #: parameter storage dtypes a training run offers
 TRAIN_DTYPES = ("float32", "bfloat16")
 
@@ -65,6 +66,7 @@ class Batch:
     guidance: torch.Tensor | None  # B
     txt_mask: torch.Tensor | None = None
     grid: tuple[int, int] = (0, 0)  # token grid (h, w)
+    seed: int | None = None  # the seed of this batch's noise and timesteps (None: the caller's generator)
 
     @property
     def batch_size(self) -> int:
@@ -81,6 +83,7 @@ class Batch:
             mv(self.guidance),
             mv(self.txt_mask),
             self.grid,
+            self.seed,
         )
 
 
@@ -111,9 +114,12 @@ def rf_loss(
 ):
     """Rectified-flow MSE: x_t = (1-t) x0 + t ε, target ε - x0, loss = mean((model(x_t, t) - target)²).
 
-    ``generator`` (on the batch's device) draws ε and t; the loss is computed in float32."""
+    ``generator`` (on the batch's device) draws ε and t, else one seeded with ``batch.seed`` when
+    the batch carries one; the loss is computed in float32."""
     x0 = batch.img
     dev = x0.device
+    if generator is None and batch.seed is not None:
+        generator = torch.Generator(dev).manual_seed(batch.seed)
     t = sample_timesteps(x0.shape[0], generator, dev, logit_mean=logit_mean, logit_std=logit_std)
     noise = torch.randn(x0.shape, generator=generator, device=dev, dtype=torch.float32).to(x0.dtype)
     tt = t.to(x0.dtype)[:, None, None]
@@ -256,75 +262,12 @@ class TrainConfig(TrainParams):
 
 
 # --------------------------------------------------------------------------------------
-# Checkpointing
+# Where a run's files go
 # --------------------------------------------------------------------------------------
 
 
 def artifacts_dir() -> Path:
     return Path(os.environ.get("PERFLAB_ARTIFACTS_DIR", ".perflab/artifacts"))
-
-
-class Checkpointer:
-    """Saves model + optimizer state every N steps; keeps only the latest checkpoint.
-
-    * torch: ``torch.save`` of both state dicts into one file;
-    * dcp: ``torch.distributed.checkpoint.save`` (a directory of shards + metadata);
-    * dcp_async: ``dcp.async_save``: the step blocks only while state is staged; the
-      write finishes in the background (the previous save is awaited before the next)."""
-
-    def __init__(self, directory: str | Path, fmt: str = "torch"):
-        check_choice("ckpt_format", fmt, CKPT_FORMATS)
-        self.dir, self.fmt = Path(directory), fmt
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._pending = None
-        self.saved: list[Path] = []
-
-    def _state(self, model, opt):
-
-        msd, osd = get_state_dict(model, opt)
-        return {"model": msd, "optim": osd}
-
-    def save(self, model, opt, step: int) -> Path:
-        self.wait()
-        if self.fmt == "torch":
-            path = self.dir / f"step_{step:06d}.pt"
-            torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, path)
-        else:
-            path = self.dir / f"step_{step:06d}"
-            state = self._state(model, opt)
-            if self.fmt == "dcp":
-                dcp.save(state, checkpoint_id=str(path))
-            else:
-                self._pending = dcp.async_save(state, checkpoint_id=str(path))
-        previous, self.saved = self.saved, [path]
-        self._old = previous
-        if self._pending is None:
-            self._prune()
-        return path
-
-    def _prune(self):
-        for p in getattr(self, "_old", []):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        self._old = []
-
-    def wait(self):
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
-            self._prune()
-
-    def load_into(self, model, opt, path: str | Path | None = None) -> None:
-        """Restore the latest (or given) checkpoint into model and optimizer."""
-        self.wait()
-        path = Path(path or self.saved[-1])
-        if path.suffix == ".pt":
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optim"])
-        else:
-            state = self._state(model, opt)
-            dcp.load(state, checkpoint_id=str(path))
-            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 # --------------------------------------------------------------------------------------
@@ -350,12 +293,16 @@ class StepResult:
     checkpoint: str | None = None
 
 
+_RUNS = itertools.count()  # each trainer its own checkpoint folder: two may live at once (lab 08)
+
+
 @dataclass
 class Trainer:
-    """Owns model, optimizer, encoders, loader and checkpointer for one :class:`TrainConfig`."""
+    """Owns model, optimizer, encoders, loader and checkpointer for one :class:`TrainConfig`;
+    :meth:`as_step` is its step under the step contract (:func:`lab_utils.step.contract.run_step`
+    runs it), :meth:`step` runs the next one."""
 
     cfg: TrainConfig
-    sync_phases: bool | None = None
     model: MMDiT = field(init=False)
     history: list[StepResult] = field(init=False, default_factory=list)
 
@@ -364,8 +311,6 @@ class Trainer:
         c = self.cfg
         self.device = pick_device(c.device)
         self.model_cfg = c.model
-        if self.sync_phases is None:
-            self.sync_phases = self.device.type == "cuda"
         self.model = build_model(self.model_cfg, self.device, DTYPES[c.dtype], seed=c.seed).train()
         if c.compile:
             compile_blocks(self.model)
@@ -396,14 +341,17 @@ class Trainer:
             pad_to=c.max_caption_len if c.pad_captions == "max" else None,
             seed=c.seed,
         )
-        self._batches = forever(self.loader)
-        self.generator = torch.Generator(self.device).manual_seed(c.seed + 2)
+        self._batches, self._next = None, 0  # the loader's batches from batch _next on
         self.checkpointer = (
-            Checkpointer(artifacts_dir() / "checkpoints" / f"01_training_step-{os.getpid()}", c.ckpt_format)
+            Checkpointer(
+                artifacts_dir() / "checkpoints" / f"01_training_step-{os.getpid()}-{next(_RUNS)}", c.ckpt_format
+            )
             if c.ckpt_every
             else None
         )
         self.step_index = 0
+        self.last_checkpoint: str | None = None
+        self._step: StepFactory | None = None
 
     def warm_compile(self) -> int:
         """Compile before measuring: forward + backward at two distinct shapes (first and
@@ -440,26 +388,34 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _sync(self):
-        if self.sync_phases and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     @contextlib.contextmanager
     def phase(self, name: str):
+        """A named range, synchronized at its end on CUDA (the range holds the GPU work it launched)."""
         with annotate(name, self.device):
             yield
-            self._sync()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     def _to_device(self, raw: dict) -> dict:
         nb = self.cfg.pin_memory and self.device.type == "cuda"
         return {k: v.to(self.device, non_blocking=nb) if isinstance(v, torch.Tensor) else v for k, v in raw.items()}
 
+    def _seed(self, k: int, salt: int) -> int:
+        return (self.cfg.seed + salt) * 1_000_003 + k
+
     # the step ---------------------------------------------------------------------------
-    def step(self) -> StepResult:
+    def make_batch(self, k: int) -> Batch:
+        """Batch ``k``: the loader's ``k``-th batch (its order is seeded), encoded (the VAE's sample
+        and the batch's noise seeded by ``k``), in the phases ``data_loading``, ``text_encoding``
+        and ``image_encoding``.  The loader is read in order; another ``k`` restarts it there."""
         c, m = self.cfg, self.model
-        i = self.step_index
         with self.phase("data_loading"):
+            if self._batches is None or k != self._next:
+                self._batches = forever(self.loader)
+                for _ in range(k):
+                    next(self._batches)
             raw = self._to_device(next(self._batches))
+            self._next = k + 1
         with self.phase("text_encoding"):
             if "t5_ids" in raw:
                 with self._autocast():
@@ -472,15 +428,16 @@ class Trainer:
             y = y.to(m.img_in.weight.dtype)
         with self.phase("image_encoding"):
             if "pixels" in raw:
+                g = torch.Generator(self.device).manual_seed(self._seed(k, 2))
                 with self._autocast():
-                    lat = self.encoders.encode_image(raw["pixels"], generator=self.generator)
+                    lat = self.encoders.encode_image(raw["pixels"], generator=g)
             else:
                 lat = raw["latents"]
             # packing latents into tokens and building position ids belong to the input side
             h, w = lat.shape[-2] // self.model_cfg.patch_size, lat.shape[-1] // self.model_cfg.patch_size
             tokens = patchify(lat.to(m.img_in.weight.dtype), self.model_cfg.patch_size)
             b = tokens.shape[0]
-            batch = Batch(
+            return Batch(
                 img=tokens,
                 img_ids=image_ids(h, w, self.device),
                 txt=txt,
@@ -489,28 +446,50 @@ class Trainer:
                 guidance=(torch.full((b,), c.guidance, device=self.device) if self.model_cfg.guidance_embed else None),
                 txt_mask=mask,
                 grid=(h, w),
+                seed=self._seed(k, 3),
             )
-        with self.phase("forward"):
-            with self._autocast():
-                loss = rf_loss(m, batch, self.generator)
-        with self.phase("backward"):
-            loss.backward()
-        with self.phase("optimizer"):
-            gn = torch.nn.utils.clip_grad_norm_(m.parameters(), c.grad_clip) if c.grad_clip > 0 else None
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-        saved = None
-        if self.checkpointer is not None and (i + 1) % c.ckpt_every == 0:
-            with self.phase("checkpoint"):
-                saved = str(self.checkpointer.save(m, self.opt, i + 1))
+
+    def loss(self, model: MMDiT, batch: Batch) -> torch.Tensor:
+        """The rectified-flow loss of ``batch`` (its own noise), under the config's autocast."""
+        with self._autocast():
+            return rf_loss(model, batch)
+
+    def save(self, k: int) -> str:
+        """The checkpoint after step ``k`` (named by the steps taken, ``k + 1``)."""
+        self.last_checkpoint = str(self.checkpointer.save(self.model, self.opt, k + 1))
+        return self.last_checkpoint
+
+    def as_step(self) -> StepFactory:
+        """This trainer's step under the step contract: its model, optimizer, batches and loss,
+        its gradient clip and a checkpoint every ``ckpt_every`` steps (phase ``checkpoint``)."""
+        if self._step is None:
+            c = self.cfg
+            every = (Periodic("checkpoint", c.ckpt_every, self.save),) if self.checkpointer is not None else ()
+            self._step = StepFactory(
+                self.model,
+                self.opt,
+                self.make_batch,
+                self.loss,
+                phases=("data_loading", "text_encoding", "image_encoding"),
+                config=self.model_cfg,
+                grad_clip=c.grad_clip,
+                periodic=every,
+            )
+        return self._step
+
+    def step(self) -> StepResult:
+        """The next step (batch ``step_index``), recorded in ``history``."""
+        i = self.step_index
+        self.last_checkpoint = None
+        run = run_step(self.as_step(), i)
         self.step_index += 1
         res = StepResult(
             step=i,
-            loss=float(loss.detach()),
-            grad_norm=float(gn) if gn is not None else float("nan"),
-            grid=(h, w),
-            txt_len=int(txt.shape[1]),
-            checkpoint=saved,
+            loss=float(run.loss),
+            grad_norm=run.grad_norm,
+            grid=run.batch.grid,
+            txt_len=int(run.batch.txt.shape[1]),
+            checkpoint=self.last_checkpoint,
         )
         self.history.append(res)
         return res

@@ -1,10 +1,14 @@
 """The levers an optimization plan may pull, and which of their settings can run here.
 
-A lever is one seam of :class:`lab_utils.model.train.TrainConfig` (the field of the
-same name). It declares the phases of the step it acts on: a plan composes a lever's
-measured effect on those phases only, so noise in the other phases of the lever's
-measurement does not leak into the prediction. Each lever carries its risk
-(numerical, memory, engineering effort) in words, for the recommendations.
+A lever acts on a step's configuration (:class:`lab_utils.plan.setup.StepSetup`).  The
+*generic* ones (:data:`GENERIC_LEVERS`: ``torch.compile`` per block, activation checkpointing,
+the SDPA backend, a precision recipe, the batch size) act on any step; on perflab's MMDiT each of
+them is the field of the same name of its trainer's :class:`~lab_utils.model.train.TrainConfig`
+(its ``train_config`` capability), as are the levers only a trainer has (kernels, attention path,
+encoders, loader workers, pinned memory, checkpoint format).  A lever declares the phases of the
+step it acts on: a plan composes a lever's measured effect on those phases only, so noise in the
+other phases of the lever's measurement does not leak into the prediction. Each lever carries its
+risk (numerical, memory, engineering effort) in words, for the recommendations.
 
 :func:`candidates` lists the settings a lever can try on a device, and the settings
 it cannot, each with its reason (the plan goes on without them).
@@ -27,13 +31,18 @@ from lab_utils.precision.quantized import RECIPES
 COMPUTE = ("forward", "backward")
 
 
+#: Every phase a step has (the trainer's names; another step has the first four and its own).
+ALL_STEP_PHASES = ("data_loading", "text_encoding", "image_encoding", "forward", "backward", "optimizer")
+
+
 @dataclass(frozen=True)
 class Lever:
-    name: str  # the TrainConfig field it sets
+    name: str  # the TrainConfig field it sets (or, generic, what it does to any step)
     phases: tuple[str, ...]  # the step phases its effect is composed on
     numerical: str  # numerical risk, in words
     effort: str  # engineering effort, in words
     what: str  # one line for the recommendations
+    generic: bool = False  # acts on any step, not only through a trainer's config
 
 
 LEVERS: dict[str, Lever] = {
@@ -45,6 +54,7 @@ LEVERS: dict[str, Lever] = {
             "none expected (same math, fused)",
             "low: one call per block; compile time",
             "torch.compile each block",
+            generic=True,
         ),
         Lever(
             "kernels",
@@ -66,6 +76,7 @@ LEVERS: dict[str, Lever] = {
             "none (recomputation is exact)",
             "low: a policy name",
             "activation-checkpointing policy",
+            generic=True,
         ),
         Lever(
             "recipe",
@@ -73,6 +84,23 @@ LEVERS: dict[str, Lever] = {
             "high: low-precision matmuls; see lab 04's convergence runs",
             "medium: scaling recipes to monitor",
             "precision recipe",
+            generic=True,
+        ),
+        Lever(
+            "sdpa_backend",
+            COMPUTE,
+            "low: the same attention, another kernel (float32 agreement to rounding)",
+            "low: one context manager (torch.nn.attention.sdpa_kernel)",
+            "scaled_dot_product_attention backend",
+            generic=True,
+        ),
+        Lever(
+            "batch_size",
+            ALL_STEP_PHASES,
+            "low: more samples per step (the learning rate may want to follow)",
+            "low: a number, if the memory holds it (lab 05's what fits)",
+            "batch size (timed per sample)",
+            generic=True,
         ),
         Lever("autocast", COMPUTE, "medium: bf16 activations", "low: one context manager", "bf16 autocast"),
         Lever(
@@ -104,6 +132,8 @@ LEVERS: dict[str, Lever] = {
 }
 
 ASYNC_NOTE = "the interval (ckpt_every) is kept; a plan amortizes the save over it"
+#: The levers any step takes.
+GENERIC_LEVERS = tuple(n for n, lv in LEVERS.items() if lv.generic)
 
 
 def check_levers(param: str, names) -> tuple[str, ...]:
@@ -159,8 +189,11 @@ def _attention_options(device, dtype, base: str) -> tuple[list, list[Excluded]]:
 
 def candidates(lever: str, base, device: torch.device, *, world_size: int = 1) -> tuple[list, list[Excluded]]:
     """Settings of ``lever`` (other than the base's) that can run on ``device``, and those
-    that cannot, each with its reason. ``base`` is the measured step's TrainConfig."""
+    that cannot, each with its reason. ``base`` is the measured step's TrainConfig (a lever with
+    no field of that name there, ``sdpa_backend``, is for the step setup: ``plan.setup``)."""
     check_levers("levers", [lever])
+    if lever == "batch_size":
+        return [2 * base.batch_size], []
     dtype = torch.bfloat16 if base.dtype == "bfloat16" else torch.float32
     cuda = device.type == "cuda"
     if lever == "compile":

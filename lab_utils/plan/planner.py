@@ -3,22 +3,25 @@ the best plans and check the prediction.
 
 Design note
 -----------
-* A **step profile** (:class:`StepProfile`) is lab 01's profiler run on one
-  :class:`~lab_utils.model.train.TrainConfig`: per phase the median over the profiled
+* A **step profile** (:class:`StepProfile`) is lab 01's profiler run on one configuration of the
+  lab's step (:class:`~lab_utils.plan.setup.StepSetup`: any step with lever settings; perflab's
+  MMDiT with its trainer's :class:`~lab_utils.model.train.TrainConfig`): per phase the median over the profiled
   steps (a checkpoint saved every N steps: its median cost per save / N, the one rule of
   :func:`lab_utils.profiling.profiler.phase_figure` that lab 01 uses too), the unattributed rest as
   phase ``other``, peak memory, FLOPs and tokens per step.
 * A lever's **effect** is measured at the step's own shapes by profiling the same step
   with only that seam changed: a ratio per phase the lever declares
-  (:data:`lab_utils.plan.levers.LEVERS`) and a peak-memory delta.
+  (:data:`lab_utils.plan.levers.LEVERS`) and a peak-memory delta.  Times are per sample of the
+  measured step's batch: a lever that changes the batch (``batch_size``) is credited its time per
+  sample, and a plan's figures are for the measured step's number of samples.
 * **Composition** (:func:`compose`) assumes the levers independent: each phase is the
   base phase times the product of the ratios of the plan's levers that act on it; the
   phases run one after another (the Trainer synchronises at phase ends on CUDA, and CPU
   phases do not overlap), so the step is their sum. The Amdahl bound is the step with
   every phase a plan touches at zero time. Peak memory adds the levers' deltas. The
   interval adds, in quadrature, each phase's relative spread (p20..p80 over the steps).
-* **Verification** (:func:`verify`) builds the plan's TrainConfig, runs it through the same
-  Trainer and profiler, asserts that the run's seams are the predicted ones, and reports
+* **Verification** (:func:`verify`) builds the plan's configuration, runs it through the same
+  step and profiler, asserts that the run's seams are the predicted ones, and reports
   the error per phase and in total; a large error names the levers that act on the same
   phase (their independence was the assumption that broke).
 """
@@ -36,11 +39,13 @@ import numpy as np
 import torch
 
 from lab_utils.core.config import ConfigError
-from lab_utils.core.device import datasheet_for, device_info, pick_device
+from lab_utils.core.device import datasheet_for, device_info
 from lab_utils.core.timing import choose_cpu_threads, cpu_threads, judge_samples
-from lab_utils.model.train import PHASES, TrainConfig, Trainer
+from lab_utils.model.train import PHASES, TrainConfig
 from lab_utils.plan.levers import LEVERS, Excluded, candidates, check_levers
-from lab_utils.profiling.profiler import ProfileReport, phase_figure, profile_training
+from lab_utils.plan.setup import StepSetup, around, ran, step_candidates
+from lab_utils.profiling.profiler import ProfileReport, phase_figure, profile_step
+from lab_utils.step.contract import StepFactory
 
 OTHER = "other"
 ALL_PHASES = (*PHASES, OTHER)
@@ -63,16 +68,45 @@ class StepProfile:
     threads: int = 0  # CPU intra-op threads of the measurement
     periodic: dict = field(default_factory=dict)  # phase -> (N, ms per occurrence): run every N steps
     phase_samples: dict = field(default_factory=dict)  # phase -> ms per profiled step (per occurrence if periodic)
+    batch: int | None = None  # samples per step (None: not known, never rescaled)
 
     @property
     def total_ms(self) -> float:
         return float(sum(self.phases.values()))
 
 
+def per_batch(prof: StepProfile, batch: int | None) -> StepProfile:
+    """``prof``'s times for ``batch`` samples (its time per sample x ``batch``); as it is when
+    either batch is unknown or they are equal."""
+    if not batch or not prof.batch or prof.batch == batch:
+        return prof
+    f = batch / prof.batch
+    return dataclasses.replace(
+        prof,
+        phases={p: v * f for p, v in prof.phases.items()},
+        step_samples=tuple(v * f for v in prof.step_samples),
+        periodic={p: (n, v * f) for p, (n, v) in prof.periodic.items()},
+        phase_samples={p: tuple(v * f for v in x) for p, x in prof.phase_samples.items()},
+        tokens=prof.tokens * f,
+        flops=prof.flops * f,
+        batch=batch,
+    )
+
+
+def as_setup(config) -> StepSetup:
+    """A planner configuration: a :class:`StepSetup`, or a TrainConfig (perflab's MMDiT trainer)."""
+    return config if isinstance(config, StepSetup) else StepSetup(None, config)
+
+
+def with_levers(config, **choices):
+    """``config`` with levers set (a refused combination raises the config's ConfigError)."""
+    return config.replace(**choices) if isinstance(config, StepSetup) else dataclasses.replace(config, **choices)
+
+
 def profile_from_report(
-    report: ProfileReport, cfg: TrainConfig, trainer: Trainer | None = None, *, statistic: str = "median"
+    report: ProfileReport, seams: dict, *, statistic: str = "median", batch: int | None = None
 ) -> StepProfile:
-    """A :class:`StepProfile` from lab 01's report of ``cfg``'s step."""
+    """A :class:`StepProfile` from lab 01's report of a step that ran ``seams``."""
     if statistic not in STATISTICS:
         raise ConfigError("statistic", statistic, "one of " + ", ".join(STATISTICS))
     a = report.analysis
@@ -91,8 +125,7 @@ def profile_from_report(
         spread[p] = float((hi - lo) / f.per_event_ms) if f.per_event_ms > 0 else 0.0
         if f.periodic:
             periodic[p] = (f.every, f.per_event_ms)
-    hist = trainer.history[-len(steps) :] if trainer is not None else []
-    tokens = float(np.mean([cfg.batch_size * r.grid[0] * r.grid[1] for r in hist])) if hist else math.nan
+    tokens = float(np.mean(report.tokens[: len(steps)])) if report.tokens else math.nan
     peak = a.peak_allocated_bytes if report.cuda_peak_bytes is None else report.cuda_peak_bytes
     samples = tuple(float(s) for s in report.amortised_step_ms)
     return StepProfile(
@@ -103,33 +136,39 @@ def profile_from_report(
         tokens=tokens,
         step_samples=samples,
         stability=str(judge_samples(samples)),
-        seams=cfg.to_dict(),
+        seams=seams,
         periodic=periodic,
         phase_samples=samples_of,
+        batch=batch,
     )
 
 
 def measure_step(
-    cfg: TrainConfig,
+    config: StepSetup | TrainConfig,
     *,
     steps: int = 3,
     warmup: int = 1,
     statistic: str = "median",
     out_dir=None,
     keep_trace: bool = False,
+    own: StepFactory | None = None,
 ) -> StepProfile:
-    """Profile ``cfg``'s step with lab 01's profiler (``warmup`` + ``steps`` steps); on CPU
-    with the timing primitive's thread choice (recorded in the profile's seams).  A plan
-    profiles the step once per lever setting: the trace files (tens of MB each) are removed
-    once analysed unless ``keep_trace``; the numbers stay in the profile and its records."""
-    threads = choose_cpu_threads().threads if pick_device(cfg.device).type == "cpu" else torch.get_num_threads()
+    """Profile ``config``'s step with lab 01's profiler (``warmup`` + ``steps`` steps); on CPU
+    with the timing primitive's thread choice (recorded in the profile's seams).  ``own``: the
+    lab's loaded step, profiled as it is when ``config`` changes nothing.  A plan profiles the step
+    once per lever setting: the trace files (tens of MB each) are removed once analysed unless
+    ``keep_trace``; the numbers stay in the profile and its records."""
+    setup = as_setup(config)
+    threads = choose_cpu_threads().threads if setup.device.type == "cpu" else torch.get_num_threads()
     with cpu_threads(threads):
-        tr = Trainer(cfg)
+        step = setup.build(own=own)
         try:
-            rep = profile_training(tr, active=steps, warmup=warmup, out_dir=out_dir, name="08_plan")
-            prof = profile_from_report(rep, tr.cfg, tr, statistic=statistic)
+            with around(step):
+                rep = profile_step(step, active=steps, warmup=warmup, out_dir=out_dir, name="08_plan")
+            prof = profile_from_report(rep, ran(step, setup), statistic=statistic, batch=setup.batch_size)
         finally:
-            tr.close()
+            if step is not own and step.close is not None:
+                step.close()
     if not keep_trace:
         for path in (rep.trace_path, rep.memory_snapshot_path, rep.memory_html_path):
             if path is not None:
@@ -172,12 +211,14 @@ class Effect:
 
 
 def effect_of(lever: str, value, base: StepProfile, measured: StepProfile) -> Effect:
-    """The lever's effect: measured / base on the phases it declares (a phase absent from
-    both stays at ratio 1)."""
+    """The lever's effect: measured / base on the phases it declares, per sample of the base
+    step's batch (a phase absent from both stays at ratio 1)."""
+    measured = per_batch(measured, base.batch)
     ratios = {}
     for p in LEVERS[lever].phases:
         b, m = base.phases.get(p, 0.0), measured.phases.get(p, 0.0)
-        ratios[p] = m / b if b > 0 else 1.0
+        if b > 0 or m > 0:  # a phase this step does not have is no part of the lever's effect
+            ratios[p] = m / b if b > 0 else 1.0
     return Effect(
         lever,
         value,
@@ -232,7 +273,7 @@ def compose(base: StepProfile, effects: Sequence[Effect], *, peak_tflops: float 
 @dataclass(frozen=True)
 class Plan:
     choices: dict  # lever -> value (the levers the plan pulls)
-    config: TrainConfig
+    config: StepSetup | TrainConfig
     prediction: Prediction
     effects: tuple = ()
 
@@ -242,10 +283,10 @@ class Plan:
 
 
 def enumerate_plans(
-    base_cfg: TrainConfig, base: StepProfile, effects: Iterable[Effect], *, peak_tflops: float | None = None
+    base_cfg, base: StepProfile, effects: Iterable[Effect], *, peak_tflops: float | None = None
 ) -> tuple[list[Plan], list[Excluded]]:
     """Every combination of at most one setting per lever, ranked by predicted step time.
-    A combination the TrainConfig refuses is excluded with its reason; the rest go on."""
+    A combination the configuration refuses is excluded with its reason; the rest go on."""
     by_lever: dict[str, list[Effect]] = {}
     for e in effects:
         by_lever.setdefault(e.lever, []).append(e)
@@ -255,7 +296,7 @@ def enumerate_plans(
         chosen = [e for e in pick if e is not None]
         choices = {e.lever: e.value for e in chosen}
         try:
-            cfg = dataclasses.replace(base_cfg, **choices)
+            cfg = with_levers(base_cfg, **choices)
         except ConfigError as err:
             excluded.append(Excluded("+".join(choices), choices, str(err)))
             continue
@@ -282,7 +323,7 @@ def waterfall(base: StepProfile, plan: Plan) -> list[dict]:
 # ------------------------------------------------------------------------------- the whole plan
 @dataclass
 class PlanResult:
-    base_cfg: TrainConfig
+    base_cfg: StepSetup | TrainConfig
     base: StepProfile
     effects: list[Effect]
     excluded: list[Excluded]
@@ -299,26 +340,29 @@ def peak_tflops_for(device: torch.device) -> float | None:
 
 
 def build_plan(
-    base_cfg: TrainConfig,
+    base_cfg: StepSetup | TrainConfig,
     levers: Sequence[str],
     *,
     steps: int = 3,
     warmup: int = 1,
     progress: Callable[[Iterable], Iterable] | None = None,
-    world_size: int = 1,
-    measure: Callable[[TrainConfig], StepProfile] | None = None,
+    measure: Callable[[StepSetup | TrainConfig], StepProfile] | None = None,
     statistic: str = "median",
+    own: StepFactory | None = None,
 ) -> PlanResult:
     """Measure the step, each lever setting that can run here, and rank every combination.
-    ``measure`` (default: :func:`measure_step`) profiles one TrainConfig.  The step is measured
-    again after the levers and both runs merged (drift on a shared machine then weighs on the
-    base as on the levers)."""
+    ``measure`` (default: :func:`measure_step`, which profiles ``own``, the lab's loaded step, as
+    the unchanged configuration) profiles one configuration.  The step is measured again after the
+    levers and both runs merged (drift on a shared machine then weighs on the base as on the levers)."""
     levers = check_levers("levers", list(levers))
-    measure = measure or (lambda c: measure_step(c, steps=steps, warmup=warmup, statistic=statistic))
-    device = pick_device(base_cfg.device)
+    measure = measure or (lambda c: measure_step(c, steps=steps, warmup=warmup, statistic=statistic, own=own))
+    device = as_setup(base_cfg).device
     todo, excluded = [], []
     for lv in levers:
-        ok, out = candidates(lv, base_cfg, device, world_size=world_size)
+        if isinstance(base_cfg, StepSetup):
+            ok, out = step_candidates(lv, base_cfg, device)
+        else:
+            ok, out = candidates(lv, base_cfg, device)
         todo += [(lv, v) for v in ok]
         excluded += out
     base = measure(base_cfg)
@@ -326,7 +370,7 @@ def build_plan(
     measured = []
     for lv, v in progress(todo) if progress else todo:
         try:
-            cfg = dataclasses.replace(base_cfg, **{lv: v})
+            cfg = with_levers(base_cfg, **{lv: v})
         except ConfigError as err:
             excluded.append(Excluded(lv, v, str(err)))
             continue
@@ -394,21 +438,22 @@ def verify(
     top: int = 2,
     steps: int = 3,
     warmup: int = 1,
-    measure: Callable[[TrainConfig], StepProfile] | None = None,
+    measure: Callable[[StepSetup | TrainConfig], StepProfile] | None = None,
     statistic: str = "median",
     rebase: bool = True,
+    own: StepFactory | None = None,
 ) -> list[Verification]:
     """Run the ``top`` best plans that change something through the same Trainer and
     profiler; assert each run's seams are the plan's configuration. ``rebase``: measure
     the step again just before each plan and compose the plan's levers on it too, so a
     machine that drifted since the plan was built (a shared CPU) shows as drift, apart
     from the composition's own error."""
-    measure = measure or (lambda c: measure_step(c, steps=steps, warmup=warmup, statistic=statistic))
+    measure = measure or (lambda c: measure_step(c, steps=steps, warmup=warmup, statistic=statistic, own=own))
     chosen = [p for p in result.plans if p.choices][:top]
     out = []
     for p in chosen:
-        fresh = measure(result.base_cfg) if rebase else None
-        v = judge(p, measure(p.config))
+        fresh = per_batch(measure(result.base_cfg), result.base.batch) if rebase else None
+        v = judge(p, per_batch(measure(p.config), result.base.batch))
         assert v.seams_match, f"verification ran {v.measured.seams}, not the predicted {p.config.to_dict()}"
         if fresh is not None:
             again = compose(fresh, p.effects).total_ms
@@ -421,158 +466,6 @@ def verify(
         out.append(v)
     result.verifications = out
     return out
-
-
-def plan_and_verify(
-    base_cfg: TrainConfig | None = None,
-    levers: Sequence[str] | None = None,
-    *,
-    steps: int = 3,
-    warmup: int = 1,
-    top: int = 2,
-    measure: Callable[[TrainConfig], StepProfile] | None = None,
-) -> dict:
-    """A short plan-and-verify for ``benchmarks/gpu_check.py``: a small summary dict
-    (imports no plotting package). Default: the ``small`` preset on CUDA, every lever."""
-    if base_cfg is None:
-        base_cfg = TrainConfig(preset="small", device="auto", batch_size=2, buckets=[[256, 256]], num_samples=8)
-    levers = list(levers) if levers is not None else [n for n in LEVERS if n != "distributed"]
-    res = build_plan(base_cfg, levers, steps=steps, warmup=warmup, measure=measure)
-    ver = verify(res, top=top, steps=steps, warmup=warmup, measure=measure)
-    return dict(
-        device=res.device,
-        measured_ms=round(res.base.total_ms, 3),
-        base_stability=res.base.stability,
-        effects={e.key: round(compose(res.base, [e]).total_ms, 3) for e in res.effects},
-        excluded=[f"{x.lever}={x.value}: {x.reason}" for x in res.excluded],
-        verified=[
-            dict(
-                plan=v.plan.name,
-                predicted_ms=round(v.plan.prediction.total_ms, 3),
-                measured_ms=round(v.measured.total_ms, 3),
-                error_pct=round(v.error_pct, 2),
-                step_drift_pct=round(v.drift_pct, 2),
-                rebased_predicted_ms=round(v.rebased_ms, 3),
-                rebased_error_pct=round(v.rebased_error_pct, 2),
-                seams_match=v.seams_match,
-                stability=v.measured.stability,
-                broken=v.broken,
-            )
-            for v in ver
-        ],
-    )
-
-
-def record_plan(rec, result: PlanResult, *, shape: str = "") -> None:
-    """Rows for the measured step, each lever's effect, the ranked plans and the
-    verifications (the prediction error is a metric, so ``perflab compare`` tracks it)."""
-    b = result.base
-    for p, ms in b.phases.items():
-        x = [float(v) for v in b.phase_samples.get(p, ())]
-        v = judge_samples(x) if any(x) else None  # a phase that never ran is no timing
-        judged = dict(samples=x, stable=v.stable, stability=v.reason) if v else {}
-        rec.add("base", p, "time", ms, "ms", shape=shape, statistic="median", rel_spread=b.spread[p], **judged)
-    rec.add(
-        "base",
-        "step",
-        "time",
-        b.total_ms,
-        "ms",
-        shape=shape,
-        statistic="sum of phase medians",
-        samples=list(b.step_samples),
-        stable=b.stability.startswith("stable"),
-        stability=b.stability,
-    )
-    rec.add("base", "step", "peak_memory", b.peak_mib, "MiB", shape=shape, statistic="max")
-    for e in result.effects:
-        alone = compose(b, [e])
-        rec.add(
-            "effects",
-            e.key,
-            "step_time",
-            alone.total_ms,
-            "ms",
-            shape=shape,
-            statistic="predicted alone",
-            ratios=e.ratios,
-            stability=e.profile.stability if e.profile else "",
-        )
-        rec.add(
-            "effects",
-            e.key,
-            "peak_memory",
-            b.peak_mib + e.peak_delta_mib,
-            "MiB",
-            shape=shape,
-            statistic="max",
-            delta=e.peak_delta_mib,
-        )
-    for x in result.excluded:
-        rec.add("excluded", f"{x.lever}={x.value}", "excluded", 1, "", reason=x.reason)
-    # which plans rank best (and so are verified) is a result: their rows say they are a top-N list
-    for rank, p in enumerate(result.plans[:10], 1):
-        q = p.prediction
-        rec.add(
-            "plans",
-            p.name,
-            "step_time",
-            q.total_ms,
-            "ms",
-            shape=shape,
-            statistic="predicted",
-            rank=rank,
-            top_n=10,
-            low=q.low_ms,
-            high=q.high_ms,
-            amdahl=q.amdahl_ms,
-        )
-    record_verifications(rec, result, shape=shape)
-
-
-def record_verifications(rec, result: PlanResult, *, shape: str = "") -> None:
-    """The verified plans' step time and prediction errors (the best plans: a ranked list, ``top_n``)."""
-    verified = dict(top_n=max(len(result.verifications), 1))
-    for v in result.verifications:
-        rec.add(
-            "verify",
-            v.plan.name,
-            "step_time",
-            v.measured.total_ms,
-            "ms",
-            shape=shape,
-            statistic="measured",
-            samples=list(v.measured.step_samples),
-            stable=v.measured.stability.startswith("stable"),
-            stability=v.measured.stability,
-            predicted=v.plan.prediction.total_ms,
-            **verified,
-        )
-        rec.add(
-            "verify",
-            v.plan.name,
-            "prediction_error",
-            abs(v.error_pct),
-            "%",
-            shape=shape,
-            statistic="|measured - predicted| / predicted",
-            signed=v.error_pct,
-            broken=v.broken,
-            **verified,
-        )
-        if math.isfinite(v.rebased_error_pct):
-            rec.add(
-                "verify",
-                v.plan.name,
-                "rebased_prediction_error",
-                abs(v.rebased_error_pct),
-                "%",
-                shape=shape,
-                statistic="|measured - predicted on the step re-measured just before| / predicted",
-                signed=v.rebased_error_pct,
-                step_drift_pct=v.drift_pct,
-                **verified,
-            )
 
 
 __all__ = [
@@ -590,10 +483,7 @@ __all__ = [
     "interacting",
     "judge",
     "measure_step",
-    "plan_and_verify",
     "profile_from_report",
-    "record_plan",
-    "record_verifications",
     "verify",
     "waterfall",
 ]

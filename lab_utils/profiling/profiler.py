@@ -52,71 +52,15 @@ import pandas as pd
 import torch
 from torch.cuda._memory_viz import trace_plot
 from torch.profiler import ProfilerActivity, profile, schedule
-from torch.utils.flop_counter import FlopCounterMode
 
 from lab_utils.core.config import ConfigError
 from lab_utils.core.noise import quiet_stderr_fd
 from lab_utils.core.records import REPORTED, SHARE, TOP_N
 from lab_utils.core.timing import Stability, judge_samples
-from lab_utils.model import build_model
-from lab_utils.model.train import PHASES, Trainer, artifacts_dir, rf_loss, synthetic_batch
+from lab_utils.model.accounting import count_flops, training_step_flops
+from lab_utils.model.train import PHASES, Trainer, artifacts_dir
 from lab_utils.profiling.traces import CATEGORIES, IDLE, TraceAnalysis, analyse_trace, categorize
-
-# --------------------------------------------------------------------------------------
-# FLOPs
-# --------------------------------------------------------------------------------------
-
-
-def _cpu_sdpa_flop_mapping() -> dict:
-    """FlopCounterMode has formulas for CUDA's SDPA kernels but not for the CPU flash
-    kernel; count it the same way (QKᵀ and PV: 4·B·H·Lq·Lk·Dh forward, 2x backward)."""
-    aten = torch.ops.aten
-    out = {}
-
-    def fwd(q_shape, k_shape, v_shape):
-        b, h, lq, d = q_shape
-        lk = k_shape[-2]
-        return 2 * b * h * lq * lk * d + 2 * b * h * lq * lk * v_shape[-1]
-
-    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        # FlopCounterMode hands formulas the shapes of tensor arguments
-        def f(query, key, value, *args, out_shape=None, **kw):
-            return fwd(query, key, value)
-
-        def b(grad_out, query, key, value, *args, out_shape=None, **kw):
-            return 2 * fwd(query, key, value)
-
-        out[aten._scaled_dot_product_flash_attention_for_cpu] = f
-        if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
-            out[aten._scaled_dot_product_flash_attention_for_cpu_backward] = b
-    return out
-
-
-def count_flops(fn, *, device_kind: str = "meta") -> tuple[int, dict[str, int]]:
-    """FLOPs of ``fn()`` by ``torch.utils.flop_counter``; returns (total, per-op)."""
-    with FlopCounterMode(display=False, custom_mapping=_cpu_sdpa_flop_mapping()) as fc:
-        fn()
-    per_op = {str(k): int(v) for k, v in fc.get_flop_counts().get("Global", {}).items()}
-    return int(fc.get_total_flops()), per_op
-
-
-_FLOP_CACHE: dict[tuple, int] = {}
-
-
-def training_step_flops(model_cfg, batch_size: int, grid: tuple[int, int], txt_len: int) -> int:
-    """Model FLOPs of one training step (forward + backward of the MMDiT) at this shape,
-    counted on a meta-device copy (nothing is computed or allocated)."""
-    cfg = model_cfg.replace(kernels="eager", attention_path="sdpa", activation_checkpoint="none", recipe="bf16")
-    key = (cfg, batch_size, tuple(grid), txt_len)
-    if key not in _FLOP_CACHE:
-        model = build_model(cfg, device="meta").train()
-        h, w = grid
-        ppt = cfg.pixels_per_token
-        batch = synthetic_batch(cfg, batch_size, height=h * ppt, width=w * ppt, txt_len=txt_len, device="meta")
-        total, _ = count_flops(lambda: rf_loss(model, batch).backward())
-        _FLOP_CACHE[key] = total
-    return _FLOP_CACHE[key]
-
+from lab_utils.step.contract import STEP_PHASES, StepFactory, run_step, skeleton
 
 # --------------------------------------------------------------------------------------
 # Phases that run every N steps: one rule for every lab
@@ -182,6 +126,17 @@ def periodic_note(figures: Sequence[PhaseFigure]) -> str:
 # --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class NestedPhase:
+    """A phase inside another: its time per step (median), samples and verdict, and its holder."""
+
+    phase: str
+    within: str
+    ms: float
+    samples: tuple
+    verdict: Stability
+
+
 @dataclass
 class ProfileReport:
     analysis: TraceAnalysis
@@ -192,6 +147,8 @@ class ProfileReport:
     cuda_peak_bytes: float | None = None
     notes: list[str] = field(default_factory=list)
     periods: dict = field(default_factory=dict)  # phase -> N: runs every N steps (a checkpoint)
+    flops_source: str = "FlopCounterMode fwd+bwd on meta"
+    tokens: list = field(default_factory=list)  # tokens of each active step, where the step counts them
 
     def phase_frame(self) -> pd.DataFrame:
         """ms of each phase (columns, in ``PHASES`` order) in each profiled step (rows), 0 where
@@ -200,14 +157,25 @@ class ProfileReport:
         steps = list(a.steps.step)
         if not len(a.phases):
             return pd.DataFrame(index=pd.Index(steps, name="step"))
-        wide = a.phases.pivot_table(index="step", columns="phase", values="ms", aggfunc="sum")
+        wide = a.phases.pivot_table(index="step", columns="phase", values="ms", aggfunc="sum", sort=False)
         wide = wide.reindex(steps).fillna(0.0)
-        return wide[[p for p in PHASES if p in wide.columns]]
+        return wide[[p for p in PHASES if p in wide.columns] + [p for p in wide.columns if p not in PHASES]]
 
     def phase_figures(self, statistic: str = "median") -> list[PhaseFigure]:
         """Each phase's figure per step (:func:`phase_figure`; periodic phases amortised)."""
         wide = self.phase_frame()
         return [phase_figure(p, wide[p], self.periods.get(p, 1), statistic=statistic) for p in wide.columns]
+
+    def nested_phase_figures(self, statistic: str = "median") -> list[NestedPhase]:
+        """The figure per step of each phase that runs inside another (a factory's own: "noising"
+        inside "forward"), with the phase that holds it; counted within that one, never twice."""
+        a, steps = self.analysis, list(self.analysis.steps.step)
+        out = []
+        for (phase, within), g in a.nested_phases.groupby(["phase", "within"], sort=False):
+            per = g.groupby("step").ms.sum().reindex(steps).fillna(0.0)
+            f = phase_figure(phase, per, statistic=statistic)
+            out.append(NestedPhase(phase, within, f.ms, f.samples, f.verdict))
+        return out
 
     @property
     def amortised_step_ms(self) -> np.ndarray:
@@ -302,7 +270,7 @@ class ProfileReport:
                 "FLOP",
                 shape=shape,
                 statistic=f"step{r.step}",
-                method="FlopCounterMode fwd+bwd on meta",
+                method=self.flops_source,
             )
         step_v = self.step_verdict
         rec.add(
@@ -345,6 +313,11 @@ class ProfileReport:
                     samples=list(f.samples) if f.events else None,
                     every=f.every,
                 )
+        for f in self.nested_phase_figures():
+            rec.add(
+                "phases", f.phase, "time", f.ms, "ms", shape=shape, statistic="median", within=f.within,
+                **_judged(f.samples, f.verdict),
+            )  # fmt: skip
 
     def _record_categories(self, rec, shape: str, step_total: float) -> None:
         """Each category's time per step (median over steps) and its share of the step."""
@@ -472,49 +445,68 @@ def _record_artifact(rec, variant: str, metric: str, path: Path, fmt: str) -> No
     rec.add("artifacts", variant, metric, path.stat().st_size, "bytes", statistic="file", path=str(path), format=fmt)
 
 
-def profile_training(
-    trainer: Trainer,
+def step_flops(step: StepFactory, batches: list) -> tuple[list[int], str]:
+    """FLOPs of one forward + backward for each of ``batches`` and where the figure comes from:
+    the step's own ``flops(batch)`` (perflab's MMDiT: counted on a meta copy at each batch's
+    shape), else ``FlopCounterMode`` over one real forward + backward of the step's batch 1 (the
+    step's shape taken as fixed)."""
+    if step.flops is not None:
+        return [int(step.flops(b)) for b in batches], getattr(step.flops, "method", "the step's flops(batch)")
+    batch = step.make_batch(1)
+    step.optimizer.zero_grad(set_to_none=True)
+    total, _ = count_flops(lambda: step.loss(step.model, batch).backward())
+    step.optimizer.zero_grad(set_to_none=True)
+    return [int(total)] * len(batches), "FlopCounterMode over one forward + backward"
+
+
+def step_phase_names(step: StepFactory) -> tuple[str, ...]:
+    """The named ranges of a step's profile: the contract's phases, the factory's own, its periodic ones."""
+    return tuple(dict.fromkeys([*STEP_PHASES, *step.phases, *(p.name for p in step.periodic)]))
+
+
+def profile_step(
+    step: StepFactory,
     *,
     active: int = 3,
     warmup: int = 1,
-    wait: int = 0,
+    start: int = 0,
     out_dir: str | Path | None = None,
     name: str = "01_training_step",
     memory: bool = True,
     record_shapes: bool = False,
 ) -> ProfileReport:
-    """Profile ``wait + warmup + active`` trainer steps; analyse the active ones
-    (``record_shapes``: operators' input shapes in the trace, for lab 09's per-op roofline)."""
-    for p, v in (("steps", active), ("warmup_steps", warmup)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < (1 if p == "steps" else 0):
-            raise ConfigError(p, v, "an integer >= " + ("1" if p == "steps" else "0"))
+    """Profile ``warmup + active`` steps of ``step`` (:func:`lab_utils.step.contract.run_step`
+    on batches ``start``, ``start + 1``, ...: from batch 0, as a run starts) and analyse the active
+    ones (``record_shapes``: operators' input shapes in the trace, for lab 09's per-op roofline)."""
+    check_schedule(active, warmup)
     out = Path(out_dir) if out_dir is not None else artifacts_dir() / "traces"
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     trace_path = out / f"{name}-{stamp}.trace.json"
-    cuda = trainer.device.type == "cuda"
+    dev = step.device
+    cuda = dev.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    notes = []
+    notes, batches = [], []
 
     def on_ready(prof):
         prof.export_chrome_trace(str(trace_path))
 
     if cuda and memory:
-        torch.cuda.reset_peak_memory_stats(trainer.device)
+        torch.cuda.reset_peak_memory_stats(dev)
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     try:
         with (
             quiet_stderr_fd(),  # kineto's profiler_start/stop markers, on every profiled region
             profile(
                 activities=acts,
-                schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+                schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
                 profile_memory=memory,
                 record_shapes=record_shapes,
                 on_trace_ready=on_ready,
             ) as prof,
         ):
-            for _ in range(wait + warmup + active):
-                trainer.step()
+            for k in range(start, start + warmup + active):
+                batches.append(skeleton(run_step(step, k).batch))  # shapes only: nothing kept alive
                 prof.step()
     finally:
         snap_path = html_path = None
@@ -531,12 +523,32 @@ def profile_training(
                 notes.append(f"CUDA memory snapshot not written: {type(e).__name__}: {e}")
             finally:
                 torch.cuda.memory._record_memory_history(enabled=None)
-            peak = float(torch.cuda.max_memory_allocated(trainer.device))
-    analysis = analyse_trace(trace_path, "cuda" if cuda else "cpu")
-    hist = trainer.history[-active:]
-    flops = [training_step_flops(trainer.model_cfg, trainer.cfg.batch_size, r.grid, r.txt_len) for r in hist]
-    periods = {"checkpoint": trainer.cfg.ckpt_every} if trainer.cfg.ckpt_every > 1 else {}
-    return ProfileReport(analysis, trace_path, flops, snap_path, html_path, peak, notes, periods)
+            peak = float(torch.cuda.max_memory_allocated(dev))
+    analysis = analyse_trace(trace_path, "cuda" if cuda else "cpu", phases=step_phase_names(step))
+    flops, source = step_flops(step, batches[-active:])
+    periods = {p.name: p.every for p in step.periodic if p.every > 1}
+    count = step.capabilities.get("tokens")
+    tokens = [float(count(b)) for b in batches[-active:]] if count is not None else []
+    return ProfileReport(
+        analysis, trace_path, flops, snap_path, html_path, peak, notes, periods, flops_source=source, tokens=tokens
+    )
+
+
+def check_schedule(active, warmup) -> None:
+    """The profiled steps (``steps`` >= 1) and the warm-up (``warmup_steps`` >= 0), as the labs name them."""
+    for p, v in (("steps", active), ("warmup_steps", warmup)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (1 if p == "steps" else 0):
+            raise ConfigError(p, v, "an integer >= " + ("1" if p == "steps" else "0"))
+
+
+def profile_training(trainer: Trainer, **kwargs) -> ProfileReport:
+    """:func:`profile_step` on a trainer's step (:meth:`~lab_utils.model.train.Trainer.as_step`), from
+    its next step on; the trainer counts the steps profiled."""
+    check_schedule(kwargs.get("active", 3), kwargs.get("warmup", 1))
+    kwargs.setdefault("start", trainer.step_index)
+    rep = profile_step(trainer.as_step(), **kwargs)
+    trainer.step_index += kwargs.get("warmup", 1) + kwargs.get("active", 3)
+    return rep
 
 
 __all__ = [
@@ -551,6 +563,9 @@ __all__ = [
     "count_flops",
     "periodic_note",
     "phase_figure",
+    "profile_step",
     "profile_training",
+    "step_flops",
+    "step_phase_names",
     "training_step_flops",
 ]

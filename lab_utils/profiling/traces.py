@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,7 @@ class _Ev:
     child: float = 0.0
     opt: bool = False
     phase: str | None = None
+    within: str | None = None  # the named phase this one runs inside (None: a top-level range)
     parent_op: str = ""
 
     @property
@@ -88,8 +90,9 @@ class _Ev:
         return max(self.dur - self.child, 0.0)
 
 
-def _nest(events: list[_Ev]) -> None:
-    """Per thread: direct-children time, optimizer ancestry, enclosing phase, launching op."""
+def _nest(events: list[_Ev], names=PHASES) -> None:
+    """Per thread: direct-children time, optimizer ancestry, enclosing phase (of ``names``),
+    launching op."""
     by_tid: dict[Any, list[_Ev]] = defaultdict(list)
     for e in events:
         by_tid[e.tid].append(e)
@@ -103,11 +106,11 @@ def _nest(events: list[_Ev]) -> None:
                 p = stack[-1]
                 p.child += e.dur
                 e.opt = p.opt
-                e.phase = p.phase
+                e.phase = e.within = p.phase
                 e.parent_op = p.parent_op if p.cat != "cpu_op" else (p.parent_op or p.name)
             if e.name.startswith("Optimizer.step") or e.name.startswith("Optimizer.zero_grad"):
                 e.opt = True
-            if e.name in PHASES:
+            if e.name in names:
                 e.phase = e.name
             stack.append(e)
 
@@ -138,10 +141,12 @@ class TraceAnalysis:
     peak_allocated_bytes: float
     categories_by_step: pd.DataFrame  # step, category, ms
     top_ops_by_step: pd.DataFrame | None = None  # step, name, ms (the top operators, 0 where absent)
+    #: named phases that run inside another (a factory's "noising" inside "forward"): step, phase, within, ms
+    nested_phases: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=["step", "phase", "within", "ms"]))
     top_n: int = 15  # how many operators top_ops keeps (fewer: the step ran no more)
 
 
-def _read(path: str | Path, device_kind: str | None):
+def _read(path: str | Path, device_kind: str | None, names=PHASES):
     """Host events (nested), GPU activities with their launching op and step, step windows.
 
     Reading, launch attribution and step windows come from :mod:`lab_utils.traces` (``.json``
@@ -156,7 +161,7 @@ def _read(path: str | Path, device_kind: str | None):
         )
     ]
     by_index = dict(zip(host_df.index, host))
-    _nest(host)
+    _nest(host, names)
     att = attribute(rt)
     windows = [(int(r.step), float(r.ts), float(r.end)) for r in att.steps.itertuples()]
     if device_kind is None:
@@ -180,10 +185,15 @@ def _step_of(windows: list[tuple[int, float, float]], ts: float) -> int | None:
 _Item = tuple[str, str, str, float, float, float, "int | None"]
 
 
-def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int = 15) -> TraceAnalysis:
-    """Analyse a Chrome trace written by ``torch.profiler`` (see the module note)."""
-    rt, host, kernels, windows, device_kind = _read(path, device_kind)
-    phases = _phases(host, windows)
+def analyse_trace(
+    path: str | Path, device_kind: str | None = None, *, top: int = 15, phases: Sequence[str] = PHASES
+) -> TraceAnalysis:
+    """Analyse a Chrome trace written by ``torch.profiler`` (see the module note); ``phases``: the
+    named ranges that are a step's phases (perflab's trainer's by default).  A phase that runs
+    inside another is kept apart (``nested_phases``), so no time is counted twice."""
+    names = tuple(phases)
+    rt, host, kernels, windows, device_kind = _read(path, device_kind, names)
+    phases, nested = _phases(host, windows, names)
     items, source = _items(host, kernels, windows, device_kind)
     steps = _steps(items, windows, phases, device_kind)
     in_steps = [it for it in items if it[6] is not None]
@@ -191,22 +201,41 @@ def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int 
     top_ops, top_by_step = _top_ops(in_steps, windows, float(steps.step_ms.sum()), top)
     memory, peak = _memory(rt, windows, device_kind)
     return TraceAnalysis(
-        device_kind, source, steps, phases, categories, top_ops, memory, peak, categories_by_step, top_by_step, top
+        device_kind,
+        source,
+        steps,
+        phases,
+        categories,
+        top_ops,
+        memory,
+        peak,
+        categories_by_step,
+        top_by_step,
+        nested_phases=nested,
+        top_n=top,
     )
 
 
-def _phases(host: list[_Ev], windows) -> pd.DataFrame:
-    """The trainer's named ranges, summed per step (step, phase, ms)."""
-    prow = []
+def _phases(host: list[_Ev], windows, names=PHASES) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The step's named ranges summed per step: the top-level ones (step, phase, ms) and those
+    inside another named range (step, phase, within, ms)."""
+    prow, nrow = [], []
     for e in host:
-        if e.cat == "user_annotation" and e.name in PHASES:
+        if e.cat == "user_annotation" and e.name in names:
             k = _step_of(windows, e.ts)
-            if k is not None:
+            if k is None:
+                continue
+            if e.within is None:
                 prow.append(dict(step=k, phase=e.name, ms=e.dur / 1e3))
+            else:
+                nrow.append(dict(step=k, phase=e.name, within=e.within, ms=e.dur / 1e3))
     phases = pd.DataFrame(prow, columns=["step", "phase", "ms"])
     if len(phases):
         phases = phases.groupby(["step", "phase"], as_index=False, sort=False)["ms"].sum()
-    return phases
+    nested = pd.DataFrame(nrow, columns=["step", "phase", "within", "ms"])
+    if len(nested):
+        nested = nested.groupby(["step", "phase", "within"], as_index=False, sort=False)["ms"].sum()
+    return phases, nested
 
 
 def _items(host: list[_Ev], kernels, windows, device_kind: str) -> tuple[list[_Item], str]:

@@ -1,6 +1,6 @@
 """The ``perflab`` command.
 
-perflab run SUITE [--param key=value ...] [--only NOTEBOOK ...] [--out DIR] [--timing-threads N|auto]
+perflab run SUITE|NOTEBOOK [--param key=value ...] [--only NOTEBOOK ...] [--out DIR] [--timing-threads N|auto]
             [--keep-traces] [--export mlflow|tensorboard] [--parallel N] [--executor local|slurm] ...
 perflab run --list
 perflab ceilings [--force] [--quick]
@@ -54,7 +54,7 @@ def _cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
     if a.list:
         return _run_list()
     if not a.suite:
-        print("perflab run: give a SUITE (see `perflab run --list`)", file=sys.stderr)
+        print("perflab run: give a SUITE (see `perflab run --list`) or a NOTEBOOK", file=sys.stderr)
         return 2
     try:
         # what can be refused without importing a lab is refused here, at once

@@ -119,6 +119,34 @@ def strip_noise(nb: nbformat.NotebookNode) -> list[str]:
     return removed
 
 
+#: The tag of a markdown cell that belongs to a section only a step with a capability has
+#: (``needs:memory_formula``); the code cells of such a section start with ``%%needs``.
+NEEDS_TAG = "needs:"
+
+
+def drop_absent(nb: nbformat.NotebookNode) -> list[str]:
+    """Remove the sections a lab left out (``lab_utils.studies.page``): the code cells whose
+    ``%%needs`` found a capability missing, and the markdown cells tagged ``needs:<it>``.
+    Returns the capabilities left out."""
+    absent: set[str] = set()
+    keep = []
+    for cell in nb.cells:
+        marks = [o for o in cell.get("outputs", []) if o.get("metadata", {}).get("perflab", {}).get("absent")]
+        if marks:
+            absent.update(c for o in marks for c in o["metadata"]["perflab"]["absent"])
+            continue
+        keep.append(cell)
+    nb.cells = [
+        c
+        for c in keep
+        if not (
+            c.cell_type == "markdown"
+            and any(t.startswith(NEEDS_TAG) and t[len(NEEDS_TAG) :] in absent for t in c.metadata.get("tags", []))
+        )
+    ]
+    return sorted(absent)
+
+
 def execute(nb: nbformat.NotebookNode, cwd: str | Path, timeout: int = 1200) -> nbformat.NotebookNode:
     NotebookClient(
         nb,

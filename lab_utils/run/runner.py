@@ -36,10 +36,11 @@ from tqdm.auto import tqdm
 from lab_utils.core.config import ConfigError
 from lab_utils.core.cpu_threads import THREADS_ENV, choose_cpu_threads
 from lab_utils.run import footprint, parallel, report
-from lab_utils.run.nbtools import IPCKernelManager, strip_noise
+from lab_utils.run.nbtools import IPCKernelManager, drop_absent, strip_noise
 from lab_utils.run.suites import (
     ROOT,
     Entry,
+    Refused,
     Suite,
     SuiteError,
     check_overrides,
@@ -47,6 +48,10 @@ from lab_utils.run.suites import (
     notebook_config_class,
     notebook_parameters,
 )
+from lab_utils.step import STEP_PATH_ENV
+
+#: where reports go when ``--out`` is not given (default: the repository's ``reports/``)
+REPORTS_ENV = "PERFLAB_REPORTS_DIR"
 
 
 @dataclass
@@ -232,7 +237,7 @@ def run_suite(
     if timing_threads is not None:
         choose_cpu_threads(timing_threads)  # validates before anything runs
     job_plan = parallel.plan_jobs(planned, JOB_HOOKS, timing_threads=timing_threads, **jobs) if jobs else None
-    out_dir = Path(out_dir or ROOT / "reports")
+    out_dir = Path(out_dir or os.environ.get(REPORTS_ENV) or ROOT / "reports")
     run_id, tmp = _make_run_dir(out_dir, run_id, s.name)
     final = out_dir / run_id
 
@@ -243,6 +248,8 @@ def run_suite(
     # runner's own bar shows progress instead.
     os.environ["TQDM_DISABLE"] = "1"
     os.environ["PERFLAB_RUN_ID"] = run_id
+    # a lab's step factory may live in the folder the run started in, or beside the labs
+    os.environ[STEP_PATH_ENV] = step_path(saved_env.get(STEP_PATH_ENV), planned)
     if timing_threads is not None:
         os.environ[THREADS_ENV] = str(timing_threads)
     if job_plan is not None:
@@ -287,12 +294,29 @@ def run_suite(
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    refused = [st for st in statuses if st.status == "refused"]
+    if refused and len(refused) == len(statuses):  # nothing was measured: nothing is kept
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise Refused("; ".join(f"{st.notebook}: {st.error}" for st in refused) + " (nothing was run or written)")
     tmp.rename(final)
     _point_latest(out_dir, run_id)
+    if refused:
+        raise Refused(
+            "; ".join(f"{st.notebook}: {st.error}" for st in refused)
+            + f" (refused before measuring; the other notebooks' report: {final / 'index.html'})"
+        )
     return RunResult(run_id, final, statuses)
 
 
+def step_path(existing: str | None, planned: list[Planned]) -> str:
+    """``PERFLAB_STEP_PATH`` for the kernels: what it held, the working directory the run started
+    in, and each notebook's folder (a kernel runs in its notebook's folder)."""
+    dirs = [*(existing or "").split(os.pathsep), os.getcwd(), *(str(p.entry.notebook.parent) for p in planned)]
+    return os.pathsep.join(dict.fromkeys(d for d in dirs if d))
+
+
 RUN_ENV = (
+    STEP_PATH_ENV,
     "PERFLAB_RECORDS_DIR",
     "PERFLAB_ARTIFACTS_DIR",
     "PERFLAB_RUN_ID",
@@ -302,13 +326,26 @@ RUN_ENV = (
 )
 
 
+def _refused_in_first_cell(exc: BaseException, nb_path: Path) -> bool:
+    """Whether a notebook raised a ``ConfigError`` in its first cell after the parameters (where
+    a lab builds its config and loads its step): a refusal of its input, not a failure."""
+    if getattr(exc, "ename", "") != "ConfigError" or not nb_path.exists():
+        return False
+    skip = {"parameters", "injected-parameters"}
+    cells = nbformat.read(nb_path, as_version=4).cells
+    code = [c for c in cells if c.cell_type == "code" and not skip & set(c.metadata.get("tags", []))]
+    return bool(code) and any(o.get("ename") == "ConfigError" for o in code[0].get("outputs", []))
+
+
 def _move_noise(nb_path: Path, log: Path) -> None:
-    """Known library log lines leave the executed notebook (and so its report page) for ``log``."""
+    """Known library log lines leave the executed notebook (and so its report page) for ``log``;
+    the sections the lab's step had no capability for leave it too (its footnote names them)."""
     nb = nbformat.read(nb_path, as_version=4)
     removed = strip_noise(nb)
     if removed:
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text("\n".join(removed) + "\n", encoding="utf-8")
+    if drop_absent(nb) or removed:
         nbformat.write(nb, nb_path)
 
 
@@ -344,7 +381,7 @@ def _run_one(p: Planned, tmp: Path, final: Path, timeout_s: int) -> NotebookStat
         )
         st.status = "ok"
     except Exception as e:  # noqa: BLE001 - a failing notebook is recorded, the suite goes on
-        st.status = "failed"
+        st.status = "refused" if _refused_in_first_cell(e, out_nb) else "failed"
         st.error = _error_of(e)
     st.seconds = time.perf_counter() - t0
     if out_nb.exists():

@@ -33,6 +33,11 @@ class SuiteError(ValueError):
     """A suite, notebook or parameter that cannot be run; raised before anything runs."""
 
 
+class Refused(SuiteError):
+    """A notebook refused its parameters in its first cell (a ``ConfigError`` there: a ``step``
+    whose factory does not load or fails its checks), before it measured anything."""
+
+
 def params_dir() -> Path:
     return Path(os.environ.get("PERFLAB_PARAMETERIZED", ROOT / "parameterized"))
 
@@ -62,9 +67,21 @@ def list_suites() -> list[str]:
     return sorted(p.stem for p in params_dir().glob("*.yaml"))
 
 
+def notebook_suite(path: Path) -> Suite:
+    """One notebook at its own defaults (``perflab run labs/05_memory.ipynb``), as a suite of one."""
+    nb = path.resolve()
+    return Suite(name=nb.stem, description=f"{path} at its defaults", entries=(Entry(nb, None, {}),), path=nb)
+
+
 def load_suite(name: str | Path) -> Suite:
-    """Load ``parameterized/<name>.yaml`` (or a path to a suite file)."""
+    """Load ``parameterized/<name>.yaml``, a path to a suite file, or a notebook's path (a suite
+    of that notebook at its defaults; relative to the working directory, else the repository)."""
     path = Path(name)
+    if path.suffix == ".ipynb":
+        nb = path if path.is_absolute() or path.exists() else ROOT / path
+        if not nb.exists():
+            raise SuiteError(f"notebook {str(name)!r} does not exist (looked in {Path.cwd()} and {ROOT})")
+        return notebook_suite(nb)
     if not (path.suffix in (".yaml", ".yml") and path.exists()):
         path = params_dir() / f"{name}.yaml"
     if not path.exists():

@@ -9,7 +9,9 @@ lab opens ``work/labs/`` (git-ignored), where each ``labs/*.ipynb`` is copied on
   ``perflab lab --reset [NAME ...]`` (``make lab-reset``) or removing the copy gives a fresh one.
 
 The kernel imports the project from its editable install, whatever its folder; ``rec.save()`` in
-a working copy writes under ``work/labs/.perflab/``, which is ignored too.
+a working copy writes under ``work/labs/.perflab/``, which is ignored too.  A lab's ``step``
+factory is imported from the folder ``make lab`` started in or from ``labs/`` (``PERFLAB_STEP_PATH``,
+which the kernels inherit), as ``perflab run`` does.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from lab_utils.step import STEP_PATH_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 LABS_DIR = ROOT / "labs"
@@ -107,6 +111,14 @@ def lab_argv(folder: Path, extra: list[str] | None = None, *, uid: int | None = 
     return argv + list(extra or [])
 
 
+def step_path_env(env: dict | None = None) -> str:
+    """``PERFLAB_STEP_PATH`` for the lab's kernels: what it held, the folder ``make lab`` started in
+    and ``labs/`` (the kernels run in ``work/labs/``, where a user's package is not)."""
+    env = os.environ if env is None else env
+    dirs = [*env.get(STEP_PATH_ENV, "").split(os.pathsep), os.getcwd(), str(LABS_DIR)]
+    return os.pathsep.join(dict.fromkeys(d for d in dirs if d))
+
+
 def launch(a, extra: list[str] | None = None) -> int:
     """``perflab lab`` on parsed arguments (``lab_utils.run.commands.lab``); ``extra``: the arguments
     after ``--``, for ``jupyter lab``."""
@@ -120,6 +132,7 @@ def launch(a, extra: list[str] | None = None) -> int:
     if a.reset is not None or a.prepare_only:
         return 0
     cmd = lab_argv(a.dir, extra)
+    os.environ[STEP_PATH_ENV] = step_path_env()
     sys.stdout.flush()
     os.execv(cmd[0], cmd)
     return 0  # not reached

@@ -36,7 +36,9 @@ from dataclasses import dataclass
 
 import pandas as pd
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from lab_utils.core.config import ConfigError, check_int
 
@@ -297,6 +299,117 @@ def disable_qk_norm(model: nn.Module) -> nn.Module:
     model.ops.qk_norm_rope = rope_only
     model.seams["qk_norm"] = "off (rope only)"
     return model
+
+
+# ------------------------------------------------------------------------------ any model's attention
+def sdpa_logit_max(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The largest pre-softmax logit ``q·kᵀ·scale`` of one ``scaled_dot_product_attention`` call
+    (its own q, k and ``scale``, default ``1/sqrt(E)``; grouped-query keys repeated to the query
+    heads; the mask is ignored, so a bound), one head at a time (an (L, S) matrix at most)."""
+    q = args[0] if args else kwargs["query"]
+    k = args[1] if len(args) > 1 else kwargs["key"]
+    q, k = q.detach().float(), k.detach().float()
+    scale = kwargs.get("scale", args[6] if len(args) > 6 else None) or q.shape[-1] ** -0.5
+    if q.dim() < 3:
+        return (q @ k.transpose(-1, -2)).amax() * scale
+    if k.shape[-3] != q.shape[-3]:
+        if q.shape[-3] % k.shape[-3]:
+            return None  # heads that do not group: not an attention this reads
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    heads = [(q[..., h, :, :] @ k[..., h, :, :].transpose(-1, -2)).amax() for h in range(q.shape[-3])]
+    return torch.stack(heads).amax() * scale
+
+
+class _AttentionCalls(TorchFunctionMode):
+    """While entered, hands every ``scaled_dot_product_attention`` call to ``note``."""
+
+    def __init__(self, note):
+        super().__init__()
+        self.note = note
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.note(args, kwargs)
+        return func(*args, **kwargs)
+
+
+class SdpaTelemetry(Telemetry):
+    """:class:`Telemetry` on any model's repeated blocks, plus ``logit_max`` per block (stream
+    ``attn``): the largest logit of the ``scaled_dot_product_attention`` calls made inside the
+    block during a sampled step's forward (and a checkpointed block's recompute: the same
+    values), by :func:`sdpa_logit_max`; no seam needed.  A model that calls no SDPA gets no such rows."""
+
+    def __init__(self, model: nn.Module, blocks: list[tuple[str, nn.Module]], *, every: int = 1):
+        super().__init__(model, every=every, head_groups=1, blocks=blocks)
+        self.current: list[str] = []  # the blocks whose forward is running, innermost last
+        self.logit_max: dict[str, torch.Tensor] = {}
+        self.mode: _AttentionCalls | None = None
+        self.hooks = []
+        for name, mod in self.blocks:
+            self.hooks.append(mod.register_forward_pre_hook(self.enter(name)))
+            self.hooks.append(mod.register_forward_hook(self.leave))
+
+    def enter(self, name: str):
+        def hook(mod, args) -> None:
+            self.current.append(name)
+
+        return hook
+
+    def leave(self, mod, args, out) -> None:  # returns None: the block's output stays its own
+        if self.current:
+            self.current.pop()
+
+    def note(self, args: tuple, kwargs: dict) -> None:
+        if self.current:
+            with torch.no_grad():
+                v = sdpa_logit_max(args, kwargs)
+            if v is None:
+                return
+            b = self.current[-1]
+            self.logit_max[b] = v if b not in self.logit_max else torch.maximum(self.logit_max[b], v)
+
+    def begin_step(self, step: int) -> bool:
+        active = super().begin_step(step)
+        self.logit_max, self.current = {}, []
+        if active and self.mode is None:
+            self.mode = _AttentionCalls(self.note)
+            self.mode.__enter__()
+        return active
+
+    def stop(self) -> None:
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
+
+    def after_backward(self, grad_scale: float = 1.0) -> None:
+        self.stop()
+        super().after_backward(grad_scale)
+
+    def end_step(self) -> None:
+        self.stop()
+        step, active = self.step, self.active
+        super().end_step()
+        if active:
+            vals = {b: float(v) for b, v in self.logit_max.items()}
+            self.rows += [dict(step=step, block=b, stream="attn", stat="logit_max", value=v) for b, v in vals.items()]
+        self.logit_max = {}
+
+    def close(self) -> None:
+        self.stop()
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        super().close()
+
+
+def telemetry_of(model: nn.Module, blocks: list[tuple[str, nn.Module]], *, every: int = 1, head_groups: int = 1):
+    """Telemetry for a model: perflab's MMDiT through its ``qk_norm_rope`` seam (logit max per
+    head group), any other model's ``blocks`` with the logit max of its SDPA calls (``close()`` it
+    when done)."""
+    if getattr(getattr(model, "ops", None), "qk_norm_rope", None) is not None:
+        return Telemetry(model, every=every, head_groups=head_groups)
+    return SdpaTelemetry(model, blocks, every=every)
 
 
 # ------------------------------------------------------------------------------ NaN locator

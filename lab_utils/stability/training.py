@@ -14,9 +14,12 @@ Design note
   the replayed steps' losses equal the skip policy's, and their telemetry and NaN events
   are kept once, from the replay.
 * :func:`train_run` runs one :class:`RunSpec` (preset, precision mode, recipe, QK-norm,
-  AdamW settings, provoked spike or NaN) on a fixed pool of synthetic batches with noise and
-  timesteps seeded per step, so two runs from the same seed see the same data: differences
-  are the setting's.  Non-finite steps are replayed once under the NaN locator and skipped.
+  AdamW settings, provoked spike or NaN) on a step: by default perflab's MMDiT of the spec
+  (:func:`mmdit_run_step`: a fixed pool of synthetic batches with noise and timesteps seeded per
+  step, so two runs from the same seed see the same data: differences are the setting's), or any
+  step given (a fresh build of the lab's step: its own model, optimizer, batches and loss; the
+  spec's spike policy, provoked spike or NaN, clip and telemetry act on it).  Non-finite steps are
+  replayed once under the NaN locator and skipped.
 
 The clip policy
 ---------------
@@ -38,8 +41,10 @@ measured, on every step.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -52,12 +57,15 @@ from lab_utils.model.train import rf_loss, synthetic_batch
 from lab_utils.stability.optim import DynamicLossScaler, StabilityAdamW
 from lab_utils.stability.telemetry import (
     NAN_PHASES,
+    NaNLocator,
     NonFiniteReport,
-    Telemetry,
     disable_qk_norm,
     inject_nonfinite,
     locate_nonfinite,
+    telemetry_of,
 )
+from lab_utils.step.contract import StepFactory, blocks
+from lab_utils.step.mmdit import BLOCKS, poison_latents
 
 PRECISIONS = ("fp32", "bf16_autocast", "bf16", "bf16_master", "bf16_sr", "fp16_scaled")
 SPIKE_POLICIES = ("none", "skip", "clip", "rewind")
@@ -269,9 +277,87 @@ def make_batches(spec: RunSpec, dtype: torch.dtype, device) -> list:
     ]
 
 
-def train_run(spec: RunSpec, *, progress: bool = False) -> RunResult:
-    """Train ``spec.steps`` steps of one :class:`RunSpec`; see the module note."""
-    return _Run(spec).train(progress)
+def mmdit_run_step(spec: RunSpec) -> StepFactory:
+    """perflab's MMDiT of ``spec`` as a step: its preset in the precision's dtype with the recipe
+    (and QK-norm off if asked), :class:`StabilityAdamW` of the spec, batch ``k`` the pool's
+    ``k mod num_batches`` with noise and timesteps seeded by ``k``, the loss under the precision's
+    autocast; ``loss_parts`` (the loss with its timesteps) and ``poison_batch`` (latents scaled)
+    for the run's per-timestep losses and its provoked spike."""
+    dev = torch.device(spec.device)
+    dtype = _MODEL_DTYPE.get(spec.precision, torch.float32)
+    model = build_model(spec.preset, dev, dtype, seed=spec.seed, recipe=spec.recipe).train()
+    if not spec.qk_norm:
+        disable_qk_norm(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = StabilityAdamW(
+        params,
+        lr=spec.lr,
+        betas=(spec.beta1, spec.beta2),
+        eps=spec.eps,
+        weight_decay=spec.weight_decay,
+        mode=_OPT_MODE.get(spec.precision, "plain"),
+        seed=spec.seed,
+    )
+    batches = make_batches(spec, dtype, dev)
+    ac = _AUTOCAST.get(spec.precision)
+
+    def make_batch(k: int):
+        return dataclasses.replace(batches[k % spec.num_batches], seed=spec.seed * 100_003 + k)
+
+    def loss_parts(m, batch):
+        with torch.autocast(dev.type, dtype=ac or torch.bfloat16, enabled=ac is not None):
+            return rf_loss(m, batch, return_parts=True)
+
+    caps = dict(loss_parts=loss_parts, poison_batch=poison_latents)
+    loss = lambda m, b: loss_parts(m, b).loss  # noqa: E731
+    return StepFactory(model, opt, make_batch, loss, block_class=BLOCKS, capabilities=caps)
+
+
+def scale_floats(batch, scale: float):
+    """A copy of ``batch`` with its floating-point tensors scaled (dicts, lists, tuples and
+    dataclasses rebuilt; anything else kept), and whether it held any."""
+    seen = []
+
+    def go(x):
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point():
+                seen.append(True)
+                return x * scale
+            return x
+        if isinstance(x, dict):
+            return {k: go(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(go(v) for v in x)
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            return dataclasses.replace(x, **{f.name: go(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init})
+        return x
+
+    out = go(batch)
+    return out, bool(seen)
+
+
+def locate(step: StepFactory, k: int = 1, *, module: str | None = None, phase: str = "forward"):
+    """Replay step ``k`` of ``step`` (forward and backward, gradients discarded) under a NaN locator
+    and return its (forward, backward) reports; ``module``: first inject a NaN there (``phase``
+    forward / backward / weight: :func:`lab_utils.stability.telemetry.inject_nonfinite`)."""
+    hook = inject_nonfinite(step.model, module, phase) if module else None
+    try:
+        batch = step.make_batch(k)
+        with NaNLocator(step.model) as loc:
+            loss = step.loss(step.model, batch)
+            if loss.requires_grad:
+                loss.backward()
+    finally:
+        if hook is not None:
+            hook.remove()
+        step.optimizer.zero_grad(set_to_none=True)
+    return loc.forward, loc.backward
+
+
+def train_run(spec: RunSpec, *, progress: bool = False, step: StepFactory | None = None) -> RunResult:
+    """Train ``spec.steps`` steps of one :class:`RunSpec` on ``step`` (default perflab's MMDiT of
+    the spec, :func:`mmdit_run_step`); see the module note."""
+    return _Run(spec, step).train(progress)
 
 
 def clip_lines(result: RunResult) -> list[str]:
@@ -297,33 +383,24 @@ class _Run:
     """One run's state and its stages: build (``__init__``), checkpoint, forward and backward
     with the non-finite check, the spike policy, a rewind, the update."""
 
-    def __init__(self, spec: RunSpec):
+    def __init__(self, spec: RunSpec, step: StepFactory | None = None):
         self.spec = spec
-        self.dev = dev = torch.device(spec.device)
-        dtype = _MODEL_DTYPE.get(spec.precision, torch.float32)
-        self.model = build_model(spec.preset, dev, dtype, seed=spec.seed, recipe=spec.recipe).train()
-        if not spec.qk_norm:
-            disable_qk_norm(self.model)
-        self.tel = Telemetry(self.model, every=spec.telemetry_every, head_groups=spec.head_groups)
+        self.run_step = step = step if step is not None else mmdit_run_step(spec)
+        self.dev = step.device
+        self.model = step.model.train()
+        self.tel = telemetry_of(self.model, blocks(step), every=spec.telemetry_every, head_groups=spec.head_groups)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = StabilityAdamW(
-            self.params,
-            lr=spec.lr,
-            betas=(spec.beta1, spec.beta2),
-            eps=spec.eps,
-            weight_decay=spec.weight_decay,
-            mode=_OPT_MODE.get(spec.precision, "plain"),
-            seed=spec.seed,
-        )
+        self.opt = step.optimizer
+        self.base_lr = [g["lr"] for g in self.opt.param_groups]
+        self.parts = step.capabilities.get("loss_parts")
         self.scaler = None
         if spec.precision == "fp16_scaled":
             self.scaler = DynamicLossScaler(spec.loss_scale_init, growth_interval=spec.loss_scale_interval)
         self.detector = SpikeDetector(
             spec.spike_window, spec.spike_threshold, min(6, spec.spike_window), spec.spike_patience
         )
-        self.batches = make_batches(spec, dtype, dev)
-        self.ac = _AUTOCAST.get(spec.precision)
         self.poison = (spec.nan_module, spec.nan_phase) if spec.nan_module else None
+        self.loss_scale_at = None  # a provoked batch with nothing to scale: its loss is scaled instead
         self.rows: dict[int, dict] = {}
         self.events: list[tuple[int, NonFiniteReport | None]] = []
         self.skipped_batches: set[int] = set()
@@ -363,31 +440,48 @@ class _Run:
             self.ckpt = _Checkpoint(
                 i,
                 copy.deepcopy(self.model.state_dict()),
-                self.opt.snapshot(),
+                self.opt.snapshot() if hasattr(self.opt, "snapshot") else copy.deepcopy(self.opt.state_dict()),
                 self.detector.state(),
                 self.scaler.state() if self.scaler else None,
             )
 
     def forward(self, batch, i: int):
-        g = torch.Generator(self.dev).manual_seed(self.spec.seed * 100_003 + i)
-        with torch.autocast(self.dev.type, dtype=self.ac or torch.bfloat16, enabled=self.ac is not None):
-            return rf_loss(self.model, batch, g, return_parts=True)
+        """The loss parts of step ``i``'s batch (its noise is the batch's own): the step's
+        ``loss_parts`` where it has them, else its loss alone."""
+        if self.parts is not None:
+            return self.parts(self.model, batch)
+        loss = self.run_step.loss(self.model, batch)
+        if self.loss_scale_at is not None and i == self.spec.provoke_step:
+            loss = loss * self.loss_scale_at
+        return SimpleNamespace(loss=loss, t=None)
+
+    def provoked(self, batch, i: int):
+        """Batch ``i`` poisoned (its latents, or any step's floating-point tensors, x poison_scale);
+        a batch with none (token ids) has its loss scaled instead."""
+        spec = self.spec
+        poison = self.run_step.capabilities.get("poison_batch")
+        if poison is not None:
+            return poison(batch, spec.poison_scale)
+        out, any_float = scale_floats(batch, spec.poison_scale)
+        if not any_float:
+            self.loss_scale_at = spec.poison_scale
+        return out
 
     def step(self, i: int) -> int | None:
         """Step ``i`` (its row kept in ``rows``); returns the step to go back to when the spike
         policy rewinds, else None."""
         spec = self.spec
-        batch = self.batches[i % spec.num_batches]
+        batch = self.run_step.make_batch(i)
         if spec.provoke == "batch" and i == spec.provoke_step:
-            batch = copy.copy(batch)
-            batch.img = batch.img * spec.poison_scale
-        lr = spec.lr * (spec.lr_jump if spec.provoke == "lr" and i == spec.provoke_step else 1.0)
-        for grp in self.opt.param_groups:
-            grp["lr"] = lr
+            batch = self.provoked(batch, i)
+        jump = spec.lr_jump if spec.provoke == "lr" and i == spec.provoke_step else 1.0
+        for grp, lr0 in zip(self.opt.param_groups, self.base_lr):
+            grp["lr"] = lr0 * jump
+        lr = self.base_lr[0] * jump
         hook = inject_nonfinite(self.model, *self.poison) if self.poison and i == spec.nan_step else None
         parts, row, finite = self.forward_backward(i, batch, lr)
-        if finite:  # before any policy acts: a skipped, clipped or rewound step logs the same loss rows
-            self.log_loss(parts)
+        if finite and parts.t is not None:  # before any policy acts: a skipped, clipped or rewound
+            self.log_loss(parts)  # step logs the same loss rows (per timestep: a step that has them)
         check = self.detector.observe(row["loss"], row["grad_norm"]) if finite else SpikeCheck(False, 0.0, 0.0)
         row.update(spike=check.spike, z_loss=check.z_loss, z_grad=check.z_grad)
         apply = self.spike_policy(row, check, finite)
@@ -462,7 +556,10 @@ class _Run:
         self.rewinds += 1
         self.replayed += i - ckpt.step
         self.model.load_state_dict(ckpt.model)  # copies into the parameters
-        self.opt.restore(ckpt.optimizer)  # copies too: the checkpoint stays as it was taken
+        if hasattr(self.opt, "restore"):
+            self.opt.restore(ckpt.optimizer)  # copies too: the checkpoint stays as it was taken
+        else:
+            self.opt.load_state_dict(copy.deepcopy(ckpt.optimizer))
         self.detector.restore(ckpt.detector)
         if self.scaler:
             self.scaler.restore(ckpt.scaler)
@@ -483,10 +580,14 @@ class _Run:
     def update(self, i: int, finite: bool, apply: bool) -> None:
         """The optimizer step (when applied) and the loss scale's update."""
         tel, opt = self.tel, self.opt
-        if apply:
+        if apply and hasattr(opt, "last_stats"):  # StabilityAdamW: its own update statistics
             opt.track = tel.active
             opt.step()
             tel.after_step(opt.last_stats)
+        elif apply:  # any optimizer: from a snapshot of the weights around its step
+            tel.before_step()
+            opt.step()
+            tel.after_step()
         if self.scaler:
             self.scaler.update(i, finite)
         opt.zero_grad(set_to_none=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,13 +54,24 @@ def frame_of(records) -> pd.DataFrame:
     return fill_stability(df) if len(df) else df
 
 
+#: A variant keyed by a step's identity (``Recorder.scope``): "<package.module:function>/<module.Class> · <variant>".
+SCOPED = re.compile(r"^[\w.]+:\w+/[\w.]+(?: · |$)")
+
+
+def unscoped(variant) -> str:
+    """A row's variant without the step identity key a non-default step's rows start with."""
+    return SCOPED.sub("", str(variant))
+
+
 def rows(df: pd.DataFrame, **eq) -> pd.DataFrame:
-    """The rows whose columns equal the given values (a missing column matches nothing)."""
+    """The rows whose columns equal the given values (a missing column matches nothing); a
+    variant is compared without the step identity key (:func:`unscoped`)."""
     m = pd.Series(True, index=df.index)
     for k, v in eq.items():
         if k not in df.columns:
             return df.iloc[0:0]
-        m &= df[k].astype(str) == str(v)
+        col = df[k].map(unscoped) if k == "variant" else df[k].astype(str)
+        m &= col == str(v)
     return df[m & pd.to_numeric(df["value"], errors="coerce").notna()]
 
 
@@ -70,6 +82,13 @@ def fmt(v: float, unit: str = "", digits: int = 3) -> str:
     v = float(v)
     text = f"{v:,.0f}" if abs(v) >= 10**digits else f"{v:.{digits}g}"  # 7,170 ms, not 7.17e+03 ms
     return text + (f" {unit}" if unit else "")
+
+
+def fmt_bytes(n: float, digits: int = 3) -> str:
+    """A size in MiB below 1 GiB, in GiB from there (binary units, as allocators count)."""
+    if n is None or (isinstance(n, float) and not math.isfinite(n)):
+        return "n/a"
+    return fmt(n / 2**30, "GiB", digits) if abs(n) >= 2**30 else fmt(n / 2**20, "MiB", digits)
 
 
 def verdict(r) -> str:
@@ -183,12 +202,14 @@ __all__ = [
     "Takeaway",
     "figures_html",
     "fmt",
+    "fmt_bytes",
     "frame_of",
     "headline",
     "headlines",
     "register",
     "rows",
     "takeaway",
+    "unscoped",
     "unstable_figure",
     "verdict",
 ]

@@ -1,6 +1,13 @@
 """Lab 05 (memory): where a step's memory goes, what each activation-checkpointing policy
 buys, and what fits.  The lab's config, its tables and sweeps (each writes its records),
-and its plots (which read records)."""
+and its plots (which read records).
+
+Every section measures the lab's step (the ``step`` parameter: perflab's MMDiT by default, at
+the lab's preset, batch, resolution and text length; :mod:`lab_utils.studies.page`): its state,
+its saved activations by region and op, its policies, its timeline, what fits the device.  The
+sections that need the MMDiT's analytic formula (hooks against the formula, bytes per token, the
+presets' accounting, the what-fits projection to large shapes, FSDP) ask for its
+``memory_formula`` capability, and the notebook runs them under ``%%needs``."""
 
 from __future__ import annotations
 
@@ -21,32 +28,31 @@ from lab_utils.core.config import (
     built_from,
     check_choice,
     check_choices,
-    check_float,
     check_int,
     check_int_list,
 )
 from lab_utils.core.device import pick_device
-from lab_utils.core.dtypes import parse_dtype
 from lab_utils.core.plots import init
 from lab_utils.core.records import Recorder
-from lab_utils.model import ACTIVATION_CHECKPOINTS, PRESETS, MMDiTConfig, build_model, resolve_config
+from lab_utils.model import ACTIVATION_CHECKPOINTS, PRESETS, MMDiTConfig
 from lab_utils.model.train import artifacts_dir
+from lab_utils.step.contract import StepFactory, blocks
 from lab_utils.step.load import DEFAULT_STEP, check_step_spec
-from lab_utils.step.policies import STEP_POLICIES
-from lab_utils.step.skip import default_step_only, passes_skipped
-from lab_utils.studies.headline import Figure, fmt, register, rows
+from lab_utils.studies.headline import Figure, fmt_bytes, register, rows, unscoped
 
 LAB = "05_memory"
 GB = 1e9
-#: Why sections 1-4 run on perflab's MMDiT only (on another ``step`` each returns one line saying so).
-MMDIT_ONLY = "the formula and FSDP projection are MMDiT-only"
-mmdit_only = default_step_only(MMDIT_ONLY)
+MIB = 2**20
 
 
 @dataclass(frozen=True)
 class MemoryLabConfig(LabConfig):
     # renamed parameters, accepted under their former names for one release
-    RENAMED = {"policies": "activation_checkpoints"}
+    RENAMED = {
+        "policies": "activation_checkpoints",
+        "step_policies": "activation_checkpoints",
+        "step_fit_max_batch": "fit_max_batch",
+    }
 
     device: str = "auto"
     preset: str = "tiny"  # the model whose step is measured
@@ -62,7 +68,8 @@ class MemoryLabConfig(LabConfig):
     account_resolution: int = 1024  # the step shape the accounting table projects to
     account_txt_len: int = 512
     inspect_block: str = "single_blocks.0"  # block whose saved tensors are listed op by op
-    device_memory_gb: float = 0.0  # 0: the current GPU's memory, or an H200's 141 GB
+    # the device what fits is asked for: GB, a GPU name ("H100", "H200", "B200", ...), or 0: this GPU, else an H200
+    device_memory_gb: float | str = 0.0
     fit_resolutions: tuple = (256, 512, 768, 1024, 1536, 2048)
     fsdp_world_sizes: tuple = (2, 3)  # one spawn; 3 ranks do not divide the tiny model's rows
     fsdp_preset: str = "tiny"
@@ -71,8 +78,7 @@ class MemoryLabConfig(LabConfig):
     reps: int = 3
     seed: int = 0
     step: str = DEFAULT_STEP  # your training step, "package.module:function" (the README's "Your model")
-    step_policies: tuple = STEP_POLICIES  # the checkpointing policies applied to your step's blocks
-    step_fit_max_batch: int = 16  # largest batch the what-fits bisection on your step tries
+    fit_max_batch: int = 16  # largest batch the what-fits bisection on real steps tries
     #: the measured model's config, built once from ``preset`` (not a parameter itself)
     model: MMDiTConfig = built_from(MMDiTConfig.from_preset, ("preset",))
 
@@ -89,8 +95,9 @@ class MemoryLabConfig(LabConfig):
         check_int("account_txt_len", self.account_txt_len, min=1)
         cfg.check_resolution(self.resolution, self.resolution, "resolution")
         cfg.check_resolution(self.account_resolution, self.account_resolution, "account_resolution")
-        mem.check_block(cfg, self.inspect_block, "inspect_block")
-        check_float("device_memory_gb", self.device_memory_gb, min=0)
+        if self.step == DEFAULT_STEP:  # the MMDiT's block names; another step's are checked against it (check_step)
+            mem.check_block(cfg, self.inspect_block, "inspect_block")
+        mem.device_memory(self.device_memory_gb)  # a number of GB >= 0 or a GPU name
         check_int_list("fit_resolutions", list(self.fit_resolutions), min=16)
         for r in self.fit_resolutions:
             cfg.check_resolution(r, r, "fit_resolutions")
@@ -101,22 +108,75 @@ class MemoryLabConfig(LabConfig):
         check_int_list("fsdp_gpus", list(self.fsdp_gpus), min=1)
         check_int("reps", self.reps, min=3)
         check_int("seed", self.seed, min=0)
-        check_choices("step_policies", list(self.step_policies), STEP_POLICIES)
-        check_int("step_fit_max_batch", self.step_fit_max_batch, min=1)
-        check_step_spec(self.step)  # imports and is callable; its first step is checked by your_step.load
+        check_int("fit_max_batch", self.fit_max_batch, min=1)
+        check_step_spec(self.step)  # its form; imported, built and checked once by the lab's first cell
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device", self.device, "'auto' or 'cpu' (no CUDA device is visible here)")
 
     @property
     def device_bytes(self) -> int:
-        return int(self.device_memory_gb * GB) if self.device_memory_gb > 0 else mem.default_device_bytes()
+        return mem.device_memory(self.device_memory_gb)[0]
+
+    @property
+    def device_label(self) -> str:
+        return mem.device_memory(self.device_memory_gb)[1]
 
     def step_shape(self) -> mem.StepShape:
         return mem.step_shape(self.model, self.batch_size, self.resolution, self.resolution, self.txt_len)
 
+    def check_step(self, step: StepFactory) -> None:
+        """The parameters that name parts of the step: ``inspect_block`` is one of its blocks (its
+        default names the MMDiT's: another step's first block stands in), and the step takes the
+        policies of ``activation_checkpoints`` (the MMDiT's own are left out on another step)."""
+        names = [n for n, _ in blocks(step)]
+        default = type(self).__dataclass_fields__["inspect_block"].default
+        if self.inspect_block not in names and not (self.inspect_block == default and names):
+            raise ConfigError("inspect_block", self.inspect_block, f"a block of the step: {', '.join(names) or 'none'}")
+
 
 def recorder(cfg: MemoryLabConfig) -> Recorder:
     return Recorder(lab=LAB, params=cfg.to_dict(), device=pick_device(cfg.device))
+
+
+def inspected_block(cfg: MemoryLabConfig, step: StepFactory) -> str:
+    """``inspect_block``, or on a step without it (the default names the MMDiT's) its first block."""
+    names = [n for n, _ in blocks(step)]
+    return cfg.inspect_block if cfg.inspect_block in names else names[0]
+
+
+def lab_policies(cfg: MemoryLabConfig, step: StepFactory) -> list[str]:
+    """The policies of ``activation_checkpoints`` the step takes (its own seam's, else the generic ones)."""
+    takes = mem.policies_of(step)
+    return [p for p in cfg.activation_checkpoints if p in takes]
+
+
+def mib(v) -> float:
+    return round(float(v) / MIB, 3)
+
+
+# --------------------------------------------------------------------------------------
+# 1. Where the bytes go: state, saved activations by region and op
+# --------------------------------------------------------------------------------------
+
+
+def state_table(step: StepFactory, rec: Recorder) -> pd.DataFrame:
+    """Parameters, gradients and the optimizer's state of the step (from its tensors), recorded."""
+    state = mem.step_state(step)
+    for k, v in state.items():
+        rec.add("step_memory", k, "bytes", v, "B")
+    return pd.DataFrame([dict(what=k, MiB=mib(v), bytes=v) for k, v in state.items()])
+
+
+def saved_table(step: StepFactory, rec: Recorder, top: int = 15) -> pd.DataFrame:
+    """What the forward keeps for the backward, by region (recorded) and, for the largest, op."""
+    rep = mem.measure_saved(step, "none")
+    for region, v in rep.by_region().items():
+        rec.add("step_saved", region, "bytes", v, "B")
+    df = rep.frame().groupby(["region", "op"], as_index=False, sort=False)["bytes"].agg(["sum", "count"])
+    df = df.rename(columns={"sum": "bytes", "count": "tensors"}).sort_values("bytes", ascending=False).head(top)
+    df.insert(2, "MiB", df.bytes.map(mib))
+    df.attrs["total"] = rep.total
+    return df.reset_index(drop=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -124,30 +184,14 @@ def recorder(cfg: MemoryLabConfig) -> Recorder:
 # --------------------------------------------------------------------------------------
 
 
-@mmdit_only
-def formula_check(cfg: MemoryLabConfig) -> pd.DataFrame:
-    """Hooks against the analytic model for every formula policy at the lab's step (CPU); a
-    mismatch raises.  One row per policy."""
-    mcfg, sh = cfg.model, cfg.step_shape()
-    rows = []
-    for pol in mem.FORMULA_POLICIES:
-        meas = mem.measure_saved(mcfg, sh, cfg.dtype, pol, seed=cfg.seed)
-        form = mem.saved_bytes_formula(mcfg, sh, cfg.dtype, pol)
-        if meas.by_region() != form:
-            raise AssertionError(f"policy {pol!r}: hooks {meas.by_region()} != formula {form}")
-        rows.append(
-            dict(policy=pol, saved_tensors=len(meas.tensors), hooks_bytes=meas.total, formula_bytes=sum(form.values()))
-        )
-    return pd.DataFrame(rows)
-
-
-@mmdit_only
-def block_ops(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
-    """Saved bytes of ``inspect_block`` by the op that made them (no checkpointing)."""
-    mcfg, sh = cfg.model, cfg.step_shape()
-    rep = mem.measure_saved(mcfg, sh, cfg.dtype, "none", seed=cfg.seed)
+def block_ops(cfg: MemoryLabConfig, step: StepFactory, rec: Recorder) -> pd.DataFrame:
+    """Saved bytes of ``inspect_block`` (:func:`inspected_block`) by the op that made them (no
+    checkpointing)."""
+    block = inspected_block(cfg, step)
+    sh = cfg.step_shape() if step.has("memory_formula") else None
+    rep = mem.measure_saved(step, "none")
     df = pd.DataFrame(rep.rows())
-    df = df[df.region == cfg.inspect_block].groupby(["op", "dtype"], as_index=False)["bytes"].agg(["sum", "count"])
+    df = df[df.region == block].groupby(["op", "dtype"], as_index=False)["bytes"].agg(["sum", "count"])
     df = df.rename(columns={"sum": "bytes", "count": "tensors"}).sort_values("bytes", ascending=False)
     for r in df.itertuples():
         rec.add(
@@ -156,9 +200,9 @@ def block_ops(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
             "saved_bytes",
             r.bytes,
             "B",
-            shape=sh_str(sh),
+            shape=sh_str(sh) if sh is not None else "",
             dtype=cfg.dtype,
-            block=cfg.inspect_block,
+            block=block,
             tensors=r.tensors,
         )
     return df.reset_index(drop=True)
@@ -168,80 +212,26 @@ def sh_str(sh: mem.StepShape) -> str:
     return f"{sh.batch}x({sh.img_tokens}+{sh.txt_tokens})"
 
 
-@mmdit_only
-def accounting(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
-    """Per preset x dtype x policy: bytes per class at ``account_resolution`` (state from the
-    model on meta, activations from the formula, transient from its model), batch 1."""
-    rows = []
-    for preset in cfg.account_presets:
-        mcfg = resolve_config(preset)
-        sh = mem.step_shape(mcfg, 1, cfg.account_resolution, cfg.account_resolution, cfg.account_txt_len)
-        for dt in cfg.account_dtypes:
-            st = mem.state_totals(mcfg, dt)
-            for pol in mem.FORMULA_POLICIES:
-                peak = mem.predicted_peak(mcfg, sh, dt, pol, state=st)
-                row = dict(
-                    preset=preset, dtype=dt, policy=pol, **{k: peak[k] for k in mem.CLASSES}, total=peak["total"]
-                )
-                rows.append(row)
-                for k in (*mem.CLASSES, "total"):
-                    rec.add("accounting", pol, f"{k}_bytes", peak[k], "B", shape=sh_str(sh), dtype=dt, preset=preset)
-    return pd.DataFrame(rows)
-
-
-@mmdit_only
-def per_token_table(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
-    """Bytes per token per block at ``account_resolution`` (image tokens) + ``account_txt_len``
-    (text tokens), batch 1, no checkpointing, CUDA's float32 LayerNorm statistics."""
-    rows = []
-    for preset in cfg.account_presets:
-        mcfg = resolve_config(preset)
-        sh = mem.step_shape(mcfg, 1, cfg.account_resolution, cfg.account_resolution, cfg.account_txt_len)
-        for dt in cfg.account_dtypes:
-            for kind in ("double", "single"):
-                v = mem.bytes_per_token_per_block(mcfg, dt, kind, sh.img_tokens, sh.txt_tokens, device_type="cuda")
-                rows.append(dict(preset=preset, dtype=dt, block=kind, bytes_per_token=round(v, 1)))
-                rec.add(
-                    "per_token",
-                    kind,
-                    "bytes_per_token_per_block",
-                    v,
-                    "B/token",
-                    dtype=dt,
-                    preset=preset,
-                    tokens=f"{sh.img_tokens}+{sh.txt_tokens}",
-                    layernorm_stats="float32 (CUDA)",
-                )
-    return pd.DataFrame(rows)
-
-
-@mmdit_only
-def block_state_table(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
-    """Parameter/gradient/optimizer bytes per region of the lab's preset (built on meta)."""
-    model = build_model(cfg.preset, device="meta", dtype=parse_dtype("dtype", cfg.dtype))
-    df = pd.DataFrame([dict(region=k, **v) for k, v in mem.state_bytes(model).items()])
-    for r in df.itertuples():
-        rec.add("state", r.region, "parameters_bytes", r.parameters, "B", dtype=cfg.dtype, preset=cfg.preset)
-    return df
-
-
 # --------------------------------------------------------------------------------------
 # 2. AC policies on the same step
 # --------------------------------------------------------------------------------------
 
 
-@mmdit_only
-def compare(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
-    """Every policy on one step: saved bytes (hooks, formula), peak, FLOPs, time; gradients
-    checked equal to no checkpointing (raises otherwise)."""
-    mcfg, sh = cfg.model, cfg.step_shape()
-    dev = pick_device(cfg.device)
-    acs = cfg.activation_checkpoints
-    res = mem.compare_policies(mcfg, sh, cfg.dtype, acs, device=dev, seed=cfg.seed, reps=cfg.reps)
+def compare(cfg: MemoryLabConfig, step: StepFactory, rec: Recorder) -> pd.DataFrame:
+    """Every policy of ``activation_checkpoints`` the step takes, on one step: saved bytes (hooks,
+    and the formula where the step has one), peak, recomputed FLOPs, time; gradients checked equal
+    to no checkpointing (raises otherwise).  Sizes in MiB; records in bytes."""
+    dev = step.device
+    res = mem.compare_policies(step, lab_policies(cfg, step), reps=cfg.reps)
     base = next((r.flops for r in res if r.policy == "none"), None)
+    formula = step.capabilities.get("memory_formula")
+    sh = cfg.step_shape() if formula is not None else None
+    kw = dict(shape=sh_str(sh), dtype=cfg.dtype, preset=cfg.preset) if sh is not None else dict(dtype=cfg.dtype)
     rows = []
     for r in res:
-        kw = dict(shape=sh_str(sh), dtype=cfg.dtype, preset=cfg.preset)
+        fb = None
+        if formula is not None and r.policy in mem.FORMULA_POLICIES:
+            fb = sum(mem.saved_bytes_formula(formula.cfg, sh, formula.dtype, r.policy, device_type=dev.type).values())
         rec.add("policies", r.policy, "saved_bytes", r.saved_bytes, "B", method=saved_means(r.policy, dev), **kw)
         rec.add("policies", r.policy, "peak_bytes", r.peak_bytes, "B", method="allocator peak above start", **kw)
         rec.add("policies", r.policy, "step_flops", r.flops, "FLOP", method="FlopCounterMode", **kw)
@@ -251,35 +241,25 @@ def compare(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
         rows.append(
             dict(
                 policy=r.policy,
-                saved_bytes=r.saved_bytes,
-                formula_bytes=r.formula_bytes,
+                blocks=r.blocks,
+                saved_MiB=mib(r.saved_bytes),
+                formula_MiB=mib(fb) if fb is not None else None,
+                peak_MiB=mib(r.peak_bytes),
                 peak_bytes=r.peak_bytes,
                 recomputed_flops=recompute,
                 time_ms=getattr(r.timing, "median_ms", float("nan")),
                 stable=bool(getattr(r.timing, "ok", False) and r.timing.stable),
                 device=dev.type,
+                acts_here=r.acts_here,
                 grads_equal=r.grads_equal,
                 saved_bytes_are=saved_means(r.policy, dev),
             )
         )
-    return pd.DataFrame(rows)
+    df = pd.DataFrame(rows)
+    return df if formula is not None else df.drop(columns="formula_MiB")
 
 
-def saved_means(policy: str, dev: torch.device) -> str:
-    """What a policy's saved bytes are: kept for the backward; under ``offload`` the bytes
-    left on the device, and on a CPU (where ``save_on_cpu`` moves nothing, so neither the
-    memory nor the peak drops) the device bytes it would keep on a GPU."""
-    if policy != "offload":
-        return "kept for the backward (saved_tensors_hooks)"
-    if dev.type == "cpu":
-        return "device bytes it would keep on a GPU (on CPU save_on_cpu moves nothing: no memory is freed here)"
-    return "kept on the device (the rest is in host memory)"
-
-
-def acts_on(policy: str, device_type: str) -> bool:
-    """Whether a policy does what it is for on this device: ``offload`` (``save_on_cpu``)
-    moves saved activations to host memory, so on a CPU it moves nothing."""
-    return not (policy == "offload" and device_type == "cpu")
+saved_means, acts_on = mem.saved_means, mem.acts_on  # what a policy's bytes mean, and where it acts
 
 
 FRONT, BEHIND, UNSTABLE = "Pareto front", "behind the front", "unstable timing"
@@ -319,32 +299,31 @@ def pareto_front(df: pd.DataFrame, step: str | None = None) -> pd.DataFrame:
     return d
 
 
-@passes_skipped
 def pareto_plot(df: pd.DataFrame, step: str | None = None, title: str = "AC policies: peak memory vs step time"):
     """Peak memory against step time per policy, each point marked (``pareto_front``): the
     front is drawn through stable timings of policies that act on the device only; when there
     is none, no front is drawn and the title says so."""
     init()
-    d = pareto_front(df, step).assign(peak_mb=lambda x: x.peak_bytes / 1e6).sort_values("time_ms")
-    vd = ["peak_mb", "policy", "mark", *(c for c in ("saved_bytes", "recomputed_flops") if c in d)]
+    d = pareto_front(df, step).assign(peak_mib=lambda x: x.peak_bytes / MIB).sort_values("time_ms")
+    vd = ["peak_mib", "policy", "mark", *(c for c in ("saved_MiB", "saved_bytes", "recomputed_flops") if c in d)]
     layers = []
     for mark, g in d.groupby("mark", sort=False):
         colour, marker = MARKS.get(mark, NOT_ACTING if mark.startswith("does not act") else ("#bcbd22", "square"))
         layers.append(
             hv.Scatter(g, "time_ms", vd, label=mark).opts(tools=["hover"], size=11, color=colour, marker=marker)
         )
-    top = d.peak_mb.max() if len(d) and d.peak_mb.notna().any() else 1.0
-    layers.append(hv.Labels(d, ["time_ms", "peak_mb"], "policy").opts(yoffset=0.02 * top, text_font_size="8pt"))
+    top = d.peak_mib.max() if len(d) and d.peak_mib.notna().any() else 1.0
+    layers.append(hv.Labels(d, ["time_ms", "peak_mib"], "policy").opts(yoffset=0.02 * top, text_font_size="8pt"))
     front = d[d.mark == FRONT]
     if len(front):
-        layers.append(hv.Curve(front, "time_ms", "peak_mb", label=FRONT).opts(color="black", line_dash="dashed"))
+        layers.append(hv.Curve(front, "time_ms", "peak_mib", label=FRONT).opts(color="black", line_dash="dashed"))
         note = "dashed: Pareto front of the stable timings"
     else:
         note = "no stable timing of a policy that acts here: no Pareto front drawn"
     return hv.Overlay(layers).opts(
         title=f"{title} ({note})",
         xlabel="step time (ms, median)",
-        ylabel="peak above start (MB)",
+        ylabel="peak above start (MiB)",
         legend_position="right",  # beside the axes: inside, it covered points and their labels
         width=860,
     )
@@ -358,67 +337,49 @@ def gpu_set(path: Path = GPU_SET) -> dict:
     return yaml.safe_load(Path(path).read_text()) or {}
 
 
-@passes_skipped
-def class_bars(df: pd.DataFrame, dtype: str = "bfloat16"):
-    """Stacked bytes per class for each preset x policy (GB), one frame per preset."""
-    init()
-    frames = {}
-    for preset, g in df[df.dtype == dtype].groupby("preset", sort=False):
-        long = g.melt(id_vars=["policy"], value_vars=list(mem.CLASSES), var_name="class", value_name="bytes")
-        long["GB"] = long.bytes / GB
-        frames[preset] = hv.Bars(long, ["policy", "class"], "GB").opts(
-            stacked=True,
-            xrotation=45,
-            title=f"{preset} · {dtype} · batch 1: bytes per class",
-            tools=["hover"],
-            legend_position="right",  # beside the axes: inside, it covered the tallest stacks
-            width=760,
-        )
-    return hv.HoloMap(frames, kdims=["preset"])
-
-
 # --------------------------------------------------------------------------------------
 # 3. Timeline and what is live at the peak
 # --------------------------------------------------------------------------------------
 
 
-@mmdit_only
-def timeline(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
-    """One AdamW step's categorized memory timeline (profiler on CPU, snapshot on CUDA); the
-    full data goes to the artifacts, the per-category peaks to records."""
-    dev = pick_device(cfg.device)
-    dt = parse_dtype("dtype", cfg.dtype)
-    mcfg, sh = cfg.model, cfg.step_shape()
-    model = build_model(mcfg, device=dev, dtype=dt, seed=cfg.seed)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batch = mem.batch_for(mcfg, sh, dt, dev, torch.Generator().manual_seed(cfg.seed))
+def timeline(cfg: MemoryLabConfig, step: StepFactory, rec: Recorder) -> pd.DataFrame:
+    """One step's categorized memory timeline (profiler on CPU, snapshot on CUDA), of a fresh build
+    of the lab's step (its factory, resolved once: the same weights, an optimizer whose state the
+    step makes); the full data goes to the artifacts, the per-category peaks to records."""
+    fresh = step.rebuild()
+    dev = fresh.device
+    sh = cfg.step_shape() if step.has("memory_formula") else None
+    kw = dict(shape=sh_str(sh)) if sh is not None else {}
     out = Path(artifacts_dir()) / "memory"
-    if dev.type == "cuda":
-        df = mem.cuda_timeline(model, batch, opt, out / "snapshot.pickle", seed=cfg.seed)
-        df.to_csv(out / "timeline.csv", index=False)
-        rec.add("timeline", "allocator", "reserved_bytes", torch.cuda.max_memory_reserved(dev), "B")
-        rec.add(
-            "timeline",
-            "allocator",
-            "allocated_bytes",
-            torch.cuda.max_memory_allocated(dev),
-            "B",
-            expandable_segments="expandable_segments:True" in mem.alloc_conf(),
-        )
-    else:
-        df = mem.cpu_timeline(model, batch, opt, out / "timeline.json", seed=cfg.seed)
+    try:
+        if dev.type == "cuda":
+            df = mem.cuda_timeline(fresh, out / "snapshot.pickle")
+            df.to_csv(out / "timeline.csv", index=False)
+            rec.add("timeline", "allocator", "reserved_bytes", torch.cuda.max_memory_reserved(dev), "B")
+            rec.add(
+                "timeline",
+                "allocator",
+                "allocated_bytes",
+                torch.cuda.max_memory_allocated(dev),
+                "B",
+                expandable_segments="expandable_segments:True" in mem.alloc_conf(),
+            )
+        else:
+            df = mem.cpu_timeline(fresh, out / "timeline.json")
+    finally:
+        if fresh.close is not None:
+            fresh.close()
     for c in df.columns[1:]:
-        rec.add("timeline", c, "peak_bytes", float(df[c].max()), "B", shape=sh_str(sh), dtype=cfg.dtype)
+        rec.add("timeline", c, "peak_bytes", float(df[c].max()), "B", dtype=cfg.dtype, **kw)
     return df
 
 
-@passes_skipped
 def timeline_plot(df: pd.DataFrame, max_points: int = 1500):
     init()
     d = mem.downsample(df, max_points)
+    d = d.groupby("time_ms", as_index=False, sort=True).last()  # events at one instant: the state after them
     cats = [c for c in d.columns if c != "time_ms" and d[c].max() > 0]
-    area = hv.Area.stack(hv.Overlay([hv.Area((d.time_ms, d[c] / 1e6), "time (ms)", "MB", label=c) for c in cats]))
+    area = hv.Area.stack(hv.Overlay([hv.Area((d.time_ms, d[c] / MIB), "time (ms)", "MiB", label=c) for c in cats]))
     return area.opts(
         title=f"Memory during one step, by category ({len(d)} of {len(df)} points)",
         legend_position="top_left",
@@ -426,13 +387,12 @@ def timeline_plot(df: pd.DataFrame, max_points: int = 1500):
     )
 
 
-@mmdit_only
-def peak_table(cfg: MemoryLabConfig, top: int = 10) -> pd.DataFrame:
+def peak_table(step: StepFactory, top: int = 10) -> pd.DataFrame:
     """The largest storages kept for the backward (end of the forward: where memory peaks),
-    with the region and op that made them."""
-    mcfg, sh = cfg.model, cfg.step_shape()
-    rep = mem.measure_saved(mcfg, sh, cfg.dtype, "none", seed=cfg.seed)
-    return pd.DataFrame([dataclasses.asdict(t) for t in mem.largest_live(rep, top)])
+    with the region, module and op that made them."""
+    df = pd.DataFrame([dataclasses.asdict(t) for t in mem.largest_live(mem.measure_saved(step, "none"), top)])
+    df.insert(df.columns.get_loc("nbytes") + 1, "MiB", df.nbytes.map(mib))
+    return df
 
 
 # --------------------------------------------------------------------------------------
@@ -440,113 +400,51 @@ def peak_table(cfg: MemoryLabConfig, top: int = 10) -> pd.DataFrame:
 # --------------------------------------------------------------------------------------
 
 
-@mmdit_only
-def fits(cfg: MemoryLabConfig, rec: Recorder, presets=("medium", "flux-dev"), dtype="bfloat16") -> pd.DataFrame:
-    """Largest batch per square resolution that the predicted peak fits in ``device_bytes``."""
+def fits(cfg: MemoryLabConfig, step: StepFactory, rec: Recorder) -> pd.DataFrame:
+    """The largest batch of the step whose predicted peak fits the device of ``device_memory_gb``
+    (:func:`lab_utils.memory.fits_bisect`: real steps at batch 1..``fit_max_batch``, the largest
+    fitting one checked against its whole step), with each batch tried; recorded.  Sizes in MiB."""
+    f = mem.fits_bisect(step, cfg.device_bytes, max_batch=cfg.fit_max_batch)
+    kw = dict(device_bytes=f.device_bytes, device=cfg.device_label.split(" (")[0], capped_at=f.max_batch)
+    rec.add("step_fits", "largest_batch", "max_batch", f.batch, "samples", **kw)
+    if f.extrapolated is not None:
+        rec.add("step_fits", "largest_batch", "max_batch_extrapolated", f.extrapolated, "samples", **kw)
     rows = []
-    for preset in presets:
-        mcfg = resolve_config(preset)
-        for pol in mem.FORMULA_POLICIES:
-            for r in mem.what_fits(mcfg, dtype, pol, cfg.device_bytes, cfg.fit_resolutions, cfg.account_txt_len):
-                rows.append(r)
-                rec.add(
-                    "what_fits",
-                    pol,
-                    "max_batch",
-                    r["max_batch"],
-                    "samples",
-                    shape=f"{r['resolution']}px",
-                    dtype=dtype,
-                    preset=preset,
-                    device_bytes=cfg.device_bytes,
-                )
-    return pd.DataFrame(rows)
-
-
-@passes_skipped
-def fits_table(df: pd.DataFrame) -> pd.DataFrame:
-    return df.pivot_table(index=["preset", "policy"], columns="resolution", values="max_batch").astype(int)
-
-
-@mmdit_only
-def fsdp_projection(cfg: MemoryLabConfig, rec: Recorder, preset: str = "flux-dev", dtype: str = "bfloat16"):
-    """Per-rank predicted peak at 1024 px, batch 1, for N GPUs (state sharded as ``fully_shard``
-    allocates it on the fullest rank, padding included; activations not sharded), and the
-    fewest GPUs each policy needs."""
-    mcfg = resolve_config(preset)
-    sh = mem.step_shape(mcfg, 1, cfg.account_resolution, cfg.account_resolution, cfg.account_txt_len)
-    rows = []
-    for pol in mem.FORMULA_POLICIES:
-        need = mem.gpus_needed(mcfg, sh, dtype, pol, cfg.device_bytes)
-        row = dict(policy=pol, gpus_needed=need)
-        for n in cfg.fsdp_gpus:
-            row[f"{n} GPUs (GB)"] = round(mem.predicted_peak(mcfg, sh, dtype, pol, shards=n)["total"] / GB, 1)
-        rows.append(row)
-        rec.add(
-            "fsdp",
-            pol,
-            "gpus_needed",
-            need if need else float("nan"),
-            "GPUs",
-            shape=sh_str(sh),
-            dtype=dtype,
-            preset=preset,
-            device_bytes=cfg.device_bytes,
-        )
-    return pd.DataFrame(rows)
-
-
-@mmdit_only
-def fsdp_check(cfg: MemoryLabConfig, rec: Recorder) -> pd.DataFrame:
-    """Real fully_shard AdamW steps on gloo at every world size (one spawn): per-rank bytes
-    fully_shard allocates (padded parameter and gradient shards), the bytes each rank holds,
-    and every parameter's shard against the projection (a mismatch raises)."""
-    rows = mem.run_fsdp(cfg.fsdp_preset, cfg.fsdp_world_sizes)
-    for r in rows:
-        ws = r["world_size"]
-        bad = mem.fsdp_mismatches(r)
-        if bad:
-            raise AssertionError(f"world_size={ws} rank {r['rank']}: " + "; ".join(bad[:5]))
-        for k in mem.FSDP_FIGURES:
-            rec.add("fsdp_check", f"ws{ws}-rank{r['rank']}", f"{k}_bytes", r[k], "B", preset=cfg.fsdp_preset)
-    return pd.DataFrame(rows).drop(columns=["params", "projected_params"])
-
-
-@mmdit_only
-def confirm_fits(cfg: MemoryLabConfig, rec: Recorder, preset: str = "medium", resolution: int = 1024) -> pd.DataFrame:
-    """On CUDA: bisect the batch of a real step to the OOM edge per policy (an OOM is caught,
-    recorded, and the search goes on); beside it the prediction.  The step holds the state the
-    prediction counts (bf16 weights and gradients, fp32 master weights and AdamW moments:
-    ``state_bytes``, equal to the predicted state).  Empty on CPU."""
-    if not (cfg.confirm_fit and torch.cuda.is_available()):
-        return pd.DataFrame()
-    rows = []
-    mcfg = resolve_config(preset)
-    for pol in ("none", "full", "selective"):
-        pred = mem.what_fits(mcfg, "bfloat16", pol, cfg.device_bytes, (resolution,), cfg.account_txt_len)[0]
-        fit = mem.bisect_fit(mcfg, pol, resolution, cfg.account_txt_len, hi=max(2 * pred["max_batch"], 2))
+    for b, m in sorted(f.tried.items()):
+        if m is not None:
+            rec.add("step_fits", f"b{b}", "predicted_peak", m.peak, "B", phase=m.peak_phase, **kw)
         rows.append(
             dict(
-                policy=pol,
-                predicted=pred["max_batch"],
-                measured=fit.edge,
-                ooms=fit.ooms,
-                state_bytes=sum(fit.state.values()),
-                predicted_state_bytes=sum(mem.state_totals(mcfg, "bfloat16").values()),
+                batch=b,
+                fits=bool(m is not None and m.peak <= f.device_bytes),
+                predicted_peak_MiB=mib(m.peak) if m else None,
+                state_MiB=mib(m.state) if m else None,
+                forward_backward_MiB=mib(m.forward_backward) if m else None,
+                gradients_MiB=mib(m.gradients) if m else None,
+                held_after_backward_MiB=mib(m.after_backward) if m else None,
+                optimizer_step_MiB=mib(m.optimizer_step) if m else None,
+                peaks_in=m.peak_phase if m else "out of memory",
             )
         )
-        rec.add(
-            "what_fits",
-            pol,
-            "max_batch_measured",
-            fit.edge,
-            "samples",
-            shape=f"{resolution}px",
-            preset=preset,
-            ooms=fit.ooms,
-            optimizer="AdamW, fp32 master weights and moments (MasterAdamW)",
-        )
-    return pd.DataFrame(rows)
+    if f.whole is not None:
+        rec.add("step_fits", f"b{f.batch}", "whole_step_peak", f.whole, "B", **kw)
+    df = pd.DataFrame(rows)
+    df.attrs.update(fit=f, device=cfg.device_label)
+    return df
+
+
+def fits_lines(df: pd.DataFrame) -> list[str]:
+    """What fits, in words: the device, the largest batch measured (or extrapolated), the check."""
+    f, device = df.attrs["fit"], df.attrs["device"]
+    if f.batch == 0:
+        return [f"{device}: not even batch 1 fits (its predicted peak is above the device's memory)"]
+    m = f.tried[f.batch]
+    out = [f"{device}: batch {f.batch} fits, predicted peak {fmt_bytes(m.peak)} (in the {m.peak_phase})"]
+    if f.capped:
+        more = f", about {f.extrapolated:,} by a line through the measured peaks" if f.extrapolated else ""
+        out.append(f"every batch tried fits (up to fit_max_batch = {f.max_batch}){more}")
+    out.append(f"check: {f.check}" if f.check else "check: not run")
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -554,23 +452,51 @@ def confirm_fits(cfg: MemoryLabConfig, rec: Recorder, preset: str = "medium", re
 # --------------------------------------------------------------------------------------
 
 
+def _extra(r) -> dict:
+    return json.loads(r) if isinstance(r, str) and r else {}
+
+
 @register(LAB)
 def headline(df: pd.DataFrame) -> list[Figure]:
-    """Measured peak without checkpointing, the policy that saves most, and what fits."""
+    """Measured peak without checkpointing, the lowest peak of a policy that acts here, what fits
+    the device (measured on real steps) and, from the MMDiT's formula, what fits at 1024 px."""
     figs = []
     pk = rows(df, experiment="policies", metric="peak_bytes")
     if len(pk):
-        none = pk[pk.variant == "none"]
+        pol = pk.variant.map(unscoped)
+        saved = rows(df, experiment="policies", metric="saved_bytes")
+        idle = {unscoped(r.variant) for r in saved.itertuples() if "moves nothing" in _extra(r.extra).get("method", "")}
+        none = pk[pol == "none"]
         if len(none):
-            figs.append(Figure("peak memory, no checkpointing", fmt(none.value.iloc[0] / 2**20, "MiB"), "measured"))
-        b = pk.loc[pk.value.idxmin()]
-        figs.append(Figure("lowest peak", f"{b.variant} {fmt(b.value / 2**20, 'MiB')}"))
+            figs.append(Figure("peak memory, no checkpointing", fmt_bytes(none.value.iloc[0]), "measured"))
+        acting = pk[~pol.isin(idle)]
+        if len(acting):
+            b = acting.loc[acting.value.idxmin()]
+            figs.append(Figure("lowest peak", f"{unscoped(b.variant)} {fmt_bytes(b.value)}"))
+    got = rows(df, experiment="step_fits", metric="max_batch")
+    if len(got):
+        r = got.iloc[0]
+        ex = _extra(r.extra)
+        more = rows(df, experiment="step_fits", metric="max_batch_extrapolated")
+        value = f"batch {int(r.value)}" + (f" (about {int(more.value.iloc[0]):,} extrapolated)" if len(more) else "")
+        figs.append(Figure(f"what fits {ex.get('device', 'the device')}", value, "measured on real steps"))
     fit = rows(df, experiment="what_fits", metric="max_batch")
     if len(fit):
         px = fit["shape"].str.removesuffix("px").astype(float)
         at = fit[px == (1024.0 if (px == 1024.0).any() else px.max())]
-        preset = at["extra"].map(lambda e: json.loads(e).get("preset", "") if e else "")
+        preset = at["extra"].map(lambda e: _extra(e).get("preset", ""))
         best = [at[preset == p].loc[at[preset == p].value.idxmax()] for p in dict.fromkeys(preset)]
         text = "; ".join(f"{p} batch {int(b.value)} ({b.variant})".strip() for p, b in zip(dict.fromkeys(preset), best))
         figs.append(Figure(f"what fits at {at['shape'].iloc[0]}", text, "best policy, bf16, predicted"))
     return figs
+
+
+def oom_check(cfg: MemoryLabConfig, step: StepFactory, fits_df: pd.DataFrame, rec: Recorder) -> pd.DataFrame | None:
+    """On CUDA, when the device asked for is this GPU: real steps bisected to the out-of-memory
+    edge (up to twice the predicted batch), beside the prediction.  None (nothing shown) elsewhere."""
+    f = fits_df.attrs["fit"]
+    if step.device.type != "cuda" or f.device_bytes != mem.default_device_bytes():
+        return None
+    edge, ooms = mem.oom_edge(step, max(2 * f.batch, 2))
+    rec.add("step_fits", "largest_batch", "max_batch_oom_edge", edge, "samples", ooms=ooms, device=cfg.device_label)
+    return pd.DataFrame([dict(predicted=f.batch, runs_until_oom=edge, ooms=ooms)])

@@ -1,8 +1,10 @@
 """Lab 08 (``labs/08_plan.ipynb``): the optimization plan's parameters, tables, plots and
 plain-language recommendations.
 
-The measuring, composing and verifying are :mod:`lab_utils.plan.planner`'s; the plots here read
-its results and never measure.
+The plan is made on the lab's step (the ``step`` parameter: perflab's MMDiT trainer by default,
+whose levers are its config's fields; any model through the step contract, whose levers are the
+generic ones: :mod:`lab_utils.plan.setup`).  The measuring, composing and verifying are
+:mod:`lab_utils.plan.planner`'s; the plots here read its results and never measure.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from lab_utils.core.config import ConfigError, built_from, check_choice, check_i
 from lab_utils.core.device import pick_device
 from lab_utils.core.records import Recorder
 from lab_utils.model.train import TrainConfig, TrainParams
-from lab_utils.plan.levers import LEVERS, candidates, check_levers
+from lab_utils.plan.levers import LEVERS, check_levers
 from lab_utils.plan.planner import (
     ALL_PHASES,
     STATISTICS,
@@ -26,19 +28,18 @@ from lab_utils.plan.planner import (
     StepProfile,
     build_plan,
     compose,
-    record_plan,
     verify,
     waterfall,
 )
+from lab_utils.plan.setup import StepSetup, auto_levers, step_candidates
+from lab_utils.plan.summary import record_plan
 from lab_utils.profiling.profiler import PERIODIC_RULE
+from lab_utils.step.contract import StepFactory
 from lab_utils.step.load import DEFAULT_STEP, check_step_spec
-from lab_utils.step.skip import default_step_only, passes_skipped
-from lab_utils.studies.headline import Figure, fmt, register, rows, verdict
+from lab_utils.studies.headline import Figure, fmt, register, rows, unscoped, verdict
 
 LAB = "08_plan"
-#: Why the planner's sections are skipped on another ``step`` (its generic levers: section "Your step").
-MMDIT_PLAN = "the planner measures and varies the MMDiT trainer's seams (its levers act on them)"
-mmdit_only = default_step_only(MMDIT_PLAN)
+#: perflab's MMDiT trainer's levers a CPU measures in seconds (the lab's "auto" on it).
 CPU_LEVERS = ("attention_path", "activation_checkpoint", "encoders", "num_workers", "ckpt_format")
 
 
@@ -49,7 +50,7 @@ class PlanLabConfig(TrainParams):
     The step's parameters are checked once, by the :class:`TrainConfig` built from them and held
     as :attr:`train` (the planner varies that config lever by lever)."""
 
-    levers: tuple = CPU_LEVERS  # lever names (lab_utils.plan.levers.LEVERS)
+    levers: tuple | str = "auto"  # "auto" (the step's own: levers_of) or lever names (lab_utils.plan.levers.LEVERS)
     steps: int = 6  # profiled steps per measurement
     warmup_steps: int = 2
     verify_top: int = 2  # plans run again to check the prediction
@@ -60,12 +61,14 @@ class PlanLabConfig(TrainParams):
 
     def __post_init__(self):
         super().__post_init__()  # builds .train: the step's parameters checked once, by TrainConfig
-        object.__setattr__(self, "levers", check_levers("levers", list(self.levers) if self.levers else self.levers))
+        if self.levers != "auto":
+            names = list(self.levers) if self.levers else self.levers
+            object.__setattr__(self, "levers", check_levers("levers", names))
         check_int("steps", self.steps, min=1)
         check_int("warmup_steps", self.warmup_steps, min=0)
         check_int("verify_top", self.verify_top, min=1, max=5)
         check_choice("statistic", self.statistic, STATISTICS)
-        check_step_spec(self.step)  # imports and is callable; its first step is checked by your_step.load
+        check_step_spec(self.step)  # its form; imported, built and checked once by the lab's first cell
         if self.statistic == "min" and self.steps < 2:
             raise ConfigError("steps", self.steps, "at least 2 when statistic is 'min'")
 
@@ -74,14 +77,18 @@ def recorder(cfg: PlanLabConfig) -> Recorder:
     return Recorder(lab=LAB, params=cfg.to_dict(), device=pick_device(cfg.device))
 
 
+def levers_of(cfg: PlanLabConfig, step: StepFactory) -> tuple:
+    """The levers the lab pulls: ``levers``, or for "auto" the step's own (perflab's MMDiT: its
+    trainer's :data:`CPU_LEVERS`; another step: the generic ones this device times)."""
+    return auto_levers(step, step.device, CPU_LEVERS) if cfg.levers == "auto" else tuple(cfg.levers)
+
+
 # ------------------------------------------------------------------------------- checked facts
-@mmdit_only
-def lever_table(cfg: PlanLabConfig) -> pd.DataFrame:
+def lever_table(cfg: PlanLabConfig, step: StepFactory) -> pd.DataFrame:
     """Each lever's settings to measure here, and those excluded with their reason."""
-    device = pick_device(cfg.device)
-    rows = []
-    for lv in cfg.levers:
-        ok, out = candidates(lv, cfg.train, device)
+    setup, rows = StepSetup.of(step), []
+    for lv in levers_of(cfg, step):
+        ok, out = step_candidates(lv, setup, step.device)
         rows += [dict(lever=lv, setting=str(v), status="measured", reason="") for v in ok]
         rows += [dict(lever=x.lever, setting=str(x.value), status="excluded", reason=x.reason) for x in out]
     return pd.DataFrame(rows, columns=["lever", "setting", "status", "reason"])
@@ -119,36 +126,36 @@ def composition_check() -> pd.DataFrame:
 
 
 # ------------------------------------------------------------------------------- measuring
-@mmdit_only
-def run(cfg: PlanLabConfig, rec: Recorder, progress=None) -> PlanResult:
-    """Measure the step and each lever setting, rank every combination."""
+def run(cfg: PlanLabConfig, step: StepFactory, rec: Recorder, progress=None) -> PlanResult:
+    """Measure the step (the lab's loaded one, as it is) and each lever setting, rank every combination."""
     res = build_plan(
-        cfg.train,
-        cfg.levers,
+        StepSetup.of(step),
+        levers_of(cfg, step),
         steps=cfg.steps,
         warmup=cfg.warmup_steps,
         progress=progress,
         statistic=cfg.statistic,
+        own=step,
     )
     if not res.plans:
         raise AssertionError("no plan could be composed: every combination was excluded")
     return res
 
 
-@mmdit_only
-def check(cfg: PlanLabConfig, res: PlanResult, rec: Recorder) -> pd.DataFrame:
-    """Run the top plans again through the same Trainer and profiler (asserting their
-    seams are the predicted ones), record everything, return predicted vs measured."""
-    verify(res, top=cfg.verify_top, steps=cfg.steps, warmup=cfg.warmup_steps, statistic=cfg.statistic)
-    record_plan(rec, res, shape=_shape(cfg))
+def check(cfg: PlanLabConfig, step: StepFactory, res: PlanResult, rec: Recorder) -> pd.DataFrame:
+    """Run the top plans again through the same step and profiler (asserting their seams are the
+    predicted ones), record everything, return predicted vs measured."""
+    verify(res, top=cfg.verify_top, steps=cfg.steps, warmup=cfg.warmup_steps, statistic=cfg.statistic, own=step)
+    record_plan(rec, res, shape=_shape(cfg, step))
     return verify_table(res)
 
 
-def _shape(cfg: PlanLabConfig) -> str:
-    return f"{cfg.preset} b{cfg.batch_size} {'x'.join(str(x) for x in cfg.train.buckets[0])}"
+def _shape(cfg: PlanLabConfig, step: StepFactory) -> str:
+    if step.has("train_config"):
+        return f"{cfg.preset} b{cfg.batch_size} {'x'.join(str(x) for x in cfg.train.buckets[0])}"
+    return f"b{StepSetup.of(step).batch_size}"
 
 
-@passes_skipped
 def seams_verdict(res: PlanResult) -> str:
     """Checked text: how many plans were verified, and that each ran its predicted seams
     (``verify`` asserts it; which levers the best plans pull depends on the measurement)."""
@@ -157,7 +164,6 @@ def seams_verdict(res: PlanResult) -> str:
 
 
 # ------------------------------------------------------------------------------- tables
-@passes_skipped
 def base_table(res: PlanResult) -> pd.DataFrame:
     """The measured step per phase: ms per step (a checkpoint every N steps amortised: its cost
     per save / N, ``lab_utils.profiling.profiler.PERIODIC_RULE``, as lab 01 counts it), beside the full
@@ -182,7 +188,6 @@ def base_table(res: PlanResult) -> pd.DataFrame:
     return df
 
 
-@passes_skipped
 def periodic_line(res: PlanResult) -> str:
     """The rule for phases that run every N steps, with the measured step's numbers."""
     parts = [
@@ -192,7 +197,6 @@ def periodic_line(res: PlanResult) -> str:
     return f"{PERIODIC_RULE}" + (": " + "; ".join(parts) if parts else " (none here)")
 
 
-@passes_skipped
 def effects_table(res: PlanResult, batch_size: int | None = None) -> pd.DataFrame:
     """Each measured lever setting alone: its phase ratios, step time, gain and peak-memory
     change; where it frees memory, about how many more samples per batch that buys (freed
@@ -218,7 +222,6 @@ def effects_table(res: PlanResult, batch_size: int | None = None) -> pd.DataFram
     return pd.DataFrame(rows)
 
 
-@passes_skipped
 def plans_table(res: PlanResult, n: int = 10) -> pd.DataFrame:
     rows = []
     for rank, p in enumerate(res.plans[:n], 1):
@@ -261,7 +264,6 @@ def verify_table(res: PlanResult) -> pd.DataFrame:
     return df.dropna(axis=1, how="all")  # no rebase: no drift columns, rather than columns of NaN
 
 
-@passes_skipped
 def verify_phases(res: PlanResult) -> pd.DataFrame:
     """Predicted vs measured ms per phase (and the total) of each verified plan."""
     rows = []
@@ -275,7 +277,6 @@ def verify_phases(res: PlanResult) -> pd.DataFrame:
 
 
 # ------------------------------------------------------------------------------- plots
-@passes_skipped
 def waterfall_plot(res: PlanResult):
     """From the measured step to the best plan, each bar a lever's step-time change."""
     best = next((p for p in res.plans if p.choices), res.plans[0])
@@ -311,7 +312,6 @@ def _phase_ticks(plot, element) -> None:
     ax.group_label_orientation = 0.5  # radians: long phase names do not collide
 
 
-@passes_skipped
 def prediction_plot(res: PlanResult):
     """Predicted vs measured per phase and total for each verified plan: grouped bars, the
     phase names as ticks and a legend for predicted / measured."""
@@ -343,7 +343,6 @@ def prediction_plot(res: PlanResult):
 
 
 # ------------------------------------------------------------------------------- words
-@passes_skipped
 def recommendations(res: PlanResult, n: int = 3) -> str:
     """Plain-language top ``n``: each lever of the best plans with its measured gain and risk."""
     scored = sorted(res.effects, key=lambda e: compose(res.base, [e]).total_ms)
@@ -382,6 +381,7 @@ def recommendations(res: PlanResult, n: int = 3) -> str:
 
 __all__ = [
     "CPU_LEVERS",
+    "levers_of",
     "headline",
     "PlanLabConfig",
     "base_table",
@@ -412,11 +412,12 @@ def headline(df: pd.DataFrame) -> list[Figure]:
     if len(base):
         figs.append(Figure("measured step", fmt(b, "ms"), verdict(base.iloc[0])))
     best = rows(df, experiment="plans", metric="step_time")
-    best = best[best.variant != "measured step"]
+    best = best[best.variant.map(unscoped) != "measured step"]
     if len(best) and b > 0:
         p = best.loc[best.value.idxmin()]
-        figs.append(Figure("best plan", str(p.variant), f"predicted {100 * (1 - p.value / b):+.0f}% step time"))
-        v = rows(df, experiment="verify", variant=p.variant, metric="step_time")
+        name = unscoped(p.variant)
+        figs.append(Figure("best plan", name, f"predicted {100 * (1 - p.value / b):+.0f}% step time"))
+        v = rows(df, experiment="verify", variant=name, metric="step_time")
         if len(v):
             gain = 100 * (1 - float(v.value.iloc[0]) / b)
             figs.append(Figure("measured gain", f"{gain:+.0f}%", verdict(v.iloc[0]) or "verified"))

@@ -1,7 +1,11 @@
 """Lab 01 (``labs/01_training_step.ipynb``): its parameters, tables and plots.
 
-The measuring is :mod:`lab_utils.profiling.profiler`'s; the plots here read a
-:class:`~lab_utils.profiling.profiler.ProfileReport`'s tables and never measure.
+The lab profiles its step (the ``step`` parameter: perflab's MMDiT trainer by default, built from
+the lab's parameters; any model through the step contract): the measuring is
+:func:`lab_utils.profiling.profiler.profile_step`'s, the plots here read a
+:class:`~lab_utils.profiling.profiler.ProfileReport`'s tables and never measure.  The checked
+facts about the MMDiT (its presets, its faithfulness to diffusers' FLUX blocks, its FLOP formula,
+its config's refusals) ask for the MMDiT's capabilities: the notebook runs them under ``%%needs``.
 """
 
 from __future__ import annotations
@@ -27,17 +31,18 @@ from lab_utils.model import (
     num_params,
 )
 from lab_utils.model.encoders import Encoders
-from lab_utils.model.train import PHASES, TrainConfig, Trainer, fit_fixed_batch, synthetic_batch
+from lab_utils.model.train import PHASES, TrainConfig, fit_fixed_batch, synthetic_batch
 from lab_utils.profiling.profiler import (
     PERIODIC_RULE,
     ProfileReport,
     periodic_note,
-    profile_training,
     training_step_flops,
 )
+from lab_utils.profiling.profiler import profile_step as profile_run
+from lab_utils.step.contract import StepFactory
 from lab_utils.step.load import DEFAULT_STEP, check_step_spec
-from lab_utils.step.skip import Skipped, default_step_only, passes_skipped, skipped
-from lab_utils.studies.headline import Figure, fmt, register, rows, verdict
+from lab_utils.step.mmdit import trainer_step
+from lab_utils.studies.headline import Figure, fmt, fmt_bytes, register, rows, unscoped, verdict
 
 
 @dataclass(frozen=True)
@@ -54,24 +59,17 @@ class TrainingStepLabConfig(TrainConfig):
         check_int("warmup_steps", self.warmup_steps, min=0)
         check_int("steps", self.steps, min=1)
         check_bool("quick_ceilings", self.quick_ceilings)
-        check_step_spec(self.step)  # imports and is callable; its first step is checked by your_step.load
+        check_step_spec(self.step)  # its form; imported, built and checked once by the lab's first cell
 
 
-#: Why lab 01's sections on perflab's MMDiT are skipped on another ``step`` (one line each).
-MMDIT_FACTS = (
-    "the presets, the faithfulness to diffusers' FLUX blocks, the FLOP derivation and the bad-input "
-    "checks are the MMDiT's"
-)
-MMDIT_PROFILE = (
-    "the trainer's profile (encoders, bucketed loader, checkpoints, the MMDiT's seams) and its explorer are MMDiT-only"
-)
-#: the checked facts take the lab's config only to be skipped on another step (without one they run)
-mmdit_facts = default_step_only(MMDIT_FACTS)
+def recorder(cfg: TrainingStepLabConfig, info: DeviceInfo, lab: str = "01_training_step") -> Recorder:
+    """The lab's recorder (the ceilings join it when the profile measures them)."""
+    return Recorder(lab=lab, params=cfg.to_dict(), device=info.torch_device)
+
 
 PHASE_COLORS = dict(zip(PHASES, ("#8c8c8c", "#e377c2", "#bcbd22", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd")))
 
 
-@passes_skipped
 def phase_bars(report: ProfileReport):
     """Stacked bar of phases per profiled step (hover shows ms)."""
     df = report.analysis.phases.copy()
@@ -88,7 +86,6 @@ def phase_bars(report: ProfileReport):
     )
 
 
-@passes_skipped
 def phase_table(report: ProfileReport) -> pd.DataFrame:
     """Each phase's time per step with its samples' verdict; a checkpoint every N steps counts
     as its cost per save / N (:data:`lab_utils.profiling.profiler.PERIODIC_RULE`), its full cost beside it."""
@@ -103,10 +100,20 @@ def phase_table(report: ProfileReport) -> pd.DataFrame:
         )
         for f in report.phase_figures()
     ]
+    for f in report.nested_phase_figures():  # a factory's own phases, inside the one that holds them
+        rows.append(
+            dict(
+                phase=f"{f.phase} (in {f.within})",
+                ms_per_step=_sig(f.ms),
+                every_n_steps=1,
+                ms_per_event=_sig(f.ms),
+                samples=len(f.samples),
+                verdict=str(f.verdict).split(":")[0],
+            )
+        )
     return pd.DataFrame(rows, columns=["phase", "ms_per_step", "every_n_steps", "ms_per_event", "samples", "verdict"])
 
 
-@passes_skipped
 def phase_summary_bars(report: ProfileReport):
     """Time per step by phase (median over the profiled steps), periodic phases amortised;
     the rule and each periodic phase's full cost are stated on the figure (its x label)."""
@@ -128,7 +135,6 @@ def phase_summary_bars(report: ProfileReport):
     )
 
 
-@passes_skipped
 def category_map(report: ProfileReport):
     """Time per kernel category, for all steps together and per step (HoloMap slider)."""
     a = report.analysis
@@ -144,7 +150,6 @@ def category_map(report: ProfileReport):
     return hv.HoloMap(els, kdims=["steps"])
 
 
-@passes_skipped
 def top_ops_table(report: ProfileReport):
     """The top operators with their full names (a styled HTML table: a bokeh table cuts long
     names at its column width): total ms over the profiled steps, median ms per step, share."""
@@ -163,7 +168,6 @@ def top_ops_table(report: ProfileReport):
     )
 
 
-@passes_skipped
 def memory_curve(report: ProfileReport):
     a = report.analysis
     what = "allocated (CUDA caching allocator)" if a.device_kind == "cuda" else "allocated since profiling began (CPU)"
@@ -176,7 +180,6 @@ def memory_curve(report: ProfileReport):
     return hv.Overlay([curve, *lines])
 
 
-@passes_skipped
 def mfu_bars(mfu: pd.DataFrame):
     df = mfu[mfu.pct.notna()].copy()
     if not len(df):
@@ -187,8 +190,12 @@ def mfu_bars(mfu: pd.DataFrame):
     )
 
 
-def mfu_dtype(train_cfg) -> str:
-    """The matmul dtype the step runs in, for MFU's peak (autocast bf16 or bf16 weights)."""
+def mfu_dtype(train_cfg, step: StepFactory | None = None) -> str:
+    """The matmul dtype the step runs in, for MFU's peak: the trainer's (autocast bf16 or bf16
+    weights) on perflab's MMDiT, else the step's parameters' (bf16, fp16 or fp32)."""
+    if step is not None and not step.has("train_config"):
+        p = next(step.model.parameters(), None)
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(p.dtype if p is not None else None, "fp32")
     return "bf16" if train_cfg.autocast == "bf16" or train_cfg.dtype == "bfloat16" else "fp32"
 
 
@@ -200,7 +207,6 @@ def _sig(v, digits: int = 4):
         return v
 
 
-@passes_skipped
 def steps_frame(report: ProfileReport) -> pd.DataFrame:
     """Per profiled step: time (as profiled, and with periodic phases amortised), phase
     coverage, busy/idle, FLOPs and TFLOP/s (4 significant digits)."""
@@ -210,7 +216,6 @@ def steps_frame(report: ProfileReport) -> pd.DataFrame:
     return df
 
 
-@passes_skipped
 def mfu_table(mfu: pd.DataFrame):
     t = mfu.copy()
     t["tflops"] = t.tflops.map(lambda v: f"{v:.3g}")
@@ -228,8 +233,7 @@ def mfu_table(mfu: pd.DataFrame):
 PUBLIC_PARAMS_B = {"flux-dev": 11.9, "flux-schnell": 11.9, "t5": 4.76, "clip": 0.123, "vae": 0.0838}
 
 
-@mmdit_facts
-def preset_lines(cfg=None) -> list[str]:
+def preset_lines() -> list[str]:
     """One line per preset (built on meta: nothing allocated), parameter counts checked
     against the analytic count, plus flux-dev's encoders."""
     lines = []
@@ -253,8 +257,7 @@ def preset_lines(cfg=None) -> list[str]:
     return lines
 
 
-@mmdit_facts
-def faithfulness_lines(cfg=None, seed: int = 0) -> list[str]:
+def faithfulness_lines(seed: int = 0) -> list[str]:
     """The model against diffusers' FLUX blocks, and a tiny model that must learn a fixed batch."""
     errs = diffusers_block_errors(seed=seed)
     same = {k: v < 1e-5 for k, v in errs.items()}
@@ -297,8 +300,7 @@ def forward_flops_from_modules(preset: str, batch: int, img: int, txt: int) -> f
     return total + blocks * 4.0 * batch * (img + txt) ** 2 * model.cfg.hidden_size
 
 
-@mmdit_facts
-def flop_lines(cfg=None) -> list[str]:
+def flop_lines() -> list[str]:
     """A tiny step's counted FLOPs against the analytic forward, and flux-dev's forward at
     1024 px; each held to a derivation by hand (raises when one differs)."""
     tc = MMDiTConfig.from_preset("tiny")
@@ -318,8 +320,7 @@ def flop_lines(cfg=None) -> list[str]:
     ]
 
 
-@mmdit_facts
-def bad_input_lines(cfg=None) -> list[str]:
+def bad_input_lines() -> list[str]:
     """What a bad parameter is told (each must be refused before any work starts)."""
     out = []
     for make in (
@@ -348,23 +349,29 @@ class StepProfile:
     mfu: pd.DataFrame
 
 
-def profile_step(cfg: TrainingStepLabConfig, info: DeviceInfo, *, lab: str = "01_training_step") -> StepProfile:
-    """Build the trainer from the lab's parameters, profile it, record every number.  On another
-    ``step`` nothing is profiled: the report, seams and MFU are one :class:`Skipped` line, the
-    recorder (no ceilings measured) is the one the "Your step" section writes to."""
-    skip = skipped(cfg.step, MMDIT_PROFILE)
-    if skip is not None:
-        rec = Recorder(lab=lab, params=cfg.to_dict(), device=info.torch_device)
-        return StepProfile(skip, rec, skip, mfu_dtype(cfg), skip)
-    trainer = Trainer(cfg)  # the lab's config is the step's (a TrainConfig): nothing rebuilt
-    seams = dict(trainer.model.seams)
+def profile_step(
+    cfg: TrainingStepLabConfig,
+    info: DeviceInfo,
+    *,
+    lab: str = "01_training_step",
+    step: StepFactory | None = None,
+    rec: Recorder | None = None,
+) -> StepProfile:
+    """Profile the lab's ``step`` (``cfg.steps`` after ``cfg.warmup_steps``) and record every number
+    into ``rec`` (with the ceilings, measured here).  Without a step: perflab's MMDiT trainer built
+    from ``cfg`` (the explorer's configurations), closed when profiled."""
+    own = step is None
+    step = trainer_step(cfg) if own else step
+    seams = dict(getattr(step.model, "seams", None) or {})
     try:
-        report = profile_training(trainer, active=cfg.steps, warmup=cfg.warmup_steps)
+        report = profile_run(step, active=cfg.steps, warmup=cfg.warmup_steps)
     finally:
-        trainer.close()
+        if own and step.close is not None:
+            step.close()
     ceilings = get_ceilings(info.torch_device, quick=cfg.quick_ceilings)
-    rec = Recorder(lab=lab, params=cfg.to_dict(), device=info.torch_device, ceilings=ceilings)
-    mdt = mfu_dtype(cfg)
+    rec = rec if rec is not None else recorder(cfg, info, lab)
+    rec.ceilings = ceilings
+    mdt = mfu_dtype(cfg, step)
     sheet = datasheet_for(info)
     report.record(rec, ceilings=ceilings, datasheet=sheet, dtype=mdt, shape=f"b{cfg.batch_size}")
     return StepProfile(report, rec, seams, mdt, report.mfu(ceilings, sheet, mdt))
@@ -372,8 +379,6 @@ def profile_step(cfg: TrainingStepLabConfig, info: DeviceInfo, *, lab: str = "01
 
 def artifact_lines(p: StepProfile) -> list[str]:
     r = p.report
-    if isinstance(r, Skipped):
-        return [str(r)]
     lines = [f"trace: {r.trace_path}"]
     if r.memory_html_path is not None:
         lines.append(f"CUDA memory history: {r.memory_html_path}")
@@ -394,15 +399,22 @@ def headline(df: pd.DataFrame) -> list[Figure]:
     step_ms = float(st.value.iloc[0]) if len(st) else math.nan
     if len(st):
         figs.append(Figure("step time", fmt(step_ms, "ms"), verdict(st.iloc[0]) or "median, checkpoint amortised"))
+    sheet = rows(df, metric="pct_of_peak", experiment="mfu")
+    sheet = sheet[sheet.variant.map(unscoped).str.startswith("datasheet peak")]
+    gpu = "device_kind" in df and (df["device_kind"].astype(str) == "cuda").any()
     m = rows(df, experiment="mfu", variant="measured matmul ceiling", metric="pct_of_peak")
-    if len(m):
+    if gpu and len(sheet):  # on a GPU the datasheet's peak, the figure MFU is quoted against
+        figs.append(Figure("MFU", fmt(sheet.value.iloc[0], "%"), "of the datasheet peak"))
+    elif len(m):
         figs.append(Figure("MFU", fmt(m.value.iloc[0], "%"), "of the measured matmul ceiling"))
     mem = rows(df, experiment="memory", metric="cuda_max_allocated")
     mem = mem if len(mem) else rows(df, experiment="memory", metric="peak_allocated")
     if len(mem):
-        figs.append(Figure("peak memory", fmt(mem.value.iloc[0], "MiB"), mem.metric.iloc[0]))
+        figs.append(Figure("peak memory", fmt_bytes(mem.value.iloc[0] * 2**20), mem.metric.iloc[0]))  # recorded in MiB
     ph = rows(df, experiment="phases", metric="time")
+    if "extra" in ph:  # a phase inside another is counted there: not a phase of its own
+        ph = ph[~ph.extra.astype(str).str.contains('"within"')]
     if len(ph) and step_ms > 0:
         top = ph.loc[ph.value.idxmax()]
-        figs.append(Figure("largest phase", f"{top.variant} {100 * top.value / step_ms:.0f}% of the step"))
+        figs.append(Figure("largest phase", f"{unscoped(top.variant)} {100 * top.value / step_ms:.0f}% of the step"))
     return figs

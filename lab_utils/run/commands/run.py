@@ -15,7 +15,11 @@ DESCRIPTION = (
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("suite", nargs="?", help="a suite of parameterized/ (see --list) or a suite file")
+    ap.add_argument(
+        "suite",
+        nargs="?",
+        help="a suite of parameterized/ (see --list), a suite file, or a notebook (labs/05_memory.ipynb)",
+    )
     ap.add_argument("--list", action="store_true", help="list suites and their notebooks")
     ap.add_argument("--param", action="append", metavar="KEY=VALUE", help="override a parameter (YAML value)")
     ap.add_argument(

@@ -21,10 +21,10 @@ from typing import ClassVar
 import pandas as pd
 
 from lab_utils.core.device import pick_device
-from lab_utils.memory import MEMORY_DTYPES, compare_policies, step_shape
+from lab_utils.memory import FORMULA_POLICIES, MEMORY_DTYPES, compare_policies, saved_bytes_formula, step_shape
 from lab_utils.model import CHECKPOINT_POLICIES, MMDiTConfig
 from lab_utils.model import PRESETS as MODEL_PRESETS
-from lab_utils.step.skip import default_step_only
+from lab_utils.step.mmdit import synthetic_step
 from lab_utils.studies.explore.base import Control, Explorer, Progress, Result
 from lab_utils.studies.memory import MemoryLabConfig, acts_on, gpu_set, pareto_plot, sh_str
 
@@ -32,11 +32,6 @@ PRESETS = ("tiny", "small")
 BATCHES = (1, 2, 4)
 RESOLUTIONS = (64, 128)
 TXT_LENS = (8, 16)
-#: Why the explorer is skipped on another ``step`` (it measures the MMDiT's policies at its presets' shapes).
-EXPLORER_MMDIT_ONLY = (
-    "the explorer measures the MMDiT's checkpointing policies at its presets' shapes; "
-    "your step's policies, peak and time are in section 'Your step'"
-)
 
 
 def _with(options: tuple, *values) -> tuple:
@@ -83,7 +78,6 @@ class MemoryExplorer(Explorer):
     controls: ClassVar[tuple[Control, ...]] = explorer_controls("cpu")
 
     @classmethod
-    @default_step_only(EXPLORER_MMDIT_ONLY, arg=1)  # on another step: one line saying why
     def for_lab(cls, cfg: MemoryLabConfig, rec=None, measured: pd.DataFrame | None = None) -> MemoryExplorer:
         """The explorer at the lab's own step (preset, dtype, batch, resolution, text length)."""
         return cls(rec=rec, device=cfg.device, reps=cfg.reps, base=cfg, measured=measured)
@@ -111,8 +105,16 @@ class MemoryExplorer(Explorer):
         mcfg = MMDiTConfig.from_preset(cfg["preset"])
         sh = step_shape(mcfg, cfg["batch"], cfg["resolution"], cfg["resolution"], cfg["txt_len"])
         progress(0, 1, f"policy {cfg['policy']}: saved tensors, peak, FLOPs, time, gradients")
-        (r,) = compare_policies(
-            mcfg, sh, cfg["dtype"], [cfg["policy"]], device=self.dev, reps=self.reps, progress=False
+        res = cfg["resolution"]
+        step = synthetic_step(
+            mcfg, batch_size=cfg["batch"], height=res, width=res, txt_len=cfg["txt_len"], device=self.dev,
+            dtype=cfg["dtype"], seed=self.base.seed,
+        )  # fmt: skip
+        (r,) = compare_policies(step, [cfg["policy"]], reps=self.reps, progress=False)
+        formula = (
+            sum(saved_bytes_formula(mcfg, sh, cfg["dtype"], r.policy, device_type=self.dev.type).values())
+            if r.policy in FORMULA_POLICIES
+            else None
         )
         progress(1, 1, "measured")
         label = self.label(cfg)
@@ -129,7 +131,7 @@ class MemoryExplorer(Explorer):
             dtype=cfg["dtype"],
             shape=shape,
             saved_mib=r.saved_bytes / 2**20,
-            formula_mib=r.formula_bytes / 2**20 if r.formula_bytes is not None else math.nan,
+            formula_mib=formula / 2**20 if formula is not None else math.nan,
             peak_mib=r.peak_bytes / 2**20,
             time_ms=r.timing.median_ms if ok else math.nan,
             stable=bool(ok and r.timing.stable),

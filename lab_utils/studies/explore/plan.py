@@ -14,7 +14,6 @@ composed on (``PlanResult.base``).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,10 +25,18 @@ import torch
 
 from lab_utils.core.config import ConfigError
 from lab_utils.core.timing import judge_samples
-from lab_utils.plan.planner import Plan, PlanResult, StepProfile, compose, judge, measure_step, peak_tflops_for
-from lab_utils.step.skip import default_step_only
+from lab_utils.plan.planner import (
+    Plan,
+    PlanResult,
+    StepProfile,
+    compose,
+    judge,
+    measure_step,
+    peak_tflops_for,
+    with_levers,
+)
 from lab_utils.studies.explore.base import Control, Explorer, Progress, Result, Unavailable
-from lab_utils.studies.plan import MMDIT_PLAN, PREDICTION_COLORS, PlanLabConfig
+from lab_utils.studies.plan import PREDICTION_COLORS, PlanLabConfig
 
 OFF = "off"
 RUN = "run"
@@ -70,7 +77,6 @@ class PlanExplorer(Explorer):
     )
 
     @classmethod
-    @default_step_only(MMDIT_PLAN, arg=1)  # on another step: one line saying why
     def for_lab(cls, cfg: PlanLabConfig, res: PlanResult, rec=None, **kw) -> PlanExplorer:
         """The explorer on the lab's measured step and lever effects, measuring as the lab does."""
         return cls(rec=rec, res=res, steps=cfg.steps, warmup=cfg.warmup_steps, statistic=cfg.statistic, **kw)
@@ -89,7 +95,7 @@ class PlanExplorer(Explorer):
         """The plan of ``cfg``'s lever choices, its prediction composed on the lab's measured step."""
         chosen = [e for e in self.res.effects if cfg.get(e.lever, OFF) != OFF and e.value == cfg[e.lever]]
         choices = {e.lever: e.value for e in chosen}
-        config = dataclasses.replace(self.res.base_cfg, **choices)  # a refused combination raises ConfigError
+        config = with_levers(self.res.base_cfg, **choices)  # a refused combination raises ConfigError
         return Plan(choices, config, compose(self.res.base, chosen, peak_tflops=self.peak_tflops), tuple(chosen))
 
     def why_not(self, cfg: dict) -> str | None:
@@ -152,7 +158,7 @@ class PlanExplorer(Explorer):
         return measure_step(plan.config, steps=self.steps, warmup=self.warmup, statistic=self.statistic)
 
     def lab_step(self) -> str:
-        c = self.res.base_cfg
+        c = getattr(self.res.base_cfg, "train", None) or self.res.base_cfg  # a step setup's trainer config
         return f"{c.preset} b{c.batch_size} " + ",".join(f"{h}x{w}" for h, w in c.buckets)
 
     def figures(self, results: list[Result]) -> list:

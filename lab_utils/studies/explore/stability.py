@@ -15,9 +15,7 @@ import holoviews as hv
 import pandas as pd
 
 from lab_utils.stability.training import PRECISIONS, PROVOKE, SPIKE_POLICIES, RunSpec, train_run
-from lab_utils.step.skip import default_step_only
 from lab_utils.studies.explore.base import Control, Explorer, Progress, Result
-from lab_utils.studies.stability import MMDIT_LOOP
 
 STEPS = 12
 
@@ -39,10 +37,8 @@ class StabilityExplorer(Explorer):
     )
 
     @classmethod
-    @default_step_only(MMDIT_LOOP, arg=1)  # on another step: one line saying why
     def for_lab(cls, cfg, rec=None) -> StabilityExplorer:
-        """The lab's explorer (short MMDiT runs); on a lab whose ``step`` is another model's, the
-        line saying why it does not run."""
+        """The lab's explorer (short MMDiT runs: the notebook shows it on a step with ``explorer``)."""
         return cls(rec=rec)
 
     def spec(self, cfg: dict) -> RunSpec:

@@ -3,11 +3,11 @@ peak memory beside the earlier configurations (the A/B a performance engineer ru
 
 Every configuration is the lab's own :class:`~lab_utils.studies.training_step.TrainingStepLabConfig`
 with the seams replaced (so it is validated like the parameters cell), profiled by
-``studies.training_step.profile_step`` (``lab_utils.profiling.profiler.profile_training``).  Its records
-join the lab's recorder as experiment ``explore`` with the configuration's label in front of each
-variant (``<label> | <experiment>/<variant>``), so the configurations of one afternoon stay apart
-in ``rec.save()`` and ``perflab compare``.  The lab's own configuration is not profiled again and
-adds no rows: its records are the lab's.
+``studies.training_step.profile_step`` (``lab_utils.profiling.profiler.profile_step`` on the MMDiT
+trainer's step).  Its records join the lab's recorder as experiment ``explore`` with the
+configuration's label in front of each variant (``<label> | <experiment>/<variant>``), so the
+configurations of one afternoon stay apart in ``rec.save()`` and ``perflab compare``.  The lab's
+own configuration is not profiled again and adds no rows: its records are the lab's.
 
 The precision control picks the step's storage dtype and autocast; the recipe control
 swaps the model's linear layers for a low-precision recipe of ``lab_utils.precision.quantized``.
@@ -40,9 +40,8 @@ from lab_utils.model import CHECKPOINT_POLICIES
 from lab_utils.model.train import PHASES
 from lab_utils.precision.quantized import RECIPES
 from lab_utils.profiling.profiler import PERIODIC_RULE, periodic_note
-from lab_utils.step.skip import default_step_only
 from lab_utils.studies.explore.base import Control, Explorer, Progress, Result
-from lab_utils.studies.training_step import MMDIT_PROFILE, StepProfile, TrainingStepLabConfig, profile_step
+from lab_utils.studies.training_step import StepProfile, TrainingStepLabConfig, profile_step
 
 #: precision choice -> (parameter storage dtype, autocast)
 PRECISIONS = {"fp32": ("float32", "none"), "bf16 autocast": ("float32", "bf16"), "bf16 weights": ("bfloat16", "none")}
@@ -99,7 +98,6 @@ class TrainingStepExplorer(Explorer):
     controls: ClassVar[tuple[Control, ...]] = explorer_controls("cpu")
 
     @classmethod
-    @default_step_only(MMDIT_PROFILE, arg=1)  # on another step: one line saying why
     def for_lab(
         cls, cfg: TrainingStepLabConfig, info: DeviceInfo | None = None, rec=None, measured: StepProfile | None = None
     ) -> TrainingStepExplorer:
