@@ -1,4 +1,4 @@
-"""Legends beside the data, not over it (issue 21, item 15): lab 05's bytes-per-class bars and
+"""Legends beside the data, not over it: lab 05's bytes-per-class bars and
 its Pareto plot put their legend to the right of the axes."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One name per setting, one config built once (issue 22).
+"""One name per setting, one config built once.
 
 * ``attention_path`` goes from the notebook to its kernel through at most 5 files and is
   checked once, with one message (a trace of the files whose code holds the value);
