@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .config import device_target
+
 
 @dataclass(frozen=True)
 class DeviceInfo:
@@ -70,6 +72,20 @@ def _mem_total() -> int:
 
 def _triton_version() -> str | None:
     return getattr(triton, "__version__", None)
+
+
+def cuda_devices() -> int:
+    """CUDA devices where the labs run: this machine's, or the target's while a suite is validated for one."""
+    t = device_target()
+    if t is not None:
+        return t.gpus
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def no_cuda_reason() -> str:
+    """Why ``cuda_devices()`` is 0, in words."""
+    t = device_target()
+    return f"{t.where} have no GPU" if t is not None else "no CUDA device is visible here"
 
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:

@@ -22,10 +22,11 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import os
 import re
 import sys
-import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import holoviews as hv
@@ -37,7 +38,7 @@ from lab_utils.core.config import ConfigError
 from lab_utils.core.records import Recorder, json_value
 from lab_utils.run.compare import compare
 from lab_utils.run.compare.rules import CompareError
-from lab_utils.run.executors import MAP_EXECUTORS, MapOptions, map_jobs
+from lab_utils.run.executors import MAP_EXECUTORS, ClusterOptions, MapOptions, cluster_options, map_jobs, resolve_site
 from lab_utils.traces import PhaseTable, TraceAnalysis
 from lab_utils.traces.attribute import Attributed, attribute
 from lab_utils.traces.reader import RankTrace, read_rank, trace_files
@@ -55,17 +56,28 @@ def analyse_rank(item: tuple[str, int, bool]) -> tuple[RankTrace, Attributed]:
 
 
 def load_job(
-    path: str | Path, *, executor: str = "pool", workers: int = 2, mem_gb: float | None = 4.0, progress: bool = False
+    path: str | Path,
+    *,
+    executor: str = "pool",
+    workers: int = 2,
+    mem_gb: float | None = 4.0,
+    progress: bool = False,
+    cluster: ClusterOptions | None = None,
+    jobs_dir: str | Path = ".perflab",
 ) -> TraceAnalysis:
-    """``path`` (file or folder) as one :class:`TraceAnalysis`; a folder's ranks through ``map_jobs``."""
+    """``path`` (file or folder) as one :class:`TraceAnalysis`; a folder's ranks through ``map_jobs``
+    (``cluster``: where SLURM jobs go; their files under ``jobs_dir``, on a filesystem the nodes
+    share, removed at the end)."""
     files = trace_files(path)
     items = [(str(f), i, len(files) == 1) for i, f in enumerate(files)]
     if len(files) == 1:
         outs = [analyse_rank(items[0])]
     else:
-        with tempfile.TemporaryDirectory(prefix="perflab-trace-") as tmp:
-            opts = MapOptions(executor, workers=min(workers, len(files)), mem_gb=mem_gb)
-            done = map_jobs(analyse_rank, items, opts, Path(tmp) / "jobs", progress=progress, desc="ranks")
+        opts = MapOptions(executor, workers=min(workers, len(files)), mem_gb=mem_gb)
+        if cluster is not None:
+            opts.cluster = cluster
+        folder = Path(jobs_dir).resolve() / f".jobs-trace-{os.getpid()}"
+        done = map_jobs(analyse_rank, items, opts, folder, progress=progress, desc="ranks")
         failed = [(f, o.error) for f, o in zip(files, done) if o.state != "ok"]
         if failed:
             f, err = failed[0]
@@ -214,11 +226,28 @@ def records(ta: TraceAnalysis) -> Recorder:
     return rec
 
 
+def _cluster(a) -> ClusterOptions | None:
+    """Where the ranks' jobs go (options, then perflab.slurm.yaml), checked against the site before any work."""
+    if a.executor not in ("local", "slurm"):
+        for name in ("partition", "account", "time_limit", "cluster_config"):
+            if getattr(a, name) is not None:
+                raise ConfigError(f"--{name.replace('_', '-')}", getattr(a, name), "a value only with --executor slurm")
+        return None
+    given = dict(partition=a.partition, account=a.account, timeout_min=a.time_limit)
+    opts = cluster_options(a.executor, a.cluster_config, **given)
+    try:
+        return resolve_site(replace(opts, mem_gb=opts.mem_gb or a.mem_gb), gpus=0, nodes=1)
+    except ConfigError as e:
+        raise ConfigError("--mem-gb", e.value, e.allowed) if e.param == "mem_gb" else e from None
+
+
 def _job(a, path: str) -> TraceAnalysis:
-    return load_job(path, executor=a.executor, workers=a.workers, mem_gb=a.mem_gb, progress=not a.json)
+    return load_job(path, executor=a.executor, workers=a.workers, mem_gb=a.mem_gb, progress=not a.json,
+                    cluster=a.cluster, jobs_dir=Path(a.out).parent)  # fmt: skip
 
 
 def cmd_trace(a) -> int:
+    a.cluster = _cluster(a)
     ta = _job(a, a.path)
     fig = figures(ta, a.top)
     text = summary_text(ta, fig)
@@ -236,6 +265,7 @@ def cmd_trace(a) -> int:
 
 
 def cmd_diff(a) -> int:
+    a.cluster = _cluster(a)
     out = Path(a.out)
     sides = {}
     for name, path in (("base", a.base), ("candidate", a.candidate)):
@@ -256,6 +286,11 @@ def _common(ap: argparse.ArgumentParser, out: str) -> None:
     ap.add_argument("--executor", default="pool", choices=MAP_EXECUTORS, help="where a folder's ranks are read")
     ap.add_argument("--workers", type=int, default=2, help="ranks read at once (default 2)")
     ap.add_argument("--mem-gb", type=float, default=4.0, help="memory bound per rank job in GB (default 4)")
+    g = ap.add_argument_group("SLURM (--executor slurm; defaults from perflab.slurm.yaml, docs/cluster.md)")
+    g.add_argument("--partition", default=None, help="sbatch --partition (default: the site's default partition)")
+    g.add_argument("--account", default=None, help="sbatch --account")
+    g.add_argument("--time-limit", type=int, default=None, metavar="MIN", help="each rank job's limit (sbatch --time)")
+    g.add_argument("--cluster-config", default=None, metavar="YAML", help="defaults for these (perflab.slurm.yaml)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

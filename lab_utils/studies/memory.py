@@ -25,7 +25,7 @@ from lab_utils.core.config import (
     check_int,
     check_int_list,
 )
-from lab_utils.core.device import pick_device
+from lab_utils.core.device import cuda_devices, no_cuda_reason, pick_device
 from lab_utils.core.dtypes import parse_dtype
 from lab_utils.core.plots import init
 from lab_utils.core.records import Recorder
@@ -104,8 +104,8 @@ class MemoryLabConfig(LabConfig):
         check_choices("step_policies", list(self.step_policies), STEP_POLICIES)
         check_int("step_fit_max_batch", self.step_fit_max_batch, min=1)
         check_step_spec(self.step)  # imports and is callable; its first step is checked by your_step.load
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("device", self.device, "'auto' or 'cpu' (no CUDA device is visible here)")
+        if self.device == "cuda" and not cuda_devices():
+            raise ConfigError("device", self.device, f"'auto' or 'cpu' ({no_cuda_reason()})")
 
     @property
     def device_bytes(self) -> int:
