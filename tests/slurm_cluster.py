@@ -44,6 +44,7 @@ PARTITION = "debug"
 URGENT = "urgent"
 MAX_TIME_MIN = 10  # the debug partition's MaxTime: a longer --time-limit is refused
 NODE_CPUS = 2
+NODE_MEM_MB = 8000  # what slurmd may grant a job (--mem); the machine has more, and memory is not consumed (CR_CPU)
 FAKE_GPUS = 2  # per node, with accounting
 
 
@@ -194,7 +195,7 @@ def _slurm_conf(c: Cluster, ctld: int, nodes: tuple[int, int], dbd: int | None) 
     gres = f" Gres=gpu:{FAKE_GPUS}" if dbd else ""
     node = (
         f"NodeName=n[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[{nodes[0]}-{nodes[1]}] CPUs={NODE_CPUS} "
-        f"SocketsPerBoard=1 CoresPerSocket={NODE_CPUS} ThreadsPerCore=1 RealMemory=2000{gres} State=UNKNOWN"
+        f"SocketsPerBoard=1 CoresPerSocket={NODE_CPUS} ThreadsPerCore=1 RealMemory={NODE_MEM_MB}{gres} State=UNKNOWN"
     )
     return f"""# written by tests/slurm_cluster.py
 ClusterName={CLUSTER}

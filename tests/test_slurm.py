@@ -466,7 +466,7 @@ def test_trace_folder_on_slurm_is_one_job_array_with_the_sites_options(plain, tm
     T.job(folder / "worker1.pt.trace.json", rank=1, world=2, gemm_us=300.0)
     (tmp_path / "perflab.slurm.yaml").write_text(f"partition: {SC.URGENT}\n")
     before = _job_ids(plain)
-    args = ["trace", str(folder), "--json", "--mem-gb", "1", "--time-limit", "5", "--out", str(tmp_path / "o")]
+    args = ["trace", str(folder), "--json", "--time-limit", "5", "--out", str(tmp_path / "o")]
     p = perflab([*args, "--executor", "slurm"], plain, tmp_path, tmp_path)
     assert p.returncode == 0, p.stderr
     fig = json.loads(p.stdout)
@@ -474,5 +474,5 @@ def test_trace_folder_on_slurm_is_one_job_array_with_the_sites_options(plain, tm
     assert sorted(r[0].split("_")[1] for r in rows) == ["0", "1"] and len({r[0].split("_")[0] for r in rows}) == 1
     assert {(r[3], r[4]) for r in rows} == {(SC.URGENT, "5:00")}, rows
     assert not list(tmp_path.glob(".jobs-*")) and not list(tmp_path.glob("o/.jobs-*"))
-    pool = perflab([*args[:-1], str(tmp_path / "p"), "--executor", "pool"], plain, tmp_path, tmp_path)
+    pool = perflab(["trace", str(folder), "--json", "--out", str(tmp_path / "p")], plain, tmp_path, tmp_path)
     assert json.loads(pool.stdout)["temporal"] == fig["temporal"]

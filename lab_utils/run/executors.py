@@ -409,18 +409,21 @@ def _resources(gpus: int, cpus: int | None, nodes: int) -> str:
     return f"{nodes} nodes x {text}" if nodes > 1 and text else text
 
 
-def _submit(batch: list[Task], opts: ClusterOptions, folder: Path, ids: tuple[int, ...], array: bool) -> list[_Running]:
-    """Submit one task (``ids``: its local devices), or ``batch`` as one sbatch array; raises when refused."""
+def _submit(
+    batch: list[Task], opts: ClusterOptions, folder: Path, ids: tuple[int, ...], array: int, name: str
+) -> list[_Running]:
+    """Submit one task (``ids``: its local devices), or ``batch`` as one sbatch array (``array``: how
+    many of it run at once; its job name ``name``); raises when the submission is refused."""
     t = batch[0]
     gpus = t.gpus if t.gpus is not None else t.devices
     cpus = t.cpus if t.cpus is not None else opts.cpus_for(gpus) if opts.executor == "slurm" else None
     sub = folder / ("array" if array else t.key)
-    ex = make_executor(opts, sub, name=t.key, gpus=gpus, nodes=t.nodes, cpus=cpus, visible=ids)
+    ex = make_executor(opts, sub, name=name if array else t.key, gpus=gpus, nodes=t.nodes, cpus=cpus, visible=ids)
     body = JobBody(opts.timeout_min, opts.executor)
     res = _resources(gpus, cpus, t.nodes) if opts.executor == "slurm" else ""
     if not array:
         return [_Running(t, ex.submit(body, t.fn, *t.args), ids, time.monotonic(), sub, res)]
-    ex.update_parameters(array_parallelism=len(batch))
+    ex.update_parameters(array_parallelism=array)
     with ex.batch():
         jobs = [ex.submit(body, a.fn, *a.args) for a in batch]
     return [_Running(a, j, (), time.monotonic(), sub, res) for a, j in zip(batch, jobs)]
@@ -466,11 +469,13 @@ def run_tasks(
                 ids = slots.take(pending[0].devices) if local else ()
                 if ids is None:
                     break  # waits for its devices (in order: a big task is not starved)
-                batch = pending if (array and not local) else pending[:1]
+                batch = pending[:] if (array and not local) else pending[:1]
                 with _interrupt_after():  # registered before a Ctrl-C can stop us: so it is cancelled
                     del pending[: len(batch)]
                     try:
-                        running.update({r.task.key: r for r in _submit(batch, opts, folder, ids, array and not local)})
+                        at_once = min(len(batch), max_running or len(batch)) if array and not local else 0
+                        subs = _submit(batch, opts, folder, ids, at_once, f"perflab-{desc}".replace(" ", "-"))
+                        running.update({r.task.key: r for r in subs})
                     except Exception as e:  # noqa: BLE001 - sbatch refused it: its outcome, the others go on
                         slots.give(ids)
                         for t in batch:
