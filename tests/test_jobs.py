@@ -22,8 +22,9 @@ from lab_utils.distributed.rendezvous import gather, srun_line, torchrun_command
 from lab_utils.distributed.spec import DistConfig
 from lab_utils.distributed.verify import TOLERANCES
 from lab_utils.run import cli, executors, parallel, runner
+from lab_utils.run.cluster import ClusterOptions, cluster_options
 from lab_utils.run.compare.baselines import timing_free
-from lab_utils.run.executors import ClusterOptions, MapOptions, Task, cluster_options, map_jobs, run_tasks
+from lab_utils.run.executors import MapOptions, Task, map_jobs, run_tasks
 from lab_utils.run.runner import RunInterrupted, run_suite
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,8 +26,9 @@ from lab_utils.core.records import load_records
 from lab_utils.distributed.rendezvous import srun_line
 from lab_utils.distributed.spec import DistConfig
 from lab_utils.run import cli, parallel, runner
+from lab_utils.run.cluster import cluster_options, resolve_site
 from lab_utils.run.compare.baselines import timing_free
-from lab_utils.run.executors import Task, cluster_options, resolve_site, run_tasks
+from lab_utils.run.executors import Task, run_tasks
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import pytest
 
 from lab_utils.core.config import ConfigError
 from lab_utils.run import guard, slurm
-from lab_utils.run.executors import ClusterOptions
+from lab_utils.run.cluster import ClusterOptions
 
 
 def test_slurm_durations_gres_and_exit_codes_read_as_slurm_writes_them():

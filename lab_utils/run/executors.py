@@ -1,11 +1,7 @@
 """Jobs on submitit executors: this machine's processes and a SLURM cluster behind one interface.
 
-* :func:`cluster_options` reads where jobs go (``executor`` "local" or "slurm", partition,
-  account, time limit, GPUs per node, nodes, memory, CPUs) from options and an optional
-  ``perflab.slurm.yaml``; :func:`resolve_site` then checks them against the SLURM site itself
-  (:mod:`.slurm`: partitions, GRES, MaxTime, MaxNodes, accounts) and fills in what was not given
-  (the default partition, the partition's GPUs per node).  A bad value raises :class:`ConfigError`
-  naming it, before anything is submitted or written.
+* Where jobs go (:class:`ClusterOptions`, ``perflab.slurm.yaml``, checked against the SLURM site)
+  is :mod:`.cluster`; its names are importable from here too.
 * :func:`run_tasks` submits :class:`Task` s (the local executor starts each as a process with its
   own ``CUDA_VISIBLE_DEVICES``; the SLURM one ``sbatch`` es it, a whole list as one job array with
   ``array=True``), at most ``max_running`` at once locally and each with the devices it asks for,
@@ -34,141 +30,22 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
 from tqdm.auto import tqdm
 
 from ..core.config import ConfigError, check_choice, check_int
 from . import slurm
+from .cluster import DEFAULT_TIMEOUT_MIN, EXECUTORS, ClusterOptions, resolve_site
 from .guard import CANCEL_FILE, SLURM_PYTHON, JobBody, ProcessTree, grace_s
 
-EXECUTORS = ("local", "slurm")
 MAP_EXECUTORS = ("pool", *EXECUTORS)
-CONFIG_FILE = "perflab.slurm.yaml"
 POLL_S = 0.5  # result files and local processes
 SLURM_POLL_S = 2.0  # squeue, once for all jobs
 RESULT_WAIT_S = 5.0  # a job that has ended: how long its result file may lag on a shared filesystem
 CANCEL_WAIT_S = 20.0
-DEFAULT_TIMEOUT_MIN = 60
-
-
-@dataclass(frozen=True)
-class ClusterOptions:
-    """Where jobs run.  ``gpus_per_node``: the GPUs one node has (a lab gets one, lab 06 as many
-    as its world size asks for, at most these; on SLURM, when not given, the partition's);
-    ``nodes``: lab 06's node count; ``site``: the SLURM site it was checked against."""
-
-    executor: str = "local"
-    partition: str | None = None
-    account: str | None = None
-    timeout_min: float | None = None  # None: 60 here; on SLURM the partition's DefaultTime, else min(60, MaxTime)
-    gpus_per_node: int | None = None
-    nodes: int = 1
-    mem_gb: float | None = None
-    cpus_per_task: int | None = None
-    site: slurm.Site | None = field(default=None, compare=False, repr=False)
-
-    def describe(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in asdict(self).items() if k != "site" and v not in (None, ""))
-
-    @property
-    def gpus(self) -> int:
-        return self.gpus_per_node or 0
-
-    def cpus_for(self, gpus: int) -> int | None:
-        """CPUs a SLURM job with ``gpus`` GPUs per node asks for: ``cpus_per_task`` when given, else
-        its share of a node's CPUs (all of them for a job without GPUs, which times on the CPU)."""
-        if self.cpus_per_task is not None or self.site is None:
-            return self.cpus_per_task
-        p = self.site.partitions[self.partition]
-        if gpus and p.node_gpus:
-            return max(1, p.node_cpus * min(gpus, p.node_gpus) // p.node_gpus)
-        return max(1, p.node_cpus)
-
-
-USER_KEYS = tuple(f.name for f in fields(ClusterOptions) if f.name not in ("executor", "site"))
-
-
-def load_cluster_config(path: str | Path) -> dict:
-    """``perflab.slurm.yaml``: a mapping of :class:`ClusterOptions` fields; unknown keys are refused."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError("--cluster-config", str(path), "an existing YAML file (see docs/cluster.md)")
-    data = yaml.safe_load(p.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ConfigError("--cluster-config", str(path), f"a YAML mapping with keys among {', '.join(USER_KEYS)}")
-    for k in data:
-        if k not in USER_KEYS:
-            raise ConfigError(f"{p.name}: {k}", data[k], f"a key among {', '.join(USER_KEYS)}")
-    return data
-
-
-def cluster_options(executor: str, config: str | Path | None = None, **given: Any) -> ClusterOptions:
-    """Options from ``config`` (a YAML file; ``./perflab.slurm.yaml`` when it exists and none is
-    named), then ``given`` (command-line values; None = not given), validated as values."""
-    check_choice("--executor", executor, EXECUTORS)
-    if config is None and Path(CONFIG_FILE).is_file():
-        config = CONFIG_FILE
-    values = load_cluster_config(config) if config is not None else {}
-    values.update({k: v for k, v in given.items() if v is not None})
-    values["executor"] = executor
-    if executor == "local":
-        values.setdefault("timeout_min", DEFAULT_TIMEOUT_MIN)
-    opts = ClusterOptions(**values)
-    t = opts.timeout_min
-    if t is not None and not (isinstance(t, (int, float)) and not isinstance(t, bool)):
-        raise ConfigError("--time-limit", t, "a number of minutes")
-    if t is not None and executor == "slurm":
-        check_int("--time-limit", t, min=1)
-    elif t is not None and not t > 0:
-        raise ConfigError("--time-limit", t, "a number of minutes > 0")
-    if opts.gpus_per_node is not None:
-        check_int("--gpus-per-node", opts.gpus_per_node, min=0)
-    check_int("--nodes", opts.nodes, min=1)
-    if opts.cpus_per_task is not None:
-        check_int("cpus_per_task", opts.cpus_per_task, min=1)
-    if opts.mem_gb is not None and not (isinstance(opts.mem_gb, (int, float)) and opts.mem_gb > 0):
-        raise ConfigError("mem_gb", opts.mem_gb, "a number of GB > 0")
-    for name in ("partition", "account"):
-        v = getattr(opts, name)
-        if v is not None and (not isinstance(v, str) or not v.strip() or any(c.isspace() for c in v)):
-            raise ConfigError(f"--{name}", v, "a SLURM name (no spaces)")
-        if v is not None and executor != "slurm":
-            raise ConfigError(f"--{name}", v, "no value with --executor local (a SLURM setting)")
-    if executor == "slurm" and not shutil.which("sbatch"):
-        raise ConfigError("--executor", executor, "'local' here: this machine has no SLURM (no sbatch on PATH)")
-    return opts
-
-
-def resolve_site(opts: ClusterOptions, *, gpus: int | None = None, nodes: int | None = None) -> ClusterOptions:
-    """SLURM options checked against the site (:func:`.slurm.check_options`) with the partition
-    (else the site's default) and its GPUs per node filled in; local options as they are."""
-    if opts.executor != "slurm":
-        return opts
-    try:
-        site = slurm.Site.probe()
-    except slurm.SlurmError as e:
-        raise ConfigError("--executor", "slurm", f"a reachable SLURM controller ({e})") from None
-    part = site.partition(opts.partition)
-    limit = opts.timeout_min
-    if limit is None:  # as sbatch would: the partition's DefaultTime, else an hour within its MaxTime
-        limit = part.default_time_min or min(DEFAULT_TIMEOUT_MIN, part.max_time_min or DEFAULT_TIMEOUT_MIN)
-        limit = max(1, int(limit))
-    opts = replace(opts, timeout_min=limit)
-    want = opts.gpus_per_node if gpus is None else gpus
-    slurm.check_options(
-        replace(opts, partition=part.name),
-        site,
-        gpus=want or 0,
-        nodes=opts.nodes if nodes is None else nodes,
-        cpus=opts.cpus_per_task,
-        mem_gb=opts.mem_gb,
-    )
-    per_node = part.node_gpus if opts.gpus_per_node is None else opts.gpus_per_node
-    return replace(opts, partition=part.name, gpus_per_node=per_node, timeout_min=limit, site=site)
 
 
 def _submitit_logs_off_stdout() -> None:
@@ -439,12 +316,36 @@ def run_tasks(
     progress: bool = True,
     desc: str = "jobs",
     on_done: Callable[[Outcome], None] | None = None,
-    array: bool = False,
 ) -> dict[str, Outcome]:
     """Submit ``tasks`` in order (local: at most ``max_running`` at once, each with its devices;
-    SLURM: all at once, the scheduler places them; ``array``: one job array, at most
-    ``max_running`` of it running), follow them, return their outcomes by key.  ``on_done`` is
-    called as each ends.  Ctrl-C cancels what was submitted, then re-raises."""
+    SLURM: all at once, the scheduler places them), follow them, return their outcomes by key.
+    ``on_done`` is called as each ends.  Ctrl-C cancels what was submitted, then re-raises."""
+    return _run(tasks, opts, folder, _How(max_running, tuple(devices), progress, desc, on_done, False))
+
+
+def run_array(
+    tasks: Sequence[Task], opts: ClusterOptions, folder: Path, *, max_running: int | None = None, **kw: Any
+) -> dict[str, Outcome]:
+    """:func:`run_tasks` for many alike tasks: on SLURM one job array, at most ``max_running`` of
+    it running at once (``progress``, ``desc`` as there); locally the same as :func:`run_tasks`."""
+    how = _How(max_running, (), kw.get("progress", True), kw.get("desc", "jobs"), None, True)
+    return _run(tasks, opts, folder, how)
+
+
+@dataclass(frozen=True)
+class _How:
+    max_running: int | None
+    devices: tuple[int, ...]
+    progress: bool
+    desc: str
+    on_done: Callable[[Outcome], None] | None
+    array: bool
+
+
+def _run(tasks: Sequence[Task], opts: ClusterOptions, folder: Path, how: _How) -> dict[str, Outcome]:
+    max_running, devices, progress, desc, on_done, array = (
+        how.max_running, how.devices, how.progress, how.desc, how.on_done, how.array
+    )  # fmt: skip
     if opts.executor == "slurm" and opts.site is None:
         opts = resolve_site(opts)
     if opts.timeout_min is None:
@@ -487,8 +388,8 @@ def run_tasks(
                     r.state = states.get(str(r.job.job_id), r.state)
             for key, r in list(running.items()):
                 res = _results(r.job)
-                if res is None and not _ended(r):
-                    continue
+                if (res is None or local) and not _ended(r):
+                    continue  # locally the job's processes have exited before it counts as ended
                 if res is None:  # ended without (yet) a result: the file may lag on a shared filesystem
                     r.ended_at = r.ended_at or time.monotonic()
                     if time.monotonic() - r.ended_at < (RESULT_WAIT_S if not local else 2.0):
@@ -558,9 +459,7 @@ def map_jobs(
     cpus = cluster.cpus_per_task or 1
     tasks = [Task(str(i), _bounded_call, (fn, it, opts.mem_gb), gpus=0, cpus=cpus) for i, it in enumerate(items)]
     try:
-        done = run_tasks(
-            tasks, cluster, Path(folder), max_running=opts.workers, progress=progress, desc=desc, array=True
-        )
+        done = run_array(tasks, cluster, Path(folder), max_running=opts.workers, progress=progress, desc=desc)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return [done[str(i)] for i in range(len(items))]

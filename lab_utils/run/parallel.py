@@ -31,7 +31,8 @@ from pathlib import Path
 
 from lab_utils.core.config import ConfigError, DeviceTarget, check_int
 from lab_utils.core.cpu_threads import THREADS_ENV, choose_cpu_threads
-from lab_utils.run.executors import EXECUTORS, ClusterOptions, Outcome, Task, cluster_options, resolve_site, run_tasks
+from lab_utils.run.cluster import EXECUTORS, ClusterOptions, cluster_options, resolve_site
+from lab_utils.run.executors import Outcome, Task, run_tasks
 
 SHARE_ENV = "PERFLAB_THREAD_SHARE"
 DIST_LAB = "06_distributed"
@@ -113,7 +114,7 @@ def lab_devices(p, ndev: int) -> int:
 
 def prepare(executor=None, parallel=None, devices=None, cluster=None) -> JobOptions:
     """Validate the job options that do not depend on the labs; ``cluster``:
-    :func:`.executors.cluster_options` keyword values (partition, account, timeout_min,
+    :func:`.cluster.cluster_options` keyword values (partition, account, timeout_min,
     gpus_per_node, nodes, config).  With SLURM they are checked against the site here."""
     cluster = dict(cluster or {})
     executor = executor or "local"

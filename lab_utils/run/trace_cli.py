@@ -36,9 +36,10 @@ from bokeh.resources import Resources
 
 from lab_utils.core.config import ConfigError
 from lab_utils.core.records import Recorder, json_value
+from lab_utils.run.cluster import ClusterOptions, cluster_options, resolve_site
 from lab_utils.run.compare import compare
 from lab_utils.run.compare.rules import CompareError
-from lab_utils.run.executors import MAP_EXECUTORS, ClusterOptions, MapOptions, cluster_options, map_jobs, resolve_site
+from lab_utils.run.executors import MAP_EXECUTORS, MapOptions, map_jobs
 from lab_utils.traces import PhaseTable, TraceAnalysis
 from lab_utils.traces.attribute import Attributed, attribute
 from lab_utils.traces.reader import RankTrace, read_rank, trace_files
