@@ -72,11 +72,11 @@ def load_cluster_config(path: str | Path) -> dict:
 
 
 def cluster_options(executor: str, config: str | Path | None = None, **given: Any) -> ClusterOptions:
-    """Options from ``config`` (a YAML file; ``./perflab.slurm.yaml`` when it exists and none is
-    named), then ``given`` (command-line values; None = not given), validated as values."""
+    """Options from ``config`` (a YAML file; with SLURM ``./perflab.slurm.yaml`` when it exists and
+    none is named), then ``given`` (command-line values; None = not given), validated as values."""
     check_choice("--executor", executor, EXECUTORS)
-    if config is None and Path(CONFIG_FILE).is_file():
-        config = CONFIG_FILE
+    if config is None and executor == "slurm" and Path(CONFIG_FILE).is_file():
+        config = CONFIG_FILE  # the site's defaults; a local run does not read them
     values = load_cluster_config(config) if config is not None else {}
     values.update({k: v for k, v in given.items() if v is not None})
     values["executor"] = executor

@@ -161,10 +161,13 @@ def _cancel_marker() -> Path | None:
 
 
 @contextlib.contextmanager
-def job_guard(deadline_s: float | None = None, *, scheduler: bool = False, limit: str = "") -> Iterator[None]:
+def job_guard(
+    deadline_s: float | None = None, *, scheduler: bool = False, limit: str = "", age_s: float = 0.0
+) -> Iterator[None]:
     """Run a job's body under its time limit, cancels and preemption (see the module note).
     ``deadline_s``: seconds from now until the job stops itself (``limit``: the limit in words);
-    ``scheduler``: a SLURM job (a cancel leaves the outcome to SLURM's state)."""
+    ``scheduler``: a SLURM job (a cancel leaves the outcome to SLURM's state); ``age_s``: how long
+    the job's process had run before (for the message)."""
     start = time.monotonic()
     deadline = None if deadline_s is None else start + deadline_s
     previous: dict[int, Any] = {}
@@ -178,8 +181,8 @@ def job_guard(deadline_s: float | None = None, *, scheduler: bool = False, limit
         stop(f"cancelled: signal {signal.Signals(signum).name}", final=not scheduler)
 
     def on_deadline(_signum, _frame):
-        ran = time.monotonic() - start
-        stop(f"timed out: {limit or 'its deadline'} (the job stopped itself after {ran:.0f} s of it)", final=True)
+        ran = time.monotonic() - start + age_s
+        stop(f"timed out: {limit or 'its deadline'} (the job stopped itself after running {ran:.0f} s)", final=True)
 
     def on_usr2(signum, frame):
         now = time.monotonic()
@@ -236,7 +239,9 @@ class JobBody:
 
     def __call__(self, fn: Callable, *args: Any) -> Any:
         limit = f"its {self.timeout_min:g}-minute time limit less {grace_s(self.timeout_min):.0f} s kept to end it"
-        with job_guard(self.deadline_s(), scheduler=self.executor == "slurm", limit=limit):
+        age = process_age_s()
+        deadline = 60.0 * self.timeout_min - grace_s(self.timeout_min) - age
+        with job_guard(deadline, scheduler=self.executor == "slurm", limit=limit, age_s=age):
             return fn(*args)
 
     def checkpoint(self, fn: Callable, *args: Any):

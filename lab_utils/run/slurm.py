@@ -187,9 +187,10 @@ def check_options(opts, site: Site, *, gpus: int, nodes: int, cpus: int | None, 
         why = f"MaxNodes={p.max_nodes}" if p.max_nodes and p.max_nodes < p.total_nodes else f"{p.total_nodes} nodes"
         raise ConfigError("--nodes", nodes, f"at most {p.node_limit} (partition {p.name} has {why})")
     if cpus is not None and cpus > p.node_cpus:
-        raise ConfigError("cpus_per_task", cpus, f"at most {p.node_cpus} (the CPUs of a {p.name} node)")
+        raise ConfigError("cpus_per_task", cpus, f"at most {p.node_cpus} (the CPUs of a node of {p.name})")
     if mem_gb is not None and mem_gb * 1024 > p.node_mem_mb > 0:
-        raise ConfigError("mem_gb", mem_gb, f"at most {p.node_mem_mb / 1024:g} (a {p.name} node's memory in GB)")
+        why = f"at most {p.node_mem_mb / 1024:g} (the memory in GB of a node of {p.name})"
+        raise ConfigError("mem_gb", mem_gb, why)
     return p
 
 
