@@ -48,12 +48,18 @@ NODE_MEM_MB = 8000  # what slurmd may grant a job (--mem); the machine has more,
 FAKE_GPUS = 2  # per node, with accounting
 
 
+def _which(name: str) -> str | None:
+    """A daemon's path (they live in sbin, which a CI shell's PATH may leave out)."""
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/sbin", "/sbin"])
+    return shutil.which(name, path=path)
+
+
 def missing() -> str:
     """Why a cluster cannot start here ("" when it can)."""
     if os.geteuid() != 0:
         return "the SLURM test cluster runs its daemons as root (this is not root)"
     for d in DAEMONS:
-        if not shutil.which(d):
+        if not _which(d):
             return f"{d} is not installed (apt-get install {' '.join(PACKAGES)}; .ci/run does)"
     return ""
 
@@ -61,7 +67,7 @@ def missing() -> str:
 def missing_accounting() -> str:
     why = missing()
     for d in DBD_DAEMONS:
-        if not why and not shutil.which(d):
+        if not why and not _which(d):
             why = f"{d} is not installed (apt-get install {' '.join(DBD_PACKAGES)}; .ci/run does)"
     return why
 
@@ -112,6 +118,7 @@ class Cluster:
         return f.read_text(errors="replace") if f.exists() else f"(no {f})"
 
     def _start(self, name: str, cmd: list[str]) -> None:
+        cmd = [_which(cmd[0]) or cmd[0], *cmd[1:]]
         out = (self.root / "log" / f"{name}.out").open("w")
         self.procs[name] = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **self.env}, start_new_session=True
@@ -254,7 +261,8 @@ def _start_munge(c: Cluster) -> None:
 def _start_accounting(c: Cluster, dbd_port: int, db_port: int) -> None:
     db = c.root / "db"
     subprocess.run(
-        ["mariadb-install-db", f"--datadir={db}", "--auth-root-authentication-method=normal", "--skip-test-db",
+        [_which("mariadb-install-db") or "mariadb-install-db", f"--datadir={db}",
+         "--auth-root-authentication-method=normal", "--skip-test-db",
          "--user=root"],
         check=True, capture_output=True, timeout=180,
     )  # fmt: skip
