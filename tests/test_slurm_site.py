@@ -136,3 +136,41 @@ def test_a_cancel_ends_the_job_for_slurm_to_report_and_a_local_one_reports_it(tm
     with pytest.raises(guard.JobEnded, match="^cancelled: the run cancelled it while it was starting"):
         with guard.job_guard(60.0):
             pytest.fail("the body ran")
+
+
+def _fake_site(monkeypatch, squeue: str, sacct: str) -> list[list[str]]:
+    calls: list[list[str]] = []
+
+    def run(cmd, timeout=30.0):
+        calls.append(cmd)
+        if cmd[0] == "squeue":
+            return squeue
+        if cmd[0] == "sacct":
+            return sacct
+        raise slurm.SlurmError(f"{cmd[0]}: not asked in this test")
+
+    monkeypatch.setattr(slurm, "run", run)
+    return calls
+
+
+def test_a_job_slurmctld_has_forgotten_is_asked_of_sacct_only_where_the_site_keeps_accounting(monkeypatch):
+    _fake_site(monkeypatch, "", "42|CANCELLED by 0|0:15|None|n1|00:00:05\n")
+    w = slurm.Watch(accounting=True)
+    js = w.poll(["42"])["42"]
+    assert (js.state, js.nodes, js.ran, js.source) == ("CANCELLED", "n1", True, "sacct")
+    assert slurm.describe(js).startswith("job 42 was cancelled while it ran on n1")
+    calls = _fake_site(monkeypatch, "42|RUNNING|None|n2\n", "")
+    w = slurm.Watch(accounting=False)
+    assert w.poll(["42"])["42"].state == "RUNNING"
+    gone = _fake_site(monkeypatch, "", "")  # gone from squeue, and no sacct to ask: never waited on
+    js = w.poll(["42"])["42"]
+    assert js.state == slurm.GONE and js.terminal and js.nodes == "n2" and js.ran
+    assert [c[0] for c in calls + gone] == ["squeue", "squeue"], calls + gone
+
+
+def test_a_requeued_job_counts_its_restarts(monkeypatch):
+    w = slurm.Watch(accounting=False)
+    for state in ("PENDING", "RUNNING", "PENDING", "RUNNING"):
+        _fake_site(monkeypatch, f"7|{state}|BeginTime|n1\n", "")
+        js = w.poll(["7"])["7"]
+    assert js.restarts == 1 and not js.terminal

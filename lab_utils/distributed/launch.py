@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from lab_utils.core.config import ConfigError, check_int_list
+from lab_utils.core.config import ConfigError, check_int_list, device_target
 from lab_utils.core.device import cuda_devices, no_cuda_reason
 from lab_utils.distributed.comm import CollectiveEvent
 from lab_utils.distributed.spec import DistConfig
@@ -218,7 +218,9 @@ def local_world_sizes(values) -> list[int]:
     for v in values:
         if isinstance(v, str) and v.lower() in AUTO_WORLD:
             if gpus == 0:
-                why = f"integers: {v!r} means every GPU of a node ({no_cuda_reason()})"
+                local = device_target() is None
+                where = "local GPU and none is visible" if local else f"GPU of a node ({no_cuda_reason()})"
+                why = f"integers: {v!r} means every {where}"
                 raise ConfigError("world_sizes", values, why)
             v = gpus
         out.append(v)
