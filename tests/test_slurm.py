@@ -201,6 +201,7 @@ def test_jobs_cancelled_pending_or_at_once_end_with_slurms_reason(kind, clusters
                  "--wrap", "sleep 300").stdout.strip()  # fmt: skip
     out = tmp_path / "reports"
     cmd = [sys.executable, "-m", "lab_utils.run.cli", "run", "three", "--executor", "slurm", "--out", str(out), *acct]
+    cmd += ["--partition", SC.PARTITION]
     proc = subprocess.Popen(
         cmd, cwd=tmp_path, env=_env(c, pdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -251,6 +252,7 @@ def test_ctrl_c_cancels_every_job_and_keeps_the_finished_lab(plain, tmp_path):
     (tmp_path / "perflab.slurm.yaml").write_text("cpus_per_task: 1\n")
     out, before = tmp_path / "reports", _job_ids(plain)
     cmd = [sys.executable, "-m", "lab_utils.run.cli", "run", "two", "--executor", "slurm", "--out", str(out)]
+    cmd += ["--partition", SC.PARTITION]
     proc = subprocess.Popen(
         cmd, cwd=tmp_path, env=_env(plain, pdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -287,6 +289,7 @@ def test_a_preempted_lab_is_requeued_and_its_second_run_is_the_row(plain, tmp_pa
     pdir = J.make_suites(tmp_path, {"one": ["preempt"]})
     out, before = tmp_path / "reports", _job_ids(plain)
     cmd = [sys.executable, "-m", "lab_utils.run.cli", "run", "one", "--executor", "slurm", "--out", str(out)]
+    cmd += ["--partition", SC.PARTITION]
     proc = subprocess.Popen(
         cmd, cwd=tmp_path, env=_env(plain, pdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -395,7 +398,7 @@ def test_gpus_are_bound_per_job_and_cpus_follow_the_gpu_share(accounting, tmp_pa
     """Nodes with two (fake) GPUs each: jobs asking one GPU get one device each and half a node's
     CPUs; one asking two gets both and all its CPUs; a CPU job asks no GPU (no --gpus-per-node line)
     and the whole node's CPUs; no job carries a wckey."""
-    opts = resolve_site(cluster_options("slurm", account=SC.ACCOUNT, timeout_min=1))
+    opts = resolve_site(cluster_options("slurm", partition=SC.PARTITION, account=SC.ACCOUNT, timeout_min=1))
     call = subprocess.check_output
     tasks = [Task("g1a", call, (ENV_OF_JOB,), gpus=1), Task("g1b", call, (ENV_OF_JOB,), gpus=1),
              Task("g2", call, (ENV_OF_JOB,), gpus=2), Task("cpu", call, (ENV_OF_JOB,))]  # fmt: skip
@@ -424,7 +427,8 @@ def test_lab06_across_both_nodes_matches_one_process(plain, tmp_path):
     nb = {"notebook": str(ROOT / "labs" / "06_distributed.ipynb"), "params": small}
     (pdir / "six.yaml").write_text(json.dumps({"description": "lab 06, tiny", "notebooks": [nb]}))
     out = tmp_path / "reports"
-    p = perflab(["run", "six", "--executor", "slurm", "--nodes", "2", "--out", str(out)], plain, pdir, tmp_path)
+    args = ["run", "six", "--executor", "slurm", "--partition", SC.PARTITION, "--nodes", "2", "--out", str(out)]
+    p = perflab(args, plain, pdir, tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     st = _status((out / "latest").resolve())
     multi = st["06_distributed@2nodes"]
