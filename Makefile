@@ -7,16 +7,19 @@ SUITE   ?= smoke
 PARAMS  ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup report test lint lab lab-reset ceilings clean
+.PHONY: setup report test lint lab lab-reset ceilings docs baseline clean
 
-$(STAMP): pyproject.toml
+LOCK    := requirements/lab.txt
+
+$(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# torch first, pinned: a bare or open-range torch would pull a multi-GB CUDA build.
-	$(BIN)/python -m pip install -q torch==2.13.0
+	# torch first, pinned by the lock: a bare or open-range torch would pull a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q -c $(LOCK) torch
 	# torch's CUDA build pins its own triton (3.7.1 for 2.13.0); the CPU build brings none: take ours.
 	$(BIN)/python -m pip show -q triton >/dev/null 2>&1 || $(BIN)/python -m pip install -q triton==3.9.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	# the project with every extra the lab and its tests use, at the lab's exact pins
+	$(BIN)/python -m pip install -q -c $(LOCK) -e '.[lab,export,dev]'
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (perflab)" >/dev/null
 	touch $(STAMP)
 
@@ -48,6 +51,14 @@ lab-reset: $(STAMP)
 
 ceilings: $(STAMP)
 	$(BIN)/perflab ceilings --force
+
+## The API reference (pdoc, from the docstrings) into build/api/; make test builds it too.
+docs: $(STAMP)
+	$(BIN)/python docs/api.py build/api
+
+## Refresh this device kind's stored baseline from a fresh smoke run (commit first: it records the commit).
+baseline: $(STAMP)
+	$(BIN)/perflab baseline refresh --suite $(SUITE) --timing-free
 
 clean:
 	rm -rf $(VENV) reports .perflab

@@ -42,7 +42,7 @@ from lab_utils.core.cpu_threads import busy_cores, choose_cpu_threads, usable_co
 from lab_utils.core.device import device_info
 from lab_utils.core.records import git_commit, stability_summary
 from lab_utils.run.compare import main as compare_main
-from lab_utils.run.runner import params_dir
+from lab_utils.run.suites import params_dir
 from lab_utils.studies import fused_kernels as study
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,20 @@ fraction) and writes, per rank, HTA's own figures to ``tests/data/hta_reference.
 - ``temporal``: ``get_temporal_breakdown`` (idle, compute, non-compute, span, percentages);
 - ``overlap_pct``: ``get_comm_comp_overlap`` (share of communication time overlapped);
 - ``idle_breakdown_us``: ``get_idle_time_breakdown`` summed over streams per category;
-- ``top_kernels``: the five names with the largest summed duration (name, count, total).
+- ``top_kernels``: the five names with the largest summed duration (name, count, total);
+- ``idle_by_stream_us``: ``get_idle_time_breakdown`` per stream and category;
+- ``critical_path``: ``critical_path_analysis`` of the second CPU ``ProfilerStep`` (the first when
+  there is one, the whole trace when there is none): the step, the path's length, its edge count,
+  ``bound_by`` -> summed weight, the five events with the most time on it;
+- ``launch_stats``: ``get_cuda_kernel_launch_stats`` (runtime cutoff 50 us, launch delay cutoff
+  100 us): the launches counted, summed CPU/GPU durations and launch delays, and the outliers;
+- ``queue_length``: ``get_queue_length_summary`` per stream (count, mean, max) and
+  ``get_time_spent_blocked_on_full_queue`` (``max_queue_length`` 1024);
+- ``memory_bw``: ``get_memory_bw_summary`` per memory kind (count, mean, max GB/s).
+
+HolisticTraceAnalysis 0.5's critical path needs pandas < 3: under pandas 3's copy-on-write its
+in-place ``fillna`` on column views does nothing, and ``DataFrame.drop(axis=1, columns=...)`` raises.
+Run this script in an environment with ``pandas>=2.2,<3`` (the figures stored name the version).
 
 Only figures are stored, never trace content beyond those five kernel names per rank.
 Environment and version of HTA are stored beside them.
@@ -63,6 +76,71 @@ def _rank_figures(analysis, rank: int, sym_table: list[str]) -> dict:
     }
 
 
+def _critical_path(analysis, rank: int, sym_table: list[str]) -> dict:
+    """HTA's critical path of the second CPU ProfilerStep of ``rank`` (see the module note)."""
+    df = analysis.t.get_trace(rank)
+    sym_index = analysis.t.symbol_table.get_sym_id_map()
+    ids = [v for k, v in sym_index.items() if "ProfilerStep" in k]
+    ann = df[df["name"].isin(ids)]
+    on_host = [sym_table[int(c)] == "user_annotation" for c in ann["cat"]]  # not the GPU's mirror of the range
+    cpu = ann.loc[on_host].sort_values("ts")
+    if len(cpu):
+        target = cpu.index[1] if len(cpu) > 1 else cpu.index[0]
+        instance, name = list(ann.index).index(target), "ProfilerStep"
+        step = int(sym_table[int(df.loc[target, "name"])].split("#")[1])
+    else:
+        instance, name, step = 0, "", None
+    try:
+        graph, ok = analysis.critical_path_analysis(rank=rank, annotation=name, instance_id=instance)
+        edges = graph.get_critical_path_breakdown()
+    except Exception as exc:  # HTA fails on some traces (an assertion on ROCm's): recorded as missing
+        return {"step": step, "error": f"{type(exc).__name__}: {exc}"[:200]}
+    events = edges[edges["duration"] > 0].groupby("s_name")["duration"].sum().sort_values(ascending=False)
+    return {
+        "step": step,
+        "ok": bool(ok),
+        "length_us": float(edges["duration"].sum()),
+        "edges": int(len(edges)),
+        "bound_by_us": {str(k): float(v) for k, v in edges.groupby("bound_by")["duration"].sum().items() if k},
+        "top_events": [{"name": str(n), "us": float(v)} for n, v in events.head(5).items()],
+    }
+
+
+def _counters(analysis, rank: int) -> dict:
+    """HTA's launch statistics, queue length and memory bandwidth summaries of ``rank``."""
+    out: dict = {}
+    ls = analysis.get_cuda_kernel_launch_stats(ranks=[rank], visualize=False)[rank]
+    out["launch_stats"] = {
+        "count": int(len(ls)),
+        "cpu_us": float(ls["cpu_duration"].sum()),
+        "gpu_us": float(ls["gpu_duration"].sum()),
+        "launch_delay_us": float(ls["launch_delay"].sum()),
+        "runtime_outliers": int((ls["cpu_duration"] > 50).sum()),
+        "delay_outliers": int((ls["launch_delay"] > 100).sum()),
+        "gpu_shorter_than_cpu": int((ls["gpu_duration"] < ls["cpu_duration"]).sum()),
+    }
+    series = analysis.get_queue_length_time_series(ranks=[rank])
+    summary = analysis.get_queue_length_summary_from_time_series(series) if series else None
+    out["queue_length"] = {}
+    if summary is not None:
+        for (_, stream), row in summary.iterrows():
+            q = row["queue_length"]
+            out["queue_length"][str(int(stream))] = {"count": int(q["count"]), "mean": float(q["mean"]),
+                                                     "max": float(q["max"])}  # fmt: skip
+        blocked = analysis.get_time_spent_blocked_on_full_queue(series)
+        blocked = blocked if blocked is not None else pd.DataFrame(columns=["stream", "duration_at_max_queue_length"])
+        out["blocked_on_full_queue_us"] = {
+            str(int(r["stream"])): float(r["duration_at_max_queue_length"]) for _, r in blocked.iterrows()
+        }
+    bw = analysis.get_memory_bw_summary(ranks=[rank])
+    out["memory_bw"] = {}
+    if bw is not None:
+        for (_, kind), row in bw.iterrows():
+            m = row["memory_bw_gbps"]
+            out["memory_bw"][str(kind)] = {"count": int(m["count"]), "mean": float(m["mean"]), "max": float(m["max"])}
+    return out
+
+
 def _job_figures(job: Path) -> dict:
     from hta.trace_analysis import TraceAnalysis  # noqa: PLC0415 - optional dependency (extra "traces")
 
@@ -82,8 +160,14 @@ def _job_figures(job: Path) -> dict:
             fig["idle_breakdown_us"] = {
                 str(k): float(v) for k, v in idle.groupby("idle_category")["idle_time"].sum().items()
             }
+            fig["idle_by_stream_us"] = {
+                str(int(s)): {str(k): float(v) for k, v in g.groupby("idle_category")["idle_time"].sum().items()}
+                for s, g in idle.groupby("stream")
+            }
         except Exception as exc:  # HTA raises on some traces; the figure is then recorded as missing
             fig["idle_breakdown_us"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+        fig["critical_path"] = _critical_path(analysis, rank, sym_table)
+        fig.update(_counters(analysis, rank))
         ranks[str(rank)] = fig
     files = sorted(p.name for p in job.iterdir() if p.is_file())
     return {"files": files, "ranks": ranks}

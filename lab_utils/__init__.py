@@ -1,12 +1,14 @@
 """perflab: the lab around the kernels (device, timing, roofline, records, reports).
 
-``lab_kernels`` is imported first on purpose: it decides ``TRITON_INTERPRET`` before
-any Triton kernel can be defined.
+Importing the package is light (no torch, no notebook or plotting package): the ``perflab``
+command parses its arguments first and the trace reader runs without torch.  ``lab_kernels``
+decides ``TRITON_INTERPRET`` when it is imported, before any of its Triton kernels is defined;
+no module here imports Triton itself (``lab_utils.core.device`` reads its version from the
+package metadata).
 """
 
-import lab_kernels as _lab_kernels  # noqa: F401  (sets TRITON_INTERPRET on CPU-only machines)
-from lab_utils.core.config import ConfigError, LabConfig  # noqa: E402
-from lab_utils.core.noise import install_log_filters  # noqa: E402
+from lab_utils.core.config import ConfigError, LabConfig
+from lab_utils.core.noise import install_log_filters
 
 install_log_filters()  # known library log lines stay out of notebooks and reports (see noise.py)
 

@@ -128,3 +128,63 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if {"smoke_run", "smoke_report"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group(SMOKE_GROUP))
+
+
+#: a lab of the tiny report: records under several keys (one repeated, one not finite), a
+#: profiler-like trace, a tqdm bar that finishes and a HoloViews plot
+TINY_LAB = """\
+import math, os, pathlib
+import holoviews as hv
+from tqdm.auto import tqdm
+from lab_utils.core.plots import init
+from lab_utils.core.records import Recorder
+init()
+d = pathlib.Path(os.environ['PERFLAB_ARTIFACTS_DIR']) / 'traces'
+d.mkdir(parents=True, exist_ok=True)
+(d / 'step.trace.json').write_text('{"traceEvents": [{"ph": "X", "name": "aten::mm", "ts": 0, "dur": 5}]}')
+rec = Recorder('tiny', params={'reps': reps})
+for _ in tqdm(range(reps), desc='tiny steps', disable=False):
+    pass
+rec.add('sweep', 'eager', 'time', 1.5, 'ms', shape=(64, 128), dtype='float32', statistic='median')
+rec.add('sweep', 'eager', 'time', 1.9, 'ms', shape=(64, 128), dtype='float32', statistic='p80')
+rec.add('sweep', 'triton', 'time', math.nan, 'ms', shape=(64, 128), dtype='float32', statistic='failed')
+for step in range(3):
+    rec.add('telemetry', 'base', 'grad_norm', 0.5 + step, '', step=step)
+rec.save()
+print('tiny lab done', reps)
+hv.Curve([(0, 0), (1, reps)])
+"""
+
+
+@pytest.fixture(scope="session")
+def tiny_suite(tmp_path_factory) -> Path:
+    """A suite file of one lab, :data:`TINY_LAB`."""
+    import nbformat
+    import yaml
+
+    from lab_utils.run.nbtools import make_notebook
+
+    root = tmp_path_factory.mktemp("tiny-suite")
+    nb = make_notebook(
+        [("md", "# tiny"), ("params", 'device = "cpu"\nreps = 4'), ("code", TINY_LAB)],
+        config="lab_utils.studies.ceilings:CeilingsLabConfig",
+    )
+    (root / "tiny.ipynb").write_text(nbformat.writes(nb))
+    suite = root / "tiny.yaml"
+    suite.write_text(yaml.safe_dump({"description": "tiny", "notebooks": [{"notebook": str(root / "tiny.ipynb")}]}))
+    return suite
+
+
+@pytest.fixture(scope="session")
+def tiny_reports(tiny_suite):
+    """Two real reports of the tiny suite run by the runner: ``default`` (traces not kept) and
+    ``kept`` (``keep_traces=True``)."""
+    from lab_utils.run.runner import run_suite
+
+    suite, root = tiny_suite, tiny_suite.parent
+    out = {}
+    for name, keep in (("default", False), ("kept", True)):
+        res = run_suite(suite, out_dir=root / name, progress=False, keep_traces=keep)
+        assert res.ok, [s.error for s in res.statuses]
+        out[name] = res.path
+    return out

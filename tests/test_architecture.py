@@ -152,9 +152,9 @@ def test_no_private_names_across_modules_and_no_importlib_strings():
                     own_module = f"{targets[0]}.{a.name}" in MODS and targets[0].split(".")[0] == mod.split(".")[0]
                     if a.name.startswith("_") and a.name != "__version__" and not own_module:
                         bad.append(f"{mod}: from {targets[0]} import {a.name}")
-            # the runner imports the LabConfig a notebook names in its metadata, and step.load the
-            # factory a lab's ``step`` parameter names: data, not a code dependency
-            loaders = ("lab_utils.run.runner", "lab_utils.step.load")
+            # the suites module imports the LabConfig a notebook names in its metadata, and step.load
+            # the factory a lab's ``step`` parameter names: data, not a code dependency
+            loaders = ("lab_utils.run.suites", "lab_utils.step.load")
             if isinstance(node, ast.Attribute) and node.attr == "import_module" and mod not in loaders:
                 call_args = [n for n in ast.walk(node) if isinstance(n, ast.Constant)]
                 bad.append(f"{mod}: importlib.import_module (line {node.lineno}) {call_args}")

@@ -29,14 +29,14 @@ def test_pick_device():
 @pytest.mark.parametrize(
     "name,key",
     [
-        ("NVIDIA H100 80GB HBM3", "H100"),
-        ("NVIDIA H200", "H200"),
-        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("NVIDIA H100 80GB HBM3", "H100-SXM5"),
+        ("NVIDIA H200", "H200-SXM"),
+        ("NVIDIA A100-SXM4-80GB", "A100-SXM4-80GB"),
         ("NVIDIA B200", "B200"),
-        ("Tesla V100-SXM2-32GB", "V100"),
+        ("Tesla V100-SXM2-32GB", "V100-SXM2"),
         ("Tesla V100-PCIE-16GB", "V100-PCIE"),
         ("Quadro GP100", "GP100"),
-        ("Tesla P100-SXM2-16GB", "P100"),
+        ("Tesla P100-SXM2-16GB", "P100-SXM2"),
         ("AMD Instinct MI250X", "MI250X"),
         ("AMD Instinct MI210", "MI250"),
         ("AMD Instinct MI300X", "MI300X"),
@@ -57,7 +57,7 @@ def test_an_unnamed_amd_part_is_known_by_its_compute_units(units, key):
 def test_matmul_peak_by_input_type():
     """fp32: TF32 where the part has it, else its fp32 matrix rate (CDNA2), else CUDA cores; a half
     type without its own unit runs at the fp32 rate (bf16 on V100)."""
-    h, v, m = DATASHEET["H100"], DATASHEET["V100"], DATASHEET["MI250"]
+    h, v, m = DATASHEET["H100-SXM5"], DATASHEET["V100-SXM2"], DATASHEET["MI250"]
     assert (h.matmul_tflops("fp32"), h.matmul_tflops("fp16"), h.matmul_tflops("bf16")) == (494.7, 989.4, 989.4)
     assert (v.matmul_tflops("fp32"), v.matmul_tflops("fp16"), v.matmul_tflops("bf16")) == (15.7, 125.0, 15.7)
     assert (m.matmul_tflops("fp32"), m.matmul_tflops("bf16"), m.fp32_tflops) == (45.3, 181.0, 22.6)
@@ -69,7 +69,7 @@ def test_matmul_peak_by_input_type():
 
 def test_datasheet_is_dense():
     # Dense figures: Hopper fp8 is exactly twice bf16; the sparse sheet figures (2x) are not used.
-    for k in ("H100", "H200"):
+    for k in ("H100-SXM5", "H100-PCIE", "H100-NVL", "H200-SXM", "H200-NVL"):
         p = DATASHEET[k]
         assert p.fp8_tflops == pytest.approx(2 * p.bf16_tflops, rel=1e-3)
         assert p.bf16_tflops < 1000

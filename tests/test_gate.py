@@ -19,7 +19,7 @@ from lab_utils.core import ceilings as ceilings_module
 from lab_utils.core import records
 from lab_utils.core.config import ConfigError
 from lab_utils.core.records import CONTEXT_COLUMNS, ROW_COLUMNS, load_records
-from lab_utils.run import cli, report
+from lab_utils.run import cli, report, runner
 from lab_utils.run import compare as C
 
 CPU = {
@@ -337,7 +337,7 @@ def test_run_only_accepts_a_notebook_path(monkeypatch, tmp_path, capsys):
         seen.update(kw)
         return SimpleNamespace(statuses=[], index=tmp_path / "index.html", path=tmp_path, ok=True)
 
-    monkeypatch.setattr(cli, "run_suite", fake_run_suite)
+    monkeypatch.setattr(runner, "run_suite", fake_run_suite)
     assert cli.main(["run", "smoke", "--only", "labs/05_memory.ipynb", "--only", "02_fused_kernels"]) == 0
     assert seen["only"] == ["05_memory", "02_fused_kernels"]
 
@@ -375,8 +375,11 @@ def test_the_setup_lets_a_cuda_torch_bring_its_triton_and_the_readme_says_what_i
     from packaging.requirements import Requirement
 
     root = Path(__file__).resolve().parents[1]
-    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["lab"]
     triton = next(Requirement(d) for d in deps if Requirement(d).name == "triton")
+    assert triton.specifier.contains("3.7.1") and triton.specifier.contains("3.9.0"), triton
+    lock = (root / "requirements" / "lab.txt").read_text().splitlines()
+    triton = next(Requirement(d) for d in lock if d.startswith("triton"))
     assert triton.specifier.contains("3.7.1") and triton.specifier.contains("3.9.0"), triton
     assert "pip install -q triton==3.9.0" in (root / "Makefile").read_text()  # the CPU build brings none
     readme = (root / "README.md").read_text()

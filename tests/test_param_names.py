@@ -366,7 +366,8 @@ def test_old_name_is_accepted_with_a_warning_naming_both(lab, old, new, value):
 
 @pytest.mark.parametrize("lab, old, new, value", RENAMES)
 def test_suite_yaml_and_param_accept_the_old_name(lab, old, new, value, tmp_path):
-    from lab_utils.run.runner import load_suite, parse_overrides, plan
+    from lab_utils.run.runner import plan
+    from lab_utils.run.suites import load_suite, parse_overrides
 
     suite = tmp_path / "s.yaml"
     suite.write_text(

@@ -13,7 +13,8 @@ import yaml
 from lab_utils.core.config import ConfigError
 from lab_utils.run import cli, runner
 from lab_utils.run.nbtools import make_notebook
-from lab_utils.run.runner import SuiteError, load_suite, parse_overrides, plan, run_suite
+from lab_utils.run.runner import plan, run_suite
+from lab_utils.run.suites import SuiteError, load_suite, parse_overrides
 
 CONFIG = "lab_utils.studies.ceilings:CeilingsLabConfig"  # any LabConfig with 'device' and 'reps' fields
 
@@ -184,7 +185,7 @@ def test_real_suites_are_valid():
     """Every committed suite loads and validates (parameter names and values) without running."""
     from pathlib import Path
 
-    from lab_utils.run.runner import list_suites
+    from lab_utils.run.suites import list_suites
 
     names = list_suites()
     assert "smoke" in names and "gpu" in names
@@ -222,7 +223,7 @@ def art_suite(suite_dir):
 def test_artifact_links_point_into_the_final_report(art_suite):
     """The trace's path in the records, the notebook's printed path and the index link all name
     the file inside the finished report folder, not the temporary folder that is gone."""
-    res = run_suite("art", out_dir=art_suite / "reports", progress=False)
+    res = run_suite("art", out_dir=art_suite / "reports", progress=False, keep_traces=True)
     assert res.ok
     recs = json.loads((res.path / "records.json").read_text())
     path = json.loads(recs[0]["extra"])["path"]

@@ -17,7 +17,8 @@ from lab_utils.core.config import ConfigError
 from lab_utils.core.records import Recorder, load_records
 from lab_utils.model.mmdit import build_model
 from lab_utils.model.train import rf_loss, synthetic_batch
-from lab_utils.stability.numdiff import numdiff_main, numerics_diff, rel_diff, telemetry_frame
+from lab_utils.run.cli import main as perflab
+from lab_utils.stability.numdiff import numerics_diff, rel_diff, telemetry_frame
 from lab_utils.stability.optim import (
     DynamicLossScaler,
     StabilityAdamW,
@@ -31,7 +32,7 @@ from lab_utils.stability.telemetry import (
     inject_nonfinite,
     locate_nonfinite,
 )
-from lab_utils.stability.training import CLIP_NOOP, RunSpec, SpikeDetector, train_run
+from lab_utils.stability.training import RunSpec, SpikeDetector, clip_target, train_run
 
 SEED = 1234
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -133,17 +134,49 @@ def test_spike_detector_on_a_series():
     assert not det.observe(2.0, 1.0).spike
 
 
+POISONED = dict(steps=12, batch_size=2, provoke_step=9, seed=0)
+
+
+@functools.cache
+def _poisoned_run(policy: str):
+    # a poisoned batch at step 9: one spike, which every policy answers once (rewind: to step 8's checkpoint)
+    return train_run(RunSpec(provoke="batch", spike_policy=policy, ckpt_every=4, name=policy, **POISONED))
+
+
 def test_spike_detector_fires_on_a_provoked_spike_and_not_on_a_clean_run():
-    kw = dict(steps=12, batch_size=2, provoke_step=9, seed=0)
-    clean = train_run(RunSpec(**kw))
+    clean = train_run(RunSpec(**POISONED))
     assert not clean.steps.spike.any(), clean.steps[["step", "loss", "z_loss", "z_grad"]]
-    poisoned = train_run(RunSpec(provoke="batch", spike_policy="skip", **kw))
+    poisoned = _poisoned_run("skip")
     assert poisoned.steps.step[poisoned.steps.spike.astype(bool)].tolist() == [9]
     assert poisoned.steps.action.iloc[9] == "spike: skipped"
-    rewound = train_run(RunSpec(provoke="batch", spike_policy="rewind", ckpt_every=4, **kw))
+    rewound = _poisoned_run("rewind")
     assert rewound.steps.action.iloc[9] == "rewound: batch skipped" and rewound.replayed_steps == 1
     # skipping the poisoned batch's update or rewinding past it gives the same weights
     assert rewound.steps.loss.iloc[-1] == pytest.approx(poisoned.steps.loss.iloc[-1], rel=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["none", "skip", "clip", "rewind"])
+def test_the_spike_steps_loss_is_in_the_telemetry_under_every_policy(policy):
+    """The spike step ran its forward under every policy: its loss and per-timestep losses are in
+    the telemetry once, the values of the step every policy computed alike (the policies part after)."""
+    t, skip = _poisoned_run(policy).telemetry, _poisoned_run("skip")
+    at = t[t.step == POISONED["provoke_step"]].set_index(["stat", "stream"]).value
+    assert (at.index.get_level_values("stat") == "loss").sum() == 1, at
+    assert (at.index.get_level_values("stat") == "loss_bucket").sum() >= 1, at
+    assert at["loss", ""] == skip.steps.loss.iloc[POISONED["provoke_step"]]  # the poisoned batch's loss
+    s = skip.telemetry
+    ref = s[(s.step == POISONED["provoke_step"]) & s.stat.isin(["loss", "loss_bucket"])].set_index(["stat", "stream"])
+    pd.testing.assert_series_equal(at[at.index.get_level_values("stat").isin(["loss", "loss_bucket"])], ref.value)
+
+
+def test_rewind_and_skip_that_computed_the_same_numbers_do_not_diverge():
+    """Rewinding past the poisoned batch computes exactly what skipping it does: the numerics
+    diff of the two runs' telemetry finds no origin and no row that one run has and the other lacks."""
+    skip, rewind = _poisoned_run("skip"), _poisoned_run("rewind")
+    d = numerics_diff(skip.telemetry, rewind.telemetry, tol=1e-6)
+    assert d.origin == {}, (d.origin, d.one_sided.head())
+    assert d.one_sided.empty and d.steps_only == {"a": [], "b": []}
+    assert d.shared == len(skip.telemetry) == len(rewind.telemetry)
 
 
 @functools.cache
@@ -199,17 +232,45 @@ def test_rewind_restores_the_optimizer_by_value():
         assert torch.equal(snap["state"][p][k], v), k
 
 
-def test_clip_policy_changes_the_trajectory_when_the_global_clip_leaves_room():
-    kw = dict(steps=14, batch_size=2, provoke="batch", provoke_step=10, seed=0)
-    none = train_run(RunSpec(spike_policy="none", grad_clip=0.0, **kw)).steps
-    clip = train_run(RunSpec(spike_policy="clip", grad_clip=0.0, **kw)).steps
-    assert clip.action[10] == "spike: clipped"
+def _by_hand(steps: pd.DataFrame, k: int, grad_clip: float, window: int = 16) -> tuple[float, float]:
+    """(window median raw norm, the clip rule's post-clip norm) of spike step ``k``, from the rows:
+    the last ``window`` accepted steps before it (none of them a spike)."""
+    before = steps[steps.step < k]
+    assert not before.spike.any()
+    med = float(np.median(before.grad_norm.to_numpy()[-window:]))
+    ref = min(grad_clip, med) if grad_clip > 0 else med
+    return med, ref * med / float(steps.grad_norm[k])
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 5.0])  # off; a guard rail above every typical norm (~1.4)
+def test_clip_policy_in_the_median_case_scales_the_spike_by_its_excess(grad_clip):
+    kw = dict(steps=14, batch_size=2, provoke="batch", provoke_step=10, seed=0, grad_clip=grad_clip)
+    none = train_run(RunSpec(spike_policy="none", **kw)).steps
+    clip = train_run(RunSpec(spike_policy="clip", **kw)).steps
+    assert clip.action[10] == "spike: clipped" and clip.clip_ref[10] == "median"
     np.testing.assert_array_equal(clip.loss[:11], none.loss[:11])  # the same run until the clipped step
     assert (clip.loss[11:] != none.loss[11:]).all()
-    # with grad_clip below the typical norm every step is clipped to the same norm already:
-    # the policy says it has nothing to do rather than claiming a clip
-    tight = train_run(RunSpec(spike_policy="clip", grad_clip=1.0, **kw)).steps
-    assert tight.grad_norm.iloc[:10].min() > 1.0 and tight.action[10] == CLIP_NOOP
+    med, want = _by_hand(clip, 10, grad_clip)
+    assert med < clip.grad_norm[10] and (grad_clip == 0 or med < grad_clip)
+    assert clip.clipped_norm[10] == pytest.approx(want, rel=1e-5)  # median x median / norm
+    # none applies the spike as the global clip leaves it: all of it, or grad_clip
+    assert none.clipped_norm[10] == pytest.approx(min(none.grad_norm[10], grad_clip or math.inf), rel=1e-5)
+
+
+def test_clip_target_at_the_boundary_where_the_median_equals_the_clip():
+    """At median == grad_clip the two cases give one number (grad_clip x median / norm) and the
+    target moves continuously through it; a norm at or below the median is left as it is."""
+    at = clip_target(8.0, 1.0, 1.0)
+    assert (at.case, at.ref, at.target) == ("grad_clip", 1.0, 1.0 / 8)
+    above, below = clip_target(8.0, 1.0 + 1e-9, 1.0), clip_target(8.0, 1.0 - 1e-9, 1.0)
+    assert above.case == "grad_clip" and below.case == "median"
+    assert above.target == pytest.approx(1 / 8, rel=1e-8) and below.target == pytest.approx(1 / 8, rel=1e-8)
+    assert clip_target(8.0, 1.31, 1.0).target == pytest.approx(1.31 / 8)  # binding: grad_clip x median / norm
+    assert clip_target(8.0, 0.5, 1.0).target == pytest.approx(0.5 * 0.5 / 8)  # below the clip: median^2 / norm
+    for off in (0.0, math.inf):
+        ct = clip_target(8.0, 2.0, off)
+        assert (ct.case, ct.ref, ct.target) == ("median", 2.0, 0.5)
+    assert clip_target(0.9, 1.0, 0.0).target == 1.0  # not above the median: the target does not bind (no-op)
 
 
 # ------------------------------------------------------------------------------ rounding
@@ -447,7 +508,7 @@ def test_numdiff_command_reads_two_reports_records(tmp_path, capsys):
         for r in _frame(perturb).itertuples():
             rec.add("telemetry", name, r.stat, r.value, "", step=r.step, block=r.block, stream=r.stream)
         paths.append(str(rec.save(tmp_path / f"{name}.json")))
-    assert numdiff_main(paths + ["--tol", "0.1"]) == 0
+    assert perflab(["numdiff", *paths, "--tol", "0.1"]) == 0
     out = capsys.readouterr().out
     assert "act_max: first beyond 0.1 at step 2 in single_blocks.0" in out
 
@@ -520,7 +581,7 @@ def test_nonfinite_telemetry_round_trips_through_records_and_numdiff_sees_it(tmp
     want = b.sort_values(["step", "block", "stream", "stat"])
     assert len(back) == len(want)
     np.testing.assert_array_equal(back.value.to_numpy(), want.value.to_numpy())  # NaN, +Inf, -Inf as such
-    assert numdiff_main(paths) == 0
+    assert perflab(["numdiff", *paths]) == 0
     out = capsys.readouterr().out
     assert "act_max: first beyond 0.05 at step 3 in double_blocks.1" in out
     assert "update_ratio: first beyond 0.05 at step 3" in out
@@ -531,12 +592,12 @@ def test_numdiff_refuses_a_report_without_telemetry_in_one_line(tmp_path, capsys
     rec.add("saved", "none", "bytes", 1.0, "B")
     empty = str(rec.save(tmp_path / "mem.json"))
     good = _records_file(tmp_path, "a", _frame())
-    assert numdiff_main([good, empty]) == 2
+    assert perflab(["numdiff", good, empty]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "has no telemetry records" in err and "mem.json" in err
-    assert numdiff_main([good, str(tmp_path / "missing.json")]) == 2
+    assert perflab(["numdiff", good, str(tmp_path / "missing.json")]) == 2
     assert "cannot read records" in capsys.readouterr().err
-    assert numdiff_main([good, good, "--variant-b", "zz"]) == 2
+    assert perflab(["numdiff", good, good, "--variant-b", "zz"]) == 2
     assert "no telemetry variant 'zz'" in capsys.readouterr().err
 
 
@@ -544,13 +605,13 @@ def test_numdiff_warns_when_the_two_runs_are_unrelated(tmp_path, capsys):
     a = _records_file(tmp_path, "a", _frame(), source="recipes")
     b = _records_file(tmp_path, "b", _frame(), source="recipes")
     c = _records_file(tmp_path, "c", _frame(), source="qk_norm")
-    assert numdiff_main([a, b]) == 0
+    assert perflab(["numdiff", a, b]) == 0
     assert "warning" not in capsys.readouterr().err
-    assert numdiff_main([a, c]) == 0
+    assert perflab(["numdiff", a, c]) == 0
     err = capsys.readouterr().err
     assert "warning" in err and "experiment qk_norm" in err
     d = _records_file(tmp_path, "d", _frame()[lambda f: f.step >= 5].assign(step=lambda f: f.step + 10))
-    assert numdiff_main([a, d]) == 2  # no step in common: nothing to compare, said in one line
+    assert perflab(["numdiff", a, d]) == 2  # no step in common: nothing to compare, said in one line
     assert "sharing steps" in capsys.readouterr().err
 
 
@@ -562,7 +623,7 @@ def test_numdiff_on_two_recorded_runs_names_the_step_one_went_nan(tmp_path, caps
         rec = Recorder("07_stability")
         record_runs(rec, "nan", {name: train_run(RunSpec(name=name, steps=4, batch_size=2, **kw))}, telemetry=True)
         paths.append(str(rec.save(tmp_path / f"{name}.json")))
-    assert numdiff_main(paths) == 0
+    assert perflab(["numdiff", *paths]) == 0
     out = capsys.readouterr().out
     assert "act_max: first beyond 0.05 at step 2 in double_blocks.1" in out, out
     assert "loss: first beyond 0.05 at step 2\n" in out, out

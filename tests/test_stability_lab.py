@@ -3,8 +3,10 @@ the recipe drift summary reads a numerics diff."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -19,6 +21,7 @@ from lab_utils.studies.stability import (
     precision_verdict_lines,
     qk_verdict_lines,
     rewind_matches_skip,
+    run_spikes,
     spike_verdict_lines,
 )
 
@@ -82,23 +85,34 @@ def test_nan_checks_accept_a_weight_gradient_injection():
     assert cfg.nan_checks[0][1] == "weight"
 
 
-def _policy(policy: str, losses: list[float], actions: list[str] | None = None) -> RunResult:
+def _policy(policy: str, losses: list[float], actions: list[str] | None = None, **columns) -> RunResult:
     n = len(losses)
     steps = pd.DataFrame(
         dict(step=range(n), loss=losses, grad_norm=[1.0] * n, action=actions or ["step"] * n, spike=[False] * n)
     )
+    for k, v in columns.items():
+        steps[k] = v
     return RunResult(RunSpec(spike_policy=policy, provoke="batch"), steps, pd.DataFrame())
 
 
-def test_policy_checks_raise_when_clip_leaves_the_trajectory_unchanged():
+def test_policy_checks_raise_when_clip_leaves_the_trajectory_unchanged_or_breaks_its_rule():
     none = _policy("none", [3.0, 2.0, 9.0, 2.5])
     same = _policy("clip", [3.0, 2.0, 9.0, 2.5], ["step", "step", "spike: clip no-op", "step"])
     with pytest.raises(AssertionError, match="clip policy left the trajectory"):
         policy_check_lines({"n": none, "c": same})
-    moved = _policy("clip", [3.0, 2.0, 9.0, 2.4], ["step", "step", "spike: clipped", "step"])
+    # a x9 spike over a window median of 1.5 with grad_clip 1 (RunSpec's): 1 x 1.5 / 9 = 1/6
+    acts = ["step", "step", "spike: clipped", "step"]
+    kw = dict(grad_norm=[1.4, 1.5, 9.0, 1.6], clip_median=[math.nan, math.nan, 1.5, math.nan])
+    moved = _policy("clip", [3.0, 2.0, 9.0, 2.4], acts, clipped_norm=[1.0, 1.0, 1 / 6, 1.0], **kw)
     assert policy_check_lines({"n": none, "c": moved}) == [
-        "clip changes the trajectory of none: True (1 step(s) clipped)"
+        "clip changes the trajectory of none: True (1 step(s) clipped)",
+        "clip at step 2: reference grad_clip = 1 (at or below the window median norm: every step is clipped to it); "
+        "post-clip norm = reference x median / norm: True",
     ]
+    # clipped to the median alone (1.5, what a clip to a norm would do) is not the rule
+    off = _policy("clip", [3.0, 2.0, 9.0, 2.4], acts, clipped_norm=[1.0, 1.0, 1.5, 1.0], **kw)
+    with pytest.raises(AssertionError, match=r"measured 1.5, the rule gives 0.166667"):
+        policy_check_lines({"n": none, "c": off})
 
 
 def test_rewind_matches_skip_until_their_actions_part():
@@ -150,3 +164,22 @@ def test_spike_verdicts_raise_on_a_spike_in_the_clean_run_or_a_missed_one():
     noisy.steps.loc[1, "spike"] = True
     with pytest.raises(AssertionError, match="clean run: spikes detected: 1"):
         spike_verdict_lines({"clean": noisy, "skip": hit}, 2)
+
+
+@pytest.mark.usefixtures("one_thread")  # the lab's cpu_threads = 1
+def test_clip_policy_at_the_labs_defaults_scales_the_spike_below_what_the_global_clip_leaves():
+    """Lab 07's spike runs clip every step to grad_clip = 1.0 and the tiny model's typical norm is
+    above it: the spike leaves the global clip at 1.0 like every step, and the clip policy takes it
+    to 1.0 x median / norm (the window median and the spike's norm read from the rows), so its
+    trajectory parts from none's after the spike."""
+    cfg = StabilityLabConfig(spike_policies=("none", "clip"), progress=False, device="cpu")
+    runs = {r.spec.spike_policy: r.steps for r in run_spikes(cfg).values() if r.spec.provoke != "none"}
+    none, clip, k, c = runs["none"], runs["clip"], cfg.provoke_step, cfg.spike_grad_clip
+    assert c == 1.0 and clip.action[k] == "spike: clipped" and clip.clip_ref[k] == "grad_clip"
+    window = clip.grad_norm.to_numpy()[:k][-cfg.spike_window :]
+    med = float(np.median(window))
+    assert med > c and (window > c).all()  # every step before the spike was clipped to grad_clip
+    assert none.clipped_norm[k] == pytest.approx(c, rel=1e-5)  # none: the spike at grad_clip, as every step
+    assert clip.clipped_norm[k] == pytest.approx(c * med / clip.grad_norm[k], rel=1e-5)
+    np.testing.assert_array_equal(clip.loss[: k + 1], none.loss[: k + 1])
+    assert (clip.loss[k + 1 :] != none.loss[k + 1 :]).all()

@@ -24,7 +24,15 @@ def given(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "param, value",
-    [("trace_path", "/no/such/trace.json"), ("ranks", 1), ("scope", "everything"), ("device", "tpu"), ("top_n", 0)],
+    [
+        ("trace_path", "/no/such/trace.json"),
+        ("ranks", 1),
+        ("scope", "everything"),
+        ("device", "tpu"),
+        ("top_n", 0),
+        ("timeline_step", -1),
+        ("timeline_step", "2"),
+    ],  # fmt: skip
 )
 def test_bad_parameters_are_refused_by_name(param, value):
     with pytest.raises(ConfigError) as e:
@@ -72,3 +80,31 @@ def test_records_fill_the_takeaway(given):
     figs = headline("09_traces", rec)
     labels = [f.label for f in figs]
     assert "trace rank 0 compute" in labels and "trace rank 0 idle" in labels
+
+
+def test_the_lab_shows_the_timeline_critical_path_call_tree_and_sequences(given):
+    """The median step of two (the shorter), its timeline with the critical path lane; the path,
+    the call tree and the idle per stream add up (analysis_lines asserts); a step the trace lacks
+    is refused by the lab's parameter name."""
+    _, lt = given
+    ta = lt.analyses["trace"]
+    steps = ta.steps(0).sort_values("dur")
+    tl = study.timeline(ta)
+    assert tl.step == int(steps["step"].iloc[0]) and tl.lanes[0] == "r0 · critical path"
+    assert study.timeline_view(tl).object.right, "the legend sits right of the plot"
+    text, parts, events = study.critical_path_view(ta)
+    cp = ta.critical_path(0, tl.step)
+    assert text.startswith(f"rank 0, step {tl.step}: critical path {cp.length_us / 1e3:.3f} ms")
+    assert parts["us"].sum() == pytest.approx(cp.length_us, abs=0.01) and set(parts["category"]) <= {"CPU"}
+    assert study.analysis_lines(ta, "trace") == [
+        "trace rank 0: the critical path's parts add up to its length; the call tree's top rows add up to the kernel "
+        "time; each stream's idle kinds add up to its idle time"
+    ]
+    tree = study.hierarchy_table(ta)
+    assert tree["name"].iloc[0] == "ProfilerStep" and tree["gpu_pct"].iloc[0] == pytest.approx(100.0)
+    assert len(study.sequence_table(ta, n=5)) <= 5
+    st = study.stream_table(ta)
+    assert {"host_wait", "kernel_wait", "other", "queue_max"} <= set(st.columns)
+    with pytest.raises(ConfigError) as e:
+        study.timeline(ta, 999)
+    assert e.value.param == "timeline_step"

@@ -393,7 +393,8 @@ def test_records_carry_each_step_as_a_sample(tmp_path):
     kt = rows["kernel_time"]
     assert kt["variant"] == "rank0" and kt["samples"] == [0.03, 0.01] and kt["value"] == pytest.approx(0.02)
     assert rows["category:matmul"]["samples"] == [0.03, 0.0]
-    assert {"span", "idle", "compute"} <= set(rows) and "overlap" not in rows  # no communication: no figure
+    assert {"span", "idle_share", "compute_share"} <= set(rows) and "comm_overlap" not in rows  # no comm: no figure
+    assert rows["idle_share"]["unit"] == "% of span" and rows["span"]["unit"] == "ms"
 
 
 def test_alpha_beta_fit_reads_the_median_duration_at_each_size():

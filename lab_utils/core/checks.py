@@ -47,18 +47,27 @@ class CloseReport:
     max_abs: float
     max_rel: float
     message: str
+    #: the largest share of its bound (atol + rtol * |expected|) an element's error used: the finite
+    #: elements pass while it is <= 1
+    worst_share: float = 0.0
+    #: the bound ``max_abs`` is held to: the finite elements pass exactly while max_abs <= it (max_abs
+    #: over ``worst_share``; with no error at all, the tightest element's bound), what a record of the
+    #: figure carries as its ``tolerance``
+    max_abs_bound: float = float("inf")
 
 
 def compare(
     actual: torch.Tensor,
     expected: torch.Tensor,
     *,
-    atol: float,
+    atol: float | torch.Tensor,
     rtol: float,
     name: str = "output",
     equal_nan: bool = False,
     show: int = 5,
 ) -> CloseReport:
+    """Elementwise |actual - expected| <= atol + rtol * |expected|; ``atol`` may be a tensor (broadcast
+    to the shape): a per-element error bound derived from the operands (then usually ``rtol`` = 0)."""
     if actual.shape != expected.shape:
         msg = f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
         return CloseReport(False, -1, expected.numel(), float("inf"), float("inf"), msg)
@@ -71,16 +80,25 @@ def compare(
     # Finite elements compare by tolerance; non-finite ones agree only when both sides
     # hold the same special value (NaN == NaN only with equal_nan).
     same_special = (a_inf & e_inf & (a == e)) | (a_nan & e_nan & equal_nan)
-    bad = torch.where(finite, ~(diff <= atol + rtol * e.abs()), ~same_special)
+    per_element = isinstance(atol, torch.Tensor)
+    allowed = (atol.detach().to("cpu", torch.float64) if per_element else atol) + rtol * e.abs()
+    bad = torch.where(finite, ~(diff <= allowed), ~same_special)
     n_bad = int(bad.sum())
     max_abs = float(diff[finite].max()) if bool(finite.any()) else 0.0
     rel = diff / e.abs().clamp_min(1e-30)
     max_rel = float(rel[finite].max()) if bool(finite.any()) else 0.0
+    limit = torch.as_tensor(allowed, dtype=torch.float64).expand_as(e)[finite]
+    d = diff[finite]
+    share = torch.where(limit > 0, d / limit.clamp_min(1e-300), torch.where(d > 0, torch.inf, 0.0))
+    worst = float(share.max()) if share.numel() else 0.0
+    fig_bound = max_abs / worst if worst > 0 else (float(limit.min()) if limit.numel() else float("inf"))
+    fig = dict(worst_share=worst, max_abs_bound=fig_bound)
     if n_bad == 0:
-        return CloseReport(True, 0, e.numel(), max_abs, max_rel, f"{name}: ok (max abs {max_abs:.3g})")
+        return CloseReport(True, 0, e.numel(), max_abs, max_rel, f"{name}: ok (max abs {max_abs:.3g})", **fig)
     idx = bad.nonzero()[:show]
+    how = f"per-element bound, rtol={rtol:g}" if per_element else f"atol={atol:g}, rtol={rtol:g}"
     lines = [
-        f"{name}: {n_bad} of {e.numel()} elements mismatch (atol={atol:g}, rtol={rtol:g}); "
+        f"{name}: {n_bad} of {e.numel()} elements mismatch ({how}); "
         f"max abs err {max_abs:.4g}, max rel err {max_rel:.4g}"
     ]
     nan_dis = int((a_nan ^ e_nan).sum())
@@ -92,8 +110,9 @@ def compare(
         )
     for ix in idx.tolist():
         t = tuple(ix)
-        lines.append(f"  at {t}: actual {a[t].item():.6g}, expected {e[t].item():.6g}")
-    return CloseReport(False, n_bad, e.numel(), max_abs, max_rel, "\n".join(lines))
+        bound = f", allowed {allowed.expand_as(e)[t].item():.3g}" if per_element else ""
+        lines.append(f"  at {t}: actual {a[t].item():.6g}, expected {e[t].item():.6g}{bound}")
+    return CloseReport(False, n_bad, e.numel(), max_abs, max_rel, "\n".join(lines), **fig)
 
 
 def assert_close(

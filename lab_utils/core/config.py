@@ -25,6 +25,9 @@ class ConfigError(ValueError):
         self.param, self.value, self.allowed = param, value, allowed
         super().__init__(f"parameter {param!r} = {value!r} is not allowed: expected {allowed}")
 
+    def __reduce__(self):  # through a process pool: rebuilt from its three parts, not from the message
+        return type(self), (self.param, self.value, self.allowed)
+
 
 @dataclasses.dataclass(frozen=True)
 class DeviceTarget:

@@ -4,20 +4,16 @@ On a machine whose cores are busy with other processes, a parallel region with o
 per core waits for whichever thread the scheduler took away: a 0.4 ms op then reads as a
 32 ms scheduler quantum.  :func:`choose_cpu_threads` leaves the busy cores alone (or takes
 the count from ``PERFLAB_TIMING_THREADS`` / an argument) and says why; ``lab_utils.core.timing``
-times with it and records the choice.
+times with it (``cpu_threads(n)`` sets it there) and records the choice.  No torch here: a run's
+context records the choice without it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
-
-import numpy as np
-import torch
 
 THREADS_ENV = "PERFLAB_TIMING_THREADS"
 
@@ -84,7 +80,7 @@ def busy_cores(probes: int = 8, interval_s: float = 0.002) -> float | None:
         if i + 1 < probes:
             time.sleep(interval_s)
     if vals:
-        return float(np.mean(vals))
+        return sum(vals) / len(vals)
     try:
         return float(os.getloadavg()[0])
     except (AttributeError, OSError):
@@ -125,16 +121,3 @@ def choose_cpu_threads(requested: int | str | None = None) -> ThreadChoice:
         round(busy, 2),
         f"{free} thread(s): {cores} usable core(s), {busy:.1f} kept busy by other processes when probed",
     )
-
-
-@contextlib.contextmanager
-def cpu_threads(n: int) -> Iterator[None]:
-    """Run the block with ``n`` intra-op threads, restoring the previous count after."""
-    prev = torch.get_num_threads()
-    if n != prev:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != prev:
-            torch.set_num_threads(prev)

@@ -1,8 +1,13 @@
-"""Which device we are on, what it is, and the datasheet peaks it claims.
+"""Which device we are on and what it is; its datasheet peaks are :mod:`lab_utils.core.datasheets`'
+(re-exported here: ``datasheet_for(device_info())``).
 
 Datasheet peaks are *reference* numbers (dense, no sparsity) from the vendor's
 public spec sheets.  They are shown beside measured ceilings (``ceilings.py``) and
 never stand in for them: rooflines and %-of-ceiling use the measured numbers.
+
+The module imports no torch: the trace reader (``perflab[traces]``, no torch) reads the
+datasheets, and :data:`HOST` describes the machine from its package metadata.  The functions
+that ask torch about a device import it where they run.
 """
 
 from __future__ import annotations
@@ -14,11 +19,18 @@ import platform
 import re
 import sys
 from dataclasses import dataclass
+from importlib import metadata
+from typing import TYPE_CHECKING
 
-import torch
-import triton
+from lab_utils.core.config import device_target
+from lab_utils.core.datasheets import DATASHEET, DatasheetPeak, datasheet_for
 
-from .config import device_target
+if TYPE_CHECKING:
+    import torch
+
+#: the machine itself, no torch device: the context of records read here rather than measured
+#: here (a profiler trace from a file), which must not import torch to describe the machine
+HOST = "host"
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,8 @@ class DeviceInfo:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch  # noqa: PLC0415  (torch: optional under perflab[traces]; seconds to import)
+
         return torch.device(self.kind if self.index is None else f"{self.kind}:{self.index}")
 
     def key(self) -> str:
@@ -70,8 +84,23 @@ def _mem_total() -> int:
         return 0
 
 
-def _triton_version() -> str | None:
-    return getattr(triton, "__version__", None)
+def package_version(name: str) -> str | None:
+    """The installed version of a distribution (``torch``, ``triton``) from its metadata,
+    without importing it; None when it is not installed."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def triton_version() -> str | None:
+    """Triton's version without importing it (Triton must not be imported before ``lab_kernels``
+    decides ``TRITON_INTERPRET``): PyPI's ``triton``, or the builds PyTorch's own index ships."""
+    for name in ("triton", "pytorch-triton", "pytorch-triton-rocm", "pytorch-triton-xpu"):
+        v = package_version(name)
+        if v:
+            return v
+    return None
 
 
 def cuda_devices() -> int:
@@ -79,6 +108,8 @@ def cuda_devices() -> int:
     t = device_target()
     if t is not None:
         return t.gpus
+    import torch  # noqa: PLC0415  (torch: optional under perflab[traces]; seconds to import)
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -90,6 +121,8 @@ def no_cuda_reason() -> str:
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:
     """``None``/"auto" picks CUDA when present, else CPU; "cuda" without a GPU is an error."""
+    import torch  # noqa: PLC0415  (torch: optional under perflab[traces]; seconds to import)
+
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -103,11 +136,36 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
     return dev
 
 
+def host_info() -> DeviceInfo:
+    """This machine's CPU and software, torch left unimported: versions from the packages'
+    metadata (None when absent), no intra-op thread count (0: no torch asked)."""
+    return DeviceInfo(
+        kind="cpu",
+        name=_cpu_name(),
+        index=None,
+        units=os.cpu_count() or 1,
+        units_name="cores",
+        memory_bytes=_mem_total(),
+        capability=None,
+        torch_version=package_version("torch"),
+        triton_version=triton_version(),
+        cuda_version=None,
+        python_version=sys.version.split()[0],
+        threads=0,
+    )
+
+
 def device_info(device: str | torch.device | None = None) -> DeviceInfo:
+    """The device a measurement runs on (``None``/"auto": CUDA when present, else CPU), or
+    :data:`HOST` for :func:`host_info` (no torch)."""
+    if isinstance(device, str) and device == HOST:
+        return host_info()
+    import torch  # noqa: PLC0415  (torch: optional under perflab[traces]; seconds to import)
+
     dev = pick_device(device)
     common = dict(
         torch_version=torch.__version__,
-        triton_version=_triton_version(),
+        triton_version=triton_version(),
         python_version=sys.version.split()[0],
         threads=torch.get_num_threads(),
     )
@@ -138,149 +196,12 @@ def device_info(device: str | torch.device | None = None) -> DeviceInfo:
     )
 
 
-@dataclass(frozen=True)
-class DatasheetPeak:
-    """Vendor peaks, dense (no 2:4 sparsity).  TFLOP/s and GB/s; None = no such unit.
-
-    ``bf16_tflops`` is also the fp16 peak unless ``fp16_tflops`` differs (V100 and P100 have fp16
-    units and no bf16 one).  ``tf32_tflops`` is None on parts without TF32; an fp32 GEMM there runs
-    at ``fp32_matmul_tflops`` (CDNA2's fp32 matrix cores, twice its vector rate) or, when that is
-    None, at the CUDA-core ``fp32_tflops``.  On AMD's two-die MI250/MI250X each die (GCD) is one
-    device to the profiler, so their rows are one GCD's half of the card's figures."""
-
-    name: str
-    bf16_tflops: float | None
-    fp8_tflops: float | None
-    fp4_tflops: float | None
-    tf32_tflops: float | None
-    hbm_gbs: float
-    memory_gib: float
-    source: str
-    fp32_tflops: float | None = None  # CUDA-core fp32 (no tensor cores: what a matmul gets with TF32 off)
-    fp16_tflops: float | None = None  # None: the same as bf16_tflops
-    fp32_matmul_tflops: float | None = None  # fp32 GEMM on matrix units without TF32 (CDNA2)
-
-    def matmul_tflops(self, dtype: str) -> float | None:
-        """The matmul peak for inputs of ``dtype`` ("fp32", "fp16", "bf16"): for fp32 the TF32
-        tensor-core peak where the part has one (what cuBLAS reaches when TF32 is allowed; an upper
-        bound otherwise); a half type without its own unit gets the fp32 rate it runs at."""
-        fp32 = self.tf32_tflops or self.fp32_matmul_tflops or self.fp32_tflops
-        if dtype == "fp32":
-            return fp32
-        if dtype == "fp16":
-            return self.fp16_tflops or self.bf16_tflops or fp32
-        if dtype == "bf16":
-            return self.bf16_tflops or fp32
-        raise ValueError(f"dtype={dtype!r}: allowed 'fp32', 'fp16', 'bf16'")
-
-
-# Dense tensor-core peaks from NVIDIA's public datasheets (SXM parts).  Sparse figures
-# on those sheets are exactly twice these and are deliberately not used.
-DATASHEET: dict[str, DatasheetPeak] = {
-    "A100": DatasheetPeak(
-        "A100 SXM4 80GB", 312.0, None, None, 156.0, 2039.0, 80, "NVIDIA A100 datasheet (dense)", fp32_tflops=19.5
-    ),
-    "H100": DatasheetPeak(
-        "H100 SXM5",
-        989.4,
-        1978.9,
-        None,
-        494.7,
-        3350.0,
-        80,
-        "NVIDIA H100 datasheet (dense = half the sparse figure)",
-        fp32_tflops=66.9,
-    ),
-    "H200": DatasheetPeak(
-        "H200 SXM",
-        989.4,
-        1978.9,
-        None,
-        494.7,
-        4800.0,
-        141,
-        "NVIDIA H200 datasheet (dense = half the sparse figure)",
-        fp32_tflops=66.9,
-    ),
-    "B200": DatasheetPeak(
-        "B200 (HGX)",
-        2250.0,
-        4500.0,
-        9000.0,
-        1100.0,
-        8000.0,
-        180,
-        "NVIDIA HGX B200 datasheet (dense = half the sparse figure)",
-        75.0,
-    ),
-    # Volta and Pascal: fp16 units, no bf16 and no TF32.
-    "V100-PCIE": DatasheetPeak(
-        "V100 PCIe", None, None, None, None, 900.0, 32, "NVIDIA V100 datasheet (PCIe)", 14.0, fp16_tflops=112.0
-    ),
-    "V100": DatasheetPeak(
-        "V100 SXM2", None, None, None, None, 900.0, 32, "NVIDIA V100 datasheet (SXM2)", 15.7, fp16_tflops=125.0
-    ),
-    "GP100": DatasheetPeak(
-        "Quadro GP100", None, None, None, None, 717.0, 16, "NVIDIA Quadro GP100 datasheet", 10.3, fp16_tflops=20.7
-    ),
-    "P100": DatasheetPeak(
-        "P100 SXM2", None, None, None, None, 732.0, 16, "NVIDIA Tesla P100 datasheet (SXM2)", 10.6, fp16_tflops=21.2
-    ),
-    # AMD Instinct, dense matrix-core peaks; one GCD of the two-die parts (see the class note).
-    "MI300X": DatasheetPeak(
-        "MI300X", 1307.4, 2614.9, None, 653.7, 5300.0, 192, "AMD Instinct MI300X datasheet (dense)", 163.4
-    ),
-    "MI250X": DatasheetPeak(
-        "MI250X (one GCD)",
-        191.5,
-        None,
-        None,
-        None,
-        1638.4,
-        64,
-        "AMD Instinct MI250X datasheet, halved per GCD",
-        23.95,
-        fp32_matmul_tflops=47.85,
-    ),
-    "MI250": DatasheetPeak(
-        "MI250 (one GCD) / MI210",
-        181.0,
-        None,
-        None,
-        None,
-        1638.4,
-        64,
-        "AMD Instinct MI250 datasheet, halved per GCD (= MI210's)",
-        22.6,
-        fp32_matmul_tflops=45.3,
-    ),
-}
-# A device name that holds a key is that row; earlier keys are the more specific names.
-_KEYS = ("B200", "H200", "H100", "A100", "V100-PCIE", "V100", "GP100", "P100", "MI300X", "MI250X", "MI250", "MI210")
-# ROCm often names a CDNA part only "AMD Radeon Graphics": its compute units (``numSms``) say which.
-_AMD_BY_UNITS = {110: "MI250X", 104: "MI250", 304: "MI300X"}
-
-
-def datasheet_for(info: DeviceInfo | str | None, properties: dict | None = None) -> DatasheetPeak | None:
-    """The datasheet row for a device name, or None (CPUs, unknown GPUs).  ``properties``: the
-    device's entry of a trace's ``deviceProperties``; it identifies an AMD part that ROCm names
-    only "AMD Radeon Graphics" by its compute units (104: an MI250 die or an MI210, 110: an MI250X
-    die, 304: MI300X)."""
-    name = info.name if isinstance(info, DeviceInfo) else (info or "")
-    up = name.upper()
-    for key in _KEYS:
-        if key in up:
-            return DATASHEET["MI250" if key == "MI210" else key]
-    units = (properties or {}).get("numSms")
-    if ("AMD" in up or "RADEON" in up) and units in _AMD_BY_UNITS:
-        return DATASHEET[_AMD_BY_UNITS[units]]
-    return None
-
-
 @contextlib.contextmanager
 def annotate(name: str, device: torch.device | str | None = None):
     """A named range in both the torch profiler (``record_function``) and, on CUDA, NVTX
     (what Nsight Systems shows); on CPU the NVTX part is skipped (no CUDA runtime)."""
+    import torch  # noqa: PLC0415  (torch: optional under perflab[traces]; seconds to import)
+
     cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
     with torch.profiler.record_function(name):
         if cuda:
@@ -290,3 +211,6 @@ def annotate(name: str, device: torch.device | str | None = None):
         finally:
             if cuda:
                 torch.cuda.nvtx.range_pop()
+
+
+__all__ = ["DATASHEET", "DatasheetPeak", "DeviceInfo", "annotate", "datasheet_for", "device_info", "pick_device"]

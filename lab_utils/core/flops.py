@@ -82,9 +82,14 @@ def matmul_flops(m: int, n: int, k: int, *, batch: int = 1) -> float:
     return 2.0 * batch * m * n * k
 
 
-def causal_pairs(q_len: int, k_len: int | None = None) -> int:
-    """(query, key) pairs a top-left-aligned causal mask allows: query i sees keys j <= i."""
+def causal_pairs(q_len: int, k_len: int | None = None, *, bottom_right: bool = False) -> int:
+    """(query, key) pairs a causal mask allows: top-left aligned (torch's ``is_causal``), query i sees
+    keys j <= i; ``bottom_right`` (flash-attn's, xformers' ``custom_mask_type=2``), keys j <= i + k_len - q_len."""
     k_len = q_len if k_len is None else k_len
+    if bottom_right:
+        if q_len <= k_len:
+            return q_len * (k_len - q_len) + q_len * (q_len + 1) // 2
+        return k_len * (k_len + 1) // 2
     if q_len <= k_len:
         return q_len * (q_len + 1) // 2
     return k_len * (k_len + 1) // 2 + (q_len - k_len) * k_len
@@ -95,7 +100,7 @@ def attention_flops(
     heads: int,
     q_len: int,
     k_len: int,
-    head_dim: int,
+    head_dim: int | tuple[int, int],
     *,
     pairs: int | None = None,
     direction: str = "fwd",
@@ -105,10 +110,13 @@ def attention_flops(
     ("kernel": 2.5x, the matmuls a flash backward runs; "model": 2x, for MFU).
 
     ``pairs``: allowed (query, key) pairs per (batch, head); default all ``q_len·k_len``
-    (use :func:`causal_pairs` or a mask's count otherwise)."""
+    (use :func:`causal_pairs` or a mask's count otherwise).  ``heads``: the query heads (with
+    grouped-query attention the key/value heads are fewer; every query head still does the work).
+    ``head_dim``: Dh, or (Dh of q and k, Dv of v) where they differ: ``2·pairs·(Dh + Dv)``."""
     _check("convention", convention, ATTENTION_CONVENTIONS)
     pairs = q_len * k_len if pairs is None else pairs
-    fwd = 4.0 * batch * heads * pairs * head_dim
+    dk, dv = head_dim if isinstance(head_dim, tuple) else (head_dim, head_dim)
+    fwd = 2.0 * batch * heads * pairs * (dk + dv)
     return _split(direction, fwd, ATTENTION_BWD_FACTOR[convention] * fwd)
 
 

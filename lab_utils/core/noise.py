@@ -37,8 +37,6 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 
-import torch
-
 KINETO_MARKER = re.compile(r"^USDT:.*ActivityProfilerHandler\.cpp:\d+\] profiler_(?:start|stop)\s*$")
 TORCHAO_SO = re.compile(r"Failed to load .*torchao.*\.so")
 ENUM_CONSTANT = re.compile(r"is an Enum subclass and is now natively supported by torch\.compile")
@@ -50,13 +48,23 @@ STREAM_NOISE = (KINETO_MARKER, ENUM_CONSTANT, DCP_SINGLE_PROCESS)
 
 
 class _DropMatching(logging.Filter):
-    def __init__(self, *patterns: re.Pattern):
+    def __init__(self, *patterns: re.Pattern, without_cuda: bool = False):
         super().__init__()
         self.patterns = patterns
+        self.without_cuda = without_cuda  # drop only on a machine without CUDA
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if self.without_cuda and _cuda_available():
+            return True
         msg = record.getMessage()
         return not any(p.search(msg) for p in self.patterns)
+
+
+def _cuda_available() -> bool:
+    """Whether CUDA is visible, asked of torch only where torch is already imported (a library
+    that logs about its CUDA extensions imported it); this module itself never imports torch."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_available())
 
 
 _INSTALLED: dict[str, _DropMatching] = {}
@@ -71,9 +79,8 @@ def install_log_filters() -> None:
     wanted = {
         "torch.utils._pytree": _DropMatching(ENUM_CONSTANT),
         "diffusers.quantizers.torchao.torchao_quantizer": _DropMatching(DIFFUSERS_TORCHAO),
+        "torchao": _DropMatching(TORCHAO_SO, without_cuda=True),
     }
-    if not torch.cuda.is_available():
-        wanted["torchao"] = _DropMatching(TORCHAO_SO)
     for name, f in wanted.items():
         logging.getLogger(name).addFilter(f)
         _INSTALLED[name] = f

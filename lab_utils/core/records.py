@@ -8,6 +8,22 @@ empty (None / "").  Older records without these columns still load (they read as
 The context (device, ceilings, versions, commit, timestamp, parameters) is stored
 once per notebook run and merged onto every row when a report gathers records.
 
+A row's key fields (lab, experiment, variant, shape, dtype, metric, statistic, and the categorical
+``extra`` fields that tell rows sharing them apart) say *what* was measured, never a result: a
+measured share, the op that came out heaviest or the assumption that dominated go in ``extra`` or
+the value.  ``extra`` fields that ``perflab compare`` reads (``lab_utils.run.compare.rules``):
+
+* ``tolerance``: the bound the lab's own check holds an error figure to (the check passes while
+  value <= tolerance); the gate judges the figure against it, not by its ratio alone.
+* ``roundoff_dtype`` and ``reduction``: an error figure made by a machine's own float arithmetic
+  (a BLAS fp32 sum, whose order the machine picks) names that dtype and the length of the sums
+  behind it: its float noise is that dtype's unit roundoff at that scale.
+* ``top_n`` (and ``share``): the row is one member of a ranked list of the N heaviest items (the
+  top ops of a profile), so which items it holds is a result; ``share`` is the item's fraction of
+  the whole (0..1).  A list shorter than N holds every item.  Its rows share lab, shape, dtype,
+  statistic and ``list`` (default: the experiment); the item is named by the variant or metric.
+* ``reported``: a measured figure that is shown and compared but never gates (an idle time).
+
 In a headless run the runner sets ``PERFLAB_RECORDS_DIR``; ``Recorder.save()``
 writes there.  Interactively it writes one file per lab and kernel session,
 ``.perflab/records/<lab>-<session start>.json``, which every later save rewrites (a Run All
@@ -23,6 +39,7 @@ import math
 import os
 import platform
 import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -32,11 +49,10 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import torch
 
-from lab_utils.core.device import device_info
+from lab_utils.core.device import HOST, device_info
 from lab_utils.core.roofline import roofline
-from lab_utils.core.timing import BenchFailure, Timing, judge_samples, timing_context
+from lab_utils.core.samples import BenchFailure, Timing, judge_samples, timing_context
 
 ROW_COLUMNS = [
     "lab",
@@ -57,6 +73,9 @@ CONTEXT_COLUMNS = ["device", "device_kind", "torch_version", "triton_version", "
 RECORDS_FILE = "records.json"
 #: the experiment name of the rows an explorer adds (kept across a rerun of the lab: ``Recorder.save``)
 EXPLORE = "explore"
+#: ``extra`` fields the comparison reads (see the module note)
+TOLERANCE, ROUNDOFF_DTYPE, REDUCTION = "tolerance", "roundoff_dtype", "reduction"
+TOP_N, SHARE, RANKED_LIST, REPORTED = "top_n", "share", "list", "reported"
 #: this interpreter's (kernel's) start: the interactive records file of each lab is named by it
 SESSION = time.strftime("%Y%m%d-%H%M%S")
 _WRITERS: dict[Path, weakref.ref] = {}  # interactive records file -> the recorder that writes it
@@ -68,7 +87,7 @@ def fmt_shape(shape: Any) -> str:
         return ""
     if isinstance(shape, str):
         return shape
-    if isinstance(shape, torch.Size) or isinstance(shape, (tuple, list)):
+    if isinstance(shape, (tuple, list)):  # torch.Size is a tuple
         return "x".join(str(int(s)) if not isinstance(s, str) else s for s in shape)
     return str(shape)
 
@@ -113,12 +132,28 @@ def run_context(params: dict | None = None, device=None, *, ceilings=None) -> di
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": platform.node(),
         "params": _jsonable(params or {}),
-        "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
-        "timing": _jsonable(timing_context()) if info.kind == "cpu" else {"method": "triton.testing.do_bench"},
+        "triton_interpret": _triton_interpret(device),
+        "timing": _timing_context(info, device),
     }
     if ceilings is not None:
         ctx["ceilings"] = ceilings.as_dict()
     return ctx
+
+
+def _triton_interpret(device) -> str:
+    """``TRITON_INTERPRET`` as the kernels see it ("1": Triton runs through its interpreter)."""
+    if not (isinstance(device, str) and device == HOST):
+        # a measured run: lab_kernels decides the switch on import (CPU-only machine: "1")
+        import lab_kernels  # noqa: F401, PLC0415  (torch and triton: only a measured run's context needs them)
+    return os.environ.get("TRITON_INTERPRET", "0")
+
+
+def _timing_context(info, device) -> dict:
+    """How timings were taken: CPU thread policy and stability rules, do_bench on CUDA; nothing
+    for records read rather than measured here (``device=HOST``: a profiler trace from a file)."""
+    if isinstance(device, str) and device == HOST:
+        return {"method": "none: read, not measured here"}
+    return _jsonable(timing_context()) if info.kind == "cpu" else {"method": "triton.testing.do_bench"}
 
 
 def _jsonable(x: Any) -> Any:
@@ -131,7 +166,8 @@ def _jsonable(x: Any) -> Any:
     if isinstance(x, float):
         # JSON has no NaN/Inf: a missing value is null; +-Inf keep their sign as text.
         return x if math.isfinite(x) else (None if math.isnan(x) else str(x))
-    if isinstance(x, (torch.dtype, torch.device)):
+    torch = sys.modules.get("torch")  # a torch dtype or device exists only where torch was imported
+    if torch is not None and isinstance(x, (torch.dtype, torch.device)):
         return str(x)
     if hasattr(x, "item") and callable(x.item):
         try:
@@ -293,7 +329,10 @@ class Recorder:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             rows = list(self.rows)  # an explorer's thread may add rows meanwhile
-            tmp.write_text(json.dumps({"context": self.context(), "rows": _jsonable(rows)}, indent=1))
+            # under the runner, compact (a report's records are read by tools); interactive files indented
+            compact = bool(os.environ.get("PERFLAB_RECORDS_DIR"))
+            doc = {"context": self.context(), "rows": _jsonable(rows)}
+            tmp.write_text(json.dumps(doc, indent=None if compact else 1, separators=(",", ":") if compact else None))
             tmp.replace(path)
             if not os.environ.get("PERFLAB_RECORDS_DIR"):
                 self.path = path
@@ -354,7 +393,8 @@ def write_records_json(df: pd.DataFrame, path: str | Path, *, indent: int | None
     cols = list(df.columns)
     rows = [{c: json_value(v) for c, v in zip(cols, vals, strict=True)} for vals in df.itertuples(index=False)]
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(rows, indent=indent, allow_nan=False) + "\n")
+    seps = None if indent is not None else (",", ":")  # compact unless asked to indent
+    tmp.write_text(json.dumps(rows, indent=indent, separators=seps, allow_nan=False) + "\n")
     tmp.replace(path)
     return path
 

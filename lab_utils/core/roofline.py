@@ -11,11 +11,14 @@ each output written once); FLOPs are counted, not inferred from time.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lab_utils.core.ceilings import Ceilings
-from lab_utils.core.timing import Timing
+from lab_utils.core.samples import Timing
+
+if TYPE_CHECKING:  # the measured ceilings; this module only reads their figures (no torch here)
+    from lab_utils.core.ceilings import Ceilings
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,10 @@ backward (activation checkpointing recomputes attention inside the backward):
   sequence), attention runs locally on H/CP heads, and the inverse all-to-all goes
   back.  Needs heads (per TP rank) divisible by CP.
 
+Each CP run checks its scheme before training (:func:`check_against_sdpa`, called by the worker):
+forward and backward on the run's own heads (per TP rank) and head dim, a few irregular tokens
+per rank (:func:`check_shape`), against float64 attention on the whole sequence in one process.
+
 Math runs in float32 (float64 stays float64); outputs take the input dtype.
 Shapes: B batch, H heads, Lq/Lk local tokens, Dh head dim, n = CP degree.
 """
@@ -144,22 +148,48 @@ class _AllToAll(torch.autograd.Function):
         return out, None
 
 
+def check_ulysses_heads(heads: int, n: int) -> None:
+    """Ulysses gives each of the ``n`` CP ranks ``heads / n`` whole heads: refuse any other count."""
+    if heads % n:
+        raise ValueError(
+            f"Ulysses attention needs the heads on a rank ({heads}) divisible by the CP degree ({n}): "
+            f"each CP rank attends over heads / CP of them"
+        )
+
+
+def seq_chunks(x: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, H, Ls, Dh) sequence shard -> (n, B, H/n, Ls, Dh): chunk j (heads j*H/n ..) goes to rank j."""
+    b, h, ls, d = x.shape
+    check_ulysses_heads(h, n)
+    return x.reshape(b, n, h // n, ls, d).permute(1, 0, 2, 3, 4)
+
+
+def heads_from_chunks(recv: torch.Tensor) -> torch.Tensor:
+    """(n, B, H/n, Ls, Dh), chunk j from rank j -> (B, H/n, n*Ls, Dh): the full sequence in rank order."""
+    n, b, hn, ls, d = recv.shape
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, hn, n * ls, d)
+
+
+def head_chunks(x: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, H/n, n*Ls, Dh) -> (n, B, H/n, Ls, Dh): sequence chunk j goes back to rank j."""
+    b, hn, lfull, d = x.shape
+    return x.reshape(b, hn, n, lfull // n, d).permute(2, 0, 1, 3, 4)
+
+
+def seq_from_chunks(recv: torch.Tensor) -> torch.Tensor:
+    """(n, B, H/n, Ls, Dh), head chunk j from rank j -> (B, H, Ls, Dh)."""
+    n, b, hn, ls, d = recv.shape
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, n * hn, ls, d)
+
+
 def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     """(B, H, Ls, Dh) sequence shard -> (B, H/n, n*Ls, Dh) head shard (shards in rank order)."""
-    n = dist.get_world_size(group)
-    b, h, ls, d = x.shape
-    send = x.reshape(b, n, h // n, ls, d).permute(1, 0, 2, 3, 4)  # n B H/n Ls Dh: chunk j goes to rank j
-    recv = _AllToAll.apply(send, group)  # n B H/n Ls Dh: chunk j came from rank j
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * ls, d)
+    return heads_from_chunks(_AllToAll.apply(seq_chunks(x, dist.get_world_size(group)), group))
 
 
 def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     """Inverse of :func:`seq_to_heads`: (B, H/n, n*Ls, Dh) -> (B, H, Ls, Dh)."""
-    n = dist.get_world_size(group)
-    b, hn, lfull, d = x.shape
-    send = x.reshape(b, hn, n, lfull // n, d).permute(2, 0, 1, 3, 4)  # n B H/n Ls Dh
-    recv = _AllToAll.apply(send, group)
-    return recv.permute(1, 0, 2, 3, 4).reshape(b, n * hn, lfull // n, d)
+    return seq_from_chunks(_AllToAll.apply(head_chunks(x, dist.get_world_size(group)), group))
 
 
 def ulysses_attention(q, k, v, group, scale: float | None = None) -> torch.Tensor:
@@ -192,12 +222,31 @@ class ContextParallelAttention(TorchFunctionMode):
         return fn(q, k, v, self.group, kwargs.get("scale"))
 
 
-def check_against_sdpa(group, scheme: str, *, seed: int = 0, shape=(2, 4, 13, 8)) -> dict[str, float]:
+#: The self-check's problem besides the heads: batch and tokens per rank (irregular on purpose).
+CHECK_BATCH, CHECK_TOKENS = 2, 13
+
+
+def check_shape(scheme: str, heads: int, head_dim: int, n: int) -> tuple[int, int, int, int]:
+    """(batch, heads, tokens per rank, head dim) of :func:`check_against_sdpa` for a run whose
+    attention has ``heads`` heads of ``head_dim`` on each rank (per TP rank) over ``n`` CP ranks:
+    the heads and head dim are the run's, so the check runs what the run runs (Ulysses splits
+    those heads over the ranks); every rank holds the same number of tokens, as both schemes need."""
+    if scheme not in CP_SCHEMES:
+        raise ValueError(f"scheme {scheme!r} is not one of {CP_SCHEMES}")
+    if heads < 1 or head_dim < 1 or n < 1:
+        raise ValueError(f"heads ({heads}), head_dim ({head_dim}) and the CP degree ({n}) must be >= 1")
+    if scheme == "ulysses":
+        check_ulysses_heads(heads, n)
+    return CHECK_BATCH, heads, CHECK_TOKENS, head_dim
+
+
+def check_against_sdpa(group, scheme: str, *, heads: int, head_dim: int, seed: int = 0) -> dict[str, float]:
     """Ring or Ulysses attention over this group's sequence shards against one-process
     attention in float64 on the full sequence (every rank draws the same global q, k, v
-    from ``seed``): relative errors of the output and of dq, dk, dv (collective)."""
+    from ``seed``) on the problem :func:`check_shape` gives: relative errors of the output and
+    of dq, dk, dv (collective)."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
-    b, h, lper, d = shape  # per-rank tokens; irregular on purpose
+    b, h, lper, d = check_shape(scheme, heads, head_dim, n)
     g = torch.Generator().manual_seed(seed)
     q, k, v, do = (torch.randn(b, h, n * lper, d, generator=g, dtype=torch.float64) for _ in range(4))
     ref = [t.clone().requires_grad_(True) for t in (q, k, v)]

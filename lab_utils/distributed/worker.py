@@ -33,9 +33,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from lab_utils.core.config import ConfigError
 from lab_utils.distributed import comm
 from lab_utils.distributed.checkpoint import load_checkpoint, save_checkpoint
-from lab_utils.distributed.context_parallel import check_against_sdpa
+from lab_utils.distributed.context_parallel import check_against_sdpa, check_shape
 from lab_utils.distributed.parallel import build_parallel, full_gradients, sync_grads
 from lab_utils.distributed.spec import DistConfig
+from lab_utils.model import resolve_config
 from lab_utils.model.train import sample_timesteps, synthetic_batch
 
 
@@ -141,6 +142,16 @@ def run(cfgs: list[DistConfig], out: Path) -> None:
     dist.destroy_process_group()
 
 
+def attention_check_shape(cfg: DistConfig) -> tuple[int, int, int, int]:
+    """The problem of a CP run's attention self-check: the heads its attention has on a TP rank and
+    their head dim, split over its CP degree (:func:`~lab_utils.distributed.context_parallel.check_shape`)."""
+    parts = cfg.parts
+    if not any(p in parts for p in ("cp_ring", "cp_ulysses")):
+        raise ConfigError("strategy", cfg.strategy, "a strategy with cp_ring or cp_ulysses (the self-check is CP's)")
+    m, mesh = resolve_config(cfg.preset), cfg.mesh
+    return check_shape("ring" if "cp_ring" in parts else "ulysses", m.num_heads // mesh.tp, m.head_dim, mesh.cp)
+
+
 def run_case(cfg: DistConfig, out: Path, device: torch.device, progress=None) -> dict:
     """Train ``cfg.steps`` steps with ``cfg``'s strategy; return this rank's result.  Without an
     initialised process group (``single`` in the caller's process) no collective is called."""
@@ -157,7 +168,10 @@ def run_case(cfg: DistConfig, out: Path, device: torch.device, progress=None) ->
         "device": device.type,
     }
     if pm.cp_mode is not None:
-        result["attention_check"] = check_against_sdpa(pm.cp_group, pm.cp_mode.scheme, seed=cfg.seed)
+        _, heads, _, head_dim = attention_check_shape(cfg)
+        result["attention_check"] = check_against_sdpa(
+            pm.cp_group, pm.cp_mode.scheme, heads=heads, head_dim=head_dim, seed=cfg.seed
+        )
     start = 0
     if cfg.resume:
         start = load_checkpoint(pm, opt, Path(cfg.ckpt_dir))

@@ -1,16 +1,20 @@
 """The ``perflab`` command.
 
 perflab run SUITE [--param key=value ...] [--only NOTEBOOK ...] [--out DIR] [--timing-threads N|auto]
-            [--parallel N] [--devices 0,1,...] [--executor local|slurm] [--partition P] [--nodes N] ...
-            (jobs: lab_utils.run.parallel, docs/cluster.md)
+            [--keep-traces] [--export mlflow|tensorboard] [--parallel N] [--executor local|slurm] ...
 perflab run --list
 perflab ceilings [--force] [--quick]
 perflab nb refresh LAB.ipynb ...
-perflab lab [--reset [NAME ...]] [-- JUPYTER-ARGS]  (lab_utils.run.workspace: JupyterLab on work/labs/)
-perflab compare BASE CANDIDATE [...]      (lab_utils.run.compare)
-perflab baseline refresh|check [...]      (lab_utils.run.compare.baselines)
-perflab numdiff A B [--variant-a V] [...]  (lab_utils.stability.numdiff: where two runs' telemetry parts)
-perflab trace PATH | trace diff A B [...]  (lab_utils.run.trace_cli: profiler traces, files or folders)
+perflab lab [--reset [NAME ...]] [-- JUPYTER-ARGS]
+perflab compare BASE CANDIDATE [...]
+perflab baseline refresh|check|show|migrate [...]
+perflab numdiff A B [--variant-a V] [...]
+perflab trace PATH | trace diff A B [...]
+perflab export REPORT --to mlflow|tensorboard [...]
+
+Arguments are parsed first, by the light modules of ``lab_utils.run.commands`` (one per
+subcommand); a command's implementation (papermill, pandas, torch, bokeh, ...) is imported inside
+its handler below, once its arguments parse, so ``--help`` and a refused argument answer at once.
 """
 
 from __future__ import annotations
@@ -18,44 +22,65 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
 
-from lab_utils.core.ceilings import cached_ceilings, get_ceilings
 from lab_utils.core.config import ConfigError
-from lab_utils.core.records import load_records, thread_cut_note
-from lab_utils.run.compare import baseline_main, lab_name
-from lab_utils.run.compare import main as compare_main
-from lab_utils.run.nbtools import refresh
-from lab_utils.run.parallel import add_job_options, job_options
-from lab_utils.run.runner import RunInterrupted, SuiteError, list_suites, load_suite, parse_overrides, run_suite
-from lab_utils.run.workspace import main as lab_main
-from lab_utils.stability.numdiff import numdiff_main
+from lab_utils.run import workspace
+from lab_utils.run.commands import baseline, ceilings, compare, export, lab, nb, numdiff, run, trace
+from lab_utils.run.commands.compare import lab_name
+from lab_utils.run.parallel import job_options
+from lab_utils.run.suites import SuiteError, check_overrides, list_suites, load_suite, parse_overrides
+
+Handler = Callable[[argparse.Namespace, list[str]], int]
 
 
-def _cmd_run(a) -> int:
+def _run_list() -> int:
+    for name in list_suites():
+        try:
+            s = load_suite(name)
+        except SuiteError as e:
+            print(f"{name}: BROKEN: {e}")
+            continue
+        print(f"{name}: {s.description}")
+        for e in s.entries:
+            extra = f" {e.params}" if e.params else ""
+            print(f"  - {e.stem} (set {e.set or 'defaults'}){extra}")
+    return 0
+
+
+def _cmd_run(a: argparse.Namespace, argv: list[str]) -> int:
     if a.list:
-        for name in list_suites():
-            try:
-                s = load_suite(name)
-            except SuiteError as e:
-                print(f"{name}: BROKEN: {e}")
-                continue
-            print(f"{name}: {s.description}")
-            for e in s.entries:
-                extra = f" {e.params}" if e.params else ""
-                print(f"  - {e.stem} (set {e.set or 'defaults'}){extra}")
-        return 0
+        return _run_list()
     if not a.suite:
         print("perflab run: give a SUITE (see `perflab run --list`)", file=sys.stderr)
         return 2
     try:
+        # what can be refused without importing a lab is refused here, at once
+        suite = load_suite(a.suite)
+        only = [lab_name(x) for x in a.only] if a.only else None
+        overrides = parse_overrides(a.param)
+        check_overrides(suite, overrides, only)
+        jobs = job_options(a)
+    except (SuiteError, ConfigError, ValueError) as e:
+        print(f"perflab run: {e}", file=sys.stderr)
+        return 2
+    # papermill, nbformat, nbconvert and (through each lab's config) torch: seconds to import
+    from lab_utils.run.runner import RunInterrupted, run_suite  # noqa: PLC0415  (heavy: after parsing)
+
+    # TensorBoard's profile plugin shows the traces: kept until they are exported, then dropped
+    traces_for_export = bool(a.export and "tensorboard" in a.export and not a.keep_traces)
+    try:
         res = run_suite(
-            a.suite,
-            overrides=parse_overrides(a.param),
+            suite,
+            overrides=overrides,
             out_dir=a.out,
-            only=[lab_name(x) for x in a.only] if a.only else None,
+            only=only,
             progress=not a.no_progress,
             timing_threads=a.timing_threads,
-            jobs=job_options(a),
+            jobs=jobs,
+            keep_traces=a.keep_traces or traces_for_export,
         )
     except (SuiteError, ConfigError, ValueError) as e:
         print(f"perflab run: {e}", file=sys.stderr)
@@ -72,14 +97,23 @@ def _cmd_run(a) -> int:
     note = _threads_note(res.path)
     if note:
         print(f"perflab run: {note}", file=sys.stderr)
+    rc = 0
+    if a.export:
+        rc = _export(res.path, a.export, a, "perflab run")
+    if traces_for_export:
+        from lab_utils.run.report import drop_traces  # noqa: PLC0415  (heavy: nbconvert; the run imported it)
+
+        drop_traces(res.path)
     if not res.ok:
         print(f"perflab run: {sum(s.status != 'ok' for s in res.statuses)} notebook(s) failed", file=sys.stderr)
         return 1
-    return 0
+    return rc
 
 
 def _threads_note(path) -> str:
     """The report's line on timings whose thread count the busy machine cut ("" if none)."""
+    from lab_utils.core.records import load_records, thread_cut_note  # noqa: PLC0415  (pandas: after the run)
+
     try:
         ctx = json.loads((path / "context.json").read_text())
         return thread_cut_note(load_records(path), ctx)
@@ -87,7 +121,41 @@ def _threads_note(path) -> str:
         return ""
 
 
-def _cmd_ceilings(a) -> int:
+def _export(report, targets: Sequence[str], a: argparse.Namespace, prog: str) -> int:
+    # mlflow / tensorboard: perflab[export]; seconds to import, and only an export needs them
+    from lab_utils.run.export import export_report  # noqa: PLC0415  (heavy optional: perflab[export])
+
+    try:
+        for line in export_report(
+            report, targets, tracking_uri=a.tracking_uri, experiment=a.experiment, logdir=a.logdir
+        ):
+            print(f"{prog}: {line}")
+    except (ConfigError, OSError) as e:
+        print(f"{prog}: export: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _refuse_missing(prog: str, what: dict[str, str], refs: tuple[str, ...] = (), say: str = "{arg} {path!r}") -> bool:
+    """Say, before anything heavy is imported, which of ``what`` (argument -> path) does not exist
+    (``refs``: names that stand for a place, such as ``latest``); True when one was refused."""
+    for arg, path in what.items():
+        if path not in refs and not any(path.startswith(f"{r}:") for r in refs) and not Path(path).exists():
+            print(f"{prog}: {say.format(arg=arg, path=path)}: no such file or folder", file=sys.stderr)
+            return True
+    return False
+
+
+def _cmd_export(a: argparse.Namespace, argv: list[str]) -> int:
+    if _refuse_missing("perflab export", {"REPORT": a.report}, ("latest",)):
+        return 2
+    return _export(a.report, a.to, a, "perflab export")
+
+
+def _cmd_ceilings(a: argparse.Namespace, argv: list[str]) -> int:
+    # torch: the measurement itself
+    from lab_utils.core.ceilings import cached_ceilings, get_ceilings  # noqa: PLC0415  (heavy: torch)
+
     # without --force, what is cached (the full measurement, else the quick one smoke runs take) is shown
     c = None if (a.force or a.quick) else cached_ceilings(a.device)
     if c is None:
@@ -103,69 +171,99 @@ def _cmd_ceilings(a) -> int:
     return 0
 
 
-def _cmd_nb(a) -> int:
+def _cmd_nb(a: argparse.Namespace, argv: list[str]) -> int:
+    from lab_utils.run.nbtools import refresh  # noqa: PLC0415  (heavy: nbformat, nbclient, a kernel)
+
     for p in a.paths:
         refresh(p)
         print(f"refreshed {p}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "compare":
-        return compare_main(argv[1:])
-    if argv and argv[0] == "baseline":
-        return baseline_main(argv[1:])
-    if argv and argv[0] == "numdiff":
-        return numdiff_main(argv[1:])
-    if argv and argv[0] == "lab":
-        return lab_main(argv[1:])
-    if argv and argv[0] == "trace":
-        from lab_utils.run.trace_cli import main as trace_main  # noqa: PLC0415  (holoviews: seconds to import)
+def _cmd_lab(a: argparse.Namespace, argv: list[str]) -> int:
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    return workspace.launch(a, extra)
 
-        return trace_main(argv[1:])
+
+def _cmd_compare(a: argparse.Namespace, argv: list[str]) -> int:
+    if _refuse_missing("perflab compare", {"BASE": a.base, "CANDIDATE": a.candidate}, ("latest", "baseline")):
+        return 2
+    from lab_utils.run.compare.cli import command  # noqa: PLC0415  (heavy: pandas, bokeh)
+
+    return command(a)
+
+
+def _cmd_baseline(a: argparse.Namespace, argv: list[str]) -> int:
+    from lab_utils.run.compare.baselines import command  # noqa: PLC0415  (heavy: pandas, bokeh; papermill to run)
+
+    return command(a, ["baseline", *argv])
+
+
+def _cmd_numdiff(a: argparse.Namespace, argv: list[str]) -> int:
+    if _refuse_missing("perflab numdiff", {"A": a.a, "B": a.b}, say="{arg}: cannot read records from {path}"):
+        return 2
+    from lab_utils.stability.numdiff import run_numdiff  # noqa: PLC0415  (heavy: pandas)
+
+    floor = dict(a.floor or [])
+    return run_numdiff(a.a, a.b, variant_a=a.variant_a, variant_b=a.variant_b, tol=a.tol, floor=floor, stats=a.stat)
+
+
+def _cmd_trace(a: argparse.Namespace, argv: list[str]) -> int:
+    prog, paths = (
+        ("perflab trace diff", {"BASE": a.base, "CANDIDATE": a.candidate})
+        if getattr(a, "diff", False)
+        else ("perflab trace", {"PATH": a.path})
+    )
+    if _refuse_missing(prog, paths):
+        return 2
+    from lab_utils.run.trace_cli import run as trace_run  # noqa: PLC0415  (heavy: pandas, msgspec, holoviews)
+
+    return trace_run(a)
+
+
+#: the subcommands in the order ``perflab --help`` lists them: their arguments' module, their handler
+COMMANDS: dict[str, tuple[ModuleType, Handler]] = {
+    "run": (run, _cmd_run),
+    "ceilings": (ceilings, _cmd_ceilings),
+    "nb": (nb, _cmd_nb),
+    "lab": (lab, _cmd_lab),
+    "compare": (compare, _cmd_compare),
+    "baseline": (baseline, _cmd_baseline),
+    "numdiff": (numdiff, _cmd_numdiff),
+    "trace": (trace, _cmd_trace),
+    "export": (export, _cmd_export),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    """``perflab``'s parser: one subparser per entry of :data:`COMMANDS`."""
     ap = argparse.ArgumentParser(
         prog="perflab", description="perflab: a performance lab for diffusion-transformer training"
     )
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run a suite of notebooks headless into reports/<run-id>/")
-    r.add_argument("suite", nargs="?")
-    r.add_argument("--list", action="store_true", help="list suites and their notebooks")
-    r.add_argument("--param", action="append", metavar="KEY=VALUE", help="override a parameter (YAML value)")
-    r.add_argument(
-        "--only",
-        action="append",
-        metavar="NOTEBOOK",
-        help="run only this notebook of the suite (a name like 05_memory or a path like labs/05_memory.ipynb)",
-    )
-    r.add_argument("--out", default=None, help="reports folder (default: reports/)")
-    r.add_argument("--no-progress", action="store_true")
-    r.add_argument(
-        "--timing-threads",
-        default=None,
-        metavar="N|auto",
-        help="CPU threads every lab times with (default: auto, the cores other processes leave free; "
-        "recorded in each report's context)",
-    )
-    add_job_options(r)
-    r.set_defaults(fn=_cmd_run)
-    c = sub.add_parser("ceilings", help="measure (or show cached) copy and matmul ceilings")
-    c.add_argument("--force", action="store_true", help="re-measure even if cached (without it, the cache is shown)")
-    c.add_argument("--quick", action="store_true", help="the smaller sizes CPU smoke runs use (cached separately)")
-    c.add_argument("--device", default=None)
-    c.set_defaults(fn=_cmd_ceilings)
-    n = sub.add_parser("nb", help="notebook maintenance")
-    nsub = n.add_subparsers(dest="nbcmd", required=True)
-    rf = nsub.add_parser("refresh", help="execute a lab at its defaults and keep only checked outputs")
-    rf.add_argument("paths", nargs="+")
-    rf.set_defaults(fn=_cmd_nb)
-    sub.add_parser("compare", help="compare two reports (see `perflab compare --help`)")
-    sub.add_parser("baseline", help="stored baselines (see `perflab baseline --help`)")
-    sub.add_parser("lab", help="JupyterLab on git-ignored working copies of labs/ (see `perflab lab --help`)")
-    sub.add_parser("trace", help="analyse profiler traces: `perflab trace PATH`, `perflab trace diff A B`")
-    sub.add_parser("numdiff", help="where two reports' telemetry first differs (see `perflab numdiff --help`)")
-    a = ap.parse_args(argv)
-    return a.fn(a)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (mod, fn) in COMMANDS.items():
+        sp = sub.add_parser(
+            name,
+            help=mod.HELP,
+            description=mod.DESCRIPTION,
+            epilog=getattr(mod, "EPILOG", None),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        mod.add_arguments(sp)
+        sp.set_defaults(fn=fn)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["trace", "diff"]:  # `perflab trace PATH` takes a path where `diff` stands
+        a = trace.parser(diff=True).parse_args(argv[2:])
+        a.diff = True
+        return _cmd_trace(a, argv[2:])
+    # `perflab lab ... -- JUPYTER-ARGS`: what follows `--` goes to `jupyter lab`, unparsed
+    cut = argv.index("--") if argv[:1] == ["lab"] and "--" in argv else len(argv)
+    a = parser().parse_args(argv[:cut])
+    return a.fn(a, argv[1:])
 
 
 if __name__ == "__main__":

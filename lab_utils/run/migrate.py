@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lab_utils.run.runner import ROOT, notebook_config_class
+from lab_utils.run.suites import ROOT, notebook_config_class
 
 
 def renamed_params(notebook: str, labs: Path | None = None) -> dict[str, str]:

@@ -9,15 +9,37 @@ way; run it after changing a lab on purpose (``perflab nb refresh labs/NN_x.ipyn
 
 from __future__ import annotations
 
+import os
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 import nbformat
+from jupyter_client.manager import AsyncKernelManager
+from jupyter_core.paths import jupyter_runtime_dir
 from nbclient import NotebookClient
+from traitlets import CaselessStrEnum, default
 
 from lab_utils.core.noise import split_noise
 
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
+
+
+class IPCKernelManager(AsyncKernelManager):
+    """A kernel reached over IPC (Unix sockets in the user's Jupyter runtime folder, named for this
+    kernel alone) instead of TCP on localhost: a headless kernel has no reason to listen on a port,
+    and over TCP without CurveZMQ keys ipykernel warns once per kernel ("Kernel is running over TCP
+    without encryption"), which the runner printed once per lab."""
+
+    transport = CaselessStrEnum(["tcp", "ipc"], default_value="ipc", config=True)
+
+    @default("ip")
+    def _own_socket_path(self) -> str:
+        # jupyter_client's default, "kernel-ipc" in the working folder, is shared by two runs started
+        # there at once: each kernel must have sockets of its own
+        folder = jupyter_runtime_dir()
+        os.makedirs(folder, exist_ok=True)
+        return os.path.join(folder, f"perflab-{os.getpid()}-{uuid.uuid4().hex[:12]}-ipc")
 
 
 def make_notebook(
@@ -97,7 +119,13 @@ def strip_noise(nb: nbformat.NotebookNode) -> list[str]:
 
 
 def execute(nb: nbformat.NotebookNode, cwd: str | Path, timeout: int = 1200) -> nbformat.NotebookNode:
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        kernel_manager_class=IPCKernelManager,
+        resources={"metadata": {"path": str(cwd)}},
+    ).execute()
     return nb
 
 

@@ -28,6 +28,7 @@ from lab_utils.core.records import (
     thread_cut_note,
     write_records_json,
 )
+from lab_utils.run import footprint
 
 EXTERNAL_SCRIPT = re.compile(r"<script[^>]*\bsrc=[\"'](?:https?:)?//[^\"']*[\"'][^>]*>\s*</script>", re.I)
 EXTERNAL_LINK = re.compile(r"<link[^>]*\bhref=[\"'](?:https?:)?//[^\"']*[\"'][^>]*/?>", re.I)
@@ -53,8 +54,41 @@ def make_self_contained(text: str) -> str:
     return PANEL_CDN.sub(_panel_css_data_uri, text)
 
 
+def _widget_models(nb) -> dict:
+    """``model_id -> {"model_name", "state"}`` of the widgets' final state, as the kernel left it
+    (nbclient stores it in the notebook's metadata)."""
+    widgets = (nb.metadata.get("widgets") or {}).get("application/vnd.jupyter.widget-state+json") or {}
+    return dict(widgets.get("state") or {})
+
+
+def progress_html(model_id: str, models: dict) -> str | None:
+    """A tqdm bar (an HBox of an HTML, a progress bar and an HTML) as the kernel left it: its
+    description, how far it got and its last figures, as plain HTML; None for any other widget."""
+    box = models.get(model_id) or {}
+    if box.get("model_name") != "HBoxModel":
+        return None
+    kids = [models.get(str(c).removeprefix("IPY_MODEL_")) or {} for c in (box.get("state") or {}).get("children", [])]
+    bars = [k for k in kids if k.get("model_name") in ("FloatProgressModel", "IntProgressModel")]
+    texts = [k for k in kids if k.get("model_name") == "HTMLModel"]
+    if len(bars) != 1 or len(texts) != 2:
+        return None
+    s = bars[0].get("state") or {}
+    lo, hi, v = float(s.get("min", 0) or 0), float(s.get("max", 100) or 0), float(s.get("value", 0) or 0)
+    left, right = ((t.get("state") or {}).get("value", "") for t in texts)
+    style = {"success": "#2e7d32", "danger": "#c62828"}.get(s.get("bar_style") or "", "#1976d2")
+    frac = (v - lo) / (hi - lo) if hi > lo else 0.0
+    # the texts are tqdm's own HTML (entities escaped by tqdm): shown as the widget showed them
+    return (
+        '<div class="perflab-progress" style="display:flex;gap:.5em;align-items:center;font-family:monospace">'
+        f'<span>{left}</span><progress value="{v:g}" max="{hi:g}" style="accent-color:{style}" '
+        f'data-fraction="{frac:.4f}"></progress><span>{right}</span></div>'
+    )
+
+
 def _drop_widget_views(nb) -> None:
-    """ipywidget outputs (tqdm bars) need a widget manager from a CDN: keep their text form."""
+    """ipywidget outputs need a widget manager from a CDN: a tqdm bar becomes plain HTML of its
+    final state (not the 0% its text form was when first shown), any other widget its text form."""
+    models = _widget_models(nb)
     nb.metadata.pop("widgets", None)
     for cell in nb.cells:
         if "outputs" not in cell:
@@ -62,7 +96,11 @@ def _drop_widget_views(nb) -> None:
         for out in cell.outputs:
             data = out.get("data")
             if data and WIDGET_VIEW in data:
-                data.pop(WIDGET_VIEW)
+                view = data.pop(WIDGET_VIEW)
+                bar = progress_html(str((view or {}).get("model_id", "")), models)
+                if bar is not None:
+                    data.clear()
+                    data["text/html"] = bar
         cell.outputs = [o for o in cell.outputs if "data" not in o or o["data"]]
 
 
@@ -141,7 +179,7 @@ def gather_records(run_dir: Path, statuses, run_id: str, *, relocate: tuple[Path
     df = df.reindex(columns=cols)
     df["value"] = pd.to_numeric(df["value"], errors="coerce").astype(float)
     df.to_parquet(run_dir / "records.parquet", index=False)
-    write_records_json(df, run_dir / "records.json", indent=1)  # exact floats (to_json keeps 10 decimals)
+    write_records_json(df, run_dir / "records.json")  # exact floats (to_json keeps 10 decimals)
     (run_dir / "status.json").write_text(
         json.dumps([{k: v for k, v in vars(s).items() if k != "params"} for s in statuses], indent=1)
     )
@@ -246,7 +284,7 @@ def write_index(run_dir: Path, suite, statuses, run_id: str, overrides: dict) ->
 <th>parameters / error</th></tr>
 {"".join(rows)}</table>
 {_unstable_section(run_dir)}
-{_artifacts_section(run_dir)}
+<div id="files">{_artifacts_section(run_dir)}</div>
 <h2>Ceilings</h2>
 <p class="muted">Measured on this machine (copy: bytes read + written over time; matmul: 2n³ FLOPs over time),
 beside the vendor datasheet's dense peaks, which are references, not measurements.</p>
@@ -334,16 +372,46 @@ def _unstable_section(run_dir: Path, limit: int = 50) -> str:
     )
 
 
+FILES_SECTION = re.compile(r'<div id="files">.*?</div>\n<h2>Ceilings</h2>', re.S)
+
+
+def drop_traces(run_dir: Path) -> list[tuple[str, int]]:
+    """Remove a finished report's profiler traces (``footprint.prune_traces``) and bring its index's
+    file list and byte table up to date (``perflab run --export tensorboard`` exports the traces first)."""
+    gone = footprint.prune_traces(run_dir)
+    index = run_dir / "index.html"
+    if gone and index.exists():
+        section = f'<div id="files">{_artifacts_section(run_dir)}</div>\n<h2>Ceilings</h2>'
+        index.write_text(FILES_SECTION.sub(lambda _m: section, index.read_text(encoding="utf-8"), count=1), "utf-8")
+    return gone
+
+
 def _artifacts_section(run_dir: Path) -> str:
     """Links to the files the labs left (profiler traces, memory timelines), inside the
-    report folder, relative, so they work wherever the report is moved."""
+    report folder, relative, so they work wherever the report is moved; the traces not kept; and
+    where the report's bytes go (``footprint.bytes_by_kind``)."""
     root = run_dir / "artifacts"
-    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
-    if not files:
-        return ""
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != footprint.NOT_KEPT) if root.exists() else []
     items = "".join(
         f'<li><a href="{html.escape(p.relative_to(run_dir).as_posix())}">{html.escape(p.relative_to(root).as_posix())}'
         f'</a> <span class="muted">{p.stat().st_size / 2**20:.2f} MiB</span></li>'
         for p in files
     )
-    return f"<h2>Artifacts</h2><ul>{items}</ul>"
+    out = f"<h2>Artifacts</h2><ul>{items}</ul>" if files else ""
+    not_kept = root / footprint.NOT_KEPT
+    if not_kept.exists():
+        gone = not_kept.read_text(encoding="utf-8").splitlines()[1:]
+        mb = sum(int(line.rsplit("\t", 1)[1]) for line in gone) / 1e6
+        out += (
+            f'<p class="muted" id="traces-not-kept">{len(gone)} profiler trace(s), {mb:.1f} MB, read by the labs and '
+            f'not kept (<a href="artifacts/{footprint.NOT_KEPT}">which</a>; '
+            "<code>perflab run --keep-traces</code> keeps them)</p>"
+        )
+    rows = "".join(
+        f"<tr><td>{html.escape(k.kind)}</td><td>{k.files}</td><td>{k.bytes / 1e6:.1f}</td></tr>"
+        for k in footprint.bytes_by_kind(run_dir)
+    )
+    return (
+        f'{out}<h2>Where this report\'s bytes go</h2><table id="footprint"><tr><th>kind</th><th>files</th>'
+        f"<th>MB</th></tr>{rows}</table>"
+    )

@@ -1,9 +1,8 @@
 """Headless runs: a suite of parameterized notebooks -> one self-contained report.
 
-A suite (``parameterized/<suite>.yaml``) lists entries, each a notebook and a
-parameter set (``set: smoke`` -> ``parameterized/sets/<notebook-stem>/smoke.yaml``)
-plus optional inline ``params``.  ``--param key=value`` overrides apply to every
-notebook that has that parameter.
+A suite (``parameterized/<suite>.yaml``, read by ``lab_utils.run.suites``) lists entries, each a
+notebook and a parameter set plus optional inline ``params``.  ``--param key=value`` overrides
+apply to every notebook that has that parameter.
 
 Everything is validated before anything runs: the suite exists, every parameter is
 one the notebook declares in its ``parameters`` cell, and the lab's config class
@@ -19,9 +18,7 @@ repointed atomically, and only to a complete report.
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import importlib
 import json
 import os
 import secrets
@@ -31,134 +28,25 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import nbformat
 import papermill as pm
-import yaml
 from tqdm.auto import tqdm
 
 from lab_utils.core.config import ConfigError, validating_for
 from lab_utils.core.cpu_threads import THREADS_ENV, choose_cpu_threads
-from lab_utils.run import parallel, report
-from lab_utils.run.nbtools import strip_noise
-
-ROOT = Path(__file__).resolve().parents[2]  # the repository: lab_utils/run/runner.py -> ../../..
-
-
-class SuiteError(ValueError):
-    """A suite, notebook or parameter that cannot be run; raised before anything runs."""
-
-
-def params_dir() -> Path:
-    return Path(os.environ.get("PERFLAB_PARAMETERIZED", ROOT / "parameterized"))
-
-
-@dataclass(frozen=True)
-class Entry:
-    notebook: Path
-    set: str | None
-    params: dict
-    name: str = ""  # the suite item's ``name``: a notebook run twice in one suite needs one
-
-    @property
-    def stem(self) -> str:
-        """What the run's outputs are named by: the item's ``name``, else the notebook's stem."""
-        return self.name or self.notebook.stem
-
-
-@dataclass(frozen=True)
-class Suite:
-    name: str
-    description: str
-    entries: tuple[Entry, ...]
-    path: Path
-
-
-def list_suites() -> list[str]:
-    return sorted(p.stem for p in params_dir().glob("*.yaml"))
-
-
-def load_suite(name: str | Path) -> Suite:
-    """Load ``parameterized/<name>.yaml`` (or a path to a suite file)."""
-    path = Path(name)
-    if not (path.suffix in (".yaml", ".yml") and path.exists()):
-        path = params_dir() / f"{name}.yaml"
-    if not path.exists():
-        raise SuiteError(f"suite {str(name)!r} does not exist; known suites: {', '.join(list_suites()) or 'none'}")
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict) or not isinstance(data.get("notebooks"), list) or not data["notebooks"]:
-        raise SuiteError(f"suite file {path} must be a mapping with a non-empty list 'notebooks'")
-    entries = []
-    for i, item in enumerate(data["notebooks"]):
-        if isinstance(item, str):
-            item = {"notebook": item}
-        if not isinstance(item, dict) or "notebook" not in item:
-            raise SuiteError(f"{path}: notebooks[{i}] must be a mapping with a 'notebook' key")
-        nb = (ROOT / item["notebook"]) if not Path(item["notebook"]).is_absolute() else Path(item["notebook"])
-        if not nb.is_absolute():
-            nb = (path.parent / item["notebook"]).resolve()
-        if not nb.exists() and (path.parent / item["notebook"]).exists():
-            nb = (path.parent / item["notebook"]).resolve()
-        if not nb.exists():
-            raise SuiteError(f"{path}: notebooks[{i}]: notebook {item['notebook']!r} does not exist")
-        params: dict = {}
-        set_name = item.get("set")
-        if set_name:
-            set_path = params_dir() / "sets" / nb.stem / f"{set_name}.yaml"
-            if not set_path.exists():
-                sets = sorted(p.stem for p in (params_dir() / "sets" / nb.stem).glob("*.yaml"))
-                raise SuiteError(
-                    f"{path}: notebooks[{i}]: parameter set {set_name!r} for {nb.stem} does not exist "
-                    f"(looked for {set_path}); known sets: {', '.join(sets) or 'none'}"
-                )
-            params.update(yaml.safe_load(set_path.read_text()) or {})
-        params.update(item.get("params") or {})
-        entry = Entry(nb, set_name, params, str(item.get("name") or ""))
-        if any(e.stem == entry.stem for e in entries):
-            raise SuiteError(f"{path}: notebooks[{i}]: {entry.stem!r} runs twice; give one a distinct 'name'")
-        entries.append(entry)
-    return Suite(name=path.stem, description=str(data.get("description", "")), entries=tuple(entries), path=path)
-
-
-def parse_overrides(items: list[str] | None) -> dict[str, Any]:
-    """``["dtype=bfloat16", "sizes=[256, 512]"]`` -> values parsed as YAML scalars/lists."""
-    out: dict[str, Any] = {}
-    for it in items or []:
-        if "=" not in it:
-            raise SuiteError(f"--param {it!r} is not of the form key=value")
-        k, v = it.split("=", 1)
-        k = k.strip()
-        if not k.isidentifier():
-            raise SuiteError(f"--param {it!r}: {k!r} is not a parameter name")
-        try:
-            out[k] = yaml.safe_load(v)
-        except yaml.YAMLError as e:
-            raise SuiteError(f"--param {it!r}: value does not parse: {e}") from None
-    return out
-
-
-def notebook_parameters(path: Path) -> dict[str, Any]:
-    """The defaults of a notebook's ``parameters`` cell, as Python values."""
-    info = pm.inspect_notebook(str(path))
-    if not info:
-        raise SuiteError(f"notebook {path.name} has no cell tagged 'parameters'")
-    out = {}
-    for name, p in info.items():
-        try:
-            out[name] = ast.literal_eval(p["default"])
-        except (ValueError, SyntaxError):
-            out[name] = p["default"]
-    return out
-
-
-def notebook_config_class(path: Path):
-    nb = nbformat.read(path, as_version=4)
-    spec = nb.metadata.get("perflab", {}).get("config")
-    if not spec:
-        return None
-    mod, _, cls = spec.partition(":")
-    return getattr(importlib.import_module(mod), cls)
+from lab_utils.run import footprint, parallel, report
+from lab_utils.run.nbtools import IPCKernelManager, strip_noise
+from lab_utils.run.suites import (
+    ROOT,
+    Entry,
+    Suite,
+    SuiteError,
+    check_overrides,
+    load_suite,
+    notebook_config_class,
+    notebook_parameters,
+)
 
 
 @dataclass
@@ -171,13 +59,8 @@ class Planned:
 def plan(suite: Suite, overrides: dict | None = None, only: list[str] | None = None) -> list[Planned]:
     """Validate the whole suite before anything runs."""
     overrides = overrides or {}
-    entries = list(suite.entries)
-    if only:
-        stems = {e.stem for e in entries}
-        for o in only:
-            if o not in stems:
-                raise SuiteError(f"--only {o!r} is not a notebook of suite {suite.name}: {', '.join(sorted(stems))}")
-        entries = [e for e in entries if e.stem in only]
+    check_overrides(suite, overrides, only)  # names first, before any lab is imported
+    entries = [e for e in suite.entries if not only or e.stem in only]
     planned, used = [], set()
     for e in entries:
         defaults = notebook_parameters(e.notebook)
@@ -332,6 +215,7 @@ def run_suite(
     run_id: str | None = None,
     timing_threads: int | str | None = None,
     jobs: dict | None = None,
+    keep_traces: bool = False,
 ) -> RunResult:
     """Run every notebook of a suite and write the report.  Validation errors raise
     before anything runs; notebook failures are recorded and the suite goes on.
@@ -341,7 +225,9 @@ def run_suite(
     ``jobs``: run the labs as jobs, side by side or on a cluster, into the same report (the
     options of ``lab_utils.run.parallel.plan_jobs``: executor, parallel, devices, cluster).
     Ctrl-C raises :class:`RunInterrupted` after cleaning up: ``latest`` is untouched, the
-    temporary folder is gone, finished notebooks are kept in ``<run-id>-interrupted/``."""
+    temporary folder is gone, finished notebooks are kept in ``<run-id>-interrupted/``.
+    ``keep_traces``: keep the labs' profiler traces in ``artifacts/`` (by default they are removed
+    once the labs have read them, and listed: ``lab_utils.run.footprint``)."""
     s = suite if isinstance(suite, Suite) else load_suite(suite)
     # job options first (on SLURM checked against the site): the labs' device-dependent parameters
     # are then checked against where the jobs will run, not the machine submitting them
@@ -381,6 +267,8 @@ def run_suite(
                 current = None
         current = "the report (index, gathered records)"
         report.gather_records(tmp, statuses, run_id, relocate=(tmp, final))
+        if not keep_traces:
+            footprint.prune_traces(tmp)
         report.write_index(tmp, s, statuses, run_id, overrides or {})
         current = None
     except KeyboardInterrupt:
@@ -453,6 +341,7 @@ def _run_one(p: Planned, tmp: Path, final: Path, timeout_s: int) -> NotebookStat
             parameters=p.params,
             cwd=str(p.entry.notebook.parent),
             kernel_name="python3",
+            kernel_manager_class=IPCKernelManager,
             progress_bar=False,
             execution_timeout=timeout_s,
             log_output=False,
@@ -471,6 +360,7 @@ def _run_one(p: Planned, tmp: Path, final: Path, timeout_s: int) -> NotebookStat
             note = report.lab_threads_note(rec_dir / "records.json")
             report.export_html(out_nb, tmp / "html" / f"{stem}.html", title=stem, banner=note)
             st.html = f"html/{stem}.html"
+            footprint.strip_plot_payloads(out_nb)  # the page keeps the plots; the notebook its text
         except Exception as e:  # noqa: BLE001
             st.error = (st.error + "; " if st.error else "") + f"HTML export failed: {_error_of(e)}"
             st.status = "failed"

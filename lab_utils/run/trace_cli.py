@@ -1,99 +1,156 @@
 """``perflab trace PATH`` and ``perflab trace diff A B``: real profiler traces from the command line.
 
-``perflab trace PATH`` (a trace file or a folder holding one file per rank) prints the
-summary of :class:`lab_utils.traces.TraceAnalysis` (per rank and per step breakdown, top
-kernels, overlap, idle split, launch verdict, collectives when present) and writes into
-``--out`` the records ``perflab compare`` reads (``records.json``), the figures as JSON
-(``trace.json``) and one self-contained HTML page (``trace.html``, BokehJS inline).  ``--json``
-prints the figures as JSON instead of the text summary.
+``perflab trace PATH`` (a trace file or a folder holding one file per rank) prints the summary of
+the job (per rank and per step breakdown, top kernels, overlap, idle split, launch verdicts,
+collectives when present) and writes into ``--out`` the records ``perflab compare`` reads
+(``records.json``, their context naming the traces' GPU), the figures as JSON (``trace.json``) and
+one self-contained HTML page (``trace.html``, BokehJS inline).  ``--json`` prints the figures as
+JSON instead of the text summary; ``--gpu NAME`` is the GPU of traces that name none.
 
-A folder's ranks are read and attributed in parallel by
-:func:`lab_utils.run.executors.map_jobs` (``--executor pool|local|slurm``), one job per rank
-file, then reduced to one job.
+A folder's ranks are read by :func:`lab_utils.run.executors.map_jobs` (``--executor
+pool|local|slurm``; on SLURM one job array, placed by ``--partition``/``--account``/``--time-limit``
+and ``perflab.slurm.yaml``, checked against the site first, its files next to ``--out``), one job per
+rank file: each job reads, attributes and summarises its file
+(:mod:`lab_utils.traces.summary`) and only the summary comes back, merged into one job.  A file that
+cannot be read (truncated, corrupt, not a trace) stops the command before anything is written: one
+line naming it, exit 2.
 
-``perflab trace diff A B`` records both sides (files or folders) and compares them with
-:func:`lab_utils.run.compare.compare`: per category, phase, step and top kernel, each per-step
-figure carrying its steps as samples, so the verdicts (faster, slower, same, noisy) come from
-the spread across steps.
+``perflab trace diff A B`` reads both sides (files or folders), pairs their ranks (the same ranks
+rank by rank, one rank each, as many ranks by position, else pooled), records every kernel,
+launching operator, category and phase per step (a row only one side ran is 0 ms on the other) and
+compares them with :func:`lab_utils.run.compare.compare`: verdicts from the spread across steps, by
+step index; only the times gate (``gate="performance"``), the shares and idle are reported.
 """
 
 from __future__ import annotations
 
 import argparse
-import html
 import json
 import os
-import re
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import holoviews as hv
 import pandas as pd
-from bokeh.embed import components
-from bokeh.resources import Resources
 
 from lab_utils.core.config import ConfigError
+from lab_utils.core.datasheets import check_part
+from lab_utils.core.device import HOST
 from lab_utils.core.records import Recorder, json_value
 from lab_utils.run.cluster import ClusterOptions, cluster_options, resolve_site
+from lab_utils.run.commands import trace as trace_args
 from lab_utils.run.compare import compare
 from lab_utils.run.compare.rules import CompareError
-from lab_utils.run.executors import MAP_EXECUTORS, MapOptions, map_jobs
-from lab_utils.traces import PhaseTable, TraceAnalysis
-from lab_utils.traces.attribute import Attributed, attribute
-from lab_utils.traces.reader import RankTrace, read_rank, trace_files
+from lab_utils.run.executors import MapOptions, map_jobs
+from lab_utils.run.trace_analyses import (
+    MAX_RANKS,
+    analysis_figures,
+    job_perfetto,
+    job_timeline,
+    path_values,
+    rank_extras,
+    summary_lines,
+)
+from lab_utils.run.trace_html import headline, render_html
+from lab_utils.traces import TraceAnalysis
+from lab_utils.traces.perfetto import write_perfetto
+from lab_utils.traces.reader import read_rank, trace_files
+from lab_utils.traces.summary import JobSummary, RankSummary, summarise
+from lab_utils.traces.timeline import check_steps
 
 LAB = "trace"
 EXIT_USAGE = 2
+PERFETTO = "trace.perfetto.json.gz"  # the attributed trace for Perfetto (lab_utils.traces.perfetto)
 
 
-# -- reading a job: map per rank, reduce to one TraceAnalysis ------------------------------
-def analyse_rank(item: tuple[str, int, bool]) -> tuple[RankTrace, Attributed]:
-    """One rank file read and attributed (a job of :func:`map_jobs`): ``(path, index, alone)``."""
-    path, index, alone = item
-    trace = read_rank(path, index, alone=alone)
-    return trace, attribute(trace, PhaseTable())
+# -- reading a job: map per rank, reduce to one JobSummary ---------------------------------
+@dataclass
+class RankError:
+    """A rank file that could not be read: returned by its job, not raised (any executor carries it)."""
+
+    path: str
+    message: str  # one line
+
+
+def analyse_rank(item: tuple) -> RankSummary | RankError:
+    """One rank file read, attributed and summarised (a job of :func:`map_jobs`):
+    ``(path, index, alone, gpu[, options])``; only the summary comes back (see
+    :mod:`lab_utils.traces.summary`).  ``options`` (``perflab trace``'s): ``step``, ``page`` (this rank
+    on the page: its extras, :func:`lab_utils.run.trace_analyses.rank_extras`), ``max_bars``,
+    ``perfetto``, ``paths`` (the critical path per step among the records)."""
+    path, index, alone, gpu = item[:4]
+    opts = item[4] if len(item) > 4 else {}
+    try:
+        trace = read_rank(path, index, alone=alone)
+        ta = TraceAnalysis({trace.rank: trace}, gpu=gpu)
+        summary = summarise(ta, trace.rank)
+        if opts.get("paths"):
+            summary.per_step = pd.concat([summary.per_step, path_values(ta, trace.rank)], ignore_index=True)
+        if opts:
+            summary.extras = rank_extras(ta, trace.rank, opts.get("step"), page=bool(opts.get("page")),
+                                         max_bars=opts.get("max_bars", 20_000),
+                                         perfetto=opts.get("perfetto", "none"))  # fmt: skip
+        return summary
+    except ConfigError as e:
+        return RankError(path, one_line(str(e)))
+    except MemoryError:
+        return RankError(path, f"parameter 'path' = {path!r} is not allowed: expected a trace that fits the job's "
+                               "memory (--mem-gb)")  # fmt: skip
+
+
+def one_line(text: str) -> str:
+    """The last non-empty line of ``text`` (a traceback's is the error itself), without its newlines."""
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    return lines[-1] if lines else "no error message"
 
 
 def load_job(
     path: str | Path,
     *,
-    executor: str = "pool",
-    workers: int = 2,
-    mem_gb: float | None = 4.0,
-    progress: bool = False,
-    cluster: ClusterOptions | None = None,
+    jobs: MapOptions | None = None,
     jobs_dir: str | Path = ".perflab",
-) -> TraceAnalysis:
-    """``path`` (file or folder) as one :class:`TraceAnalysis`; a folder's ranks through ``map_jobs``
-    (``cluster``: where SLURM jobs go; their files under ``jobs_dir``, on a filesystem the nodes
-    share, removed at the end)."""
+    progress: bool = False,
+    gpu: str | None = None,
+    options: dict | None = None,
+    only: list[int] | None = None,
+) -> JobSummary:
+    """``path`` (file or folder) as one :class:`JobSummary`; a folder's ranks through ``map_jobs``
+    (``jobs``: how, default a pool of 2 processes, 4 GB each; ``jobs.cluster``: where SLURM jobs go;
+    their files under ``jobs_dir``, on a filesystem the nodes share, removed at the end).
+    A rank file that cannot be read raises one ``ConfigError`` naming it (the first, in file order).
+    ``options``: what each rank's job adds (:func:`analyse_rank`; ``page`` for the first
+    :data:`~lab_utils.run.trace_analyses.MAX_RANKS` files); ``only``: read these files (by index) alone."""
     files = trace_files(path)
-    items = [(str(f), i, len(files) == 1) for i, f in enumerate(files)]
-    if len(files) == 1:
-        outs = [analyse_rank(items[0])]
+    opts = options or {}
+    first = {"page": opts.get("page", True), "paths": opts.get("paths", True)}  # the first MAX_RANKS files only
+    items = [(str(f), i, len(files) == 1, gpu, opts and opts | {k: v and i < MAX_RANKS for k, v in first.items()})
+             for i, f in enumerate(files)]  # fmt: skip
+    if only is not None:
+        files, items = [files[i] for i in only], [items[i] for i in only]
+    if len(items) == 1:
+        outs: list = [analyse_rank(items[0])]
     else:
-        opts = MapOptions(executor, workers=min(workers, len(files)), mem_gb=mem_gb)
-        if cluster is not None:
-            opts.cluster = cluster
+        how = jobs or MapOptions()
+        opts = replace(how, workers=min(how.workers, len(files)))
         folder = Path(jobs_dir).resolve() / f".jobs-trace-{os.getpid()}"
         done = map_jobs(analyse_rank, items, opts, folder, progress=progress, desc="ranks")
-        failed = [(f, o.error) for f, o in zip(files, done) if o.state != "ok"]
-        if failed:
-            f, err = failed[0]
-            raise ConfigError("path", str(f), f"a readable trace file ({len(failed)} rank file(s) failed; {err})")
-        outs = [o.value for o in done]
-    traces: dict[int, RankTrace] = {}
-    attributed: dict[int, Attributed] = {}
-    for trace, attr in outs:
-        if trace.rank in traces:
-            raise ConfigError("path", str(path), f"one file per rank (rank {trace.rank}: {traces[trace.rank].path} "
-                              f"and {trace.path})")  # fmt: skip
-        traces[trace.rank], attributed[trace.rank] = trace, attr
-    ta = TraceAnalysis(dict(sorted(traces.items())), attributed=attributed)
-    ta.path = str(path)
-    return ta
+        outs = [o.value if o.state == "ok" else RankError(str(f), f"{o.state}: {one_line(o.error)}")
+                for f, o in zip(files, done)]  # fmt: skip
+    failed = [o for o in outs if isinstance(o, RankError)]
+    if failed:
+        of = f" ({len(failed)} of {len(files)} rank files failed)" if len(files) > 1 else ""
+        msg = failed[0].message
+        if msg.startswith("parameter 'path'"):
+            raise ConfigError("path", failed[0].path, msg.split("expected ", 1)[-1] + of)
+        raise ConfigError("path", failed[0].path, f"a trace file its job can read ({msg}){of}")
+    ranks: dict[int, RankSummary] = {}
+    for r in outs:
+        if r.rank in ranks:
+            raise ConfigError("path", str(path), f"one file per rank (rank {r.rank}: {ranks[r.rank].path} "
+                              f"and {r.path})")  # fmt: skip
+        ranks[r.rank] = r
+    return JobSummary(ranks, str(path))
 
 
 # -- figures ---------------------------------------------------------------------------------
@@ -101,35 +158,37 @@ def _frame(df: pd.DataFrame) -> list[dict]:
     return [{k: json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
 
 
-def figures(ta: TraceAnalysis, top: int = 10) -> dict[str, list[dict] | dict]:
-    """Every figure of the job as JSON-ready tables (one list of rows per table)."""
+def figures(job: JobSummary, top: int = 10, step: int | None = None) -> dict[str, list[dict] | dict]:
+    """Every figure of the job as JSON-ready tables (one list of rows per table); with the ranks'
+    extras (``perflab trace``), the analyses of :mod:`lab_utils.run.trace_analyses` for ``step``."""
     out: dict = {
-        "path": ta.path,
-        "ranks": ta.ranks,
-        "devices": {str(r): ta.device(r) for r in ta.ranks},
-        "temporal": _frame(ta.temporal()),
-        "temporal_by_step": _frame(ta.temporal(by="step")),
-        "shares": _frame(ta.shares()),
-        "categories": _frame(ta.categories()),
-        "overlap": _frame(ta.overlap()),
-        "idle": _frame(ta.idle()),
-        "launch": _frame(ta.launch_stats()),
-        "phases": _frame(ta.phases()),
-        "windows": _frame(ta.windows()),
-        "top_kernels": {str(r): _frame(ta.top_kernels(r, top)) for r in ta.ranks},
-        "roofline": {str(r): _frame(ta.roofline(r)) for r in ta.ranks},
+        "path": job.path,
+        "ranks": job.ranks,
+        "devices": {str(r): job.device(r) for r in job.ranks},
+        "temporal": _frame(job.table("temporal")),
+        "temporal_by_step": _frame(job.table("temporal_by_step")),
+        "shares": _frame(job.table("shares")),
+        "categories": _frame(job.table("categories")),
+        "overlap": _frame(job.table("overlap")),
+        "idle": _frame(job.table("idle")),
+        "launch": _frame(job.table("launch")),
+        "phases": _frame(job.table("phases")),
+        "windows": _frame(job.table("windows")),
+        "top_kernels": {str(r): _frame(job.top_kernels(r, top)) for r in job.ranks},
+        "roofline": {str(r): _frame(job.ranks_[r].tables["roofline"]) for r in job.ranks},
     }
-    calls = ta.collectives()
+    calls = job.collectives()
     out["collectives"] = _frame(calls)
-    if len(calls) and len(ta.ranks) > 1:
-        out["skew"] = _frame(ta.skew())
-        out["straggler"] = {k: json_value(v) for k, v in vars(ta.straggler()).items()}
-    return out
+    if len(calls) and len(job.ranks) > 1:
+        out["skew"] = _frame(job.skew())
+        out["straggler"] = {k: json_value(v) for k, v in vars(job.straggler()).items()}
+    return out | analysis_figures(job, step)
 
 
-def summary_text(ta: TraceAnalysis, fig: dict) -> str:
-    """``TraceAnalysis.summary`` plus the per step breakdown, idle split and collectives."""
-    lines = [ta.summary(), "", "per step (ms): rank step span busy idle compute communication memory"]
+def summary_text(job: JobSummary, fig: dict) -> str:
+    """:meth:`JobSummary.summary` plus the per step breakdown, idle split and collectives."""
+    lines = [job.summary(), "", "in one look:"] + [f"  {s}" for s in headline(fig)]
+    lines += ["", "per step (ms): rank step span busy idle compute communication memory"]
     for row in fig["temporal_by_step"]:
         vals = " ".join(f"{(row.get(c) or 0) / 1e3:8.3f}" for c in ("span", "busy", "idle", "compute",
                                                                       "communication", "memory"))  # fmt: skip
@@ -140,91 +199,90 @@ def summary_text(ta: TraceAnalysis, fig: dict) -> str:
     calls = fig["collectives"]
     if calls:
         df = pd.DataFrame(calls)
-        g = df.groupby(["rank", "collective"]).agg(calls=("collective", "size"), total_us=("dur", "sum"))
-        lines.append("collectives (rank, collective, calls, total ms):")
-        lines += [f"  {r} {c:<20} {int(v.calls):5d} {v.total_us / 1e3:9.3f}" for (r, c), v in g.iterrows()]
+        if "busbw_transfer_gbps" not in df:
+            df["busbw_transfer_gbps"] = float("nan")
+        g = df.groupby(["rank", "collective"]).agg(calls=("collective", "size"), total_us=("dur", "sum"),
+                                                   bus=("busbw_gbps", "median"),
+                                                   transfer=("busbw_transfer_gbps", "median"))  # fmt: skip
+        lines.append("collectives (rank, collective, calls, total ms, median bus GB/s: with the wait for late ranks "
+                     "| from the transfer alone):")  # fmt: skip
+        lines += [f"  {r} {c:<20} {int(v.calls):5d} {v.total_us / 1e3:9.3f} {v.bus:9.2f} | {v.transfer:9.2f}"
+                  for (r, c), v in g.iterrows()]  # fmt: skip
         if "straggler" in fig:
-            lines.append(f"straggler: {fig['straggler']}")
+            lines.append(f"straggler: {fig['straggler']['verdict']}")
     else:
         lines.append("collectives: none in this trace")
-    return "\n".join(lines)
-
-
-# -- the HTML page ---------------------------------------------------------------------------
-def inline_bokeh() -> str:
-    """BokehJS inline, any ``<script src=...>`` another import registered dropped (as the compare page)."""
-    return re.sub(r"<script[^>]*\bsrc=[^>]*>\s*</script>", "", Resources(mode="inline", components=["bokeh"]).render())
-
-
-def _plots(ta: TraceAnalysis, fig: dict):
-    hv.extension("bokeh", logo=False)
-    t = pd.DataFrame(fig["temporal"])
-    parts = ["compute", "communication", "memory", "other", "idle"]
-    long = t.melt(id_vars=["rank"], value_vars=[p for p in parts if p in t], var_name="part", value_name="us")
-    long["ms"], long["rank"] = long["us"] / 1e3, long["rank"].astype(str)
-    per_rank = hv.Bars(long, kdims=["rank", "part"], vdims="ms").opts(
-        stacked=True, width=520, height=320, title="per rank: where the span went (ms)", tools=["hover"]
-    )
-    s = pd.DataFrame(fig["temporal_by_step"])
-    plots = [per_rank]
-    if len(s):
-        s["label"] = "r" + s["rank"].astype(str) + " s" + s["step"].astype(str)
-        ls = s.melt(id_vars=["label"], value_vars=[p for p in parts if p in s], var_name="part", value_name="us")
-        ls["ms"] = ls["us"] / 1e3
-        bars = hv.Bars(ls, kdims=["label", "part"], vdims="ms")
-        plots.append(bars.opts(stacked=True, width=620, height=320, title="per rank and step (ms)", xrotation=45))
-    return hv.render(hv.Layout(plots).cols(2), backend="bokeh")
-
-
-def _table(rows: list[dict], cols: Sequence[str] | None = None, limit: int = 50) -> str:
-    if not rows:
-        return "<p class='muted'>none</p>"
-    cols = list(cols or rows[0].keys())
-    esc = html.escape
-
-    def cell(v) -> str:
-        return f"{v:.4g}" if isinstance(v, float) else esc(str(v))
-
-    head = "".join(f"<th>{esc(c)}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows[:limit])
-    more = f"<p class='muted'>{len(rows) - limit} more rows in trace.json</p>" if len(rows) > limit else ""
-    return f"<table><tr>{head}</tr>{body}</table>{more}"
-
-
-def render_html(ta: TraceAnalysis, fig: dict, summary: str) -> str:
-    """One self-contained page: BokehJS inline, no script loaded from anywhere else."""
-    script, div = components(_plots(ta, fig))
-    esc = html.escape
-    sections = [("launch verdict", _table(fig["launch"])), ("overlap", _table(fig["overlap"])),
-                ("idle split (us)", _table(fig["idle"])), ("HTA kernel types (%)", _table(fig["shares"])),
-                ("categories", _table(fig["categories"]))]  # fmt: skip
-    sections += [(f"top kernels, rank {r}", _table(rows)) for r, rows in fig["top_kernels"].items()]
-    sections += [("phases (us)", _table(fig["phases"])), ("windows", _table(fig["windows"]))]
-    sections += [(f"roofline, rank {r}", _table(rows)) for r, rows in fig["roofline"].items() if rows]
-    sections.append(("collectives", _table(fig["collectives"])))
-    if "skew" in fig:
-        sections.append(("skew across ranks", _table(fig["skew"])))
-    body = "".join(f"<h2>{esc(h)}</h2>{t}" for h, t in sections)
-    style = (
-        "body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;font-size:12px}"
-        "td,th{border:1px solid #ccc;padding:2px 6px}.muted{color:#777}pre{background:#f6f6f6;padding:1em}"
-    )
-    return (
-        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>perflab trace {esc(ta.path)}</title>'
-        f"{inline_bokeh()}<style>{style}</style></head><body><h1>perflab trace</h1>"
-        f"<pre>{esc(summary)}</pre>{div}{body}{script}</body></html>"
-    )
+    return "\n".join(lines + summary_lines(fig))
 
 
 # -- records and the two commands ------------------------------------------------------------
-def records(ta: TraceAnalysis) -> Recorder:
-    """Per-step figures of ``ta`` as rows (no path among the parameters, so two traces compare)."""
-    devices = sorted({str(ta.device(r) or "not recorded") for r in ta.ranks})
-    rec = ta.record(Recorder(LAB, params={"trace_devices": devices, "ranks": len(ta.ranks)}))
-    # a figure that is zero at every step (no communication at all) has no spread to judge: kept
-    # in trace.json and the summary, left out of the compared rows
-    rec.rows = [r for r in rec.rows if any(abs(float(v)) > 1e-12 for v in (r.get("samples") or [r["value"]]))]
-    return rec
+@dataclass
+class TraceRecorder(Recorder):
+    """Records of a trace: their context names the GPU the trace ran on (or the ``--gpu`` given for
+    it), never the machine that analysed it."""
+
+    job: JobSummary | None = None
+
+    def context(self) -> dict:
+        ctx = super().context()
+        if self.job is not None:
+            ctx.update(trace_context(self.job))
+        return ctx
+
+
+def trace_context(job: JobSummary) -> dict:
+    """``device``, ``device_kind`` and ``device_info`` of the GPU(s) a job's traces ran on."""
+    devices = sorted({str(job.device(r) or "GPU not recorded") for r in job.ranks})
+    rules = sorted({job.ranks_[r].rule for r in job.ranks})
+    props = job.ranks_[job.ranks[0]].properties if job.ranks else {}
+    info = {"name": "; ".join(devices), "units": props.get("numSms"), "memory_bytes": props.get("totalGlobalMem")}
+    return {"device": "; ".join(devices), "device_kind": "cpu trace" if rules == ["cpu"] else "gpu trace",
+            "device_info": {k: v for k, v in info.items() if v is not None}}  # fmt: skip
+
+
+def records(job: JobSummary, variants: dict[int, str] | None = None) -> Recorder:
+    """Per-step figures of ``job`` as rows (:mod:`lab_utils.traces.summary`); no path or rank among
+    the parameters, so two traces compare; ``variants``: rank -> row variant (default ``rank<N>``)."""
+    # device=HOST: the rows were read from the trace, not measured here (no torch asked about this machine)
+    return job.record(TraceRecorder(LAB, device=HOST, job=job), variants=variants)
+
+
+def pair_ranks(base: list[int], cand: list[int]) -> tuple[dict[int, str], dict[int, str], str]:
+    """How two jobs' ranks meet: the same ranks -> rank by rank; one rank each -> those two; as many
+    ranks -> by position; else every rank pooled.  (variants of base, of candidate, in words)."""
+    if base == cand:
+        return ({r: f"rank{r}" for r in base},) * 2 + (f"rank by rank ({len(base)} rank(s))",)
+    if len(base) == len(cand) == 1:
+        return {base[0]: "rank"}, {cand[0]: "rank"}, f"one rank each: rank {base[0]} vs rank {cand[0]}"
+    if len(base) == len(cand):
+        pairs = ", ".join(f"{b}-{c}" for b, c in zip(base, cand))
+        return ({b: f"rank#{i}" for i, b in enumerate(base)}, {c: f"rank#{i}" for i, c in enumerate(cand)},
+                f"by position ({pairs})")  # fmt: skip
+    return (dict.fromkeys(base, "all ranks"), dict.fromkeys(cand, "all ranks"),
+            f"pooled: {len(base)} rank(s) vs {len(cand)}, every rank's steps side by side")  # fmt: skip
+
+
+#: the gated time rows a trace lacks when the kernel, operator, category or phase did not run in it
+ZERO_FILLED = ("kernel:", "op:", "category:", "phase:", "critical_path:")
+
+
+def zero_fill(a: Recorder, b: Recorder) -> tuple[int, int, int]:
+    """Give each side the time rows (``ZERO_FILLED``) only the other has, at 0 ms per step: what did
+    not run took no time.  Returns (rows in both, only in a, only in b) as recorded."""
+
+    def index(rec: Recorder) -> dict:
+        return {(r["variant"], r["metric"]): r for r in rec.rows}
+
+    ia, ib = index(a), index(b)
+    both = len(ia.keys() & ib.keys())
+    for mine, theirs, rec in ((ia, ib, a), (ib, ia, b)):
+        steps = {v: len(r["samples"] or []) for (v, m), r in mine.items() if m == "span"}
+        for (variant, metric), row in theirs.items():
+            if (variant, metric) not in mine and metric.startswith(ZERO_FILLED) and variant in steps:
+                rec.add(row["experiment"], variant, metric, 0.0, row["unit"], statistic=row["statistic"],
+                        samples=[0.0] * max(steps[variant], 1), stable=row["stable"],
+                        stability=row["stability"])  # fmt: skip
+    return both, len(ia.keys() - ib.keys()), len(ib.keys() - ia.keys())
 
 
 def _cluster(a) -> ClusterOptions | None:
@@ -242,81 +300,115 @@ def _cluster(a) -> ClusterOptions | None:
         raise ConfigError("--mem-gb", e.value, e.allowed) if e.param == "mem_gb" else e from None
 
 
-def _job(a, path: str) -> TraceAnalysis:
-    return load_job(path, executor=a.executor, workers=a.workers, mem_gb=a.mem_gb, progress=not a.json,
-                    cluster=a.cluster, jobs_dir=Path(a.out).parent)  # fmt: skip
+def _job(a, path: str, options: dict | None = None, only: list[int] | None = None) -> JobSummary:
+    jobs = MapOptions(a.executor, workers=a.workers, mem_gb=a.mem_gb)
+    if a.cluster is not None:
+        jobs.cluster = a.cluster
+    return load_job(path, jobs=jobs, jobs_dir=Path(a.out).parent, progress=not a.json, gpu=a.gpu, options=options,
+                    only=only)  # fmt: skip
+
+
+def page_job(a) -> tuple[JobSummary, int]:
+    """The job read with its page's extras, every page rank's for one step (``--step``, else the first
+    rank's median-duration step: a rank whose job chose another is read again for it)."""
+    opts = {"step": a.step, "max_bars": a.max_bars, "perfetto": a.perfetto}
+    job = _job(a, a.path, opts)
+    first = job.ranks_[job.ranks[0]].extras
+    step = a.step if a.step is not None else first["step"]
+    check_steps("--step", step, [job.ranks_[r].extras["steps"] for r in job.ranks])
+    again = [i for i, r in enumerate(job.ranks) if "bars" in job.ranks_[r].extras
+             and job.ranks_[r].extras["step"] != step and step in job.ranks_[r].extras["steps"]]  # fmt: skip
+    if again:
+        index = {str(f): i for i, f in enumerate(trace_files(a.path))}
+        redo = _job(a, a.path, opts | {"step": step}, [index[job.ranks_[job.ranks[i]].path] for i in again])
+        job.ranks_.update(redo.ranks_)
+    return job, step
 
 
 def cmd_trace(a) -> int:
+    check_part("gpu", a.gpu)
+    if a.max_bars < 2:
+        raise ConfigError("--max-bars", a.max_bars, "at least 2 bars")
     a.cluster = _cluster(a)
-    ta = _job(a, a.path)
-    fig = figures(ta, a.top)
-    text = summary_text(ta, fig)
+    job, step = page_job(a)
+    fig = figures(job, a.top, step)
+    timeline = job_timeline(job, step, a.max_bars)
+    text = summary_text(job, fig)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    rec_path = records(ta).save(out / "records.json")
+    rec_path = records(job).save(out / "records.json")
     (out / "trace.json").write_text(json.dumps(fig, indent=1, default=str), encoding="utf-8")
-    (out / "trace.html").write_text(render_html(ta, fig, text), encoding="utf-8")
+    doc = job_perfetto(job)
+    if doc is not None:
+        write_perfetto(doc, out / PERFETTO)
+    (out / "trace.html").write_text(render_html(job, fig, text, timeline), encoding="utf-8")
     if a.json:
         print(json.dumps(fig, default=str))
     else:
         print(text)
-        print(f"perflab trace: wrote {out / 'trace.html'}, {rec_path} and trace.json")
+        extra = f", {PERFETTO} ({a.perfetto})" if doc is not None else ""
+        print(f"perflab trace: wrote {out / 'trace.html'}, {rec_path}, trace.json{extra}")
     return 0
 
 
 def cmd_diff(a) -> int:
+    """Both sides read first (a bad one is refused before anything is written), then recorded with
+    their ranks paired, the rows only one side ran filled with zeros, and compared; only the time rows
+    gate (``gate="performance"``: shares and idle are reported)."""
+    check_part("gpu", a.gpu)
     a.cluster = _cluster(a)
+    base, cand = (_job(a, p, {"paths": True, "page": False}) for p in (a.base, a.candidate))
+    vb, vc, how = pair_ranks(base.ranks, cand.ranks)
+    rb, rc = records(base, vb), records(cand, vc)
+    both, only_b, only_c = zero_fill(rb, rc)
     out = Path(a.out)
-    sides = {}
-    for name, path in (("base", a.base), ("candidate", a.candidate)):
-        sides[name] = records(_job(a, path)).save(out / name / "records.json")
-    cmp = compare(sides["base"], sides["candidate"], threshold=a.threshold)
+    sides = {"base": rb.save(out / "base" / "records.json"), "candidate": rc.save(out / "candidate" / "records.json")}
+    cmp = compare(sides["base"], sides["candidate"], threshold=a.threshold, gate="performance",
+                  allow_device_mismatch=a.allow_device_mismatch)  # fmt: skip
     paths = cmp.write(out)
+    total = both + only_b + only_c
+    matched = (f"ranks {how}; rows recorded in both traces: {both} of {total} ({100 * both / max(total, 1):.0f}%), "
+               f"{only_b} only in the base, {only_c} only in the candidate (their times shown at 0 ms on the "
+               "other side)")  # fmt: skip
     if a.json:
-        print(json.dumps(cmp.to_json(), default=str))
+        print(json.dumps(cmp.to_json() | {"ranks": how, "rows_in_both": both, "rows_total": total}, default=str))
     else:
         print(cmp.summary_text(limit=a.limit), end="")
+        print(matched)
         print(f"perflab trace diff: wrote {paths['html']} (and summary.txt, compare.json)")
     return cmp.exit_code
 
 
-def _common(ap: argparse.ArgumentParser, out: str) -> None:
-    ap.add_argument("--out", default=out, help=f"folder for the records and the HTML page (default: {out})")
-    ap.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
-    ap.add_argument("--executor", default="pool", choices=MAP_EXECUTORS, help="where a folder's ranks are read")
-    ap.add_argument("--workers", type=int, default=2, help="ranks read at once (default 2)")
-    ap.add_argument("--mem-gb", type=float, default=4.0, help="memory bound per rank job in GB (default 4)")
-    g = ap.add_argument_group("SLURM (--executor slurm; defaults from perflab.slurm.yaml, docs/cluster.md)")
-    g.add_argument("--partition", default=None, help="sbatch --partition (default: the site's default partition)")
-    g.add_argument("--account", default=None, help="sbatch --account")
-    g.add_argument("--time-limit", type=int, default=None, metavar="MIN", help="each rank job's limit (sbatch --time)")
-    g.add_argument("--cluster-config", default=None, metavar="YAML", help="defaults for these (perflab.slurm.yaml)")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``perflab trace PATH`` or ``perflab trace diff A B``; exit 2 on a bad path or argument."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "diff":
-        ap = argparse.ArgumentParser(prog="perflab trace diff", description=__doc__.split("\n\n")[3])
-        ap.add_argument("base")
-        ap.add_argument("candidate")
-        ap.add_argument("--threshold", type=float, default=0.05, help="relative change called a difference")
-        ap.add_argument("--limit", type=int, default=40, help="rows in the printed summary")
-        _common(ap, ".perflab/trace-diff")
-        a, fn = ap.parse_args(argv[1:]), cmd_diff
-    else:
-        ap = argparse.ArgumentParser(prog="perflab trace", description=__doc__.split("\n\n")[1],
-                                     epilog="perflab trace diff A B: compare two traces (see its --help)")  # fmt: skip
-        ap.add_argument("path", help="a trace file (.json, .json.gz) or a folder of per-rank trace files")
-        ap.add_argument("--top", type=int, default=10, help="top kernels per rank")
-        _common(ap, ".perflab/trace")
-        a, fn = ap.parse_args(argv), cmd_trace
+def run(a: argparse.Namespace) -> int:
+    """``perflab trace`` (``a.diff`` false) or ``perflab trace diff`` on parsed arguments; exit 2 on a
+    bad path or argument."""
+    fn, prog = (cmd_diff, "perflab trace diff") if getattr(a, "diff", False) else (cmd_trace, "perflab trace")
     try:
         return fn(a)
     except (ConfigError, CompareError) as e:
-        print(f"{ap.prog}: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return EXIT_USAGE
 
 
-__all__ = ["analyse_rank", "figures", "load_job", "main", "records", "render_html", "summary_text"]
+def main(argv: Sequence[str] | None = None) -> int:
+    """``perflab trace PATH`` or ``perflab trace diff A B`` from a list of arguments."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    diff = bool(argv) and argv[0] == "diff"
+    a = trace_args.parser(diff).parse_args(argv[1:] if diff else argv)
+    a.diff = diff
+    return run(a)
+
+
+__all__ = [
+    "RankError",
+    "TraceRecorder",
+    "analyse_rank",
+    "figures",
+    "load_job",
+    "main",
+    "pair_ranks",
+    "records",
+    "run",
+    "summary_text",
+    "zero_fill",
+]

@@ -14,7 +14,6 @@ a working copy writes under ``work/labs/.perflab/``, which is ignored too.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -108,27 +107,9 @@ def lab_argv(folder: Path, extra: list[str] | None = None, *, uid: int | None = 
     return argv + list(extra or [])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="perflab lab",
-        description="JupyterLab on git-ignored working copies of labs/ (work/labs/); "
-        "arguments after -- go to `jupyter lab`",
-    )
-    ap.add_argument(
-        "--reset",
-        nargs="*",
-        metavar="NAME",
-        default=None,
-        help="replace the working copies (all, or the named labs) with fresh ones from labs/, then stop",
-    )
-    ap.add_argument("--prepare-only", action="store_true", help="make the working copies, do not start JupyterLab")
-    ap.add_argument("--dir", type=Path, default=WORK_DIR, help=f"the working folder (default: {WORK_DIR})")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
-    a = ap.parse_args(argv)
+def launch(a, extra: list[str] | None = None) -> int:
+    """``perflab lab`` on parsed arguments (``lab_utils.run.commands.lab``); ``extra``: the arguments
+    after ``--``, for ``jupyter lab``."""
     try:
         done = prepare(LABS_DIR, a.dir, reset=(a.reset or True) if a.reset is not None else False)
     except ValueError as e:
@@ -142,7 +123,3 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     os.execv(cmd[0], cmd)
     return 0  # not reached
-
-
-if __name__ == "__main__":
-    sys.exit(main())

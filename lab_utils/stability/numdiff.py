@@ -4,12 +4,11 @@
 :mod:`lab_utils.stability.telemetry` writes them) per block and statistic, and says where they first
 differ beyond a tolerance.  Non-finite values are compared by class (NaN, +Inf, -Inf): finite
 against non-finite is a full difference, and a row one run lacks at a step both recorded counts
-as one too.  ``perflab numdiff A B`` is its command line (:func:`numdiff_main`).
+as one too.  ``perflab numdiff A B`` prints it (:func:`run_numdiff`; its arguments: ``lab_utils.run.commands.numdiff``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Iterable
@@ -221,54 +220,37 @@ def _load_variant(path: str, variant: str | None, side: str) -> pd.DataFrame:
     return tel[tel["variant"] == variant]
 
 
-def _floor_arg(text: str) -> tuple[str, float]:
-    stat, _, value = text.partition("=")
-    try:
-        v = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected STAT=VALUE, got {text!r}") from None
-    if not stat or not v >= 0:
-        raise argparse.ArgumentTypeError(f"expected STAT=VALUE with VALUE >= 0, got {text!r}")
-    return stat, v
-
-
-def numdiff_main(argv: list[str] | None = None) -> int:
+def run_numdiff(
+    a: str,
+    b: str,
+    *,
+    variant_a: str | None = None,
+    variant_b: str | None = None,
+    tol: float = 0.05,
+    floor: dict[str, float] | None = None,
+    stats: list[str] | None = None,
+) -> int:
     """``perflab numdiff A B``: where the telemetry of two reports (or two variants of one
-    report) first differs beyond ``--tol``.  Exit 0 with the table; 2 with one line when a
-    side has no telemetry (or no such variant) or the two share no rows."""
-    ap = argparse.ArgumentParser(prog="perflab numdiff", description=numdiff_main.__doc__)
-    ap.add_argument("a", help="report folder or records file (run A)")
-    ap.add_argument("b", help="report folder or records file (run B)")
-    ap.add_argument("--variant-a", default=None, help="telemetry variant of A (default: its only one)")
-    ap.add_argument("--variant-b", default=None, help="telemetry variant of B (default: its only one)")
-    ap.add_argument("--tol", type=float, default=0.05, help="relative difference that counts (default 0.05)")
-    ap.add_argument(
-        "--floor",
-        type=_floor_arg,
-        action="append",
-        metavar="STAT=VALUE",
-        help=f"absolute floor of a statistic's difference (defaults: {ABS_FLOOR}, others {DEFAULT_FLOOR:g})",
-    )
-    ap.add_argument("--stat", action="append", help="statistics to show (default: all)")
-    ns = ap.parse_args(argv)
+    report) first differs beyond ``tol``; prints the table.  Exit 0 with the table; 2 with one line
+    when a side has no telemetry (or no such variant) or the two share no rows."""
     try:
-        ta = _load_variant(ns.a, ns.variant_a, "variant-a")
-        tb = _load_variant(ns.b, ns.variant_b, "variant-b")
-        d = numerics_diff(telemetry_frame(ta), telemetry_frame(tb), ns.tol, dict(ns.floor or []))
+        ta = _load_variant(a, variant_a, "variant-a")
+        tb = _load_variant(b, variant_b, "variant-b")
+        d = numerics_diff(telemetry_frame(ta), telemetry_frame(tb), tol, dict(floor or {}))
     except (_Refused, ConfigError) as e:
         print(f"perflab numdiff: {e}", file=sys.stderr)
         return 2
     for reason in unrelated_reasons(ta, tb):
         print(f"perflab numdiff: warning: {reason}", file=sys.stderr)
-    show = d.first if not ns.stat else d.first[d.first.stat.isin(ns.stat)]
+    show = d.first if not stats else d.first[d.first.stat.isin(stats)]
     print(show.to_string(index=False))
     if len(d.one_sided):
         print(f"{len(d.one_sided)} rows present in one run only (counted as a full difference)")
     for side in ("a", "b"):
         if d.steps_only[side]:
             print(f"steps only {side.upper()} recorded (left out): {_ranges(d.steps_only[side])}")
-    lines = d.lines(ns.stat)
-    print("\n".join(lines) if lines else f"no statistic differs beyond {ns.tol:g}")
+    lines = d.lines(stats)
+    print("\n".join(lines) if lines else f"no statistic differs beyond {tol:g}")
     return 0
 
 

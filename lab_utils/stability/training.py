@@ -8,11 +8,8 @@ Design note
   (fp16's dynamic loss scaling) live in :mod:`lab_utils.stability.optim`.
 * :class:`SpikeDetector` scores the loss and gradient norm by a robust z-score (median and
   MAD over a window of accepted steps).  The policies production runs use answer a spike:
-  ``skip`` the update, ``clip`` the gradient harder (to the window's median norm, before
-  ``grad_clip``: the step's norm becomes the smaller of the two; when ``grad_clip`` is at
-  or below the median every step is clipped to the same norm already and the policy has
-  nothing to do: the step's action says so), or ``rewind`` to the last good in-memory
-  checkpoint and skip the batch.  A checkpoint is held by value, so a rewind replays
+  ``skip`` the update, ``clip`` the gradient harder (:func:`clip_target`, below), or ``rewind``
+  to the last good in-memory checkpoint and skip the batch.  A checkpoint is held by value, so a rewind replays
   exactly what ``skip`` computes (same weights, moments, detector window and loss scale):
   the replayed steps' losses equal the skip policy's, and their telemetry and NaN events
   are kept once, from the replay.
@@ -20,6 +17,22 @@ Design note
   AdamW settings, provoked spike or NaN) on a fixed pool of synthetic batches with noise and
   timesteps seeded per step, so two runs from the same seed see the same data: differences
   are the setting's.  Non-finite steps are replayed once under the NaN locator and skipped.
+
+The clip policy
+---------------
+A spike's gradient (raw norm ``n``) is clipped to ``ref * min(1, median / n)``, where ``median``
+is the window's median raw norm and ``ref = min(grad_clip, median)`` the norm a typical step of
+the window is applied at (the median of the clipped norms).  Two cases, and the row says which
+(``clip_ref``): with ``grad_clip`` off or above the median (``"median"``) the spike gets a
+typical step's norm times median / n; with ``grad_clip`` at or below the median (``"grad_clip"``,
+production's clip of 1.0 early in training) every step, the spike's too, leaves the global clip at
+``grad_clip``.  A clip to a norm, however chosen from the clipped norms, then does nothing to the
+spike (the trajectory is ``none``'s): what tells the spike from a typical step is its raw norm's
+excess over the window, so the policy divides that out, in both cases alike: the spike's update
+counts median / n of a typical one (a x8 spike an eighth), between ``none`` (all of it) and
+``skip`` (none of it).  A spike whose norm is not above the median (a loss spike alone) is left
+as it is (action ``clip no-op``).  ``clipped_norm``: the norm of the gradient after both clips,
+measured, on every step.
 """
 
 from __future__ import annotations
@@ -97,6 +110,7 @@ class SpikeDetector:
         return SpikeCheck(spike, zl, zg)
 
     def median_grad(self) -> float:
+        """The window's median gradient norm (of the raw, unclipped norms of accepted steps)."""
         return float(np.median(self.grad[-self.window :])) if self.grad else math.inf
 
     def state(self) -> tuple[list[float], list[float], int]:
@@ -181,6 +195,26 @@ MAX_REWINDS = 3  # per run; a spike after that is applied
 CLIP_NOOP = "spike: clip no-op (norm already at or below the window median)"
 
 
+@dataclass(frozen=True)
+class ClipTarget:
+    """What the clip policy does to a spike of raw norm ``norm`` (the module's note)."""
+
+    norm: float  # the spike's raw gradient norm
+    median: float  # the window's median raw norm
+    grad_clip: float  # the global clip (inf: off)
+    ref: float  # min(grad_clip, median): a typical step's applied norm
+    case: str  # "grad_clip" (grad_clip <= median) or "median"
+    target: float  # ref * min(1, median / norm)
+
+
+def clip_target(norm: float, median: float, grad_clip: float) -> ClipTarget:
+    """The clip policy's target norm for a spike step (``grad_clip`` <= 0 or inf: no global clip)."""
+    clip = grad_clip if 0 < grad_clip < math.inf else math.inf
+    case = "grad_clip" if clip <= median else "median"
+    ref = min(clip, median)
+    return ClipTarget(norm, median, clip, ref, case, ref * min(1.0, median / norm))
+
+
 @dataclass
 class _Checkpoint:
     """An in-memory checkpoint for the rewind policy, held by value (never aliased by the
@@ -196,7 +230,7 @@ class _Checkpoint:
 @dataclass
 class RunResult:
     spec: RunSpec
-    steps: pd.DataFrame  # step, loss, grad_norm, lr, spike, action, z_loss, z_grad, loss_scale
+    steps: pd.DataFrame  # step, loss, grad_norm, clipped_norm, lr, spike, action, z_loss, z_grad, loss_scale, clip_*
     telemetry: pd.DataFrame  # step, block, stream, stat, value
     nonfinite: list[tuple[int, NonFiniteReport | None]] = field(default_factory=list)
     replayed_steps: int = 0
@@ -238,6 +272,25 @@ def make_batches(spec: RunSpec, dtype: torch.dtype, device) -> list:
 def train_run(spec: RunSpec, *, progress: bool = False) -> RunResult:
     """Train ``spec.steps`` steps of one :class:`RunSpec`; see the module note."""
     return _Run(spec).train(progress)
+
+
+def clip_lines(result: RunResult) -> list[str]:
+    """One line per step the clip policy clipped: which case of :func:`clip_target` applied and
+    whether the gradient's measured norm after the clip is the rule's ``ref * median / norm``
+    (raises when it is not: the policy did not do what it says)."""
+    st = result.steps
+    out = []
+    for r in st[st.action == "spike: clipped"].itertuples():
+        ct = clip_target(r.grad_norm, r.clip_median, result.spec.grad_clip)
+        ok = math.isclose(r.clipped_norm, ct.target, rel_tol=1e-4)
+        if ct.case == "grad_clip":
+            ref = f"grad_clip = {ct.grad_clip:g} (at or below the window median norm: every step is clipped to it)"
+        else:
+            ref = "the window median norm " + ("(below grad_clip)" if math.isfinite(ct.grad_clip) else "(no grad_clip)")
+        out.append(f"clip at step {r.step}: reference {ref}; post-clip norm = reference x median / norm: {ok}")
+        if not ok:
+            raise AssertionError(f"{out[-1]} (measured {r.clipped_norm:.6g}, the rule gives {ct.target:.6g})")
+    return out
 
 
 class _Run:
@@ -286,7 +339,7 @@ class _Run:
                 self.checkpoint(i)
                 if i in self.skipped_batches:
                     self.rows[i] = self.rewound[i] | dict(
-                        loss=math.nan, grad_norm=math.nan, action="rewound: batch skipped"
+                        loss=math.nan, grad_norm=math.nan, clipped_norm=math.nan, action="rewound: batch skipped"
                     )
                     i += 1
                     bar.update(1)
@@ -333,15 +386,20 @@ class _Run:
             grp["lr"] = lr
         hook = inject_nonfinite(self.model, *self.poison) if self.poison and i == spec.nan_step else None
         parts, row, finite = self.forward_backward(i, batch, lr)
+        if finite:  # before any policy acts: a skipped, clipped or rewound step logs the same loss rows
+            self.log_loss(parts)
         check = self.detector.observe(row["loss"], row["grad_norm"]) if finite else SpikeCheck(False, 0.0, 0.0)
         row.update(spike=check.spike, z_loss=check.z_loss, z_grad=check.z_grad)
         apply = self.spike_policy(row, check, finite)
+        if finite:  # what the optimizer step receives (or would, on a skipped step)
+            grads = [p.grad for p in self.params if p.grad is not None]
+            row["clipped_norm"] = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
         if apply == "rewind":
             back = self.rewind(i, row)
             if hook is not None:
                 hook.remove()
             return back
-        self.update(i, parts, finite, apply)
+        self.update(i, finite, apply)
         if hook is not None:
             hook.remove()
         self.rows[i] = row
@@ -361,7 +419,10 @@ class _Run:
         gn = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf)
         loss_v, gn_v = float(loss.detach()), float(gn)
         finite = finite and math.isfinite(loss_v) and math.isfinite(gn_v)
-        row = dict(step=i, loss=loss_v, grad_norm=gn_v, lr=lr, action="step")
+        # clip_grad_norm_ scales by grad_clip / (norm + 1e-6) when that is below 1
+        left = gn_v * min(1.0, clip / (gn_v + 1e-6)) if clip > 0 else gn_v
+        row = dict(step=i, loss=loss_v, grad_norm=gn_v, clipped_norm=left if finite else math.nan, lr=lr)
+        row["action"] = "step"
         if scaler:
             row["loss_scale"] = scaler.scale
         if not finite and scaler is None:
@@ -381,11 +442,10 @@ class _Run:
             row["action"] = "spike: skipped"
             return False
         if spec.spike_policy == "clip":
-            # the gradient has been clipped to grad_clip already: the policy acts when the
-            # window's median norm is below the norm left after that
-            gn_v, to = row["grad_norm"], self.detector.median_grad()
-            if to < (min(gn_v, spec.grad_clip) if spec.grad_clip > 0 else gn_v):
-                torch.nn.utils.clip_grad_norm_(self.params, to)
+            ct = clip_target(row["grad_norm"], self.detector.median_grad(), spec.grad_clip)
+            row.update(clip_ref=ct.case, clip_median=ct.median, clip_target=ct.target)
+            if ct.target < row["clipped_norm"]:  # the norm the global clip left
+                torch.nn.utils.clip_grad_norm_(self.params, ct.target)
                 row["action"] = "spike: clipped"
             else:
                 row["action"] = CLIP_NOOP
@@ -414,8 +474,14 @@ class _Run:
         self.events = [(s, e) for s, e in self.events if not ckpt.step <= s < i]
         return ckpt.step
 
-    def update(self, i: int, parts, finite: bool, apply: bool) -> None:
-        """The optimizer step (when applied), the loss scale's update, per-timestep losses."""
+    def log_loss(self, parts) -> None:
+        """The step's loss in total and per timestep bucket, into its telemetry."""
+        with torch.no_grad():
+            per = (parts.pred.detach().float() - parts.target.float()).square().mean(dim=(1, 2))
+        self.tel.log_loss(parts.t, per)
+
+    def update(self, i: int, finite: bool, apply: bool) -> None:
+        """The optimizer step (when applied) and the loss scale's update."""
         tel, opt = self.tel, self.opt
         if apply:
             opt.track = tel.active
@@ -424,8 +490,4 @@ class _Run:
         if self.scaler:
             self.scaler.update(i, finite)
         opt.zero_grad(set_to_none=True)
-        if finite:
-            with torch.no_grad():
-                per = (parts.pred.detach().float() - parts.target.float()).square().mean(dim=(1, 2))
-            tel.log_loss(parts.t, per)
         tel.end_step()

@@ -25,11 +25,13 @@ from pathlib import Path
 import holoviews as hv
 import numpy as np
 import pandas as pd
+import panel as pn
 import torch
 
 from lab_utils.core.ceilings import Ceilings, get_ceilings
 from lab_utils.core.config import ConfigError, LabConfig, check_choice, check_int, check_int_list
-from lab_utils.core.device import DatasheetPeak
+from lab_utils.core.datasheets import DatasheetPeak, check_part
+from lab_utils.core.lanes import lanes_figure
 from lab_utils.core.plots import roofline_plot
 from lab_utils.core.records import Recorder
 from lab_utils.model import PRESETS
@@ -39,11 +41,13 @@ from lab_utils.profiling.record import record_gloo_ranks
 from lab_utils.studies.headline import Figure, fmt, register, rows
 from lab_utils.traces import TraceAnalysis
 from lab_utils.traces.analysis import SCOPES, TEMPORAL
+from lab_utils.traces.counters import queue_summary
 from lab_utils.traces.cpu import RULE
+from lab_utils.traces.hierarchy import top_levels
+from lab_utils.traces.timeline import CATEGORY_COLORS, HOVER, PART_COLORS, Timeline, check_step, representative_step
 
 LAB = "09_traces"
 DEVICES = ("auto", "cpu", "cuda")
-PART_COLORS = dict(zip(TEMPORAL, ("#c7c7c7", "#1f77b4", "#d62728", "#ff7f0e", "#9467bd")))
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,8 @@ class TracesLabConfig(LabConfig):
     numel: tuple = (4096, 65536)  # float32 elements of each all-reduce per step (gloo ranks)
     scope: str = "steps"  # "steps" | "hta" | "all" (TraceAnalysis' scopes)
     top_n: int = 10
+    gpu: str | None = None  # the GPU of a given trace that names none (its datasheet row); None: as the trace says
+    timeline_step: int | None = None  # the ProfilerStep the timeline and the critical path show; None: the median one
 
     def __post_init__(self):
         super().__post_init__()
@@ -75,6 +81,9 @@ class TracesLabConfig(LabConfig):
         check_int_list("numel", list(self.numel), min=1)
         check_choice("scope", self.scope, SCOPES)
         check_int("top_n", self.top_n, min=1)
+        check_part("gpu", self.gpu)
+        if self.timeline_step is not None:
+            check_int("timeline_step", self.timeline_step, min=0)
 
 
 @dataclass
@@ -115,7 +124,7 @@ def load(cfg: TracesLabConfig, out_dir: str | Path | None = None) -> LabTraces:
     folder by default) and read them."""
     if cfg.trace_path is not None:
         path = Path(cfg.trace_path)
-        return LabTraces({"trace": TraceAnalysis(path)}, {"trace": path}, own=False)
+        return LabTraces({"trace": TraceAnalysis(path, gpu=cfg.gpu)}, {"trace": path}, own=False)
     device = _resolve_device(cfg.device)
     tmp = None
     if out_dir is None:
@@ -369,6 +378,88 @@ def roofline_view(lt: LabTraces, name: str, scope: str = "steps"):
 
 
 # --------------------------------------------------------------------------------------
+# The timeline and the analyses of HolisticTraceAnalysis and TraceLens
+# --------------------------------------------------------------------------------------
+
+
+def timeline_step(ta: TraceAnalysis, step: int | None) -> int:
+    """``step`` when the trace has it (else ``ConfigError`` naming ``timeline_step``), or the median one."""
+    if step is None:
+        return representative_step(ta.attributed(ta.ranks[0]))
+    check_step(step, {r: ta.attributed(r) for r in ta.ranks}, "timeline_step")
+    return step
+
+
+def timeline(ta: TraceAnalysis, step: int | None = None) -> Timeline:
+    """The timeline of one step per rank and stream, each rank's critical path on its own lane."""
+    step = timeline_step(ta, step)
+    return ta.timeline(step, paths={r: cp.edges for r, cp in ta.critical_paths(step).items()})
+
+
+def timeline_view(tl: Timeline):
+    """The timeline as trace.html draws it (:func:`lab_utils.core.lanes.lanes_figure`), in a panel pane."""
+    fig = lanes_figure(tl.bars, tl.lanes, CATEGORY_COLORS, hover=HOVER, title=tl.title, legend_title="category",
+                       width=980)  # fmt: skip
+    return pn.pane.Bokeh(fig)
+
+
+def critical_path_view(ta: TraceAnalysis, step: int | None = None, rank: int | None = None):
+    """One rank's critical path of the step: (a sentence, its parts, the events it is charged to)."""
+    rank = ta.ranks[0] if rank is None else rank
+    cp = ta.critical_path(rank, timeline_step(ta, step) if ta.attributed(rank).has_steps else None)
+    parts = ", ".join(f"{v:.0f}% {k}" for k, v in sorted(cp.by_bound().items(), key=lambda kv: -kv[1]) if v >= 0.5)
+    text = (f"rank {rank}, step {cp.step}: critical path {cp.length_us / 1e3:.3f} ms of a {cp.window_us / 1e3:.3f} ms "
+            f"step ({parts or 'empty'})")  # fmt: skip
+    return text, cp.by_category().round(2), cp.by_event(10).round(2)
+
+
+def hierarchy_table(ta: TraceAnalysis, rank: int | None = None, depth: int = 4, scope: str = "steps") -> pd.DataFrame:
+    """The call tree down to ``depth`` levels, rows holding at least 0.5 % of the GPU time, names indented."""
+    t = top_levels(ta.hierarchy(rank, scope), depth, 0.5).copy()
+    t["name"] = ["  " * d + str(n)[:80] for d, n in zip(t["depth"], t["name"])]
+    for c in ("gpu_total_us", "gpu_self_us", "cpu_us"):
+        t[c.replace("_us", "_ms")] = t.pop(c) / 1e3
+    return t[["name", "kind", "count", "gpu_total_ms", "gpu_self_ms", "cpu_ms", "gpu_pct"]].round(3)
+
+
+def sequence_table(ta: TraceAnalysis, rank: int | None = None, n: int = 10, scope: str = "steps") -> pd.DataFrame:
+    """The repeated kernel sequences with the most time (fusion candidates)."""
+    sq = ta.sequences(rank, scope, top=n)
+    return sq[["short", "length", "count", "total_us", "mean_us", "gap_us", "ops"]].round(2)
+
+
+def stream_table(ta: TraceAnalysis, scope: str = "steps") -> pd.DataFrame:
+    """Per rank and stream: idle as host wait, kernel wait and other (us), with the launch queue's summary."""
+    idle = ta.stream_idle(scope)
+    queues = [queue_summary(ta.queue_length(r, scope)).assign(rank=r) for r in ta.ranks]
+    q = pd.concat(queues, ignore_index=True).rename(columns={"mean": "queue_mean", "max": "queue_max"})
+    out = idle.merge(q[["rank", "stream", "queue_mean", "queue_max"]], on=["rank", "stream"], how="left")
+    return out.drop(columns=[c for c in out if c.endswith("_pct")]).round(2)
+
+
+def analysis_lines(ta: TraceAnalysis, name: str, step: int | None = None) -> list[str]:
+    """Checked facts of the analyses, one line per rank (asserts): the critical path's parts add up
+    to its length and it is no longer than the step's work allows (its length is at most the window
+    plus the GPU's lag past it); the call tree's top rows add up to the kernel time; the idle per
+    stream's three kinds add up to its idle time."""
+    out = []
+    for r in ta.ranks:
+        cp = ta.critical_path(r, timeline_step(ta, step) if ta.attributed(r).has_steps else None)
+        parts = cp.edges["weight"].sum()
+        assert np.isclose(parts, cp.length_us), f"{name} rank {r}: parts {parts} vs length {cp.length_us}"
+        assert np.isclose(sum(cp.by_bound().values()), 100.0) or cp.length_us == 0
+        k = ta.kernels(r)
+        tree = ta.hierarchy(r)
+        top = tree[tree["depth"] == 0]["gpu_total_us"].sum()
+        assert np.isclose(top, k["dur"].sum()), f"{name} rank {r}: call tree {top} vs kernels {k['dur'].sum()}"
+        idle = ta.stream_idle().query("rank == @r")
+        assert np.allclose(idle[["host_wait", "kernel_wait", "other"]].sum(axis=1), idle["idle"])
+        out.append(f"{name} rank {r}: the critical path's parts add up to its length; the call tree's top rows add "
+                   "up to the kernel time; each stream's idle kinds add up to its idle time")  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------------------
 # Records and the takeaway
 # --------------------------------------------------------------------------------------
 
@@ -392,9 +483,11 @@ def headline(df: pd.DataFrame) -> list[Figure]:
         if not len(span):
             continue
         total = float(span["value"].iloc[0])
-        for part in ("communication",) if name == "gloo" else ("compute", "idle"):
-            r = rows(df, experiment=name, variant="rank0", metric=part)
+        parts = {"communication": "exposed_comm_share"} if name == "gloo" else {"compute": "compute_share",
+                                                                                "idle": "idle_share"}  # fmt: skip
+        for part, metric in parts.items():
+            r = rows(df, experiment=name, variant="rank0", metric=metric)
             if len(r) and total > 0:
-                pct = 100 * float(r["value"].iloc[0]) / total
+                pct = float(r["value"].iloc[0])
                 figs.append(Figure(f"{name} rank 0 {part}", fmt(pct, "%"), f"of a {fmt(total, 'ms')} step (median)"))
     return figs

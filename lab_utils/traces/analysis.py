@@ -28,6 +28,15 @@ Example (any Kineto trace; the paths are the real traces the tests use)::
     ta.collectives()              # per NCCL call: collective, algorithm, bytes, bus bandwidth, exposed/hidden us
     ta.skew()                     # across ranks: per collective call, wait (arrival skew) vs transfer; straggler
     ta.alpha_beta()               # lab 06's alpha-beta model fitted on these collectives
+    ta.critical_path(0)           # the critical path of the median-duration step (or step=N): length, bound_by,
+                                  # per category, the ops and kernels on it (lab_utils.traces.critical_path)
+    ta.hierarchy(0)               # GPU time up the call tree: ranges/modules -> ops -> kernels, self and total
+    ta.sequences(0)               # repeated kernel sequences on a stream, by total time (fusion candidates)
+    ta.stream_idle()              # per rank and stream: idle split into host wait, kernel wait, other (HTA's)
+    ta.launch_outliers(0)         # launch calls and delays beyond HTA's cutoffs (50 us, 100 us)
+    ta.queue_length(0)            # per stream: the launch queue's length over time (a step function)
+    ta.memory_bw(0)               # per memcpy/memset kind: GB/s in flight over time
+    ta.timeline(step=None)        # the bars of one step per rank and stream (lab_utils.traces.timeline)
     ta.summary()                  # a short text report
     ta.record(Recorder("09_traces"))  # tidy rows for perflab compare
 
@@ -48,20 +57,23 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from lab_utils.core.config import ConfigError, check_choice
-from lab_utils.core.device import DatasheetPeak, datasheet_for
+from lab_utils.core.datasheets import DatasheetPeak, Identified, check_part, identify
 from lab_utils.core.records import Recorder
-from lab_utils.traces import breakdown, collectives, cpu
+from lab_utils.traces import breakdown, collectives, counters, cpu, hierarchy, sequences, streams
 from lab_utils.traces.attribute import Attributed, attribute
+from lab_utils.traces.critical_path import CriticalPath, critical_path
 from lab_utils.traces.launches import launch_stats
 from lab_utils.traces.phases import PhaseTable
 from lab_utils.traces.reader import RankTrace, read_job
 from lab_utils.traces.roofline import op_roofline
+from lab_utils.traces.summary import JobSummary
+from lab_utils.traces.timeline import Timeline, step_timeline
 
 SCOPES = ("steps", "hta", "all")
+PATH_RANKS = 8  # the critical path is drawn for the first 8 ranks (TraceAnalysis.critical_paths)
 TEMPORAL = ("idle", "compute", "communication", "memory", "other")
 
 
@@ -75,9 +87,17 @@ class TraceAnalysis:
         phases: PhaseTable | None = None,
         workers: int | None = None,
         attributed: dict[int, Attributed] | None = None,
+        gpu: str | None = None,
     ):
+        check_part("gpu", gpu)
         self.path = str(path) if not isinstance(path, dict) else "<traces>"
         self.traces: dict[int, RankTrace] = path if isinstance(path, dict) else read_job(path, workers=workers)
+        #: ``gpu``: the GPU of the ranks whose traces name none (their datasheet row); a trace that
+        #: names its GPU keeps it
+        self.gpu = gpu
+        for t in self.traces.values():
+            if gpu is not None and not t.device_name and len(t.gpu):
+                t.device_name = gpu
         self.phase_table = phases or PhaseTable()
         self._attr: dict[int, Attributed] = dict(attributed or {})  # ranks attributed elsewhere (trace_cli's jobs)
 
@@ -124,9 +144,14 @@ class TraceAnalysis:
         same = [p for p in t.device_properties if p.get("name") == t.device_name]
         return same[0] if same else {}
 
+    def part(self, rank: int | None = None) -> Identified | None:
+        """Which part the GPU ``rank`` ran on is, and how that was told (:func:`lab_utils.core.datasheets.identify`)."""
+        return identify(self.device(rank), self.device_properties(rank))
+
     def datasheet(self, rank: int | None = None) -> DatasheetPeak | None:
-        """The datasheet row of the GPU ``rank`` ran on (by name, else by its properties), or None."""
-        return datasheet_for(self.device(rank), self.device_properties(rank))
+        """The datasheet row of the GPU ``rank`` ran on (by name, memory size, SMs), or None."""
+        found = self.part(rank)
+        return found.peak if found else None
 
     def rule(self, rank: int | None = None) -> str:
         """``"gpu"``: GPU activities; ``"cpu"``: no GPU activity, read by the CPU rule (:mod:`lab_utils.traces.cpu`)."""
@@ -170,7 +195,7 @@ class TraceAnalysis:
         df = self._per_rank(lambda k: asdict(launch_stats(k, **thresholds)), scope)
         is_cpu = df["rule"] == cpu.RULE if len(df) else pd.Series(dtype=bool)
         if is_cpu.any():
-            df.loc[is_cpu, "launch_bound"] = False
+            df.loc[is_cpu, ["host_bound", "launch_bound"]] = False
             df.loc[is_cpu, "reason"] = (
                 "CPU trace (CPU rule): each operator runs where it is called, nothing is queued, "
                 "so the launch-bound verdict does not apply"
@@ -211,6 +236,10 @@ class TraceAnalysis:
         parts = [self._calls(r, scope).assign(rank=r) for r in self.ranks]
         return pd.concat(parts, ignore_index=True)
 
+    def collectives_of(self, rank: int, scope: str = "all") -> pd.DataFrame:
+        """:meth:`collectives` of one rank."""
+        return self._calls(self._rank(rank), scope).assign(rank=rank)
+
     def _calls(self, rank: int, scope: str = "all") -> pd.DataFrame:
         t = self.traces[rank]
         if self.rule(rank) == cpu.RULE:
@@ -223,65 +252,69 @@ class TraceAnalysis:
         return collectives.skew(per, {r: float(self.traces[r].t0_us) for r in self.ranks})
 
     def straggler(self) -> collectives.Straggler:
-        return collectives.straggler(self.skew(), len(self.ranks))
+        """The straggler verdict (:func:`lab_utils.traces.collectives.straggler`), saying on how many
+        of the job's ranks it rests."""
+        sizes = [t.world_size for t in self.traces.values() if t.world_size]
+        return collectives.straggler(self.skew(), len(self.ranks), max(sizes) if sizes else None)
 
     def alpha_beta(self, duration: str = "dur") -> dict[str, collectives.AlphaBeta]:
         """Lab 06's alpha-beta model fitted on every rank's sized calls (``duration``: ``dur`` or ``exposed_us``)."""
         events = [e for r in self.ranks for e in collectives.events_of(self._calls(r), duration)]
         return collectives.fit_alpha_beta(events)
 
+    # -- HTA's and TraceLens' analyses ----------------------------------------------------
+    def critical_path(self, rank: int | None = None, step: int | None = None, *, hta: bool = False) -> CriticalPath:
+        """The critical path of ``step`` on ``rank`` (default: the median-duration step)."""
+        rank = self._rank(rank)
+        return critical_path(self.traces[rank], self.attributed(rank), step, hta=hta)
+
+    def critical_paths(self, step: int | None = None, max_ranks: int = PATH_RANKS) -> dict[int, CriticalPath]:
+        """The critical path of ``step`` on the first ``max_ranks`` ranks that have it (a rank without
+        steps: its one window)."""
+        out = {}
+        for r in self.ranks[:max_ranks]:
+            att = self.attributed(r)
+            if not att.has_steps or step is None or step in set(att.steps["step"]):
+                out[r] = self.critical_path(r, step if att.has_steps else None)
+        return out
+
+    def hierarchy(self, rank: int | None = None, scope: str = "steps") -> pd.DataFrame:
+        """GPU time up the call tree of ``rank`` (:mod:`lab_utils.traces.hierarchy`)."""
+        rank = self._rank(rank)
+        return hierarchy.tree(self.traces[rank], self.attributed(rank), self.kernels(rank, scope))
+
+    def sequences(self, rank: int | None = None, scope: str = "steps", **options) -> pd.DataFrame:
+        """Repeated kernel sequences of ``rank`` (:func:`lab_utils.traces.sequences.frequent_sequences`)."""
+        return sequences.frequent_sequences(self.kernels(rank, scope), **options)
+
+    def stream_idle(self, scope: str = "steps", kernel_wait_us: float = streams.KERNEL_WAIT_US) -> pd.DataFrame:
+        """Per rank and stream: idle time as host wait, kernel wait and other (:mod:`lab_utils.traces.streams`)."""
+        parts = [streams.stream_idle(self.kernels(r, scope), kernel_wait_us).assign(rank=r) for r in self.ranks]
+        df = pd.concat(parts, ignore_index=True)
+        return df[["rank"] + [c for c in df.columns if c != "rank"]]
+
+    def launch_outliers(self, rank: int | None = None, scope: str = "steps", **cutoffs) -> streams.LaunchOutliers:
+        return streams.launch_outliers(self.kernels(rank, scope), **cutoffs)
+
+    def queue_length(self, rank: int | None = None, scope: str = "steps") -> pd.DataFrame:
+        """The launch queue of each stream over time (:func:`lab_utils.traces.counters.queue_series`)."""
+        return counters.queue_series(self.kernels(rank, scope))
+
+    def memory_bw(self, rank: int | None = None, scope: str = "steps") -> pd.DataFrame:
+        """GB/s of copies and fills in flight over time (:func:`lab_utils.traces.counters.memory_bw_series`)."""
+        return counters.memory_bw_series(self.kernels(rank, scope))
+
+    def timeline(self, step: int | None = None, ranks: list[int] | None = None, **options) -> Timeline:
+        """The bars of one step per rank and stream (:func:`lab_utils.traces.timeline.step_timeline`)."""
+        atts = {r: self.attributed(r) for r in (ranks or self.ranks)}
+        return step_timeline(self.traces, atts, step, phases=self.phase_table, **options)
+
     # -- summary and records --------------------------------------------------------------
     def summary(self) -> str:
         """A short text report: per rank, the temporal split, overlap, top kernels, verdict."""
-        t = self.temporal().set_index("rank")
-        ov = self.overlap().set_index("rank")["overlap_pct"]
-        ls = self.launch_stats().set_index("rank")
-        lines = [f"{self.path}: {len(self.ranks)} rank(s)"]
-        for r in self.ranks:
-            row = t.loc[r]
-            n_steps = int(self.attributed(r).has_steps) and len(self.steps(r))
-            device = "CPU" if self.rule(r) == cpu.RULE else self.device(r) or "device not recorded"
-            if self.rule(r) == cpu.RULE:
-                lines.append(f"rank {r}: {cpu.RULE_TEXT}")
-            lines.append(
-                f"rank {r} ({device}, {n_steps or 'no'} steps): span "
-                f"{row['span'] / 1e3:.1f} ms, idle {row['idle_pct']:.1f}%, compute {row['compute_pct']:.1f}%, "
-                f"exposed comm {row['communication_pct']:.1f}%, memory {row['memory_pct']:.1f}%, "
-                f"comm overlapped {ov.loc[r]:.1f}%"
-            )
-            lines.append(f"  {ls.loc[r, 'reason']}")
-            for tk in self.top_kernels(r, 5).itertuples():
-                lines.append(f"  {tk.total / 1e3:9.2f} ms {tk.count:6d}x {tk.category:<22} {tk.name[:70]}")
-        return "\n".join(lines)
+        return JobSummary.of(self).summary()
 
     def record(self, rec: Recorder, experiment: str = "trace") -> Recorder:
-        """Add the per-step figures to ``rec`` as rows (median over steps, the steps as samples)."""
-        for r in self.ranks:
-            variant = f"rank{r}"
-            per = breakdown.per_step(self.kernels(r, "steps"))
-            if not len(per):
-                continue
-            for col in ("span", "kernel_time") + TEMPORAL:
-                _add(rec, experiment, variant, col, per[col].to_numpy() / 1e3, "ms")
-            _add(rec, experiment, variant, "overlap", per["overlap_pct"].to_numpy(), "%")
-            ph = self.phases().query("rank == @r")
-            for p, grp in ph.groupby("phase"):
-                vals = grp.set_index("step")["gpu_us"].reindex(per["step"], fill_value=0.0).to_numpy()
-                _add(rec, experiment, variant, f"phase:{p}", vals / 1e3, "ms")
-            k = self.kernels(r, "steps")
-            cat = k.groupby(["category", "step"])["dur"].sum().unstack(fill_value=0.0)
-            for c, vals in cat.iterrows():
-                _add(rec, experiment, variant, f"category:{c}", vals.reindex(per["step"], fill_value=0.0) / 1e3, "ms")
-            for name in self.top_kernels(r, 5)["name"]:
-                vals = k[k["name"].astype(str) == name].groupby("step")["dur"].sum()
-                vals = vals.reindex(per["step"], fill_value=0.0) / 1e3
-                _add(rec, experiment, variant, f"kernel:{name[:120]}", vals, "ms")
-        return rec
-
-
-def _add(rec: Recorder, experiment: str, variant: str, metric: str, values, unit: str) -> None:
-    vals = np.asarray(values, dtype=np.float64)
-    vals = vals[np.isfinite(vals)]
-    if not len(vals):
-        return
-    rec.add(experiment, variant, metric, float(np.median(vals)), unit, statistic="median", samples=vals.tolist())
+        """Add the per-step figures to ``rec`` as rows (median over steps, the steps as samples;
+        which rows, and which of them a comparison gates: :mod:`lab_utils.traces.summary`)."""
+        return JobSummary.of(self).record(rec, experiment)

@@ -116,17 +116,22 @@ def top_kernels(k: pd.DataFrame, n: int = 10) -> pd.DataFrame:
     return out[["name", "category", "hta_type", "count", "total", "mean", "min", "max", "pct"]]
 
 
-def idle_split(k: pd.DataFrame) -> dict[str, float]:
-    """``host_wait`` and ``other_wait`` of the selection's idle time (see the module note)."""
+def idle_gaps(k: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The gaps of the selection's busy union: (start, end, host_wait) per gap (see the module note)."""
     if len(k) < 2:
-        return {"idle": 0.0, "host_wait": 0.0, "other_wait": 0.0}
+        return np.zeros(0), np.zeros(0), np.zeros(0)
     starts, ends = union(k["ts"].to_numpy(), k["end"].to_numpy())
     gap_a, gap_b = ends[:-1], starts[1:]
     # the earliest launch among activities starting exactly at a gap's end
     first = k.sort_values(["ts", "launch_ts"]).drop_duplicates("ts", keep="first").set_index("ts")["launch_ts"]
     launch = first.reindex(gap_b).to_numpy(dtype=np.float64)
     launch = np.where(np.isnan(launch), gap_a, launch)  # no launch recorded: counted as queued
-    host = np.clip(launch, gap_a, gap_b) - gap_a
+    return gap_a, gap_b, np.clip(launch, gap_a, gap_b) - gap_a
+
+
+def idle_split(k: pd.DataFrame) -> dict[str, float]:
+    """``host_wait`` and ``other_wait`` of the selection's idle time (see the module note)."""
+    gap_a, gap_b, host = idle_gaps(k)
     idle = float(np.sum(gap_b - gap_a))
     return {"idle": idle, "host_wait": float(host.sum()), "other_wait": idle - float(host.sum())}
 

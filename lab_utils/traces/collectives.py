@@ -16,13 +16,19 @@ Per NCCL/RCCL kernel (one call):
 * **exposed / hidden**: the part of the call that computation kernels (HTA's COMPUTATION) of
   the same rank overlap is hidden, the rest exposed.
 
-Across the ranks of a folder (:func:`skew`), the k-th call of each collective (and process
-group) on every rank is one collective.  Clocks are taken as shared (absolute trace time).
-Its **wait** on a rank is the last arrival's start minus that rank's start (the time the
+Across the ranks of a folder (:func:`aligned`, :func:`skew`), the k-th call of each collective
+(and process group) on every rank is one collective.  Clocks are taken as shared (absolute trace
+time).  Its **wait** on a rank is the last arrival's start minus that rank's start (the time the
 early kernel spins waiting), its **transfer** the median over ranks of end minus the last
-arrival.  The **straggler** verdict names a rank that arrives last in at least half of the
-collectives (and more often than 1.5 / n) while the median skew is at least 10 % of the
-median transfer; otherwise there is none.
+arrival.  Bus bandwidth is then given twice: ``busbw_gbps`` over the kernel's whole duration
+(what one rank's trace alone can say: the wait for late ranks included) and
+``busbw_transfer_gbps`` over the transfer alone (the link's rate; TraceLens separates skew from
+transfer the same way); a lone rank has only the first.
+
+The **straggler** verdict names a rank that arrives last in at least half of the collectives
+(and more often than 1.5 / n) while the median skew is at least 10 % of the median transfer;
+otherwise there is none.  It says on how many ranks it rests: drawn from 2 traced ranks of a
+128-rank job, any of the other 126 may arrive later still.
 """
 
 from __future__ import annotations
@@ -117,6 +123,7 @@ def calls(kernels: pd.DataFrame, host: pd.DataFrame | None = None, world_size: i
     n = pd.to_numeric(out["group_size"], errors="coerce").fillna(world_size or np.nan).to_numpy(dtype=np.float64)
     factor = np.array([_BUS[c](g) if c in _BUS and g > 1 else 1.0 for c, g in zip(out["collective"], n)])
     out["group"] = n
+    out["bus_factor"] = factor
     out["algbw_gbps"] = out["bytes"] / (out["dur"] * 1e3)
     out["busbw_gbps"] = out["algbw_gbps"] * factor
     comp = kernels[kernels["hta_type"] == "COMPUTATION"]
@@ -160,6 +167,7 @@ def cpu_calls(kernels: pd.DataFrame, world_size: int | None = None, host: pd.Dat
     n = pd.to_numeric(out["group_size"], errors="coerce").fillna(world_size or np.nan).to_numpy(dtype=np.float64)
     factor = np.array([_BUS[c](g) if c in _BUS and g > 1 else 1.0 for c, g in zip(out["collective"], n)])
     out["group"] = n
+    out["bus_factor"] = factor
     out["algbw_gbps"] = out["bytes"] / (out["dur"] * 1e3)
     out["busbw_gbps"] = out["algbw_gbps"] * factor
     comp = kernels[kernels["hta_type"] == "COMPUTATION"]
@@ -235,34 +243,61 @@ def _covered(ts: np.ndarray, end: np.ndarray, iv: tuple[np.ndarray, np.ndarray])
     return covered_before(end) - covered_before(ts)
 
 
-def skew(per_rank: dict[int, pd.DataFrame], offsets: dict[int, float]) -> pd.DataFrame:
-    """Across ranks: one row per (collective, process group, k-th call) present on every rank."""
+def aligned(per_rank: dict[int, pd.DataFrame], offsets: dict[int, float]) -> pd.DataFrame:
+    """Each rank's calls matched across the ranks (the k-th call of each collective and process group
+    is one collective; those on every rank only): per rank and call, its ``wait_us`` for the last
+    arrival, its ``transfer_us`` after it, and the bus bandwidth both with the wait (the kernel's
+    whole duration: ``busbw_gbps``) and from the transfer alone (``busbw_transfer_gbps``), as
+    TraceLens separates skew from transfer."""
+    cols = ["rank", "row", "collective", "pg", "seq", "start_abs", "end_abs", "bytes", "bus_factor"]
     parts = []
     for r, c in per_rank.items():
         c = c.sort_values("ts").copy()
+        c["row"] = c.index  # the call's row in its rank's table
         c["pg"] = c["pg_name"].fillna("").astype(str)
         c["seq"] = c.groupby(["collective", "pg"]).cumcount()
         c["rank"] = r
         c["start_abs"] = c["ts"] + offsets[r]
         c["end_abs"] = c["end"] + offsets[r]
-        parts.append(c[["rank", "collective", "pg", "seq", "start_abs", "end_abs", "bytes"]])
+        if "bus_factor" not in c:
+            c["bus_factor"] = 1.0
+        parts.append(c[cols])
     if len(parts) < 2:
-        return pd.DataFrame(columns=["collective", "pg", "seq", "skew_us", "transfer_us", "last_rank"])
+        return pd.DataFrame(columns=cols + ["wait_us", "transfer_us", "busbw_gbps", "busbw_transfer_gbps"])
     df = pd.concat(parts, ignore_index=True)
+    on_all = df.groupby(["collective", "pg", "seq"])["rank"].transform("nunique") == len(per_rank)
+    df = df[on_all].copy()
+    last = df.groupby(["collective", "pg", "seq"])["start_abs"].transform("max")
+    df["wait_us"] = last - df["start_abs"]
+    df["transfer_us"] = df["end_abs"] - last
+    rate = lambda us: df["bytes"] / (us.where(us > 0) * 1e3) * df["bus_factor"]  # noqa: E731 - GB/s of a column
+    df["busbw_gbps"] = rate(df["end_abs"] - df["start_abs"])
+    df["busbw_transfer_gbps"] = rate(df["transfer_us"])
+    return df.reset_index(drop=True)
+
+
+def skew(per_rank: dict[int, pd.DataFrame], offsets: dict[int, float]) -> pd.DataFrame:
+    """Across ranks: one row per (collective, process group, k-th call) present on every rank, with
+    the median bus bandwidth over the ranks with the wait and from the transfer alone."""
+    df = aligned(per_rank, offsets)
+    if not len(df):
+        return pd.DataFrame(columns=["collective", "pg", "seq", "skew_us", "transfer_us", "last_rank"])
     rows = []
     for (kind, pg, seq), g in df.groupby(["collective", "pg", "seq"]):
-        if g["rank"].nunique() < len(per_rank):
-            continue
         last = g["start_abs"].max()
+        transfer = float(np.median(g["end_abs"] - last))
+        size, factor = float(g["bytes"].max()), float(g["bus_factor"].iloc[0])
         rows.append(
             {
                 "collective": kind,
                 "pg": pg,
                 "seq": int(seq),
-                "bytes": float(g["bytes"].max()),
+                "bytes": size,
                 "skew_us": float(last - g["start_abs"].min()),
-                "transfer_us": float(np.median(g["end_abs"] - last)),
+                "transfer_us": transfer,
                 "last_rank": int(g.loc[g["start_abs"].idxmax(), "rank"]),
+                "busbw_gbps": float(g["busbw_gbps"].median()),
+                "busbw_transfer_gbps": size / (transfer * 1e3) * factor if transfer > 0 else float("nan"),
                 **{f"wait_us_rank{int(r)}": float(last - s) for r, s in zip(g["rank"], g["start_abs"])},
             }
         )
@@ -276,12 +311,23 @@ class Straggler:
     median_skew_us: float
     median_transfer_us: float
     verdict: str
+    ranks: int = 0  # the ranks the verdict is drawn from (those in the traces)
+    world_size: int | None = None  # the job's ranks, where the traces record it
 
 
-def straggler(sk: pd.DataFrame, n_ranks: int) -> Straggler:
-    """The straggler verdict over :func:`skew`'s rows (see the module note)."""
+def straggler(sk: pd.DataFrame, n_ranks: int, world_size: int | None = None) -> Straggler:
+    """The straggler verdict over :func:`skew`'s rows (see the module note); ``world_size``: the
+    job's ranks, when the traces are only some of them (the verdict then says on how many it rests)."""
+    partial = world_size is not None and world_size > n_ranks
+    rests = (
+        f" (drawn from {n_ranks} of the job's {world_size} ranks: the other {world_size - n_ranks} are not in "
+        f"the traces, and any of them may arrive later)"
+        if partial
+        else f" (all {n_ranks} ranks)"
+    )
     if not len(sk):
-        return Straggler(None, float("nan"), float("nan"), float("nan"), "no collective common to all ranks")
+        return Straggler(None, float("nan"), float("nan"), float("nan"), "no collective common to all ranks" + rests,
+                         n_ranks, world_size)  # fmt: skip
     share = sk["last_rank"].value_counts(normalize=True)
     rank, top = int(share.index[0]), float(share.iloc[0])
     med_skew, med_tr = float(sk["skew_us"].median()), float(sk["transfer_us"].median())
@@ -293,7 +339,7 @@ def straggler(sk: pd.DataFrame, n_ranks: int) -> Straggler:
         else f"no straggler: the most frequent last arrival (rank {rank}) is last in {100 * top:.0f}% "
         f"of {len(sk)} collectives, median skew {med_skew / 1e3:.2f} ms vs transfer {med_tr / 1e3:.2f} ms"
     )
-    return Straggler(rank if is_it else None, top, med_skew, med_tr, verdict)
+    return Straggler(rank if is_it else None, top, med_skew, med_tr, verdict + rests, n_ranks, world_size)
 
 
 # --------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ The JSON is parsed by ``msgspec`` into typed structs that declare only the field
 (unknown keys are skipped in C, never built as Python objects), and it is streamed: the file is
 decompressed in blocks, the ``traceEvents`` array is cut between events, and each block of
 events is turned into numpy columns before the next is read.  Memory therefore grows with the
-number of events kept (about 60 bytes each plus the distinct names), not with the file's size.
+number of events kept (their tables hold about 90 bytes each plus the distinct names and shapes;
+the read peaks at about twice that), not with the size of the JSON text.
 A cut is only taken where the text reads ``}, {"`` between two events; a cut in the wrong place
 cannot parse (it leaves a bracket open), and the block is then simply kept for the next cut.
 
@@ -26,10 +27,12 @@ stored relative to the trace's first integer microsecond, so a ns-resolution flo
 Tables of a :class:`RankTrace` (pandas, one row per complete event ``ph == "X"``):
 
 * ``gpu``: kernels, memcpy and memset (``cat`` in :data:`GPU_CATS`) with name, cat, ts, dur,
-  stream, device, correlation, external_id and, where recorded, ``bytes`` and NCCL's arguments;
+  stream, device, correlation, external_id and, where recorded, ``bytes`` (``nbytes``), a copy's
+  ``memory bandwidth (GB/s)`` (``memory_gbps``) and NCCL's arguments;
 * ``host``: ``cpu_op``, ``user_annotation``, ``python_function``, runtime and driver calls with
   name, cat, ts, dur, pid, tid, correlation, external_id and, where recorded, input dims/types;
-* ``sync``: ``cuda_sync`` events (kept apart: they are waits, not GPU work);
+* ``sync``: ``cuda_sync`` events (kept apart: they are waits, not GPU work), with the stream and
+  the ``cudaEventRecord`` call (``wait_stream``, ``wait_record``) an event wait waits on;
 * ``gpu_ranges``: ``gpu_user_annotation`` ranges (the host ranges mirrored on the GPU timeline);
 * ``memory``: the allocator's totals (``[memory]`` events of ``profile_memory=True``): ts,
   allocated bytes, device type (0 CPU, 1 CUDA).
@@ -37,10 +40,12 @@ Tables of a :class:`RankTrace` (pandas, one row per complete event ``ph == "X"``
 
 from __future__ import annotations
 
+import decimal
 import gzip
 import io
 import os
 import re
+import zlib
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,11 +63,14 @@ GPU_RANGE_CATS = ("gpu_user_annotation",)
 SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".pt.trace.json.gz")
 BLOCK_BYTES = 2 << 20  # decompressed bytes per block: 2 MB keeps the peak near 30 MB (8 MB: 115 MB) on a 54 MB trace
 _CUT = re.compile(rb'\}\s*,\s*\{\s*"')
+_EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
+#: what is kept of each ``deviceProperties`` entry (the part's identity: lab_utils.core.datasheets)
+PROPERTIES = ("id", "name", "numSms", "totalGlobalMem", "computeMajor", "computeMinor", "clockRate")
 _RANK_WORD = re.compile(r"rank\D?(\d+)", re.IGNORECASE)
 _LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 
 
-class _Args(msgspec.Struct):
+class _Args(msgspec.Struct, gc=False):
     correlation: int | None = None
     external_id: int | None = msgspec.field(default=None, name="External id")
     stream: int | str | None = None
@@ -77,11 +85,15 @@ class _Args(msgspec.Struct):
     pg_ranks: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Process Group Ranks")
     input_dims: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Input Dims")
     input_type: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Input type")
+    concrete: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Concrete Inputs")
     total_allocated: int | float | None = msgspec.field(default=None, name="Total Allocated")
     device_type: int | None = msgspec.field(default=None, name="Device Type")
+    wait_stream: int | None = msgspec.field(default=None, name="wait_on_stream")  # cuda_sync "Stream Wait Event"
+    wait_record: int | None = msgspec.field(default=None, name="wait_on_cuda_event_record_corr_id")
+    memory_gbps: float | None = msgspec.field(default=None, name="memory bandwidth (GB/s)")  # memcpy, memset
 
 
-class _Event(msgspec.Struct):
+class _Event(msgspec.Struct, gc=False):  # gc=False: millions of them, none holds a cycle
     ph: str = ""
     cat: str = ""
     name: str = ""
@@ -101,6 +113,7 @@ class _Head(msgspec.Struct):
 
 _DEC_EVENTS = msgspec.json.Decoder(list[_Event])
 _DEC_HEAD = msgspec.json.Decoder(_Head)
+_NO_ARGS = _Args()
 
 
 @dataclass
@@ -136,58 +149,78 @@ def _open_bytes(path: Path) -> io.BufferedIOBase:
     return gzip.GzipFile(fileobj=fh) if magic == b"\x1f\x8b" else fh
 
 
-class _Columns:
-    """Grows numpy columns block by block.  Strings (name, cat, pid, tid) are interned into
-    integer codes once per trace; the rare argument columns (NCCL's, shapes) are kept sparse,
-    as (row, value) pairs: a kept event costs about 60 bytes whatever the file's size."""
-
-    STR = ("name", "cat", "pid", "tid")
-    INT = ("corr", "ext", "stream", "device")
-    EXTRA = ("nbytes", "collective", "in_nelems", "out_nelems", "dtype", "group_size", "pg_name")
-    SHAPES = ("input_dims", "input_type")
-
-    def __init__(self) -> None:
-        self.cols: dict[str, list] = {k: [] for k in ("kind", "ts_i", "ts_f", "dur") + self.STR + self.INT}
-        self.codes: dict[str, dict] = {k: {} for k in self.STR}
-        self.sparse: dict[str, list[tuple[int, object]]] = {k: [] for k in self.EXTRA + self.SHAPES + ("pg_ranks",)}
-        self.n = 0
-        self.memory: list[tuple[float, float, int | None]] = []
-        self.kinds = {c: 0 for c in GPU_CATS} | {c: 1 for c in HOST_CATS}
-        self.kinds |= {c: 2 for c in SYNC_CATS} | {c: 3 for c in GPU_RANGE_CATS}
-
-    def add(self, events: list[_Event]) -> None:
-        kinds = self.kinds
-        for e in events:  # allocator totals (``[memory]`` instant events, profile_memory=True)
-            if e.name == "[memory]" and e.args is not None and e.args.total_allocated is not None and len(e.ts):
-                self.memory.append((float(bytes(e.ts)), float(e.args.total_allocated), e.args.device_type))
-        keep = [e for e in events if e.ph == "X" and e.cat in kinds and len(e.ts)]
-        if not keep:
-            return
-        c = self.cols
-        raw = np.array([bytes(e.ts) for e in keep])
-        whole, _, frac = np.char.partition(raw, b".").T
-        c["ts_i"].append(whole.astype(np.int64))
-        c["ts_f"].append(np.char.add(b"0.", frac).astype(np.float64))
-        c["kind"].append(np.array([kinds[e.cat] for e in keep], dtype=np.int8))
-        c["dur"].append(np.array([e.dur for e in keep], dtype=np.float64))
-        for key in self.STR:
-            table = self.codes[key]
-            c[key].append(np.array([table.setdefault(getattr(e, key), len(table)) for e in keep], dtype=np.int32))
-        none = _Args()
-        args = [e.args if e.args is not None else none for e in keep]
-        for key, attr in zip(self.INT, ("correlation", "external_id", "stream", "device")):
-            c[key].append(_int_col([getattr(a, attr) for a in args]))
-        n = self.n
-        for key in self.EXTRA:
-            self.sparse[key] += [(n + i, v) for i, a in enumerate(args) if (v := getattr(a, key)) is not None]
-        for key in self.SHAPES + ("pg_ranks",):  # msgspec.Raw: empty when absent
-            self.sparse[key] += [(n + i, bytes(v)) for i, a in enumerate(args) if len(v := getattr(a, key))]
-        self.n += len(keep)
+_POW10 = 10 ** np.arange(19, dtype=np.int64)
 
 
-def _int_col(values: list, fill: int = -1) -> np.ndarray:
+def numbers(raws) -> tuple[np.ndarray, np.ndarray]:
+    """JSON numbers as their text (``msgspec.Raw`` or bytes) -> (integer part as int64, fraction
+    as float64), exactly: ``1711964650123456.789`` -> (1711964650123456, 0.789).  Plain decimals
+    are read by numpy, the values of one width at a time (a trace writes its timestamps in one or
+    two widths); anything else (a sign, an exponent) value by value."""
+    n = len(raws)
+    if not n:
+        return np.zeros(0, dtype=np.int64), np.zeros(0)
+    a = np.frombuffer(b",".join(raws) + b",", dtype=np.uint8)
+    ends = np.flatnonzero(a == 44)
+    if len(ends) != n:
+        return _numbers_slowly(raws)
+    starts = np.empty(n, dtype=np.int64)
+    starts[0], starts[1:] = 0, ends[:-1] + 1
+    widths = ends - starts
+    whole, frac = np.zeros(n, dtype=np.int64), np.zeros(n)
+    uniform = bool((widths == widths[0]).all())
+    for w in np.unique(widths):
+        rows = np.flatnonzero(widths == w)
+        if w < 1 or w > 40:
+            return _numbers_slowly(raws)
+        # one value per row, its digits as numbers (one width: the text is already that matrix)
+        m = (a.reshape(n, w + 1)[:, :w] if uniform else a[starts[rows, None] + np.arange(w)]) - 48
+        dot = m == 254  # '.' - '0' in uint8
+        point = np.where(dot.any(axis=1), dot.argmax(axis=1), w)
+        if not ((m <= 9) | dot).all() or dot.sum() > len(rows):
+            return _numbers_slowly(raws)
+        for p in np.unique(point):  # one layout: p digits, then (w - p - 1) after the point
+            sel = point == p
+            if p > 18 or w - p - 1 > 18 or p == 0:
+                return _numbers_slowly(raws)
+            mm = m[sel].astype(np.int64)
+            whole[rows[sel]] = mm[:, :p] @ _POW10[p - 1 :: -1]
+            if p < w - 1:
+                k = w - p - 1
+                frac[rows[sel]] = (mm[:, p + 1 :] @ _POW10[k - 1 :: -1]) / float(_POW10[k])
+    return whole, frac
+
+
+def _numbers_slowly(raws: list) -> tuple[np.ndarray, np.ndarray]:
+    whole, frac = np.zeros(len(raws), dtype=np.int64), np.zeros(len(raws))
+    for i, r in enumerate(raws):
+        v = decimal.Decimal(bytes(r).decode())
+        w = int(v.to_integral_value(rounding=decimal.ROUND_FLOOR))
+        whole[i], frac[i] = w, float(v - w)
+    return whole, frac
+
+
+def _ints(values: list, fill: int = -1) -> np.ndarray:
     """Integers; None, and ids that are not numbers (a named stream "stream 7 [copy]"), become ``fill``."""
-    return np.array([v if type(v) is int else _to_int(v, fill) for v in values], dtype=np.int64)
+    try:
+        x = np.array(values, dtype=np.float64)  # None -> NaN
+    except (TypeError, ValueError):
+        return np.array([v if type(v) is int else _to_int(v, fill) for v in values], dtype=np.int64)
+    return np.where(np.isnan(x), fill, x).astype(np.int64)
+
+
+def _codes(values: list, numeric: bool) -> tuple[np.ndarray, list]:
+    """``values`` as integer codes into the list of their distinct values (first seen first);
+    ``numeric``: values that are mostly integers (process and thread ids), coded by numpy."""
+    if numeric:
+        try:
+            uniq, codes = np.unique(np.array(values, dtype=np.int64), return_inverse=True)
+            return codes.astype(np.int32), uniq.tolist()
+        except (TypeError, ValueError, OverflowError):  # a named thread ("PyTorch Profiler")
+            pass
+    table: dict = {}
+    codes = [table.setdefault(v, len(table)) for v in values]
+    return np.array(codes, dtype=np.int32), list(table)
 
 
 def _to_int(v, fill: int) -> int:
@@ -197,53 +230,148 @@ def _to_int(v, fill: int) -> int:
         return fill
 
 
-def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:
-    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
+class _Columns:
+    """Grows the tables block by block.  Each block's strings (name, cat, pid, tid) become integer
+    codes into the block's own table of distinct values, joined into one table per trace at the
+    end; the argument columns most events lack (NCCL's, sizes, shapes) are kept sparse, as
+    (row, value) pairs, their texts interned.  A kept event costs about 90 bytes whatever the
+    file's size."""
+
+    STR = ("name", "cat", "pid", "tid")
+    INT = ("correlation", "external_id", "stream", "device")
+    EXTRA = ("nbytes", "collective", "in_nelems", "out_nelems", "dtype", "group_size", "pg_name", "wait_stream",
+             "wait_record", "memory_gbps")  # fmt: skip
+    SHAPES = ("input_dims", "input_type", "concrete")  # raw JSON, kept as interned text
+    KINDS = {c: 0 for c in GPU_CATS} | {c: 1 for c in HOST_CATS} | {c: 2 for c in SYNC_CATS}
+    KINDS |= {c: 3 for c in GPU_RANGE_CATS}
+
+    def __init__(self) -> None:
+        self.blocks: list[dict] = []
+        self.sparse: dict[str, list[tuple[int, object]]] = {k: [] for k in self.EXTRA + ("pg_ranks",)}
+        self.shape_keys: dict[bytes, int] = {}  # dims, types and concrete inputs of one call -> code
+        self.shaped: list[tuple[np.ndarray, np.ndarray]] = []  # per block: (rows, codes)
+        self.n = 0
+        self.seen = 0  # events read, kept or not
+        self.memory: list[tuple[bytes, float, int | None]] = []
+
+    def add(self, events: list[_Event]) -> None:
+        kinds = self.KINDS
+        self.seen += len(events)
+        for e in [e for e in events if e.name == "[memory]" and e.args is not None]:  # profile_memory=True
+            if e.args.total_allocated is not None and len(e.ts):
+                self.memory.append((bytes(e.ts), float(e.args.total_allocated), e.args.device_type))
+        keep = [e for e in events if e.ph == "X" and e.cat in kinds and len(e.ts)]
+        if not keep:
+            return
+        args = [e.args or _NO_ARGS for e in keep]
+        block: dict = {}
+        for key, values in (("name", [e.name for e in keep]), ("cat", [e.cat for e in keep]),
+                            ("pid", [e.pid for e in keep]), ("tid", [e.tid for e in keep])):  # fmt: skip
+            block[key] = _codes(values, key in ("pid", "tid"))
+        block["kind"] = np.array([kinds[c] for c in block["cat"][1]], dtype=np.int8)[block["cat"][0]]
+        block["ts"] = numbers([e.ts for e in keep])
+        block["dur"] = np.array([e.dur for e in keep], dtype=np.float64)
+        corr, ext = [a.correlation for a in args], [a.external_id for a in args]
+        stream, device = [a.stream for a in args], [a.device for a in args]
+        for key, values in (("correlation", corr), ("external_id", ext), ("stream", stream), ("device", device)):
+            block[key] = _ints(values)
+        self.blocks.append(block)
+        n = self.n
+        rare = [i for i, a in enumerate(args) if a.nbytes is not None or a.collective is not None
+                or a.in_nelems is not None or a.dtype is not None or a.group_size is not None
+                or a.pg_name is not None or len(a.pg_ranks) or a.wait_record is not None
+                or a.memory_gbps is not None]  # fmt: skip
+        for key in self.EXTRA:
+            self.sparse[key] += [(n + i, v) for i in rare if (v := getattr(args[i], key)) is not None]
+        for i in [i for i in rare if len(args[i].pg_ranks)]:
+            self.sparse["pg_ranks"].append((n + i, bytes(args[i].pg_ranks).decode()))
+        # recorded shapes (record_shapes=True): dims, types and concrete inputs joined into one key,
+        # interned per trace (the same shapes recur every step)
+        keys = self.shape_keys
+        shaped = [i for i, a in enumerate(args) if len(a.input_dims)]
+        if shaped:
+            codes = [
+                keys.setdefault(k, len(keys))
+                for k in [b"\x00".join((args[i].input_dims, args[i].input_type, args[i].concrete)) for i in shaped]
+            ]
+            self.shaped.append((np.array(shaped, dtype=np.int64) + n, np.array(codes, dtype=np.int32)))
+        self.n += len(keep)
+
+    def strings(self, key: str) -> pd.Categorical:
+        """One column's codes over every block, into one table of distinct values (as text)."""
+        index: dict = {}
+        parts = []
+        for b in self.blocks:
+            codes, values = b[key]
+            remap = np.array([index.setdefault(str(v), len(index)) for v in values], dtype=np.int32)
+            parts.append(remap[codes])
+        codes = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        return pd.Categorical.from_codes(codes, categories=pd.Index(list(index), dtype=object))
+
+    def column(self, key: str, dtype) -> np.ndarray:
+        parts = [b[key] for b in self.blocks]
+        return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
 
 
-def _strings(codes: np.ndarray, table: dict) -> pd.Categorical:
-    names = [str(k) for k in table]  # insertion order = code order
-    return (
-        pd.Categorical.from_codes(codes, categories=pd.Index(names).unique())
-        if _unique(names)
-        else (pd.Categorical(np.asarray(names, dtype=object)[codes]))
-    )
-
-
-def _unique(names: list[str]) -> bool:
-    return len(set(names)) == len(names)
-
-
-def _frame(cols: _Columns, t0: int) -> pd.DataFrame:
-    c = cols.cols
-    ts = (_cat(c["ts_i"], np.int64) - t0).astype(np.float64) + _cat(c["ts_f"], np.float64)
-    data = {"kind": _cat(c["kind"], np.int8)}
-    for key in ("name", "cat"):
-        data[key] = _strings(_cat(c[key], np.int32), cols.codes[key])
-    data |= {"ts": ts, "dur": _cat(c["dur"], np.float64)}
+def _frame(cols: _Columns) -> tuple[dict[str, pd.DataFrame], int]:
+    """The kept events as the four tables (``_KINDS``), built from the columns kind by kind (no table of
+    every event first: one copy of the data at a time), and the trace's t0.  An optional argument
+    column is given to a table only where one of its events recorded it."""
+    whole = np.concatenate([b["ts"][0] for b in cols.blocks]) if cols.blocks else np.zeros(0, dtype=np.int64)
+    frac = np.concatenate([b["ts"][1] for b in cols.blocks]) if cols.blocks else np.zeros(0)
+    t0 = int(whole.min()) if len(whole) else 0
+    kind = cols.column("kind", np.int8)
+    data: dict = {key: cols.strings(key) for key in ("name", "cat")}
+    data["ts"] = (whole - t0).astype(np.float64) + frac
+    del whole, frac
+    data["dur"] = cols.column("dur", np.float64)
     for key in ("pid", "tid"):
-        data[key] = _strings(_cat(c[key], np.int32), cols.codes[key])
-    for key, col in zip(_Columns.INT, ("correlation", "external_id", "stream", "device")):
-        data[col] = _cat(c[key], np.int64)
-    df = pd.DataFrame(data)
-    df["end"] = df["ts"] + df["dur"]
-    for k, pairs in cols.sparse.items():
-        if pairs:
-            col = np.full(len(df), None, dtype=object)
-            rows, vals = zip(*pairs)
-            col[list(rows)] = list(vals)
-            df[k] = pd.array(col, dtype=object)
-    return df
+        data[key] = cols.strings(key)
+    for key in _Columns.INT:
+        data[key] = cols.column(key, np.int64)
+    cols.blocks.clear()  # every block's arrays are in ``data`` now
+    sparse = {k: tuple(np.asarray(x) for x in zip(*pairs)) for k, pairs in cols.sparse.items() if pairs}
+    shapes: dict[str, pd.Categorical] = {}
+    if cols.shaped:  # each shape field as codes into its distinct texts
+        rows = np.concatenate([r for r, _ in cols.shaped])
+        codes = np.concatenate([c for _, c in cols.shaped])
+        fields = [k.split(b"\x00") for k in cols.shape_keys]
+        for j, key in enumerate(_Columns.SHAPES):
+            table: dict = {}
+            per_key = np.array([table.setdefault(f[j], len(table)) if f[j] else -1 for f in fields], dtype=np.int32)
+            col = np.full(len(kind), -1, dtype=np.int32)
+            col[rows] = per_key[codes]
+            shapes[key] = pd.Categorical.from_codes(col, categories=pd.Index([t.decode() for t in table], dtype=object))
+    parts = {}
+    for i, name in enumerate(_KINDS):
+        idx = np.flatnonzero(kind == i)
+        df = pd.DataFrame({k: v[idx] for k, v in data.items()})
+        df["end"] = df["ts"] + df["dur"]
+        pos = np.full(len(kind), -1, dtype=np.int64)
+        pos[idx] = np.arange(len(idx))
+        for k, (rows, vals) in sparse.items():
+            mine = pos[rows.astype(np.int64)]
+            if (mine >= 0).any():
+                col = np.full(len(df), None, dtype=object)
+                col[mine[mine >= 0]] = vals[mine >= 0]
+                df[k] = pd.array(col, dtype=object)
+        for k, cat in shapes.items():
+            sub = cat[idx]
+            if len(sub) and (sub.codes >= 0).any():
+                df[k] = sub
+        parts[name] = df
+    return parts, t0
 
 
-def _stream_events(fh: io.BufferedIOBase, cols: _Columns) -> _Head:
-    """Stream ``fh``'s ``traceEvents`` into ``cols``; return the other top-level keys."""
+def _stream_events(fh: io.BufferedIOBase, cols: _Columns) -> tuple[_Head, bool]:
+    """Stream ``fh``'s ``traceEvents`` into ``cols``; return the other top-level keys, and whether
+    the text has a ``traceEvents`` array at all."""
     buf = b""
     head_bytes = b""
     while True:  # the head: everything before the events array
         block = fh.read(BLOCK_BYTES)
         buf += block
-        m = re.search(rb'"traceEvents"\s*:\s*\[', buf)
+        m = _EVENTS_KEY.search(buf)
         if m:
             head_bytes, buf = buf[: m.end()], buf[m.end() :]
             break
@@ -269,7 +397,7 @@ def _stream_events(fh: io.BufferedIOBase, cols: _Columns) -> _Head:
     for k in ("distributedInfo", "deviceProperties", "record_shapes"):
         if getattr(head, k) is None:
             setattr(head, k, getattr(tail, k))
-    return head
+    return head, True
 
 
 def _last_cut(buf: bytes) -> int | None:
@@ -286,14 +414,43 @@ def _last_cut(buf: bytes) -> int | None:
         start = max(0, start - (4 << 20))
 
 
-def _whole(text: bytes, cols: _Columns) -> _Head:
+def _whole(text: bytes, cols: _Columns) -> tuple[_Head, bool]:
     if text.lstrip().startswith(b"["):  # a bare array of events
         cols.add(_DEC_EVENTS.decode(text))
-        return _Head()
+        return _Head(), True
     head = _DEC_HEAD.decode(text)
     cols.add(head.traceEvents)
     head.traceEvents = []
-    return head
+    return head, False
+
+
+def _not_a_trace(path: Path, cols: _Columns, has_events: bool) -> ConfigError:
+    """Why a file that parsed as JSON holds no profiler event, as the error to raise."""
+    if not has_events:
+        try:
+            with _open_bytes(path) as fh:
+                keys = list(msgspec.json.decode(fh.read(64 << 20)))[:8]
+        except (msgspec.DecodeError, OSError, EOFError, TypeError, zlib.error):
+            keys = []
+        what = f"this JSON has no traceEvents array (its keys: {', '.join(map(str, keys)) or 'none'})"
+    elif not cols.seen:
+        what = "its traceEvents array is empty"
+    else:
+        what = f"none of its {cols.seen} events is a complete ('ph': 'X') profiler event (kernel, cpu_op, ...)"
+    return ConfigError("path", str(path), f"a torch profiler (Kineto) trace: {what}")
+
+
+def _unreadable(path: Path, exc: BaseException) -> ConfigError:
+    """A file that cannot be read to its end, as the error to raise (one line, naming the file)."""
+    if isinstance(exc, EOFError) or "truncated" in str(exc):
+        what = "a complete trace file: it ends early (truncated, as a job killed while writing leaves it)"
+    elif isinstance(exc, (gzip.BadGzipFile, zlib.error)):
+        what = f"a readable trace file: its gzip stream is corrupt ({exc})"
+    elif isinstance(exc, msgspec.DecodeError):
+        what = f"a profiler trace in Chrome trace JSON: it is not ({exc})"
+    else:
+        what = f"a readable trace file ({type(exc).__name__}: {exc})"
+    return ConfigError("path", str(path), what)
 
 
 def _rank_from(head: _Head, path: Path, fallback: int, alone: bool) -> int:
@@ -308,33 +465,28 @@ def _rank_from(head: _Head, path: Path, fallback: int, alone: bool) -> int:
 
 
 def read_rank(path: str | Path, fallback_rank: int = 0, *, alone: bool = True) -> RankTrace:
-    """Read one trace file (see the module note)."""
+    """Read one trace file (see the module note).  A file that is truncated, corrupt, not JSON or
+    not a profiler trace raises one ``ConfigError`` naming it."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError("path", str(path), f"an existing trace file ending in one of {SUFFIXES}")
     cols = _Columns()
-    with _open_bytes(path) as fh:
-        try:
-            head = _stream_events(fh, cols)
-        except (msgspec.DecodeError, OSError, UnicodeDecodeError) as exc:
-            allowed = f"a profiler trace in Chrome trace JSON (reading failed: {exc})"
-            raise ConfigError("path", str(path), allowed) from exc
-    c = cols.cols
-    t0 = int(min(a.min() for a in c["ts_i"] if len(a))) if c["ts_i"] else 0
-    df = _frame(cols, t0)
-    parts = {k: df[df["kind"] == i].drop(columns="kind").reset_index(drop=True) for i, k in enumerate(_KINDS)}
-    for k in _KINDS:  # the optional argument columns only where some event recorded them
-        df_k = parts[k]
-        parts[k] = df_k.drop(
-            columns=[c for c in _Columns.EXTRA + _Columns.SHAPES + ("pg_ranks",) if c in df_k and df_k[c].isna().all()]
-        )
+    try:
+        with _open_bytes(path) as fh:
+            head, has_events = _stream_events(fh, cols)
+    except (msgspec.DecodeError, OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:
+        raise _unreadable(path, exc) from None
+    if not cols.n:
+        raise _not_a_trace(path, cols, has_events)
+    parts, t0 = _frame(cols)
     props = head.deviceProperties or []
     info = head.distributedInfo or {}
     gpu_dev = parts["gpu"]["device"]
     dev_id = int(gpu_dev.mode().iloc[0]) if len(gpu_dev) and (gpu_dev >= 0).any() else 0
     name = next((p.get("name") for p in props if p.get("id") == dev_id), None)
-    mem = pd.DataFrame(cols.memory, columns=["ts", "allocated", "device_type"])
-    mem["ts"] = mem["ts"] - t0
+    whole, frac = numbers([m[0] for m in cols.memory])
+    mem = pd.DataFrame({"ts": (whole - t0).astype(np.float64) + frac, "allocated": [m[1] for m in cols.memory],
+                        "device_type": [m[2] for m in cols.memory]})  # fmt: skip
     return RankTrace(
         memory=mem,
         rank=_rank_from(head, path, fallback_rank, alone),
@@ -343,7 +495,7 @@ def read_rank(path: str | Path, fallback_rank: int = 0, *, alone: bool = True) -
         device_name=name or (props[0].get("name") if props else None),
         world_size=info.get("world_size") if isinstance(info.get("world_size"), int) else None,
         distributed={k: v for k, v in info.items() if k in ("backend", "rank", "world_size", "nccl_version")},
-        device_properties=[{k: p.get(k) for k in ("id", "name", "numSms", "totalGlobalMem")} for p in props],
+        device_properties=[{k: p.get(k) for k in PROPERTIES} for p in props if isinstance(p, dict)],
         **parts,
     )
 
@@ -404,9 +556,9 @@ def events(path: str | Path) -> list[dict]:
         for row, d, t in zip(df.itertuples(index=False), dims, types):
             args = {"External id": row.external_id, "correlation": row.correlation, "stream": row.stream}
             args = {k: int(v) for k, v in args.items() if v >= 0}
-            if d is not None:
+            if isinstance(d, str):
                 args["Input Dims"] = msgspec.json.decode(d)
-            if t is not None:
+            if isinstance(t, str):
                 args["Input type"] = msgspec.json.decode(t)
             out.append(
                 {"ph": "X", "name": str(row.name), "cat": str(row.cat), "ts": r.t0_us + row.ts, "dur": row.dur,

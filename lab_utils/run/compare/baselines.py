@@ -21,20 +21,26 @@ import pandas as pd
 
 from lab_utils.core.config import ConfigError
 from lab_utils.core.records import load_records, write_records_parquet
-from lab_utils.run.compare.cli import add_compare_options, finish, options_from
+from lab_utils.run.commands import baseline as baseline_args
+from lab_utils.run.compare.cli import finish, options_from
 from lab_utils.run.compare.comparison import compare
 from lab_utils.run.compare.options import Options, lab_name
 from lab_utils.run.compare.rules import EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, CompareError, direction
 from lab_utils.run.compare.sides import baseline_kind, baselines_root, first_value, load_side
 from lab_utils.run.migrate import migrate_baseline, migrate_context
-from lab_utils.run.runner import SuiteError, parse_overrides, run_suite
+from lab_utils.run.suites import SuiteError, parse_overrides
 
-PERFORMANCE_KINDS = ("performance", "memory")
+#: kinds of row that move with the machine's load (a reported figure is a share or idle time of timings)
+PERFORMANCE_KINDS = ("performance", "memory", "reported")
 
 
 def timing_free(rows: pd.DataFrame) -> pd.DataFrame:
     """Rows that do not depend on machine load: accuracy figures, counts, shapes."""
-    keep = [direction(m, u).kind not in PERFORMANCE_KINDS for m, u in zip(rows["metric"], rows["unit"].fillna(""))]
+    extras = rows["extra"] if "extra" in rows.columns else [""] * len(rows)
+    keep = [
+        direction(m, u, e).kind not in PERFORMANCE_KINDS
+        for m, u, e in zip(rows["metric"], rows["unit"].fillna(""), extras, strict=True)
+    ]
     return rows[keep]
 
 
@@ -108,6 +114,8 @@ def store_baseline(
 
 
 def run_for_baseline(suite: str, params: list[str] | None, out: str | None, only: list[str] | None = None):
+    from lab_utils.run.runner import run_suite  # noqa: PLC0415  (papermill, nbformat, torch: perflab[lab]; only a run needs them)
+
     return run_suite(suite, overrides=parse_overrides(params), out_dir=out, only=only)
 
 
@@ -120,49 +128,15 @@ def command_line(argv: Sequence[str] | None) -> str:
 
 
 def baseline_main(argv: Sequence[str] | None = None) -> int:
-    """``perflab baseline refresh|check|show``."""
-    ap = argparse.ArgumentParser(
-        prog="perflab baseline", description="Stored baselines per device kind in parameterized/baselines/<kind>/."
-    )
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser(
-        "refresh", help="run a suite (or take a finished report) and store it as this device kind's baseline"
-    )
-    r.add_argument("--suite", default="smoke")
-    r.add_argument("--report", default=None, help="store this finished report instead of running the suite")
-    r.add_argument("--param", action="append", metavar="KEY=VALUE", help="parameter override for the run")
-    r.add_argument("--only", action="append", metavar="NOTEBOOK", help="run only this notebook of the suite")
-    r.add_argument("--kind", default=None, help="baseline kind (default: cpu or cuda-<gpu model> of the run)")
-    r.add_argument(
-        "--timing-free",
-        action="store_true",
-        help="store only rows that do not depend on machine load (accuracy figures, counts)",
-    )
-    r.add_argument("--allow-failed", action="store_true", help="store even if some notebooks failed")
-    r.add_argument("--out", default=None, help="reports folder for the run (default reports/)")
-    c = sub.add_parser(
-        "check", help="compare a fresh run (or --report) with the stored baseline; exit 1 on a regression"
-    )
-    c.add_argument("--suite", default="smoke")
-    c.add_argument("--report", default=None, help="compare this finished report instead of running the suite")
-    c.add_argument("--param", action="append", metavar="KEY=VALUE")
-    c.add_argument(
-        "--only",
-        action="append",
-        metavar="NOTEBOOK",
-        help="run only this notebook of the suite (a name or a path like labs/05_memory.ipynb); the baseline is "
-        "then compared on these notebooks only",
-    )
-    c.add_argument("--kind", default=None, help="baseline kind (default: the candidate's)")
-    c.add_argument("--run-out", default=None, help="reports folder for the fresh run (default reports/)")
-    add_compare_options(c)
-    s = sub.add_parser("show", help="list stored baselines")
-    s.add_argument("--kind", default=None)
-    m = sub.add_parser(
-        "migrate", help="rename parameters a lab has renamed in stored baselines' context.json (idempotent)"
-    )
-    m.add_argument("--kind", default=None, help="one baseline kind (default: every stored one)")
-    a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    """``perflab baseline refresh|check|show|migrate`` from a list of arguments."""
+    ap = argparse.ArgumentParser(prog="perflab baseline", description=baseline_args.DESCRIPTION)
+    baseline_args.add_arguments(ap)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return command(ap.parse_args(argv), argv)
+
+
+def command(a: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
+    """``perflab baseline`` on parsed arguments (``argv``: as typed, for ``baseline.json``)."""
     try:
         if getattr(a, "only", None):
             a.only = [lab_name(x) for x in a.only]

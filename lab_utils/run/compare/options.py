@@ -1,88 +1,11 @@
-"""What a comparison may be asked for: thresholds, noise test, rows, gate (``Options``)."""
+"""What a comparison may be asked for: thresholds, noise test, rows, gate (``Options``).
+
+Defined beside ``perflab compare``'s arguments in ``lab_utils.run.commands.compare`` (light, so the
+command's ``--help`` needs no pandas); the comparison's modules read them from here.
+"""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from pathlib import Path
+from lab_utils.run.commands.compare import CONTEXT_DIFFS, Options, lab_name
 
-from lab_utils.core.config import ConfigError
-
-#: What a timing measures besides the code: a difference in one of these makes the rows it
-#: touches "not comparable" (never slower or faster) unless the comparison is asked for.
-#: device: the device (name or kind); software: torch, triton, CUDA, Python, the Triton
-#: interpreter; threads: the CPU threads a timing ran with; compile: a notebook parameter that
-#: selects compilation; params: any other notebook parameter (or the suite).
-CONTEXT_DIFFS = ("device", "software", "threads", "compile", "params")
-
-
-def lab_name(value: str) -> str:
-    """A lab as the runner names it: ``labs/05_memory.ipynb``, ``05_memory.ipynb`` and
-    ``05_memory`` are all ``05_memory``."""
-    s = str(value).strip()
-    if not s:
-        raise ConfigError("only", value, "a lab name such as 05_memory or a notebook path such as labs/05_memory.ipynb")
-    p = Path(s)
-    return p.stem if p.suffix == ".ipynb" else p.name
-
-
-@dataclass(frozen=True)
-class Options:
-    threshold: float = 0.05  # performance and memory: relative change that counts
-    accuracy_threshold: float = 0.10  # error figures (ratio metrics)
-    db_threshold: float = 0.5  # SQNR and other dB figures: absolute change in dB
-    #: metrics with no better direction (counts, sizes, figures of a fixed seed): a relative
-    #: difference up to this is float noise (a value written and read back, summed in another
-    #: order), not a change
-    neutral_tolerance: float = 1e-9
-    confidence: float = 0.99
-    method: str = "bootstrap"  # "bootstrap" | "rank"
-    bootstrap: int = 2000
-    min_samples: int = 3
-    statistics: str = "default"  # "default" (no p20/p80) | "all"
-    only: str = "all"  # "all" | "performance" | "accuracy" (accuracy + other)
-    gate: str = "all"  # which kinds fail the gate: "all" | "performance" | "accuracy" | "none"
-    allow_device_mismatch: bool = False  # the same as "device" in allow_context_diff
-    max_unstable_share: float = 0.25  # a side with more unstable timings than this is not comparable
-    #: compare only these labs (both sides narrowed to them); empty: every lab, and a lab of
-    #: the base that the candidate did not run fails the gate
-    labs: tuple[str, ...] = ()
-    #: context differences (``CONTEXT_DIFFS``) under which rows are compared all the same
-    allow_context_diff: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        for name in ("threshold", "accuracy_threshold", "db_threshold", "neutral_tolerance"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ConfigError(name, v, "a finite number >= 0")
-        if not (0.5 <= self.confidence < 1):
-            raise ConfigError("confidence", self.confidence, "a number in [0.5, 1)")
-        if self.method not in ("bootstrap", "rank"):
-            raise ConfigError("method", self.method, "'bootstrap' or 'rank'")
-        if self.statistics not in ("default", "all"):
-            raise ConfigError("statistics", self.statistics, "'default' or 'all'")
-        if self.only not in ("all", "performance", "accuracy"):
-            raise ConfigError("only", self.only, "'all', 'performance' or 'accuracy'")
-        if self.gate not in ("all", "performance", "accuracy", "none"):
-            raise ConfigError("gate", self.gate, "'all', 'performance', 'accuracy' or 'none'")
-        v = self.max_unstable_share
-        if isinstance(v, bool) or not (isinstance(v, (int, float)) and 0 <= v <= 1):
-            raise ConfigError("max_unstable_share", v, "a number in [0, 1]")
-        if not (isinstance(self.bootstrap, int) and self.bootstrap >= 100):
-            raise ConfigError("bootstrap", self.bootstrap, "an integer >= 100")
-        if isinstance(self.labs, str):
-            raise ConfigError("labs", self.labs, "a list of lab names, not one string")
-        object.__setattr__(self, "labs", tuple(dict.fromkeys(lab_name(x) for x in self.labs)))
-        allowed = tuple(self.allow_context_diff or ())
-        if isinstance(self.allow_context_diff, str):
-            allowed = tuple(s.strip() for s in self.allow_context_diff.split(",") if s.strip())
-        bad = [x for x in allowed if x not in CONTEXT_DIFFS]
-        if bad:
-            raise ConfigError("allow_context_diff", bad[0], f"one of {', '.join(CONTEXT_DIFFS)}")
-        if self.allow_device_mismatch and "device" not in allowed:
-            allowed += ("device",)
-        object.__setattr__(self, "allow_context_diff", tuple(dict.fromkeys(allowed)))
-
-    def allows(self, what: str) -> bool:
-        """Whether rows are compared even though the runs differ in ``what`` (``CONTEXT_DIFFS``)."""
-        return what in self.allow_context_diff
+__all__ = ["CONTEXT_DIFFS", "Options", "lab_name"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy.stats import mannwhitneyu
 
 from lab_utils.run.compare.options import Options
 from lab_utils.run.compare.rules import Direction
@@ -41,6 +40,10 @@ def rank_pvalues(base: np.ndarray, cand: np.ndarray, factor: float, better: str)
     def p(x, y, alt):
         if np.ptp(np.concatenate([x, y])) == 0:
             return 1.0
+        # scipy: perflab[lab], not the trace reader (perflab[traces]); seconds to import, and only
+        # --method rank needs it
+        from scipy.stats import mannwhitneyu  # noqa: PLC0415  (heavy optional: perflab[lab])
+
         return float(mannwhitneyu(x, y, alternative=alt).pvalue)
 
     if better == "lower":  # worse: cand > base * factor

@@ -1,0 +1,391 @@
+"""The critical path of one step: the chain of CPU operators, launches, kernels and waits that set its length.
+
+The graph (the model of HolisticTraceAnalysis 0.5's ``CriticalPathAnalysis``, so that the two agree
+on the test data; tests/test_traces_agreement.py):
+
+* **nodes**: the start and the end of every CPU operator and runtime/driver call (``cpu_op``,
+  ``cuda_runtime``, ``cuda_driver``) that starts in the step window with a positive duration, and of
+  every GPU activity whose launch call is one of those;
+* **CPU edges**, per thread, walking its call stack (all of its events, user ranges included, nested
+  by time) depth first: from each operator's start into its first child, child to child, last child
+  to its end; the weight is the time between the two points, charged to the innermost event holding
+  that time (an operator's own time to it, the time between two children to their parent).  The end
+  of a call that blocks on the GPU (``cudaDeviceSynchronize``, ``cudaStreamSynchronize``,
+  ``cudaEventSynchronize``, ``cudaEventQuery``, ``cudaMemcpy``, ``cudaMemcpyAsync``, and their
+  ``hip`` twins) is reached with weight 0: its time is the GPU's, brought in by a sync edge.
+  Consecutive outermost operators of a thread are chained by **dependency** edges of weight 0: a
+  gap between them is nobody's work;
+* **GPU edges**, per stream in start order: each activity's duration; before it either a **launch
+  delay** (its launch call's start to its start) when the stream held nothing else when it was
+  launched and had finished the previous activity by then, or else a **kernel gap** (the previous
+  activity's end on the stream to its start);
+* **sync edges** (weight 0): a ``Context Sync`` from every stream's last activity, a ``Stream Sync``
+  from its stream's last, to the end of the blocking call; an ``Event Sync`` from the activity
+  launched on the event's stream just before its ``cudaEventRecord``; a ``Stream Wait Event`` from
+  that activity to the next activity launched on the waiting stream from the same thread.
+
+The **critical path** is the longest path of this DAG by weight (negative weights, a few ns from
+rounding, count 0).  Each of its edges is one kind: ``cpu`` (an operator's or range's time),
+``gpu`` (an activity's), ``launch delay``, ``kernel gap``, ``dependency``/``sync`` (0); HTA's
+``bound_by`` names them ``cpu_bound``, ``gpu_compute_bound``, ``gpu_communication_bound`` (an NCCL
+kernel), ``gpu_kernel_launch_overhead`` and ``gpu_kernel_kernel_overhead``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from lab_utils.core.config import ConfigError
+from lab_utils.traces.attribute import Attributed
+from lab_utils.traces.reader import RankTrace
+from lab_utils.traces.timeline import representative_step
+
+NODE_CATS = ("cpu_op", "cuda_runtime", "cuda_driver")
+BLOCKING = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventQuery", "cudaEventSynchronize", "cudaMemcpy",
+            "cudaMemcpyAsync", "hipDeviceSynchronize", "hipStreamSynchronize", "hipEventQuery", "hipEventSynchronize",
+            "hipMemcpy", "hipMemcpyAsync")  # fmt: skip
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cudaMemcpyAsync", "cudaMemsetAsync",
+            "hipLaunchKernel", "hipExtModuleLaunchKernel", "hipMemsetAsync", "hipMemcpyAsync", "hipMemcpyWithStream",
+            "runFunction - job_prep_and_submit_for_execution")  # fmt: skip
+KINDS = ("cpu", "gpu", "launch delay", "kernel gap", "dependency", "sync")
+BOUND = {"launch delay": "gpu_kernel_launch_overhead", "kernel gap": "gpu_kernel_kernel_overhead"}
+
+
+@dataclass
+class CriticalPath:
+    """One step's critical path (see the module note); times in us."""
+
+    rank: int
+    step: int
+    window_us: float  # the step's host duration (or the trace's span without steps)
+    length_us: float
+    edges: pd.DataFrame  # the path's edges in order: kind, weight, event name, where, category, bound_by, stream
+    nodes: int
+    graph_edges: int
+
+    def by_bound(self) -> dict[str, float]:
+        """HTA's ``bound_by`` -> percent of the path's length (the 0-weight edges left out)."""
+        e = self.edges[self.edges["weight"] > 0]
+        g = e.groupby("bound_by")["weight"].sum()
+        return {k: 100.0 * float(v) / self.length_us for k, v in g.items()} if self.length_us > 0 else {}
+
+    def by_category(self) -> pd.DataFrame:
+        """Per part of the path (a kernel category, ``CPU``, ``launch delay``, ``kernel gap``): us, share."""
+        e = self.edges[self.edges["weight"] > 0]
+        g = e.groupby("category")["weight"].agg(us="sum", edges="count").sort_values("us", ascending=False)
+        g["pct"] = 100.0 * g["us"] / self.length_us if self.length_us > 0 else 0.0
+        return g.reset_index()
+
+    def by_event(self, n: int = 20) -> pd.DataFrame:
+        """The events the path's time is charged to (a kernel gap to the kernel before it, as HTA
+        does), most first: name, us, pct."""
+        e = self.edges[self.edges["weight"] > 0]
+        g = e.groupby("name")["weight"].sum().sort_values(ascending=False).head(n)
+        out = g.rename("us").reset_index()
+        out["pct"] = 100.0 * out["us"] / self.length_us if self.length_us > 0 else 0.0
+        return out
+
+    def items(self, n: int = 20) -> pd.DataFrame:
+        """The operators and kernels on the path with the most time on it: kind, name, count, us, pct."""
+        e = self.edges[self.edges["kind"].isin(["cpu", "gpu"]) & (self.edges["weight"] > 0)]
+        g = e.groupby(["kind", "name"], observed=True)["weight"].agg(us="sum", count="count")
+        g = g.sort_values("us", ascending=False).head(n).reset_index()
+        g["pct"] = 100.0 * g["us"] / self.length_us if self.length_us > 0 else 0.0
+        return g
+
+
+def _window(att: Attributed, trace: RankTrace, step: int | None) -> tuple[int, float, float]:
+    if not att.has_steps:
+        return 0, float(att.steps["ts"].iloc[0]), float(att.steps["end"].iloc[0])
+    if step is None:
+        step = representative_step(att)
+    w = att.steps[att.steps["step"] == step]
+    if not len(w):
+        raise ConfigError("step", step, f"a step of rank {att.rank}: {att.steps['step'].tolist()}")
+    return int(step), float(w["ts"].iloc[0]), float(w["end"].iloc[0])
+
+
+class _Graph:
+    """Nodes (a time, the event they begin or end) and weighted, typed, attributed edges."""
+
+    def __init__(self) -> None:
+        self.ts: list[float] = []
+        self.node_event: list[int] = []  # >= 0: a host row; <= -2: kernel row -2 - i
+        self.is_start: list[bool] = []
+        self.src: list[int] = []
+        self.dst: list[int] = []
+        self.w: list[float] = []
+        self.kind: list[int] = []
+        self.event: list[int] = []  # the event an edge's time is charged to (-1: none)
+
+    def pair(self, event: int, ts: float, end: float) -> tuple[int, int]:
+        self.ts += [ts, end]
+        self.node_event += [event, event]
+        self.is_start += [True, False]
+        return len(self.ts) - 2, len(self.ts) - 1
+
+    def edge(self, u: int, v: int, kind: str, event: int = -1, zero: bool = False) -> None:
+        w = 0.0 if zero or kind in ("dependency", "sync") else self.ts[v] - self.ts[u]
+        self.src.append(u)
+        self.dst.append(v)
+        self.w.append(max(w, 0.0))
+        self.kind.append(KINDS.index(kind))
+        self.event.append(event)
+
+    def charged(self, u: int, v: int, parent: int) -> int:
+        """The event an operator edge u -> v is charged to: the start's event, else the end's, else
+        (an end to a start: the time between two children) their parent."""
+        if self.is_start[u]:
+            return self.node_event[u]
+        if not self.is_start[v]:
+            return self.node_event[v]
+        return parent
+
+
+def _stack(th: pd.DataFrame) -> tuple[dict[int, int], dict[int, list[int]]]:
+    """One thread's call stack: parent and children of every event, nested by time (starts and ends
+    in time order; at one time ends before starts, longer starts first, shorter ends first; an end
+    closes whatever is open on top)."""
+    idx, ts, end, dur = th.index.to_numpy(), th["ts"].to_numpy(), th["end"].to_numpy(), th["dur"].to_numpy()
+    rec = [(t, 1, -d, i) for t, d, i in zip(ts, dur, idx)] + [(t, 0, d, -i) for t, d, i in zip(end, dur, idx)]
+    rec.sort()
+    parent: dict[int, int] = {}
+    children: dict[int, list[int]] = {-1: []}
+    stack: list[int] = []
+    for _, typ, _, i in rec:
+        if typ == 1:
+            p = stack[-1] if stack else -1
+            parent[int(i)] = p
+            children[p].append(int(i))
+            children[int(i)] = []
+            stack.append(int(i))
+        elif stack:
+            stack.pop()
+    return parent, children
+
+
+def _cpu_edges(g: _Graph, host: pd.DataFrame, nodes: dict[int, tuple[int, int]], blocking: set[int]) -> None:
+    """The CPU edges of every thread (see the module note), walking each call stack depth first."""
+    for _, th in host.groupby(host["tid"].astype(str), observed=True, sort=False):
+        parent, children = _stack(th)
+        last, last_top, depth, last_parent = None, None, 0, -1
+        walk = [(c, False) for c in reversed(children[-1])]
+        while walk:
+            i, leaving = walk.pop()
+            node = nodes.get(i)
+            if not leaving:
+                walk.append((i, True))
+                walk += [(c, False) for c in reversed(children[i])]
+                if node is None:
+                    continue
+                if depth == 0 and last_top is not None:
+                    g.edge(last_top, node[0], "dependency")
+                depth += 1
+                if last is not None:
+                    g.edge(last, node[0], "cpu", g.charged(last, node[0], last_parent))
+                last, last_parent = node[0], parent[i]
+                continue
+            if node is None:
+                continue
+            depth -= 1
+            if last is not None:
+                g.edge(last, node[1], "cpu", g.charged(last, node[1], last_parent), zero=i in blocking)
+            if depth == 0:
+                last, last_top = None, node[1]
+            else:
+                last, last_parent = node[1], parent[i]
+
+
+def _queues(k: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Per activity, its stream's queue right after its launch and right after its start: launches
+    (by a launch call, :data:`LAUNCHES`) up to then minus activities started up to then; NaN for an
+    activity not launched by one."""
+    at_launch, at_start = np.full(len(k), np.nan), np.full(len(k), np.nan)
+    ok = k["launch_name"].isin(LAUNCHES).to_numpy() & k["launch_ts"].notna().to_numpy()
+    streams = k["stream"].to_numpy()
+    for s in np.unique(streams[ok]):
+        sel = np.flatnonzero(ok & (streams == s))
+        lt = np.sort(k["launch_ts"].to_numpy()[sel])
+        st = np.sort(k["ts"].to_numpy()[sel])
+        for t_col, out in (("launch_ts", at_launch), ("ts", at_start)):
+            t = k[t_col].to_numpy()[sel]
+            out[sel] = np.searchsorted(lt, t, side="right") - np.searchsorted(st, t, side="right")
+    return at_launch, at_start
+
+
+def _event_sources(trace: RankTrace, k: pd.DataFrame) -> tuple[dict[int, int], dict[int, int]]:
+    """For ``Event Sync`` / ``Stream Wait Event`` (by the sync's correlation): the activity (row of
+    ``k``) launched on the event's stream just before its ``cudaEventRecord``; for a ``Stream Wait
+    Event`` also the next activity launched on the waiting stream from the wait call's thread."""
+    sync = trace.sync
+    if not len(sync) or "wait_record" not in sync:
+        return {}, {}
+    host = trace.host
+    calls = host[host["correlation"] >= 0].drop_duplicates("correlation")
+    call_ts = dict(zip(calls["correlation"].astype(int), calls["ts"]))
+    call_tid = dict(zip(calls["correlation"].astype(int), calls["tid"].astype(str)))
+    launched = k[k["launch_name"].isin(LAUNCHES) & k["launch_ts"].notna()].sort_values("launch_ts", kind="stable")
+    by_stream = {int(st): (g["launch_ts"].to_numpy(), g.index.to_numpy()) for st, g in launched.groupby("stream")}
+    by_thread = {(int(st), str(t)): (g["launch_ts"].to_numpy(), g.index.to_numpy())
+                 for (st, t), g in launched.groupby(["stream", "launch_tid"])}  # fmt: skip
+    src, dst = {}, {}
+    for row in sync[sync["wait_record"].notna()].itertuples(index=False):
+        rec, corr = int(row.wait_record), int(row.correlation)
+        ts, rows = by_stream.get(int(row.wait_stream), (np.zeros(0), np.zeros(0, dtype=np.int64)))
+        i = np.searchsorted(ts, call_ts.get(rec, -np.inf), side="right") - 1  # the last launch at or before it
+        if rec not in call_ts or i < 0:
+            continue
+        src[corr] = int(rows[i])
+        if row.name == "Stream Wait Event" and corr in call_ts:
+            ts, rows = by_thread.get((int(row.stream), call_tid[corr]), (np.zeros(0), np.zeros(0, dtype=np.int64)))
+            j = np.searchsorted(ts, call_ts[corr], side="right")  # the first launch after the wait call
+            if j < len(ts):
+                dst[corr] = int(rows[j])
+    return src, dst
+
+
+def _gpu_edges(g: _Graph, trace: RankTrace, k: pd.DataFrame, sel: np.ndarray, host_nodes: dict, rt_row: dict) -> None:
+    """Per stream, each selected activity's duration and the launch delay or kernel gap before it;
+    the sync edges (see the module note).  ``rt_row``: correlation -> host row of its runtime call."""
+    qlr, qlk = _queues(k)
+    src_of, dst_of = _event_sources(trace, k)
+    ts, end, stream = k["ts"].to_numpy(), k["end"].to_numpy(), k["stream"].to_numpy()
+    launch, corr = k["launch_ts"].to_numpy(), k["correlation"].to_numpy()
+    knodes = {int(i): g.pair(-2 - int(i), float(ts[i]), float(end[i])) for i in np.flatnonzero(sel)}
+    wait_for: dict[int, int] = {dst_of[c]: src_of[c] for c in dst_of if c in src_of}
+    rows = [(float(ts[i]), 1, i) for i in knodes]
+    sync = trace.sync.reset_index(drop=True)
+    s_corr, s_name, s_stream = (
+        sync["correlation"].to_numpy(),
+        sync["name"].astype(str).to_numpy(),
+        sync["stream"].to_numpy(),
+    )
+    for j, e in enumerate(sync["end"].to_numpy()):
+        if int(s_corr[j]) in rt_row and rt_row[int(s_corr[j])] in host_nodes:
+            rows.append((float(e), 0, j))
+    rows.sort()
+    last: dict[int, int] = {}
+    for _, is_kernel, i in rows:
+        if not is_kernel:
+            c = int(s_corr[i])
+            end_node = host_nodes[rt_row[c]][1]
+            if s_name[i] in ("Context Sync", "Stream Sync"):
+                froms = list(last.values()) if s_name[i] == "Context Sync" else [last.get(int(s_stream[i]))]
+                for f in froms:
+                    if f is not None:
+                        g.edge(f, end_node, "sync")
+            elif s_name[i] == "Event Sync" and src_of.get(c) in knodes:
+                g.edge(knodes[src_of[c]][1], end_node, "sync")
+            continue
+        start, stop = knodes[i]
+        g.edge(start, stop, "gpu", -2 - i)
+        sync_end = None
+        if wait_for.get(i) in knodes:
+            sync_end = knodes[wait_for.pop(i)][1]
+            g.edge(sync_end, start, "sync")
+        prev = last.get(int(stream[i]))
+        empty = qlr[i] == 1 and qlk[i] == 0  # nothing else queued on the stream at its launch
+        after = (prev is None or g.ts[prev] < launch[i]) and (sync_end is None or g.ts[sync_end] < launch[i])
+        if empty and after:
+            g.edge(host_nodes[rt_row[int(corr[i])]][0], start, "launch delay")
+        elif prev is not None and (sync_end is None or g.ts[sync_end] < g.ts[prev]):
+            g.edge(prev, start, "kernel gap", g.node_event[prev])
+        last[int(stream[i])] = stop
+
+
+def _longest(g: _Graph) -> tuple[list[int], float]:
+    """Edge indices of the longest path by weight (Kahn's order; an edge closing a cycle is dropped)."""
+    n = len(g.ts)
+    src, dst = np.asarray(g.src, dtype=np.int64), np.asarray(g.dst, dtype=np.int64)
+    order = np.argsort(src, kind="stable")  # each node's out-edges, in the order they were added
+    starts = np.searchsorted(src[order], np.arange(n + 1)).tolist()
+    order = order.tolist()
+    indeg = np.bincount(dst, minlength=n).astype(np.int64)
+    dist = np.zeros(n)
+    via = np.full(n, -1, dtype=np.int64)
+    queue = deque(np.flatnonzero(indeg == 0).tolist())
+    seen = 0
+    while queue:
+        u = queue.popleft()
+        seen += 1
+        for e in order[starts[u] : starts[u + 1]]:
+            v = g.dst[e]
+            if dist[u] + g.w[e] > dist[v] or via[v] < 0 and dist[u] + g.w[e] >= dist[v]:
+                dist[v], via[v] = dist[u] + g.w[e], e
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                queue.append(v)
+    if not n:
+        return [], 0.0
+    end = int(np.argmax(dist))
+    path = []
+    while via[end] >= 0:
+        path.append(int(via[end]))
+        end = g.src[via[end]]
+    return path[::-1], float(dist.max())
+
+
+def critical_path(trace: RankTrace, att: Attributed, step: int | None = None, *, hta: bool = False) -> CriticalPath:
+    """The critical path of ``step`` (default: the median-duration step,
+    :func:`lab_utils.traces.timeline.representative_step`; a trace without steps: its one window).
+
+    ``hta=True`` keeps only one activity per launch call, its last, as HolisticTraceAnalysis 0.5
+    does (a ``cudaGraphLaunch`` runs many kernels under one correlation id; HTA links the call to
+    one of them and leaves the others out of the graph): for checking the two against each other."""
+    step, lo, hi = _window(att, trace, step)
+    host = trace.host
+    h = host[(host["ts"] >= lo) & (host["ts"] <= hi) & (host["dur"] > 0)]
+    g = _Graph()
+    cats = h["cat"].astype(str)
+    names = h["name"].astype(str)
+    node_rows = h.index[cats.isin(NODE_CATS)]
+    nts, nend = h.loc[node_rows, "ts"].to_numpy(), h.loc[node_rows, "end"].to_numpy()
+    host_nodes = {int(i): g.pair(int(i), float(a), float(b)) for i, a, b in zip(node_rows, nts, nend)}
+    blocking = set(h.index[names.isin(BLOCKING)].tolist())
+    _cpu_edges(g, h, host_nodes, blocking)
+    rt = h.loc[node_rows]
+    rt = rt[rt["correlation"] >= 0]
+    rt_row = dict(zip(rt["correlation"].astype(int), rt.index.astype(int)))
+    k = att.kernels
+    sel = (k["correlation"].isin(list(rt_row)) & k["launch_ts"].notna()).to_numpy() if len(k) else np.zeros(0, bool)
+    if hta and len(k):
+        last = k.loc[sel].sort_values("ts", kind="stable").drop_duplicates("correlation", keep="last").index
+        sel = k.index.isin(last)
+    if len(k) and att.rule == "gpu":
+        _gpu_edges(g, trace, k, sel, host_nodes, rt_row)
+    path, length = _longest(g)
+    return CriticalPath(att.rank, step, hi - lo, length, _edges_table(g, path, h, k), len(g.ts), len(g.src))
+
+
+def _edges_table(g: _Graph, path: list[int], host: pd.DataFrame, k: pd.DataFrame) -> pd.DataFrame:
+    """The path's edges as a table (see :class:`CriticalPath`), built column by column."""
+    e = np.asarray(path, dtype=np.int64)
+    kind = np.asarray(KINDS, dtype=object)[np.asarray(g.kind, dtype=np.int64)[e]] if len(e) else np.zeros(0, object)
+    ev = np.asarray(g.event, dtype=np.int64)[e] if len(e) else np.zeros(0, np.int64)
+    ts = np.asarray(g.ts)
+    out = pd.DataFrame({"kind": kind, "weight": np.asarray(g.w)[e] if len(e) else np.zeros(0), "name": "",
+                        "where": "", "category": kind.copy(), "bound_by": [BOUND.get(x, "") for x in kind],
+                        "stream": -1, "start_us": ts[np.asarray(g.src)[e]] if len(e) else np.zeros(0),
+                        "end_us": ts[np.asarray(g.dst)[e]] if len(e) else np.zeros(0)})  # fmt: skip
+    on_host, on_gpu = ev >= 0, ev <= -2
+    if on_host.any():
+        rows = host.loc[ev[on_host]]
+        out.loc[on_host, "name"] = rows["name"].astype(str).to_numpy()
+        out.loc[on_host, "where"] = ("thread " + rows["tid"].astype(str)).to_numpy()
+        out.loc[on_host, ["category", "bound_by"]] = ("CPU", "cpu_bound")
+    if on_gpu.any():
+        pos = -2 - ev[on_gpu]
+        out.loc[on_gpu, "name"] = k["name"].astype(str).to_numpy()[pos]
+        streams = k["stream"].to_numpy()[pos]
+        out.loc[on_gpu, "stream"] = streams
+        out.loc[on_gpu, "where"] = [f"stream {x}" for x in streams]
+        gpu = on_gpu & (kind == "gpu")
+        gpos = -2 - ev[gpu]
+        out.loc[gpu, "category"] = k["category"].astype(str).to_numpy()[gpos]
+        comm = k["hta_type"].to_numpy()[gpos] == "COMMUNICATION"
+        out.loc[gpu, "bound_by"] = np.where(comm, "gpu_communication_bound", "gpu_compute_bound")
+    return out

@@ -1,0 +1,180 @@
+"""GPU time up the host's call tree: user ranges and nn.Module ranges -> operators -> kernels.
+
+The tree (TraceLens' "tree perf" view) of one rank, from its host events:
+
+* **nodes**: the user ranges (``user_annotation``: ``## forward ##``, ``record_function``), the
+  Python frames (``python_function``: ``nn.Module: Linear_0`` when the profiler recorded modules)
+  and the CPU operators (``cpu_op``), each thread's nested by time (a node's parent is the
+  innermost event enclosing it on its thread); ``ProfilerStep#N`` is named ``ProfilerStep``, so the
+  steps add up;
+* **other threads** (autograd's backward thread, a data-loader thread): an outermost node of
+  another thread hangs under the innermost range or frame of the *main* thread (the one holding
+  the steps) enclosing its start, the rule :mod:`lab_utils.traces.attribute` gives user ranges, so
+  the backward's operators appear under ``## backward ##``;
+* **kernels** are leaves: each activity under the operator that launched it (its ``op_index``),
+  else under the innermost node enclosing its launch on the launch thread, else under ``(no
+  host event)`` at the top.
+
+Per node: ``gpu_self_us`` is the time of the activities hung directly under it, ``gpu_total_us``
+that of its whole subtree, ``cpu_us`` its own host duration.  :func:`tree` adds the nodes up by
+*path* (the names from the top down), so 48 calls of ``aten::linear`` under one range are one row
+with ``count`` 48; kernels are leaf rows under their node, added up by name.  Invariants
+(tests/test_traces_hierarchy.py): a node's ``gpu_total_us`` is the sum of its children's, kernel
+leaves included; its ``gpu_self_us`` that of its kernel leaves; the top rows add up to the
+selection's kernel time.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+
+from lab_utils.traces.attribute import Attributed
+from lab_utils.traces.reader import RankTrace
+
+NODE_CATS = ("user_annotation", "python_function", "cpu_op")
+SEP = " > "
+NO_HOST = "(no host event)"
+_STEP = re.compile(r"^ProfilerStep\s*#\s*\d+$")
+_KIND = {"user_annotation": "range", "python_function": "module", "cpu_op": "op"}
+
+
+def _parents(nodes: pd.DataFrame) -> np.ndarray:
+    """Parent row (or -1) of every node within its thread, nested by (ts, -dur)."""
+    parent = np.full(len(nodes), -1, dtype=np.int64)
+    pos = {ix: i for i, ix in enumerate(nodes.index)}
+    for _, th in nodes.groupby(nodes["tid"].astype(str), observed=True, sort=False):
+        th = th.sort_values(["ts", "dur"], ascending=[True, False], kind="stable")
+        stack: list[tuple[float, int]] = []
+        for ix, a, b in zip(th.index, th["ts"].to_numpy(), th["end"].to_numpy()):
+            while stack and stack[-1][0] <= a:
+                stack.pop()
+            if stack:
+                parent[pos[ix]] = stack[-1][1]
+            stack.append((b, pos[ix]))
+    return parent
+
+
+def _innermost(times: np.ndarray, cand: pd.DataFrame, positions: np.ndarray) -> np.ndarray:
+    """For each time, the position (in ``positions``) of the shortest ``cand`` interval holding it, or -1."""
+    out = np.full(len(times), -1, dtype=np.int64)
+    if not len(cand) or not len(times):
+        return out
+    order = np.argsort(times, kind="stable")
+    st = times[order]
+    by_len = np.argsort(-cand["dur"].to_numpy(), kind="stable")  # outermost first, inner ones overwrite
+    lo = np.searchsorted(st, cand["ts"].to_numpy()[by_len], side="left")
+    hi = np.searchsorted(st, cand["end"].to_numpy()[by_len], side="left")
+    for a, b, p in zip(lo, hi, positions[by_len]):
+        if b > a:
+            out[order[a:b]] = p
+    return out
+
+
+def node_table(trace: RankTrace, att: Attributed, k: pd.DataFrame) -> pd.DataFrame:
+    """One row per host node and per activity of ``k``: name, kind, parent (row), cpu_us, gpu_us
+    (see the module note)."""
+    host = trace.host
+    nodes = host[host["cat"].astype(str).isin(NODE_CATS) & (host["dur"] >= 0)]
+    parent = _parents(nodes)
+    names = nodes["name"].astype(str).to_numpy().astype(object)
+    names = np.where([bool(_STEP.match(n)) for n in names], "ProfilerStep", names)
+    kinds = np.array([_KIND[c] for c in nodes["cat"].astype(str)], dtype=object)
+    tids = nodes["tid"].astype(str).to_numpy()
+    if att.main_tid is not None:  # other threads' outermost nodes under the main thread's ranges
+        main = (tids == att.main_tid) & (kinds != "op")
+        graft = np.flatnonzero((parent < 0) & (tids != att.main_tid))
+        inner = _innermost(nodes["ts"].to_numpy()[graft], nodes[main], np.flatnonzero(main))
+        parent[graft] = inner
+    pos = pd.Series(np.arange(len(nodes)), index=nodes.index)
+    # each activity: under its operator, else the innermost node around its launch on its thread
+    op_pos = k["op_index"].map(pos).to_numpy(dtype=np.float64) if len(k) else np.zeros(0)
+    kp = np.where(np.isnan(op_pos), -1, op_pos).astype(np.int64)
+    missing = np.flatnonzero((kp < 0) & k["launch_ts"].notna().to_numpy())
+    for tid in pd.unique(k["launch_tid"].to_numpy()[missing]) if len(missing) else []:
+        sel = missing[k["launch_tid"].to_numpy()[missing] == tid]
+        mine = tids == str(tid)
+        kp[sel] = _innermost(k["launch_ts"].to_numpy()[sel], nodes[mine], np.flatnonzero(mine))
+    n = len(nodes)
+    table = pd.DataFrame({"name": np.concatenate([names, k["name"].astype(str).to_numpy()]),
+                          "kind": np.concatenate([kinds, np.full(len(k), "kernel", dtype=object)]),
+                          "parent": np.concatenate([parent, kp]),
+                          "cpu_us": np.concatenate([nodes["dur"].to_numpy(), np.zeros(len(k))]),
+                          "gpu_us": np.concatenate([np.zeros(n), k["dur"].to_numpy()])})  # fmt: skip
+    orphan = np.flatnonzero((table["parent"].to_numpy() < 0) & (table["kind"].to_numpy() == "kernel"))
+    if len(orphan):
+        table.loc[len(table)] = [NO_HOST, "range", -1, 0.0, 0.0]
+        table.loc[orphan, "parent"] = len(table) - 1
+    return table
+
+
+def tree(trace: RankTrace, att: Attributed, k: pd.DataFrame) -> pd.DataFrame:
+    """The call tree of ``k``'s activities added up by path (see the module note): path, depth,
+    name, kind, parent (its parent's path), count, gpu_total_us, gpu_self_us, cpu_us, kernels,
+    gpu_pct (of the selection's kernel time); only paths holding GPU time, in depth-first order,
+    the largest first among siblings."""
+    t = node_table(trace, att, k)
+    parent = t["parent"].to_numpy()
+    n = len(t)
+    order = _topo(parent)
+    total = t["gpu_us"].to_numpy().copy()
+    kernels = (t["kind"].to_numpy() == "kernel").astype(np.int64)
+    for i in order[::-1]:  # children before parents
+        p = parent[i]
+        if p >= 0:
+            total[p] += total[i]
+            kernels[p] += kernels[i]
+    self_gpu = np.zeros(n)
+    is_k = t["kind"].to_numpy() == "kernel"
+    np.add.at(self_gpu, parent[is_k & (parent >= 0)], t["gpu_us"].to_numpy()[is_k & (parent >= 0)])
+    paths = np.empty(n, dtype=object)
+    names = t["name"].to_numpy()
+    for i in order:
+        paths[i] = names[i] if parent[i] < 0 else paths[parent[i]] + SEP + names[i]
+    df = pd.DataFrame({"path": paths, "name": names, "kind": t["kind"].to_numpy(), "gpu_total_us": total,
+                       "gpu_self_us": np.where(is_k, t["gpu_us"].to_numpy(), self_gpu),
+                       "cpu_us": t["cpu_us"].to_numpy(), "kernels": kernels})  # fmt: skip
+    df = df[df["gpu_total_us"] > 0]
+    g = df.groupby(["path", "name", "kind"], sort=False).agg(
+        count=("name", "size"), gpu_total_us=("gpu_total_us", "sum"), gpu_self_us=("gpu_self_us", "sum"),
+        cpu_us=("cpu_us", "sum"), kernels=("kernels", "sum"),
+    ).reset_index()  # fmt: skip
+    g["depth"] = g["path"].str.count(SEP)
+    g["parent"] = [p.rsplit(SEP, 1)[0] if d else "" for p, d in zip(g["path"], g["depth"])]
+    all_k = float(k["dur"].sum())
+    g["gpu_pct"] = 100.0 * g["gpu_total_us"] / all_k if all_k > 0 else 0.0
+    return _dfs_order(g)[["path", "depth", "name", "kind", "parent", "count", "gpu_total_us", "gpu_self_us",
+                          "cpu_us", "kernels", "gpu_pct"]]  # fmt: skip
+
+
+def _topo(parent: np.ndarray) -> list[int]:
+    """Nodes ordered so that a parent comes before its children."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parent):
+        children.setdefault(int(p), []).append(i)
+    out, todo = [], list(reversed(children.get(-1, [])))
+    while todo:
+        i = todo.pop()
+        out.append(i)
+        todo += reversed(children.get(i, []))
+    return out
+
+
+def _dfs_order(g: pd.DataFrame) -> pd.DataFrame:
+    kids: dict[str, list[int]] = {}
+    for i, p in enumerate(g["parent"]):
+        kids.setdefault(p, []).append(i)
+    tot = g["gpu_total_us"].to_numpy()
+    out, todo = [], sorted(kids.get("", []), key=lambda i: tot[i])
+    while todo:
+        i = todo.pop()
+        out.append(i)
+        todo += sorted(kids.get(g["path"].iat[i], []), key=lambda j: tot[j])
+    return g.iloc[out].reset_index(drop=True)
+
+
+def top_levels(t: pd.DataFrame, depth: int = 3, min_pct: float = 1.0) -> pd.DataFrame:
+    """The tree's rows down to ``depth`` holding at least ``min_pct`` % of the GPU time."""
+    return t[(t["depth"] < depth) & (t["gpu_pct"] >= min_pct)]

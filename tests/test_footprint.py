@@ -1,0 +1,157 @@
+"""What a report keeps and where its bytes go: traces only when asked, executed notebooks without
+the plots' JavaScript (the pages keep it), tqdm bars in their final state, a real smoke report
+under its budget, and no Jupyter transport warning per lab."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+
+from lab_utils.run import footprint, report
+from lab_utils.run.nbtools import IPCKernelManager, make_notebook
+from lab_utils.run.runner import run_suite
+
+TCP_WARNING = "Kernel is running over TCP without encryption"
+
+
+def _files(folder: Path) -> dict[str, int]:
+    """Every file under ``folder`` and its size, walked independently of footprint.bytes_by_kind."""
+    out = {}
+    for dirpath, _dirs, names in os.walk(folder):
+        for n in names:
+            p = Path(dirpath) / n
+            if not p.is_symlink():
+                out[p.relative_to(folder).as_posix()] = p.stat().st_size
+    return out
+
+
+def test_a_run_keeps_no_profiler_trace_unless_asked(tiny_reports):
+    default, kept = tiny_reports["default"], tiny_reports["kept"]
+    assert not [f for f in _files(default) if footprint.is_trace(Path(f))]
+    listed = (default / "artifacts" / footprint.NOT_KEPT).read_text().splitlines()[1:]
+    size = (kept / "artifacts" / "tiny" / "traces" / "step.trace.json").stat().st_size
+    assert listed == [f"artifacts/tiny/traces/step.trace.json\t{size}"]
+    index = (default / "index.html").read_text()
+    assert 'id="traces-not-kept"' in index and "1 profiler trace(s)" in index
+    assert "--keep-traces" in index and 'href="artifacts/tiny/traces/step.trace.json"' not in index
+    # kept: the file, its link, no "not kept" note
+    kindex = (kept / "index.html").read_text()
+    assert 'href="artifacts/tiny/traces/step.trace.json"' in kindex and "traces-not-kept" not in kindex
+    assert not (kept / "artifacts" / footprint.NOT_KEPT).exists()
+
+
+def test_drop_traces_after_an_export_updates_the_index(tiny_reports, tmp_path):
+    import shutil
+
+    rep = tmp_path / "r"
+    shutil.copytree(tiny_reports["kept"], rep)
+    gone = report.drop_traces(rep)
+    assert [g[0] for g in gone] == ["artifacts/tiny/traces/step.trace.json"]
+    index = (rep / "index.html").read_text()
+    assert 'id="traces-not-kept"' in index and 'href="artifacts/tiny/traces/step.trace.json"' not in index
+    assert index.count('<table id="footprint">') == 1 and index.rstrip().endswith("</html>")
+
+
+def test_executed_notebooks_keep_their_text_and_the_pages_their_plots(tiny_reports):
+    rep = tiny_reports["default"]
+    nb = nbformat.read(rep / "notebooks" / "tiny.ipynb", as_version=4)
+    mimes = {m for c in nb.cells for o in c.get("outputs", []) for m in (o.get("data") or {})}
+    assert not mimes & set(footprint.PLOT_MIMES), mimes
+    text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    assert "tiny lab done 4" in text  # what nbval compares stays
+    page = (rep / "html" / "tiny.html").read_text()
+    assert "Bokeh" in page and "docs_json" in page  # the page still carries BokehJS and the plot
+    assert (rep / "html" / "tiny.html").stat().st_size > 10 * (rep / "notebooks" / "tiny.ipynb").stat().st_size
+
+
+def test_the_byte_table_counts_every_file_once_by_kind(tmp_path):
+    sizes = {
+        "html/a.html": 10,
+        "notebooks/a.ipynb": 20,
+        "artifacts/a/traces/s.trace.json": 30,
+        "artifacts/a/w/trace-rank1.json": 5,
+        "artifacts/a/memory/timeline.json": 40,
+        "records.json": 50,
+        "records.parquet": 7,
+        "records/a/records.json": 60,
+        "index.html": 70,
+        "logs/a.noise.txt": 3,
+    }
+    for rel, n in sizes.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"x" * n)
+    rows = {k.kind: (k.files, k.bytes) for k in footprint.bytes_by_kind(tmp_path)}
+    assert rows == {
+        "HTML pages (html/)": (1, 10),
+        "executed notebooks (notebooks/)": (1, 20),
+        "profiler traces (artifacts/)": (2, 35),
+        "other artifacts (artifacts/)": (1, 40),
+        "records (records.*, records/)": (3, 117),
+        "index, context, status, logs": (2, 73),
+    }
+    assert sum(b for _, b in rows.values()) == sum(sizes.values())
+    assert "| all | 10 | 0.0 | 100% |" in footprint.table_text(footprint.bytes_by_kind(tmp_path))
+
+
+def test_a_tqdm_bar_shows_its_final_state_in_the_page(tiny_reports):
+    page = (tiny_reports["default"] / "html" / "tiny.html").read_text()
+    assert page.count('class="perflab-progress"') == 1
+    bar = page[page.index('class="perflab-progress"') :][:600]
+    assert "tiny\u2007steps:\u2007100%" in bar and "4/4" in bar and 'value="4"' in bar and 'max="4"' in bar
+    assert "0%|" not in page  # the frozen text form of the bar when it was first shown
+
+
+def test_progress_html_reads_the_widget_state_and_leaves_other_widgets():
+    def m(name, **state):
+        return {"model_name": name, "state": state}
+
+    models = {
+        "box": m("HBoxModel", children=["IPY_MODEL_l", "IPY_MODEL_p", "IPY_MODEL_r"]),
+        "l": m("HTMLModel", value="sweep: 50%"),
+        "p": m("FloatProgressModel", value=8.0, max=16.0, min=0.0, bar_style=""),
+        "r": m("HTMLModel", value=" 8/16 [00:01&lt;00:01]"),
+        "dd": m("DropdownModel", value="a"),
+        "vbox": m("HBoxModel", children=["IPY_MODEL_dd"]),
+    }
+    html = report.progress_html("box", models)
+    assert 'value="8" max="16"' in html and 'data-fraction="0.5000"' in html and "sweep: 50%" in html
+    assert report.progress_html("vbox", models) is None and report.progress_html("nope", models) is None
+
+
+def test_headless_kernels_say_nothing_about_tcp(tmp_path, capfd):
+    """The runner's kernels talk over IPC: ipykernel's "running over TCP without encryption" line,
+    once per lab on the terminal, is not printed at all."""
+    assert IPCKernelManager().transport == "ipc"
+    nb = make_notebook([("params", "reps = 1"), ("code", "print('hello', reps)")])
+    (tmp_path / "one.ipynb").write_text(nbformat.writes(nb))
+    suite = tmp_path / "one.yaml"
+    suite.write_text(yaml.safe_dump({"description": "one", "notebooks": [{"notebook": str(tmp_path / "one.ipynb")}]}))
+    res = run_suite(suite, out_dir=tmp_path / "r", progress=False)
+    assert res.ok
+    out, err = capfd.readouterr()
+    assert TCP_WARNING not in err + out
+    assert "hello 1" in json.dumps(nbformat.read(res.path / "notebooks" / "one.ipynb", as_version=4))
+
+
+@pytest.mark.slow
+def test_a_real_smoke_report_is_under_its_budget(smoke_report):
+    """The smoke report was 173 MB (3 MB of JavaScript twice in each executed notebook, 59 MB of
+    profiler traces): under 50 MB now, every byte in the table, no trace kept, no frozen bar."""
+    files = _files(smoke_report)
+    total = sum(files.values())
+    kinds = footprint.bytes_by_kind(smoke_report)
+    print(footprint.table_text(kinds))
+    assert sum(k.bytes for k in kinds) == total
+    assert total < footprint.SMOKE_BUDGET_BYTES, footprint.table_text(kinds)
+    assert not [f for f in files if footprint.is_trace(Path(f))]
+    for f in (smoke_report / "notebooks").glob("*.ipynb"):
+        nb = json.loads(f.read_text())
+        assert not [m for c in nb["cells"] for o in c.get("outputs", []) for m in o.get("data", {})
+                    if m in footprint.PLOT_MIMES], f.name  # fmt: skip
+    for f in (smoke_report / "html").glob("*.html"):
+        assert "|          | 0/" not in f.read_text(), f"{f.name}: a progress bar frozen at its first state"
