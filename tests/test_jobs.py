@@ -270,3 +270,28 @@ def test_launch_lines_name_the_rendezvous():
     # expand it once, and every node would write into the same folder)
     assert "--out runs/node\\$SLURM_NODEID" in lines[2] and "is_host=\\$((SLURM_NODEID == 0))" in lines[2]
     assert "NodeAddr" in lines[1] and "--rdzv-endpoint=$ADDR:29500" in lines[2]
+    log_dir = next(p for p in cmd if p.startswith("--log-dir="))  # torchrun's logs stay in the node's folder
+    assert log_dir == f"--log-dir={Path('o') / 'torchelastic'}"
+    # docs/cluster.md shows this very launch (tests/test_slurm.py runs it on the test cluster)
+    assert srun_line("spec.json", "runs", nodes=2, gpus_per_node=8) in (ROOT / "docs" / "cluster.md").read_text()
+
+
+def test_the_ran_on_column_reads_as_docs_cluster_md_shows_it():
+    """Each example of the index's time column in docs/cluster.md is what a job of that kind gives."""
+    doc = (ROOT / "docs" / "cluster.md").read_text()
+    local = parallel.JobPlan(ClusterOptions("local"), runner.JOB_HOOKS)
+    cpu = parallel.JobPlan(ClusterOptions("local"), runner.JOB_HOOKS, threads_per_lab=1, thread_budget=2)
+    slurm = parallel.JobPlan(ClusterOptions("slurm"), runner.JOB_HOOKS)
+    rows = [
+        (executors.Outcome("a", "ok", job_id="4711", devices=(2,)), local, "cuda:2 (local job 4711)"),
+        (executors.Outcome("a", "ok", job_id="4712"), cpu, "cpu, 1 of 2 timing threads (local job 4712)"),
+        (executors.Outcome("a", "ok", job_id="123456", nodes="gpu-07", resources=executors._resources(1, 16, 1)),
+         slurm, "gpu-07: 1 GPU, 16 CPUs (slurm job 123456)"),
+        (executors.Outcome("a", "ok", job_id="123457", nodes="n[1-2]", resources=executors._resources(8, 64, 2)),
+         slurm, "n[1-2]: 2 nodes x 8 GPUs, 64 CPUs (slurm job 123457)"),
+        (executors.Outcome("a", "ok", job_id="9", nodes="n1", resources="1 CPU", restarts=1), slurm,
+         "n1: 1 CPU (slurm job 9, requeued 1x)"),
+    ]  # fmt: skip
+    for outcome, plan, text in rows:
+        assert parallel._ran_on(outcome, plan) == text
+        assert f"`{text}`" in doc or text.startswith("n1: 1 CPU"), text

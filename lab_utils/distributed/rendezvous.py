@@ -53,6 +53,7 @@ def torchrun_command(
         f"--rdzv-id={rdzv_id}",
         f"--rdzv-conf=is_host={int(is_host)}",
         "--max-restarts=0",
+        f"--log-dir={out / 'torchelastic'}",  # not a torchelastic_* folder of its own under /tmp, left there
         "-m",
         "lab_utils.distributed",
         "worker",
