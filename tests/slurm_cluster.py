@@ -12,7 +12,9 @@ accounting only in MySQL/MariaDB: ``accounting_storage/slurmdbd`` + ``accounting
 registers the cluster, an account ``proj1`` for root and enforces associations; that
 configuration also gives each node two fake GPUs (``gres.conf`` ``File=`` naming character devices made in the
 folder, copies of /dev/null's), so that GPU binding and ``--gpus-per-node`` checks run against a real slurmctld.
-:meth:`Cluster.stop` ends every daemon it started (by pid) and removes the folder.
+:meth:`Cluster.stop` ends every daemon it started (by pid) and removes the folder.  A watcher
+process (:func:`reap_when_gone`) does the same if the process that started the cluster dies without
+stopping it (a test session killed at its timeout): no daemon, job step or folder outlives it.
 
 Clients find the cluster through ``SLURM_CONF`` (:attr:`Cluster.env`).  Run by hand::
 
@@ -98,6 +100,7 @@ class Cluster:
     root: Path
     accounting: bool
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    watcher: subprocess.Popen | None = None  # reap_when_gone, should this process die first
 
     @property
     def conf(self) -> Path:
@@ -175,6 +178,23 @@ class Cluster:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self.root, ignore_errors=True)
+        if self.watcher is not None:
+            self.watcher.wait(timeout=10)  # killed above (it names the folder)
+
+
+def reap_when_gone(owner: int, root: Path, poll_s: float = 1.0) -> None:
+    """Wait while ``owner`` (the process that started the cluster) lives and ``root`` exists; if the
+    owner dies first, kill every process naming ``root`` (daemons, job steps, jobs) and remove it."""
+    while root.exists():
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            for pid in _pids_naming(str(root)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(root, ignore_errors=True)
+            return
+        time.sleep(poll_s)
 
 
 def _pids_naming(text: str) -> list[int]:
@@ -319,6 +339,10 @@ def start(accounting: bool = False, root: Path | None = None) -> Cluster:
             (root / "etc" / "gres.conf").write_text(
                 f"NodeName=n[1-2] Name=gpu File={fake[0].parent}/fake-gpu[0-{FAKE_GPUS - 1}]\n"
             )
+        # the watcher names the folder on its command line, so stop() ends it with the job steps
+        c.watcher = subprocess.Popen([sys.executable, __file__, "--reap", str(os.getpid()), str(root)],
+                                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)  # fmt: skip
         _start_munge(c)
         if accounting:
             _start_accounting(c, dbd, db)
@@ -334,6 +358,9 @@ def start(accounting: bool = False, root: Path | None = None) -> Cluster:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--reap"]:
+        reap_when_gone(int(sys.argv[2]), Path(sys.argv[3]))
+        sys.exit(0)
     cl = start(accounting="--accounting" in sys.argv)
     print(f"export SLURM_CONF={cl.conf}")
     try:

@@ -10,6 +10,7 @@ installs them).  The labs are tiny notebooks (tests/job_notebooks.py) and lab 06
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -110,6 +111,37 @@ def perflab(args: list[str], c: SC.Cluster, pdir: Path, cwd: Path, timeout: floa
     return subprocess.run(cmd, cwd=cwd, env=_env(c, pdir), capture_output=True, text=True, timeout=timeout)
 
 
+def perflab_bg(args: list[str], c: SC.Cluster, pdir: Path, cwd: Path) -> subprocess.Popen:
+    """``perflab ARGS`` started, not waited for."""
+    cmd = [sys.executable, "-m", "lab_utils.run.cli", *args]
+    return subprocess.Popen(cmd, cwd=cwd, env=_env(c, pdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@contextlib.contextmanager
+def _at_most(seconds: float, what: str):
+    """Fail, instead of hanging, when the block (a run that waits on a job that has left) takes longer."""
+
+    def late(_s, _f):
+        raise TimeoutError(f"{what} still waiting after {seconds:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, late)
+    signal.alarm(int(seconds))
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+# a job its own deadline cannot stop (a rank stuck in C with its signals blocked, as in an NCCL hang):
+# SLURM ends it at the limit (SIGTERM, then SIGKILL after KillWait); builtins.exec, importable in the job
+HUNG = (
+    "import signal, time\n"
+    "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGTERM, signal.SIGINT, signal.SIGUSR2})\n"
+    "time.sleep(600)"
+)
+
+
 def _status(report: Path) -> dict:
     return {s["notebook"]: s for s in json.loads((report / "status.json").read_text())}
 
@@ -144,6 +176,20 @@ def test_cluster_starts_two_idle_nodes_and_stops_leaving_nothing():
     finally:
         c.stop()
     assert not c.root.exists() and not SC._pids_naming(str(c.root))
+    # a session killed before it could stop its cluster (at its timeout) leaves nothing either
+    code = (f"import sys, time; sys.path.insert(0, {str(Path(__file__).parent)!r}); import slurm_cluster as SC; "
+            "c = SC.start(); print(c.root, flush=True); time.sleep(600)")  # fmt: skip
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        root = Path(owner.stdout.readline().strip() or "/nonexistent")
+        assert root.is_dir() and len(SC._pids_naming(str(root))) >= 4, "the cluster did not start"
+    finally:
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + 60
+    while (root.exists() or SC._pids_naming(str(root))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not root.exists() and not SC._pids_naming(str(root)), SC._pids_naming(str(root))
 
 
 # ----------------------------------------------------------------------------- outcomes
@@ -155,15 +201,30 @@ def test_every_job_outcome_ends_its_row_with_the_state_slurm_gives(kind, cluster
     (sacct does not exist there); the limit reads as "timed out" and left the lab its minute
     less the grace (it was alive 10 s in, where SLURM's early USR2 used to kill it); the two that
     recorded equal a sequential local run's timing-free rows; every failed row links its job log,
-    kept in the report; nothing is left (no .tmp folder, no process, no job)."""
+    kept in the report; nothing is left (no .tmp folder, no process, no job).  Meanwhile a job
+    its own deadline cannot stop (its signals blocked) is ended by SLURM at the limit: "timed
+    out", in SLURM's words (TIMEOUT)."""
     c = _site(kind, clusters, monkeypatch, tmp_path)
     pdir = J.make_suites(tmp_path, {"outcomes": ["acc", "acc7", "bad", "die", "limit"], "two": ["acc", "acc7"]})
     acct = f"account: {SC.ACCOUNT}\n" if c.accounting else ""
     (tmp_path / "perflab.slurm.yaml").write_text(f"partition: {SC.PARTITION}\ncpus_per_task: 1\n{acct}")
     out = tmp_path / "reports"
-    p = perflab(["run", "outcomes", "--executor", "slurm", "--time-limit", "1", "--out", str(out)], c, pdir, tmp_path)
-    assert p.returncode == 1, p.stdout + p.stderr
-    assert "Bypassing sacct" not in p.stderr and "3 notebook(s) failed" in p.stderr, p.stderr
+    proc = perflab_bg(["run", "outcomes", "--executor", "slurm", "--time-limit", "1", "--out", str(out)], c, pdir,
+                      tmp_path)  # fmt: skip
+    try:
+        account = SC.ACCOUNT if c.accounting else None
+        opts = resolve_site(cluster_options("slurm", partition=SC.PARTITION, account=account, timeout_min=1))
+        with _at_most(RUN_TIMEOUT_S, "the job SLURM ended at its limit"):
+            hung = run_tasks([Task("hung", exec, (HUNG,), cpus=1)], opts, tmp_path / "hung", progress=False)["hung"]
+        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert hung.state == "timed out", (hung.state, hung.error)
+    assert hung.error.startswith(f"SLURM ended job {hung.job_id} on n"), hung.error
+    assert "at its time limit of 1 min (SLURM: TIMEOUT" in hung.error, hung.error
+    assert proc.returncode == 1, stdout + stderr
+    assert "Bypassing sacct" not in stderr and "3 notebook(s) failed" in stderr, stderr
     rep = (out / "latest").resolve()
     st, index = _status(rep), (rep / "index.html").read_text()
     for lab in ("acc", "acc7"):
@@ -244,22 +305,57 @@ def test_jobs_cancelled_pending_or_at_once_end_with_slurms_reason(kind, clusters
     _nothing_left(out)
 
 
-def test_ctrl_c_cancels_every_job_and_keeps_the_finished_lab(plain, tmp_path):
+def test_a_job_that_can_never_start_is_cancelled_and_its_row_says_why(site, tmp_path):
+    """Both nodes held: the lab's job pends for Resources until its time limit is raised past the
+    partition's MaxTime (scontrol update, as an administrator may); SLURM then keeps it PENDING for
+    PartitionTimeLimit, which no waiting resolves: perflab cancels it and the row says why."""
+    pdir = J.make_suites(tmp_path, {"one": ["acc"]})
+    acct = ["--account", SC.ACCOUNT] if site.accounting else []
+    before = _job_ids(site)
+    hold = site.run("sbatch", "--parsable", "-N", "2", "-c", str(SC.NODE_CPUS), *acct, "-o", "/dev/null",
+                    "--wrap", "sleep 300").stdout.strip()  # fmt: skip
+    out = tmp_path / "reports"
+    args = ["run", "one", "--executor", "slurm", "--partition", SC.PARTITION, "--out", str(out), *acct]
+    proc = perflab_bg(args, site, pdir, tmp_path)
+    try:
+        deadline, job = time.monotonic() + 120, None
+        while time.monotonic() < deadline and job is None:
+            row = _new_jobs(site, before).get("acc")
+            job = row[0] if row and row[2] == "PENDING" else None
+            time.sleep(0.3)
+        assert job, _new_jobs(site, before)
+        site.run("scontrol", "update", f"JobId={job}", f"TimeLimit={SC.MAX_TIME_MIN + 5}")
+        try:
+            stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run waited on a job that cannot start: {_new_jobs(site, before)}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        site.run("scancel", hold, check=False)
+    assert proc.returncode == 1, stdout + stderr
+    err = _status((out / "latest").resolve())["acc"]["error"]
+    assert err.startswith(f"job failed: job {job} cannot start as submitted: SLURM keeps it PENDING (Partition"), err
+    assert _new_jobs(site, before)["acc"][2] == "CANCELLED"
+    _nothing_left(out)
+
+
+def test_ctrl_c_cancels_every_job_and_keeps_the_finished_lab(site, tmp_path):
     """SIGINT to the perflab process while one lab is running and one has finished: exit 130, the
     running job leaves the queue (scancel), its processes and kernel end, the finished lab is kept
     in <run-id>-interrupted and `latest` is not made."""
     pdir = J.make_suites(tmp_path, {"two": ["acc", "slow"]})
     (tmp_path / "perflab.slurm.yaml").write_text("cpus_per_task: 1\n")
-    out, before = tmp_path / "reports", _job_ids(plain)
+    out, before = tmp_path / "reports", _job_ids(site)
     cmd = [sys.executable, "-m", "lab_utils.run.cli", "run", "two", "--executor", "slurm", "--out", str(out)]
     cmd += ["--partition", SC.PARTITION]
     proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=_env(plain, pdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd, cwd=tmp_path, env=_env(site, pdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         deadline, started = time.monotonic() + 180, None
         while time.monotonic() < deadline and proc.poll() is None:
-            states = {name: row[2] for name, row in _new_jobs(plain, before).items()}
+            states = {name: row[2] for name, row in _new_jobs(site, before).items()}
             found = list(out.glob(".tmp-*/artifacts/slow/started.json"))
             if found and states.get("acc") == "COMPLETED" and states.get("slow") == "RUNNING":
                 started = json.loads(found[0].read_text())
@@ -277,37 +373,37 @@ def test_ctrl_c_cancels_every_job_and_keeps_the_finished_lab(plain, tmp_path):
     kept = list(out.glob("*-interrupted"))
     assert len(kept) == 1 and _status(kept[0]).keys() == {"acc"} and not (out / "latest").exists()
     assert not J.wait_gone(list(started.values()))
-    assert _new_jobs(plain, before)["slow"][2] == "CANCELLED"
+    assert _new_jobs(site, before)["slow"][2] == "CANCELLED"
     _nothing_left(out)
 
 
-def test_a_preempted_lab_is_requeued_and_its_second_run_is_the_row(plain, tmp_path):
+def test_a_preempted_lab_is_requeued_and_its_second_run_is_the_row(site, tmp_path):
     """A job of the `urgent` partition (a higher priority tier, PreemptMode=REQUEUE) takes the
     lab's node: SLURM requeues the lab's job, which perflab keeps following (it does not end as
     cancelled); released, the job runs the notebook again, which records: the row is ok and says
     the job was requeued."""
     pdir = J.make_suites(tmp_path, {"one": ["preempt"]})
-    out, before = tmp_path / "reports", _job_ids(plain)
+    out, before = tmp_path / "reports", _job_ids(site)
     cmd = [sys.executable, "-m", "lab_utils.run.cli", "run", "one", "--executor", "slurm", "--out", str(out)]
     cmd += ["--partition", SC.PARTITION]
     proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=_env(plain, pdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd, cwd=tmp_path, env=_env(site, pdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and not list(out.glob(".tmp-*/artifacts/preempt/started.json")):
             time.sleep(0.3)
-        job = _new_jobs(plain, before)["preempt"]
-        node = plain.run("squeue", "-h", "-j", job[0], "-o", "%N").stdout.strip()
+        job = _new_jobs(site, before)["preempt"]
+        node = site.run("squeue", "-h", "-j", job[0], "-o", "%N").stdout.strip()
         urgent = ["-p", SC.URGENT, "-w", node, "-c", str(SC.NODE_CPUS), "-o", "/dev/null"]
-        plain.run("sbatch", *urgent, "--wrap", "sleep 1")
+        site.run("sbatch", *urgent, "--wrap", "sleep 1")
         while time.monotonic() < deadline:
-            info = plain.run("scontrol", "show", "job", "-o", job[0]).stdout
+            info = site.run("scontrol", "show", "job", "-o", job[0]).stdout
             if "JobState=PENDING" in info and "Restarts=1" in info:
                 break
             time.sleep(0.3)
         assert "Restarts=1" in info, info
-        plain.run("scontrol", "update", f"JobId={job[0]}", "StartTime=now")  # not the 2-minute requeue delay
+        site.run("scontrol", "update", f"JobId={job[0]}", "StartTime=now")  # not the 2-minute requeue delay
         stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
     finally:
         if proc.poll() is None:
@@ -363,15 +459,25 @@ def test_bad_options_are_refused_against_the_site_before_anything_is_submitted(s
 
 
 def test_device_parameters_are_checked_against_the_partitions_gpus(accounting, tmp_path, monkeypatch):
-    """From a login node without a GPU: a lab set to device cuda and lab 06's `world_sizes: [1, auto]`
-    are accepted for a partition whose nodes have GPUs (auto = a node's 2), and refused here."""
+    """From a login node without a GPU: the GPU suite's labs whose parameters depend on the device
+    (device cuda; lab 06's `world_sizes: [1, auto]`) and a lab set to device cuda are accepted for a
+    partition whose nodes have GPUs (auto = a node's 2, lab 06 one job of 2 GPUs), and refused here."""
+    gpu = runner.load_suite(ROOT / "parameterized" / "gpu.yaml")
+    labs = ["00_ceilings", "05_memory", "06_distributed"]
+    with pytest.raises(runner.ConfigError, match="no CUDA device is visible here"):
+        runner.plan(gpu, only=labs)
+    prep = parallel.prepare(executor="slurm", cluster={"account": SC.ACCOUNT})
+    assert prep.cluster.gpus_per_node == SC.FAKE_GPUS and prep.cluster.partition == SC.PARTITION
+    with runner.validating_for(prep.target()):
+        planned = runner.plan(gpu, only=labs)
+    jp = parallel.plan_jobs(planned, runner.JOB_HOOKS, prep)
+    tasks = parallel._tasks(planned, jp, tmp_path, tmp_path / "final", 600, {})
+    assert {t.key: t.devices for t in tasks} == {"00_ceilings": 1, "05_memory": 1, "06_distributed": SC.FAKE_GPUS}
     pdir = J.make_suites(tmp_path, {"cuda": [("cuda", {"device": "cuda"})]})
     monkeypatch.setenv("PERFLAB_PARAMETERIZED", str(pdir))
     suite = runner.load_suite("cuda")
     with pytest.raises(runner.ConfigError, match="no CUDA device is visible here"):
         runner.plan(suite)
-    prep = parallel.prepare(executor="slurm", cluster={"account": SC.ACCOUNT})
-    assert prep.cluster.gpus_per_node == SC.FAKE_GPUS and prep.cluster.partition == SC.PARTITION
     with runner.validating_for(prep.target()):
         runner.plan(suite)
         from lab_utils.distributed.launch import local_world_sizes
@@ -460,7 +566,7 @@ def test_the_documented_srun_line_gives_each_node_its_own_folder(plain, tmp_path
 
 
 # ----------------------------------------------------------------------------- perflab trace
-def test_trace_folder_on_slurm_is_one_job_array_with_the_sites_options(plain, tmp_path):
+def test_trace_folder_on_slurm_is_one_job_array_with_the_sites_options(site, tmp_path):
     """`perflab trace FOLDER --executor slurm --json`: the ranks are one job array in the partition
     and time limit perflab.slurm.yaml and --time-limit give; stdout is the JSON alone (submitit's
     warnings are not on it); its job files were under the output's folder (no /tmp), and are gone;
@@ -472,14 +578,18 @@ def test_trace_folder_on_slurm_is_one_job_array_with_the_sites_options(plain, tm
     T.job(folder / "worker0.pt.trace.json", rank=0, world=2)
     T.job(folder / "worker1.pt.trace.json", rank=1, world=2, gemm_us=300.0)
     (tmp_path / "perflab.slurm.yaml").write_text(f"partition: {SC.URGENT}\n")
-    before = _job_ids(plain)
+    before = _job_ids(site)
     args = ["trace", str(folder), "--json", "--time-limit", "5", "--out", str(tmp_path / "o")]
-    p = perflab([*args, "--executor", "slurm"], plain, tmp_path, tmp_path)
+    p = perflab([*args, "--executor", "slurm"], site, tmp_path, tmp_path)
     assert p.returncode == 0, p.stderr
     fig = json.loads(p.stdout)
-    rows = [r for r in _squeue_all(plain) if r[0] not in before]
+    rows = [r for r in _squeue_all(site) if r[0] not in before]
     assert sorted(r[0].split("_")[1] for r in rows) == ["0", "1"] and len({r[0].split("_")[0] for r in rows}) == 1
     assert {(r[3], r[4]) for r in rows} == {(SC.URGENT, "5:00")}, rows
+    for r in rows:  # each task's log was beside --out (a path the nodes share), not in a /tmp of its own
+        shown = site.run("scontrol", "show", "job", "-o", r[0]).stdout.split()
+        info = dict(kv.split("=", 1) for kv in shown if "=" in kv)
+        assert info["StdOut"].startswith(f"{tmp_path}/.jobs-trace-"), info["StdOut"]
     assert not list(tmp_path.glob(".jobs-*")) and not list(tmp_path.glob("o/.jobs-*"))
-    pool = perflab(["trace", str(folder), "--json", "--out", str(tmp_path / "p")], plain, tmp_path, tmp_path)
+    pool = perflab(["trace", str(folder), "--json", "--out", str(tmp_path / "p")], site, tmp_path, tmp_path)
     assert json.loads(pool.stdout)["temporal"] == fig["temporal"]

@@ -174,3 +174,35 @@ def test_a_requeued_job_counts_its_restarts(monkeypatch):
         _fake_site(monkeypatch, f"7|{state}|BeginTime|n1\n", "")
         js = w.poll(["7"])["7"]
     assert js.restarts == 1 and not js.terminal
+
+
+def test_a_requeue_between_two_polls_is_counted_when_the_job_settles(monkeypatch):
+    """Seen running twice, never pending (its preemption and restart fell between two polls): the
+    job's result settles it from scontrol, whose Restarts=1 the row then says."""
+    w = slurm.Watch(accounting=False)
+    for _ in range(2):
+        _fake_site(monkeypatch, "7|RUNNING|None|n1\n", "")
+        assert w.poll(["7"])["7"].restarts == 0
+
+    def run(cmd, timeout=30.0):
+        assert cmd[:3] == ["scontrol", "show", "job"], cmd
+        return "JobId=7 JobName=acc JobState=RUNNING Reason=None Restarts=1 RunTime=00:00:04 NodeList=n2\n"
+
+    monkeypatch.setattr(slurm, "run", run)
+    js = w.settle("7", w.seen["7"])
+    assert (js.restarts, js.nodes, js.source) == (1, "n1", "scontrol") and w.seen["7"] is js
+    assert w.settle("8", None).restarts == 1  # finished before its first poll
+
+
+def test_a_job_pending_for_a_limit_it_exceeds_is_not_waited_on(monkeypatch):
+    """PENDING for QOSMaxWallDurationPerJobLimit (a site that does not enforce limits at submission)
+    never starts: the job says so; PENDING for Resources or a requeue's BeginTime is waited on."""
+    w = slurm.Watch(accounting=False)
+    _fake_site(monkeypatch, "9|PENDING|QOSMaxWallDurationPerJobLimit|\n", "")
+    js = w.poll(["9"])["9"]
+    assert js.never_starts and not js.terminal and slurm.outcome_state(js) == "failed"
+    why = slurm.describe(js)
+    assert why.startswith("job 9 cannot start as submitted: SLURM keeps it PENDING (QOSMaxWallDurationPerJobLimit"), why
+    for reason in ("Resources", "Priority", "BeginTime", "ReqNodeNotAvail", "JobHeldUser"):
+        assert not _js("PENDING", reason=reason).never_starts, reason
+    assert not _js("RUNNING", reason="PartitionTimeLimit").never_starts

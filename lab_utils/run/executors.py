@@ -387,6 +387,13 @@ def _run(tasks: Sequence[Task], opts: ClusterOptions, folder: Path, how: _How) -
                 for r in running.values():
                     r.state = states.get(str(r.job.job_id), r.state)
             for key, r in list(running.items()):
+                if r.state is not None and r.state.never_starts:  # would pend for ever: its row says why
+                    with contextlib.suppress(Exception):
+                        r.job.cancel(check=False)
+                    del running[key]
+                    slots.give(r.ids)
+                    finish(_finish(r, opts, None))
+                    continue
                 res = _results(r.job)
                 if (res is None or local) and not _ended(r):
                     continue  # locally the job's processes have exited before it counts as ended
@@ -399,6 +406,8 @@ def _run(tasks: Sequence[Task], opts: ClusterOptions, folder: Path, how: _How) -
                         r.job.cancel(check=False)  # task 0 failed first: end the job's other tasks
                 del running[key]
                 slots.give(r.ids)
+                if res and not local and not array:  # how often SLURM requeued it, had a poll missed that
+                    r.state = watch.settle(str(r.job.job_id), r.state)
                 finish(_finish(r, opts, res))
             if shown != ", ".join(running):
                 shown = ", ".join(running)

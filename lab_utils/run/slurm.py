@@ -13,6 +13,8 @@
   for how one ended, and ``sacct`` only where the site keeps accounting and slurmctld has already
   forgotten the job.  A job that has left the queue is never waited on: :func:`describe` turns its
   state into the reason a report shows (``TIMEOUT``, ``CANCELLED by 0``, a task killed by SIGKILL...).
+  Nor is a job SLURM keeps pending for a reason no waiting resolves (a QOS or association limit the
+  site did not enforce at submission: :data:`NEVER_STARTS`): it is cancelled and its row says why.
 """
 
 from __future__ import annotations
@@ -35,6 +37,15 @@ CANCELLED = frozenset({"CANCELLED", "PREEMPTED", "DEADLINE", "REVOKED"})
 TIMEOUT = "TIMEOUT"
 RUNS = frozenset({"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED"})
 GONE = "GONE"  # slurmctld no longer knows the job and the site keeps no accounting
+#: reasons a job stays PENDING that no waiting resolves: a limit of its partition, QOS or association
+#: it exceeds as submitted (sites that do not enforce limits at submission accept such a job)
+NEVER_STARTS = frozenset(
+    "PartitionNodeLimit PartitionTimeLimit BadConstraints InvalidAccount InvalidQOS AccountNotAllowed "
+    "QOSMaxWallDurationPerJobLimit QOSMaxCpuPerJobLimit QOSMaxNodePerJobLimit QOSMaxGRESPerJob "
+    "QOSMaxMemoryPerJob QOSMinCpuNotSatisfied QOSMinGRES AssocMaxWallDurationPerJobLimit "
+    "AssocMaxCpuPerJobLimit AssocMaxNodePerJobLimit AssocMaxGRESPerJob AssocMaxMemPerJob "
+    "DependencyNeverSatisfied".split()
+)
 _KV = re.compile(r"(\S+?)=(\S*)")
 
 
@@ -212,6 +223,11 @@ class JobState:
     def terminal(self) -> bool:
         return self.state in TERMINAL or self.state == GONE
 
+    @property
+    def never_starts(self) -> bool:
+        """PENDING for a reason no waiting resolves (:data:`NEVER_STARTS`)."""
+        return self.state == "PENDING" and self.reason in NEVER_STARTS
+
 
 def _base(job_id: str) -> str:
     return job_id.split("_")[0]
@@ -257,6 +273,13 @@ class Watch:
             self.seen[jid] = js
             got[jid] = js
         return got
+
+    def settle(self, jid: str, js: JobState | None) -> JobState:
+        """A job that has written its result: its restarts and nodes as ``scontrol show job`` gives
+        them now (a requeue that came and went between two polls is counted all the same)."""
+        out = self._details(js or JobState(jid, "RUNNING"))
+        self.seen[jid] = out
+        return out
 
     def _details(self, js: JobState) -> JobState:
         """Exit code, reason and restarts of an ended job (``scontrol show job``)."""
@@ -333,6 +356,11 @@ def describe(js: JobState, timeout_min: float | None = None) -> str:
     if js.state in CANCELLED:
         when = "while it ran" if js.ran else "before it started"
         return f"job {js.job_id} was {js.state.lower()} {when}{where} ({said}{again})"
+    if js.never_starts:
+        return (
+            f"job {js.job_id} cannot start as submitted: SLURM keeps it PENDING ({js.reason}: a limit of its "
+            f"partition, QOS or association it exceeds), so perflab cancelled it"
+        )
     if js.state == GONE:
         return (
             f"job {js.job_id}{where} left the queue without a result; slurmctld no longer knows it and this site "
