@@ -22,8 +22,10 @@ from pathlib import Path
 import job_notebooks as J
 import pytest
 import slurm_cluster as SC
+import test_trace_cli as T
 
 from lab_utils.core.records import load_records
+from lab_utils.distributed.launch import local_world_sizes
 from lab_utils.distributed.rendezvous import srun_line
 from lab_utils.distributed.spec import DistConfig
 from lab_utils.run import cli, parallel, runner
@@ -480,8 +482,6 @@ def test_device_parameters_are_checked_against_the_partitions_gpus(accounting, t
         runner.plan(suite)
     with runner.validating_for(prep.target()):
         runner.plan(suite)
-        from lab_utils.distributed.launch import local_world_sizes
-
         assert local_world_sizes([1, "auto"]) == [1, SC.FAKE_GPUS]
 
 
@@ -571,8 +571,6 @@ def test_trace_folder_on_slurm_is_one_job_array_with_the_sites_options(site, tmp
     and time limit perflab.slurm.yaml and --time-limit give; stdout is the JSON alone (submitit's
     warnings are not on it); its job files were under the output's folder (no /tmp), and are gone;
     the figures equal a process pool's."""
-    import test_trace_cli as T
-
     folder = tmp_path / "job"
     folder.mkdir()
     T.job(folder / "worker0.pt.trace.json", rank=0, world=2)
