@@ -302,8 +302,9 @@ def _cluster(a) -> ClusterOptions | None:
 
 def _job(a, path: str, options: dict | None = None, only: list[int] | None = None) -> JobSummary:
     jobs = MapOptions(a.executor, workers=a.workers, mem_gb=a.mem_gb)
-    if a.cluster is not None:
-        jobs.cluster = a.cluster
+    cluster = getattr(a, "cluster", None) or _cluster(a)  # the commands resolve it first; a caller may not have
+    if cluster is not None:
+        jobs.cluster = cluster
     return load_job(path, jobs=jobs, jobs_dir=Path(a.out).parent, progress=not a.json, gpu=a.gpu, options=options,
                     only=only)  # fmt: skip
 
