@@ -308,9 +308,10 @@ def test_jobs_cancelled_pending_or_at_once_end_with_slurms_reason(kind, clusters
 
 
 def test_a_job_that_can_never_start_is_cancelled_and_its_row_says_why(site, tmp_path):
-    """Both nodes held: the lab's job pends for Resources until its time limit is raised past the
-    partition's MaxTime (scontrol update, as an administrator may); SLURM then keeps it PENDING for
-    PartitionTimeLimit, which no waiting resolves: perflab cancels it and the row says why."""
+    """Both nodes held: the lab's job (its time limit the partition's 10 minutes) pends for Resources
+    until an administrator lowers the partition's MaxTime below it (scontrol update); SLURM then keeps
+    it PENDING for PartitionTimeLimit, which no waiting resolves: perflab cancels it and the row says
+    why."""
     pdir = J.make_suites(tmp_path, {"one": ["acc"]})
     acct = ["--account", SC.ACCOUNT] if site.accounting else []
     before = _job_ids(site)
@@ -326,12 +327,13 @@ def test_a_job_that_can_never_start_is_cancelled_and_its_row_says_why(site, tmp_
             job = row[0] if row and row[2] == "PENDING" else None
             time.sleep(0.3)
         assert job, _new_jobs(site, before)
-        site.run("scontrol", "update", f"JobId={job}", f"TimeLimit={SC.MAX_TIME_MIN + 5}")
+        site.run("scontrol", "update", f"PartitionName={SC.PARTITION}", "MaxTime=1")
         try:
             stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             pytest.fail(f"the run waited on a job that cannot start: {_new_jobs(site, before)}")
     finally:
+        site.run("scontrol", "update", f"PartitionName={SC.PARTITION}", f"MaxTime={SC.MAX_TIME_MIN}", check=False)
         if proc.poll() is None:
             proc.kill()
         site.run("scancel", hold, check=False)
@@ -448,6 +450,7 @@ def test_bad_options_are_refused_against_the_site_before_anything_is_submitted(s
         cases += [
             ([*run, "--account", "nosuch"], f"'--account' = 'nosuch' {no} one of root's accounts: proj1, root"),
             ([*run, "--gpus-per-node", "3"], f"'--gpus-per-node' = 3 {no} at most 2: debug's nodes have 2 per node"),
+            (["trace", str(tmp_path), "--executor", "slurm", "--account", "nosuch"], "'--account' = 'nosuch'"),
         ]
     else:
         no_gpu = "the jobs on partition debug (GRES (null)) have no GPU"
@@ -568,9 +571,9 @@ def test_the_documented_srun_line_gives_each_node_its_own_folder(plain, tmp_path
 # ----------------------------------------------------------------------------- perflab trace
 def test_trace_folder_on_slurm_is_one_job_array_with_the_sites_options(site, tmp_path):
     """`perflab trace FOLDER --executor slurm --json`: the ranks are one job array in the partition
-    and time limit perflab.slurm.yaml and --time-limit give; stdout is the JSON alone (submitit's
-    warnings are not on it); its job files were under the output's folder (no /tmp), and are gone;
-    the figures equal a process pool's."""
+    and time limit perflab.slurm.yaml and --time-limit give (with accounting, in the --account given);
+    stdout is the JSON alone (submitit's warnings are not on it); its job files were under the
+    output's folder (no /tmp), and are gone; the figures equal a process pool's."""
     folder = tmp_path / "job"
     folder.mkdir()
     T.job(folder / "worker0.pt.trace.json", rank=0, world=2)
@@ -578,12 +581,16 @@ def test_trace_folder_on_slurm_is_one_job_array_with_the_sites_options(site, tmp
     (tmp_path / "perflab.slurm.yaml").write_text(f"partition: {SC.URGENT}\n")
     before = _job_ids(site)
     args = ["trace", str(folder), "--json", "--time-limit", "5", "--out", str(tmp_path / "o")]
-    p = perflab([*args, "--executor", "slurm"], site, tmp_path, tmp_path)
+    acct = ["--account", SC.ACCOUNT] if site.accounting else []
+    p = perflab([*args, "--executor", "slurm", *acct], site, tmp_path, tmp_path)
     assert p.returncode == 0, p.stderr
     fig = json.loads(p.stdout)
     rows = [r for r in _squeue_all(site) if r[0] not in before]
     assert sorted(r[0].split("_")[1] for r in rows) == ["0", "1"] and len({r[0].split("_")[0] for r in rows}) == 1
     assert {(r[3], r[4]) for r in rows} == {(SC.URGENT, "5:00")}, rows
+    if site.accounting:  # --account reached sbatch
+        accounts = {r[0]: r[1] for r in _squeue_all(site, "%i|%a")}
+        assert {accounts[r[0]] for r in rows} == {SC.ACCOUNT}, accounts
     for r in rows:  # each task's log was beside --out (a path the nodes share), not in a /tmp of its own
         shown = site.run("scontrol", "show", "job", "-o", r[0]).stdout.split()
         info = dict(kv.split("=", 1) for kv in shown if "=" in kv)
