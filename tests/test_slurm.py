@@ -201,7 +201,7 @@ def test_every_job_outcome_ends_its_row_with_the_state_slurm_gives(kind, cluster
     record, one whose notebook raises, one whose job is SIGKILLed under its notebook, one that
     sleeps past its limit.  Without accounting no row waits on a job that has left the queue
     (sacct does not exist there); the limit reads as "timed out" and left the lab its minute
-    less the grace (it was alive 10 s in, where SLURM's early USR2 used to kill it); the two that
+    less the grace (it was alive 10 s in: SLURM's early USR2 does not kill it at start); the two that
     recorded equal a sequential local run's timing-free rows; every failed row links its job log,
     kept in the report; nothing is left (no .tmp folder, no process, no job).  Meanwhile a job
     its own deadline cannot stop (its signals blocked) is ended by SLURM at the limit: "timed
@@ -565,6 +565,8 @@ def test_the_documented_srun_line_gives_each_node_its_own_folder(plain, tmp_path
     ranks = {n: sorted(p.name for p in (tmp_path / "runs" / f"node{n}").glob("result-rank*.json")) for n in (0, 1)}
     assert sorted(ranks[0] + ranks[1]) == ["result-rank0.json", "result-rank1.json"], (ranks, log)
     assert len(ranks[0]) == len(ranks[1]) == 1, ranks  # one rank per node, each in its own folder
+    for n in (0, 1):  # torchrun's own logs there too, not in a torchelastic_* folder left in the node's /tmp
+        assert list((tmp_path / "runs" / f"node{n}" / "torchelastic").iterdir()), n
     assert {r[0]: r[1] for r in _squeue_all(plain, "%i|%T")}[job] == "COMPLETED", log
 
 

@@ -76,6 +76,7 @@ def srun_line(spec: str, out: str, *, nodes: int, gpus_per_node: int, port: int 
         f'srun --nodes={nodes} --ntasks-per-node=1 bash -c "{python} -m torch.distributed.run --nnodes={nodes} '
         f"--nproc-per-node={gpus_per_node} --rdzv-backend=c10d --rdzv-endpoint=$ADDR:{port} "
         "--rdzv-id=$SLURM_JOB_ID --rdzv-conf=is_host=\\$((SLURM_NODEID == 0)) "
+        f"--log-dir={out}/node\\$SLURM_NODEID/torchelastic "
         f'-m lab_utils.distributed worker --spec {spec} --out {out}/node\\$SLURM_NODEID"'
     )
 
