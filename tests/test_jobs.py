@@ -1,15 +1,19 @@
-"""Suites as jobs (issue 26): side by side (--parallel), through submitit's local executor (the path
-a SLURM run takes), Ctrl-C, bad options, and lab 06 across two torchrun launches on localhost."""
+"""Suites as jobs on this machine: side by side (--parallel), through submitit's local executor (the path
+a SLURM run takes; the real cluster is tests/test_slurm.py), Ctrl-C (also in the middle of a
+submission), bad options, time limits, and lab 06 across two torchrun launches on localhost."""
 
 import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 
-import nbformat
 import pytest
-import yaml
+from job_notebooks import alive as _alive
+from job_notebooks import key as _key
+from job_notebooks import make_suites
+from job_notebooks import procs_naming as _procs_naming
 
 from lab_utils.core.config import ConfigError
 from lab_utils.core.records import load_records
@@ -18,90 +22,22 @@ from lab_utils.distributed.rendezvous import gather, srun_line, torchrun_command
 from lab_utils.distributed.spec import DistConfig
 from lab_utils.distributed.verify import TOLERANCES
 from lab_utils.run import cli, executors, parallel, runner
+from lab_utils.run.cluster import ClusterOptions, cluster_options
 from lab_utils.run.compare.baselines import timing_free
-from lab_utils.run.executors import ClusterOptions, MapOptions, Task, cluster_options, map_jobs, run_tasks
-from lab_utils.run.nbtools import make_notebook
+from lab_utils.run.executors import MapOptions, Task, map_jobs, run_tasks
 from lab_utils.run.runner import RunInterrupted, run_suite
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = "lab_utils.studies.ceilings:CeilingsLabConfig"
-# an accuracy figure against float64 (timing-free) and a "time" row (a performance figure that
-# depends on the thread count it was given, so it differs between the runs and must be left out)
-ACC = (
-    "import torch\nfrom lab_utils.core.records import Recorder\nfrom lab_utils.core.timing import choose_cpu_threads\n"
-    "g = torch.Generator().manual_seed(reps)\na = torch.randn(48, 48, generator=g)\n"
-    "ref = a.double() @ a.double()\nerr = float(((a @ a).double() - ref).norm() / ref.norm())\n"
-    "rec = Recorder('acc', params={'reps': reps})\nrec.add('matmul', 'f32', 'rel_err', err)\n"
-    "rec.add('matmul', 'f32', 'time', float(choose_cpu_threads().threads), 'ms', statistic='median')\n"
-    "rec.save()"
-)
-STARTED = (
-    "import json, os, pathlib\np = pathlib.Path(os.environ['PERFLAB_ARTIFACTS_DIR'])\n"
-    "(p / 'started.json').write_text(json.dumps({'kernel': os.getpid(), 'job': os.getppid()}))\n"
-)
-
-
-def _nb(path: Path, body: str) -> str:
-    nb = make_notebook([("md", "# t"), ("params", 'device = "cpu"\nreps = 5'), ("code", body)], config=CONFIG)
-    path.write_text(nbformat.writes(nb))
-    return str(path)
 
 
 @pytest.fixture
 def suites(tmp_path, monkeypatch):
-    pdir, labs = tmp_path / "parameterized", tmp_path / "labs"
-    pdir.mkdir()
-    labs.mkdir()
-    nbs = {
-        "acc": ACC,
-        "bad": "raise ValueError('deliberate failure')",
-        "die": STARTED + "import signal\nos.kill(os.getppid(), signal.SIGKILL)",  # the job dies (OOM-killer style)
-        "slow": STARTED + "import time\ntime.sleep(600)",
-    }
-    paths = {k: _nb(labs / f"{k}.ipynb", v) for k, v in nbs.items()}
-    suite = {
-        "two": [{"notebook": paths["acc"]}, {"notebook": paths["acc"], "params": {"reps": 7}}],
-        "mixed": [{"notebook": paths["acc"]}, {"notebook": paths["acc"], "params": {"reps": 7}}]
-        + [{"notebook": paths["bad"]}, {"notebook": paths["die"]}],
-        "slow": [{"notebook": paths["slow"]}],
-    }
-    for name, entries in suite.items():
-        (pdir / f"{name}.yaml").write_text(yaml.safe_dump({"description": name, "notebooks": entries}))
-    # the second "acc" entry needs its own stem: a copy under another name
-    acc7 = _nb(labs / "acc7.ipynb", ACC)
-    for name in ("two", "mixed"):
-        data = yaml.safe_load((pdir / f"{name}.yaml").read_text())
-        data["notebooks"][1]["notebook"] = acc7
-        (pdir / f"{name}.yaml").write_text(yaml.safe_dump(data))
+    pdir = make_suites(
+        tmp_path,
+        {"two": ["acc", "acc7"], "mixed": ["acc", "acc7", "bad", "die"], "slow": ["slow"], "slow2": ["slow", "slow2"]},
+    )
     monkeypatch.setenv("PERFLAB_PARAMETERIZED", str(pdir))
     return tmp_path
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _procs_naming(text: str) -> list[str]:
-    """Command lines of running processes that mention ``text`` (a run's folder)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit() and int(d) != os.getpid():
-            try:
-                cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmd and _alive(int(d)):
-                out.append(cmd)
-    return out
-
-
-def _key(df):
-    cols = ["notebook", "experiment", "variant", "metric", "unit", "shape", "dtype", "statistic", "value"]
-    return sorted(map(tuple, df[cols].astype(str).values.tolist()))
 
 
 def test_labs_side_by_side_record_what_a_sequential_run_records_and_failed_jobs_show(suites, capsys):
@@ -140,7 +76,8 @@ def test_labs_side_by_side_record_what_a_sequential_run_records_and_failed_jobs_
     assert status["bad"]["status"] == "failed" and "deliberate failure" in status["bad"]["error"]
     die = status["die"]
     assert die["status"] == "failed" and die["error"].startswith("job failed: "), die["error"]
-    assert "has not produced any output" in die["error"] and "job failed" in index
+    assert "the job's process ended without a result" in die["error"] and "job failed" in index
+    assert die["log"] == "logs/die.job.log" and 'href="logs/die.job.log"' in index
     assert (par / "logs" / "die.job.log").is_file() and die["html"] == "html/die.html"
     pids = json.loads((par / "artifacts" / "die" / "started.json").read_text())
     deadline = time.monotonic() + 20  # the dead job's kernel notices its parent is gone
@@ -176,10 +113,9 @@ def test_ctrl_c_cancels_the_jobs_and_leaves_nothing_behind(suites, monkeypatch):
     assert not [p for p in out.iterdir() if p.name != "latest"]
 
 
-def test_bad_job_options_are_refused_before_anything_is_submitted(suites, tmp_path, capsys):
+def test_bad_job_options_are_refused_before_anything_is_submitted(suites, tmp_path, capsys, monkeypatch):
     never = suites / "never"
     cases = [
-        ({"executor": "slurm"}, "'--partition' = None"),
         ({"executor": "pbs"}, "'--executor' = 'pbs'"),
         ({"parallel": 0}, "'--parallel' = 0"),
         ({"executor": "slurm", "parallel": 2, "cluster": {"partition": "gpu"}}, "'--parallel' = 2"),
@@ -198,33 +134,45 @@ def test_bad_job_options_are_refused_before_anything_is_submitted(suites, tmp_pa
     with pytest.raises(ConfigError, match="'perflab.slurm.yaml: queue' = 'fast'.*partition"):
         run_suite("two", out_dir=never, jobs={"executor": "slurm", "cluster": {"config": str(cfg)}})
     assert not never.exists()
+    # no SLURM here (no sbatch, or no controller it can reach): refused, naming the executor
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-such-slurm.conf"))
     assert cli.main(["run", "two", "--out", str(never), "--executor", "slurm"]) == 2
-    assert "'--partition' = None is not allowed" in capsys.readouterr().err and not never.exists()
+    err = capsys.readouterr().err
+    assert "'--executor' = 'slurm' is not allowed" in err and len(err.strip().splitlines()) == 1 and not never.exists()
 
 
-def test_slurm_options_map_to_sbatch(tmp_path, monkeypatch):
-    """What each option becomes in the sbatch script submitit writes (nothing is submitted; this
-    machine has no SLURM, so submitit's check for srun is told it has)."""
-    from submitit.slurm.slurm import SlurmExecutor, _make_sbatch_string
+def test_a_ctrl_c_during_a_submission_reaches_the_job_being_started(suites, monkeypatch):
+    """Ctrl-C while the second lab's job is being started (its process exists, the submission has
+    not returned) and the first runs its notebook: both jobs, both notebooks' kernels and every
+    process of the run end, and nothing is kept."""
+    import submitit.local.local as L
 
-    monkeypatch.setattr(SlurmExecutor, "affinity", classmethod(lambda cls: 1))
+    out, real, started, first = suites / "r", L.start_controller, [], {}
 
-    cfg = tmp_path / "perflab.slurm.yaml"
-    cfg.write_text("partition: gpu\naccount: proj42\ntimeout_min: 90\ngpus_per_node: 8\nmem_gb: 64\n")
-    opts = cluster_options("slurm", cfg, nodes=2, timeout_min=30)
-    ex = executors.make_executor(opts, tmp_path / "jobs", name="06_distributed@2nodes", gpus=8, nodes=2)
-    text = _make_sbatch_string(command="true", folder=tmp_path / "jobs", **ex._executor.parameters)
-    for line in (
-        "--partition=gpu",
-        "--account=proj42",
-        "--time=30",
-        "--gpus-per-node=8",
-        "--nodes=2",
-        "--ntasks-per-node=1",
-        "--mem=64GB",
-        "--signal=USR2@60",
-    ):
-        assert f"#SBATCH {line}" in text, (line, text)
+    def start_then_ctrl_c(*a, **k):
+        if started:  # the second job: once the first runs its notebook
+            deadline = time.monotonic() + 120
+            while not list(out.glob(".tmp-*/artifacts/slow/started.json")) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            first.update(json.loads(next(out.glob(".tmp-*/artifacts/slow/started.json")).read_text()))
+        proc = real(*a, **k)
+        started.append(proc.pid)
+        if len(started) == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, before the submission returns
+            time.sleep(1.0)
+        return proc
+
+    monkeypatch.setattr(L, "start_controller", start_then_ctrl_c)
+    with pytest.raises(RunInterrupted, match="nothing was kept"):
+        run_suite("slow2", out_dir=out, progress=False, jobs={"executor": "local", "parallel": 2})
+    assert len(started) == 2 and first, "the first job never ran its notebook"
+    pids = [*started, *first.values()]  # both jobs' controllers, the first's job process and kernel
+    deadline = time.monotonic() + 30
+    while (_procs_naming(str(out)) or any(map(_alive, pids))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _procs_naming(str(out)), _procs_naming(str(out))
+    assert not [p for p in pids if _alive(p)], [p for p in pids if _alive(p)]
+    assert not [p for p in out.iterdir() if p.name != "latest"]
 
 
 def test_devices_are_pinned_and_a_big_lab_waits_for_its_devices(tmp_path):
@@ -244,13 +192,14 @@ def test_devices_are_pinned_and_a_big_lab_waits_for_its_devices(tmp_path):
 
 
 def test_a_job_out_of_time_is_timed_out_and_ends_what_it_started(tmp_path):
-    """The time-limit signal (SIGUSR2 a few seconds before the limit, as SLURM's --signal) ends the
-    job with the state "timed out"; the sleeping child it started is gone too."""
-    opts = ClusterOptions(executor="local", timeout_min=0.5)  # 30 s, the signal at 25 s; the CLI allows >= 1 min
+    """A job stops itself at its limit less the grace (30 s less 10 s here; the CLI allows >= 1 min):
+    "timed out", naming the limit, and the sleeping child it started is gone too."""
+    opts = ClusterOptions(executor="local", timeout_min=0.5)
     sh = ["sh", "-c", "echo $$ > " + str(tmp_path / "child.pid") + "; exec sleep 600"]
     task = Task("slow", executors._bounded_call, (subprocess.check_output, sh, None))
     o = run_tasks([task], opts, tmp_path / "jobs", progress=False)["slow"]
     assert o.state == "timed out", (o.state, o.error)
+    assert "JobEnded: timed out: its 0.5-minute time limit less 10 s kept to end it" in o.error, o.error
     child = int((tmp_path / "child.pid").read_text())
     assert not _alive(child)
 
@@ -315,5 +264,34 @@ def test_launch_lines_name_the_rendezvous():
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     for part in ("--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d", "--rdzv-endpoint=h:29500", "--rdzv-id=j1"):
         assert part in cmd
-    line = srun_line("spec.json", "runs", nodes=4, gpus_per_node=8)
-    assert line.startswith("srun --nodes=4 --ntasks-per-node=1 ") and "--rdzv-backend=c10d" in line
+    lines = srun_line("spec.json", "runs", nodes=4, gpus_per_node=8).splitlines()
+    assert lines[2].startswith("srun --nodes=4 --ntasks-per-node=1 bash -c ") and "--rdzv-backend=c10d" in lines[2]
+    # the node's own id is left for the shell srun starts on each node (the batch shell would
+    # expand it once, and every node would write into the same folder)
+    assert "--out runs/node\\$SLURM_NODEID" in lines[2] and "is_host=\\$((SLURM_NODEID == 0))" in lines[2]
+    assert "NodeAddr" in lines[1] and "--rdzv-endpoint=$ADDR:29500" in lines[2]
+    log_dir = next(p for p in cmd if p.startswith("--log-dir="))  # torchrun's logs stay in the node's folder
+    assert log_dir == f"--log-dir={Path('o') / 'torchelastic'}"
+    # docs/cluster.md shows this very launch (tests/test_slurm.py runs it on the test cluster)
+    assert srun_line("spec.json", "runs", nodes=2, gpus_per_node=8) in (ROOT / "docs" / "cluster.md").read_text()
+
+
+def test_the_ran_on_column_reads_as_docs_cluster_md_shows_it():
+    """Each example of the index's time column in docs/cluster.md is what a job of that kind gives."""
+    doc = (ROOT / "docs" / "cluster.md").read_text()
+    local = parallel.JobPlan(ClusterOptions("local"), runner.JOB_HOOKS)
+    cpu = parallel.JobPlan(ClusterOptions("local"), runner.JOB_HOOKS, threads_per_lab=1, thread_budget=2)
+    slurm = parallel.JobPlan(ClusterOptions("slurm"), runner.JOB_HOOKS)
+    rows = [
+        (executors.Outcome("a", "ok", job_id="4711", devices=(2,)), local, "cuda:2 (local job 4711)"),
+        (executors.Outcome("a", "ok", job_id="4712"), cpu, "cpu, 1 of 2 timing threads (local job 4712)"),
+        (executors.Outcome("a", "ok", job_id="123456", nodes="gpu-07", resources=executors._resources(1, 16, 1)),
+         slurm, "gpu-07: 1 GPU, 16 CPUs (slurm job 123456)"),
+        (executors.Outcome("a", "ok", job_id="123457", nodes="n[1-2]", resources=executors._resources(8, 64, 2)),
+         slurm, "n[1-2]: 2 nodes x 8 GPUs, 64 CPUs (slurm job 123457)"),
+        (executors.Outcome("a", "ok", job_id="9", nodes="n1", resources="1 CPU", restarts=1), slurm,
+         "n1: 1 CPU (slurm job 9, requeued 1x)"),
+    ]  # fmt: skip
+    for outcome, plan, text in rows:
+        assert parallel._ran_on(outcome, plan) == text
+        assert f"`{text}`" in doc or text.startswith("n1: 1 CPU"), text

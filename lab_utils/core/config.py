@@ -9,6 +9,8 @@ any heavy work starts.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import dataclasses
 import warnings
@@ -25,6 +27,35 @@ class ConfigError(ValueError):
 
     def __reduce__(self):  # through a process pool: rebuilt from its three parts, not from the message
         return type(self), (self.param, self.value, self.allowed)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceTarget:
+    """Where a suite's labs will run when that is not this machine (a SLURM partition's nodes): the
+    CUDA devices one lab sees there, and words for messages."""
+
+    gpus: int
+    where: str  # "the jobs on partition gpu (GRES gpu:8)"
+
+
+_TARGET: contextvars.ContextVar[DeviceTarget | None] = contextvars.ContextVar("perflab_device_target", default=None)
+
+
+@contextlib.contextmanager
+def validating_for(target: DeviceTarget | None):
+    """While a suite is validated for ``target``, device-dependent checks (``device = 'cuda'``,
+    ``world_sizes: [auto]``: ``lab_utils.core.device.cuda_devices``) ask it instead of this
+    machine (None: this machine)."""
+    token = _TARGET.set(target)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+def device_target() -> DeviceTarget | None:
+    """The target being validated for (None: this machine)."""
+    return _TARGET.get()
 
 
 class DeprecatedParameter(FutureWarning):

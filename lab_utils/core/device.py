@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING
 
+from lab_utils.core.config import device_target
 from lab_utils.core.datasheets import DATASHEET, DatasheetPeak, datasheet_for
 
 if TYPE_CHECKING:
@@ -100,6 +101,22 @@ def triton_version() -> str | None:
         if v:
             return v
     return None
+
+
+def cuda_devices() -> int:
+    """CUDA devices where the labs run: this machine's, or the target's while a suite is validated for one."""
+    t = device_target()
+    if t is not None:
+        return t.gpus
+    import torch  # noqa: PLC0415  (torch: optional under perflab[traces]; seconds to import)
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def no_cuda_reason() -> str:
+    """Why ``cuda_devices()`` is 0, in words."""
+    t = device_target()
+    return f"{t.where} have no GPU" if t is not None else "no CUDA device is visible here"
 
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:

@@ -53,7 +53,8 @@ from pathlib import Path
 
 import torch
 
-from lab_utils.core.config import ConfigError, check_int_list
+from lab_utils.core.config import ConfigError, check_int_list, device_target
+from lab_utils.core.device import cuda_devices, no_cuda_reason
 from lab_utils.distributed.comm import CollectiveEvent
 from lab_utils.distributed.spec import DistConfig
 
@@ -212,12 +213,15 @@ def local_world_sizes(values) -> list[int]:
     a ConfigError names the value when none is visible or an entry is not a positive integer."""
     if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
         raise ConfigError("world_sizes", values, "a list of integers >= 1 or 'auto' (every local GPU)")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = cuda_devices()
     out = []
     for v in values:
         if isinstance(v, str) and v.lower() in AUTO_WORLD:
             if gpus == 0:
-                raise ConfigError("world_sizes", values, f"integers: {v!r} means every local GPU and none is visible")
+                local = device_target() is None
+                where = "local GPU and none is visible" if local else f"GPU of a node ({no_cuda_reason()})"
+                why = f"integers: {v!r} means every {where}"
+                raise ConfigError("world_sizes", values, why)
             v = gpus
         out.append(v)
     check_int_list("world_sizes", out, min=1)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -52,6 +53,7 @@ def torchrun_command(
         f"--rdzv-id={rdzv_id}",
         f"--rdzv-conf=is_host={int(is_host)}",
         "--max-restarts=0",
+        f"--log-dir={out / 'torchelastic'}",  # not a torchelastic_* folder of its own under /tmp, left there
         "-m",
         "lab_utils.distributed",
         "worker",
@@ -62,14 +64,34 @@ def torchrun_command(
     ]
 
 
-def srun_line(spec: str, out: str, *, nodes: int, gpus_per_node: int, port: int = 29500) -> str:
-    """The sbatch-script form of the same launch, for running lab 06's spec by hand on a cluster."""
-    head = '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
+def srun_line(spec: str, out: str, *, nodes: int, gpus_per_node: int, port: int = 29500, python: str = "python") -> str:
+    """The sbatch-script lines of the same launch, for running lab 06's spec by hand on a cluster.
+    The batch shell finds the first node's address (``NodeAddr``: its name need not resolve) and
+    the job id once; ``\\$SLURM_NODEID`` is left for the ``bash -c`` that srun starts on each node,
+    so that every node writes its own folder, and only node 0 hosts the rendezvous (nodes whose
+    addresses coincide, as on a one-machine test cluster, would otherwise all try to)."""
     return (
-        f"srun --nodes={nodes} --ntasks-per-node=1 python -m torch.distributed.run --nnodes={nodes} "
-        f"--nproc-per-node={gpus_per_node} --rdzv-backend=c10d --rdzv-endpoint={head}:{port} "
-        f'--rdzv-id="$SLURM_JOB_ID" -m lab_utils.distributed worker --spec {spec} --out "{out}/node$SLURM_NODEID"'
+        'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
+        "ADDR=$(scontrol show node \"$HEAD\" -o | sed -n 's/.* NodeAddr=\\([^ ]*\\).*/\\1/p')\n"
+        f'srun --nodes={nodes} --ntasks-per-node=1 bash -c "{python} -m torch.distributed.run --nnodes={nodes} '
+        f"--nproc-per-node={gpus_per_node} --rdzv-backend=c10d --rdzv-endpoint=$ADDR:{port} "
+        "--rdzv-id=$SLURM_JOB_ID --rdzv-conf=is_host=\\$((SLURM_NODEID == 0)) "
+        f"--log-dir={out}/node\\$SLURM_NODEID/torchelastic "
+        f'-m lab_utils.distributed worker --spec {spec} --out {out}/node\\$SLURM_NODEID"'
     )
+
+
+def node_address(name: str) -> str:
+    """The address SLURM reaches node ``name`` at (``scontrol show node``'s NodeAddr; a site's node
+    names need not resolve), else the name itself."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "node", "-o", name], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return name
+    m = re.search(r"\bNodeAddr=(\S+)", out)
+    return m.group(1) if m else name
 
 
 def _start(cmd: list[str], out: Path) -> subprocess.Popen:

@@ -1,145 +1,97 @@
 """Jobs on submitit executors: this machine's processes and a SLURM cluster behind one interface.
 
-* :func:`cluster_options` validates where jobs go (``executor`` "local" or "slurm", partition,
-  account, time limit, GPUs per node, nodes, memory) from options and an optional
-  ``perflab.slurm.yaml``; a bad value raises :class:`ConfigError` naming it, before anything
-  is submitted.
-* :func:`run_tasks` submits :class:`Task` s through ``submitit.AutoExecutor`` (the local
-  executor starts each as a process with its own ``CUDA_VISIBLE_DEVICES``; the SLURM one
-  ``sbatch`` es it), at most ``max_running`` at once and each with the devices it asks for
-  (a task asking for more waits until enough are free), follows them with a progress bar and
-  returns one :class:`Outcome` per task: ok with its value, or failed / timed out / cancelled
-  with the reason and the job's log.  Ctrl-C cancels every job it submitted, waits until they
-  have ended and re-raises.
+* Where jobs go (:class:`ClusterOptions`, ``perflab.slurm.yaml``, checked against the SLURM site)
+  is :mod:`.cluster`; its names are importable from here too.
+* :func:`run_tasks` submits :class:`Task` s (the local executor starts each as a process with its
+  own ``CUDA_VISIBLE_DEVICES``; the SLURM one ``sbatch`` es it, a whole list as one job array with
+  ``array=True``), at most ``max_running`` at once locally and each with the devices it asks for,
+  follows them with a progress bar and returns one :class:`Outcome` per task: ok with its value,
+  or failed / timed out / cancelled with the reason and the job's log.  A SLURM job is followed by
+  ``squeue``/``scontrol``/``sacct`` (:class:`.slurm.Watch`), never by waiting for a result that a
+  job which has left the queue will not write; one that sbatch refuses is a failed outcome.
+  Ctrl-C (even in the middle of a submission) cancels every job it submitted, waits until they
+  have ended (locally: every process they started) and re-raises.
 * :func:`map_jobs` maps a function over many items (the per-rank analysis of a job's traces):
-  a process pool here, or one submitit job per item, each worker's address space bounded
+  a process pool here, or submitit jobs (on SLURM one array), each worker's address space bounded
   by ``mem_gb``; outcomes come back in item order, failures included, for the caller to reduce.
-* :func:`job_guard` is what a job runs under: on a cancel (SIGINT / SIGTERM) or the time-limit
-  signal (SIGUSR2) it ends every process the job started (a notebook's kernel lives in its own
-  session and would otherwise outlive it) and the job ends with :class:`JobEnded` saying which.
+* What a job runs under (its time limit, cancels, preemption) is :mod:`.guard`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import os
+import logging
+import math
 import resource
 import shutil
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
 from tqdm.auto import tqdm
 
 from ..core.config import ConfigError, check_choice, check_int
+from . import slurm
+from .cluster import DEFAULT_TIMEOUT_MIN, EXECUTORS, ClusterOptions, resolve_site
+from .guard import CANCEL_FILE, SLURM_PYTHON, JobBody, ProcessTree, grace_s
 
-EXECUTORS = ("local", "slurm")
 MAP_EXECUTORS = ("pool", *EXECUTORS)
-CONFIG_FILE = "perflab.slurm.yaml"
-POLL_S = 0.5
+POLL_S = 0.5  # result files and local processes
+SLURM_POLL_S = 2.0  # squeue, once for all jobs
+RESULT_WAIT_S = 5.0  # a job that has ended: how long its result file may lag on a shared filesystem
 CANCEL_WAIT_S = 20.0
 
 
-class JobStopped(KeyboardInterrupt):
-    """Raised inside a job by the signal that cancels it or ends its time (a KeyboardInterrupt, so
-    that no ``except Exception`` on the way swallows it); :func:`job_guard` turns it into
-    :class:`JobEnded` for submitit to report."""
+def _submitit_logs_off_stdout() -> None:
+    """submitit logs to stdout and stderr; on the submitting side only stderr (stdout may be JSON)."""
+    log = logging.getLogger("submitit")
+    for h in list(log.handlers):
+        if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:
+            log.removeHandler(h)
 
 
-class JobEnded(RuntimeError):
-    """A job cancelled or out of time: "cancelled (signal SIGTERM)", "timed out (signal SIGUSR2)"."""
-
-
-@dataclass(frozen=True)
-class ClusterOptions:
-    """Where jobs run.  ``gpus_per_node``: the GPUs one node of the partition has (a lab gets one,
-    lab 06 as many as its world size asks for, at most these); ``nodes``: lab 06's node count."""
-
-    executor: str = "local"
-    partition: str | None = None
-    account: str | None = None
-    timeout_min: int = 60
-    gpus_per_node: int = 0
-    nodes: int = 1
-    mem_gb: float | None = None
-    cpus_per_task: int | None = None
-
-    def describe(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in asdict(self).items() if v not in (None, ""))
-
-
-def load_cluster_config(path: str | Path) -> dict:
-    """``perflab.slurm.yaml``: a mapping of :class:`ClusterOptions` fields; unknown keys are refused."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError("--cluster-config", str(path), "an existing YAML file (see docs/cluster.md)")
-    data = yaml.safe_load(p.read_text()) or {}
-    known = [f.name for f in fields(ClusterOptions)]
-    if not isinstance(data, dict):
-        raise ConfigError("--cluster-config", str(path), f"a YAML mapping with keys among {', '.join(known)}")
-    for k in data:
-        if k not in known:
-            raise ConfigError(f"{p.name}: {k}", data[k], f"a key among {', '.join(known)}")
-    return data
-
-
-def cluster_options(executor: str, config: str | Path | None = None, **given: Any) -> ClusterOptions:
-    """Options from ``config`` (a YAML file; ``./perflab.slurm.yaml`` when it exists and none is
-    named), then ``given`` (command-line values; None = not given), validated."""
-    if config is None and Path(CONFIG_FILE).is_file():
-        config = CONFIG_FILE
-    values = load_cluster_config(config) if config is not None else {}
-    values.update({k: v for k, v in given.items() if v is not None})
-    values["executor"] = executor
-    check_choice("--executor", executor, EXECUTORS)
-    opts = ClusterOptions(**values)
-    check_int("--time-limit", opts.timeout_min, min=1)
-    check_int("--gpus-per-node", opts.gpus_per_node, min=0)
-    check_int("--nodes", opts.nodes, min=1)
-    if opts.cpus_per_task is not None:
-        check_int("cpus_per_task", opts.cpus_per_task, min=1)
-    if opts.mem_gb is not None and not (isinstance(opts.mem_gb, (int, float)) and opts.mem_gb > 0):
-        raise ConfigError("mem_gb", opts.mem_gb, "a number of GB > 0")
-    for name in ("partition", "account"):
-        v = getattr(opts, name)
-        if v is not None and (not isinstance(v, str) or not v.strip() or any(c.isspace() for c in v)):
-            raise ConfigError(f"--{name}", v, "a SLURM name (no spaces)")
-        if v is not None and executor != "slurm":
-            raise ConfigError(f"--{name}", v, "no value with --executor local (a SLURM setting)")
-    if executor == "slurm" and not opts.partition:
-        raise ConfigError("--partition", None, f"a SLURM partition with --executor slurm (option or {CONFIG_FILE})")
-    return opts
-
-
-def make_executor(opts: ClusterOptions, folder: Path, *, name: str, gpus: int = 0, nodes: int = 1, visible=()):
-    """A ``submitit.AutoExecutor`` for one job: ``gpus`` per node (local: the devices ``visible``),
+def make_executor(
+    opts: ClusterOptions, folder: Path, *, name: str, gpus: int = 0, nodes: int = 1, cpus: int | None = None, visible=()
+):
+    """A submitit executor for one job: ``gpus`` per node (local: the devices ``visible``),
     ``nodes`` nodes with one task each (local: one task per node, all on this machine)."""
     import submitit  # noqa: PLC0415 - only runs that submit jobs need it
 
-    common = dict(timeout_min=opts.timeout_min, gpus_per_node=gpus)
+    _submitit_logs_off_stdout()
+    grace = int(grace_s(opts.timeout_min))
     if opts.executor == "local":  # several "nodes" on this machine are several tasks of one job
         ex = submitit.LocalExecutor(folder=folder)
-        ex.update_parameters(**common, tasks_per_node=nodes, visible_gpus=tuple(visible), signal_delay_s=5)
+        ex.update_parameters(
+            timeout_min=opts.timeout_min, gpus_per_node=gpus, tasks_per_node=nodes, visible_gpus=tuple(visible),
+            signal_delay_s=grace,
+        )  # fmt: skip
         return ex
-    ex = submitit.AutoExecutor(folder=folder, cluster="slurm")
-    ex.update_parameters(
-        **common,
-        name=name,
+    ex = submitit.SlurmExecutor(folder=folder, python=SLURM_PYTHON)
+    params = dict(
+        job_name=name,
+        partition=opts.partition,
+        account=opts.account,
+        time=int(math.ceil(opts.timeout_min)),
         nodes=nodes,
-        tasks_per_node=1,
-        mem_gb=opts.mem_gb,
-        cpus_per_task=opts.cpus_per_task,
-        slurm_partition=opts.partition,
-        slurm_account=opts.account,
-        slurm_signal_delay_s=60,
+        ntasks_per_node=1,
+        cpus_per_task=cpus,
+        gpus_per_node=gpus or None,  # no GPU asked: no --gpus-per-node line at all
+        mem=None if opts.mem_gb is None else _mem(opts.mem_gb),
+        signal_delay_s=grace,
+        wckey=None,  # submitit's default "submitit" is a wckey some sites refuse
     )
+    ex.update_parameters(**params)
     return ex
+
+
+def _mem(gb: float) -> str:
+    return f"{int(gb)}GB" if gb == int(gb) else f"{int(gb * 1024)}MB"
 
 
 @dataclass
@@ -154,6 +106,9 @@ class Outcome:
     job_id: str = ""
     devices: tuple[int, ...] = ()
     seconds: float = 0.0
+    nodes: str = ""  # SLURM: the nodes it ran on
+    restarts: int = 0  # SLURM: times it was requeued (preemption)
+    resources: str = ""  # what it asked for ("1 GPU, 8 CPUs")
 
     @property
     def ok(self) -> bool:
@@ -170,6 +125,19 @@ class Task:
     devices: int = 0
     nodes: int = 1
     gpus: int | None = None  # SLURM GPUs per node (default: ``devices``)
+    cpus: int | None = None  # SLURM CPUs (default: ClusterOptions.cpus_for)
+
+
+@dataclass
+class _Running:
+    task: Task
+    job: Any
+    ids: tuple[int, ...]
+    t0: float
+    folder: Path
+    resources: str = ""
+    ended_at: float | None = None  # when the job was first seen ended without its results
+    state: slurm.JobState | None = None
 
 
 def _job_log(job, limit: int = 6000) -> str:
@@ -182,56 +150,117 @@ def _job_log(job, limit: int = 6000) -> str:
     return "\n".join(parts)
 
 
-def _state_of(job, error: str) -> str:
-    """failed / timed out / cancelled, from what the job raised and what the scheduler says."""
-    sched = str(getattr(job, "state", "") or "").upper()
-    if "JobEnded: timed out" in error or "not requeued because: timed-out" in error or "TIMEOUT" in sched:
+def _results(job) -> list[tuple[str, Any]] | None:
+    """Every task's (outcome, value) from its result file; None while one is missing."""
+    from submitit.core.utils import pickle_load  # noqa: PLC0415 - submitit is imported once jobs run
+
+    tasks = list(getattr(job, "_sub_jobs", None) or []) or [job]
+    with contextlib.suppress(OSError):  # refresh a shared filesystem's view of the folder
+        p = job.paths.folder
+        p.chmod(p.stat().st_mode)
+    out = []
+    for t in tasks:
+        path = t.paths.result_pickle
+        if not path.exists():
+            return out if out and out[0][0] == "error" else None  # task 0 failed: the others need not be waited on
+        try:
+            out.append(pickle_load(path))
+        except (EOFError, OSError, ValueError):
+            return None  # still being written
+    return out
+
+
+def _error_state(error: str) -> str:
+    if "JobEnded: timed out" in error or "not requeued because: timed-out" in error:
         return "timed out"
-    if "JobEnded: cancelled" in error or sched.startswith("CANCELLED") or sched == "INTERRUPTED":
-        return "cancelled"
-    return "failed"
+    return "cancelled" if "JobEnded: cancelled" in error else "failed"
 
 
-def outcome_of(job, key: str) -> Outcome:
-    """The :class:`Outcome` of a finished job (value, or reason and log)."""
-    if getattr(job, "_process", None) is not None:
-        job._results_timeout_s = 2  # a local job that died leaves no result: say so without waiting
+def _finish(r: _Running, opts: ClusterOptions, res: list | None) -> Outcome:
+    """The outcome of an ended job: from its results, else from what the scheduler says."""
+    base = dict(
+        job_id=str(r.job.job_id), devices=r.ids, seconds=time.monotonic() - r.t0, log=_job_log(r.job),
+        resources=r.resources, nodes=r.state.nodes if r.state else "", restarts=r.state.restarts if r.state else 0,
+    )  # fmt: skip
+    if res:
+        errors = [v for kind, v in res if kind == "error"]
+        if errors:
+            return Outcome(r.task.key, _error_state(errors[0]), error=str(errors[0]).strip(), **base)
+        return Outcome(r.task.key, "ok", value=res[0][1], **base)
+    if r.state is not None:  # SLURM: the state it gives
+        why = slurm.describe(r.state, opts.timeout_min)
+        return Outcome(r.task.key, slurm.outcome_state(r.state), error=why, **base)
+    return Outcome(r.task.key, "failed", error="the job's process ended without a result (its log below)", **base)
+
+
+def _ended(r: _Running) -> bool:
+    proc = getattr(r.job, "_process", None)
+    if proc is not None:
+        return proc.poll() is not None
+    return r.state is not None and r.state.terminal
+
+
+@contextlib.contextmanager
+def _interrupt_after():
+    """Ctrl-C during a submission takes effect once the job is registered (so that it is cancelled)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    hit: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda s, _f: hit.append(s))
     try:
-        values = job.results()
-    except Exception as e:  # noqa: BLE001 - a job's failure is its outcome
-        error = str(e).strip()
-        return Outcome(key, _state_of(job, error), error=error, log=_job_log(job), job_id=str(job.job_id))
-    return Outcome(key, "ok", value=values[0], log=_job_log(job), job_id=str(job.job_id))
-
-
-def _wait_ended(jobs: Sequence, wait_s: float) -> None:
-    """Until every job has ended (local: its process has exited, SIGKILL after ``wait_s``)."""
-    deadline = time.monotonic() + wait_s
-    for job in jobs:
-        proc = getattr(job, "_process", None)
-        if proc is not None:
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except Exception:  # noqa: BLE001 - still running: end it
-                proc.kill()
-                proc.wait()
-            continue
-        while time.monotonic() < deadline and not job.done(force_check=True):
-            time.sleep(POLL_S)
-
-
-def cancel_all(jobs: Sequence, wait_s: float = CANCEL_WAIT_S) -> None:
-    """Cancel every job not yet done and wait until they have ended."""
-    live = [j for j in jobs if not j.done()]
-    for job in live:
-        with contextlib.suppress(Exception):
-            job.cancel(check=False)
-    _wait_ended(live, wait_s)
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if hit and callable(old):
+            old(signal.SIGINT, None)
 
 
 def _wait(seconds: float) -> None:
     """Between polls of the running jobs (a test replaces it to interrupt a run mid-way)."""
     time.sleep(seconds)
+
+
+def _proc(r: _Running):
+    return getattr(r.job, "_process", None)  # a local job's controller process (SLURM: None)
+
+
+def cancel_all(running: Sequence[_Running], opts: ClusterOptions, wait_s: float = CANCEL_WAIT_S) -> None:
+    """Cancel every job and wait until it has ended.  Locally the job's controller gets SIGTERM
+    (forwarded to its tasks, whose guard ends what they started) and, after ``wait_s``, every
+    process of the job still alive is killed; on SLURM ``scancel``, then ``squeue`` until it has left."""
+    tree = ProcessTree()
+    for r in running:
+        with contextlib.suppress(OSError):
+            (r.folder / CANCEL_FILE).touch()  # a job still starting stops when it reaches its guard
+        if _proc(r) is not None:
+            tree.add(_proc(r).pid)
+            with contextlib.suppress(ProcessLookupError):
+                _proc(r).send_signal(signal.SIGTERM)
+        else:
+            with contextlib.suppress(Exception):
+                r.job.cancel(check=False)
+    deadline = time.monotonic() + wait_s
+    watch = slurm.Watch(opts.site.accounting if opts.site else False)
+    left = list(running)
+    while left and time.monotonic() < deadline:
+        for r in left:
+            if _proc(r) is not None:
+                tree.add(_proc(r).pid)
+        states = watch.poll([str(r.job.job_id) for r in left if _proc(r) is None])
+        gone = slurm.JobState("", slurm.GONE)
+        left = [
+            r
+            for r in left
+            if (_proc(r).poll() is None if _proc(r) is not None else not states.get(str(r.job.job_id), gone).terminal)
+        ]
+        if left:
+            time.sleep(0.2)
+    tree.kill_survivors()  # what outlived its job (a kernel in its own session) or did not end in time
+    for r in running:
+        if _proc(r) is not None:
+            with contextlib.suppress(Exception):
+                _proc(r).wait(timeout=5)
 
 
 class _Slots:
@@ -250,6 +279,33 @@ class _Slots:
         self.free = sorted(self.free + list(ids))
 
 
+def _resources(gpus: int, cpus: int | None, nodes: int) -> str:
+    parts = [f"{gpus} GPU{'s' if gpus != 1 else ''}"] if gpus else []
+    parts += [f"{cpus} CPU{'s' if cpus != 1 else ''}"] if cpus else []
+    text = ", ".join(parts)
+    return f"{nodes} nodes x {text}" if nodes > 1 and text else text
+
+
+def _submit(
+    batch: list[Task], opts: ClusterOptions, folder: Path, ids: tuple[int, ...], array: int, name: str
+) -> list[_Running]:
+    """Submit one task (``ids``: its local devices), or ``batch`` as one sbatch array (``array``: how
+    many of it run at once; its job name ``name``); raises when the submission is refused."""
+    t = batch[0]
+    gpus = t.gpus if t.gpus is not None else t.devices
+    cpus = t.cpus if t.cpus is not None else opts.cpus_for(gpus) if opts.executor == "slurm" else None
+    sub = folder / ("array" if array else t.key)
+    ex = make_executor(opts, sub, name=name if array else t.key, gpus=gpus, nodes=t.nodes, cpus=cpus, visible=ids)
+    body = JobBody(opts.timeout_min, opts.executor)
+    res = _resources(gpus, cpus, t.nodes) if opts.executor == "slurm" else ""
+    if not array:
+        return [_Running(t, ex.submit(body, t.fn, *t.args), ids, time.monotonic(), sub, res)]
+    ex.update_parameters(array_parallelism=array)
+    with ex.batch():
+        jobs = [ex.submit(body, a.fn, *a.args) for a in batch]
+    return [_Running(a, j, (), time.monotonic(), sub, res) for a, j in zip(batch, jobs)]
+
+
 def run_tasks(
     tasks: Sequence[Task],
     opts: ClusterOptions,
@@ -264,96 +320,106 @@ def run_tasks(
     """Submit ``tasks`` in order (local: at most ``max_running`` at once, each with its devices;
     SLURM: all at once, the scheduler places them), follow them, return their outcomes by key.
     ``on_done`` is called as each ends.  Ctrl-C cancels what was submitted, then re-raises."""
+    return _run(tasks, opts, folder, _How(max_running, tuple(devices), progress, desc, on_done, False))
+
+
+def run_array(
+    tasks: Sequence[Task], opts: ClusterOptions, folder: Path, *, max_running: int | None = None, **kw: Any
+) -> dict[str, Outcome]:
+    """:func:`run_tasks` for many alike tasks: on SLURM one job array, at most ``max_running`` of
+    it running at once (``progress``, ``desc`` as there); locally the same as :func:`run_tasks`."""
+    how = _How(max_running, (), kw.get("progress", True), kw.get("desc", "jobs"), None, True)
+    return _run(tasks, opts, folder, how)
+
+
+@dataclass(frozen=True)
+class _How:
+    max_running: int | None
+    devices: tuple[int, ...]
+    progress: bool
+    desc: str
+    on_done: Callable[[Outcome], None] | None
+    array: bool
+
+
+def _run(tasks: Sequence[Task], opts: ClusterOptions, folder: Path, how: _How) -> dict[str, Outcome]:
+    max_running, devices, progress, desc, on_done, array = (
+        how.max_running, how.devices, how.progress, how.desc, how.on_done, how.array
+    )  # fmt: skip
+    if opts.executor == "slurm" and opts.site is None:
+        opts = resolve_site(opts)
+    if opts.timeout_min is None:
+        opts = replace(opts, timeout_min=DEFAULT_TIMEOUT_MIN)
     pending, running, done = list(tasks), {}, {}
     slots = _Slots(devices)
-    cap = max_running if opts.executor == "local" and max_running else len(tasks)
+    local = opts.executor == "local"
+    cap = max_running if local and max_running else len(tasks)
+    watch = slurm.Watch(opts.site.accounting if opts.site else False)
     bar = tqdm(total=len(tasks), desc=desc, unit="job", disable=not progress, file=sys.stderr)
-    shown = ""
+    shown, polled = "", 0.0
+
+    def finish(out: Outcome) -> None:
+        done[out.key] = out
+        bar.update(1)
+        if on_done is not None:
+            on_done(out)
+
     try:
         while pending or running:
             while pending and len(running) < cap:
-                t = pending[0]
-                ids = slots.take(t.devices) if opts.executor == "local" else ()
+                ids = slots.take(pending[0].devices) if local else ()
                 if ids is None:
                     break  # waits for its devices (in order: a big task is not starved)
-                pending.pop(0)
-                gpus = t.gpus if t.gpus is not None else t.devices
-                ex = make_executor(opts, folder / t.key, name=t.key, gpus=gpus, nodes=t.nodes, visible=ids)
-                running[t.key] = (ex.submit(t.fn, *t.args), ids, time.monotonic())
-            for key, (job, ids, t0) in list(running.items()):
-                if job.done():
-                    out = replace(outcome_of(job, key), devices=ids, seconds=time.monotonic() - t0)
-                    if out.state == "failed" and out.seconds >= 60 * opts.timeout_min:  # ended by the limit
-                        out.state, out.error = "timed out", f"ran past timeout_min={opts.timeout_min}\n{out.error}"
-                    done[key] = out
+                batch = pending[:] if (array and not local) else pending[:1]
+                with _interrupt_after():  # registered before a Ctrl-C can stop us: so it is cancelled
+                    del pending[: len(batch)]
+                    try:
+                        at_once = min(len(batch), max_running or len(batch)) if array and not local else 0
+                        subs = _submit(batch, opts, folder, ids, at_once, f"perflab-{desc}".replace(" ", "-"))
+                        running.update({r.task.key: r for r in subs})
+                    except Exception as e:  # noqa: BLE001 - sbatch refused it: its outcome, the others go on
+                        slots.give(ids)
+                        for t in batch:
+                            finish(Outcome(t.key, "failed", error=f"the job was not submitted: {str(e).strip()}"))
+            if not local and time.monotonic() - polled >= SLURM_POLL_S:
+                polled = time.monotonic()
+                states = watch.poll([str(r.job.job_id) for r in running.values()])
+                for r in running.values():
+                    r.state = states.get(str(r.job.job_id), r.state)
+            for key, r in list(running.items()):
+                if r.state is not None and r.state.never_starts:  # would pend for ever: its row says why
+                    with contextlib.suppress(Exception):
+                        r.job.cancel(check=False)
                     del running[key]
-                    slots.give(ids)
-                    bar.update(1)
-                    if on_done is not None:
-                        on_done(out)
+                    slots.give(r.ids)
+                    finish(_finish(r, opts, None))
+                    continue
+                res = _results(r.job)
+                if (res is None or local) and not _ended(r):
+                    continue  # locally the job's processes have exited before it counts as ended
+                if res is None:  # ended without (yet) a result: the file may lag on a shared filesystem
+                    r.ended_at = r.ended_at or time.monotonic()
+                    if time.monotonic() - r.ended_at < (RESULT_WAIT_S if not local else 2.0):
+                        continue
+                if res and len(res) < len(getattr(r.job, "_sub_jobs", None) or [r.job]) and not _ended(r):
+                    with contextlib.suppress(Exception):
+                        r.job.cancel(check=False)  # task 0 failed first: end the job's other tasks
+                del running[key]
+                slots.give(r.ids)
+                if res and not local and not array:  # how often SLURM requeued it, had a poll missed that
+                    r.state = watch.settle(str(r.job.job_id), r.state)
+                finish(_finish(r, opts, res))
             if shown != ", ".join(running):
                 shown = ", ".join(running)
                 bar.set_postfix_str(shown)
             if pending or running:
                 _wait(POLL_S)
     except BaseException:  # Ctrl-C, or an error here: nothing submitted is left running
-        cancel_all([job for job, _, _ in running.values()])
+        cancel_all(list(running.values()), opts)
         raise
     finally:
         bar.close()
     return done
-
-
-# ------------------------------------------------------------------------- inside a job
-def _children_of(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (from /proc), parents before children."""
-    parent: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    stat = f.read()
-                parent[int(d)] = int(stat[stat.rfind(")") + 2 :].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    out, frontier = [], [pid]
-    while frontier:
-        kids = [c for c, p in parent.items() if p in frontier]
-        out += kids
-        frontier = kids
-    return out
-
-
-def end_children() -> list[int]:
-    """SIGKILL every process this one started (and their process groups); their pids."""
-    kids = _children_of(os.getpid())
-    for pid in kids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if os.getpgid(pid) == pid:
-                os.killpg(pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return kids
-
-
-@contextlib.contextmanager
-def job_guard() -> Iterator[None]:
-    """Run a job's body so that a cancel or its time limit ends what it started (see module note)."""
-    reasons = {signal.SIGINT: "cancelled", signal.SIGTERM: "cancelled", signal.SIGUSR2: "timed out"}
-
-    def stop(signum, _frame):
-        end_children()
-        raise JobStopped(f"{reasons[signal.Signals(signum)]} (signal {signal.Signals(signum).name})")
-
-    old = {s: signal.signal(s, stop) for s in reasons}
-    try:
-        yield
-    except JobStopped as e:  # an Exception, so that submitit writes it as the job's error
-        raise JobEnded(str(e)) from None
-    finally:
-        end_children()
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 # ------------------------------------------------------------------------- map over items
@@ -366,14 +432,13 @@ def _limit_memory(mem_gb: float | None) -> None:
 def _bounded_call(fn: Callable, item: Any, mem_gb: float | None) -> Any:
     """``fn(item)`` in a job, its address space limited to ``mem_gb`` (MemoryError beyond it)."""
     _limit_memory(mem_gb)
-    with job_guard():
-        return fn(item)
+    return fn(item)
 
 
 @dataclass
 class MapOptions:
     """How :func:`map_jobs` runs: ``executor`` "pool" (processes here), "local" or "slurm"
-    (submitit jobs), ``workers`` at once (pool and local), ``mem_gb`` per worker."""
+    (submitit jobs), ``workers`` at once, ``mem_gb`` per worker."""
 
     executor: str = "pool"
     workers: int = 2
@@ -386,7 +451,9 @@ def map_jobs(
 ) -> list[Outcome]:
     """``fn(item)`` for every item on ``opts.executor``; outcomes in item order (key = index).
     ``fn`` must be importable (a module-level function); ``folder`` holds the submitit jobs'
-    files and is removed at the end.  Ctrl-C cancels everything and re-raises."""
+    files (on SLURM it must be on a filesystem the nodes share) and is removed at the end.
+    SLURM jobs are one array, 1 CPU each unless the cluster options say otherwise.  Ctrl-C
+    cancels everything and re-raises."""
     check_choice("executor", opts.executor, MAP_EXECUTORS)
     check_int("workers", opts.workers, min=1)
     if opts.mem_gb is not None and not opts.mem_gb > 0:
@@ -396,9 +463,12 @@ def map_jobs(
     cluster = replace(opts.cluster, executor=opts.executor)
     if opts.mem_gb is not None and cluster.mem_gb is None:
         cluster = replace(cluster, mem_gb=float(opts.mem_gb))
-    tasks = [Task(str(i), _bounded_call, (fn, it, opts.mem_gb)) for i, it in enumerate(items)]
+    if cluster.executor == "slurm" and cluster.site is None:
+        cluster = resolve_site(cluster, gpus=0, nodes=1)
+    cpus = cluster.cpus_per_task or 1
+    tasks = [Task(str(i), _bounded_call, (fn, it, opts.mem_gb), gpus=0, cpus=cpus) for i, it in enumerate(items)]
     try:
-        done = run_tasks(tasks, cluster, Path(folder), max_running=opts.workers, progress=progress, desc=desc)
+        done = run_array(tasks, cluster, Path(folder), max_running=opts.workers, progress=progress, desc=desc)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return [done[str(i)] for i in range(len(items))]

@@ -29,9 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lab_utils.core.config import ConfigError, check_int
+from lab_utils.core.config import ConfigError, DeviceTarget, check_int
 from lab_utils.core.cpu_threads import THREADS_ENV, choose_cpu_threads
-from lab_utils.run.executors import EXECUTORS, ClusterOptions, Outcome, Task, cluster_options, job_guard, run_tasks
+from lab_utils.run.cluster import EXECUTORS, ClusterOptions, cluster_options, resolve_site
+from lab_utils.run.executors import Outcome, Task, run_tasks
 
 SHARE_ENV = "PERFLAB_THREAD_SHARE"
 DIST_LAB = "06_distributed"
@@ -45,6 +46,25 @@ class RunnerHooks:
     run_one: Callable  # execute one planned notebook into the report folder -> its status
     status: type  # the status row class
     config_class: Callable  # a notebook's LabConfig class
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """The job options, validated (against the SLURM site with ``--executor slurm``) before the labs are."""
+
+    cluster: ClusterOptions
+    parallel: int = 1
+    devices: tuple[int, ...] | None = None  # local: the GPUs given (None: all visible)
+
+    def target(self) -> DeviceTarget | None:
+        """Where the labs' device-dependent parameters are checked: a SLURM partition's nodes (None:
+        this machine, where local jobs run)."""
+        c = self.cluster
+        if c.executor != "slurm" or c.site is None:
+            return None
+        p = c.site.partitions[c.partition]
+        asked = f", --gpus-per-node {c.gpus}" if c.gpus != p.node_gpus else ""
+        return DeviceTarget(c.gpus, f"the jobs on partition {p.name} (GRES {p.gres}{asked})")
 
 
 @dataclass(frozen=True)
@@ -79,21 +99,23 @@ def visible_gpus() -> int:
 
 
 def lab_devices(p, ndev: int) -> int:
-    """Devices one planned lab needs on a machine with ``ndev`` for the suite (0 on CPU): one, and
-    lab 06 its largest world size ("auto" = all of them; backend gloo runs its ranks on the CPU)."""
-    if ndev == 0:
+    """Devices one planned lab needs where the suite has ``ndev`` per lab's node (0 on CPU): none for
+    a lab set to ``device: cpu``, one, and lab 06 its largest world size ("auto" = all of them;
+    backend gloo runs its ranks on the CPU)."""
+    if ndev == 0 or p.resolved.get("device") == "cpu":
         return 0
-    if p.entry.stem != DIST_LAB or p.resolved.get("backend") == "gloo":
+    if p.entry.stem != DIST_LAB:
         return 1
+    if p.resolved.get("backend") == "gloo":
+        return 0
     sizes = [ndev if isinstance(w, str) else int(w) for w in p.resolved.get("world_sizes", [1])]
     return max(sizes)
 
 
-def plan_jobs(
-    planned, hooks: RunnerHooks, *, executor=None, parallel=None, devices=None, timing_threads=None, cluster=None
-) -> JobPlan:
-    """Validate the job options against the suite; ``cluster``: :func:`.executors.cluster_options`
-    keyword values (partition, account, timeout_min, gpus_per_node, nodes, config)."""
+def prepare(executor=None, parallel=None, devices=None, cluster=None) -> JobOptions:
+    """Validate the job options that do not depend on the labs; ``cluster``:
+    :func:`.cluster.cluster_options` keyword values (partition, account, timeout_min,
+    gpus_per_node, nodes, config).  With SLURM they are checked against the site here."""
     cluster = dict(cluster or {})
     executor = executor or "local"
     if executor not in EXECUTORS:
@@ -102,9 +124,7 @@ def plan_jobs(
         for name, v in (("--parallel", parallel), ("--devices", devices)):
             if v is not None:
                 raise ConfigError(name, v, "no value with --executor slurm (the scheduler places the jobs)")
-    opts = cluster_options(executor, cluster.pop("config", None), **cluster)
-    if executor == "slurm" and not shutil.which("sbatch"):
-        raise ConfigError("--executor", executor, "'local' here: this machine has no SLURM (no sbatch on PATH)")
+    opts = resolve_site(cluster_options(executor, cluster.pop("config", None), **cluster))
     parallel = 1 if parallel is None else parallel
     check_int("--parallel", parallel, min=1)
     ids = parse_devices(devices) if isinstance(devices, str) or devices is None else tuple(devices)
@@ -115,17 +135,29 @@ def plan_jobs(
         if ids is not None and max(ids) >= n:
             raise ConfigError("--devices", devices, f"indices below {n} (the visible GPUs)")
         ids = ids if ids is not None else tuple(range(n))
-        for p in planned:
+    return JobOptions(opts, parallel, ids)
+
+
+def plan_jobs(planned, hooks: RunnerHooks, prep: JobOptions | None = None, *, timing_threads=None, **jobs) -> JobPlan:
+    """Check the job options against the suite (``prep`` from :func:`prepare`, else ``jobs`` its options)."""
+    prep = prep or prepare(**jobs)
+    opts, ids = prep.cluster, tuple(prep.devices or ())
+    for p in planned:
+        if opts.executor == "local":
             need = lab_devices(p, len(ids))
             if need > len(ids):
-                raise ConfigError("--devices", devices, f"at least {need} devices ({p.entry.stem} asks for {need})")
+                raise ConfigError("--devices", ",".join(map(str, ids)) or None,
+                                  f"at least {need} devices ({p.entry.stem} asks for {need})")  # fmt: skip
+        elif lab_devices(p, opts.gpus) > opts.gpus:
+            why = f"at most {opts.gpus} ranks in one job: a node has {opts.gpus} GPUs (--nodes N: lab 06 on N nodes)"
+            raise ConfigError("world_sizes", p.resolved.get("world_sizes"), f"{why} (in {p.entry.stem})")
     if opts.nodes > 1 and DIST_LAB not in {p.entry.stem for p in planned}:
         raise ConfigError("--nodes", opts.nodes, f"1: the suite has no {DIST_LAB} lab to run across nodes")
     budget = per_lab = None
-    if executor == "local" and not ids:
+    if opts.executor == "local" and not ids:
         budget = choose_cpu_threads(timing_threads).threads
-        per_lab = max(1, budget // min(parallel, len(planned)))
-    return JobPlan(opts, hooks, parallel, tuple(ids or ()), per_lab, budget)
+        per_lab = max(1, budget // min(prep.parallel, len(planned)))
+    return JobPlan(opts, hooks, prep.parallel, ids, per_lab, budget)
 
 
 def multinode_spec(p, nodes: int, per_node: int, config_class: Callable):
@@ -141,8 +173,7 @@ def multinode_spec(p, nodes: int, per_node: int, config_class: Callable):
 def run_lab(run_one: Callable, p, tmp: Path, final: Path, timeout_s: int, env: dict):
     """One lab's job: the runner's notebook execution with this job's environment."""
     os.environ.update(env)
-    with job_guard():
-        return run_one(p, tmp, final, timeout_s)
+    return run_one(p, tmp, final, timeout_s)
 
 
 def run_multinode(spec_json: str, out: Path, rec_dir: Path, per_node: int, port: int | None, lab: str):
@@ -156,24 +187,23 @@ def run_multinode(spec_json: str, out: Path, rec_dir: Path, per_node: int, port:
     env = submitit.JobEnvironment()
     node, nnodes = env.global_rank, env.num_tasks
     local = os.environ.get("SUBMITIT_EXECUTOR") == "local"
-    host = "127.0.0.1" if local else env.hostnames[0]
+    host = "127.0.0.1" if local else rendezvous.node_address(env.hostnames[0])
     port = port or 20000 + int(str(env.job_id).split("_")[0]) % 20000
     cfg = DistConfig(**json.loads(spec_json))
-    with job_guard():
-        code = rendezvous.run_node(
-            out / "spec.json",
-            out / f"node{node}",
-            node=node,
-            nnodes=nnodes,
-            nproc_per_node=per_node,
-            endpoint=f"{host}:{port}",
-            rdzv_id=f"perflab-{env.job_id}",
-            timeout_s=cfg.timeout_s,
-        )
-        if node != 0:
-            return {"node": node, "code": code}
-        res = rendezvous.gather(cfg, [out / f"node{i}" for i in range(nnodes)], out / "gathered")
-        a = rendezvous.check_against_single_process(res, out / "reference")
+    code = rendezvous.run_node(
+        out / "spec.json",
+        out / f"node{node}",
+        node=node,
+        nnodes=nnodes,
+        nproc_per_node=per_node,
+        endpoint=f"{host}:{port}",
+        rdzv_id=f"perflab-{env.job_id}",
+        timeout_s=cfg.timeout_s,
+    )
+    if node != 0:
+        return {"node": node, "code": code}
+    res = rendezvous.gather(cfg, [out / f"node{i}" for i in range(nnodes)], out / "gathered")
+    a = rendezvous.check_against_single_process(res, out / "reference")
     rec = Recorder(lab, params={"nodes": nnodes, "per_node": per_node, "strategy": cfg.strategy})
     shape = f"{nnodes}x{per_node}"
     rec.add("multinode", cfg.strategy, "loss_rel_err", a.loss_rel, shape=shape)
@@ -187,6 +217,10 @@ def run_multinode(spec_json: str, out: Path, rec_dir: Path, per_node: int, port:
 
 # ----------------------------------------------------------------------------- the suite
 def _ran_on(o: Outcome, plan: JobPlan) -> str:
+    if plan.cluster.executor == "slurm":  # "n1: 1 GPU, 8 CPUs (slurm job 123, requeued 1x)"
+        where = f"slurm job {o.job_id}" + (f", requeued {o.restarts}x" if o.restarts else "")
+        what = ": ".join(x for x in (o.nodes, o.resources) if x)
+        return f"{what} ({where})" if what else where
     where = f"{plan.cluster.executor} job {o.job_id}" if o.job_id else plan.cluster.executor
     if o.devices:
         return f"cuda:{','.join(map(str, o.devices))} ({where})"
@@ -195,14 +229,33 @@ def _ran_on(o: Outcome, plan: JobPlan) -> str:
     return where
 
 
+def reason_line(o: Outcome) -> str:
+    """The one line that says why a job ended without a status: SLURM's reason, else the error it raised."""
+    lines = [ln for ln in o.error.splitlines() if ln.strip()]
+    raised = next((ln for ln in reversed(lines) if not ln.startswith(("-", " ", "Traceback"))), "")
+    line = raised or (lines[0] if lines else "")
+    if "JobEnded: " in line:  # "...guard.JobEnded: timed out: its 1-minute limit ..." -> "its 1-minute limit ..."
+        line = line.split("JobEnded: ", 1)[1].split(": ", 1)[-1]
+    return line[:400]
+
+
+def _log_tail(log: str, jobs: Path, limit: int = 2000) -> str:
+    """The end of a job's log for its row: submitit's own notes (which name files in the job folder,
+    removed when the run ends) left to the full log, kept as logs/<lab>.job.log."""
+    keep = [ln for ln in (log or "").splitlines() if not ln.startswith("submitit INFO") and str(jobs) not in ln]
+    return "\n".join(keep)[-limit:]
+
+
 def _failed_status(p, o: Outcome, tmp: Path, final: Path, stem: str, status_cls: type):
     """A job that did not return a status: a failed row, its log, and the half-run notebook if any."""
     from lab_utils.run import report  # noqa: PLC0415
 
     path = str(p.entry.notebook) if p is not None else stem
     st = status_cls(notebook=stem, path=path, status="failed", params=p.resolved if p is not None else {})
-    first = next((ln for ln in reversed(o.error.splitlines()) if ln.strip() and not ln.startswith(("-", " "))), "")
-    st.error = f"job {o.state}: {first or o.error[:300]}\n{o.error[-3000:]}"
+    why = reason_line(o)
+    body = o.error[-3000:] if o.error.strip() != why else ""  # a traceback: kept below the reason
+    tail = _log_tail(o.log, tmp / "jobs") if "Traceback" not in o.error else ""  # no traceback: the log's end
+    st.error = "\n".join(x for x in (f"job {o.state}: {why}", body, tail) if x)
     st.seconds = o.seconds
     nb = tmp / "notebooks" / f"{stem}.ipynb"
     if nb.exists():
@@ -217,7 +270,7 @@ def _failed_status(p, o: Outcome, tmp: Path, final: Path, stem: str, status_cls:
 
 
 def _tasks(planned, plan: JobPlan, tmp: Path, final: Path, timeout_s: int, env: dict) -> list[Task]:
-    gpus = plan.cluster.gpus_per_node
+    gpus = plan.cluster.gpus
     tasks = []
     for p in planned:
         need = lab_devices(p, len(plan.devices) if plan.cluster.executor == "local" else gpus)
@@ -245,7 +298,7 @@ def multinode_task(cfg, nodes: int, per_node: int, tmp: Path, cluster: ClusterOp
 
         port = free_port()
     args = (cfg.to_json(), out, rec, per_node, port, key)
-    return Task(key, run_multinode, args, devices=0, nodes=nodes, gpus=cluster.gpus_per_node)
+    return Task(key, run_multinode, args, devices=0, nodes=nodes, gpus=cluster.gpus)
 
 
 def thread_env(plan: JobPlan, planned) -> dict[str, str]:
@@ -301,9 +354,6 @@ def _statuses(tasks, done, by_stem, plan: JobPlan, tmp, final) -> list:
         o = done.get(t.key)
         if o is None:
             continue
-        if o.log:
-            (tmp / "logs").mkdir(exist_ok=True)
-            (tmp / "logs" / f"{t.key}.job.log").write_text(o.log, encoding="utf-8")
         p = by_stem.get(t.key)
         if o.ok and isinstance(o.value, status_cls):
             st = o.value
@@ -312,6 +362,10 @@ def _statuses(tasks, done, by_stem, plan: JobPlan, tmp, final) -> list:
             st.params = {"agreement": (o.value or {}).get("agreement")}
         else:
             st = _failed_status(p, o, tmp, final, t.key, status_cls)
+        if o.log or not o.ok:  # kept in the report, linked from its row
+            (tmp / "logs").mkdir(exist_ok=True)
+            (tmp / "logs" / f"{t.key}.job.log").write_text(o.log or "(the job wrote no log)\n", encoding="utf-8")
+            st.log = f"logs/{t.key}.job.log"
         st.ran_on = _ran_on(o, plan)
         out.append(st)
     return out

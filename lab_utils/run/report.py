@@ -242,6 +242,8 @@ def write_index(run_dir: Path, suite, statuses, run_id: str, overrides: dict) ->
     for s in statuses:
         link = f'<a href="{html.escape(s.html)}">{html.escape(s.notebook)}</a>' if s.html else html.escape(s.notebook)
         nb = f'<a href="{html.escape(s.ipynb)}">ipynb</a>' if s.ipynb else ""
+        log = getattr(s, "log", None)  # a lab run as a job: its log, kept in the report
+        nb += (" · " if nb else "") + f'<a class="job-log" href="{html.escape(log)}">job log</a>' if log else ""
         err = f"<pre>{html.escape(s.error)}</pre>" if s.error else ""
         params = ", ".join(f"{k}={v!r}" for k, v in s.params.items())
         ran_on = getattr(s, "ran_on", "")  # a lab run as a job: which device / job ran it

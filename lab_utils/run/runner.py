@@ -33,7 +33,7 @@ import nbformat
 import papermill as pm
 from tqdm.auto import tqdm
 
-from lab_utils.core.config import ConfigError
+from lab_utils.core.config import ConfigError, validating_for
 from lab_utils.core.cpu_threads import THREADS_ENV, choose_cpu_threads
 from lab_utils.run import footprint, parallel, report
 from lab_utils.run.nbtools import IPCKernelManager, drop_absent, strip_noise
@@ -112,6 +112,7 @@ class NotebookStatus:
     timings: int = 0  # timing rows (median) with a stability verdict
     unstable: int = 0  # of which unstable
     ran_on: str = ""  # as a job (lab_utils.run.parallel): the devices / job that ran it
+    log: str | None = None  # as a job: its log in the report (logs/<lab>.job.log)
 
 
 @dataclass
@@ -233,10 +234,14 @@ def run_suite(
     ``keep_traces``: keep the labs' profiler traces in ``artifacts/`` (by default they are removed
     once the labs have read them, and listed: ``lab_utils.run.footprint``)."""
     s = suite if isinstance(suite, Suite) else load_suite(suite)
-    planned = plan(s, overrides, only)
+    # job options first (on SLURM checked against the site): the labs' device-dependent parameters
+    # are then checked against where the jobs will run, not the machine submitting them
+    prep = parallel.prepare(**jobs) if jobs else None
+    with validating_for(prep.target() if prep else None):
+        planned = plan(s, overrides, only)
     if timing_threads is not None:
         choose_cpu_threads(timing_threads)  # validates before anything runs
-    job_plan = parallel.plan_jobs(planned, JOB_HOOKS, timing_threads=timing_threads, **jobs) if jobs else None
+    job_plan = parallel.plan_jobs(planned, JOB_HOOKS, prep, timing_threads=timing_threads) if prep else None
     out_dir = Path(out_dir or os.environ.get(REPORTS_ENV) or ROOT / "reports")
     run_id, tmp = _make_run_dir(out_dir, run_id, s.name)
     final = out_dir / run_id
@@ -360,8 +365,8 @@ def _run_one(p: Planned, tmp: Path, final: Path, timeout_s: int) -> NotebookStat
         params=p.resolved,
     )
     rec_dir, art_dir = tmp / "records" / stem, tmp / "artifacts" / stem
-    rec_dir.mkdir(parents=True)
-    art_dir.mkdir(parents=True)
+    rec_dir.mkdir(parents=True, exist_ok=True)  # exist: a job SLURM requeued runs the notebook again
+    art_dir.mkdir(parents=True, exist_ok=True)
     os.environ["PERFLAB_RECORDS_DIR"] = str(rec_dir)
     os.environ["PERFLAB_ARTIFACTS_DIR"] = str(art_dir)
     out_nb = tmp / "notebooks" / f"{stem}.ipynb"

@@ -8,7 +8,9 @@ one self-contained HTML page (``trace.html``, BokehJS inline).  ``--json`` print
 JSON instead of the text summary; ``--gpu NAME`` is the GPU of traces that name none.
 
 A folder's ranks are read by :func:`lab_utils.run.executors.map_jobs` (``--executor
-pool|local|slurm``), one job per rank file: each job reads, attributes and summarises its file
+pool|local|slurm``; on SLURM one job array, placed by ``--partition``/``--account``/``--time-limit``
+and ``perflab.slurm.yaml``, checked against the site first, its files next to ``--out``), one job per
+rank file: each job reads, attributes and summarises its file
 (:mod:`lab_utils.traces.summary`) and only the summary comes back, merged into one job.  A file that
 cannot be read (truncated, corrupt, not a trace) stops the command before anything is written: one
 line naming it, exit 2.
@@ -24,10 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
@@ -36,6 +38,7 @@ from lab_utils.core.config import ConfigError
 from lab_utils.core.datasheets import check_part
 from lab_utils.core.device import HOST
 from lab_utils.core.records import Recorder, json_value
+from lab_utils.run.cluster import ClusterOptions, cluster_options, resolve_site
 from lab_utils.run.commands import trace as trace_args
 from lab_utils.run.compare import compare
 from lab_utils.run.compare.rules import CompareError
@@ -105,15 +108,16 @@ def one_line(text: str) -> str:
 def load_job(
     path: str | Path,
     *,
-    executor: str = "pool",
-    workers: int = 2,
-    mem_gb: float | None = 4.0,
+    jobs: MapOptions | None = None,
+    jobs_dir: str | Path = ".perflab",
     progress: bool = False,
     gpu: str | None = None,
     options: dict | None = None,
     only: list[int] | None = None,
 ) -> JobSummary:
-    """``path`` (file or folder) as one :class:`JobSummary`; a folder's ranks through ``map_jobs``.
+    """``path`` (file or folder) as one :class:`JobSummary`; a folder's ranks through ``map_jobs``
+    (``jobs``: how, default a pool of 2 processes, 4 GB each; ``jobs.cluster``: where SLURM jobs go;
+    their files under ``jobs_dir``, on a filesystem the nodes share, removed at the end).
     A rank file that cannot be read raises one ``ConfigError`` naming it (the first, in file order).
     ``options``: what each rank's job adds (:func:`analyse_rank`; ``page`` for the first
     :data:`~lab_utils.run.trace_analyses.MAX_RANKS` files); ``only``: read these files (by index) alone."""
@@ -127,9 +131,10 @@ def load_job(
     if len(items) == 1:
         outs: list = [analyse_rank(items[0])]
     else:
-        with tempfile.TemporaryDirectory(prefix="perflab-trace-") as tmp:
-            opts = MapOptions(executor, workers=min(workers, len(files)), mem_gb=mem_gb)
-            done = map_jobs(analyse_rank, items, opts, Path(tmp) / "jobs", progress=progress, desc="ranks")
+        how = jobs or MapOptions()
+        opts = replace(how, workers=min(how.workers, len(files)))
+        folder = Path(jobs_dir).resolve() / f".jobs-trace-{os.getpid()}"
+        done = map_jobs(analyse_rank, items, opts, folder, progress=progress, desc="ranks")
         outs = [o.value if o.state == "ok" else RankError(str(f), f"{o.state}: {one_line(o.error)}")
                 for f, o in zip(files, done)]  # fmt: skip
     failed = [o for o in outs if isinstance(o, RankError)]
@@ -280,9 +285,28 @@ def zero_fill(a: Recorder, b: Recorder) -> tuple[int, int, int]:
     return both, len(ia.keys() - ib.keys()), len(ib.keys() - ia.keys())
 
 
+def _cluster(a) -> ClusterOptions | None:
+    """Where the ranks' jobs go (options, then perflab.slurm.yaml), checked against the site before any work."""
+    if a.executor not in ("local", "slurm"):
+        for name in ("partition", "account", "time_limit", "cluster_config"):
+            if getattr(a, name) is not None:
+                raise ConfigError(f"--{name.replace('_', '-')}", getattr(a, name), "a value only with --executor slurm")
+        return None
+    given = dict(partition=a.partition, account=a.account, timeout_min=a.time_limit)
+    opts = cluster_options(a.executor, a.cluster_config, **given)
+    try:
+        return resolve_site(replace(opts, mem_gb=opts.mem_gb or a.mem_gb), gpus=0, nodes=1)
+    except ConfigError as e:
+        raise ConfigError("--mem-gb", e.value, e.allowed) if e.param == "mem_gb" else e from None
+
+
 def _job(a, path: str, options: dict | None = None, only: list[int] | None = None) -> JobSummary:
-    return load_job(path, executor=a.executor, workers=a.workers, mem_gb=a.mem_gb, progress=not a.json, gpu=a.gpu,
-                    options=options, only=only)  # fmt: skip
+    jobs = MapOptions(a.executor, workers=a.workers, mem_gb=a.mem_gb)
+    cluster = getattr(a, "cluster", None) or _cluster(a)  # the commands resolve it first; a caller may not have
+    if cluster is not None:
+        jobs.cluster = cluster
+    return load_job(path, jobs=jobs, jobs_dir=Path(a.out).parent, progress=not a.json, gpu=a.gpu, options=options,
+                    only=only)  # fmt: skip
 
 
 def page_job(a) -> tuple[JobSummary, int]:
@@ -306,6 +330,7 @@ def cmd_trace(a) -> int:
     check_part("gpu", a.gpu)
     if a.max_bars < 2:
         raise ConfigError("--max-bars", a.max_bars, "at least 2 bars")
+    a.cluster = _cluster(a)
     job, step = page_job(a)
     fig = figures(job, a.top, step)
     timeline = job_timeline(job, step, a.max_bars)
@@ -332,6 +357,7 @@ def cmd_diff(a) -> int:
     their ranks paired, the rows only one side ran filled with zeros, and compared; only the time rows
     gate (``gate="performance"``: shares and idle are reported)."""
     check_part("gpu", a.gpu)
+    a.cluster = _cluster(a)
     base, cand = (_job(a, p, {"paths": True, "page": False}) for p in (a.base, a.candidate))
     vb, vc, how = pair_ranks(base.ranks, cand.ranks)
     rb, rc = records(base, vb), records(cand, vc)

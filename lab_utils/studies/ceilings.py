@@ -30,7 +30,7 @@ from lab_utils.core.config import (
     check_int,
     check_int_list,
 )
-from lab_utils.core.device import DATASHEET, pick_device
+from lab_utils.core.device import DATASHEET, cuda_devices, no_cuda_reason, pick_device
 from lab_utils.core.dtypes import DTYPES, LAB_DTYPES
 from lab_utils.core.flops import GELU_TANH_FLOPS, matmul_flops
 from lab_utils.core.plots import init, roofline_plot
@@ -62,8 +62,8 @@ class CeilingsLabConfig(LabConfig):
         check_int("reps", self.reps, min=3, max=10_000)
         check_bool("quick_ceilings", self.quick_ceilings)
         check_bool("force_ceilings", self.force_ceilings)
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("device", self.device, "'auto' or 'cpu' (no CUDA device is visible here)")
+        if self.device == "cuda" and not cuda_devices():
+            raise ConfigError("device", self.device, f"'auto' or 'cpu' ({no_cuda_reason()})")
 
 
 def op_cost(op: str, size: int, dtype: torch.dtype) -> tuple[int, int]:

@@ -31,7 +31,7 @@ from lab_utils.core.config import (
     check_int,
     check_int_list,
 )
-from lab_utils.core.device import pick_device
+from lab_utils.core.device import cuda_devices, no_cuda_reason, pick_device
 from lab_utils.core.plots import init
 from lab_utils.core.records import Recorder
 from lab_utils.model import ACTIVATION_CHECKPOINTS, PRESETS, MMDiTConfig
@@ -110,8 +110,8 @@ class MemoryLabConfig(LabConfig):
         check_int("seed", self.seed, min=0)
         check_int("fit_max_batch", self.fit_max_batch, min=1)
         check_step_spec(self.step)  # its form; imported, built and checked once by the lab's first cell
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("device", self.device, "'auto' or 'cpu' (no CUDA device is visible here)")
+        if self.device == "cuda" and not cuda_devices():
+            raise ConfigError("device", self.device, f"'auto' or 'cpu' ({no_cuda_reason()})")
 
     @property
     def device_bytes(self) -> int:

@@ -41,6 +41,12 @@ def _common(ap: argparse.ArgumentParser, out: str) -> None:
     ap.add_argument("--workers", type=int, default=2, help="ranks read at once (default 2)")
     ap.add_argument("--mem-gb", type=float, default=4.0, help="memory bound per rank job in GB (default 4)")
     ap.add_argument("--gpu", default=None, help="the GPU of traces that name none (its datasheet row): " + PART_HELP)
+    g = ap.add_argument_group("SLURM (--executor slurm: the ranks as one job array; defaults from perflab.slurm.yaml, "
+                              "docs/cluster.md)")  # fmt: skip
+    g.add_argument("--partition", default=None, help="sbatch --partition (default: the site's default partition)")
+    g.add_argument("--account", default=None, help="sbatch --account")
+    g.add_argument("--time-limit", type=int, default=None, metavar="MIN", help="each rank job's limit (sbatch --time)")
+    g.add_argument("--cluster-config", default=None, metavar="YAML", help="defaults for these (perflab.slurm.yaml)")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
