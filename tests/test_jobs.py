@@ -209,7 +209,7 @@ def _grab(n: int) -> int:
 
 
 def test_map_jobs_keeps_order_reports_failures_and_bounds_memory(tmp_path):
-    """The map issue 23's trace analysis calls: outcomes in item order; an item over the worker's
+    """The map perflab trace's rank jobs go through: outcomes in item order; an item over the worker's
     memory bound fails alone (MemoryError), the others are results."""
     outs = map_jobs(_grab, [1, 3000, 2], MapOptions("pool", workers=2, mem_gb=2.0), tmp_path, progress=False)
     assert [o.state for o in outs] == ["ok", "failed", "ok"] and [outs[0].value, outs[2].value] == [2**20, 2 << 20]
