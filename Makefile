@@ -7,7 +7,7 @@ SUITE   ?= smoke
 PARAMS  ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup report test lint lab lab-reset ceilings docs clean
+.PHONY: setup report test lint lab lab-reset ceilings docs baseline clean
 
 LOCK    := requirements/lab.txt
 
@@ -55,6 +55,10 @@ ceilings: $(STAMP)
 ## The API reference (pdoc, from the docstrings) into build/api/; make test builds it too.
 docs: $(STAMP)
 	$(BIN)/python docs/api.py build/api
+
+## Refresh this device kind's stored baseline from a fresh smoke run (commit first: it records the commit).
+baseline: $(STAMP)
+	$(BIN)/perflab baseline refresh --suite $(SUITE) --timing-free
 
 clean:
 	rm -rf $(VENV) reports .perflab

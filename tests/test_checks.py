@@ -45,3 +45,30 @@ def test_bitwise_and_errors():
     x = torch.randn(1000, dtype=torch.float64)
     assert rel_error(x, x) == 0 and sqnr_db(x, x) == math.inf
     assert sqnr_db(x * 1.01, x) == pytest.approx(40, abs=1e-6)
+
+
+def test_a_checks_bound_for_its_max_abs_figure_is_exact(gen):
+    """``max_abs_bound``: the finite elements pass exactly while max_abs <= it (what a record of the
+    figure carries as its ``tolerance``), for an atol + rtol * |expected| check."""
+    from lab_utils.core.checks import compare
+
+    atol, rtol = 1e-5, 1e-4
+    e = torch.randn(257, generator=gen, dtype=torch.float64) * 3
+    noise = torch.rand(257, generator=gen, dtype=torch.float64) * 0.5 * (atol + rtol * e.abs())
+    a = e + noise
+    r = compare(a, e, atol=atol, rtol=rtol)
+    assert r.ok and 0 < r.worst_share <= 0.5
+    # the worst element by share, by hand
+    d = (a - e).abs()
+    share = d / (atol + rtol * e.abs())
+    assert math.isclose(r.worst_share, float(share.max()), rel_tol=1e-12)
+    assert math.isclose(r.max_abs_bound, float(d.max()) / float(share.max()), rel_tol=1e-12)
+    # scale the errors to the bound: at it every element still passes, a hair beyond the worst fails
+    k = 1 / r.worst_share
+    at = compare(e + noise * k * (1 - 1e-9), e, atol=atol, rtol=rtol)
+    past = compare(e + noise * k * (1 + 1e-6), e, atol=atol, rtol=rtol)
+    assert at.ok and at.max_abs <= at.max_abs_bound * (1 + 1e-9)
+    assert not past.ok and past.max_abs > past.max_abs_bound * (1 - 1e-9)
+    # no error at all: the tightest element's bound (any error is judged against it)
+    exact = compare(e, e, atol=atol, rtol=rtol)
+    assert exact.worst_share == 0 and exact.max_abs_bound == pytest.approx(float((atol + rtol * e.abs()).min()))

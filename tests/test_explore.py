@@ -4,6 +4,7 @@ each lab's explorer: its headless static render and one live measurement."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -20,7 +21,7 @@ from IPython.display import HTML
 from lab_utils.core.ceilings import Ceilings
 from lab_utils.core.config import ConfigError
 from lab_utils.core.plots import init
-from lab_utils.core.records import Recorder, load_records
+from lab_utils.core.records import EXPLORE, Recorder, load_records
 from lab_utils.studies.explore import LIVE_NOTE, Control, Explorer, Progress, Result, Unavailable, is_live
 
 CEIL = Ceilings(
@@ -351,11 +352,28 @@ def test_training_step_explorer_reuses_the_labs_own_profile(monkeypatch):
 
     monkeypatch.setattr(ex_mod, "profile_step", no_second_profile)
     # the lab hands its own recorder, the one its profile wrote into
-    n_lab_rows = len(measured.rec.rows)
+    lab_rows = [dict(r) for r in measured.rec.rows]
     ex = ex_mod.TrainingStepExplorer.for_lab(cfg, rec=measured.rec, measured=measured)
     out = ex.run()
-    assert len(measured.rec.rows) == 2 * n_lab_rows, "each lab row copied once into the explorer's records"
+    assert measured.rec.rows == lab_rows, "the lab's own configuration adds no copy of the lab's rows"
     assert out.ok and out.result.index == 1
     assert out.result.row["step_ms"] == pytest.approx(float(measured.report.steps.step_ms.median()))
+    # the explorer cell run again in the same kernel: a new explorer on the same recorder, nothing nested
+    again = ex_mod.TrainingStepExplorer.for_lab(cfg, rec=measured.rec, measured=measured)
+    assert again.run().ok and measured.rec.rows == lab_rows
     with pytest.raises(AssertionError, match="profiled again"):
         ex.run(batch=2)
+
+    # an explored configuration (its own fresh recorder, as profile_step gives) lands once, as "explore"
+    def explored(sc, info, lab):
+        fresh = Recorder(lab=lab, rows=[dict(r) for r in lab_rows])
+        return dataclasses.replace(measured, rec=fresh)
+
+    monkeypatch.setattr(ex_mod, "profile_step", explored)
+    assert ex.run(batch=2).ok and again.run(batch=2).ok
+    new = measured.rec.rows[len(lab_rows) :]
+    assert len(new) == 2 * len(lab_rows), "each explored configuration's rows once per explorer that measured it"
+    assert {r["experiment"] for r in new} == {EXPLORE}
+    assert not any(r["experiment"].startswith("explore_") for r in measured.rec.rows)
+    label = ex.label(dict(ex.config, batch=2))
+    assert {r["variant"] for r in new} == {f"{label} | {r['experiment']}/{r['variant']}" for r in lab_rows}

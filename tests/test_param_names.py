@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 import nbformat
+import pandas as pd
 import pytest
 import torch
 
@@ -404,6 +405,7 @@ def test_stored_baselines_use_the_new_names_and_old_contexts_are_migrated():
     assert migrate_context(new_ctx)[1] == []  # idempotent
     side = Side.__new__(Side)
     side.context = old_ctx
+    side.rows = pd.DataFrame()
     assert notebook_params(side) == {"05_memory": {"activation_checkpoints": ["none"], "seed": 0}}
 
 

@@ -3,6 +3,8 @@ constant shares only as labelled what-ifs), and the emulation proof that raises.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -42,7 +44,10 @@ def test_amdahl_table_starts_from_the_measured_share():
     assert (amd.iloc[2:].share_source == "what-if").all()
     rec = Recorder(lab="04_low_precision")
     S.record_amdahl(rec, amd)
-    assert [r["variant"] for r in rec.rows[:2]] == ["measured share=0.228"] * 2
+    # the measured share is a result: in extra, never in the key (a what-if share is a parameter)
+    assert [r["variant"] for r in rec.rows[:2]] == ["measured share"] * 2
+    assert [json.loads(r["extra"])["matmul_share"] for r in rec.rows[:2]] == [0.228] * 2
+    assert [r["variant"] for r in rec.rows[2:]] == ["what-if share=0.3"] * 2 + ["what-if share=0.8"] * 2
     assert all(r["variant"].startswith("what-if") for r in rec.rows[2:])
     view = S.amdahl_view(amd)
     assert view.index[0] == (measured.source, 0.228)

@@ -225,6 +225,7 @@ class CheckResult:
     atol: float
     rtol: float
     note: str = ""
+    bound: float = math.nan  # the bound max_abs is held to (CloseReport.max_abs_bound): passes while <= it
 
 
 def check_path(path: str, inputs: dict, *, mask=None, backward: bool = True, scale=None) -> list[CheckResult]:
@@ -259,7 +260,9 @@ def check_path(path: str, inputs: dict, *, mask=None, backward: bool = True, sca
     for n, a, e in zip(names, got, want):
         atol, rtol = tolerance(dtype, 1.0 if n == "out" else GRAD_SCALE.get(dtype, 1.0))
         r = compare(a, e, atol=atol, rtol=rtol, name=f"{path}:{n}")
-        res.append(CheckResult(path, n, r.ok, r.max_abs, r.max_rel, atol, rtol, "" if r.ok else r.message))
+        res.append(
+            CheckResult(path, n, r.ok, r.max_abs, r.max_rel, atol, rtol, "" if r.ok else r.message, r.max_abs_bound)
+        )
     return res + skipped
 
 

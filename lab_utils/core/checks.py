@@ -47,6 +47,13 @@ class CloseReport:
     max_abs: float
     max_rel: float
     message: str
+    #: the largest share of its bound (atol + rtol * |expected|) an element's error used: the finite
+    #: elements pass while it is <= 1
+    worst_share: float = 0.0
+    #: the bound ``max_abs`` is held to: the finite elements pass exactly while max_abs <= it (max_abs
+    #: over ``worst_share``; with no error at all, the tightest element's bound), what a record of the
+    #: figure carries as its ``tolerance``
+    max_abs_bound: float = float("inf")
 
 
 def compare(
@@ -80,8 +87,14 @@ def compare(
     max_abs = float(diff[finite].max()) if bool(finite.any()) else 0.0
     rel = diff / e.abs().clamp_min(1e-30)
     max_rel = float(rel[finite].max()) if bool(finite.any()) else 0.0
+    limit = torch.as_tensor(allowed, dtype=torch.float64).expand_as(e)[finite]
+    d = diff[finite]
+    share = torch.where(limit > 0, d / limit.clamp_min(1e-300), torch.where(d > 0, torch.inf, 0.0))
+    worst = float(share.max()) if share.numel() else 0.0
+    fig_bound = max_abs / worst if worst > 0 else (float(limit.min()) if limit.numel() else float("inf"))
+    fig = dict(worst_share=worst, max_abs_bound=fig_bound)
     if n_bad == 0:
-        return CloseReport(True, 0, e.numel(), max_abs, max_rel, f"{name}: ok (max abs {max_abs:.3g})")
+        return CloseReport(True, 0, e.numel(), max_abs, max_rel, f"{name}: ok (max abs {max_abs:.3g})", **fig)
     idx = bad.nonzero()[:show]
     how = f"per-element bound, rtol={rtol:g}" if per_element else f"atol={atol:g}, rtol={rtol:g}"
     lines = [
@@ -99,7 +112,7 @@ def compare(
         t = tuple(ix)
         bound = f", allowed {allowed.expand_as(e)[t].item():.3g}" if per_element else ""
         lines.append(f"  at {t}: actual {a[t].item():.6g}, expected {e[t].item():.6g}{bound}")
-    return CloseReport(False, n_bad, e.numel(), max_abs, max_rel, "\n".join(lines))
+    return CloseReport(False, n_bad, e.numel(), max_abs, max_rel, "\n".join(lines), **fig)
 
 
 def assert_close(

@@ -8,6 +8,22 @@ empty (None / "").  Older records without these columns still load (they read as
 The context (device, ceilings, versions, commit, timestamp, parameters) is stored
 once per notebook run and merged onto every row when a report gathers records.
 
+A row's key fields (lab, experiment, variant, shape, dtype, metric, statistic, and the categorical
+``extra`` fields that tell rows sharing them apart) say *what* was measured, never a result: a
+measured share, the op that came out heaviest or the assumption that dominated go in ``extra`` or
+the value.  ``extra`` fields that ``perflab compare`` reads (``lab_utils.run.compare.rules``):
+
+* ``tolerance``: the bound the lab's own check holds an error figure to (the check passes while
+  value <= tolerance); the gate judges the figure against it, not by its ratio alone.
+* ``roundoff_dtype`` and ``reduction``: an error figure made by a machine's own float arithmetic
+  (a BLAS fp32 sum, whose order the machine picks) names that dtype and the length of the sums
+  behind it: its float noise is that dtype's unit roundoff at that scale.
+* ``top_n`` (and ``share``): the row is one member of a ranked list of the N heaviest items (the
+  top ops of a profile), so which items it holds is a result; ``share`` is the item's fraction of
+  the whole (0..1).  A list shorter than N holds every item.  Its rows share lab, shape, dtype,
+  statistic and ``list`` (default: the experiment); the item is named by the variant or metric.
+* ``reported``: a measured figure that is shown and compared but never gates (an idle time).
+
 In a headless run the runner sets ``PERFLAB_RECORDS_DIR``; ``Recorder.save()``
 writes there.  Interactively it writes one file per lab and kernel session,
 ``.perflab/records/<lab>-<session start>.json``, which every later save rewrites (a Run All
@@ -57,6 +73,9 @@ CONTEXT_COLUMNS = ["device", "device_kind", "torch_version", "triton_version", "
 RECORDS_FILE = "records.json"
 #: the experiment name of the rows an explorer adds (kept across a rerun of the lab: ``Recorder.save``)
 EXPLORE = "explore"
+#: ``extra`` fields the comparison reads (see the module note)
+TOLERANCE, ROUNDOFF_DTYPE, REDUCTION = "tolerance", "roundoff_dtype", "reduction"
+TOP_N, SHARE, RANKED_LIST, REPORTED = "top_n", "share", "list", "reported"
 #: this interpreter's (kernel's) start: the interactive records file of each lab is named by it
 SESSION = time.strftime("%Y%m%d-%H%M%S")
 _WRITERS: dict[Path, weakref.ref] = {}  # interactive records file -> the recorder that writes it

@@ -119,6 +119,7 @@ class CheckRow:
     ok: bool
     message: str
     seed: int
+    bound: float = math.nan  # the bound max_abs is held to (CloseReport.max_abs_bound): passes while <= it
 
 
 def check_variant(
@@ -162,7 +163,7 @@ def check_variant(
         rows.append(
             CheckRow(
                 op, variant, fmt_dtype(dt), shape, tensor, rep.max_abs, rep.max_rel, rep.n_bad, rep.numel, rep.ok,
-                rep.message, seed,
+                rep.message, seed, rep.max_abs_bound,
             )
         )  # fmt: skip
 
@@ -233,6 +234,7 @@ def correctness_table(
                         worst="",
                         max_abs=math.nan,
                         max_rel=math.nan,
+                        bound=math.nan,
                         n_bad=0,
                         note=why,
                     )
@@ -240,6 +242,7 @@ def correctness_table(
                 continue
             rows = check_variant(op, v.name, dt, problem, device=device, seed=seed, grads=grads)
             worst = max(rows, key=lambda r: (not r.ok, r.max_abs))
+            largest = max(rows, key=lambda r: r.max_abs)  # the tensor max_abs comes from: its bound
             recs.append(
                 dict(
                     variant=v.name,
@@ -248,6 +251,7 @@ def correctness_table(
                     worst=worst.tensor,
                     max_abs=max(r.max_abs for r in rows),
                     max_rel=max(r.max_rel for r in rows),
+                    bound=largest.bound,
                     n_bad=sum(max(r.n_bad, 0) for r in rows),
                     note="" if worst.ok else worst.message.splitlines()[0],
                 )

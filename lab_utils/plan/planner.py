@@ -510,6 +510,7 @@ def record_plan(rec, result: PlanResult, *, shape: str = "") -> None:
         )
     for x in result.excluded:
         rec.add("excluded", f"{x.lever}={x.value}", "excluded", 1, "", reason=x.reason)
+    # which plans rank best (and so are verified) is a result: their rows say they are a top-N list
     for rank, p in enumerate(result.plans[:10], 1):
         q = p.prediction
         rec.add(
@@ -521,10 +522,17 @@ def record_plan(rec, result: PlanResult, *, shape: str = "") -> None:
             shape=shape,
             statistic="predicted",
             rank=rank,
+            top_n=10,
             low=q.low_ms,
             high=q.high_ms,
             amdahl=q.amdahl_ms,
         )
+    record_verifications(rec, result, shape=shape)
+
+
+def record_verifications(rec, result: PlanResult, *, shape: str = "") -> None:
+    """The verified plans' step time and prediction errors (the best plans: a ranked list, ``top_n``)."""
+    verified = dict(top_n=max(len(result.verifications), 1))
     for v in result.verifications:
         rec.add(
             "verify",
@@ -538,6 +546,7 @@ def record_plan(rec, result: PlanResult, *, shape: str = "") -> None:
             stable=v.measured.stability.startswith("stable"),
             stability=v.measured.stability,
             predicted=v.plan.prediction.total_ms,
+            **verified,
         )
         rec.add(
             "verify",
@@ -549,6 +558,7 @@ def record_plan(rec, result: PlanResult, *, shape: str = "") -> None:
             statistic="|measured - predicted| / predicted",
             signed=v.error_pct,
             broken=v.broken,
+            **verified,
         )
         if math.isfinite(v.rebased_error_pct):
             rec.add(
@@ -561,6 +571,7 @@ def record_plan(rec, result: PlanResult, *, shape: str = "") -> None:
                 statistic="|measured - predicted on the step re-measured just before| / predicted",
                 signed=v.rebased_error_pct,
                 step_drift_pct=v.drift_pct,
+                **verified,
             )
 
 
@@ -582,6 +593,7 @@ __all__ = [
     "plan_and_verify",
     "profile_from_report",
     "record_plan",
+    "record_verifications",
     "verify",
     "waterfall",
 ]

@@ -56,6 +56,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lab_utils.core.config import ConfigError
 from lab_utils.core.noise import quiet_stderr_fd
+from lab_utils.core.records import REPORTED, SHARE, TOP_N
 from lab_utils.core.timing import Stability, judge_samples
 from lab_utils.model import build_model
 from lab_utils.model.train import PHASES, Trainer, artifacts_dir, rf_loss, synthetic_batch
@@ -363,10 +364,13 @@ class ProfileReport:
                 pct_of_step=100 * med / step_total if step_total > 0 else math.nan,
                 source=a.source,
                 **_judged(x),
+                # the step's idle time moves with everything else (an op made faster can raise it)
+                **({REPORTED: True} if c == IDLE else {}),
             )
 
     def _record_top_ops(self, rec, shape: str, step_total: float) -> None:
-        """The top ops' time per step, calls per step and share of the step."""
+        """The top ops' time per step, calls per step and share of the step.  Which ops make the
+        list is a result: each row says it is one of a top-N list (``top_n``, ``share``)."""
         a, st = self.analysis, self.steps
         ops = a.top_ops_by_step
         for r in a.top_ops.itertuples():
@@ -384,6 +388,7 @@ class ProfileReport:
                 category=r.category,
                 pct_of_step=100 * med / step_total if step_total > 0 else math.nan,
                 **_judged(x),
+                **{TOP_N: a.top_n, SHARE: med / step_total if step_total > 0 else math.nan},
             )
 
     def _record_mfu(self, rec, variant: str, shape: str, ceilings, datasheet, dtype: str) -> None:

@@ -93,6 +93,9 @@ def _gloo_rank(rank: int, world: int, port: int, out: str, steps: int, numel: tu
                 for t in tensors:
                     dist.all_reduce(t)
                 prof.step()
+        # no rank leaves before every rank is done: rank 0 holds the rendezvous store, and a rank
+        # still tearing down gloo when it goes away aborts ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -138,6 +138,7 @@ class TraceAnalysis:
     peak_allocated_bytes: float
     categories_by_step: pd.DataFrame  # step, category, ms
     top_ops_by_step: pd.DataFrame | None = None  # step, name, ms (the top operators, 0 where absent)
+    top_n: int = 15  # how many operators top_ops keeps (fewer: the step ran no more)
 
 
 def _read(path: str | Path, device_kind: str | None):
@@ -190,7 +191,7 @@ def analyse_trace(path: str | Path, device_kind: str | None = None, *, top: int 
     top_ops, top_by_step = _top_ops(in_steps, windows, float(steps.step_ms.sum()), top)
     memory, peak = _memory(rt, windows, device_kind)
     return TraceAnalysis(
-        device_kind, source, steps, phases, categories, top_ops, memory, peak, categories_by_step, top_by_step
+        device_kind, source, steps, phases, categories, top_ops, memory, peak, categories_by_step, top_by_step, top
     )
 
 

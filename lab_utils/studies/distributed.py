@@ -42,7 +42,7 @@ from lab_utils.distributed.projection import (
     project,
 )
 from lab_utils.distributed.spec import COMPONENTS
-from lab_utils.distributed.verify import ATTENTION_TOL, EMULATED_TOL, Agreement, compare, tolerance_key
+from lab_utils.distributed.verify import ATTENTION_TOL, EMULATED_TOL, TOLERANCES, Agreement, compare, tolerance_key
 from lab_utils.distributed.worker import emulated_dp_step, single_process_run
 from lab_utils.model import ACTIVATION_CHECKPOINTS, PRESETS
 from lab_utils.studies.distributed_faults import bad_input_lines, fault_lines  # noqa: F401  (the notebook calls study.*)
@@ -270,12 +270,16 @@ def record_runs(rec: Recorder, runs: LabRuns) -> None:
         v, w = case_name(r.cfg), r.cfg.world_size
         for step, loss in enumerate(r.losses, start=1):
             rec.add("losses", v, "loss", loss, "", world_size=w, step=step)
-        rec.add("agreement", v, "loss_rel_diff", a.loss_rel, "", world_size=w, tolerance=a.tolerance)
-        rec.add("agreement", v, "grad_rel_error", a.grad_rel_all, "", world_size=w, tolerance=a.tolerance)
+        # each figure with the bound its check holds it to (verify.TOLERANCES[a.tolerance]): the gate judges it so
+        loss_tol, _, grad_tol = TOLERANCES[a.tolerance]
+        kw = dict(world_size=w, tolerance_rule=a.tolerance)
+        rec.add("agreement", v, "loss_rel_diff", a.loss_rel, "", tolerance=loss_tol, **kw)
+        rec.add("agreement", v, "grad_rel_error", a.grad_rel_all, "", tolerance=grad_tol, **kw)
         if a.emulated_worst is not None:
             rec.add(
-                "agreement", v, "rel_error_vs_emulated_step", a.emulated_worst, "", world_size=w, worst=a.emulated_param
-            )
+                "agreement", v, "rel_error_vs_emulated_step", a.emulated_worst, "", world_size=w,
+                worst=a.emulated_param, tolerance=EMULATED_TOL,
+            )  # fmt: skip
         for rank in r.ranks:
             ov = rank.get("overlap")
             if ov:
@@ -455,7 +459,9 @@ def projection(cfg: DistributedLabConfig, runs: LabRuns | None = None, pred: pd.
 
 def record_projection(rec: Recorder, df: pd.DataFrame) -> None:
     for row in df.itertuples():
-        kw = dict(gpus=row.gpus, mesh=row.mesh, projection=True, fits=bool(row.fits), dominant=row.dominant)
+        # the layout is the key (shape); which assumption dominates is a result (extra)
+        kw = dict(shape=f"{row.gpus} GPUs mesh {row.mesh}", gpus=row.gpus, mesh=row.mesh, projection=True,
+                  fits=bool(row.fits), dominant=row.dominant)  # fmt: skip
         rec.add("projection", row.strategy, "step", row.step_ms, "ms", low=row.step_lo_ms, high=row.step_hi_ms, **kw)
         rec.add("projection", row.strategy, "exposed_comm", row.exposed_ms, "ms", low=row.exposed_lo_ms,
                 high=row.exposed_hi_ms, overlap=row.overlap, overlap_source=row.overlap_source, **kw)  # fmt: skip

@@ -187,7 +187,7 @@ def correctness(lab: Lab) -> str:
     for r in table.itertuples():
         lab.rec.add(
             "correctness", r.variant, "max_abs_error", r.max_abs, "", shape=kw["shape"], dtype=r.dtype,
-            verdict=r.verdict, worst=r.worst,
+            verdict=r.verdict, worst=r.worst, tolerance=r.bound,
         )  # fmt: skip
     show = table.assign(
         max_abs=table.max_abs.map(lambda x: f"{x:.3g}"), max_rel=table.max_rel.map(lambda x: f"{x:.3g}")
@@ -260,7 +260,9 @@ def block_agreement(lab: Lab, cases: Sequence[fused_blocks.BlockCase]) -> str:
     lines, bad = [], []
     for r in fused_blocks.block_agreement(cases):
         ok = r["max_abs_diff"] <= tol
-        lab.rec.add("block_agreement", r["provider"], "max_abs_diff_vs_eager", r["max_abs_diff"], kind=r["kind"])
+        lab.rec.add(
+            "block_agreement", r["provider"], "max_abs_diff_vs_eager", r["max_abs_diff"], kind=r["kind"], tolerance=tol
+        )
         lines.append(f"{r['kind']:6s} {r['provider']:15s} same outputs as eager (max abs diff <= {tol:g}): {ok}")
         if not ok:
             bad.append(f"{r['kind']}/{r['provider']}: max abs diff {r['max_abs_diff']:.3g} > {tol:g}")

@@ -3,11 +3,16 @@
 Design note
 -----------
 * Rows are matched on ``KEY = (lab, experiment, variant, shape, dtype, metric,
-  statistic)``.  Rows sharing a key are told apart by the categorical ``extra`` fields
-  that differ between them (a mask, a layout; never outcomes such as ``verdict`` or
-  floats), and what still repeats is numbered (``#2``) in order and flagged, never
-  averaged.  ``p20``/``p80`` rows are summaries of the same samples as the
-  ``median`` row and are left out unless asked for (``--statistics all``).
+  statistic)``: what was measured, never a result.  Rows sharing a key are told apart by
+  the categorical ``extra`` fields that differ between them within that key's group (a
+  mask, a layout; never outcomes such as ``verdict`` or floats), and what still repeats is
+  numbered (``#2``) in order and flagged, never averaged.  ``p20``/``p80`` rows are
+  summaries of the same samples as the ``median`` row and are left out unless asked for
+  (``--statistics all``).
+* The rules with the reason for each threshold are ``rules``: an error figure is judged on
+  its check's ``tolerance`` or its dtype's unit roundoff where its row carries them; a
+  ranked list (``top_n``) is compared as a set (an item crossing its cut-off is reported, a
+  heavy one appearing or disappearing gates); reported figures (idle, shares) never gate.
 * Which way is better is decided once, by metric name first and unit second
   (``direction()``; the table is ``METRIC_RULES`` + ``UNIT_RULES``): time is lower-is-
   better ("faster"/"slower"), GB/s, TFLOP/s, % of ceiling higher-is-better; error

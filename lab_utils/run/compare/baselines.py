@@ -30,12 +30,17 @@ from lab_utils.run.compare.sides import baseline_kind, baselines_root, first_val
 from lab_utils.run.migrate import migrate_baseline, migrate_context
 from lab_utils.run.suites import SuiteError, parse_overrides
 
-PERFORMANCE_KINDS = ("performance", "memory")
+#: kinds of row that move with the machine's load (a reported figure is a share or idle time of timings)
+PERFORMANCE_KINDS = ("performance", "memory", "reported")
 
 
 def timing_free(rows: pd.DataFrame) -> pd.DataFrame:
     """Rows that do not depend on machine load: accuracy figures, counts, shapes."""
-    keep = [direction(m, u).kind not in PERFORMANCE_KINDS for m, u in zip(rows["metric"], rows["unit"].fillna(""))]
+    extras = rows["extra"] if "extra" in rows.columns else [""] * len(rows)
+    keep = [
+        direction(m, u, e).kind not in PERFORMANCE_KINDS
+        for m, u, e in zip(rows["metric"], rows["unit"].fillna(""), extras, strict=True)
+    ]
     return rows[keep]
 
 

@@ -25,13 +25,14 @@ from lab_utils.run.compare.rules import (
     EXIT_OK,
     EXIT_REGRESSION,
     KEY,
+    MEMBERSHIP_VERDICTS,
     NOISY,
     NOT_COMPARABLE,
     QUANTILE_STATISTICS,
     SIDE_CONTEXT_KEYS,
     WORSE_VERDICTS,
 )
-from lab_utils.run.compare.sides import Side, identity_keys, load_side, with_identity
+from lab_utils.run.compare.sides import Side, identity_by_group, load_side, with_identity
 from lab_utils.run.compare.text import summary_text
 from lab_utils.run.compare.verdicts import RowJudge, stable_flag
 
@@ -268,8 +269,9 @@ def merge_sides(base: Side, cand: Side, o: Options) -> tuple[pd.DataFrame, list[
     if o.statistics == "default":
         b = b[~b["statistic"].isin(QUANTILE_STATISTICS)]
         c = c[~c["statistic"].isin(QUANTILE_STATISTICS)]
-    ids = identity_keys(b, c)
-    b, c = with_identity(b, ids), with_identity(c, ids)
+    by_group = identity_by_group(b, c)
+    ids = sorted(set().union(*by_group.values()))
+    b, c = with_identity(b, by_group), with_identity(c, by_group)
     key = KEY + ["ident", "occurrence"]
     m = b.merge(c, on=key, how="outer", suffixes=("_b", "_c"), indicator=True)
     if ids:
@@ -313,6 +315,10 @@ VERDICT_ORDER = {
     NOT_COMPARABLE: 3,
     "only in base": 4,
     "only in candidate": 5,
+    "left the top N": 5,
+    "entered the top N": 5,
+    "disappeared": 1,
+    "appeared": 1,
     "no value": 6,
     "failed both": 6,
     "faster": 7,
@@ -337,7 +343,12 @@ def gate(df: pd.DataFrame, o: Options, too_noisy: bool, not_gated: set[str]) -> 
     )
     # a performance figure without kept samples has no noise estimate: shown, never gated
     # (a machine-load swing would fail the gate); deterministic accuracy figures do gate
-    unmeasured_noise = df["kind"].isin(("performance", "memory")) & (df["noise"] == "") & (df["verdict"] != "failed")
+    # (an item that entered or left a ranked list is judged by its share, not by a noise estimate)
+    unmeasured_noise = (
+        df["kind"].isin(("performance", "memory"))
+        & (df["noise"] == "")
+        & ~df["verdict"].isin(("failed", *MEMBERSHIP_VERDICTS))
+    )
     df.loc[unmeasured_noise & df["verdict"].isin(WORSE_VERDICTS), "note"] = (
         "no samples, so no noise estimate: not gated"
     )
@@ -367,6 +378,7 @@ KEEP_VERDICTS = (
     "device differs",
     NOT_COMPARABLE,
     "no value",
+    *MEMBERSHIP_VERDICTS,
 )
 
 
@@ -376,7 +388,7 @@ def mark_noisy(df: pd.DataFrame) -> None:
     estimate alone would have said."""
     for i in df.index:
         r = df.loc[i]
-        if r["kind"] != "performance" or r["verdict"] in KEEP_VERDICTS:
+        if r["kind"] not in ("performance", "reported") or r["verdict"] in KEEP_VERDICTS:
             continue
         bad = [side for side in ("base", "cand") if stable_flag(r[f"{side}_stable"]) is False]
         if not bad:

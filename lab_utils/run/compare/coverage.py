@@ -84,14 +84,41 @@ def narrow_both(base: Side, cand: Side, labs: tuple[str, ...]) -> tuple[Side, Si
     return narrow(base, labs), narrow(cand, labs)
 
 
+#: the notebook parameter that picks the device: compared by what it resolved to
+DEVICE_PARAM = "device"
+
+
+def resolved_device_kinds(side: Side) -> dict[str, str]:
+    """Each notebook's (and lab's) device kind as its rows recorded it (``cpu``, ``cuda``): what a
+    ``device`` parameter of ``auto`` (a notebook's default) or ``cpu`` (a headless set) resolved to."""
+    rows = side.rows
+    if "device_kind" not in rows.columns or not len(rows):
+        return {}
+    out: dict[str, str] = {}
+    for col in ("lab", "notebook"):
+        if col in rows.columns:
+            for name, kinds in rows.groupby(rows[col].astype(str))["device_kind"]:
+                vals = sorted({str(k) for k in kinds.dropna() if str(k)})
+                if len(vals) == 1:
+                    out[name] = vals[0]
+    return out
+
+
 def notebook_params(side: Side) -> dict[str, dict] | None:
-    """Each notebook's parameters as the run recorded them, or None where it did not."""
+    """Each notebook's parameters as the run recorded them, or None where it did not; its
+    ``device`` parameter as the device kind it resolved to (``auto`` on a CPU machine is ``cpu``)."""
     nbs = side.context.get("notebooks")
     if not isinstance(nbs, list):
         return None
     out = {str(n["notebook"]): n.get("params") or {} for n in nbs if isinstance(n, dict) and n.get("notebook")}
     # a run stored before a parameter was renamed is read under the current names
     out = {nb: migrate_params(nb, params)[0] for nb, params in out.items()}
+    kinds = resolved_device_kinds(side)
+    fallback = str(side.context.get("device_kind") or "")
+    for nb, params in out.items():
+        kind = kinds.get(nb) or fallback
+        if DEVICE_PARAM in params and kind:
+            out[nb] = {**params, DEVICE_PARAM: kind}
     return out or None
 
 

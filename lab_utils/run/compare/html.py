@@ -15,7 +15,16 @@ from bokeh.plotting import figure
 from bokeh.resources import Resources
 
 from lab_utils.run.compare.coverage import notebook_params, overrides_text
-from lab_utils.run.compare.rules import NOISY, NOT_COMPARABLE, SIDE_CONTEXT_KEYS, direction_table
+from lab_utils.run.compare.rules import (
+    APPEARED,
+    DISAPPEARED,
+    ENTERED_TOP_N,
+    LEFT_TOP_N,
+    NOISY,
+    NOT_COMPARABLE,
+    SIDE_CONTEXT_KEYS,
+    direction_table,
+)
 from lab_utils.run.compare.text import fmt_num, row_label
 
 VERDICT_COLOURS = {
@@ -27,6 +36,10 @@ VERDICT_COLOURS = {
     "less accurate": "#cf222e",
     "more memory": "#cf222e",
     "failed": "#cf222e",
+    APPEARED: "#cf222e",
+    DISAPPEARED: "#cf222e",
+    ENTERED_TOP_N: "#9a6700",
+    LEFT_TOP_N: "#9a6700",
     "same": "#6e7781",
     "changed": "#9a6700",
     "device differs": "#9a6700",

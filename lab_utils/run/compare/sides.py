@@ -21,7 +21,7 @@ import pandas as pd
 
 from lab_utils.core.device import device_info
 from lab_utils.core.records import CONTEXT_COLUMNS, fill_stability, load_records
-from lab_utils.run.compare.rules import KEY, CompareError
+from lab_utils.run.compare.rules import KEY, CompareError, extra_dict
 from lab_utils.run.suites import ROOT, params_dir
 
 
@@ -251,43 +251,47 @@ VOLATILE_EXTRA = {
     "why_not",
     "message",
     "skipped",
+    # results that name a row's outcome: which assumption dominated, which tensor erred most
+    "dominant",
+    "worst",
+    "drift_starts_in",
 }
 
 
-def extra_dict(x: Any) -> dict:
-    if isinstance(x, dict):
-        return x
-    if isinstance(x, str) and x.startswith("{"):
-        try:
-            d = json.loads(x)
-            return d if isinstance(d, dict) else {}
-        except ValueError:
-            return {}
-    return {}
-
-
-def identity_keys(*frames: pd.DataFrame) -> list[str]:
-    """``extra`` keys that tell apart rows sharing a KEY (e.g. a mask or a sequence length
-    a lab keeps in ``extra``): those whose values differ inside such a group."""
-    keys: set[str] = set()
+def identity_by_group(*frames: pd.DataFrame) -> dict[tuple, list[str]]:
+    """For each KEY shared by several rows (on either side): the ``extra`` keys that tell them apart
+    (e.g. a mask or a sequence length a lab keeps in ``extra``), those whose values differ inside
+    that group.  A key's group alone: an extra field that names rows apart in one experiment (a
+    block) is no identity of a row that is alone under its key (where a block is a result)."""
+    out: dict[tuple, set[str]] = {}
     for df in frames:
         dup = df[df.duplicated(KEY, keep=False)]
-        for _, g in dup.groupby(KEY, sort=False):
+        for k, g in dup.groupby(KEY, sort=False):
             ex = [extra_dict(e) for e in g["extra"]]
-            for k in set().union(*ex) - VOLATILE_EXTRA:
-                vals = [e.get(k) for e in ex]
+            keys = out.setdefault(tuple(k), set())
+            for name in set().union(*ex) - VOLATILE_EXTRA:
+                vals = [e.get(name) for e in ex]
                 # identity is categorical (names, sizes, lists); floats are measured or derived figures
                 if any(isinstance(v, float) or isinstance(v, bool) for v in vals):
                     continue
                 if len({json.dumps(v, sort_keys=True, default=str) for v in vals}) > 1:
-                    keys.add(k)
-    return sorted(keys)
+                    keys.add(name)
+    return {k: sorted(v) for k, v in out.items() if v}
 
 
-def with_identity(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+def identity_keys(*frames: pd.DataFrame) -> list[str]:
+    """Every ``extra`` key that tells apart rows sharing a KEY somewhere (``identity_by_group``)."""
+    return sorted(set().union(*identity_by_group(*frames).values()))
+
+
+def with_identity(df: pd.DataFrame, by_group: dict[tuple, list[str]]) -> pd.DataFrame:
+    """Each row's ``ident``: its KEY group's identity fields and their values ("" where none)."""
     df = df.copy()
     if "extra" not in df.columns:
         df["extra"] = ""
-    df["ident"] = [" ".join(f"{k}={e[k]}" for k in keys if k in e) for e in map(extra_dict, df["extra"])]
+    keys = [by_group.get(tuple(k), ()) for k in df[KEY].itertuples(index=False, name=None)]
+    df["ident"] = [
+        " ".join(f"{k}={e[k]}" for k in ks if k in e) for ks, e in zip(keys, map(extra_dict, df["extra"]), strict=True)
+    ]
     df["occurrence"] = df.groupby(KEY + ["ident"], sort=False).cumcount() + 1
     return df

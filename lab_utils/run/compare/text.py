@@ -7,8 +7,10 @@ import math
 import pandas as pd
 
 from lab_utils.run.compare.coverage import overrides_text
-from lab_utils.run.compare.rules import NOISY, NOT_COMPARABLE, WORSE_VERDICTS
+from lab_utils.run.compare.rules import ENTERED_TOP_N, LEFT_TOP_N, NOISY, NOT_COMPARABLE, WORSE_VERDICTS
 from lab_utils.run.compare.sides import Side
+
+RANKED_REPORTED = (LEFT_TOP_N, ENTERED_TOP_N)
 
 
 def row_label(r) -> str:
@@ -97,7 +99,10 @@ def summary_text(cmp, limit: int = 40) -> str:
         section("improvements", cmp.improvements)
         section("possible changes, not confident (not gated)", rows[rows["note"].str.startswith("possibly")])
         section("noisy: unstable timings, not judged", rows[rows["verdict"] == NOISY])
-        section("changed (no better direction)", rows[rows["verdict"] == "changed"])
+        changed = rows["verdict"] == "changed"
+        section("changed (no better direction)", rows[changed & (rows["kind"] != "reported")])
+        section("reported, never gated: moved beyond the threshold", rows[changed & (rows["kind"] == "reported")])
+        section("ranked lists: items that entered or left (reported)", rows[rows["verdict"].isin(RANKED_REPORTED)])
         section("not compared: device differs", rows[rows["verdict"] == "device differs"])
         section("not compared: the runs differ in what they measure", rows[rows["verdict"] == NOT_COMPARABLE])
         section("only in base", rows[rows["verdict"] == "only in base"])

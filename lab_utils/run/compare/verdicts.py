@@ -1,6 +1,7 @@
-"""One merged row's verdict, in stages: present on one side only, failed, not comparable
-(device or context), no value, then the gain and its noise; per-time rows without samples
-borrow the noise of their time row once every row has been seen (:class:`RowJudge`)."""
+"""One merged row's verdict, in stages: present on one side only (a ranked list's item by the
+top-N rule), failed, not comparable (device or context), no value, then the gain and its noise
+(an error figure on its tolerance or roundoff scale); per-time rows without samples borrow the
+noise of their time row once every row has been seen (:class:`RowJudge`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,20 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from lab_utils.core.records import RANKED_LIST
 from lab_utils.run.compare.coverage import ContextDiff
 from lab_utils.run.compare.options import Options
-from lab_utils.run.compare.rules import NOT_COMPARABLE, PER_TIME_SUFFIXES, Direction, direction
+from lab_utils.run.compare.rules import (
+    NOT_COMPARABLE,
+    PER_TIME_SUFFIXES,
+    Direction,
+    direction,
+    error_scale,
+    extra_dict,
+    judge_error,
+    judge_membership,
+    ranked_member,
+)
 from lab_utils.run.compare.stats import bootstrap_ratio, judge, rank_pvalues
 
 #: the fields that tell one case apart: a time row and its per-time rows share them
@@ -22,7 +34,7 @@ def kind_selected(kind: str, only: str) -> bool:
     if only == "all":
         return True
     if only == "performance":
-        return kind in ("performance", "memory")
+        return kind in ("performance", "memory", "reported")
     return kind in ("accuracy", "other")
 
 
@@ -44,7 +56,8 @@ def reason_text(v) -> str:
 def row_base(r) -> tuple[dict, Direction]:
     """The output row of merged row ``r`` before any verdict, and its metric's direction."""
     unit = next((u for u in (r.get("unit_b"), r.get("unit_c")) if isinstance(u, str) and u), "")
-    d = direction(r["metric"], unit)
+    extra = next((e for e in (r.get("extra_b"), r.get("extra_c")) if isinstance(e, str) and e), "")
+    d = direction(r["metric"], unit, extra)
     return dict(
         lab=r["lab"],
         experiment=r["experiment"],
@@ -125,9 +138,12 @@ class RowJudge:
     time_gain: dict[tuple, tuple[float, float, float, float, float]] = field(default_factory=dict)
     #: per-time rows without samples, judged once every time row is known
     pending: list = field(default_factory=list)
+    #: (ranked list, side) -> (distinct items, share of its lightest item or None): ``list_cutoffs``
+    lists: dict[tuple, tuple[int, float | None]] = field(default_factory=dict)
 
     def rows(self, m: pd.DataFrame) -> list[dict]:
         out = []
+        self.lists = list_cutoffs(m)
         for _, r in m.iterrows():
             row, d = row_base(r)
             if not kind_selected(d.kind, self.o.only):
@@ -144,6 +160,17 @@ class RowJudge:
         if r["_merge"] not in ("left_only", "right_only"):
             return False
         left = r["_merge"] == "left_only"
+        member = ranked_member(r["extra_b"] if left else r["extra_c"])
+        if member is not None and r["lab"] not in self.not_run:
+            n, cutoff = self.lists.get((list_key(r, r["extra_b"] if left else r["extra_c"]), not left), (0, None))
+            verdict, note = judge_membership(member, left, cutoff if n >= member.n else 0.0)
+            row.update(
+                verdict=verdict,
+                note=note,
+                base=r["value_b"] if left else math.nan,
+                candidate=math.nan if left else r["value_c"],
+            )
+            return True
         why = (
             "the lab did not run in the candidate"
             if r["lab"] in self.not_run
@@ -216,7 +243,15 @@ class RowJudge:
         if d.kind == "performance" and not have and r["metric"].endswith(PER_TIME_SUFFIXES):
             self.pending.append((row, d, delta, r))
             return
+        if d.kind == "accuracy" and d.scale == "ratio" and d.better == "lower":
+            scale = error_scale(r.get("extra_b"), r.get("extra_c"), r["dtype"]) if min(vb, vc) >= 0 else None
+            if scale is not None:
+                verdict, note = judge_error(vb, vc, gain, o.accuracy_threshold, scale)
+                row.update(verdict=verdict, note=note)
+                return
         verdict, note = judge(gain, lo, hi, pw, pb, d, o, delta=delta)
+        if d.kind == "accuracy" and d.scale == "ratio":
+            note = f"{note}; rule: threshold" if note else "rule: threshold"
         row.update(lo=lo, hi=hi, p_value=min(pw, pb), verdict=verdict, note=note or row["note"])
 
     def derived(self, row: dict, d: Direction, delta, r) -> None:
@@ -234,3 +269,31 @@ class RowJudge:
                 row["noise"] = "from the time row's samples"
         verdict, note = judge(row["gain"], lo, hi, pw, pb, d, self.o, delta=delta)
         row.update(lo=lo, hi=hi, p_value=min(pw, pb), verdict=verdict, note=note)
+
+
+#: the fields a ranked list's rows share (their items differ in variant or metric)
+LIST_FIELDS = ("lab", "shape", "dtype", "statistic")
+
+
+def list_key(r, extra) -> tuple:
+    """A ranked list's name: its ``list`` from ``extra`` (default: the row's experiment), lab,
+    shape, dtype and statistic."""
+    name = extra_dict(extra).get(RANKED_LIST) or r["experiment"]
+    return (str(name),) + tuple(str(r[c]) for c in LIST_FIELDS)
+
+
+def list_cutoffs(m: pd.DataFrame) -> dict[tuple, tuple[int, float | None]]:
+    """For each ranked list on each side (True: base): how many distinct items it holds and the
+    share of its lightest one (None when an item has no share)."""
+    items: dict[tuple, dict[tuple, float | None]] = {}
+    for side, suffix, present in ((True, "_b", ("both", "left_only")), (False, "_c", ("both", "right_only"))):
+        for _, r in m[m["_merge"].isin(present)].iterrows():
+            member = ranked_member(r["extra" + suffix])
+            if member is None:
+                continue
+            items.setdefault((list_key(r, r["extra" + suffix]), side), {})[(r["variant"], r["metric"])] = member.share
+    out = {}
+    for k, shares in items.items():
+        vals = list(shares.values())
+        out[k] = (len(shares), None if any(v is None for v in vals) else min(vals))
+    return out

@@ -4,8 +4,10 @@ peak memory beside the earlier configurations (the A/B a performance engineer ru
 Every configuration is the lab's own :class:`~lab_utils.studies.training_step.TrainingStepLabConfig`
 with the seams replaced (so it is validated like the parameters cell), profiled by
 ``studies.training_step.profile_step`` (``lab_utils.profiling.profiler.profile_training``).  Its records
-join the lab's recorder with the configuration's label in front of each variant, so the
-configurations of one afternoon stay apart in ``rec.save()`` and ``perflab compare``.
+join the lab's recorder as experiment ``explore`` with the configuration's label in front of each
+variant (``<label> | <experiment>/<variant>``), so the configurations of one afternoon stay apart
+in ``rec.save()`` and ``perflab compare``.  The lab's own configuration is not profiled again and
+adds no rows: its records are the lab's.
 
 The precision control picks the step's storage dtype and autocast; the recipe control
 swaps the model's linear layers for a low-precision recipe of ``lab_utils.precision.quantized``.
@@ -33,6 +35,7 @@ from lab_utils.attention.attend import PATHS as ATTENTION_PATHS
 from lab_utils.attention.attend import get_path
 from lab_utils.core.config import ConfigError
 from lab_utils.core.device import DeviceInfo, device_info
+from lab_utils.core.records import EXPLORE
 from lab_utils.model import CHECKPOINT_POLICIES
 from lab_utils.model.train import PHASES
 from lab_utils.precision.quantized import RECIPES
@@ -182,10 +185,11 @@ class TrainingStepExplorer(Explorer):
             p = profile_step(sc, self.info, lab=self.lab)
             progress(1, 1, "profiled")
         label = self.label(cfg)
-        for r in list(p.rec.rows):  # a snapshot: the lab's measured run may write to this same recorder
-            self.rec.rows.append(
-                {**r, "experiment": f"explore_{r['experiment']}", "variant": f"{label} | {r['variant']}"}
-            )
+        if p is not self.measured:  # the lab's own profile is in the lab's records already
+            for r in list(p.rec.rows):  # a fresh recorder of this configuration alone (profile_step)
+                self.rec.rows.append(
+                    {**r, "experiment": EXPLORE, "variant": f"{label} | {r['experiment']}/{r['variant']}"}
+                )
         rep = p.report
         steps = rep.steps
         mfu = p.mfu.set_index("quantity")
