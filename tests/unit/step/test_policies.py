@@ -1,7 +1,8 @@
 """lab_utils.step.policies: which blocks each policy treats (every_other: 0, 2, 4 ...), that a
 block's forward is wrapped only inside :func:`applied` and restored after (an instance's own
 ``forward`` kept), what a checkpointed block keeps (its inputs, one entry per treated block),
-a forward without grad left alone, and the policy named when it is not one of the choices."""
+what selective checkpointing saves (every matmul output, counted on a step of known bytes), a
+forward without grad left alone, and the policy named when it is not one of the choices."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 
 from lab_utils.core.config import ConfigError
 from lab_utils.step.contract import blocks
+from lab_utils.step.memory import measure_saved
 from lab_utils.step.policies import STEP_POLICIES, applied, treated
 
-from .tiny import tiny_step
+from .tiny import ACT, tiny_step
 
 
 @pytest.mark.parametrize(
@@ -76,3 +78,16 @@ def test_every_policy_gives_the_gradients_of_no_checkpointing(policy):
 
     for a, b in zip(grads("none"), grads(policy)):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["selective", "save_matmul"])
+def test_selective_checkpointing_keeps_every_matmul_output(policy):
+    # each block's input (4) and both Linear outputs of every block (8), of which three block outputs
+    # are the next block's input: x, a0, b0, a1, b1, a2, b2, a3, b3; the ReLU is recomputed
+    p = measure_saved(tiny_step(), policy)
+    assert p.total == 9 * ACT and p.by("op") == {"input": ACT, "addmm": 8 * ACT}
+    assert p.by("how") == {"saved": 4 * ACT, "selective_cache": 5 * ACT}
+
+
+def test_saving_attention_in_a_step_without_attention_keeps_what_full_keeps():
+    assert measure_saved(tiny_step(), "save_attention").total == measure_saved(tiny_step(), "full").total == 4 * ACT
