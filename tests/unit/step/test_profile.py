@@ -6,6 +6,7 @@ they come from (relations, never a timing)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -24,9 +25,11 @@ def ann(name, ts, dur, cat="user_annotation"):
 def test_phases_per_step_and_their_holder(tmp_path):
     ev = [ann("ProfilerStep#2", 1000, 1000), ann("ProfilerStep#1", 0, 1000),  # out of order: sorted by ts
           ann("data_loading", 0, 100), ann("forward", 100, 400), ann("backward", 500, 400),
-          ann("embed", 150, 100), ann("embed", 300, 50),  # two in one forward: 0.15 ms summed
+          ann("embed", 150, 100), ann("embed", 300, 50),  # in one forward: summed
+          ann("embed", 450, 50),  # ends where forward ends: still held by it
           ann("loss", 480, 40),  # across forward and backward: held by no phase
-          ann("forward", 1000, 600), ann("embed", 1100, 200), ann("embed", 1999, 1),  # at the step's last us
+          ann("forward", 1000, 600), ann("embed", 1000, 200),  # starts with the step and with forward
+          ann("embed", 1999, 1),  # at the step's last us
           ann("embed", 2000, 5),  # starts where step 2 ends: in no step
           ann("forward", 1700, 100, cat="cpu_op"),  # not a range
           {"ph": "i", "cat": "user_annotation", "name": "forward", "ts": 1}]  # fmt: skip
@@ -35,7 +38,7 @@ def test_phases_per_step_and_their_holder(tmp_path):
     df = trace_phases(path, STEP_PHASES + ("embed", "loss"))
     got = {(r.step, r.phase, r.within): round(r.ms, 9) for r in df.itertuples()}
     assert got == {(0, "data_loading", ""): 0.1, (0, "forward", ""): 0.4, (0, "backward", ""): 0.4,
-                   (0, "embed", "forward"): 0.15, (0, "loss", "(none)"): 0.04,
+                   (0, "embed", "forward"): 0.2, (0, "loss", "(none)"): 0.04,
                    (1, "forward", ""): 0.6, (1, "embed", "forward"): 0.2, (1, "embed", "(none)"): 0.001}  # fmt: skip
     assert trace_phases(path, ("backward",)).ms.tolist() == [0.4]
     path.write_text(json.dumps(ev))  # a bare list of events, as some exporters write
@@ -54,9 +57,14 @@ def test_the_flops_of_one_step():
     assert all(p.grad is None for p in step.model.parameters())  # the count leaves no gradient behind
 
 
+LONG = "pkg." + "m" * 80 + ":tiny_step"
+
+
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory):
-    return profile_step(tiny_step(), steps=3, warmup=1, out_dir=tmp_path_factory.mktemp("prof"))
+    step = tiny_step()
+    step.name = LONG
+    return profile_step(step, steps=3, warmup=1, out_dir=tmp_path_factory.mktemp("prof"))
 
 
 def test_a_profiled_steps_phase_table_and_records(profiled):
@@ -84,3 +92,17 @@ def test_a_profiled_steps_phase_table_and_records(profiled):
     assert rows[(key, "peak_allocated")]["value"] == pytest.approx(prof.peak_bytes / 2**20)
     assert rows[(key, "peak_allocated")]["unit"] == "MiB"
     assert all(v.startswith(key) for v, _ in rows)
+    # the trace's file: the factory's name made safe (non-alphanumerics as _), its last 60 characters
+    safe = ("pkg_" + "m" * 80 + "_tiny_step")[-60:]
+    assert prof.report.trace_path.name.startswith(f"step-{safe}-") and prof.report.trace_path.is_file()
+    assert prof.report.trace_path.name[len("step-") :].index("-") == 60
+
+
+def test_the_peak_is_recorded_in_mib(profiled):
+    cuda = dataclasses.replace(profiled, report=dataclasses.replace(profiled.report, cuda_peak_bytes=3 * 2**20))
+    assert cuda.peak_bytes == 3 * 2**20  # the CUDA allocator's figure first
+    assert profiled.peak_bytes == profiled.report.analysis.peak_allocated_bytes  # else the trace's
+    rec = Recorder("step", device="cpu")
+    record_profile(rec, cuda)
+    peak = next(r for r in rec.rows if r["metric"] == "peak_allocated")
+    assert (peak["value"], peak["unit"]) == (3.0, "MiB")
