@@ -7,6 +7,7 @@ configurations apart)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 
@@ -113,6 +114,14 @@ def test_the_configuration_hash():
             return {"width": 8, "depth": 2}
 
     assert config_hash(cfg_step(HF())) == a
+
+    @dataclasses.dataclass
+    class Cfg:
+        depth: int = 2
+        width: int = 8
+
+    assert config_hash(cfg_step(Cfg())) == a  # a dataclass instance: its fields
+    assert config_hash(cfg_step(Cfg)) == hashlib.sha256(json.dumps(str(Cfg)).encode()).hexdigest()[:12]  # a class
     m = nn.Linear(2, 2)
     m.config = {"width": 8, "depth": 2}  # the model's own config when the factory gives none
     assert config_hash(StepFactory(m, torch.optim.SGD(m.parameters(), lr=0.1), lambda k: None, lambda m, b: None)) == a
