@@ -54,6 +54,14 @@ def test_saved_activations_under_no_full_and_every_other_checkpointing():
     assert half.by("region", "op")[("blocks.1", "relu")] == ACT
 
 
+def test_saved_bytes_are_of_the_step_asked_for():
+    step = tiny_step()
+    step.make_batch = lambda k: torch.ones(k + 1, D)  # step k's batch has k + 1 rows (a bucketed loader)
+    row = D * 4
+    assert M.measure_saved(step).total == 8 * 2 * row  # step 1 by default: two rows
+    assert M.measure_saved(step, "none", k=3).total == 8 * 4 * row
+
+
 def test_a_gradient_mismatch_at_and_beyond_the_tolerance():
     ref = {"w": torch.ones(3), "b": torch.zeros(2)}
     at = {"w": torch.ones(3) * (1 + M.GRAD_RTOL) + M.GRAD_ATOL * 0.5, "b": torch.zeros(2)}
