@@ -112,3 +112,24 @@ def test_the_takeaway_in_text_and_html(registered):
     figs = [H.Figure("a<b", "1 & 2", "x>y"), H.Figure("c", "3")]
     assert H.figures_html(figs) == ('a&lt;b: <b>1 &amp; 2</b> <span class="muted">(x&gt;y)</span> · c: <b>3</b>')
     assert "<i>(x&gt;y)</i>" in H.Takeaway(LAB, tuple(figs))._repr_html_()
+
+
+def test_the_board_shows_the_pending_takeaway_and_fills_it_in_place(registered, monkeypatch):
+    shown = []
+
+    class Handle:
+        def update(self, obj):
+            shown.append(("update", obj))
+
+    def display(obj, display_id=False):
+        shown.append(("display", obj))
+        return Handle() if display_id else None
+
+    monkeypatch.setattr(H, "display", display)
+    b = H.board(LAB)
+    assert shown == [("display", H.Takeaway(LAB, ()))]
+    assert b.update(rec()) is None  # the last cell shows nothing a second time
+    assert shown[1] == ("update", H.takeaway(rec(), LAB)) and str(shown[1][1]).startswith("Takeaway: step: 1,234 ms")
+    b.handle = None  # outside a notebook display gives no handle: update is a no-op
+    b.update(rec())
+    assert len(shown) == 2
