@@ -12,6 +12,7 @@ import json
 import pytest
 
 from lab_utils.core.records import Recorder
+from lab_utils.core.timing import judge_samples
 from lab_utils.step.contract import STEP_PHASES
 from lab_utils.step.profile import profile_step, record_profile, step_flops, trace_phases
 
@@ -89,6 +90,10 @@ def test_a_profiled_steps_phase_table_and_records(profiled):
     assert rows[(f"{key} · forward", "phase_time")]["samples"] == pytest.approx(
         prof.phases[prof.phases.phase == "forward"].ms.tolist()
     )
+    fwd = prof.phases[prof.phases.phase == "forward"].ms.tolist()
+    v = judge_samples(fwd)  # three samples: a phase's time carries their verdict
+    assert rows[(f"{key} · forward", "phase_time")]["stable"] == v.stable
+    assert rows[(f"{key} · forward", "phase_time")]["stability"] == v.reason and v.reason
     assert rows[(key, "peak_allocated")]["value"] == pytest.approx(prof.peak_bytes / 2**20)
     assert rows[(key, "peak_allocated")]["unit"] == "MiB"
     assert all(v.startswith(key) for v, _ in rows)
