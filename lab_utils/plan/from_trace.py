@@ -1,4 +1,4 @@
-"""A measured step for lab 08's planner from a real profiler trace (issue 23).
+"""A measured step for lab 08's planner from a real profiler trace.
 
 :func:`profile_from_trace` turns one rank of a trace (:class:`lab_utils.traces.TraceAnalysis`)
 into the :class:`lab_utils.plan.planner.StepProfile` the planner plans from:

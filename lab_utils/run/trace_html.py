@@ -204,8 +204,10 @@ def headline(fig: dict, max_ranks: int = 4) -> list[str]:
     if "straggler" in fig:
         out.append(_sentence(str(fig["straggler"].get("verdict", ""))))
     out += analysis_sentences(fig, shown)
-    for r, rows in fig.get("top_kernels", {}).items():
-        if rows and (not shown or int(r) in shown[:1]):
+    tops = fig.get("top_kernels", {})
+    lead = shown[:1] or sorted(int(r) for r in tops)[:1]  # one rank's top kernel: the first shown, else the first
+    for r, rows in tops.items():
+        if rows and int(r) in lead:
             k = rows[0]
             out.append(
                 f"The top kernel of rank {r} is {short_name(k['name'])[:80]} ({k['category']}): "

@@ -92,8 +92,10 @@ def fmt_bytes(n: float, digits: int = 3) -> str:
 
 
 def verdict(r) -> str:
-    """'' for a stable or unjudged figure, 'UNSTABLE' for one whose timing was unstable."""
-    return "UNSTABLE" if r.get("stable") is False else ""
+    """'' for a stable or unjudged figure, 'UNSTABLE' for one whose timing was unstable (a
+    Python or a numpy False: a records column with a verdict on every row is of dtype bool)."""
+    s = r.get("stable")
+    return "UNSTABLE" if s is not None and not pd.isna(s) and not s else ""
 
 
 def unstable_figure(df: pd.DataFrame) -> Figure:

@@ -545,7 +545,8 @@ def read_job(path: str | Path, *, workers: int | None = None) -> dict[int, RankT
 def events(path: str | Path) -> list[dict]:
     """The complete events of one file kept here, as Chrome-trace dicts (``ph``, ``name``, ``cat``,
     absolute ``ts``, ``dur``, ``pid``, ``tid`` and the args read: ``External id``, ``correlation``,
-    ``stream``, ``Input Dims``, ``Input type``), host events first, each table in file order.
+    ``stream``, ``Input Dims``, ``Input type``): the GPU activities, then the host events, the
+    ``cuda_sync`` events and the GPU ranges, each table in file order.
     For code written against ``json.load(...)["traceEvents"]``; it reads ``.json.gz`` too."""
     r = read_rank(path)
     out = []

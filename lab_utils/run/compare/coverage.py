@@ -143,7 +143,6 @@ class ContextDiff:
     params: dict[str, list[tuple[str, object, object]]] = field(default_factory=dict)  # lab -> (key, base, cand)
     run_level: str = ""  # a suite or overrides difference where per-notebook parameters are unknown
     suite: str = ""  # a suite difference (shown; the parameters it brings are compared per lab)
-    threads_rows: int = 0  # rows judged not comparable (or compared, when allowed) for their threads
     threads_example: str = ""
     blocked: dict[str, int] = field(default_factory=dict)  # category -> rows not compared
 

@@ -1,0 +1,145 @@
+"""lab_utils.run.trace_cli: which rank files carry the page's extras (the first eight), the figures and
+the text summary of a job with collectives (one rank and two), how two jobs' ranks pair and the rows
+only one side ran are filled with zeros, the records' context, and ``main`` for both commands, on
+small traces written here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lab_utils.core.config import ConfigError
+from lab_utils.core.records import Recorder
+from lab_utils.run import trace_cli as T
+from lab_utils.run.executors import MapOptions
+from lab_utils.traces import TraceAnalysis
+from lab_utils.traces.summary import JobSummary, summarise
+
+from ..traces.kineto import H100, ann, kernel, launch, op, step, write
+
+NCCL = "ncclDevKernel_AllReduce_Sum_f32_RING_LL"
+
+
+def rank_events(late: float = 0.0, gemm_us: float = 100.0) -> list[dict]:
+    args = {"In msg nelems": 262144, "Out msg nelems": 262144, "dtype": "Float", "Group size": 2}
+    ev = []
+    for s in range(3):
+        t = 1000.0 * s
+        ev += [step(s + 1, t, 1000), ann("## forward ##", t, 400), op("aten::mm", t + 10, 10, 10 + s),
+               launch(10 + s, t + 12, ext=10 + s), kernel("sm90_gemm", 10 + s, t + 50, gemm_us, ext=10 + s),
+               launch(20 + s, t + 500),
+               kernel(NCCL, 20 + s, t + 600 + late, 100.0 - late, stream=9, **args)]  # fmt: skip
+    return ev
+
+
+def folder(tmp_path, n: int, **kw):
+    d = tmp_path / f"job{n}"
+    d.mkdir(parents=True)
+    for r in range(n):
+        write(d / f"r{r}.json", rank_events(**kw), distributedInfo={"rank": r, "world_size": n},
+              deviceProperties=[H100])  # fmt: skip
+    return d
+
+
+OPTS = {"step": None, "max_bars": 1000, "perfetto": "none"}
+
+
+def test_the_first_eight_rank_files_carry_the_page_and_the_rest_do_not(tmp_path):
+    d = folder(tmp_path, 9)
+    eighth = T.load_job(d, options=OPTS, only=[7]).ranks_[7]
+    ninth = T.load_job(d, options=OPTS, only=[8]).ranks_[8]
+    assert "bars" in eighth.extras and "figures" in eighth.extras
+    assert "bars" not in ninth.extras and "figures" not in ninth.extras and "stream_idle" in ninth.extras
+    assert "critical_path" in set(eighth.per_step["metric"]) and "critical_path" not in set(ninth.per_step["metric"])
+    assert eighth.extras["step"] == 2 and ninth.extras["steps"] == [1, 2, 3]
+
+
+def job_of(tmp_path, ranks: int, **kw) -> JobSummary:
+    ta = TraceAnalysis(folder(tmp_path, ranks, **kw), workers=1)
+    return JobSummary([summarise(ta, r) for r in ta.ranks], "job")
+
+
+def test_figures_and_summary_of_one_rank_and_of_two(tmp_path):
+    one = job_of(tmp_path / "a", 1)
+    fig = T.figures(one)
+    assert "skew" not in fig and "straggler" not in fig and len(fig["collectives"]) == 3
+    assert fig["ranks"] == [0] and fig["devices"] == {"0": H100["name"]}
+    # the GEMM and the all-reduce both total 300 us: equal totals go in name order
+    assert len(fig["top_kernels"]["0"]) == 2 and T.figures(one, top=1)["top_kernels"]["0"][0]["name"] == NCCL
+    text = T.summary_text(one, fig)
+    # three calls of 1 MiB in 100 us: 10.49 GB/s algorithm bandwidth, x 2(n-1)/n = 1 for two ranks
+    assert "\n  0 all_reduce               3     0.300     10.49 |       nan" in text
+    assert "collectives (rank, collective, calls, total ms" in text and "straggler" not in text
+    assert "per step (ms): rank step span busy idle compute communication memory\n     0    1    0.650" in text
+    two = job_of(tmp_path / "b", 2, late=0.0)
+    fig2 = T.figures(two)
+    assert "skew" in fig2 and fig2["straggler"]["ranks"] == 2 and "straggler: no straggler" in T.summary_text(two, fig2)
+    none = T.summary_text(one, fig | {"collectives": []})
+    assert "collectives: none in this trace" in none
+
+
+def test_ranks_pair_the_same_by_rank_one_each_by_position_else_pooled():
+    assert T.pair_ranks([0, 1], [0, 1]) == ({0: "rank0", 1: "rank1"}, {0: "rank0", 1: "rank1"},
+                                            "rank by rank (2 rank(s))")  # fmt: skip
+    assert T.pair_ranks([3], [5]) == ({3: "rank"}, {5: "rank"}, "one rank each: rank 3 vs rank 5")
+    assert T.pair_ranks([0, 1], [4, 6]) == ({0: "rank#0", 1: "rank#1"}, {4: "rank#0", 6: "rank#1"},
+                                            "by position (0-4, 1-6)")  # fmt: skip
+    b, c, how = T.pair_ranks([0, 1], [0, 1, 2])
+    assert set(b.values()) == set(c.values()) == {"all ranks"} and how.startswith("pooled: 2 rank(s) vs 3")
+
+
+def test_a_time_row_only_one_side_ran_is_zero_on_the_other_per_step():
+    a, b = Recorder("trace", device="cpu"), Recorder("trace", device="cpu")
+    a.add("trace", "rank0", "span", 1.0, "ms", samples=[1.0, 1.1, 0.9])
+    b.add("trace", "rank0", "span", 1.0, "ms", samples=[1.0, 1.0])
+    b.add("trace", "rank0", "kernel:new_kernel", 0.5, "ms", samples=[0.5, 0.5], stable=True)
+    b.add("trace", "rank0", "idle_share", 5.0, "% of span", samples=[5.0, 5.0])  # a share: never filled
+    b.add("trace", "rank9", "kernel:other", 0.5, "ms", samples=[0.5])  # a variant a lacks: not filled
+    a.add("trace", "rank0", "op:aten::mm", 0.2, "ms", samples=[0.2, 0.2, 0.2])
+    assert T.zero_fill(a, b) == (1, 1, 3)
+    rows_a = {(r["variant"], r["metric"]): r for r in a.rows}
+    filled = rows_a[("rank0", "kernel:new_kernel")]
+    assert filled["samples"] == [0.0, 0.0, 0.0] and filled["value"] == 0.0 and filled["stable"] is True
+    assert ("rank0", "idle_share") not in rows_a and ("rank9", "kernel:other") not in rows_a
+    rows_b = {(r["variant"], r["metric"]): r for r in b.rows}
+    assert rows_b[("rank0", "op:aten::mm")]["samples"] == [0.0, 0.0]
+
+
+def test_records_name_the_traces_gpu(tmp_path):
+    job = job_of(tmp_path, 1)
+    ctx = T.trace_context(job)
+    info = {"name": H100["name"], "units": 132, "memory_bytes": H100["totalGlobalMem"]}
+    assert ctx == {"device": H100["name"], "device_kind": "gpu trace", "device_info": info}
+    rec = T.records(job)
+    assert rec.context()["device"] == H100["name"] and {r["variant"] for r in rec.rows} == {"rank0"}
+    cpu = TraceAnalysis(write(tmp_path / "c.json", [step(1, 0, 100), op("aten::mm", 10, 20)]))
+    assert T.trace_context(JobSummary([summarise(cpu, 0)]))["device_kind"] == "cpu trace"
+
+
+def test_main_runs_the_trace_and_the_diff(tmp_path, capsys):
+    base, cand = tmp_path / "a.json", tmp_path / "b.json"
+    write(base, rank_events(), deviceProperties=[H100])
+    write(cand, rank_events(gemm_us=200.0), deviceProperties=[H100])
+    out = tmp_path / "out"
+    assert T.main([str(base), "--out", str(out), "--perfetto", "none"]) == 0
+    assert {p.name for p in out.iterdir()} == {"records.json", "trace.json", "trace.html"}
+    assert json.loads((out / "trace.json").read_text())["ranks"] == [0]
+    assert T.main(["diff", str(base), str(cand), "--out", str(tmp_path / "d")]) == 1  # the 2x GEMM fails the gate
+    printed = capsys.readouterr().out
+    assert "kernel:sm90_gemm" in printed and "ranks one rank each: rank 0 vs rank 0" not in printed
+    assert "rows recorded in both traces" in printed
+    assert T.main(["diff", str(base), str(base), "--out", str(tmp_path / "same")]) == 0
+    assert T.main([str(tmp_path / "missing.json"), "--out", str(tmp_path / "x")]) == 2
+    assert "perflab trace: parameter 'path'" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_a_rank_file_that_cannot_be_read_is_named_and_counted(tmp_path):
+    d = folder(tmp_path, 1)
+    (d / "r1.json").write_text('{"traceEvents": [{"ph": "X", "cat": "kernel"')
+    bad = T.analyse_rank((str(d / "r1.json"), 1, False, None))
+    assert isinstance(bad, T.RankError) and "r1.json" in bad.message and "\n" not in bad.message
+    with pytest.raises(ConfigError, match=r"r1\.json.*\(1 of 2 rank files failed\)"):
+        T.load_job(d, jobs=MapOptions(workers=1))
+    assert T.one_line("Traceback:\n  File x\nValueError: boom\n\n") == "ValueError: boom"
+    assert T.one_line("") == "no error message"

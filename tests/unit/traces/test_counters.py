@@ -1,0 +1,96 @@
+"""lab_utils.traces.counters: the launch queue per stream against a step function counted here from the
+launches and starts (drawn fresh per run), its summary's time-weighted mean by hand, and the GB/s in
+flight of copies and fills (Kineto's recorded bandwidth first, else bytes over duration; a 0 us fill)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from lab_utils.traces.counters import (
+    MAX_QUEUE,
+    memory_bw_series,
+    memory_bw_summary,
+    memory_kind,
+    queue_series,
+    queue_summary,
+)
+
+
+def launched(rows) -> pd.DataFrame:
+    """rows: (stream, launch_ts, ts[, launch_name])."""
+    return pd.DataFrame({"stream": [r[0] for r in rows], "launch_ts": [float(r[1]) for r in rows],
+                         "ts": [float(r[2]) for r in rows],
+                         "launch_name": [r[3] if len(r) > 3 else "cudaLaunchKernel" for r in rows]})  # fmt: skip
+
+
+def test_the_queue_is_launches_minus_starts_at_every_change(gen):
+    rng = np.random.default_rng(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    for _ in range(30):
+        rows = []
+        for _ in range(int(rng.integers(1, 12))):
+            lt = int(rng.integers(0, 40))
+            rows.append((int(rng.choice([7, 9])), lt, lt + int(rng.integers(0, 20))))
+        s = queue_series(launched(rows))
+        for stream in {r[0] for r in rows}:
+            mine = s[s["stream"] == stream]
+            for t in mine["ts"]:  # each change point: the value from then on
+                want = sum(r[1] <= t for r in rows if r[0] == stream) - sum(r[2] <= t for r in rows if r[0] == stream)
+                at_t = mine[mine["ts"] == t]["queue_length"].iloc[-1]
+                assert at_t == want, (rows, stream, t)
+            assert len(mine) == 2 * sum(r[0] == stream for r in rows)
+            assert mine["queue_length"].iloc[-1] == 0
+
+
+def test_a_launch_and_a_start_at_one_instant_rise_before_they_fall():
+    s = queue_series(launched([(7, 0, 10), (7, 10, 10)]))
+    assert s["queue_length"].tolist() == [1, 2, 1, 0]  # at 10: the second launch counts before both starts
+    assert queue_series(launched([(7, 0, 5, "cudaGraphLaunch")])).empty  # not a launch call
+    assert list(queue_series(launched([(7, 0, 5)]).iloc[:0]).columns) == ["ts", "stream", "queue_length"]
+
+
+def test_the_queue_summary_by_hand():
+    """Queue 1 from 10 to 20, 2 to 25, 1 to 40, 0 after: time-weighted mean (10 + 10 + 15) / 30."""
+    series = pd.DataFrame({"ts": [10.0, 20.0, 25.0, 40.0], "stream": 7, "queue_length": [1, 2, 1, 0]})
+    row = queue_summary(series).iloc[0]
+    assert (row["stream"], row["count"], row["mean"], row["max"]) == (7, 4, 1.0, 2.0)
+    assert row["time_mean"] == pytest.approx(35 / 30)
+    assert row["at_max_us"] == 0.0
+    full = queue_summary(series, max_queue=2).iloc[0]
+    assert full["at_max_us"] == 5.0  # queue 2 held from 20 to 25
+    assert queue_summary(series, max_queue=1).iloc[0]["at_max_us"] == 30.0 and MAX_QUEUE == 1024
+    one = queue_summary(series.iloc[:1]).iloc[0]
+    assert one["time_mean"] == 1.0 and one["at_max_us"] == 0.0  # one point: its value
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [("Memcpy HtoD (Pageable -> Device)", "Memcpy HtoD"), ("Memcpy DtoD (Device -> Device)", "Memcpy DtoD"),
+     ("Memset (Device)", "Memset"), ("cudaMemcpy", "Memcpy Unknown"), ("Memcpy", "Memcpy")],
+)  # fmt: skip
+def test_memory_kind(name, kind):
+    assert memory_kind(name) == kind
+
+
+def test_gbps_in_flight_recorded_first_else_bytes_over_duration():
+    m = pd.DataFrame({"name": ["Memcpy HtoD (Pageable -> Device)", "Memcpy HtoD (Pinned -> Device)",
+                               "Memset (Device)", "Memset (Device)", "gemm"],
+                      "hta_type": ["MEMORY", "MEMORY", "MEMORY", "MEMORY", "COMPUTATION"],
+                      "ts": [0.0, 5.0, 100.0, 200.0, 0.0], "dur": [10.0, 10.0, 4.0, 0.0, 50.0],
+                      "nbytes": [20_000.0, 1e6, 4_000.0, 3_000.0, np.nan],
+                      "memory_gbps": [np.nan, 25.0, np.nan, np.nan, np.nan]})  # fmt: skip
+    s = memory_bw_series(m)
+    assert list(s.columns) == ["ts", "kind", "gbps"]
+    h = s[s["kind"] == "Memcpy HtoD"]
+    assert h["ts"].tolist() == [0.0, 5.0, 10.0, 15.0]
+    assert h["gbps"].tolist() == pytest.approx([2.0, 27.0, 25.0, 0.0])  # 20 kB / 10 us = 2 GB/s; then Kineto's 25
+    ms = s[s["kind"] == "Memset"]
+    assert ms["ts"].tolist() == [100.0, 104.0, 200.0, 201.0]  # a 0 us fill counts as 1 us
+    assert ms["gbps"].tolist() == pytest.approx([1.0, 0.0, 3.0, 0.0])
+    summ = memory_bw_summary(s).set_index("kind")
+    assert summ.loc["Memcpy HtoD", "count"] == 3 and summ.loc["Memcpy HtoD", "max"] == pytest.approx(27.0)
+    assert summ.loc["Memset", "mean"] == pytest.approx(2.0)
+    assert memory_bw_series(m.drop(columns="nbytes")).empty
+    assert memory_bw_series(m[m["hta_type"] != "MEMORY"]).empty
