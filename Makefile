@@ -7,7 +7,7 @@ SUITE   ?= smoke
 PARAMS  ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup report test lint lab lab-reset ceilings docs baseline clean
+.PHONY: setup report test test-unit lint lab lab-reset ceilings docs baseline clean
 
 LOCK    := requirements/lab.txt
 
@@ -37,6 +37,11 @@ lint: $(STAMP)
 ## Every test: lint, unit tests, runner, browser tests (skipped without Chromium), nbval over labs/.
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## The fast tier: the unit tests of every room (tests/unit/, mirroring lab_utils/ and lab_kernels/),
+## without the slow ones; no smoke run, no browser, no cluster.
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit -m "not slow" $(PYTEST_ARGS)
 
 ## JupyterLab on working copies of labs/ in work/labs/ (git-ignored; made on first use, then kept),
 ## so autosave never touches the committed notebooks. JUPYTER_ARGS go to `jupyter lab`.

@@ -7,7 +7,7 @@ what has gone stale.
       room: memory
       tests:                       # node ids beyond the convention's, per module
         lab_utils/memory/saved.py:
-        - tests/test_memory.py::test_formula_extrapolates_on_meta
+        - tests/unit/studies/test_memory.py::test_formula_extrapolates_on_meta
       mutants:                     # sorted by the mutated module
       - id: saved.single_block_ln_out    # <module>.<what>, unique over every room
         file: lab_utils/memory/saved.py

@@ -7,7 +7,7 @@ The pages: ``TraceAnalysis`` and the trace reader (``lab_utils.traces``), ``Step
 records schema (``Recorder``, the row and context columns, ``load_records``), the ``perflab``
 command and each subcommand's arguments, and the export to MLflow / TensorBoard.  A build fails
 on any warning pdoc gives and on any link between the pages that points nowhere
-(``tests/test_api_docs.py`` builds it in ``make test``).
+(``tests/tools/test_api_docs.py`` builds it in ``make test``).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ while compiled Triton types it fp32; Liger's kernels call ``eps.to(tl.float32)``
 arguments, which the interpreter then refuses.  :func:`interpreter_floats_why_not` probes that
 once and, when the probe fails that way, wraps float arguments as fp32 scalars (what compiled
 Triton does) for the process; perflab's kernels compute the same bits either way
-(tests/test_liger.py).  Public API: :data:`LIGER_VERSION`, :func:`liger_why_not`,
+(tests/unit/kernels/test_liger.py).  Public API: :data:`LIGER_VERSION`, :func:`liger_why_not`,
 :data:`EXCLUDED`, the adapters ``liger_<op>``.
 """
 

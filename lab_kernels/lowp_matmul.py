@@ -371,7 +371,7 @@ def fp8_gemm_tolerance(K: int, *, fast_accum: bool, out_dtype: torch.dtype = tor
 
 # Hopper tiles for the FP8 GEMM (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps): 128-wide
 # tiles with K steps of 64+ fp8 elements and a 3-4 stage pipeline lower to wgmma on sm_90
-# (tests/test_lowp_matmul.py compiles each for sm_90 and checks); the autotuner picks one per
+# (tests/unit/kernels/test_lowp_matmul.py compiles each for sm_90 and checks); the autotuner picks one per
 # (M, N, K) on the GPU.  The interpreter runs the small INTERPRETER_TILE (correctness only).
 FP8_TILES: tuple[tuple[int, int, int, int, int], ...] = (
     (128, 128, 64, 4, 8),

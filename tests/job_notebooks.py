@@ -1,4 +1,4 @@
-"""Tiny notebooks and suites for the job tests (tests/test_jobs.py here, tests/test_slurm.py on a real
+"""Tiny notebooks and suites for the job tests (tests/jobs/test_jobs.py here, tests/jobs/test_slurm.py on a real
 SLURM cluster), and the process checks both make: each notebook runs in seconds."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Every block runs inside a named range (``double_blocks.3``), visible in the torc
 profiler and, on CUDA, in Nsight Systems (NVTX).
 
 Faithfulness: ``lab_utils.model.diffusers`` maps diffusers' ``FluxTransformer2DModel``
-weights onto this layout; ``tests/test_mmdit.py`` checks both compute the same at float32.
+weights onto this layout; ``tests/unit/model/test_mmdit.py`` checks both compute the same at float32.
 """
 
 from __future__ import annotations

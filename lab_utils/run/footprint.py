@@ -37,7 +37,7 @@ PLOT_MIMES = (
 TRACE_PATTERNS = ("*.trace.json", "*.trace.json.gz", "*.pt.trace.json", "*.pt.trace.json.gz", "trace-rank*.json")
 #: where a report lists the traces it did not keep
 NOT_KEPT = "TRACES_NOT_KEPT.txt"
-#: what ``perflab run`` keeps a smoke report under (tests/test_footprint.py holds a real one to it)
+#: what ``perflab run`` keeps a smoke report under (tests/jobs/test_footprint.py holds a real one to it)
 SMOKE_BUDGET_BYTES = 50 * 10**6
 
 

@@ -1,6 +1,6 @@
 """Every GPU kernel, memcpy and memset to what launched it: op, step, user ranges, phase.
 
-Rules (each pinned by a test in tests/test_traces_rules.py):
+Rules (each pinned by a test in tests/unit/traces/test_collectives.py):
 
 * **launch**: the runtime/driver call (``cudaLaunchKernel``, ``hipExtModuleLaunchKernel``,
   ``cudaMemcpyAsync`` ...) with the activity's ``correlation`` id.  Its start is the launch time,

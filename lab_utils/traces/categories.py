@@ -9,7 +9,7 @@ shares agree with it figure for figure:
   matches from the start (a name holding ``Memcpy``, or containing ``Sync``), which are ``OTHER``.
 
 perflab's categories (``category``), first match wins, tested on real kernel names
-(tests/test_traces_rules.py): the activity's own kind first (``gpu_memcpy`` -> ``memcpy``,
+(tests/unit/traces/test_collectives.py): the activity's own kind first (``gpu_memcpy`` -> ``memcpy``,
 ``gpu_memset`` -> ``memset``), then the kernel name, then the launching operator's name:
 
 =========================  ===========================================================================

@@ -1,7 +1,7 @@
 """The critical path of one step: the chain of CPU operators, launches, kernels and waits that set its length.
 
 The graph (the model of HolisticTraceAnalysis 0.5's ``CriticalPathAnalysis``, so that the two agree
-on the test data; tests/test_traces_agreement.py):
+on the test data; tests/unit/traces/test_counters_hta.py):
 
 * **nodes**: the start and the end of every CPU operator and runtime/driver call (``cpu_op``,
   ``cuda_runtime``, ``cuda_driver``) that starts in the step window with a positive duration, and of

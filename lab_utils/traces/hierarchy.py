@@ -19,7 +19,7 @@ Per node: ``gpu_self_us`` is the time of the activities hung directly under it, 
 that of its whole subtree, ``cpu_us`` its own host duration.  :func:`tree` adds the nodes up by
 *path* (the names from the top down), so 48 calls of ``aten::linear`` under one range are one row
 with ``count`` 48; kernels are leaf rows under their node, added up by name.  Invariants
-(tests/test_traces_hierarchy.py): a node's ``gpu_total_us`` is the sum of its children's, kernel
+(tests/unit/traces/test_hierarchy_rules.py): a node's ``gpu_total_us`` is the sum of its children's, kernel
 leaves included; its ``gpu_self_us`` that of its kernel leaves; the top rows add up to the
 selection's kernel time.
 """

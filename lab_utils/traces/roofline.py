@@ -15,7 +15,7 @@ Costed operators (FLOPs; bytes = every input read once + the outputs written onc
 * ``aten::mm`` [m,k]x[k,n], ``aten::addmm`` (bias, [m,k], [k,n]), ``aten::bmm`` / ``aten::baddbmm``
   [b,m,k]x[b,k,n], ``aten::linear`` x[...,k], W[n,k], ``aten::_scaled_mm`` (fp8): 2mnk (x batch);
 * attention, as torch records it (:data:`ATTENTION_OPS`, each checked against torch's schemas and
-  meta kernels in tests/test_traces_roofline.py): the public ``scaled_dot_product_attention`` and
+  meta kernels in tests/unit/traces/test_roofline_rules.py): the public ``scaled_dot_product_attention`` and
   the ``_scaled_dot_product_*`` ops take q [b, h, s, d], the kernels' own ops
   ``_flash_attention_forward`` / ``_efficient_attention_forward`` (what a CUDA trace charges the
   kernels to) take q [b, s, h, d]; k and v have t keys and h_kv <= h heads (grouped-query attention:

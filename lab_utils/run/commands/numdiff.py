@@ -11,7 +11,7 @@ DESCRIPTION = (
     "share no rows."
 )
 #: the floors ``lab_utils.stability.numdiff`` applies when none is given (ABS_FLOOR, DEFAULT_FLOOR),
-#: as the help says them (tests/test_cli.py holds the two to the same values)
+#: as the help says them (tests/unit/run/test_cli.py holds the two to the same values)
 FLOOR_HELP = "lost_update_frac 0.01, others 1e-06"
 
 
