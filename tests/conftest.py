@@ -44,6 +44,23 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored(request):
+    """A test leaves the process's signal handlers as it found them: a Ctrl-C test later in the
+    session relies on SIGINT's (a leaked handler once made one wait for ever)."""
+    import signal
+
+    watched = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2, signal.SIGALRM)
+    before = {s: signal.getsignal(s) for s in watched}
+    yield
+    after = {s: signal.getsignal(s) for s in watched}
+    leaked = {signal.Signals(s).name: (before[s], after[s]) for s in watched if after[s] != before[s]}
+    for s in watched:
+        if after[s] != before[s] and before[s] is not None:
+            signal.signal(s, before[s])
+    assert not leaked, f"{request.node.nodeid} changed signal handlers (before, after): {leaked}"
+
+
 @pytest.fixture
 def temporary_variant():
     """Register eager-kind variants of an op for one test (e.g. a deliberately wrong one);

@@ -202,7 +202,10 @@ def _ended(r: _Running) -> bool:
 
 @contextlib.contextmanager
 def _interrupt_after():
-    """Ctrl-C during a submission takes effect once the job is registered (so that it is cancelled)."""
+    """Ctrl-C during a submission takes effect once the job is registered (so that it is cancelled).
+    The handler it held back is called then; where that handler was not Python's (the default
+    action, or one a library installed in C, which ``signal.signal`` returns as None) the run stops
+    with KeyboardInterrupt: a Ctrl-C always stops a run, unless SIGINT was ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -211,9 +214,11 @@ def _interrupt_after():
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
+        signal.signal(signal.SIGINT, old if old is not None else signal.default_int_handler)
         if hit and callable(old):
             old(signal.SIGINT, None)
+        elif hit and old != signal.SIG_IGN:
+            raise KeyboardInterrupt
 
 
 def _wait(seconds: float) -> None:

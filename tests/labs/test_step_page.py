@@ -57,7 +57,7 @@ def _texts(cell) -> str:
 def pages(tmp_path_factory):
     """The same page run on perflab's MMDiT and on a step with no capability (one kernel each)."""
     out = {}
-    for name, spec in (("mmdit", "lab_utils.step.mmdit:mmdit_step"), ("tiny", "test_step_contract:good")):
+    for name, spec in (("mmdit", "lab_utils.step.mmdit:mmdit_step"), ("tiny", "unit.step.test_load:good")):
         out[name] = execute(_notebook(spec), tmp_path_factory.mktemp(name), timeout=600)
     return out
 
@@ -75,7 +75,7 @@ def test_on_a_step_without_it_the_section_shows_nothing_leaves_the_report_and_is
     assert "ran" not in _texts(nb.cells[2]) + _texts(nb.cells[3])
     foot = _texts(nb.cells[-1])
     assert foot.count("does not declare it") == 2, foot  # one line per capability, each once
-    assert "`memory_formula`" in foot and "`presets`" in foot and "test_step_contract:good" in foot
+    assert "`memory_formula`" in foot and "`presets`" in foot and "unit.step.test_load:good" in foot
     assert drop_absent(nb) == ["memory_formula", "presets"]
     kept = [c.source.splitlines()[0] for c in nb.cells]
     assert kept == [kept[0], "## any step's section", "print('any step')", "page.finish()"]
@@ -108,7 +108,7 @@ def test_the_folder_a_run_starts_in_and_the_labs_folder_are_importable(tmp_path,
 def test_a_factory_refused_in_the_first_cell_exits_2_and_writes_nothing(tmp_path):
     out = tmp_path / "reports"
     env = {**os.environ, STEP_PATH_ENV: str(TESTS), "TQDM_DISABLE": "1"}
-    bad = "test_step_contract:per_sample_loss"  # a loss per sample: the kernel's first cell refuses it
+    bad = "unit.step.test_load:per_sample_loss"  # a loss per sample: the kernel's first cell refuses it
     cmd = [str(PERFLAB), "run", "labs/05_memory.ipynb", "--param", f"step={bad}", "--out", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2, r.stderr[-2000:]

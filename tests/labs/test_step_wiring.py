@@ -81,7 +81,7 @@ def test_a_notebook_twice_in_a_suite_needs_a_name(tmp_path):
 
 def test_compare_keeps_two_models_apart_and_matches_two_builds_of_one(tmp_path):
     files = {}
-    good, wider = "test_step_contract:good", "test_step_contract:wider"  # factories of tests/unit/step/test_load.py
+    good, wider = "unit.step.test_load:good", "unit.step.test_load:wider"  # factories of tests/unit/step/test_load.py
     for tag, spec in (("a", good), ("b", good), ("c", wider)):
         rec = Recorder(lab="05_memory", params={"step": spec}, device="cpu")
         step = load_step(spec)

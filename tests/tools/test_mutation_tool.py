@@ -50,7 +50,7 @@ from fakepkg.toy.calc import add, clip, scaled, spin
 
 def test_dump():  # first: what the tests saw, whatever fails after
     if os.environ.get("MUTATION_DUMP"):
-        text = Path(__file__).parents[4].joinpath("fakepkg", "toy", "calc.py").read_text()
+        text = Path(__file__).parents[3].joinpath("fakepkg", "toy", "calc.py").read_text()
         Path(os.environ["MUTATION_DUMP"], str(abs(hash(text)))).write_text(text)
 
 
@@ -375,17 +375,17 @@ def test_tests_are_found_by_convention(tmp_path):
         "lab_utils/plan/from_trace.py",
         "lab_kernels/rope.py",
     ]
-    for f in mods + ["tests/unit/run/test_compare_rules.py", "tests/test_policies.py", "tests/test_step_policies.py"]:
+    flat = ["tests/test_compare_rules.py", "tests/test_policies.py", "tests/test_step_policies.py", "tests/test_rope.py"]
+    for f in mods + flat:
         (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / f).write_text("")
-    (tmp_path / "tests/unit/kernels/test_rope.py").write_text("")
     found = {f: mt.convention_tests(f, tmp_path, mods) for f in mods}
-    assert found == {
-        "lab_utils/run/compare/rules.py": ["tests/unit/run/test_compare_rules.py"],
+    assert found == {  # a flat tests/ folder: tests/test_<room>_<name>.py, or tests/test_<name>.py when unique
+        "lab_utils/run/compare/rules.py": ["tests/test_compare_rules.py"],
         "lab_utils/memory/policies.py": [],  # two rooms have a policies module: the bare name is neither's
         "lab_utils/step/policies.py": ["tests/test_step_policies.py"],
         "lab_utils/plan/from_trace.py": [],
-        "lab_kernels/rope.py": ["tests/unit/kernels/test_rope.py"],
+        "lab_kernels/rope.py": ["tests/test_rope.py"],
     }
     # once the tree mirrors the source, that is where a module's tests are (the flat file is ignored)
     for t in ("tests/unit/run/compare/test_rules.py", "tests/unit/kernels/test_rope.py"):
