@@ -375,7 +375,12 @@ def test_tests_are_found_by_convention(tmp_path):
         "lab_utils/plan/from_trace.py",
         "lab_kernels/rope.py",
     ]
-    flat = ["tests/test_compare_rules.py", "tests/test_policies.py", "tests/test_step_policies.py", "tests/test_rope.py"]
+    flat = [
+        "tests/test_compare_rules.py",
+        "tests/test_policies.py",
+        "tests/test_step_policies.py",
+        "tests/test_rope.py",
+    ]
     for f in mods + flat:
         (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / f).write_text("")
