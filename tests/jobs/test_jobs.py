@@ -163,8 +163,13 @@ def test_a_ctrl_c_during_a_submission_reaches_the_job_being_started(suites, monk
         return proc
 
     monkeypatch.setattr(L, "start_controller", start_then_ctrl_c)
-    with pytest.raises(RunInterrupted, match="nothing was kept"):
-        run_suite("slow2", out_dir=out, progress=False, jobs={"executor": "local", "parallel": 2})
+    # SIGINT as a terminal leaves it (a session started in the background, a script's `&`, ignores it)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(RunInterrupted, match="nothing was kept"):
+            run_suite("slow2", out_dir=out, progress=False, jobs={"executor": "local", "parallel": 2})
+    finally:
+        signal.signal(signal.SIGINT, before if before is not None else signal.default_int_handler)
     assert len(started) == 2 and first, "the first job never ran its notebook"
     pids = [*started, *first.values()]  # both jobs' controllers, the first's job process and kernel
     deadline = time.monotonic() + 30

@@ -344,6 +344,12 @@ def test_a_job_that_can_never_start_is_cancelled_and_its_row_says_why(site, tmp_
     _nothing_left(out)
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """The child's SIGINT as a terminal leaves it: a test session started in the background (a
+    script's ``&``) ignores SIGINT, and its children would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_cancels_every_job_and_keeps_the_finished_lab(site, tmp_path):
     """SIGINT to the perflab process while one lab is running and one has finished: exit 130, the
     running job leaves the queue (scancel), its processes and kernel end, the finished lab is kept
@@ -354,7 +360,13 @@ def test_ctrl_c_cancels_every_job_and_keeps_the_finished_lab(site, tmp_path):
     cmd = [sys.executable, "-m", "lab_utils.run.cli", "run", "two", "--executor", "slurm", "--out", str(out)]
     cmd += ["--partition", SC.PARTITION]
     proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=_env(site, pdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd,
+        cwd=tmp_path,
+        env=_env(site, pdir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_sigint_as_in_a_terminal,
     )
     try:
         deadline, started = time.monotonic() + 180, None

@@ -162,3 +162,22 @@ def test_the_device_is_named_by_gigabytes_or_gpu():
         with pytest.raises(ConfigError) as e:
             mem.device_memory(bad)
         assert e.value.param == "device_memory_gb"
+
+
+def test_the_state_of_a_step_by_hand():
+    """Parameters, gradients of the trainable ones and the optimizer's state, each storage once
+    (tests/unit/step/tiny.py: four blocks of two Linear(8, 8), float32)."""
+    from lab_utils.memory.fits import step_state
+    from unit.step.tiny import D, tiny_step
+
+    params = 4 * 2 * (D * D + D) * 4
+    step = tiny_step()
+    assert step_state(step) == {"parameters": params, "gradients": params, "optimizer": 0}
+    step.model(step.make_batch(1)).sum().backward()
+    step.optimizer.step()
+    # Adam: exp_avg and exp_avg_sq per parameter and a float32 step counter per parameter tensor (16)
+    assert step_state(step)["optimizer"] == 2 * params + 16 * 4
+    step.model.blocks[0].a.weight.requires_grad_(False)
+    assert step_state(step)["gradients"] == params - D * D * 4  # frozen: no gradient
+    step.model.blocks[1].a.weight = step.model.blocks[0].a.weight  # tied: one storage, counted once
+    assert step_state(step)["parameters"] == params - D * D * 4

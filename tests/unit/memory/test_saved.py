@@ -1,0 +1,64 @@
+"""lab_utils.memory.saved on a step whose every byte is known by construction (tests/unit/step/tiny.py:
+four blocks of Linear -> ReLU -> Linear on a batch of two rows, one activation 64 bytes): the
+activations kept for the backward under no checkpointing, full and every other block, by block, by
+op and by how they are kept, at the batch of the step asked for, and the policies a step takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lab_utils.core.config import ConfigError
+from lab_utils.memory import saved as S
+from unit.step.tiny import ACT, D, tiny_step
+
+
+def test_no_checkpointing_keeps_each_blocks_input_and_relu_output():
+    # per block its input (saved by the first Linear) and the ReLU's output (by the ReLU and the
+    # second Linear: one storage, counted once); the last block's output is not saved (sum)
+    none = S.measure_saved(tiny_step(), "none")
+    assert none.total == 8 * ACT and len(none.tensors) == 8
+    assert none.by("region") == {"input": ACT, "blocks.0": 2 * ACT, "blocks.1": 2 * ACT, "blocks.2": 2 * ACT,
+                                 "blocks.3": ACT}  # fmt: skip
+    assert none.by("how") == {"saved": 8 * ACT}
+    assert set(none.frame()["shape"]) == {(2, D)} and set(none.frame()["dtype"]) == {"float32"}
+    assert S.measure_saved(tiny_step(), None).total == none.total  # None is no policy
+
+
+def test_full_checkpointing_keeps_only_each_blocks_input():
+    # non-reentrant checkpoint saves the block inputs through autograd's hooks: counted once, as saved
+    full = S.measure_saved(tiny_step(), "full")
+    assert full.total == 4 * ACT and len(full.tensors) == 4
+    assert full.by("region") == {"input": ACT, "blocks.0": ACT, "blocks.1": ACT, "blocks.2": ACT}
+
+
+def test_every_other_block_checkpointed_keeps_both_kinds():
+    # blocks 0 and 2 keep their input; 1 and 3 save input and ReLU output
+    half = S.measure_saved(tiny_step(), "every_other")
+    assert half.total == 6 * ACT
+    assert half.by("region") == {"input": ACT, "blocks.0": ACT, "blocks.1": 2 * ACT, "blocks.2": ACT,
+                                 "blocks.3": ACT}  # fmt: skip
+    assert half.by("region", "op")[("blocks.1", "relu")] == ACT
+    assert half.by_op() == half.by("region", "op") and half.by_region() == half.by("region")
+
+
+def test_saved_bytes_are_of_the_step_asked_for():
+    step = tiny_step()
+    step.make_batch = lambda k: torch.ones(k + 1, D)  # step k's batch has k + 1 rows (a bucketed loader)
+    row = D * 4
+    assert S.measure_saved(step).total == 8 * 2 * row  # step 1 by default: two rows
+    assert S.measure_saved(step, "none", k=3).total == 8 * 4 * row
+    assert S.measure_saved(tiny_step(batch=5), "full").total == 4 * 5 * row
+
+
+def test_a_storage_is_counted_once_however_many_views_are_saved():
+    t = torch.zeros(4, 8)
+    assert S.storage_bytes(t[1:3]) == S.storage_bytes(t) == 4 * 8 * 4
+    assert S.storage_key(t[1:3]) == S.storage_key(t.view(32)) != S.storage_key(t.clone())
+
+
+def test_a_step_takes_the_generic_policies_and_refuses_others():
+    step = tiny_step()
+    assert set(S.policies_of(step)) >= {"none", "full", "every_other"}
+    with pytest.raises(ConfigError, match="activation_checkpoint"):
+        S.policy_applied(step, "no_such_policy")
