@@ -6,7 +6,7 @@ tiny step on CPU, its CPU levers), built and verified in this process (no paperm
 with their predicted and measured step times, the error and each run's stability verdict
 (the machine is shared: an UNSTABLE verdict means other processes disturbed the run).
 
-Goal (issue 16): on CPU the best plan's measured step is within 15% of its prediction.
+Goal: on CPU the best plan's measured step is within 15% of its prediction.
 Written to ``benchmarks/results/plan_cpu.json``. Exit status: 1 when the goal is missed in
 every repeat whose verification was judged stable, else 0.
 """
