@@ -46,8 +46,8 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(autouse=True)
 def _signal_handlers_restored(request):
-    """A test leaves the process's signal handlers as it found them: a Ctrl-C test later in the
-    session relies on SIGINT's (a leaked handler once made one wait for ever)."""
+    """A test leaves the process's signal handlers as it found them: the Ctrl-C tests later in
+    the session rely on SIGINT's."""
     import signal
 
     watched = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2, signal.SIGALRM)
