@@ -8,6 +8,7 @@ bar's fields on hover.
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Legend, LegendItem, Range1d
 from bokeh.plotting import figure
@@ -73,10 +74,13 @@ def lanes_figure(
     return fig
 
 
-def _column(col: pd.Series) -> list:
-    """A column for the hover: text columns with their missing values shown empty."""
+def _column(col: pd.Series) -> list | np.ndarray:
+    """A column for the hover: text columns with their missing values shown empty; numbers as an
+    array (bokeh sends it as one binary buffer, not a list of numbers to encode one by one)."""
     if col.dtype == object:
         return ["" if v is None or (isinstance(v, float) and v != v) else v for v in col]
+    if pd.api.types.is_numeric_dtype(col.dtype) and not pd.api.types.is_bool_dtype(col.dtype):
+        return col.to_numpy(dtype=np.float64 if pd.api.types.is_float_dtype(col.dtype) else None)
     return col.tolist()
 
 

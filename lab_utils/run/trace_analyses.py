@@ -17,9 +17,9 @@ summary of :mod:`lab_utils.traces.summary` it keeps, in ``RankSummary.extras`` (
   (:mod:`lab_utils.traces.sequences`), the launch outliers, the queue length and memory
   bandwidth summaries (:mod:`lab_utils.traces.counters`).
 
-The step: ``--step N``, else each rank job takes its own median-duration step and the page shows
-the first rank's; a rank whose job chose another step is read again for that one
-(:func:`lab_utils.run.trace_cli.load_job`), so ``--step`` reads each file once.
+The step: ``--step N``, else the median-duration step of the folder's first file, read ahead from
+its step annotations alone (:func:`lab_utils.run.trace_cli.page_job`), so each file is read once;
+a job left without that step (its own choice when the look-ahead failed) is read again for it.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from bokeh.models import Legend
 
 from lab_utils.core.config import ConfigError
 from lab_utils.core.records import load_records
+from lab_utils.run import trace_cli
 from lab_utils.run.cli import main as perflab
 from lab_utils.run.commands import trace as trace_args
 from lab_utils.run.trace_analyses import job_timeline
@@ -299,15 +300,20 @@ def test_trace_json_page_and_records_carry_the_analyses(tmp_path, capsys):
     assert list(per_step["samples"]) == pytest.approx([ta.critical_path(0, s).length_us / 1e3 for s in (1, 2, 3)])
 
 
-def test_a_rank_whose_own_median_step_differs_is_read_again_for_the_pages_step(tmp_path, capsys):
-    """Rank 0's median-duration step is 3, rank 1's is 2: each rank's job picks its own, and the page
-    shows rank 0's for both ranks (rank 1 read a second time); ``--step 1`` reads each once."""
+def test_the_pages_step_is_the_first_files_median_step_and_each_rank_is_read_once(tmp_path, capsys, monkeypatch):
+    """Rank 0's median-duration step is 3, rank 1's is 2: the first file's step annotations are read
+    before the ranks' jobs start, so both ranks draw step 3 in one pass (one map of the jobs, no rank
+    read twice); ``--step 1`` draws step 1."""
     folder = tmp_path / "j"
     folder.mkdir()
     for r, durs in ((0, (100, 300, 200)), (1, (100, 200, 300))):
         write(folder / f"rank{r}.json", rank_events(durs, rank=r), distributedInfo={"rank": r, "world_size": 2})
+    maps = []
+    real = trace_cli._job
+    monkeypatch.setattr(trace_cli, "_job", lambda *args, **kw: maps.append(args[2:] or kw) or real(*args, **kw))
     out = tmp_path / "out"
     assert perflab(["trace", str(folder), "--out", str(out), "--workers", "1"]) == 0
+    assert len(maps) == 1 and maps[0][0]["step"] == 3
     fig = json.loads((out / "trace.json").read_text())
     assert fig["timeline_step"] == 3
     assert {r: a["critical_path"]["step"] for r, a in fig["analyses"].items()} == {"0": 3, "1": 3}
@@ -318,3 +324,25 @@ def test_a_rank_whose_own_median_step_differs_is_read_again_for_the_pages_step(t
     assert perflab(["trace", str(folder), "--out", str(out), "--workers", "1", "--step", "1"]) == 0
     fig = json.loads((out / "trace.json").read_text())
     assert {r: a["critical_path"]["step"] for r, a in fig["analyses"].items()} == {"0": 1, "1": 1}
+
+
+def test_a_rank_whose_job_ended_on_another_step_is_read_again_for_the_pages_step(tmp_path, capsys, monkeypatch):
+    """When the first file's steps cannot be read ahead (here: the look-ahead refuses), each rank's job
+    picks its own median step and the rank that chose another is read again for the first rank's."""
+    folder = tmp_path / "j"
+    folder.mkdir()
+    for r, durs in ((0, (100, 300, 200)), (1, (100, 200, 300))):
+        write(folder / f"rank{r}.json", rank_events(durs, rank=r), distributedInfo={"rank": r, "world_size": 2})
+
+    def refuse(path):
+        raise ConfigError("path", str(path), "a readable trace")
+
+    monkeypatch.setattr(trace_cli, "read_steps", refuse)
+    maps = []
+    real = trace_cli._job
+    monkeypatch.setattr(trace_cli, "_job", lambda *args, **kw: maps.append(args[2:]) or real(*args, **kw))
+    out = tmp_path / "out"
+    assert perflab(["trace", str(folder), "--out", str(out), "--workers", "1"]) == 0
+    assert len(maps) == 2 and maps[0][0]["step"] is None and maps[1][0]["step"] == 3 and maps[1][1] == [1]
+    fig = json.loads((out / "trace.json").read_text())
+    assert {r: a["critical_path"]["step"] for r, a in fig["analyses"].items()} == {"0": 3, "1": 3}
