@@ -266,8 +266,8 @@ def test_the_page_draws_in_chromium_and_asks_the_network_for_nothing(tmp_path, c
         page = ctx.new_page()
         watch = B.Watch.on(page)
         page.goto((out / "trace.html").as_uri())
-        ps = B.wait_for_plots(page, 3)
-        assert len(ps) == 3 and not B.undrawn(ps), ps
+        ps = B.wait_for_plots(page, 4)  # the timeline, the launch queue, the two breakdowns
+        assert len(ps) == 4 and not B.undrawn(ps), ps
         assert ps[0]["height"] >= 8 * 22, "the timeline has a row per lane"
         assert not watch.errors and not watch.outside and not ctx.blocked
 
@@ -293,6 +293,15 @@ def test_trace_json_page_and_records_carry_the_analyses(tmp_path, capsys):
     for heading in ("critical path, rank 0, step 3", "call tree, rank 1", "idle per stream", "launch outliers, rank 0"):
         assert f"<h2>{heading}" in page, heading
     assert "The critical path of step 3 on rank 0 is" in page
+    # the launch queue over step 3 (400..600 us): empty at its start, one kernel queued 412..420 on
+    # stream 7 and one all-reduce 450..470 on stream 20; no copy, so no bandwidth plot
+    series = fig["analyses"]["0"]["series"]
+    assert series["step"] == 3 and series["memory_bw"] == []
+    by_stream = {st: [x for r in series["queue"] if r["stream"] == st for x in (r["ts"], r["queue_length"])]
+                 for st in (7, 20)}  # fmt: skip
+    assert by_stream[7] == pytest.approx([0.0, 0.0, 0.012, 1.0, 0.020, 0.0])
+    assert by_stream[20] == pytest.approx([0.0, 0.0, 0.050, 1.0, 0.070, 0.0])
+    assert "launch queue per stream over step 3" in page and "memory bandwidth in flight" not in page
     tl = ta.timeline(3, paths={0: cp.edges})
     assert tl.lanes[0] == "r0 · critical path" and (tl.bars["kind"] == "path").sum() == (cp.edges["weight"] > 0).sum()
     rows = load_records(out / "records.json")
