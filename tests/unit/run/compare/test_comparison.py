@@ -567,7 +567,7 @@ def test_old_records_and_the_stored_baseline_still_read(tmp_path):
     """Records written before rows carried a verdict load, and their timings are judged from samples."""
     from lab_utils.core.records import load_records
 
-    root = Path(__file__).resolve().parents[3] / "parameterized" / "baselines" / "cpu"
+    root = Path(__file__).resolve().parents[4] / "parameterized" / "baselines" / "cpu"
     side = C.load_side(root, "baseline")
     assert len(side.rows) and "stable" in side.rows.columns
     rows = timing_rows("01_norms", "fwd", "triton", 2.0, rng=np.random.default_rng(4))

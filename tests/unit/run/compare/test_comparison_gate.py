@@ -374,7 +374,7 @@ def test_the_setup_lets_a_cuda_torch_bring_its_triton_and_the_readme_says_what_i
     import tomllib
     from packaging.requirements import Requirement
 
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[4]
     deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["lab"]
     triton = next(Requirement(d) for d in deps if Requirement(d).name == "triton")
     assert triton.specifier.contains("3.7.1") and triton.specifier.contains("3.9.0"), triton
