@@ -290,3 +290,17 @@ def test_a_step_without_parameters_is_on_the_cpu_and_an_unloaded_one_cannot_rebu
     assert step.device == torch.device("cpu")
     with pytest.raises(ValueError, match="step unnamed has no source to rebuild from"):
         step.rebuild(batch_size=2)
+
+
+def test_a_factory_that_names_no_clip_never_clips():
+    torch.manual_seed(0)
+    model = Net(2)
+    step = StepFactory(model, torch.optim.SGD(model.parameters(), lr=1.0), lambda k: torch.full((B, D), 3.0),
+                       lambda m, x: (m(x) ** 2).sum())  # fmt: skip
+    assert (step.grad_clip, step.phases, step.periodic, dict(step.capabilities)) == (0.0, (), (), {})
+    before = [p.detach().double().clone() for p in model.parameters()]
+    g = grads_by_hand(step, 2)
+    assert math.sqrt(sum(float((x**2).sum()) for x in g)) > 1.0  # a clip at 1 would change this update
+    assert math.isnan(run_step(step, 2).grad_norm)
+    for p0, p1, gp in zip(before, model.parameters(), g):
+        torch.testing.assert_close(p1.detach().double(), p0 - gp, rtol=1e-4, atol=1e-7)  # the whole gradient
