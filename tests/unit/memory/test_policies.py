@@ -1,9 +1,9 @@
 """lab_utils.memory.policies: a gradient mismatch at and beyond its tolerance (per dtype, relative to
 the gradient without checkpointing), the parameter dtype of a step, the peak above what was live
 before (a synthetic function whose allocations are known, on the CPU's profiler and on a fake CUDA
-allocator), the timing method and progress of a comparison, offload marked as not acting on
-a CPU, and the policies compared on tests/unit/step/tiny.py's step, whose blocks and saved bytes are
-known by construction."""
+allocator), the timing method and progress of a comparison, every figure of the step's batch 1,
+offload marked as not acting on a CPU, and the policies compared on tests/unit/step/tiny.py's step,
+whose blocks and saved bytes are known by construction."""
 
 from __future__ import annotations
 
@@ -139,3 +139,26 @@ def test_the_policies_timings_method_and_progress(monkeypatch):
     calls.clear()
     P.compare_policies(tiny_step(), ["full"], progress=False)
     assert calls[0]["retries"] == 2 and calls[0]["device"] == torch.device("cuda") and bars[-1]["disable"] is True
+
+
+def test_a_policys_gradients_are_held_to_those_without_checkpointing(monkeypatch):
+    # float32: |got - ref| <= 1e-6 + 1e-5 * |ref|. 99,999 -> 100,000 is beyond (the bound is 0.99999),
+    # 100,000 -> 99,999 within (1.000001): which side is the reference decides
+    def fake(values):
+        return lambda step, policy="none", k=1: {"w": torch.tensor([values[policy]])}
+
+    monkeypatch.setattr(P, "grads_of", fake({"none": 99_999.0, "full": 100_000.0}))
+    with pytest.raises(AssertionError, match=r"policy 'full': gradients differ from no checkpointing in \['w'\]"):
+        P.compare_policies(tiny_step(), ["full"], reps=1, progress=False)
+    monkeypatch.setattr(P, "grads_of", fake({"none": 100_000.0, "full": 99_999.0}))
+    monkeypatch.setattr(P, "try_bench", lambda fn, **kw: "timing")
+    assert [r.policy for r in P.compare_policies(tiny_step(), ["full"], reps=1, progress=False)] == ["full"]
+
+
+def test_every_figure_of_a_policy_is_of_the_steps_batch_one():
+    step = tiny_step()
+    step.make_batch = lambda k: torch.ones(k + 1, 8)  # step k's batch has k + 1 rows: batch 1 has two
+    (row,) = P.compare_policies(step, ["full"], reps=3, progress=False)
+    mm = 2 * 2 * 8 * 8  # one Linear(8, 8) on two rows
+    assert row.flops == 27 * mm  # 23 matmuls of the step and each block's first Linear again
+    assert row.saved_bytes == 4 * 2 * 8 * 4  # each block's input of two rows (float32)

@@ -3,7 +3,8 @@ four blocks of Linear -> ReLU -> Linear on a batch of two rows, one activation 6
 activations kept for the backward under no checkpointing, full and every other block, by block, by
 op and by how they are kept, a selective policy's cached outputs counted once, the region among the
 blocks asked for and without creators, a backward under the probe equal to one without it, at the
-batch of the step asked for, and the policies a step takes."""
+batch of the step asked for, the MMDiT's bytes against its analytic formula, and the policies a
+step takes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 
 from lab_utils.core.config import ConfigError
 from lab_utils.memory import saved as S
+from lab_utils.memory.formula import StepShape, saved_bytes_formula
+from lab_utils.model import resolve_config
 from unit.step.tiny import ACT, D, tiny_step
 
 
@@ -117,3 +120,14 @@ def test_a_refused_policy_names_the_ones_allowed():
     with pytest.raises(ConfigError, match=r"activation_checkpoint.*one of 'none', 'full'"):
         S.policy_applied(tiny_step(), "fulll")
     assert S.policy_applied(tiny_step(), "none") is not None
+
+
+@pytest.mark.parametrize("policy, device", [("none", "cpu"), ("full", "meta")])
+def test_the_mmdits_saved_bytes_are_its_analytic_formula_region_by_region(policy, device):
+    # a 4 x 5 grid of image tokens (not square), seven text tokens, batch 3; on meta (no memory)
+    # attention takes the math path, whose saved tensors are the formula's on CUDA under full
+    sh = StepShape(3, 20, 7)
+    got = S.mmdit_saved("tiny", sh, "float32", policy, device=device)
+    kind = "cuda" if device == "meta" else "cpu"
+    assert got.by_region() == saved_bytes_formula(resolve_config("tiny"), sh, "float32", policy, device_type=kind)
+    assert got.total == sum(got.by_region().values()) > 0

@@ -364,6 +364,8 @@ def test_top_ops_table_keeps_full_op_names():
         ([0.0, 30.0, 0.0, 0.0, 0.0, 36.0], 3, "median", 11.0, 33.0, 2, (30.0, 36.0)),  # occurrences only, / 3
         ([0.0, 30.0, 0.0, 0.0, 0.0, 36.0], 3, "min", 10.0, 30.0, 2, (30.0, 36.0)),
         ([5.0], 2, "median", 2.5, 5.0, 1, (5.0,)),  # one occurrence
+        ([0.0, 0.5, 0.0, 0.7], 2, "median", 0.3, 0.6, 2, (0.5, 0.7)),  # occurrences under 1 ms count
+        ([0.0, 1e-3, 0.0, 0.0], 4, "median", 2.5e-4, 1e-3, 1, (1e-3,)),
         ([2.0, 4.0], 0, "median", 3.0, 3.0, 2, (2.0, 4.0)),  # every 0 or None: every step
         ([2.0, 4.0], None, "median", 3.0, 3.0, 2, (2.0, 4.0)),
     ],
@@ -403,6 +405,7 @@ def test_the_mfu_is_the_total_flops_over_the_total_amortised_time():
 
     bf = rep.mfu(Ceilings(), Sheet(), "bf16").set_index("quantity")
     assert bf.loc["measured matmul ceiling", "pct"] == pytest.approx(25.0)  # 0.05 of 0.2
+    assert list(bf.loc["measured matmul ceiling", "samples"]) == pytest.approx([50.0, 25.0, 50 / 3])
     assert bf.loc["datasheet peak", "pct"] == pytest.approx(5.0) and bf.loc["datasheet peak", "tflops"] == 1.0
     assert list(bf.loc["datasheet peak", "samples"]) == pytest.approx([10.0, 5.0, 10 / 3])
     fp32 = rep.mfu(Ceilings(), Sheet(), "fp32").set_index("quantity")
@@ -420,3 +423,16 @@ def test_a_top_ops_share_of_the_step_by_hand():
     extra = json.loads(row["extra"])
     assert row["value"] == pytest.approx(5.25) and extra["pct_of_step"] == pytest.approx(50.0)
     assert extra["share"] == pytest.approx(0.5) and extra["calls_per_step"] == pytest.approx(1.0)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero")
+def test_a_share_of_a_step_of_no_time_is_not_a_number():
+    rep = synthetic_report({"forward": [0.0, 0.0, 0.0]})
+    rec = Recorder(lab="01_training_step")
+    rep.record(rec)
+    rows = [r for r in rec.rows if r["experiment"] in ("top_ops", "categories")]
+    assert {r["experiment"] for r in rows} == {"top_ops", "categories"}
+    for r in rows:
+        extra = json.loads(r["extra"])
+        assert r["value"] == 0.0 and extra["pct_of_step"] is None  # NaN, never a division by zero
+    assert json.loads(next(r for r in rows if r["experiment"] == "top_ops")["extra"])["share"] is None
