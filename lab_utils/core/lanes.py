@@ -8,11 +8,14 @@ bar's fields on hover.
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Legend, LegendItem, Range1d
 from bokeh.plotting import figure
 
 FALLBACK = "#bbbbbb"
+#: line colours (Okabe-Ito, then greys)
+PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000", "#999999")
 LANE_PX = 22  # height of one lane
 
 
@@ -73,10 +76,30 @@ def lanes_figure(
     return fig
 
 
-def _column(col: pd.Series) -> list:
-    """A column for the hover: text columns with their missing values shown empty."""
+def step_lines(series: dict[str, tuple], *, title: str = "", y_label: str = "", width: int = 1100, height: int = 260):
+    """One step line per entry of ``series`` (label -> (x in ms, y): each y holds until the next x),
+    zoomable along x, the legend outside, right of the plot (a click hides a line)."""
+    fig = figure(width=width, height=max(height, 60 + 21 * len(series)), title=title, x_axis_label="ms",
+                 y_axis_label=y_label, tools="xpan,xwheel_zoom,box_zoom,reset,save", active_scroll="xwheel_zoom",
+                 output_backend="canvas")  # fmt: skip
+    items = []
+    for i, (label, (x, y)) in enumerate(series.items()):
+        src = ColumnDataSource({"x": np.asarray(x, dtype=np.float64), "y": np.asarray(y, dtype=np.float64)})
+        r = fig.step("x", "y", source=src, mode="after", line_width=1.5, color=PALETTE[i % len(PALETTE)])
+        items.append(LegendItem(label=label, renderers=[r]))
+    fig.add_tools(HoverTool(tooltips=[("ms", "@x{0,0.000}"), (y_label or "value", "@y{0,0.00}")]))
+    if items:
+        fig.add_layout(Legend(items=items, click_policy="hide", label_text_font_size="10px"), "right")
+    return fig
+
+
+def _column(col: pd.Series) -> list | np.ndarray:
+    """A column for the hover: text columns with their missing values shown empty; numbers as an
+    array (bokeh sends it as one binary buffer, not a list of numbers to encode one by one)."""
     if col.dtype == object:
         return ["" if v is None or (isinstance(v, float) and v != v) else v for v in col]
+    if pd.api.types.is_numeric_dtype(col.dtype) and not pd.api.types.is_bool_dtype(col.dtype):
+        return col.to_numpy(dtype=np.float64 if pd.api.types.is_float_dtype(col.dtype) else None)
     return col.tolist()
 
 

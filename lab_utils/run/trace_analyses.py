@@ -17,9 +17,9 @@ summary of :mod:`lab_utils.traces.summary` it keeps, in ``RankSummary.extras`` (
   (:mod:`lab_utils.traces.sequences`), the launch outliers, the queue length and memory
   bandwidth summaries (:mod:`lab_utils.traces.counters`).
 
-The step: ``--step N``, else each rank job takes its own median-duration step and the page shows
-the first rank's; a rank whose job chose another step is read again for that one
-(:func:`lab_utils.run.trace_cli.load_job`), so ``--step`` reads each file once.
+The step: ``--step N``, else the median-duration step of the folder's first file, read ahead from
+its step annotations alone (:func:`lab_utils.run.trace_cli.page_job`), so each file is read once;
+a job left without that step (its own choice when the look-ahead failed) is read again for it.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ PATH_STEPS = 8
 UNIT_OF_PATH = "% of critical path"
 TREE_DEPTH = 5
 TREE_MIN_PCT = 0.5
+SERIES_POINTS = 2000  # per stream or memory kind, over the page's step
 PERFETTO_MODES = ("step", "all", "none")
 
 
@@ -77,6 +78,21 @@ def rank_figures(ta: TraceAnalysis, rank: int, cp: CriticalPath | None) -> dict:
     }
 
 
+def step_series(ta: TraceAnalysis, rank: int, step: int | None, max_points: int = SERIES_POINTS) -> dict:
+    """The launch queue per stream and the memory bandwidth per kind over one step (``None``: the
+    trace's one window) as JSON-ready rows, ts in ms after the step's start (see
+    :func:`lab_utils.traces.counters.in_window`)."""
+    att = ta.attributed(rank)
+    w = att.steps if step is None else att.steps[att.steps["step"] == step]
+    lo, hi = float(w["ts"].iloc[0]), float(w["end"].iloc[0])
+    out = {"step": step, "start_us": lo, "end_us": hi}
+    for name, series, key, value in (("queue", ta.queue_length(rank, "all"), "stream", "queue_length"),
+                                     ("memory_bw", ta.memory_bw(rank, "all"), "kind", "gbps")):  # fmt: skip
+        part = counters.in_window(series, key, value, lo, hi, max_points)
+        out[name] = rows(part.assign(ts=(part["ts"] - lo) / 1e3))
+    return out
+
+
 def path_values(ta: TraceAnalysis, rank: int, steps: list[int] | None = None) -> pd.DataFrame:
     """The critical path per step as record values (``RankSummary.per_step``'s columns): its
     length in ms and its part per ``bound_by`` in % of it; the first :data:`PATH_STEPS` steps."""
@@ -111,6 +127,7 @@ def rank_extras(ta: TraceAnalysis, rank: int, step: int | None, *, page: bool, m
     has = not att.has_steps or chosen in set(att.steps["step"])
     cp = ta.critical_path(rank, chosen if att.has_steps else None) if has else None
     extras["figures"] = rank_figures(ta, rank, cp)
+    extras["figures"]["series"] = step_series(ta, rank, chosen if att.has_steps else None) if has else None
     extras["bars"] = (rank_bars(rank, ta.traces[rank], att, chosen if att.has_steps else 0, phases=ta.phase_table,
                                 path=cp.edges, max_bars=max_bars) if cp is not None else None)  # fmt: skip
     if perfetto != "none":

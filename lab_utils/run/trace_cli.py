@@ -54,10 +54,11 @@ from lab_utils.run.trace_analyses import (
 )
 from lab_utils.run.trace_html import headline, render_html
 from lab_utils.traces import TraceAnalysis
+from lab_utils.traces.attribute import step_windows
 from lab_utils.traces.perfetto import write_perfetto
-from lab_utils.traces.reader import read_rank, trace_files
+from lab_utils.traces.reader import read_rank, read_steps, trace_files
 from lab_utils.traces.summary import JobSummary, RankSummary, summarise
-from lab_utils.traces.timeline import check_steps
+from lab_utils.traces.timeline import check_steps, median_step
 
 LAB = "trace"
 EXIT_USAGE = 2
@@ -310,17 +311,27 @@ def _job(a, path: str, options: dict | None = None, only: list[int] | None = Non
 
 
 def page_job(a) -> tuple[JobSummary, int]:
-    """The job read with its page's extras, every page rank's for one step (``--step``, else the first
-    rank's median-duration step: a rank whose job chose another is read again for it)."""
-    opts = {"step": a.step, "max_bars": a.max_bars, "perfetto": a.perfetto}
+    """The job read with its page's extras, every page rank's for one step: ``--step``, else the
+    median-duration step of the first file (found by reading only its step annotations, before the
+    ranks' jobs start, so every page rank draws that step at once; a rank whose job ended on another
+    step, as when that first file cannot be read here, is read again for it)."""
+    step = a.step
+    files = trace_files(a.path)
+    if step is None and len(files) > 1:
+        try:
+            windows = step_windows(read_steps(files[0]).assign(end=lambda d: d["ts"] + d["dur"], tid=""))
+            step = median_step(windows) if len(windows) else None
+        except ConfigError:  # the rank's own job reports it, naming the file
+            step = None
+    opts = {"step": step, "max_bars": a.max_bars, "perfetto": a.perfetto}
     job = _job(a, a.path, opts)
     first = job.ranks_[job.ranks[0]].extras
-    step = a.step if a.step is not None else first["step"]
+    step = step if step is not None else first["step"]
     check_steps("--step", step, [job.ranks_[r].extras["steps"] for r in job.ranks])
     again = [i for i, r in enumerate(job.ranks) if "bars" in job.ranks_[r].extras
              and job.ranks_[r].extras["step"] != step and step in job.ranks_[r].extras["steps"]]  # fmt: skip
     if again:
-        index = {str(f): i for i, f in enumerate(trace_files(a.path))}
+        index = {str(f): i for i, f in enumerate(files)}
         redo = _job(a, a.path, opts | {"step": step}, [index[job.ranks_[job.ranks[i]].path] for i in again])
         job.ranks_.update(redo.ranks_)
     return job, step

@@ -20,7 +20,7 @@ from bokeh.embed import components
 from bokeh.layouts import column
 from bokeh.resources import Resources
 
-from lab_utils.core.lanes import lanes_figure, stacked_bars
+from lab_utils.core.lanes import lanes_figure, stacked_bars, step_lines
 from lab_utils.traces import TraceAnalysis
 from lab_utils.traces.sequences import short_name
 from lab_utils.traces.timeline import CATEGORY_COLORS, HOVER, PART_COLORS, Timeline
@@ -263,6 +263,30 @@ def timeline_figure(tl: Timeline, width: int = 1100):
                         title=tl.title + " (scroll to zoom, drag to pan)")  # fmt: skip
 
 
+def series_plots(fig: dict, width: int = 1100) -> list:
+    """The launch queue per stream and the memory bandwidth in flight over the page's step, one line
+    per rank and stream (or memory kind) of the analysed ranks; none where no rank has the series."""
+    queue, bw, step = {}, {}, None
+    for r, a in fig.get("analyses", {}).items():
+        s = a.get("series")
+        if not s:
+            continue
+        step = s["step"]
+        for rows, out, key, value, name in ((s["queue"], queue, "stream", "queue_length", "stream {}"),
+                                            (s["memory_bw"], bw, "kind", "gbps", "{}")):  # fmt: skip
+            for k, g in pd.DataFrame(rows, columns=["ts", key, value]).groupby(key, sort=True):
+                out[f"r{r} · {name.format(k)}"] = (g["ts"].to_numpy(), g[value].to_numpy())
+    when = f"step {step}" if step is not None else "the trace's one window"
+    plots = []
+    if queue:
+        plots.append(step_lines(queue, title=f"launch queue per stream over {when} (ms after its start)",
+                                y_label="queued", width=width))  # fmt: skip
+    if bw:
+        plots.append(step_lines(bw, title=f"memory bandwidth in flight over {when} (ms after its start)",
+                                y_label="GB/s", width=width))  # fmt: skip
+    return plots
+
+
 def _time_plots(fig: dict):
     t = pd.DataFrame(fig["temporal"])
     plots = []
@@ -370,7 +394,7 @@ def render_html(ta: TraceAnalysis, fig: dict, summary: str, timeline: Timeline |
             + (f" Ranks without step {timeline.step}: {timeline.missing}." if timeline.missing else "")
             + " <code>trace.perfetto.json.gz</code> beside this page opens in Perfetto (ui.perfetto.dev).</p>"
         )
-    plots += _time_plots(fig)
+    plots += series_plots(fig) + _time_plots(fig)
     script, div = components(column(*plots)) if plots else ("", "")
     verdicts = "".join(f"<li>{esc(s)}</li>" for s in headline(fig))
     body = "".join(f"<h2>{esc(h)}</h2>{t}" for h, t in sections(fig))
@@ -383,4 +407,14 @@ def render_html(ta: TraceAnalysis, fig: dict, summary: str, timeline: Timeline |
     )
 
 
-__all__ = ["cell", "fmt_num", "fmt_us", "headline", "inline_bokeh", "render_html", "table", "timeline_figure"]
+__all__ = [
+    "cell",
+    "fmt_num",
+    "fmt_us",
+    "headline",
+    "inline_bokeh",
+    "render_html",
+    "series_plots",
+    "table",
+    "timeline_figure",
+]

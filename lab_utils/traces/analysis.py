@@ -100,6 +100,7 @@ class TraceAnalysis:
                 t.device_name = gpu
         self.phase_table = phases or PhaseTable()
         self._attr: dict[int, Attributed] = dict(attributed or {})  # ranks attributed elsewhere (trace_cli's jobs)
+        self._paths: dict[tuple, CriticalPath] = {}
 
     # -- access ---------------------------------------------------------------------------
     @property
@@ -264,9 +265,13 @@ class TraceAnalysis:
 
     # -- HTA's and TraceLens' analyses ----------------------------------------------------
     def critical_path(self, rank: int | None = None, step: int | None = None, *, hta: bool = False) -> CriticalPath:
-        """The critical path of ``step`` on ``rank`` (default: the median-duration step)."""
+        """The critical path of ``step`` on ``rank`` (default: the median-duration step); each is
+        computed once (a page and its records ask for the same step's path)."""
         rank = self._rank(rank)
-        return critical_path(self.traces[rank], self.attributed(rank), step, hta=hta)
+        key = (rank, step, hta)
+        if key not in self._paths:
+            self._paths[key] = critical_path(self.traces[rank], self.attributed(rank), step, hta=hta)
+        return self._paths[key]
 
     def critical_paths(self, step: int | None = None, max_ranks: int = PATH_RANKS) -> dict[int, CriticalPath]:
         """The critical path of ``step`` on the first ``max_ranks`` ranks that have it (a rank without

@@ -65,14 +65,21 @@ def _typed(k: pd.DataFrame, kind: str) -> tuple[np.ndarray, np.ndarray]:
 
 def temporal(k: pd.DataFrame) -> dict[str, float]:
     """Span, busy, idle and the exclusive split of one selection (see the module note)."""
-    if not len(k):
+    typ = k["hta_type"].to_numpy(dtype=object)
+    typed = {t: typ == t for t in ("COMPUTATION", "COMMUNICATION", "MEMORY")}
+    return _temporal(*(k[c].to_numpy(dtype=np.float64) for c in ("ts", "end", "dur")), typed)
+
+
+def _temporal(ts: np.ndarray, end: np.ndarray, dur: np.ndarray, typed: dict[str, np.ndarray]) -> dict[str, float]:
+    """:func:`temporal` of columns; ``typed``: each HTA type's row mask."""
+    if not len(ts):
         return dict.fromkeys(
             ("span", "busy", "idle", "compute", "communication", "memory", "other", "non_compute", "kernel_time"), 0.0
         )
-    busy_iv = union(k["ts"].to_numpy(), k["end"].to_numpy())
+    busy_iv = union(ts, end)
     span = float(busy_iv[1][-1] - busy_iv[0][0])
     busy = length(busy_iv)
-    comp, comm, mem = (_typed(k, t) for t in ("COMPUTATION", "COMMUNICATION", "MEMORY"))
+    comp, comm, mem = (union(ts[typed[t]], end[typed[t]]) for t in ("COMPUTATION", "COMMUNICATION", "MEMORY"))
     c = length(comp)
     comm_len = length(comm)
     comm_excl = comm_len - intersection(comm, comp)
@@ -87,7 +94,7 @@ def temporal(k: pd.DataFrame) -> dict[str, float]:
         "memory": mem_excl,
         "other": busy - c - comm_excl - mem_excl,
         "non_compute": span - (span - busy) - c,
-        "kernel_time": float(k["dur"].sum()),
+        "kernel_time": float(dur.sum()),
     }
 
 
@@ -118,13 +125,22 @@ def top_kernels(k: pd.DataFrame, n: int = 10) -> pd.DataFrame:
 
 def idle_gaps(k: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The gaps of the selection's busy union: (start, end, host_wait) per gap (see the module note)."""
-    if len(k) < 2:
+    return _gaps(*(k[c].to_numpy(dtype=np.float64) for c in ("ts", "end", "launch_ts")))
+
+
+def _gaps(ts: np.ndarray, end: np.ndarray, launch_ts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    if len(ts) < 2:
         return np.zeros(0), np.zeros(0), np.zeros(0)
-    starts, ends = union(k["ts"].to_numpy(), k["end"].to_numpy())
+    starts, ends = union(ts, end)
     gap_a, gap_b = ends[:-1], starts[1:]
-    # the earliest launch among activities starting exactly at a gap's end
-    first = k.sort_values(["ts", "launch_ts"]).drop_duplicates("ts", keep="first").set_index("ts")["launch_ts"]
-    launch = first.reindex(gap_b).to_numpy(dtype=np.float64)
+    # the earliest launch among activities starting exactly at a gap's end (no launch sorts last)
+    o = np.lexsort((launch_ts, ts))
+    ts_o, launch_o = ts[o], launch_ts[o]
+    at = np.searchsorted(ts_o, gap_b, side="left")
+    hit = at < len(ts_o)
+    hit[hit] = ts_o[at[hit]] == gap_b[hit]
+    launch = np.full(len(gap_b), np.nan)
+    launch[hit] = launch_o[at[hit]]
     launch = np.where(np.isnan(launch), gap_a, launch)  # no launch recorded: counted as queued
     return gap_a, gap_b, np.clip(launch, gap_a, gap_b) - gap_a
 
@@ -144,13 +160,36 @@ def by_category(k: pd.DataFrame) -> pd.DataFrame:
 
 
 def per_step(k: pd.DataFrame) -> pd.DataFrame:
-    """One row per step of the ``window == "step"`` activities: temporal figures, shares, overlap, idle split."""
+    """One row per step of the ``window == "step"`` activities: temporal figures, shares, overlap, idle split.
+
+    The figures are those of :func:`temporal`, :func:`shares`, :func:`overlap_pct` and
+    :func:`idle_split` on each step's rows; the table is sliced once into numeric columns sorted by
+    step, so a trace of many steps costs one sort, not a table filter per step."""
+    sel = k[k["window"] == "step"]
+    if not len(sel):
+        return pd.DataFrame()
+    step = sel["step"].to_numpy()
+    order = np.argsort(step, kind="stable")
+    cols = {c: sel[c].to_numpy(dtype=np.float64)[order] for c in ("ts", "end", "dur", "launch_ts")}
+    types = sel["hta_type"].to_numpy(dtype=object)[order]
+    step = step[order]
+    bounds = np.flatnonzero(np.diff(step)) + 1
+    starts, stops = np.concatenate([[0], bounds]), np.concatenate([bounds, [len(step)]])
+    type_of = {t: types == t for t in ("COMPUTATION", "COMMUNICATION", "MEMORY")}
     rows = []
-    for step, grp in k[k["window"] == "step"].groupby("step"):
-        row = {"step": int(step), **temporal(grp)}
-        row.update({f"share_{t.lower()}": v for t, v in shares(grp).items()})
-        row["overlap_pct"] = overlap_pct(grp)
-        split = idle_split(grp)
-        row["host_wait"], row["other_wait"] = split["host_wait"], split["other_wait"]
+    for a, b in zip(starts, stops):
+        ts, end, dur, launch = (cols[c][a:b] for c in ("ts", "end", "dur", "launch_ts"))
+        typed = {t: m[a:b] for t, m in type_of.items()}
+        row = {"step": int(step[a]), **_temporal(ts, end, dur, typed)}
+        total = float(dur.sum())
+        for t in HTA_TYPES:
+            part = float(dur[types[a:b] == t].sum()) if t not in typed else float(dur[typed[t]].sum())
+            row[f"share_{t.lower()}"] = 100.0 * part / total if total > 0 else 0.0
+        comm = union(ts[typed["COMMUNICATION"]], end[typed["COMMUNICATION"]])
+        comp = union(ts[typed["COMPUTATION"]], end[typed["COMPUTATION"]])
+        comm_len = length(comm)
+        row["overlap_pct"] = 100.0 * intersection(comm, comp) / comm_len if comm_len > 0 else float("nan")
+        gap_a, gap_b, host = _gaps(ts, end, launch)
+        row["host_wait"], row["other_wait"] = float(host.sum()), float(np.sum(gap_b - gap_a)) - float(host.sum())
         rows.append(row)
     return pd.DataFrame(rows)

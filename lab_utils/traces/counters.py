@@ -52,6 +52,28 @@ def queue_summary(series: pd.DataFrame, max_queue: int = MAX_QUEUE) -> pd.DataFr
     return pd.DataFrame(rows, columns=["stream", "count", "mean", "max", "time_mean", "at_max_us"])
 
 
+def in_window(series: pd.DataFrame, key: str, value: str, lo: float, hi: float, max_points: int = 2000) -> pd.DataFrame:
+    """A step-function series (``ts``, ``key``, ``value``: a value holds until the key's next change)
+    on [lo, hi], per key: the value holding at ``lo`` first, then every change inside, at most
+    ``max_points`` per key: past that, one point per bin of (hi - lo) / max_points holding the bin's
+    largest value (a peak is never averaged away)."""
+    cols = ["ts", key, value]
+    parts = []
+    for k, g in series.groupby(key, sort=True):
+        t, v = g["ts"].to_numpy(dtype=np.float64), g[value].to_numpy(dtype=np.float64)
+        before = np.searchsorted(t, lo, side="right") - 1
+        inside = (t > lo) & (t <= hi)
+        ts = np.concatenate([[lo], t[inside]]) if before >= 0 else t[inside]
+        vs = np.concatenate([[v[before]], v[inside]]) if before >= 0 else v[inside]
+        if len(ts) > max_points and hi > lo:
+            b = np.minimum(((ts - lo) / (hi - lo) * max_points).astype(np.int64), max_points - 1)
+            firsts = np.flatnonzero(np.r_[True, np.diff(b) > 0])
+            ts, vs = lo + b[firsts] * (hi - lo) / max_points, np.maximum.reduceat(vs, firsts)
+        if len(ts):
+            parts.append(pd.DataFrame({"ts": ts, key: k, value: vs}))
+    return pd.concat(parts, ignore_index=True)[cols] if parts else pd.DataFrame(columns=cols)
+
+
 def memory_kind(name: str) -> str:
     """``Memcpy HtoD`` / ``Memcpy DtoH`` / ``Memcpy DtoD`` / ``Memset`` (HTA's names), from an activity's name."""
     if name[:6] == "Memset":

@@ -372,20 +372,24 @@ def _edges_table(g: _Graph, path: list[int], host: pd.DataFrame, k: pd.DataFrame
                         "stream": -1, "start_us": ts[np.asarray(g.src)[e]] if len(e) else np.zeros(0),
                         "end_us": ts[np.asarray(g.dst)[e]] if len(e) else np.zeros(0)})  # fmt: skip
     on_host, on_gpu = ev >= 0, ev <= -2
+    name, where = np.full(len(e), "", dtype=object), np.full(len(e), "", dtype=object)
+    category, bound = out["category"].to_numpy(dtype=object), out["bound_by"].to_numpy(dtype=object)
+    stream = np.full(len(e), -1, dtype=np.int64)
     if on_host.any():
         rows = host.loc[ev[on_host]]
-        out.loc[on_host, "name"] = rows["name"].astype(str).to_numpy()
-        out.loc[on_host, "where"] = ("thread " + rows["tid"].astype(str)).to_numpy()
-        out.loc[on_host, ["category", "bound_by"]] = ("CPU", "cpu_bound")
+        name[on_host] = rows["name"].astype(str).to_numpy()
+        where[on_host] = ("thread " + rows["tid"].astype(str)).to_numpy()
+        category[on_host], bound[on_host] = "CPU", "cpu_bound"
     if on_gpu.any():
         pos = -2 - ev[on_gpu]
-        out.loc[on_gpu, "name"] = k["name"].astype(str).to_numpy()[pos]
+        name[on_gpu] = k["name"].iloc[pos].astype(str).to_numpy()
         streams = k["stream"].to_numpy()[pos]
-        out.loc[on_gpu, "stream"] = streams
-        out.loc[on_gpu, "where"] = [f"stream {x}" for x in streams]
+        stream[on_gpu] = streams
+        where[on_gpu] = [f"stream {x}" for x in streams]
         gpu = on_gpu & (kind == "gpu")
         gpos = -2 - ev[gpu]
-        out.loc[gpu, "category"] = k["category"].astype(str).to_numpy()[gpos]
-        comm = k["hta_type"].to_numpy()[gpos] == "COMMUNICATION"
-        out.loc[gpu, "bound_by"] = np.where(comm, "gpu_communication_bound", "gpu_compute_bound")
+        category[gpu] = k["category"].iloc[gpos].astype(str).to_numpy()
+        comm = k["hta_type"].iloc[gpos].to_numpy() == "COMMUNICATION"
+        bound[gpu] = np.where(comm, "gpu_communication_bound", "gpu_compute_bound")
+    out["name"], out["where"], out["category"], out["bound_by"], out["stream"] = name, where, category, bound, stream
     return out

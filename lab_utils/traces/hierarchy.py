@@ -73,16 +73,30 @@ def _innermost(times: np.ndarray, cand: pd.DataFrame, positions: np.ndarray) -> 
     return out
 
 
-def node_table(trace: RankTrace, att: Attributed, k: pd.DataFrame) -> pd.DataFrame:
-    """One row per host node and per activity of ``k``: name, kind, parent (row), cpu_us, gpu_us
-    (see the module note)."""
+def _text(col: pd.Series) -> np.ndarray:
+    """A text column as an object array, decoded once per distinct value where it is categorical."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        cats = np.asarray(col.cat.categories.astype(str), dtype=object)
+        codes = col.cat.codes.to_numpy()
+        return np.where(codes >= 0, cats[np.clip(codes, 0, None)], "nan").astype(object)
+    return col.astype(str).to_numpy().astype(object)
+
+
+def _node_arrays(trace: RankTrace, att: Attributed, k: pd.DataFrame) -> dict[str, np.ndarray]:
+    """:func:`node_table`'s columns as arrays."""
     host = trace.host
-    nodes = host[host["cat"].astype(str).isin(NODE_CATS) & (host["dur"] >= 0)]
+    cat = _text(host["cat"])
+    keep = np.isin(cat, NODE_CATS) & (host["dur"].to_numpy() >= 0)
+    nodes = host[keep]
+    cat = cat[keep]
     parent = _parents(nodes)
-    names = nodes["name"].astype(str).to_numpy().astype(object)
-    names = np.where([bool(_STEP.match(n)) for n in names], "ProfilerStep", names)
-    kinds = np.array([_KIND[c] for c in nodes["cat"].astype(str)], dtype=object)
-    tids = nodes["tid"].astype(str).to_numpy()
+    names = _text(nodes["name"])
+    distinct, inv = np.unique(names, return_inverse=True)
+    steps = np.array([bool(_STEP.match(n)) for n in distinct], dtype=bool)
+    names[steps[inv.reshape(-1)]] = "ProfilerStep"
+    cats, cat_inv = np.unique(cat, return_inverse=True)
+    kinds = np.array([_KIND[c] for c in cats], dtype=object)[cat_inv.reshape(-1)]
+    tids = _text(nodes["tid"])
     if att.main_tid is not None:  # other threads' outermost nodes under the main thread's ranges
         main = (tids == att.main_tid) & (kinds != "op")
         graft = np.flatnonzero((parent < 0) & (tids != att.main_tid))
@@ -98,16 +112,23 @@ def node_table(trace: RankTrace, att: Attributed, k: pd.DataFrame) -> pd.DataFra
         mine = tids == str(tid)
         kp[sel] = _innermost(k["launch_ts"].to_numpy()[sel], nodes[mine], np.flatnonzero(mine))
     n = len(nodes)
-    table = pd.DataFrame({"name": np.concatenate([names, k["name"].astype(str).to_numpy()]),
-                          "kind": np.concatenate([kinds, np.full(len(k), "kernel", dtype=object)]),
-                          "parent": np.concatenate([parent, kp]),
-                          "cpu_us": np.concatenate([nodes["dur"].to_numpy(), np.zeros(len(k))]),
-                          "gpu_us": np.concatenate([np.zeros(n), k["dur"].to_numpy()])})  # fmt: skip
-    orphan = np.flatnonzero((table["parent"].to_numpy() < 0) & (table["kind"].to_numpy() == "kernel"))
+    out = {"name": np.concatenate([names, _text(k["name"])]),
+           "kind": np.concatenate([kinds, np.full(len(k), "kernel", dtype=object)]),
+           "parent": np.concatenate([parent, kp]),
+           "cpu_us": np.concatenate([nodes["dur"].to_numpy(), np.zeros(len(k))]),
+           "gpu_us": np.concatenate([np.zeros(n), k["dur"].to_numpy()])}  # fmt: skip
+    orphan = np.flatnonzero((out["parent"] < 0) & (out["kind"] == "kernel"))
     if len(orphan):
-        table.loc[len(table)] = [NO_HOST, "range", -1, 0.0, 0.0]
-        table.loc[orphan, "parent"] = len(table) - 1
-    return table
+        for key, v in (("name", NO_HOST), ("kind", "range"), ("parent", -1), ("cpu_us", 0.0), ("gpu_us", 0.0)):
+            out[key] = np.append(out[key], np.array([v], dtype=out[key].dtype))
+        out["parent"][orphan] = len(out["parent"]) - 1
+    return out
+
+
+def node_table(trace: RankTrace, att: Attributed, k: pd.DataFrame) -> pd.DataFrame:
+    """One row per host node and per activity of ``k``: name, kind, parent (row), cpu_us, gpu_us
+    (see the module note)."""
+    return pd.DataFrame(_node_arrays(trace, att, k))
 
 
 def tree(trace: RankTrace, att: Attributed, k: pd.DataFrame) -> pd.DataFrame:
@@ -115,28 +136,29 @@ def tree(trace: RankTrace, att: Attributed, k: pd.DataFrame) -> pd.DataFrame:
     name, kind, parent (its parent's path), count, gpu_total_us, gpu_self_us, cpu_us, kernels,
     gpu_pct (of the selection's kernel time); only paths holding GPU time, in depth-first order,
     the largest first among siblings."""
-    t = node_table(trace, att, k)
-    parent = t["parent"].to_numpy()
-    n = len(t)
-    order = _topo(parent)
-    total = t["gpu_us"].to_numpy().copy()
-    kernels = (t["kind"].to_numpy() == "kernel").astype(np.int64)
-    for i in order[::-1]:  # children before parents
-        p = parent[i]
-        if p >= 0:
-            total[p] += total[i]
-            kernels[p] += kernels[i]
+    t = _node_arrays(trace, att, k)
+    parent = t["parent"]
+    n = len(parent)
+    depth = _depths(parent)
+    levels = [np.flatnonzero(depth == d) for d in range(int(depth.max()) + 1)] if n else []
+    total = t["gpu_us"].copy()
+    kernels = (t["kind"] == "kernel").astype(np.int64)
+    for lvl in levels[:0:-1]:  # the deepest first: children before parents
+        np.add.at(total, parent[lvl], total[lvl])
+        np.add.at(kernels, parent[lvl], kernels[lvl])
     self_gpu = np.zeros(n)
-    is_k = t["kind"].to_numpy() == "kernel"
-    np.add.at(self_gpu, parent[is_k & (parent >= 0)], t["gpu_us"].to_numpy()[is_k & (parent >= 0)])
+    is_k = t["kind"] == "kernel"
+    np.add.at(self_gpu, parent[is_k & (parent >= 0)], t["gpu_us"][is_k & (parent >= 0)])
+    names = t["name"]
     paths = np.empty(n, dtype=object)
-    names = t["name"].to_numpy()
-    for i in order:
-        paths[i] = names[i] if parent[i] < 0 else paths[parent[i]] + SEP + names[i]
-    df = pd.DataFrame({"path": paths, "name": names, "kind": t["kind"].to_numpy(), "gpu_total_us": total,
-                       "gpu_self_us": np.where(is_k, t["gpu_us"].to_numpy(), self_gpu),
-                       "cpu_us": t["cpu_us"].to_numpy(), "kernels": kernels})  # fmt: skip
-    df = df[df["gpu_total_us"] > 0]
+    held = total > 0  # a node holding GPU time: its ancestors hold it too, so their paths are built
+    for d, lvl in enumerate(levels):
+        lvl = lvl[held[lvl]]
+        paths[lvl] = names[lvl] if d == 0 else paths[parent[lvl]] + SEP + names[lvl]
+    h = np.flatnonzero(held)
+    df = pd.DataFrame({"path": paths[h], "name": names[h], "kind": t["kind"][h], "gpu_total_us": total[h],
+                       "gpu_self_us": np.where(is_k, t["gpu_us"], self_gpu)[h], "cpu_us": t["cpu_us"][h],
+                       "kernels": kernels[h]})  # fmt: skip
     g = df.groupby(["path", "name", "kind"], sort=False).agg(
         count=("name", "size"), gpu_total_us=("gpu_total_us", "sum"), gpu_self_us=("gpu_self_us", "sum"),
         cpu_us=("cpu_us", "sum"), kernels=("kernels", "sum"),
@@ -149,17 +171,16 @@ def tree(trace: RankTrace, att: Attributed, k: pd.DataFrame) -> pd.DataFrame:
                           "cpu_us", "kernels", "gpu_pct"]]  # fmt: skip
 
 
-def _topo(parent: np.ndarray) -> list[int]:
-    """Nodes ordered so that a parent comes before its children."""
-    children: dict[int, list[int]] = {}
-    for i, p in enumerate(parent):
-        children.setdefault(int(p), []).append(i)
-    out, todo = [], list(reversed(children.get(-1, [])))
-    while todo:
-        i = todo.pop()
-        out.append(i)
-        todo += reversed(children.get(i, []))
-    return out
+def _depths(parent: np.ndarray) -> np.ndarray:
+    """Each node's depth (0: no parent), following the parent links one level at a time."""
+    depth = np.zeros(len(parent), dtype=np.int64)
+    up = parent.copy()
+    while True:
+        live = np.flatnonzero(up >= 0)
+        if not len(live):
+            return depth
+        depth[live] += 1
+        up[live] = parent[up[live]]
 
 
 def _dfs_order(g: pd.DataFrame) -> pd.DataFrame:

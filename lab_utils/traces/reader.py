@@ -40,7 +40,6 @@ Tables of a :class:`RankTrace` (pandas, one row per complete event ``ph == "X"``
 
 from __future__ import annotations
 
-import decimal
 import gzip
 import io
 import os
@@ -55,6 +54,8 @@ import numpy as np
 import pandas as pd
 
 from lab_utils.core.config import ConfigError
+from lab_utils.traces.numbers import codes as value_codes
+from lab_utils.traces.numbers import ints, numbers
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset")
 HOST_CATS = ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver", "Runtime", "Operator")
@@ -113,6 +114,25 @@ class _Head(msgspec.Struct):
 
 _DEC_EVENTS = msgspec.json.Decoder(list[_Event])
 _DEC_HEAD = msgspec.json.Decoder(_Head)
+
+
+class _Slim(msgspec.Struct, gc=False):  # what the step windows need of an event
+    ph: str = ""
+    cat: str = ""
+    name: str = ""
+    ts: msgspec.Raw = msgspec.Raw(b"")
+    dur: float = 0.0
+
+
+class _SlimHead(msgspec.Struct):
+    traceEvents: list[_Slim] = []
+    distributedInfo: dict | None = None
+    deviceProperties: list[dict] | None = None
+    record_shapes: int | None = None
+
+
+_SLIM = (msgspec.json.Decoder(list[_Slim]), msgspec.json.Decoder(_SlimHead))
+_FULL = (_DEC_EVENTS, _DEC_HEAD)
 _NO_ARGS = _Args()
 
 
@@ -147,87 +167,6 @@ def _open_bytes(path: Path) -> io.BufferedIOBase:
     magic = fh.read(2)
     fh.seek(0)
     return gzip.GzipFile(fileobj=fh) if magic == b"\x1f\x8b" else fh
-
-
-_POW10 = 10 ** np.arange(19, dtype=np.int64)
-
-
-def numbers(raws) -> tuple[np.ndarray, np.ndarray]:
-    """JSON numbers as their text (``msgspec.Raw`` or bytes) -> (integer part as int64, fraction
-    as float64), exactly: ``1711964650123456.789`` -> (1711964650123456, 0.789).  Plain decimals
-    are read by numpy, the values of one width at a time (a trace writes its timestamps in one or
-    two widths); anything else (a sign, an exponent) value by value."""
-    n = len(raws)
-    if not n:
-        return np.zeros(0, dtype=np.int64), np.zeros(0)
-    a = np.frombuffer(b",".join(raws) + b",", dtype=np.uint8)
-    ends = np.flatnonzero(a == 44)
-    if len(ends) != n:
-        return _numbers_slowly(raws)
-    starts = np.empty(n, dtype=np.int64)
-    starts[0], starts[1:] = 0, ends[:-1] + 1
-    widths = ends - starts
-    whole, frac = np.zeros(n, dtype=np.int64), np.zeros(n)
-    uniform = bool((widths == widths[0]).all())
-    for w in np.unique(widths):
-        rows = np.flatnonzero(widths == w)
-        if w < 1 or w > 40:
-            return _numbers_slowly(raws)
-        # one value per row, its digits as numbers (one width: the text is already that matrix)
-        m = (a.reshape(n, w + 1)[:, :w] if uniform else a[starts[rows, None] + np.arange(w)]) - 48
-        dot = m == 254  # '.' - '0' in uint8
-        point = np.where(dot.any(axis=1), dot.argmax(axis=1), w)
-        if not ((m <= 9) | dot).all() or dot.sum() > len(rows):
-            return _numbers_slowly(raws)
-        for p in np.unique(point):  # one layout: p digits, then (w - p - 1) after the point
-            sel = point == p
-            if p > 18 or w - p - 1 > 18 or p == 0:
-                return _numbers_slowly(raws)
-            mm = m[sel].astype(np.int64)
-            whole[rows[sel]] = mm[:, :p] @ _POW10[p - 1 :: -1]
-            if p < w - 1:
-                k = w - p - 1
-                frac[rows[sel]] = (mm[:, p + 1 :] @ _POW10[k - 1 :: -1]) / float(_POW10[k])
-    return whole, frac
-
-
-def _numbers_slowly(raws: list) -> tuple[np.ndarray, np.ndarray]:
-    whole, frac = np.zeros(len(raws), dtype=np.int64), np.zeros(len(raws))
-    for i, r in enumerate(raws):
-        v = decimal.Decimal(bytes(r).decode())
-        w = int(v.to_integral_value(rounding=decimal.ROUND_FLOOR))
-        whole[i], frac[i] = w, float(v - w)
-    return whole, frac
-
-
-def _ints(values: list, fill: int = -1) -> np.ndarray:
-    """Integers; None, and ids that are not numbers (a named stream "stream 7 [copy]"), become ``fill``."""
-    try:
-        x = np.array(values, dtype=np.float64)  # None -> NaN
-    except (TypeError, ValueError):
-        return np.array([v if type(v) is int else _to_int(v, fill) for v in values], dtype=np.int64)
-    return np.where(np.isnan(x), fill, x).astype(np.int64)
-
-
-def _codes(values: list, numeric: bool) -> tuple[np.ndarray, list]:
-    """``values`` as integer codes into the list of their distinct values (first seen first);
-    ``numeric``: values that are mostly integers (process and thread ids), coded by numpy."""
-    if numeric:
-        try:
-            uniq, codes = np.unique(np.array(values, dtype=np.int64), return_inverse=True)
-            return codes.astype(np.int32), uniq.tolist()
-        except (TypeError, ValueError, OverflowError):  # a named thread ("PyTorch Profiler")
-            pass
-    table: dict = {}
-    codes = [table.setdefault(v, len(table)) for v in values]
-    return np.array(codes, dtype=np.int32), list(table)
-
-
-def _to_int(v, fill: int) -> int:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return fill
 
 
 class _Columns:
@@ -267,14 +206,14 @@ class _Columns:
         block: dict = {}
         for key, values in (("name", [e.name for e in keep]), ("cat", [e.cat for e in keep]),
                             ("pid", [e.pid for e in keep]), ("tid", [e.tid for e in keep])):  # fmt: skip
-            block[key] = _codes(values, key in ("pid", "tid"))
+            block[key] = value_codes(values, key in ("pid", "tid"))
         block["kind"] = np.array([kinds[c] for c in block["cat"][1]], dtype=np.int8)[block["cat"][0]]
         block["ts"] = numbers([e.ts for e in keep])
         block["dur"] = np.array([e.dur for e in keep], dtype=np.float64)
         corr, ext = [a.correlation for a in args], [a.external_id for a in args]
         stream, device = [a.stream for a in args], [a.device for a in args]
         for key, values in (("correlation", corr), ("external_id", ext), ("stream", stream), ("device", device)):
-            block[key] = _ints(values)
+            block[key] = ints(values)
         self.blocks.append(block)
         n = self.n
         rare = [i for i, a in enumerate(args) if a.nbytes is not None or a.collective is not None
@@ -363,9 +302,10 @@ def _frame(cols: _Columns) -> tuple[dict[str, pd.DataFrame], int]:
     return parts, t0
 
 
-def _stream_events(fh: io.BufferedIOBase, cols: _Columns) -> tuple[_Head, bool]:
-    """Stream ``fh``'s ``traceEvents`` into ``cols``; return the other top-level keys, and whether
-    the text has a ``traceEvents`` array at all."""
+def _stream_events(fh: io.BufferedIOBase, cols, decoders: tuple = _FULL) -> tuple[_Head, bool]:
+    """Stream ``fh``'s ``traceEvents`` into ``cols`` (its ``add``); return the other top-level keys,
+    and whether the text has a ``traceEvents`` array at all.  ``decoders``: (events, head)."""
+    dec_events, dec_head = decoders
     buf = b""
     head_bytes = b""
     while True:  # the head: everything before the events array
@@ -376,8 +316,8 @@ def _stream_events(fh: io.BufferedIOBase, cols: _Columns) -> tuple[_Head, bool]:
             head_bytes, buf = buf[: m.end()], buf[m.end() :]
             break
         if not block:  # no traceEvents key: parse the whole text as one document
-            return _whole(buf, cols)
-    head = _DEC_HEAD.decode(head_bytes + b"]}")
+            return _whole(buf, cols, decoders)
+    head = dec_head.decode(head_bytes + b"]}")
     while True:
         block = fh.read(BLOCK_BYTES)
         if not block:
@@ -387,12 +327,12 @@ def _stream_events(fh: io.BufferedIOBase, cols: _Columns) -> tuple[_Head, bool]:
         if cut is None:
             continue
         try:
-            events = _DEC_EVENTS.decode(b"[" + buf[: cut + 1] + b"]")
+            events = dec_events.decode(b"[" + buf[: cut + 1] + b"]")
         except msgspec.DecodeError:
             continue  # a cut inside nested args: keep the block, cut later
         cols.add(events)
         buf = buf[cut + 1 :].lstrip().lstrip(b",")
-    tail = _DEC_HEAD.decode(b'{"traceEvents": [' + buf)  # the last events and the keys after the array
+    tail = dec_head.decode(b'{"traceEvents": [' + buf)  # the last events and the keys after the array
     cols.add(tail.traceEvents)
     for k in ("distributedInfo", "deviceProperties", "record_shapes"):
         if getattr(head, k) is None:
@@ -414,11 +354,11 @@ def _last_cut(buf: bytes) -> int | None:
         start = max(0, start - (4 << 20))
 
 
-def _whole(text: bytes, cols: _Columns) -> tuple[_Head, bool]:
+def _whole(text: bytes, cols, decoders: tuple = _FULL) -> tuple[_Head, bool]:
     if text.lstrip().startswith(b"["):  # a bare array of events
-        cols.add(_DEC_EVENTS.decode(text))
+        cols.add(decoders[0].decode(text))
         return _Head(), True
-    head = _DEC_HEAD.decode(text)
+    head = decoders[1].decode(text)
     cols.add(head.traceEvents)
     head.traceEvents = []
     return head, False
@@ -498,6 +438,39 @@ def read_rank(path: str | Path, fallback_rank: int = 0, *, alone: bool = True) -
         device_properties=[{k: p.get(k) for k in PROPERTIES} for p in props if isinstance(p, dict)],
         **parts,
     )
+
+
+class _StepRows:
+    """Keeps the ``ProfilerStep#N`` user annotations of a stream of slim events."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, bytes, float]] = []
+        self.seen = 0
+
+    def add(self, events: list[_Slim]) -> None:
+        self.seen += len(events)
+        self.rows += [(e.name, bytes(e.ts), e.dur) for e in events if e.ph == "X" and e.cat == "user_annotation"
+                      and e.name.startswith("ProfilerStep") and len(e.ts)]  # fmt: skip
+
+
+def read_steps(path: str | Path) -> pd.DataFrame:
+    """The ``ProfilerStep`` user annotations of one trace file, without reading the rest of it into
+    tables: name, ts (us after the first of them), dur; for choosing a step before the whole job is
+    read.  The same errors as :func:`read_rank`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("path", str(path), f"an existing trace file ending in one of {SUFFIXES}")
+    rows = _StepRows()
+    try:
+        with _open_bytes(path) as fh:
+            _stream_events(fh, rows, _SLIM)
+    except (msgspec.DecodeError, OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:
+        raise _unreadable(path, exc) from None
+    whole, frac = numbers([r[1] for r in rows.rows])
+    t0 = int(whole.min()) if len(whole) else 0
+    return pd.DataFrame({"name": pd.array([r[0] for r in rows.rows], dtype=object),
+                         "ts": (whole - t0).astype(np.float64) + frac, "dur": [r[2] for r in rows.rows],
+                         "cat": "user_annotation"})  # fmt: skip
 
 
 _KINDS = ("gpu", "host", "sync", "gpu_ranges")

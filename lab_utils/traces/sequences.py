@@ -37,8 +37,11 @@ def _grams(codes: np.ndarray, group: np.ndarray, n: int) -> tuple[np.ndarray, np
 
 
 def _non_overlapping(pos: np.ndarray, n: int) -> np.ndarray:
+    """The occurrences kept left to right without overlap (``pos`` sorted)."""
+    if len(pos) < 2 or bool((np.diff(pos) >= n).all()):
+        return pos
     keep, until = [], -1
-    for p in pos:
+    for p in pos.tolist():
         if p >= until:
             keep.append(p)
             until = p + n
@@ -70,8 +73,7 @@ def frequent_sequences(
         starts, rows = _grams(codes, group, n)
         if not len(starts):
             break
-        keys, inv, counts = np.unique(rows, axis=0, return_inverse=True, return_counts=True)
-        inv = inv.reshape(-1)
+        keys, inv, counts = _unique_rows(rows, len(uniq))
         cand = np.flatnonzero(counts >= min_count)
         if not len(cand):
             break
@@ -102,6 +104,22 @@ def frequent_sequences(
                      "categories": " → ".join(cats[first : first + n]), "names": list(uniq[list(key)])})  # fmt: skip
     out = pd.DataFrame(rows, columns=cols)
     return out.sort_values(["total_us", "length"], ascending=[False, False]).head(top).reset_index(drop=True)
+
+
+def _unique_rows(rows: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``np.unique(rows, axis=0, return_inverse=True, return_counts=True)`` (rows of codes < ``base``),
+    through one integer per row where the row fits in 63 bits (the same sorted order: the row's
+    codes are its digits in ``base``, the first the most significant)."""
+    n = rows.shape[1]
+    if not len(rows) or base**n >= 2**63:
+        keys, inv, counts = np.unique(rows, axis=0, return_inverse=True, return_counts=True)
+        return keys, inv.reshape(-1), counts
+    weights = np.asarray([base ** (n - 1 - j) for j in range(n)], dtype=np.int64)
+    one = rows.astype(np.int64) @ weights
+    vals, inv, counts = np.unique(one, return_inverse=True, return_counts=True)
+    first = np.zeros(len(vals), dtype=np.int64)
+    first[inv[::-1]] = np.arange(len(inv))[::-1]  # a row of each value
+    return rows[first], inv.reshape(-1), counts
 
 
 def _periodic(key: tuple) -> bool:

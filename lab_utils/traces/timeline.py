@@ -110,7 +110,12 @@ def representative_step(att: Attributed) -> int:
     """The step of median host duration (see the module note); 0 for a trace without steps."""
     if not att.has_steps or not len(att.steps):
         return 0
-    s = att.steps.sort_values(["dur", "step"], kind="stable")
+    return median_step(att.steps)
+
+
+def median_step(steps: pd.DataFrame) -> int:
+    """The step of median ``dur`` of a table of step windows (the lower median; ties by step number)."""
+    s = steps.sort_values(["dur", "step"], kind="stable")
     return int(s["step"].iloc[(len(s) - 1) // 2])
 
 

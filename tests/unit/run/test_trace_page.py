@@ -14,6 +14,7 @@ from bokeh.models import Legend
 
 from lab_utils.core.config import ConfigError
 from lab_utils.core.records import load_records
+from lab_utils.run import trace_cli
 from lab_utils.run.cli import main as perflab
 from lab_utils.run.commands import trace as trace_args
 from lab_utils.run.trace_analyses import job_timeline
@@ -265,8 +266,8 @@ def test_the_page_draws_in_chromium_and_asks_the_network_for_nothing(tmp_path, c
         page = ctx.new_page()
         watch = B.Watch.on(page)
         page.goto((out / "trace.html").as_uri())
-        ps = B.wait_for_plots(page, 3)
-        assert len(ps) == 3 and not B.undrawn(ps), ps
+        ps = B.wait_for_plots(page, 4)  # the timeline, the launch queue, the two breakdowns
+        assert len(ps) == 4 and not B.undrawn(ps), ps
         assert ps[0]["height"] >= 8 * 22, "the timeline has a row per lane"
         assert not watch.errors and not watch.outside and not ctx.blocked
 
@@ -292,6 +293,15 @@ def test_trace_json_page_and_records_carry_the_analyses(tmp_path, capsys):
     for heading in ("critical path, rank 0, step 3", "call tree, rank 1", "idle per stream", "launch outliers, rank 0"):
         assert f"<h2>{heading}" in page, heading
     assert "The critical path of step 3 on rank 0 is" in page
+    # the launch queue over step 3 (400..600 us): empty at its start, one kernel queued 412..420 on
+    # stream 7 and one all-reduce 450..470 on stream 20; no copy, so no bandwidth plot
+    series = fig["analyses"]["0"]["series"]
+    assert series["step"] == 3 and series["memory_bw"] == []
+    by_stream = {st: [x for r in series["queue"] if r["stream"] == st for x in (r["ts"], r["queue_length"])]
+                 for st in (7, 20)}  # fmt: skip
+    assert by_stream[7] == pytest.approx([0.0, 0.0, 0.012, 1.0, 0.020, 0.0])
+    assert by_stream[20] == pytest.approx([0.0, 0.0, 0.050, 1.0, 0.070, 0.0])
+    assert "launch queue per stream over step 3" in page and "memory bandwidth in flight" not in page
     tl = ta.timeline(3, paths={0: cp.edges})
     assert tl.lanes[0] == "r0 · critical path" and (tl.bars["kind"] == "path").sum() == (cp.edges["weight"] > 0).sum()
     rows = load_records(out / "records.json")
@@ -299,15 +309,20 @@ def test_trace_json_page_and_records_carry_the_analyses(tmp_path, capsys):
     assert list(per_step["samples"]) == pytest.approx([ta.critical_path(0, s).length_us / 1e3 for s in (1, 2, 3)])
 
 
-def test_a_rank_whose_own_median_step_differs_is_read_again_for_the_pages_step(tmp_path, capsys):
-    """Rank 0's median-duration step is 3, rank 1's is 2: each rank's job picks its own, and the page
-    shows rank 0's for both ranks (rank 1 read a second time); ``--step 1`` reads each once."""
+def test_the_pages_step_is_the_first_files_median_step_and_each_rank_is_read_once(tmp_path, capsys, monkeypatch):
+    """Rank 0's median-duration step is 3, rank 1's is 2: the first file's step annotations are read
+    before the ranks' jobs start, so both ranks draw step 3 in one pass (one map of the jobs, no rank
+    read twice); ``--step 1`` draws step 1."""
     folder = tmp_path / "j"
     folder.mkdir()
     for r, durs in ((0, (100, 300, 200)), (1, (100, 200, 300))):
         write(folder / f"rank{r}.json", rank_events(durs, rank=r), distributedInfo={"rank": r, "world_size": 2})
+    maps = []
+    real = trace_cli._job
+    monkeypatch.setattr(trace_cli, "_job", lambda *args, **kw: maps.append(args[2:] or kw) or real(*args, **kw))
     out = tmp_path / "out"
     assert perflab(["trace", str(folder), "--out", str(out), "--workers", "1"]) == 0
+    assert len(maps) == 1 and maps[0][0]["step"] == 3
     fig = json.loads((out / "trace.json").read_text())
     assert fig["timeline_step"] == 3
     assert {r: a["critical_path"]["step"] for r, a in fig["analyses"].items()} == {"0": 3, "1": 3}
@@ -318,3 +333,25 @@ def test_a_rank_whose_own_median_step_differs_is_read_again_for_the_pages_step(t
     assert perflab(["trace", str(folder), "--out", str(out), "--workers", "1", "--step", "1"]) == 0
     fig = json.loads((out / "trace.json").read_text())
     assert {r: a["critical_path"]["step"] for r, a in fig["analyses"].items()} == {"0": 1, "1": 1}
+
+
+def test_a_rank_whose_job_ended_on_another_step_is_read_again_for_the_pages_step(tmp_path, capsys, monkeypatch):
+    """When the first file's steps cannot be read ahead (here: the look-ahead refuses), each rank's job
+    picks its own median step and the rank that chose another is read again for the first rank's."""
+    folder = tmp_path / "j"
+    folder.mkdir()
+    for r, durs in ((0, (100, 300, 200)), (1, (100, 200, 300))):
+        write(folder / f"rank{r}.json", rank_events(durs, rank=r), distributedInfo={"rank": r, "world_size": 2})
+
+    def refuse(path):
+        raise ConfigError("path", str(path), "a readable trace")
+
+    monkeypatch.setattr(trace_cli, "read_steps", refuse)
+    maps = []
+    real = trace_cli._job
+    monkeypatch.setattr(trace_cli, "_job", lambda *args, **kw: maps.append(args[2:]) or real(*args, **kw))
+    out = tmp_path / "out"
+    assert perflab(["trace", str(folder), "--out", str(out), "--workers", "1"]) == 0
+    assert len(maps) == 2 and maps[0][0]["step"] is None and maps[1][0]["step"] == 3 and maps[1][1] == [1]
+    fig = json.loads((out / "trace.json").read_text())
+    assert {r: a["critical_path"]["step"] for r, a in fig["analyses"].items()} == {"0": 3, "1": 3}

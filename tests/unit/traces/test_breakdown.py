@@ -197,3 +197,43 @@ def test_per_step_splits_by_step_and_leaves_other_windows_out():
     assert (two["span"], two["compute"], two["communication"]) == (30, 20, 10)
     assert two["overlap_pct"] == pytest.approx(50.0)  # 110..120 of 110..130 under compute
     assert B.per_step(k[k["window"] == "after"]).empty
+
+
+def test_per_step_is_each_steps_own_figures_on_many_random_steps(gen):
+    """The table of every step at once holds, step by step, what the figures of that step's rows
+    alone are (those are counted cell by cell above); rows of the steps interleaved in time and in
+    the table, other windows left out."""
+    rng = rng_of(gen)
+    for _ in range(15):
+        rows = []
+        for _ in range(int(rng.integers(1, 40))):
+            st = int(rng.integers(1, 6))
+            ts, dur = 100 * st + int(rng.integers(-30, 60)), int(rng.integers(1, 16))
+            launch = ts - int(rng.integers(0, 25)) if rng.random() < 0.8 else np.nan
+            rows.append((ts, dur, HTA_TYPES[int(rng.integers(0, 4))], launch, "k", "c", st))
+        k = table(rows)
+        k.loc[rng.random(len(k)) < 0.1, "window"] = "gap"
+        per = B.per_step(k)
+        steps = sorted(set(k.loc[k["window"] == "step", "step"]))
+        assert (per["step"].tolist() if len(per) else []) == steps
+        for row in per.itertuples(index=False):
+            one = k[(k["window"] == "step") & (k["step"] == row.step)]
+            want = B.temporal(one)
+            assert {c: getattr(row, c) for c in want} == pytest.approx(want), one
+            for kind, share in B.shares(one).items():
+                assert getattr(row, f"share_{kind.lower()}") == pytest.approx(share)
+            ov = B.overlap_pct(one)
+            assert (math.isnan(row.overlap_pct) and math.isnan(ov)) or row.overlap_pct == pytest.approx(ov)
+            split = B.idle_split(one)
+            assert (row.host_wait, row.other_wait) == pytest.approx((split["host_wait"], split["other_wait"]))
+
+
+def test_a_gap_ending_where_two_activities_start_takes_the_earliest_launch():
+    """Two activities start when the gap ends; the one launched first decides the host wait, and an
+    activity without a launch among them does not hide the other's."""
+    k = table([(0, 10, "COMPUTATION", 0.0), (30, 5, "COMPUTATION", np.nan), (30, 8, "COMPUTATION", 25.0),
+               (30, 2, "COMPUTATION", 27.0)])  # fmt: skip
+    a, b, host = B.idle_gaps(k)
+    assert (a.tolist(), b.tolist(), host.tolist()) == ([10.0], [30.0], [15.0])
+    per = B.per_step(k).iloc[0]
+    assert (per["host_wait"], per["other_wait"]) == (15.0, 5.0)

@@ -11,6 +11,7 @@ import torch
 
 from lab_utils.traces.counters import (
     MAX_QUEUE,
+    in_window,
     memory_bw_series,
     memory_bw_summary,
     memory_kind,
@@ -94,3 +95,44 @@ def test_gbps_in_flight_recorded_first_else_bytes_over_duration():
     assert summ.loc["Memset", "mean"] == pytest.approx(2.0)
     assert memory_bw_series(m.drop(columns="nbytes")).empty
     assert memory_bw_series(m[m["hta_type"] != "MEMORY"]).empty
+
+
+def value_at(t: np.ndarray, v: np.ndarray, x: float) -> float:
+    """The step function (each value holding until the next change) at ``x``; NaN before its first change."""
+    i = np.searchsorted(t, x, side="right") - 1
+    return float(v[i]) if i >= 0 else float("nan")
+
+
+def test_a_series_on_a_window_holds_the_same_values_and_keeps_every_peak(gen):
+    """Inside the window the clipped series is the same step function (checked at every change and
+    between them); the value holding at the window's start opens it; past ``max_points`` each bin
+    holds the largest value of its changes, so the series' maximum inside is kept."""
+    rng = np.random.default_rng(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    for _ in range(20):
+        n = int(rng.integers(1, 60))
+        t = np.sort(rng.choice(np.arange(0, 1000), n, replace=False)).astype(float)
+        v = rng.integers(0, 9, n).astype(float)
+        lo, hi = float(rng.integers(0, 500)), float(rng.integers(500, 1100))
+        series = pd.DataFrame({"ts": t, "stream": 7, "queue_length": v})
+        got = in_window(series, "stream", "queue_length", lo, hi, max_points=10_000)
+        gt, gv = got["ts"].to_numpy(), got["queue_length"].to_numpy()
+        assert (gt >= lo).all() and (gt <= hi).all() and (np.diff(gt) > 0).all()
+        for x in np.concatenate([t[(t > lo) & (t <= hi)], np.linspace(lo, hi, 37)]):
+            want = value_at(t, v, x)
+            if np.isnan(want):
+                assert not len(gt) or x < gt[0]
+            else:
+                assert value_at(gt, gv, x) == want, (x, lo, hi)
+        few = in_window(series, "stream", "queue_length", lo, hi, max_points=4)
+        if len(got) <= 4:
+            assert few.equals(got)
+        else:
+            assert len(few) <= 4 and few["queue_length"].max() == gv.max()
+            assert (few["ts"] >= lo).all() and (few["ts"] <= hi).all()
+
+
+def test_a_window_without_a_change_before_it_starts_at_the_first_change_and_keys_stay_apart():
+    series = pd.DataFrame({"ts": [5.0, 8.0, 2.0, 20.0], "kind": ["a", "a", "b", "b"], "gbps": [1.0, 0.0, 3.0, 0.0]})
+    got = in_window(series.sort_values("ts", kind="stable"), "kind", "gbps", 3.0, 10.0)
+    assert got.to_dict("list") == {"ts": [5.0, 8.0, 3.0], "kind": ["a", "a", "b"], "gbps": [1.0, 0.0, 3.0]}
+    assert in_window(series.iloc[:0], "kind", "gbps", 3.0, 10.0).empty

@@ -1,76 +1,23 @@
-"""lab_utils.traces.reader: exact numbers (numpy's fast path for plain decimals, Python's decimal for
-the rest, checked against each other), the tables each event kind goes to, the allocator's totals,
+"""lab_utils.traces.reader: the tables each event kind goes to, the allocator's totals,
 the rank, device and job a file says it is, and streaming through events larger than the search
 window, on files written here."""
 
 from __future__ import annotations
 
 import json
-from decimal import ROUND_FLOOR, Decimal
+from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from lab_utils.core.config import ConfigError
 from lab_utils.traces import reader as R
+from lab_utils.traces.attribute import step_windows
 
 from .kineto import H100, ann, kernel, launch, op, step, sync, write
 
-
-def exact(text: str) -> tuple[int, float]:
-    d = Decimal(text)
-    w = int(d.to_integral_value(rounding=ROUND_FLOOR))
-    return w, float(d - w)
-
-
-@pytest.fixture
-def no_slow_path(monkeypatch):
-    def refuse(raws):
-        raise AssertionError(f"the slow path read {len(raws)} plain decimals numpy reads")
-
-    monkeypatch.setattr(R, "_numbers_slowly", refuse)
-
-
-def test_plain_decimals_of_every_layout_are_read_by_numpy_exactly(gen, no_slow_path):
-    """Epoch microseconds with 0 to 6 decimals, short ones, integers: numpy's path alone, digit for digit."""
-    rng = np.random.default_rng(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-    texts = ["1711964650123456.789", "1711964650123457", "5.25", "0", "7", "123456789012345678.5",
-             "1.123456789012345678"]  # fmt: skip
-    for _ in range(300):
-        whole = int(rng.integers(0, 10**16))
-        digits = int(rng.integers(0, 7))
-        texts.append(f"{whole}" if not digits else f"{whole}.{int(rng.integers(0, 10**digits)):0{digits}d}")
-    w, f = R.numbers([t.encode() for t in texts])
-    for t, a, b in zip(texts, w, f):
-        want_w, want_f = exact(t)
-        assert int(a) == want_w and b == pytest.approx(want_f, abs=1e-12), t
-    one = R.numbers([b"1711964650123456.789"])  # one value, one width
-    assert int(one[0][0]) == 1711964650123456 and one[1][0] == pytest.approx(0.789, abs=1e-12)
-
-
-@pytest.mark.parametrize(
-    "texts",
-    [
-        ["-1.5", "1711964650123456.789"],  # a sign in the narrowest width (read first)
-        ["1.5e3", "12.25"],  # an exponent
-        [".5", "10.5"],  # no digit before the point
-        ["1234567890123456789.5"],  # 19 digits before the point
-        ["1." + "1" * 19],  # 19 after it
-        ["0." + "0" * 39 + "1"],  # wider than 40
-    ],
-)
-def test_numbers_numpy_cannot_hold_go_the_exact_slow_way(texts):
-    w, f = R.numbers([t.encode() for t in texts])
-    for t, a, b in zip(texts, w, f):
-        want_w, want_f = exact(t)
-        assert int(a) == want_w and b == pytest.approx(want_f, abs=1e-12), t
-        assert 0 <= b < 1
-
-
-def test_no_number_is_two_empty_columns():
-    w, f = R.numbers([])
-    assert w.dtype == np.int64 and len(w) == len(f) == 0
+ROOT = Path(__file__).resolve().parents[3]
+TRACES = ROOT.parent / "shared" / "data" / "gpu-traces"
 
 
 def test_each_kind_of_event_goes_to_its_table_and_incomplete_events_are_dropped(tmp_path):
@@ -108,14 +55,6 @@ def test_optional_arguments_are_columns_only_where_recorded(tmp_path):
     assert json.loads(r.host["concrete"].iloc[0]) == ["", ""]
     plain = R.read_rank(write(tmp_path / "p.json", [kernel("gemm", 1, 0, 10)]))
     assert not {"nbytes", "memory_gbps", "collective", "in_nelems"} & set(plain.gpu.columns)
-
-
-def test_named_streams_and_threads_keep_what_is_a_number():
-    assert R._ints([7, None, "stream 7 [copy]", 3.0]).tolist() == [7, -1, -1, 3]
-    codes, values = R._codes([5, 5, 9], numeric=True)
-    assert [values[c] for c in codes] == [5, 5, 9]
-    codes, values = R._codes(["PyTorch Profiler", 5, "PyTorch Profiler"], numeric=True)
-    assert [values[c] for c in codes] == ["PyTorch Profiler", 5, "PyTorch Profiler"]
 
 
 def test_the_allocators_totals_sit_on_the_traces_clock(tmp_path):
@@ -205,3 +144,33 @@ def test_events_are_the_kept_events_as_chrome_trace_dicts(tmp_path):
     assert mm["args"] == {"External id": 5, "Input Dims": [[2, 3], [3, 4]], "Input type": ["float", "float"]}
     assert out[1]["args"] == {}  # no id recorded: none written
     assert out[0]["args"] == {"External id": 1, "correlation": 1, "stream": 7} and out[0]["ts"] == 140
+
+
+def test_the_step_annotations_read_ahead_are_the_tables_step_windows(tmp_path):
+    """``read_steps`` keeps only the ``ProfilerStep`` user annotations: the same windows (step, order,
+    duration) as the whole file read into tables, a repeated step kept once, other events left out."""
+    ev = [step(3, 100.5, 50), step(1, 0.25, 40), step(2, 40.25, 60), step(2, 41.0, 5), ann("## forward ##", 1, 9),
+          op("aten::mm", 2, 3, ext=1), kernel("gemm", 1, 5, 4),
+          {"ph": "i", "cat": "user_annotation", "name": "ProfilerStep#9", "ts": 7, "pid": 1, "tid": 1}]  # fmt: skip
+    path = write(tmp_path / "t.json.gz", ev, gz=True)
+    ahead = R.read_steps(path)
+    got = step_windows(ahead.assign(end=ahead["ts"] + ahead["dur"], tid=""))
+    want = step_windows(R.read_rank(path).host)
+    assert got["step"].tolist() == want["step"].tolist() == [1, 2, 3]
+    assert got["dur"].tolist() == want["dur"].tolist() == [40.0, 60.0, 50.0]
+    assert np.allclose(np.diff(got["ts"]), np.diff(want["ts"]))
+    bad = tmp_path / "cut.json.gz"
+    bad.write_bytes(path.read_bytes()[:-20])
+    with pytest.raises(ConfigError, match="cut.json.gz"):
+        R.read_steps(bad)
+
+
+def test_the_step_annotations_of_the_real_traces_are_their_step_windows():
+    files = sorted(f for f in TRACES.glob("*/*") if f.name.endswith(R.SUFFIXES)) if TRACES.is_dir() else []
+    if not files:
+        pytest.skip(f"no real traces under {TRACES}")
+    for f in files:
+        ahead = R.read_steps(f)
+        got = step_windows(ahead.assign(end=ahead["ts"] + ahead["dur"], tid=""))
+        want = step_windows(R.read_rank(f).host)
+        assert got["step"].tolist() == want["step"].tolist() and got["dur"].tolist() == want["dur"].tolist(), f

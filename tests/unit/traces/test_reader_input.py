@@ -17,7 +17,7 @@ import pytest
 from lab_utils.core.config import ConfigError
 from lab_utils.run.cli import main as perflab
 from lab_utils.traces import read_job, read_rank
-from lab_utils.traces.reader import numbers
+from lab_utils.traces.numbers import numbers
 from unit.run.test_trace_cli_figures import job
 
 

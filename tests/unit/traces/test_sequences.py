@@ -104,3 +104,21 @@ def test_ops_and_categories_of_the_first_occurrence_and_top():
 )  # fmt: skip
 def test_short_names(name, short):
     assert short_name(name) == short
+
+
+def test_many_distinct_kernels_are_counted_as_with_few(gen):
+    """Over 300 distinct names an 8-kernel pattern no longer fits one 63-bit key: the patterns are
+    then told apart row by row, and the count is the same as the one written here."""
+    rng = np.random.default_rng(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    motif = [f"k{i}" for i in rng.choice(300, 8, replace=False)]
+    names = []
+    for _ in range(6):
+        names += motif + [f"k{int(i)}" for i in rng.choice(300, int(rng.integers(0, 4)))]
+    names += [f"k{i}" for i in range(300)]  # every name occurs
+    k = frame(names, durs=rng.integers(1, 6, len(names)).astype(float))
+    got = frequent_sequences(k, min_len=2, max_len=8, min_count=2, top=10_000)
+    want = by_hand(k, 2, 8, 2)
+    assert {tuple(r.names): (r.count, r.total_us) for r in got.itertuples()} == {
+        key: (c, t) for key, (c, t, _) in want.items()
+    }
+    assert tuple(motif) in {tuple(r.names) for r in got.itertuples()}
