@@ -1,13 +1,17 @@
-"""lab_utils.memory.policies: a gradient mismatch at and beyond its tolerance, the peak above what
-was live before (a synthetic function whose allocations are known), offload marked as not acting on
-a CPU, and the policies compared on tests/unit/step/tiny.py's step, whose blocks and saved bytes are
-known by construction."""
+"""lab_utils.memory.policies: a gradient mismatch at and beyond its tolerance (per dtype, relative to
+the gradient without checkpointing), the parameter dtype of a step, the peak above what was live
+before (a synthetic function whose allocations are known, on the CPU's profiler and on a fake CUDA
+allocator), the timing method and progress of a comparison, every figure of the step's batch 1,
+offload marked as not acting on a CPU, and the policies compared on tests/unit/step/tiny.py's step,
+whose blocks and saved bytes are known by construction."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lab_utils.memory import policies as P
+from lab_utils.step.contract import StepFactory
 from unit.step.tiny import ACT, tiny_step
 
 
@@ -74,3 +78,87 @@ def test_a_policy_whose_gradients_differ_is_refused(monkeypatch):
         assert "policy 'full'" in str(e) and "blocks.0.a.weight" in str(e)
     else:
         raise AssertionError("a policy with wrong gradients was not refused")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "complex64"])
+def test_a_half_precision_gradient_may_differ_by_two_hundredths_plus_two_percent(dtype):
+    # |got - ref| <= 0.02 + 0.02 * |ref| (an unknown dtype: half precision's tolerance)
+    ref = {"w": torch.tensor([1.0, 0.0, -50.0])}
+    assert P.grad_mismatch(ref, {"w": torch.tensor([1.039, 0.0199, -50.0 - 1.019])}, dtype) == []
+    for off in ([1.041, 0.0, -50.0], [1.0, 0.021, -50.0], [1.0, 0.0, -51.03]):
+        assert P.grad_mismatch(ref, {"w": torch.tensor(off)}, dtype) == ["w"], off
+
+
+def test_the_tolerance_is_relative_to_the_gradient_without_checkpointing():
+    # 98 -> 100 is 2.04% of the reference (beyond), 100 -> 98 is 2% (within): the reference is no checkpointing
+    assert P.grad_mismatch({"w": torch.tensor([98.0])}, {"w": torch.tensor([100.0])}, "bfloat16") == ["w"]
+    assert P.grad_mismatch({"w": torch.tensor([100.0])}, {"w": torch.tensor([98.0])}, "bfloat16") == []
+    atol, rtol = P.GRAD_TOL["float32"]
+    assert (atol, rtol) == (1e-6, 1e-5)
+    assert P.grad_mismatch({"w": torch.tensor([0.0])}, {"w": torch.tensor([0.9e-6])}) == []
+    assert P.grad_mismatch({"w": torch.tensor([0.0])}, {"w": torch.tensor([1.2e-6])}) == ["w"]  # atol alone at 0
+
+
+def test_the_parameter_dtype_of_a_step():
+    step = tiny_step()
+    assert P.param_dtype(step) == "float32"
+    step.model.to(torch.bfloat16)
+    assert P.param_dtype(step) == "bfloat16"
+    step.model = torch.nn.ReLU()  # no parameters: float32
+    assert P.param_dtype(step) == "float32"
+
+
+def test_the_peak_on_a_gpu_is_the_allocators_above_what_was_live(monkeypatch):
+    # a fake CUDA allocator: 1,000 bytes live before; fn allocates 700, frees 300 (peak 1,700)
+    mem = {"now": 1000, "peak": 1000}
+
+    def alloc(n):
+        mem["now"] += n
+        mem["peak"] = max(mem["peak"], mem["now"])
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: mem["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: mem["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: mem.update(peak=mem["now"]))
+    mem["peak"] = 5000  # an earlier peak: reset before fn runs
+    assert P.excursion(lambda: (alloc(700), alloc(-300)), torch.device("cuda")) == (700, 400)
+    assert P.peak_above(lambda: alloc(-400), torch.device("cuda")) == 0  # frees only: nothing above
+
+
+def test_the_policies_timings_method_and_progress(monkeypatch):
+    calls, bars = [], []
+    monkeypatch.setattr(P, "try_bench", lambda fn, **kw: calls.append(kw) or "timing")
+    real_tqdm = P.tqdm
+    monkeypatch.setattr(P, "tqdm", lambda it, **kw: bars.append(kw) or real_tqdm(it, disable=True))
+    rows = P.compare_policies(tiny_step(), ["none", "full"], reps=5)
+    assert [r.timing for r in rows] == ["timing", "timing"] and bars[0]["disable"] is False  # progress by default
+    assert [c["name"] for c in calls] == ["step-none", "step-full"]
+    assert all(c["reps"] == 5 and c["retries"] == 0 and c["check_finite"] is False for c in calls)  # CPU: no retries
+    monkeypatch.setattr(P, "peak_above", lambda fn, dev: 1)
+    monkeypatch.setattr(StepFactory, "device", property(lambda self: torch.device("cuda")))
+    calls.clear()
+    P.compare_policies(tiny_step(), ["full"], progress=False)
+    assert calls[0]["retries"] == 2 and calls[0]["device"] == torch.device("cuda") and bars[-1]["disable"] is True
+
+
+def test_a_policys_gradients_are_held_to_those_without_checkpointing(monkeypatch):
+    # float32: |got - ref| <= 1e-6 + 1e-5 * |ref|. 99,999 -> 100,000 is beyond (the bound is 0.99999),
+    # 100,000 -> 99,999 within (1.000001): which side is the reference decides
+    def fake(values):
+        return lambda step, policy="none", k=1: {"w": torch.tensor([values[policy]])}
+
+    monkeypatch.setattr(P, "grads_of", fake({"none": 99_999.0, "full": 100_000.0}))
+    with pytest.raises(AssertionError, match=r"policy 'full': gradients differ from no checkpointing in \['w'\]"):
+        P.compare_policies(tiny_step(), ["full"], reps=1, progress=False)
+    monkeypatch.setattr(P, "grads_of", fake({"none": 100_000.0, "full": 99_999.0}))
+    monkeypatch.setattr(P, "try_bench", lambda fn, **kw: "timing")
+    assert [r.policy for r in P.compare_policies(tiny_step(), ["full"], reps=1, progress=False)] == ["full"]
+
+
+def test_every_figure_of_a_policy_is_of_the_steps_batch_one():
+    step = tiny_step()
+    step.make_batch = lambda k: torch.ones(k + 1, 8)  # step k's batch has k + 1 rows: batch 1 has two
+    (row,) = P.compare_policies(step, ["full"], reps=3, progress=False)
+    mm = 2 * 2 * 8 * 8  # one Linear(8, 8) on two rows
+    assert row.flops == 27 * mm  # 23 matmuls of the step and each block's first Linear again
+    assert row.saved_bytes == 4 * 2 * 8 * 4  # each block's input of two rows (float32)

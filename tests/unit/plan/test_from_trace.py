@@ -3,7 +3,8 @@ written here whose phase times are known by construction (a forward kernel of 0.
 text encoder's 0.05 ms, a backward that ran in two steps of five, an all-reduce that belongs to no
 lever), each figure worked out by hand: the median and the min, the spread (p80 - p20) / figure,
 a phase whose figure is zero (its spread is 0, never a division by zero), a step whose kernels
-outlast its window (``other`` is 0, never negative), one step, and the refusals."""
+outlast its window (``other`` is 0, never negative), one step, the lab trainer's own data,
+optimizer and checkpoint ranges, and the refusals."""
 
 from __future__ import annotations
 
@@ -111,3 +112,26 @@ def test_bad_input_is_refused_naming_the_parameter(trace, tmp_path):
     no_steps = Job().add(op("aten::mm", 0.0, 10.0)).write(tmp_path / "nosteps.json")
     with pytest.raises(ConfigError, match="ProfilerStep"):
         profile_from_trace(no_steps)
+
+
+def test_the_lab_trainers_own_phase_names_map_to_the_planners_phases(tmp_path):
+    """Two steps of 2 ms whose data, optimizer and checkpoint ranges are the lab trainer's own
+    names, each launching one kernel of a known length (us): every planner phase by hand."""
+    j, t = Job(), 0.0
+    for s, (data, opt, ckpt) in enumerate([(100.0, 40.0, 0.0), (300.0, 60.0, 500.0)]):
+        j.add(step(s + 1, t, 2000.0), ann("data_loading", t + 10, 150), ann("optimizer", t + 1000, 100))
+        j.gpu("copy_kernel", t + 20, t + 30, data)
+        j.gpu("multi_tensor_apply_kernel", t + 1010, t + 1020, opt)
+        if ckpt:
+            j.add(ann("checkpoint", t + 1500, 100))
+            j.gpu("copy_d2h", t + 1510, t + 1520, ckpt)
+        t += 2000.0
+    prof = profile_from_trace(j.write(tmp_path / "lab.json"))
+    assert prof.phase_samples["data_loading"] == pytest.approx([0.1, 0.3])
+    assert prof.phase_samples["optimizer"] == pytest.approx([0.04, 0.06])
+    assert prof.phase_samples["checkpoint"] == pytest.approx([0.0, 0.5])
+    assert prof.phase_samples["other"] == pytest.approx([2.0 - 0.14, 2.0 - 0.86])
+    assert prof.phases["data_loading"] == pytest.approx(0.2)  # the median of two: their mean
+    assert prof.spread["data_loading"] == pytest.approx((0.26 - 0.14) / 0.2)  # p80 0.1 + 0.8 * 0.2, p20 0.1 + 0.2 * 0.2
+    assert prof.phases["checkpoint"] == pytest.approx(0.25) and prof.phases["image_encoding"] == 0.0
+    assert prof.step_samples == pytest.approx((2.0, 2.0)) and prof.stability

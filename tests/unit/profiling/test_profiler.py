@@ -1,8 +1,12 @@
-"""The full-step profiler: phases add up, categories present, trace valid, FLOPs, CUDA-trace analysis."""
+"""The full-step profiler: phases add up, categories present, trace valid, FLOPs, CUDA-trace analysis,
+a phase's figure per step by hand (every step and every N steps, median and min, none run), the
+MFU as total FLOPs over total amortised time against a ceiling and a datasheet, and a top op's
+share of the step."""
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -24,6 +28,7 @@ from lab_utils.profiling.profiler import (
     analyse_trace,
     categorize,
     count_flops,
+    periodic_note,
     phase_figure,
     profile_training,
     training_step_flops,
@@ -347,3 +352,87 @@ def test_top_ops_table_keeps_full_op_names():
     html = lab01.top_ops_table(rep).to_html()
     assert f">{long}<" in html and "white-space: nowrap" in html
     assert "10.5" in html  # the median ms per step beside the total
+
+
+@pytest.mark.parametrize(
+    "per_step, every, statistic, ms, per_event, events, samples",
+    [
+        ([3.0, 1.0, 2.0], 1, "median", 2.0, 2.0, 3, (3.0, 1.0, 2.0)),
+        ([3.0, 1.0, 2.0], 1, "min", 1.0, 1.0, 3, (3.0, 1.0, 2.0)),
+        ([0.0, 4.0, 0.0], 1, "median", 0.0, 0.0, 1, (0.0, 4.0, 0.0)),  # every step: the zeros are samples
+        ([], 1, "median", 0.0, 0.0, 0, ()),
+        ([0.0, 30.0, 0.0, 0.0, 0.0, 36.0], 3, "median", 11.0, 33.0, 2, (30.0, 36.0)),  # occurrences only, / 3
+        ([0.0, 30.0, 0.0, 0.0, 0.0, 36.0], 3, "min", 10.0, 30.0, 2, (30.0, 36.0)),
+        ([5.0], 2, "median", 2.5, 5.0, 1, (5.0,)),  # one occurrence
+        ([0.0, 0.5, 0.0, 0.7], 2, "median", 0.3, 0.6, 2, (0.5, 0.7)),  # occurrences under 1 ms count
+        ([0.0, 1e-3, 0.0, 0.0], 4, "median", 2.5e-4, 1e-3, 1, (1e-3,)),
+        ([2.0, 4.0], 0, "median", 3.0, 3.0, 2, (2.0, 4.0)),  # every 0 or None: every step
+        ([2.0, 4.0], None, "median", 3.0, 3.0, 2, (2.0, 4.0)),
+    ],
+)
+def test_a_phase_figure_by_hand(per_step, every, statistic, ms, per_event, events, samples):
+    f = phase_figure("checkpoint", per_step, every, statistic=statistic)
+    assert (f.ms, f.per_event_ms, f.events, f.samples) == (pytest.approx(ms), pytest.approx(per_event), events, samples)
+    assert f.every == max(every or 1, 1) and f.periodic is (f.every > 1)
+    assert (f.note == "") is (not f.periodic)
+
+
+def test_a_phase_run_every_two_steps_is_periodic_and_its_note_says_so():
+    every_step = phase_figure("forward", [1.0, 1.0], 1)
+    two = phase_figure("checkpoint", [0.0, 8.0, 0.0, 12.0], 2)
+    assert not every_step.periodic and two.periodic and (two.ms, two.per_event_ms) == (5.0, 10.0)
+    assert two.note == "checkpoint every 2 steps: 10 ms per checkpoint (median of 2), amortised as 5 ms per step"
+    assert periodic_note([every_step, two, every_step]) == two.note
+    assert periodic_note([every_step]) == "" and periodic_note([]) == ""
+    none = phase_figure("checkpoint", [0.0, 0.0], 5)
+    assert math.isnan(none.per_event_ms) and none.ms == 0.0
+    assert periodic_note([two, none]) == two.note + "; " + none.note
+
+
+def test_the_mfu_is_the_total_flops_over_the_total_amortised_time():
+    # three steps of 10, 20 and 30 ms (a forward only), 1e9 FLOPs each: 3e9 / 0.06 s = 0.05 TFLOP/s
+    rep = synthetic_report({"forward": [10.0, 20.0, 30.0]})
+    mfu = rep.mfu()
+    assert list(mfu.quantity) == ["achieved"] and mfu.tflops[0] == pytest.approx(0.05)
+    assert list(mfu.samples[0]) == pytest.approx([0.1, 0.05, 1 / 30])  # per step: 1e9 / its time
+
+    class Ceilings:
+        def matmul(self, dtype):
+            return {"bf16": 0.2}.get(dtype)
+
+    class Sheet:
+        bf16_tflops, tf32_tflops, fp32_tflops, source = 1.0, 0.5, 0.25, "datasheet"
+
+    bf = rep.mfu(Ceilings(), Sheet(), "bf16").set_index("quantity")
+    assert bf.loc["measured matmul ceiling", "pct"] == pytest.approx(25.0)  # 0.05 of 0.2
+    assert list(bf.loc["measured matmul ceiling", "samples"]) == pytest.approx([50.0, 25.0, 50 / 3])
+    assert bf.loc["datasheet peak", "pct"] == pytest.approx(5.0) and bf.loc["datasheet peak", "tflops"] == 1.0
+    assert list(bf.loc["datasheet peak", "samples"]) == pytest.approx([10.0, 5.0, 10 / 3])
+    fp32 = rep.mfu(Ceilings(), Sheet(), "fp32").set_index("quantity")
+    assert list(fp32.index) == ["achieved", "datasheet peak (fp32, TF32 off)"]  # no fp32 ceiling measured
+    assert fp32.loc["datasheet peak (fp32, TF32 off)", "pct"] == pytest.approx(20.0)
+
+
+def test_a_top_ops_share_of_the_step_by_hand():
+    # steps of 10, 11 and 10.5 ms (median 10.5) and one op of half of each: 5.25 ms per step, 50%
+    rep = synthetic_report({"forward": [10.0, 11.0, 10.5]})
+    rep.analysis.top_ops_by_step["ms"] = [5.0, 5.5, 5.25]  # now half of each step
+    rec = Recorder(lab="01_training_step")
+    rep.record(rec)
+    row = next(r for r in rec.rows if r["experiment"] == "top_ops")
+    extra = json.loads(row["extra"])
+    assert row["value"] == pytest.approx(5.25) and extra["pct_of_step"] == pytest.approx(50.0)
+    assert extra["share"] == pytest.approx(0.5) and extra["calls_per_step"] == pytest.approx(1.0)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero")
+def test_a_share_of_a_step_of_no_time_is_not_a_number():
+    rep = synthetic_report({"forward": [0.0, 0.0, 0.0]})
+    rec = Recorder(lab="01_training_step")
+    rep.record(rec)
+    rows = [r for r in rec.rows if r["experiment"] in ("top_ops", "categories")]
+    assert {r["experiment"] for r in rows} == {"top_ops", "categories"}
+    for r in rows:
+        extra = json.loads(r["extra"])
+        assert r["value"] == 0.0 and extra["pct_of_step"] is None  # NaN, never a division by zero
+    assert json.loads(next(r for r in rows if r["experiment"] == "top_ops")["extra"])["share"] is None

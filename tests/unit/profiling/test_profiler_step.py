@@ -1,7 +1,8 @@
 """lab_utils.profiling.profiler on a step given by its factory (tests/unit/step/tiny.py: eight
 Linear(8, 8) on two rows): the FLOPs of one step from the factory or counted by hand, and one real
 profiled step's phases and records checked against the analysis they come from (relations and
-exact counts, never a timing)."""
+exact counts, never a timing), its memory counted by default (at least every gradient at once), and
+a profile into a folder it makes."""
 
 from __future__ import annotations
 
@@ -61,3 +62,16 @@ def test_a_profiled_steps_records_are_its_analysis(profiled):
     assert peak["unit"] == "MiB" and peak["value"] == pytest.approx(profiled.analysis.peak_allocated_bytes / 2**20)
     trace = rows[("artifacts", "tiny", "trace_file", "file")]
     assert trace["value"] == profiled.trace_path.stat().st_size and trace["unit"] == "bytes"
+
+
+def test_a_profiled_step_counts_its_memory_by_default(profiled):
+    # every parameter's gradient is live at once between the backward and zero_grad: at least
+    # 576 float32 values (four blocks of two Linear(8, 8)) above what was live when profiling began
+    assert profiled.analysis.peak_allocated_bytes >= 4 * 2 * (D * D + D) * 4 == 2304
+    assert profiled.memory_html_path is None and profiled.cuda_peak_bytes is None  # a CPU: no allocator history
+
+
+def test_a_profile_writes_into_a_folder_it_makes(tmp_path):
+    rep = profile_step(tiny_step(), active=1, warmup=1, out_dir=tmp_path / "new" / "traces", name="one")
+    assert rep.trace_path.parent == tmp_path / "new" / "traces" and rep.trace_path.is_file()
+    assert len(rep.analysis.steps) == 1 and rep.step_flops == [23 * MM]

@@ -1,24 +1,44 @@
 """lab_utils.step.contract: the repeated blocks found in a module tree written here (outermost lists
 of two or more children of one class, in module order; a given block class instead), the region
-a module belongs to, one step's four phases in order, and the identity a record carries (its
-parameter count by hand, a configuration hash that ignores library versions and tells two
-configurations apart)."""
+a module belongs to, each block's index within its own list, the capabilities a step declares,
+one step's four phases in order, its gradient norm before clipping and the clipped SGD update
+against a float64 count, periodic work after every n-th step in its own range, batches compared
+leaf by leaf, their skeletons and batch sizes, and the identity a record carries (its parameter
+count by hand, a configuration hash that ignores library versions and tells two configurations
+apart)."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import hashlib
 import json
+import math
 
 import pytest
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from lab_utils.step.contract import STEP_PHASES, StepFactory, blocks, config_hash, identity, region_of, run_step
+from lab_utils.step.contract import (
+    CAPABILITIES,
+    STEP_PHASES,
+    Periodic,
+    StepFactory,
+    batch_leaves,
+    batch_size_of,
+    block_groups,
+    blocks,
+    config_hash,
+    identity,
+    region_of,
+    run_step,
+    same_batch,
+    skeleton,
+)
 
-from .tiny import Block, D, Net, tiny_step
+from .tiny import B, Block, D, Net, tiny_step
 
 
 class Inner(nn.Module):
@@ -125,3 +145,162 @@ def test_the_configuration_hash():
     m = nn.Linear(2, 2)
     m.config = {"width": 8, "depth": 2}  # the model's own config when the factory gives none
     assert config_hash(StepFactory(m, torch.optim.SGD(m.parameters(), lr=0.1), lambda k: None, lambda m, b: None)) == a
+
+
+class TwoKinds(nn.Module):
+    """Two block lists, like an MMDiT's double- and single-stream blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.double = nn.ModuleList([Block(), Block(), Block()])
+        self.single = nn.ModuleList([nn.Linear(D, D), nn.Linear(D, D)])
+
+
+def test_each_block_is_counted_within_its_own_list():
+    groups = block_groups(blocks(TwoKinds()))
+    assert [(n, kind, i) for n, kind, i, _ in groups] == [
+        ("double.0", "double", 0), ("double.1", "double", 1), ("double.2", "double", 2),
+        ("single.0", "single", 0), ("single.1", "single", 1),
+    ]  # fmt: skip
+    # interleaved kinds each keep their own count; a name without a list is of kind "blocks"
+    a, b = nn.Linear(2, 2), nn.ReLU()
+    named = [("x.0", a), ("y.0", b), ("x.1", a), ("top", b), ("y.1", a), ("other", a)]
+    assert [(kind, i) for _, kind, i, _ in block_groups(named)] == [
+        ("x", 0), ("y", 0), ("x", 1), ("blocks", 0), ("y", 1), ("blocks", 1)]  # fmt: skip
+    assert block_groups([]) == []
+
+
+def test_a_step_has_the_capabilities_it_declares_and_refuses_unknown_names():
+    step = tiny_step()
+    assert not any(step.has(c) for c in CAPABILITIES)  # the contract alone declares nothing
+    step.capabilities = {"tokens": lambda batch: 16, "trainer": object()}
+    assert step.has("tokens") and step.has("trainer") and not step.has("policies")
+    with pytest.raises(KeyError, match="unknown capability 'token'"):
+        step.has("token")
+
+
+def sgd_step(grad_clip: float = 0.0) -> StepFactory:
+    torch.manual_seed(0)
+    model = Net(2)
+    return StepFactory(model, torch.optim.SGD(model.parameters(), lr=1.0), lambda k: torch.full((B, D), float(k + 1)),
+                       lambda m, x: (m(x) ** 2).sum(), grad_clip=grad_clip)  # fmt: skip
+
+
+def grads_by_hand(step: StepFactory, k: int) -> list[torch.Tensor]:
+    """The step's gradients at its current weights, in float64 on a copy of the model."""
+    m = copy.deepcopy(step.model).double()
+    (m(step.make_batch(k).double()) ** 2).sum().backward()
+    return [p.grad for p in m.parameters()]
+
+
+@pytest.mark.parametrize("clip", [0.0, 1e-3, 1e9])
+def test_the_gradient_norm_is_the_total_before_clipping_and_sgd_moves_by_the_clipped_gradient(clip):
+    step = sgd_step(clip)
+    before = [p.detach().double().clone() for p in step.model.parameters()]
+    g = grads_by_hand(step, 2)
+    total = math.sqrt(sum(float((x**2).sum()) for x in g))
+    out = run_step(step, 2)
+    if clip == 0:
+        assert math.isnan(out.grad_norm)  # no clipping: no norm taken
+        scale = 1.0
+    else:
+        assert out.grad_norm == pytest.approx(total, rel=1e-5)
+        scale = min(1.0, clip / (total + 1e-6))  # clip_grad_norm_'s rule; 1e9: no change
+    for p0, p1, gp in zip(before, step.model.parameters(), g):
+        torch.testing.assert_close(p1.detach().double(), p0 - scale * gp, rtol=1e-4, atol=1e-7)  # lr 1
+    assert torch.equal(out.batch, torch.full((B, D), 3.0))  # the batch of step 2
+
+
+@pytest.mark.parametrize("every, due", [(1, [0, 1, 2, 3, 4, 5, 6]), (3, [2, 5]), (7, [6]), (8, [])])
+def test_periodic_work_runs_after_every_nth_step_in_its_own_phase(every, due):
+    step = tiny_step()
+    seen = []
+    step.periodic = (Periodic("checkpoint", every, seen.append),)
+    for k in range(7):
+        run_step(step, k)
+    assert seen == due  # after step k when (k + 1) % every == 0
+
+
+def test_a_periodic_phase_is_a_range_after_the_optimizer_unless_the_factory_opens_it():
+    step = tiny_step()
+    step.periodic = (Periodic("checkpoint", 2, lambda k: None),)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_step(step, 0)  # (0 + 1) % 2: not due
+        run_step(step, 1)  # due
+    names = [e.name for e in prof.events() if e.name in (*STEP_PHASES, "checkpoint")]
+    assert names == [*STEP_PHASES, *STEP_PHASES, "checkpoint"]
+
+    def own_range(k):
+        with torch.profiler.record_function("checkpoint"):
+            pass
+
+    step.periodic, step.phases = (Periodic("checkpoint", 1, own_range),), ("checkpoint",)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_step(step, 0)
+    assert [e.name for e in prof.events()].count("checkpoint") == 1  # opened once, by the factory
+
+
+@dataclasses.dataclass
+class Pair:
+    x: torch.Tensor
+    label: str
+
+
+@pytest.mark.parametrize(
+    "a, b, same",
+    [
+        (torch.ones(2, 3), torch.ones(2, 3), True),
+        (torch.ones(2, 3), torch.ones(3, 2), False),  # shape
+        (torch.ones(2, 3), torch.ones(2, 3, dtype=torch.float64), False),  # dtype
+        (torch.ones(2, 3), torch.ones(2, 3).index_put_((torch.tensor(1), torch.tensor(2)), torch.tensor(2.0)), False),
+        ({"a": torch.zeros(1), "b": 1}, {"b": 1, "a": torch.zeros(1)}, True),  # key order is no difference
+        ({"a": torch.zeros(1), "b": 1}, {"a": torch.zeros(1), "b": 2}, False),
+        ([torch.zeros(1)], [torch.zeros(1), torch.zeros(1)], False),  # a leaf more
+        ([], [], True),
+        (torch.zeros(1), 0.0, False),  # a tensor against a number
+        (0.0, torch.zeros(1), False),
+        (Pair(torch.ones(2), "a"), Pair(torch.ones(2), "a"), True),
+        (Pair(torch.ones(2), "a"), Pair(torch.ones(2), "b"), False),
+        ((None, "x"), (None, "x"), True),
+    ],
+)
+def test_same_batch_compares_every_leaf(a, b, same):
+    assert same_batch(a, b) is same and same_batch(b, a) is same
+
+
+def test_the_leaves_skeleton_and_batch_size_of_a_nested_batch():
+    Named = collections.namedtuple("Named", "ids mask")
+    batch = {"z": Pair(torch.zeros(3, 2), "img"), "a": [torch.ones(3, 4, dtype=torch.bfloat16), 7], "n": None}
+    leaves = batch_leaves(batch)
+    assert [type(x).__name__ for x in leaves] == ["Tensor", "int", "NoneType", "Tensor", "str"]  # keys sorted: a n z
+    sk = skeleton(batch)
+    assert sk["z"].x.device.type == "meta" and sk["z"].x.shape == (3, 2) and sk["z"].label == "img"
+    assert sk["a"][0].dtype == torch.bfloat16 and sk["a"][0].is_meta and sk["a"][1] == 7 and sk["n"] is None
+    assert isinstance(sk["a"], list) and batch["z"].x.device.type == "cpu"  # the batch itself untouched
+    nt = Named(torch.ones(5, 2), torch.ones(5))
+    assert skeleton(nt) is nt  # a named tuple is kept as it is
+    assert batch_size_of(batch) == 3  # the first tensor in leaf order: the list under "a"
+    assert batch_size_of([torch.tensor(2.0), torch.zeros(6, 1)]) == 6  # a scalar tensor has no batch size
+    assert batch_size_of({"n": 1, "s": "x"}) is None and batch_size_of(torch.tensor(1.0)) is None
+
+
+def test_a_step_without_parameters_is_on_the_cpu_and_an_unloaded_one_cannot_rebuild():
+    m = nn.ReLU()
+    step = StepFactory(m, torch.optim.SGD([torch.zeros(1, requires_grad=True)]), lambda k: None, lambda m, b: None)
+    assert step.device == torch.device("cpu")
+    with pytest.raises(ValueError, match="step unnamed has no source to rebuild from"):
+        step.rebuild(batch_size=2)
+
+
+def test_a_factory_that_names_no_clip_never_clips():
+    torch.manual_seed(0)
+    model = Net(2)
+    step = StepFactory(model, torch.optim.SGD(model.parameters(), lr=1.0), lambda k: torch.full((B, D), 3.0),
+                       lambda m, x: (m(x) ** 2).sum())  # fmt: skip
+    assert (step.grad_clip, step.phases, step.periodic, dict(step.capabilities)) == (0.0, (), (), {})
+    before = [p.detach().double().clone() for p in model.parameters()]
+    g = grads_by_hand(step, 2)
+    assert math.sqrt(sum(float((x**2).sum()) for x in g)) > 1.0  # a clip at 1 would change this update
+    assert math.isnan(run_step(step, 2).grad_norm)
+    for p0, p1, gp in zip(before, model.parameters(), g):
+        torch.testing.assert_close(p1.detach().double(), p0 - gp, rtol=1e-4, atol=1e-7)  # the whole gradient

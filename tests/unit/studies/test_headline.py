@@ -1,6 +1,8 @@
 """lab_utils.studies.headline: a lab's takeaway figures from records written here: the rows a
 headline reads (a missing column matches nothing, a non-numeric value is no figure), numbers at
 their thresholds (1,000 and up with separators, else three significant digits, n/a for nothing),
+sizes in MiB below one GiB and in GiB from there (binary units written out), a variant read
+without its step identity key,
 the share of unstable timings counted by hand, which lab's rows a headline sees (its notebook, else
 its lab), one lab's failing headline named without costing the index, and the takeaway's text and
 HTML (escaped)."""
@@ -133,3 +135,41 @@ def test_the_board_shows_the_pending_takeaway_and_fills_it_in_place(registered, 
     b.handle = None  # outside a notebook display gives no handle: update is a no-op
     b.update(rec())
     assert len(shown) == 2
+
+
+MiB, GiB = 1024 * 1024, 1024 * 1024 * 1024  # binary units, written out
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [(0, "0 MiB"), (512 * 1024, "0.5 MiB"), (3 * MiB + MiB // 2, "3.5 MiB"), (999 * MiB, "999 MiB"),
+     (1000 * MiB, "1,000 MiB"), (GiB - 1, "1,024 MiB"), (GiB, "1 GiB"), (GiB + GiB // 2, "1.5 GiB"),
+     (80 * GiB, "80 GiB"), (2048 * GiB, "2,048 GiB"), (-2 * GiB, "-2 GiB"), (-5 * MiB, "-5 MiB"),
+     (None, "n/a"), (float("nan"), "n/a"), (float("inf"), "n/a")],
+)  # fmt: skip
+def test_a_size_reads_in_mib_below_one_gib_and_in_gib_from_there(n, text):
+    assert H.fmt_bytes(n) == text
+
+
+def test_a_sizes_digits():
+    assert H.fmt_bytes(1.2345 * GiB, digits=2) == "1.2 GiB" and H.fmt_bytes(1.2345 * GiB) == "1.23 GiB"
+    assert H.fmt_bytes(123.456 * MiB, digits=5) == "123.46 MiB"
+
+
+@pytest.mark.parametrize(
+    "variant, plain",
+    [("pkg.mod:make_step/pkg.mod.Net · bf16", "bf16"), ("pkg.mod:make_step/pkg.mod.Net", ""),
+     ("bf16", "bf16"), ("a:b c/d · x", "a:b c/d · x"), ("x · pkg.mod:fn/pkg.Net · y", "x · pkg.mod:fn/pkg.Net · y"),
+     (3, "3")],
+)  # fmt: skip
+def test_a_variant_without_its_step_identity_key(variant, plain):
+    assert H.unscoped(variant) == plain  # only a leading "<factory>/<class>" key is dropped
+
+
+def test_the_rows_of_a_non_default_step_match_their_plain_variant():
+    df = pd.DataFrame(
+        {"variant": ["pkg.mod:fn/pkg.Net · bf16", "bf16", "pkg.mod:fn/pkg.Net · fp32"], "value": [1.0, 2.0, 3.0]}
+    )
+    assert H.rows(df, variant="bf16")["value"].tolist() == [1.0, 2.0]
+    assert H.rows(df, variant="fp32")["value"].tolist() == [3.0]
+    assert H.frame_of(df.iloc[0:0]).empty
