@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from lab_utils.core.config import ConfigError
+from lab_utils.run import parallel
 from lab_utils.run.parallel import job_options, multinode_spec, parse_devices, thread_env
 
 NONE = dict(
@@ -77,3 +78,18 @@ def test_parse_devices_reads_distinct_indices(text, want):
 def test_parse_devices_rejects_naming_the_option(text):
     with pytest.raises(ConfigError, match="--devices"):
         parse_devices(text)
+
+
+@pytest.mark.parametrize("devices,ok", [("0,1", True), ("1", True), ("2", False), ("0,2", False), ("1,0,3", False)])
+def test_prepare_accepts_only_indices_below_the_visible_gpu_count(monkeypatch, devices, ok):
+    monkeypatch.setattr(parallel, "visible_gpus", lambda: 2)
+    if ok:
+        assert parallel.prepare(devices=devices).devices == parse_devices(devices)
+    else:
+        with pytest.raises(ConfigError, match="indices below 2"):
+            parallel.prepare(devices=devices)
+
+
+def test_prepare_without_devices_takes_every_visible_gpu(monkeypatch):
+    monkeypatch.setattr(parallel, "visible_gpus", lambda: 3)
+    assert tuple(parallel.prepare().devices) == (0, 1, 2)
