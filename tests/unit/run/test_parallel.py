@@ -93,3 +93,17 @@ def test_prepare_accepts_only_indices_below_the_visible_gpu_count(monkeypatch, d
 def test_prepare_without_devices_takes_every_visible_gpu(monkeypatch):
     monkeypatch.setattr(parallel, "visible_gpus", lambda: 3)
     assert tuple(parallel.prepare().devices) == (0, 1, 2)
+
+
+def _planned(stem, **resolved):
+    return SimpleNamespace(entry=SimpleNamespace(stem=stem, notebook=Path(f"labs/{stem}.ipynb")), resolved=resolved)
+
+
+@pytest.mark.parametrize("parallel_n,labs", [(1, 3), (2, 3), (4, 2), (3, 3)])
+def test_plan_jobs_splits_the_thread_budget_over_the_labs_running_at_once(monkeypatch, parallel_n, labs):
+    monkeypatch.setattr(parallel, "visible_gpus", lambda: 0)
+    planned = [_planned(f"0{i}_x") for i in range(labs)]
+    plan = parallel.plan_jobs(planned, None, parallel.prepare(parallel=parallel_n), timing_threads=12)
+    at_once = min(parallel_n, labs)
+    assert plan.thread_budget == 12
+    assert plan.threads_per_lab == 12 // at_once
