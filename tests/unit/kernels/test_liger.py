@@ -137,3 +137,43 @@ def test_interpreter_shims_leave_perflabs_kernels_bit_identical(tmp_path):
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0 and "same bits" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
     assert "fp32 scalars" in r.stdout and "tl.math" in r.stdout
+
+
+class _Fake:
+    """Liger's rms_norm as the probe calls it, returning ``scale`` times the true RMSNorm (or raising)."""
+
+    def __init__(self, scale=1.0, error=None):
+        self.scale, self.error = scale, error
+
+    def apply(self, x, w, eps, offset, mode, in_place):
+        if self.error is not None:
+            raise self.error
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w * self.scale
+
+
+@pytest.mark.parametrize("scale,want", [(1.0, None), (1 + 1e-4, "wrong result"), (1 - 1e-4, "wrong result")])
+def test_the_interpreter_probe_refuses_a_kernel_a_little_off(monkeypatch, scale, want):
+    """A kernel off by 1e-4 relative is wrong (the probe holds it to 1e-5 of the float32 reference); the
+    exact one passes; one that raises gives its error's type and first line."""
+    monkeypatch.setattr(liger, "_liger", lambda: {"rms_norm": _Fake(scale)})
+    assert liger._probe() == want
+    monkeypatch.setattr(liger, "_liger", lambda: {"rms_norm": _Fake(error=TypeError("bad arg\nmore"))})
+    assert liger._probe() == "TypeError: bad arg"
+
+
+def test_the_capability_check_returns_each_reason_it_finds(monkeypatch):
+    """Liger missing: that reason first; on the interpreter, its probe's reason; a bfloat16-arithmetic
+    kernel in bfloat16 when the interpreter multiplies bfloat16 wrong: that; else the row-width rule."""
+    monkeypatch.setattr(liger, "liger_import_why_not", lambda: "liger-kernel is not installed")
+    assert liger.liger_why_not("cpu", torch.float32, (4, 8)) == "liger-kernel is not installed"
+    monkeypatch.setattr(liger, "liger_import_why_not", lambda: None)
+    monkeypatch.setattr(liger.C, "interpreted", lambda: True)
+    monkeypatch.setattr(liger.C, "interpreter_why_not", lambda: None)
+    monkeypatch.setattr(liger, "interpreter_why_not", lambda: "the probe raised X")
+    assert liger.liger_why_not("cpu", torch.float32, (4, 8)) == "the probe raised X"
+    monkeypatch.setattr(liger, "interpreter_why_not", lambda: None)
+    monkeypatch.setattr(liger, "interpreter_bf16_why_not", lambda: "a bfloat16 probe gave [1.0]")
+    why = liger.liger_why_not("cpu", torch.bfloat16, (4, 8), bf16_arith=True)
+    assert why is not None and "bfloat16" in why and "GPU" in why
+    assert liger.liger_why_not("cpu", torch.bfloat16, None, bf16_arith=False) is None
+    assert liger.liger_why_not("cpu", torch.float32, (4, 8)) == liger.C.row_width_reason("liger", (4, 8))
