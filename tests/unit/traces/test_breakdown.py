@@ -237,3 +237,11 @@ def test_a_gap_ending_where_two_activities_start_takes_the_earliest_launch():
     assert (a.tolist(), b.tolist(), host.tolist()) == ([10.0], [30.0], [15.0])
     per = B.per_step(k).iloc[0]
     assert (per["host_wait"], per["other_wait"]) == (15.0, 5.0)
+
+
+def test_two_activities_with_a_gap_between_them_have_that_gap():
+    k = table([(0, 10, "COMPUTATION", 0.0), (30, 5, "COMPUTATION", 22.0)])
+    a, b, host = B.idle_gaps(k)
+    assert (a.tolist(), b.tolist(), host.tolist()) == ([10.0], [30.0], [12.0])
+    assert B.per_step(k).iloc[0][["host_wait", "other_wait"]].tolist() == [12.0, 8.0]
+    assert B.idle_gaps(k.iloc[:1])[0].size == 0

@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
+from lab_utils.traces import sequences as seq
 from lab_utils.traces.sequences import frequent_sequences, short_name
 
 
@@ -122,3 +123,17 @@ def test_many_distinct_kernels_are_counted_as_with_few(gen):
         key: (c, t) for key, (c, t, _) in want.items()
     }
     assert tuple(motif) in {tuple(r.names) for r in got.itertuples()}
+
+
+@pytest.mark.parametrize("base,n", [(5, 3), (300, 7), (300, 8), (2000, 8)])
+def test_distinct_rows_are_numpys_whether_or_not_a_row_fits_one_integer(gen, base, n):
+    """The distinct n-grams, their inverse and counts are ``np.unique(axis=0)``'s, in its order, both
+    where a row of codes below ``base`` fits 63 bits (300**7) and where it does not (300**8)."""
+    rng = np.random.default_rng(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    rows = rng.integers(0, base, (400, n))
+    rows[200:] = rows[rng.integers(0, 200, 200)]  # repeats
+    rows[0] = base - 1  # the largest row
+    keys, inv, counts = seq._unique_rows(rows, base)
+    want_keys, want_inv, want_counts = np.unique(rows, axis=0, return_inverse=True, return_counts=True)
+    assert np.array_equal(keys, want_keys) and np.array_equal(inv, want_inv.reshape(-1))
+    assert np.array_equal(counts, want_counts)
