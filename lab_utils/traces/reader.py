@@ -404,18 +404,24 @@ def _rank_from(head: _Head, path: Path, fallback: int, alone: bool) -> int:
     return int(m.group(1)) if m else fallback
 
 
+def _read_into(path: Path, cols, decoders: tuple) -> tuple[_Head, bool]:
+    """Stream the file at ``path`` into ``cols`` (:func:`_stream_events`); a missing, truncated,
+    corrupt or non-JSON file raises one ``ConfigError`` naming it."""
+    if not path.is_file():
+        raise ConfigError("path", str(path), f"an existing trace file ending in one of {SUFFIXES}")
+    try:
+        with _open_bytes(path) as fh:
+            return _stream_events(fh, cols, decoders)
+    except (msgspec.DecodeError, OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:
+        raise _unreadable(path, exc) from None
+
+
 def read_rank(path: str | Path, fallback_rank: int = 0, *, alone: bool = True) -> RankTrace:
     """Read one trace file (see the module note).  A file that is truncated, corrupt, not JSON or
     not a profiler trace raises one ``ConfigError`` naming it."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError("path", str(path), f"an existing trace file ending in one of {SUFFIXES}")
     cols = _Columns()
-    try:
-        with _open_bytes(path) as fh:
-            head, has_events = _stream_events(fh, cols)
-    except (msgspec.DecodeError, OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:
-        raise _unreadable(path, exc) from None
+    head, has_events = _read_into(path, cols, _FULL)
     if not cols.n:
         raise _not_a_trace(path, cols, has_events)
     parts, t0 = _frame(cols)
@@ -458,14 +464,8 @@ def read_steps(path: str | Path) -> pd.DataFrame:
     tables: name, ts (us after the first of them), dur; for choosing a step before the whole job is
     read.  The same errors as :func:`read_rank`."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError("path", str(path), f"an existing trace file ending in one of {SUFFIXES}")
     rows = _StepRows()
-    try:
-        with _open_bytes(path) as fh:
-            _stream_events(fh, rows, _SLIM)
-    except (msgspec.DecodeError, OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:
-        raise _unreadable(path, exc) from None
+    _read_into(path, rows, _SLIM)
     whole, frac = numbers([r[1] for r in rows.rows])
     t0 = int(whole.min()) if len(whole) else 0
     return pd.DataFrame({"name": pd.array([r[0] for r in rows.rows], dtype=object),
