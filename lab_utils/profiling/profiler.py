@@ -193,7 +193,8 @@ class ProfileReport:
         df = self.analysis.steps.copy()
         df["amortised_ms"] = self.amortised_step_ms
         df["flops"] = self.step_flops[: len(df)]
-        df["tflops"] = df.flops / (df.amortised_ms * 1e-3) / 1e12
+        # a step of no time has no rate: NaN, never an infinite TFLOP/s
+        df["tflops"] = df.flops / (df.amortised_ms.where(df.amortised_ms > 0) * 1e-3) / 1e12
         return df
 
     @property
@@ -205,9 +206,10 @@ class ProfileReport:
     def mfu(self, ceilings=None, datasheet=None, dtype: str = "fp32") -> pd.DataFrame:
         """Achieved TFLOP/s over the profiled steps (total FLOPs / total amortised step time)
         and its share of the measured matmul ceiling and of the datasheet peak; ``samples``:
-        the same figure per profiled step."""
+        the same figure per profiled step.  Profiled steps of no time give no rate: NaN."""
         st = self.steps
-        achieved = float(st.flops.sum() / (st.amortised_ms.sum() * 1e-3) / 1e12)
+        total_ms = float(st.amortised_ms.sum())
+        achieved = float(st.flops.sum()) / (total_ms * 1e-3) / 1e12 if total_ms > 0 else math.nan
         per_step = st.tflops.to_numpy(float)
         rows = [dict(quantity="achieved", dtype=dtype, tflops=achieved, pct=None, reference="", samples=per_step)]
         peak_meas = ceilings.matmul(dtype) if ceilings is not None else None
@@ -371,6 +373,9 @@ class ProfileReport:
             judged = dict(
                 samples=list(r.samples), stable=step_v.stable, stability=f"from the step time's: {step_v.reason}"
             )
+            value = r.tflops if r.quantity == "achieved" else r.pct
+            if not math.isfinite(value):  # no rate (steps of no time): no samples, no verdict
+                judged = {}
             if r.quantity == "achieved":
                 rec.add(
                     "mfu",

@@ -207,6 +207,15 @@ def _sig(v, digits: int = 4):
         return v
 
 
+def _figure_text(v) -> str:
+    """A figure to 3 significant digits, "n/a" where it is not a finite number."""
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return "n/a"
+    return f"{v:.3g}" if math.isfinite(v) else "n/a"
+
+
 def steps_frame(report: ProfileReport) -> pd.DataFrame:
     """Per profiled step: time (as profiled, and with periodic phases amortised), phase
     coverage, busy/idle, FLOPs and TFLOP/s (4 significant digits)."""
@@ -217,9 +226,13 @@ def steps_frame(report: ProfileReport) -> pd.DataFrame:
 
 
 def mfu_table(mfu: pd.DataFrame):
+    """The MFU rows as text: an undefined figure (no rate: steps of no time) reads "n/a"; the
+    achieved row has no % of a peak ("")."""
     t = mfu.copy()
-    t["tflops"] = t.tflops.map(lambda v: f"{v:.3g}")
-    t["pct"] = t.pct.map(lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3g}")
+    t["tflops"] = t.tflops.map(_figure_text)
+    t["pct"] = [
+        "" if q == "achieved" else _figure_text(v) for q, v in zip(t.quantity, t.pct.astype(float), strict=True)
+    ]
     return hv.Table(t, "quantity", ["dtype", "tflops", "pct", "reference"]).opts(width=700, height=150)
 
 
@@ -407,6 +420,8 @@ def headline(df: pd.DataFrame) -> list[Figure]:
         figs.append(Figure("MFU", fmt(sheet.value.iloc[0], "%"), "of the datasheet peak"))
     elif len(m):
         figs.append(Figure("MFU", fmt(m.value.iloc[0], "%"), "of the measured matmul ceiling"))
+    elif {"experiment", "metric"} <= set(df.columns) and (df.experiment.eq("mfu") & df.metric.eq("pct_of_peak")).any():
+        figs.append(Figure("MFU", fmt(math.nan, "%"), "no rate: the profiled steps took no time"))
     mem = rows(df, experiment="memory", metric="cuda_max_allocated")
     mem = mem if len(mem) else rows(df, experiment="memory", metric="peak_allocated")
     if len(mem):

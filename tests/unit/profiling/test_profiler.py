@@ -425,7 +425,7 @@ def test_a_top_ops_share_of_the_step_by_hand():
     assert extra["share"] == pytest.approx(0.5) and extra["calls_per_step"] == pytest.approx(1.0)
 
 
-@pytest.mark.filterwarnings("ignore:divide by zero")
+@pytest.mark.filterwarnings("error")
 def test_a_share_of_a_step_of_no_time_is_not_a_number():
     rep = synthetic_report({"forward": [0.0, 0.0, 0.0]})
     rec = Recorder(lab="01_training_step")
@@ -436,3 +436,48 @@ def test_a_share_of_a_step_of_no_time_is_not_a_number():
         extra = json.loads(r["extra"])
         assert r["value"] == 0.0 and extra["pct_of_step"] is None  # NaN, never a division by zero
     assert json.loads(next(r for r in rows if r["experiment"] == "top_ops")["extra"])["share"] is None
+
+
+class _Ceilings:
+    def matmul(self, dtype):
+        return {"bf16": 0.2}.get(dtype)
+
+
+class _Sheet:
+    bf16_tflops, tf32_tflops, fp32_tflops, source = 1.0, 0.5, 0.25, "datasheet"
+
+
+@pytest.mark.filterwarnings("error")  # no division by zero on the way: a RuntimeWarning fails here
+def test_steps_of_no_time_have_no_rate_and_no_mfu():
+    """FLOPs over 0 ms is no rate: the achieved TFLOP/s, each step's and every % of a peak read
+    NaN (never inf), and the records say so with no samples and no verdict to judge."""
+    rep = synthetic_report({"forward": [0.0, 0.0, 0.0]})
+    assert rep.steps.tflops.isna().all()
+    mfu = rep.mfu(_Ceilings(), _Sheet(), "bf16").set_index("quantity")
+    assert list(mfu.index) == ["achieved", "measured matmul ceiling", "datasheet peak"]
+    assert mfu.tflops.tolist()[1:] == [0.2, 1.0]  # the peaks themselves stand
+    assert math.isnan(mfu.loc["achieved", "tflops"])
+    assert all(math.isnan(mfu.loc[q, "pct"]) for q in ("measured matmul ceiling", "datasheet peak"))
+    assert all(np.isnan(np.asarray(x, float)).all() for x in mfu.samples)
+    rec = Recorder(lab="01_training_step")
+    rep.record(rec, ceilings=_Ceilings(), datasheet=_Sheet(), dtype="bf16")
+    rows = [r for r in rec.rows if r["experiment"] == "mfu"]
+    assert len(rows) == 3
+    for r in rows:
+        assert math.isnan(r["value"]) and r["samples"] is None and r["stable"] is None, r
+
+
+@pytest.mark.filterwarnings("error")
+def test_one_step_of_no_time_has_no_rate_and_the_others_keep_theirs():
+    # steps of 0, 10 and 30 ms with 1e9 FLOPs each: 3e9 FLOPs over 40 ms = 0.075 TFLOP/s in all;
+    # per step: none, 0.1, 1/30
+    rep = synthetic_report({"forward": [0.0, 10.0, 30.0]})
+    per = rep.steps.tflops.tolist()
+    assert math.isnan(per[0]) and per[1:] == pytest.approx([0.1, 1 / 30])
+    mfu = rep.mfu(_Ceilings(), None, "bf16").set_index("quantity")
+    assert mfu.loc["achieved", "tflops"] == pytest.approx(0.075)
+    assert mfu.loc["measured matmul ceiling", "pct"] == pytest.approx(37.5)  # 0.075 of 0.2
+    rec = Recorder(lab="01_training_step")
+    rep.record(rec, ceilings=_Ceilings(), dtype="bf16")
+    ach = next(r for r in rec.rows if r["experiment"] == "mfu" and r["metric"] == "throughput")
+    assert ach["value"] == pytest.approx(0.075) and len(ach["samples"]) == 3 and ach["stable"] is not None

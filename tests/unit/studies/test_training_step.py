@@ -3,11 +3,18 @@ held to a derivation written apart from the code that produces it (the lab raise
 
 from __future__ import annotations
 
+import math
+
+import holoviews as hv
+import pandas as pd
 import pytest
 
+from lab_utils.core.records import Recorder
 from lab_utils.model import MMDiTConfig
 from lab_utils.profiling.profiler import training_step_flops
 from lab_utils.studies import training_step as S
+
+hv.extension("bokeh")  # the MFU table is a holoviews table with options
 
 
 def test_step_flops_by_hand_equal_the_flop_counter_at_other_shapes():
@@ -46,3 +53,35 @@ def test_preset_lines_raise_off_the_public_parameter_counts(monkeypatch):
     monkeypatch.setattr(S, "analytic_param_count", lambda c: 2 * formula(c))
     with pytest.raises(AssertionError, match="flux-schnell: 23.782 B, public figure 11.9 B"):
         S.preset_lines()
+
+
+def _mfu_frame(achieved: float, pct: float) -> pd.DataFrame:
+    return pd.DataFrame(
+        [
+            dict(quantity="achieved", dtype="bf16", tflops=achieved, pct=None, reference="", samples=[achieved]),
+            dict(quantity="datasheet peak", dtype="bf16", tflops=1.0, pct=pct, reference="sheet", samples=[pct]),
+        ]
+    )
+
+
+def test_an_undefined_mfu_reads_not_available_in_its_table():
+    t = S.mfu_table(_mfu_frame(math.nan, math.nan)).data.set_index("quantity")
+    assert t.loc["achieved", "tflops"] == "n/a" and t.loc["achieved", "pct"] == ""  # no peak: no share
+    assert t.loc["datasheet peak", "tflops"] == "1" and t.loc["datasheet peak", "pct"] == "n/a"
+    shown = t[["tflops", "pct"]].to_string()
+    assert "inf" not in shown and "nan" not in shown
+    ok = S.mfu_table(_mfu_frame(0.0123456, 1.23456)).data.set_index("quantity")
+    assert (ok.loc["achieved", "tflops"], ok.loc["datasheet peak", "pct"]) == ("0.0123", "1.23")
+    assert ok.loc["achieved", "pct"] == ""
+
+
+def test_an_undefined_mfu_reads_not_available_in_the_headline():
+    rec = Recorder(lab="01_training_step")
+    rec.add("step", "profile", "step_time", 0.0, "ms", statistic="median")
+    rec.add("mfu", "measured matmul ceiling", "pct_of_peak", math.nan, "%", statistic="total")
+    figs = {f.label: f for f in S.headline(rec.frame())}
+    assert figs["MFU"].value == "n/a"
+    rec = Recorder(lab="01_training_step")
+    rec.add("mfu", "measured matmul ceiling", "pct_of_peak", 12.5, "%", statistic="total")
+    assert {f.label: f.value for f in S.headline(rec.frame())}["MFU"] == "12.5 %"
+    assert "MFU" not in {f.label for f in S.headline(Recorder(lab="01_training_step").frame())}  # no profile
