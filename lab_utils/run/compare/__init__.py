@@ -52,6 +52,9 @@ Design note
   "faster".  A side whose share of unstable timings is over ``max_unstable_share``
   (default 25%) is not comparable: its performance rows do not gate and the exit code
   is 3, with the share in the message.
+* Skipped rows: a row its lab skipped (``verdict`` "skipped" in its ``extra``: a check that
+  cannot run on the device, no value) in both runs reads "skipped" and never gates; skipped in
+  one run only, it is a NaN against a figure: "no value", shown, never gated.
 * Exit codes: 0 no regression; 1 a regression beyond the threshold (including a row
   that ran in the base and failed in the candidate, a lab that did not run, rows
   missing); 2 bad arguments / unreadable inputs; 3 not comparable (device, software,

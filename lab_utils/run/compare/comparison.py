@@ -30,6 +30,7 @@ from lab_utils.run.compare.rules import (
     NOT_COMPARABLE,
     QUANTILE_STATISTICS,
     SIDE_CONTEXT_KEYS,
+    SKIPPED,
     WORSE_VERDICTS,
 )
 from lab_utils.run.compare.sides import Side, identity_by_group, load_side, with_identity
@@ -321,6 +322,7 @@ VERDICT_ORDER = {
     "appeared": 1,
     "no value": 6,
     "failed both": 6,
+    SKIPPED: 6,
     "faster": 7,
     "more accurate": 7,
     "less memory": 7,
@@ -378,6 +380,7 @@ KEEP_VERDICTS = (
     "device differs",
     NOT_COMPARABLE,
     "no value",
+    SKIPPED,
     *MEMBERSHIP_VERDICTS,
 )
 

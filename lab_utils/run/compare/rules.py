@@ -36,6 +36,8 @@ MEMBERSHIP_VERDICTS = (DISAPPEARED, APPEARED, LEFT_TOP_N, ENTERED_TOP_N)
 NOISY = "noisy"
 #: a row whose runs differ in what it measures (software, timing threads, parameters): never judged
 NOT_COMPARABLE = "not comparable"
+#: a row its lab skipped in both runs (a check that cannot run on the device): shown, never judged or gated
+SKIPPED = "skipped"
 
 
 class CompareError(ValueError):
@@ -130,6 +132,12 @@ UNIT_RULES: dict[str, Direction] = {
 }
 #: Metrics derived as ``something / time``: they borrow the time row's noise.
 PER_TIME_SUFFIXES = ("bandwidth", "throughput", "pct_of_ceiling")
+
+
+def skipped_row(extra) -> bool:
+    """Whether a row's ``extra`` says its lab skipped it (``verdict`` "skipped": a check that
+    cannot run here, such as a Triton path on a CPU, recorded with no value)."""
+    return str(extra_dict(extra).get("verdict", "")).strip().lower() == SKIPPED
 
 
 def extra_dict(x) -> dict:

@@ -7,7 +7,7 @@ import math
 import pandas as pd
 
 from lab_utils.run.compare.coverage import overrides_text
-from lab_utils.run.compare.rules import ENTERED_TOP_N, LEFT_TOP_N, NOISY, NOT_COMPARABLE, WORSE_VERDICTS
+from lab_utils.run.compare.rules import ENTERED_TOP_N, LEFT_TOP_N, NOISY, NOT_COMPARABLE, SKIPPED, WORSE_VERDICTS
 from lab_utils.run.compare.sides import Side
 
 RANKED_REPORTED = (LEFT_TOP_N, ENTERED_TOP_N)
@@ -108,5 +108,6 @@ def summary_text(cmp, limit: int = 40) -> str:
         section("only in base", rows[rows["verdict"] == "only in base"])
         section("only in candidate", rows[rows["verdict"] == "only in candidate"])
         section("no value", rows[rows["verdict"].isin(("no value", "failed both"))])
+        section("skipped in base and candidate (not compared)", rows[rows["verdict"] == SKIPPED])
     lines.append("result: " + cmp.result_line())
     return "\n".join(lines) + "\n"

@@ -1,5 +1,6 @@
 """One merged row's verdict, in stages: present on one side only (a ranked list's item by the
-top-N rule), failed, not comparable (device or context), no value, then the gain and its noise
+top-N rule), failed, skipped on both sides, not comparable (device or context), no value (a
+row skipped on one side only is one: a NaN against a figure), then the gain and its noise
 (an error figure on its tolerance or roundoff scale); per-time rows without samples borrow the
 noise of their time row once every row has been seen (:class:`RowJudge`)."""
 
@@ -16,6 +17,7 @@ from lab_utils.run.compare.options import Options
 from lab_utils.run.compare.rules import (
     NOT_COMPARABLE,
     PER_TIME_SUFFIXES,
+    SKIPPED,
     Direction,
     direction,
     error_scale,
@@ -23,6 +25,7 @@ from lab_utils.run.compare.rules import (
     judge_error,
     judge_membership,
     ranked_member,
+    skipped_row,
 )
 from lab_utils.run.compare.stats import bootstrap_ratio, judge, rank_pvalues
 
@@ -149,7 +152,12 @@ class RowJudge:
             if not kind_selected(d.kind, self.o.only):
                 continue
             out.append(row)
-            if self.one_sided(row, r) or self.failed(row, r) or self.not_comparable(row, r, d):
+            if (
+                self.one_sided(row, r)
+                or self.failed(row, r)
+                or self.skipped_both(row, r)
+                or self.not_comparable(row, r, d)
+            ):
                 continue
             self.measured(row, r, d)
         for row, d, delta, r in self.pending:
@@ -196,6 +204,14 @@ class RowJudge:
             if v == "failed"
             else ("failed in base, runs in candidate" if v == "fixed" else ""),
         )
+        return True
+
+    @staticmethod
+    def skipped_both(row: dict, r) -> bool:
+        """A row its lab skipped in both runs: nothing was measured to compare (never gated)."""
+        if not (skipped_row(r.get("extra_b")) and skipped_row(r.get("extra_c"))):
+            return False
+        row.update(verdict=SKIPPED, note="skipped in base and candidate: nothing to compare")
         return True
 
     def not_comparable(self, row: dict, r, d: Direction) -> bool:

@@ -15,7 +15,7 @@ import pytest
 from bokeh.models import HoverTool
 
 from lab_utils.core.config import ConfigError
-from lab_utils.core.records import CONTEXT_COLUMNS, ROW_COLUMNS
+from lab_utils.core.records import CONTEXT_COLUMNS, ROW_COLUMNS, Recorder
 from lab_utils.run import compare as C
 from lab_utils.run.compare import baselines as baselines_module
 
@@ -619,3 +619,64 @@ def test_ratio_plot_keeps_its_data_area_with_long_labels(tmp_path):
     (full,) = p.y_range.factors
     assert len(full) > LABEL_CHARS and len(p.yaxis[0].major_label_overrides[full]) == LABEL_CHARS
     assert p.select_one({"type": HoverTool}).tooltips[0] == ("row", "@label")
+
+
+def attention_check_rows(triton: dict[str, float | None]) -> list[dict]:
+    """Lab 03's correctness rows as its study records them: per path and tensor the error
+    against float64 with the check's verdict; a path that cannot run here (Triton in float32
+    on a CPU) is "skipped" with no value.  ``triton``: tensor -> error, None for skipped."""
+    rec = Recorder(lab="03_attention")
+    for tensor in ("out", "dq"):
+        rec.add("correctness", "sdpa", "max_abs_err", 1e-6, "", dtype="float32", tensor=tensor, verdict="ok")
+    for tensor, err in triton.items():
+        rec.add(
+            "correctness",
+            "triton",
+            "max_abs_err",
+            math.nan if err is None else err,
+            "",
+            dtype="float32",
+            tensor=tensor,
+            verdict="skipped" if err is None else "ok",
+        )
+    return rec.rows
+
+
+@pytest.mark.parametrize("gate", ["all", "accuracy"])
+def test_a_row_skipped_on_both_sides_reads_skipped_and_never_gates(tmp_path, gate):
+    rows = attention_check_rows({"out": None, "dq": None})
+    cmp = C.compare(
+        write_report(tmp_path / "b", rows, CPU),
+        write_report(tmp_path / "c", rows, {**CPU, "commit": "bbbb"}),
+        gate=gate,
+    )
+    skipped = cmp.rows[cmp.rows.variant == "triton"]
+    assert len(skipped) == 2 and set(skipped.verdict) == {"skipped"}
+    assert not skipped.regression.any() and not skipped.improvement.any() and not skipped.missing.any()
+    assert set(cmp.rows[cmp.rows.variant == "sdpa"].verdict) == {"same"}
+    assert cmp.counts() == {"same": 2, "skipped": 2} and cmp.exit_code == C.EXIT_OK
+    txt = cmp.summary_text()
+    assert "skipped in base and candidate (not compared) (2):" in txt and "NO VALUE" not in txt
+    assert "no value (" not in txt and txt.rstrip().endswith("OK: no regression beyond threshold (exit 0)")
+    assert cmp.to_html().count('<tr data-verdict="skipped">') == 2
+
+
+def test_a_row_skipped_on_one_side_only_has_no_value_and_does_not_gate(tmp_path):
+    """Skipped in one run, measured in the other: one side has no figure, so "no value" (shown
+    under its heading), never gated, whichever side skipped."""
+    ran = attention_check_rows({"out": 2e-6, "dq": 3e-6})
+    skipped = attention_check_rows({"out": None, "dq": None})
+    for base, cand in ((skipped, ran), (ran, skipped)):
+        folder = tmp_path / f"{len(list(tmp_path.iterdir()))}"
+        cmp = C.compare(write_report(folder / "b", base, CPU), write_report(folder / "c", cand, CPU))
+        tri = cmp.rows[cmp.rows.variant == "triton"]
+        assert len(tri) == 2 and set(tri.verdict) == {"no value"} and not tri.regression.any()
+        assert cmp.exit_code == C.EXIT_OK and "no value (2):" in cmp.summary_text()
+    # skipped in both but one tensor measured in both: only the skipped rows read skipped
+    cmp = C.compare(
+        write_report(tmp_path / "mb", attention_check_rows({"out": None, "dq": 3e-6}), CPU),
+        write_report(tmp_path / "mc", attention_check_rows({"out": None, "dq": 9e-6}), CPU),
+    )
+    tri = cmp.rows[cmp.rows.variant == "triton"].set_index("ident").verdict.to_dict()
+    assert tri == {"tensor=out": "skipped", "tensor=dq": "less accurate"}
+    assert cmp.exit_code == C.EXIT_REGRESSION  # the measured row still gates
