@@ -481,3 +481,20 @@ def test_one_step_of_no_time_has_no_rate_and_the_others_keep_theirs():
     rep.record(rec, ceilings=_Ceilings(), dtype="bf16")
     ach = next(r for r in rec.rows if r["experiment"] == "mfu" and r["metric"] == "throughput")
     assert ach["value"] == pytest.approx(0.075) and len(ach["samples"]) == 3 and ach["stable"] is not None
+
+
+@pytest.mark.parametrize("step_ms", [0.5, 1e-3, 1.0, 2.0])
+def test_shares_of_steps_under_a_millisecond_are_shares(step_ms):
+    """A share of the step is a ratio, whatever the step's unit size: steps of 0.5 ms (a small
+    kernel step) or 1 us give the same shares as steps of 2 ms.  Three steps of ``step_ms``, one
+    op taking a quarter of each, the matmul category all of it."""
+    rep = synthetic_report({"forward": [step_ms] * 3})
+    rep.analysis.top_ops_by_step["ms"] = [step_ms / 4] * 3
+    rec = Recorder(lab="01_training_step")
+    rep.record(rec)
+    op = next(r for r in rec.rows if r["experiment"] == "top_ops")
+    cat = next(r for r in rec.rows if r["experiment"] == "categories" and r["variant"] == "matmul")
+    assert op["value"] == pytest.approx(step_ms / 4) and cat["value"] == pytest.approx(step_ms)
+    assert json.loads(op["extra"])["pct_of_step"] == pytest.approx(25.0)
+    assert json.loads(op["extra"])["share"] == pytest.approx(0.25)
+    assert json.loads(cat["extra"])["pct_of_step"] == pytest.approx(100.0)
