@@ -1,7 +1,8 @@
 """The full-step profiler: phases add up, categories present, trace valid, FLOPs, CUDA-trace analysis,
 a phase's figure per step by hand (every step and every N steps, median and min, none run), the
-MFU as total FLOPs over total amortised time against a ceiling and a datasheet, and a top op's
-share of the step."""
+MFU as total FLOPs over total amortised time against a ceiling and a datasheet (each matmul dtype's
+peak), steps of no time with no rate, a top op's share of the step (also of sub-millisecond steps,
+and from its total where no per-step times were kept), and every record of a report by hand."""
 
 from __future__ import annotations
 
@@ -498,3 +499,90 @@ def test_shares_of_steps_under_a_millisecond_are_shares(step_ms):
     assert json.loads(op["extra"])["pct_of_step"] == pytest.approx(25.0)
     assert json.loads(op["extra"])["share"] == pytest.approx(0.25)
     assert json.loads(cat["extra"])["pct_of_step"] == pytest.approx(100.0)
+
+
+def test_without_per_step_op_times_a_top_ops_time_is_its_total_over_the_steps():
+    """An analysis that kept no per-step op times (``top_ops_by_step`` None): an op's figure per
+    step is its total over the profiled steps.  Steps of 8, 10 and 12 ms (median 10), one op of
+    6 ms in all over 9 calls: 2 ms and 3 calls per step, 20% of the step."""
+    rep = synthetic_report({"forward": [8.0, 10.0, 12.0]})
+    rep.analysis.top_ops_by_step = None
+    rep.analysis.top_ops.loc[0, ["ms", "calls"]] = [6.0, 9]
+    rec = Recorder(lab="01_training_step")
+    rep.record(rec)
+    (row,) = [r for r in rec.rows if r["experiment"] == "top_ops"]
+    extra = json.loads(row["extra"])
+    assert row["value"] == pytest.approx(2.0) and extra["calls_per_step"] == pytest.approx(3.0)
+    assert extra["pct_of_step"] == pytest.approx(20.0) and extra["share"] == pytest.approx(0.2)
+    one = synthetic_report({"forward": [5.0]})  # one step: its total is its figure
+    one.analysis.top_ops_by_step = None
+    one.analysis.top_ops.loc[0, "ms"] = 4.0
+    rec = Recorder(lab="01_training_step")
+    one.record(rec)
+    assert next(r for r in rec.rows if r["experiment"] == "top_ops")["value"] == pytest.approx(4.0)
+
+
+@pytest.mark.filterwarnings("error")
+def test_every_record_of_a_report_by_hand():
+    """Four steps: a forward of 10 ms each and a checkpoint of 40 ms in the last (every 4 steps),
+    a "noising" range inside the forward of 2, 0, 3 and 4 ms, a matmul category of 8 ms per
+    step, 2 ms idle, an attention category that never ran; 1e9 FLOPs per step."""
+    rep = synthetic_report({"forward": [10.0] * 4, "checkpoint": [0.0, 0.0, 0.0, 40.0]}, periods={"checkpoint": 4})
+    a = rep.analysis
+    a.steps["coverage"] = [0.5, 0.25, 1.0, 0.75]
+    a.nested_phases = pd.DataFrame(dict(step=[1, 3, 4], phase="noising", within="forward", ms=[2.0, 3.0, 4.0]))
+    a.categories = pd.DataFrame(dict(category=["attention", "matmul", IDLE], ms=[0.0, 32.0, 8.0], pct_of_step=0.0))
+    a.categories_by_step = pd.DataFrame(
+        dict(step=[1, 2, 3, 4] * 2, category=["matmul"] * 4 + [IDLE] * 4, ms=[8.0] * 4 + [2.0] * 4)
+    )
+    rec = Recorder(lab="01_training_step")
+    rep.record(rec, variant="v", shape="s")
+    rows = {(r["experiment"], r["variant"], r["metric"], r["statistic"]): r for r in rec.rows}
+    ex = {k: json.loads(r["extra"]) if r["extra"] else {} for k, r in rows.items()}
+    for k, cov in zip(range(1, 5), [50.0, 25.0, 100.0, 75.0], strict=True):
+        cell = rows[("step", "v", "phase_coverage", f"step{k}")]
+        assert (cell["value"], cell["unit"], cell["shape"]) == (pytest.approx(cov), "%", "s")
+        assert rows[("step", "v", "flops", f"step{k}")]["value"] == 1e9
+    # each step without its checkpoint plus 40 / 4: 20 ms in every step
+    step = rows[("step", "v", "step_time", "median")]
+    assert step["value"] == 20.0 and step["samples"] == [20.0] * 4
+    assert ex[("step", "v", "step_time", "median")]["periods"] == {"checkpoint": 4}
+    ck = rows[("phases", "checkpoint", "time", "median")]
+    assert ck["value"] == 10.0 and ck["samples"] == [40.0]
+    assert {k: ex[("phases", "checkpoint", "time", "median")][k] for k in ("every", "per_event_ms", "events")} == {
+        "every": 4,
+        "per_event_ms": 40.0,
+        "events": 1,
+    }
+    per_event = rows[("phases", "checkpoint", "time_per_event", "median")]
+    assert per_event["value"] == 40.0 and per_event["samples"] == [40.0] and per_event["unit"] == "ms"
+    fwd = rows[("phases", "forward", "time", "median")]
+    assert fwd["value"] == 10.0 and "every" not in ex[("phases", "forward", "time", "median")]
+    assert ("phases", "forward", "time_per_event", "median") not in rows  # every step: no per-event figure
+    nested = rows[("phases", "noising", "time", "median")]
+    assert nested["value"] == 2.5 and nested["samples"] == [2.0, 0.0, 3.0, 4.0]  # median of 0, 2, 3, 4
+    assert ex[("phases", "noising", "time", "median")]["within"] == "forward"
+    # shares of the step as profiled (median 10 ms: the checkpoint is in one step of four)
+    mm = rows[("categories", "matmul", "time", "median")]
+    assert mm["value"] == 8.0 and ex[("categories", "matmul", "time", "median")]["pct_of_step"] == 80.0
+    idle = ex[("categories", IDLE, "time", "median")]
+    assert idle["reported"] is True and idle["pct_of_step"] == 20.0
+    assert "reported" not in ex[("categories", "matmul", "time", "median")]
+    att = rows[("categories", "attention", "time", "median")]
+    assert att["value"] == 0.0 and att["samples"] is None and att["stable"] is None  # nothing ran: no timing
+    assert rows[("mfu", "v", "throughput", "total")]["value"] == pytest.approx(4e9 / 0.08 / 1e12)
+
+
+@pytest.mark.parametrize("dtype, peak", [("bf16", 1.0), ("fp16", 1.0), ("tf32", 0.5), ("fp32", 0.25), ("fp8", None)])
+def test_the_datasheet_peak_of_each_matmul_dtype(dtype, peak):
+    """fp16 runs at the bf16 tensor-core rate; fp32 matmuls (TF32 off) at the CUDA-core fp32 one;
+    a dtype the datasheet has no peak for gets no row.  0.05 TFLOP/s achieved."""
+    rep = synthetic_report({"forward": [10.0, 20.0, 30.0]})
+    mfu = rep.mfu(None, _Sheet(), dtype).set_index("quantity")
+    sheet = [q for q in mfu.index if q.startswith("datasheet peak")]
+    if peak is None:
+        assert sheet == []
+        return
+    (q,) = sheet
+    assert mfu.loc[q, "tflops"] == peak and mfu.loc[q, "pct"] == pytest.approx(100 * 0.05 / peak)
+    assert mfu.loc[q, "reference"] == "datasheet" and (q == "datasheet peak (fp32, TF32 off)") is (dtype == "fp32")
