@@ -3,9 +3,13 @@ the gradient without checkpointing), the parameter dtype of a step, the peak abo
 before (a synthetic function whose allocations are known, on the CPU's profiler and on a fake CUDA
 allocator), the timing method and progress of a comparison, every figure of the step's batch 1,
 offload marked as not acting on a CPU, and the policies compared on tests/unit/step/tiny.py's step,
-whose blocks and saved bytes are known by construction."""
+whose blocks and saved bytes are known by construction; a policy's gradients against torch.autograd's
+on batch 1 (nothing left behind), and the blocks treated counted by a step's own seam or from outside."""
 
 from __future__ import annotations
+
+import contextlib
+import copy
 
 import pytest
 import torch
@@ -162,3 +166,78 @@ def test_every_figure_of_a_policy_is_of_the_steps_batch_one():
     mm = 2 * 2 * 8 * 8  # one Linear(8, 8) on two rows
     assert row.flops == 27 * mm  # 23 matmuls of the step and each block's first Linear again
     assert row.saved_bytes == 4 * 2 * 8 * 4  # each block's input of two rows (float32)
+
+
+class CountingSeam:
+    """A step's own checkpointing seam (as perflab's MMDiT declares one): under ``applied(p)`` the
+    model holds one runner per block ``p`` treats (three double blocks and five single ones),
+    and none outside it."""
+
+    names = ("none", "full", "double", "single", "every_other")
+    treated = {"full": (3, 5), "double": (3, 0), "single": (0, 5), "every_other": (2, 3)}
+
+    def __init__(self, model):
+        self.model, self.applied_with = model, []
+
+    @contextlib.contextmanager
+    def applied(self, policy):
+        self.applied_with.append(policy)
+        d, s = self.treated[policy]
+        self.model.block_runners = {
+            **{("double", i): None for i in range(d)},
+            **{("single", i): None for i in range(s)},
+        }
+        try:
+            yield
+        finally:
+            self.model.block_runners = {}
+
+
+@pytest.mark.parametrize("policy, n", [("full", 8), ("double", 3), ("single", 5), ("every_other", 5), ("none", 0)])
+def test_a_step_with_its_own_seam_counts_the_blocks_its_seam_treats(policy, n):
+    step = tiny_step()
+    seam = CountingSeam(step.model)
+    step.capabilities = {"policies": seam}
+    assert P.treated_blocks(step, policy) == n
+    assert seam.applied_with == ([policy] if policy != "none" else [])  # the seam, never the blocks from outside
+    assert step.model.block_runners == {} if policy != "none" else not hasattr(step.model, "block_runners")
+
+
+@pytest.mark.parametrize("policy, n", [("none", 0), ("full", 4), ("every_other", 2), ("selective", 4), ("offload", 4)])
+def test_a_step_without_a_seam_counts_the_blocks_the_policy_treats_from_outside(policy, n):
+    """Four blocks: every policy that does something treats each of them, every_other blocks 0 and 2."""
+    assert P.treated_blocks(tiny_step(), policy) == n
+
+
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_a_policys_gradients_are_step_ones_and_leave_nothing_behind(policy):
+    """Gradients of the step's batch 1 by default (of batch k when asked), computed here apart by
+    torch.autograd.grad on a copy of the model; gradients left from before do not leak in, and
+    none is left after (weights and optimizer untouched)."""
+    step = tiny_step()
+    ref_model = copy.deepcopy(step.model)
+    for p in step.model.parameters():
+        p.grad = torch.full_like(p, 7.0)  # left over from an earlier step
+
+    def by_hand(k):
+        params = dict(ref_model.named_parameters())
+        g = torch.autograd.grad(step.loss(ref_model, step.make_batch(k)), list(params.values()))
+        return dict(zip(params, g, strict=True))
+
+    weights = {n: p.detach().clone() for n, p in step.model.named_parameters()}
+    got = P.grads_of(step, policy)
+    want = by_hand(1)
+    assert set(got) == set(want) and all(torch.allclose(got[n], want[n], atol=1e-6, rtol=1e-5) for n in want)
+    assert not all(torch.allclose(want[n], by_hand(0)[n]) for n in want)  # batch 0 would differ
+    assert all(p.grad is None for p in step.model.parameters())
+    assert all(torch.equal(p, weights[n]) for n, p in step.model.named_parameters())
+    got3 = P.grads_of(step, policy, k=3)
+    assert all(torch.allclose(got3[n], by_hand(3)[n], atol=1e-6, rtol=1e-5) for n in want)
+
+
+def test_offload_compared_on_a_cpu_is_measured_and_marked_as_not_acting(monkeypatch):
+    monkeypatch.setattr(P, "try_bench", lambda fn, **kw: "timing")
+    rows = {r.policy: r for r in P.compare_policies(tiny_step(), ["offload", "full"], progress=False)}
+    assert not rows["offload"].acts_here and rows["full"].acts_here
+    assert rows["offload"].blocks == 4 and rows["offload"].grads_equal
+    assert rows["offload"].flops == 23 * 2 * 2 * 8 * 8  # nothing recomputed: the step's own 23 matmuls
