@@ -183,6 +183,8 @@ def memory_curve(report: ProfileReport):
 def mfu_bars(mfu: pd.DataFrame):
     df = mfu[mfu.pct.notna()].copy()
     if not len(df):
+        if (mfu.quantity != "achieved").any():  # peaks, but no rate to set against them
+            return hv.Div("<p>MFU n/a: the profiled steps took no time, so they have no rate.</p>")
         return hv.Div("<p>No peak to compare with on this device.</p>")
     df["pct"] = df.pct.astype(float)
     return hv.Bars(df, "quantity", ["pct", "tflops"]).opts(

@@ -85,3 +85,9 @@ def test_an_undefined_mfu_reads_not_available_in_the_headline():
     rec.add("mfu", "measured matmul ceiling", "pct_of_peak", 12.5, "%", statistic="total")
     assert {f.label: f.value for f in S.headline(rec.frame())}["MFU"] == "12.5 %"
     assert "MFU" not in {f.label for f in S.headline(Recorder(lab="01_training_step").frame())}  # no profile
+
+
+def test_an_undefined_mfu_has_no_bars_and_says_why():
+    assert "MFU n/a" in S.mfu_bars(_mfu_frame(math.nan, math.nan)).data
+    assert "No peak" in S.mfu_bars(_mfu_frame(0.1, math.nan).iloc[:1]).data  # no peak at all
+    assert isinstance(S.mfu_bars(_mfu_frame(0.1, 10.0)), hv.Bars)
