@@ -12,10 +12,12 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import enum
 import hashlib
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -304,3 +306,26 @@ def test_a_factory_that_names_no_clip_never_clips():
     assert math.isnan(run_step(step, 2).grad_norm)
     for p0, p1, gp in zip(before, model.parameters(), g):
         torch.testing.assert_close(p1.detach().double(), p0 - gp, rtol=1e-4, atol=1e-7)  # the whole gradient
+
+
+class Mode(enum.IntEnum):
+    TRAIN = 1
+    EVAL = 2
+
+
+class Tag(str):
+    """A string that carries an attribute (it has a ``__dict__``): still one plain leaf."""
+
+
+@pytest.mark.parametrize(
+    "leaf", [Mode.TRAIN, Tag("img"), True, 3, 2.5, "s", None, np.float64(1.5), np.int64(4)], ids=repr
+)
+def test_a_plain_value_is_one_leaf_even_when_it_has_attributes(leaf):
+    if isinstance(leaf, Tag):
+        leaf.source = "loader"
+    x = torch.ones(2)
+    assert batch_leaves(leaf) == [leaf]
+    got = batch_leaves({"x": x, "mode": leaf})  # keys sorted: mode, x
+    assert len(got) == 2 and got[0] is leaf and got[1] is x
+    assert same_batch({"m": Mode.TRAIN, "x": x}, {"m": Mode.TRAIN, "x": x.clone()})
+    assert not same_batch({"m": Mode.TRAIN, "x": x}, {"m": Mode.EVAL, "x": x})
