@@ -586,3 +586,24 @@ def test_the_datasheet_peak_of_each_matmul_dtype(dtype, peak):
     (q,) = sheet
     assert mfu.loc[q, "tflops"] == peak and mfu.loc[q, "pct"] == pytest.approx(100 * 0.05 / peak)
     assert mfu.loc[q, "reference"] == "datasheet" and (q == "datasheet peak (fp32, TF32 off)") is (dtype == "fp32")
+
+
+def test_nested_phases_are_listed_in_the_order_they_ran():
+    """Phases inside others come in the order the trace has them (as a step runs them: "vae"
+    before "noising"), not sorted by name; each counted within its holder, 0 where it did not run."""
+    rep = synthetic_report({"data_loading": [1.0, 1.0], "forward": [10.0, 10.0]})
+    rep.analysis.nested_phases = pd.DataFrame(
+        dict(
+            step=[1, 1, 2],
+            phase=["vae", "noising", "noising"],
+            within=["data_loading", "forward", "forward"],
+            ms=[0.5, 2.0, 4.0],
+        )
+    )
+    figs = rep.nested_phase_figures()
+    assert [(f.phase, f.within) for f in figs] == [("vae", "data_loading"), ("noising", "forward")]
+    assert [f.samples for f in figs] == [(0.5, 0.0), (2.0, 4.0)] and [f.ms for f in figs] == [0.25, 3.0]
+    rec = Recorder(lab="01_training_step")
+    rep.record(rec)
+    nested = [r["variant"] for r in rec.rows if r["experiment"] == "phases" and '"within"' in r["extra"]]
+    assert nested == ["vae", "noising"]
