@@ -7,11 +7,14 @@ selection and the depth-first order (checked by a walk written here)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pandas as pd
 import pytest
 
 from lab_utils.traces import TraceAnalysis
 from lab_utils.traces.hierarchy import NO_HOST, SEP, top_levels
+from lab_utils.traces.hierarchy import tree as hierarchy_tree
 
 from .kineto import ann, kernel, launch, op, step, write
 
@@ -170,3 +173,16 @@ def test_a_selection_without_kernel_time_is_an_empty_tree(tmp_path):
 
 def test_the_fixture_tree_is_depth_first(tree):
     assert_depth_first(tree)
+
+
+def test_plain_text_columns_give_the_same_tree(tmp_path):
+    """The reader's text columns are categorical; a trace or a kernel table whose names and threads
+    are plain text (a table filtered, joined or built by hand) gives the same tree."""
+    ta = TraceAnalysis(write(tmp_path / "t.json", EVENTS), workers=1)
+    trace, att, k = ta.traces[0], ta.attributed(0), ta.kernels(0, "all")
+    want = hierarchy_tree(trace, att, k)
+    assert isinstance(trace.host["name"].dtype, pd.CategoricalDtype)
+    plain = dataclasses.replace(trace, host=trace.host.astype({"name": object, "cat": object, "tid": object}))
+    got = hierarchy_tree(plain, att, k.astype({"name": object}))
+    pd.testing.assert_frame_equal(got, want)
+    assert len(got) == 9 and got["gpu_total_us"].iloc[0] == 100
