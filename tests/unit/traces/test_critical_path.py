@@ -155,3 +155,9 @@ def test_a_blocking_call_is_not_host_work_and_other_calls_are(tmp_path, call):
     charged = cp.edges[cp.edges["name"] != ""].groupby("name")["weight"].sum().to_dict()
     assert charged == pytest.approx({"aten::item": 10, "aten::add": 10, call: 0 if blocking else 100})
     assert (cp.edges["kind"] == "dependency").sum() == 1 and cp.nodes == 6
+    # the tables count only time on the path: a blocking call's 0 us edge is in none of them
+    assert (call in set(cp.items()["name"])) == (not blocking)
+    assert (call in set(cp.by_event()["name"])) == (not blocking) and "" not in set(cp.by_event()["name"])
+    cpu = cp.by_category().set_index("category").loc["CPU"]
+    assert (cpu["edges"], cpu["us"]) == ((3, 20) if blocking else (4, 120))
+    assert cp.items().set_index("name").loc["aten::item", "count"] == 2  # its time before and after the call
