@@ -14,7 +14,16 @@ from lab_utils.core.config import ConfigError
 from lab_utils.traces import PhaseTable, TraceAnalysis, read_job, read_rank
 from lab_utils.traces import reader as reader_mod
 from lab_utils.traces.categories import category, hta_type
-from lab_utils.traces.collectives import AlphaBeta, CollectiveEvent, aligned, events_of, parse_name, skew, straggler
+from lab_utils.traces.collectives import (
+    AlphaBeta,
+    CollectiveEvent,
+    aligned,
+    events_of,
+    fit_alpha_beta,
+    parse_name,
+    skew,
+    straggler,
+)
 from lab_utils.traces.phases import LAB_PHASES, block_of
 
 
@@ -528,17 +537,20 @@ def test_the_straggler_on_two_ranks_needs_more_than_three_quarters_and_says_what
 def test_a_cpu_traces_collective_takes_its_size_from_the_record_inside_and_the_jobs_ranks(tmp_path, group, world,
                                                                                           factor):  # fmt: skip
     """A gloo all-reduce (the backend's 200 us range on its thread) holding a record of 1 M floats:
-    4 MB, 20 GB/s; the group size is the record's, else the job's ranks (4: x 1.5), else none."""
+    4 MB, 20 GB/s; the group size is the record's, else the job's ranks (4: x 1.5), else none; the
+    50 us of an operator on the main thread inside it are hidden, the rest exposed."""
     rec = {"In msg nelems": 1_000_000, "Out msg nelems": 1_000_000, "dtype": "Float"}
     rec |= {"Group size": group} if group else {}
     ev = [step(1, 0, 1000), op("c10d::allreduce_", 10, 20, -1), ann("gloo:all_reduce", 15, 200, tid=3),
-          op("record_param_comms", 20, 5, -1, tid=3, **rec)]  # fmt: skip
+          op("record_param_comms", 20, 5, -1, tid=3, **rec), op("aten::mm", 100, 50, -1),
+          op("aten::add", 400, 10, -1)]  # fmt: skip
     meta = {"distributedInfo": {"rank": 0, "world_size": world}} if world else {}
     c = TraceAnalysis(write(tmp_path / "g.json", ev, **meta), workers=1).collectives()
     assert c["name"].tolist() == ["gloo:all_reduce"]
     row = c.iloc[0]
     assert (row["collective"], row["bytes"], row["dur"]) == ("all_reduce", 4_000_000, 200)
     assert row["algbw_gbps"] == pytest.approx(20.0) and row["busbw_gbps"] == pytest.approx(20.0 * factor)
+    assert (row["hidden_us"], row["exposed_us"]) == (50, 150)  # aten::mm (100..150) runs during it
 
 
 def test_fit_inputs_are_each_sized_calls_kind_bytes_start_and_duration():
@@ -552,3 +564,26 @@ def test_fit_inputs_are_each_sized_calls_kind_bytes_start_and_duration():
     flat = AlphaBeta("all_reduce", 5.0, 0.0, 3, 1.0, 0.0)  # no per-byte cost: no bandwidth limit
     assert flat.gbps == float("inf") and flat.predict_us(1e9) == 5.0
     assert AlphaBeta("all_reduce", 5.0, 1e-3, 3, 1.0, 0.0).gbps == pytest.approx(1.0)  # 1 ns per byte: 1 GB/s
+
+
+def test_one_rank_has_no_common_collective():
+    one = {0: pd.DataFrame({"collective": "all_reduce", "pg_name": "0", "ts": [0.0], "end": [10.0], "bytes": 8.0})}
+    al = aligned(one, {0: 0.0})
+    assert al.empty and {"wait_us", "transfer_us", "busbw_gbps", "busbw_transfer_gbps", "rank"} <= set(al.columns)
+    assert skew(one, {0: 0.0}).empty and straggler(skew(one, {0: 0.0}), 1).rank is None
+
+
+def test_barriers_carry_no_payload_and_do_not_stop_the_fit():
+    """A barrier first, all-gathers at two sizes (too few, and first of the kinds), then all-reduces
+    at three sizes on 2 us + 1 ns/B and send/recv at three sizes on 10 us + 0.5 ns/B (sends and
+    receives one kind): those two fit exactly, no barrier or all-gather kind."""
+    ev = [CollectiveEvent("barrier", 0, 0.0, 50.0), CollectiveEvent("all_gather", 10, 0.0, 3.0)]
+    ev += [CollectiveEvent("all_gather", 20, 0.0, 4.0)]
+    for b in (1_000, 100_000, 10_000_000):
+        ev += [CollectiveEvent("all_reduce", b, 0.0, 2.0 + 1e-3 * b)]
+        ev += [CollectiveEvent("send" if b < 10**6 else "recv", b, 0.0, 10.0 + 5e-4 * b)]
+    fit = fit_alpha_beta(ev)
+    assert sorted(fit) == ["all_reduce", "send_recv"]
+    assert (fit["all_reduce"].alpha_us, fit["all_reduce"].beta_us_per_byte) == pytest.approx((2.0, 1e-3))
+    assert fit["send_recv"].gbps == pytest.approx(2.0) and fit["send_recv"].n_events == 3
+    assert fit_alpha_beta(ev[:7]) == {}  # two sizes of each: not enough
