@@ -36,11 +36,12 @@ class Fake:
     executed copy written as papermill would (parameters injected after the parameters cell)."""
 
     def __init__(self, behave, clock):
-        self.behave, self.clock, self.calls = behave, clock, []
+        self.behave, self.clock, self.calls, self.timeouts = behave, clock, [], []
 
     def __call__(self, src, dst, *, parameters, cwd, **kw):
         stem = Path(src).stem
         self.calls.append((stem, dict(parameters), cwd, dict(os.environ)))
+        self.timeouts.append(kw["execution_timeout"])
         what = self.behave.get(stem, "ok")
         self.clock.t += 7.0  # every notebook runs 7 s of the runner's clock
         if what == "interrupt":
@@ -360,3 +361,46 @@ def test_a_notebook_whose_page_cannot_be_exported_is_failed_not_ok(lab, monkeypa
         and bad.error == "RuntimeError: deliberate failure; HTML export failed: OSError: no space left"
     )
     assert a.ipynb == "notebooks/a.ipynb" and not res.ok
+
+
+def test_each_notebook_runs_under_the_per_notebook_time_limit(lab):
+    fake = lab.make({"a": "reps = 5", "b": "reps = 5"})
+    runner.run_suite("s", out_dir=lab.out, progress=False)
+    runner.run_suite("s", out_dir=lab.out, progress=False, timeout_s=90)
+    assert fake.timeouts == [30 * 60] * 2 + [90] * 2  # 30 minutes unless told otherwise
+
+
+def test_labs_as_jobs_write_the_same_report_with_their_thread_share(lab, monkeypatch):
+    """``jobs``: the labs run as jobs (faked here: each job's function called in this process, as
+    submitit's would be in its own), each with its share of the timing threads; failures are rows."""
+    fake = lab.make({"a": "reps = 5", "bad": "reps = 5", "c": "reps = 5"}, {"bad": "fail"})
+    monkeypatch.setattr(runner.parallel, "visible_gpus", lambda: 0)
+    submitted = []
+
+    def fake_run_tasks(tasks, cluster, folder, *, max_running, devices, progress, desc, on_done):
+        submitted.append((max_running, tuple(devices)))
+        saved = dict(os.environ)
+        for t in tasks:
+            on_done(runner.parallel.Outcome(t.key, "ok", value=t.fn(*t.args), job_id=f"j-{t.key}"))
+            os.environ.clear()
+            os.environ.update(saved)  # a job's environment is its own
+
+    monkeypatch.setattr(runner.parallel, "run_tasks", fake_run_tasks)
+    for k in (runner.THREADS_ENV, runner.parallel.SHARE_ENV):
+        monkeypatch.delenv(k, raising=False)
+    res = runner.run_suite("s", out_dir=lab.out, progress=False, timing_threads=4, jobs={"parallel": 2}, timeout_s=77)
+    assert submitted == [(2, ())] and fake.timeouts == [77] * 3
+    assert [s.notebook for s in res.statuses] == ["a", "bad", "c"]
+    assert [s.status for s in res.statuses] == ["ok", "failed", "ok"] and not res.ok
+    assert res.statuses[1].error == "RuntimeError: deliberate failure"
+    assert [s.ran_on for s in res.statuses] == [
+        f"cpu, 2 of 4 timing threads (local job j-{k})" for k in ("a", "bad", "c")
+    ]
+    share = "4 timing threads shared by up to 2 labs running at once: 2 each"
+    for stem, _p, _cwd, env in fake.calls:  # what each lab's kernel saw
+        assert env[runner.THREADS_ENV] == "2" and env[runner.parallel.SHARE_ENV] == share
+        assert env["PERFLAB_RECORDS_DIR"] == str(lab.out / f".tmp-{res.run_id}" / "records" / stem)
+    assert runner.THREADS_ENV not in os.environ and runner.parallel.SHARE_ENV not in os.environ
+    status = _status(res.path)
+    assert list(status) == ["a", "bad", "c"] and status["a"]["rows"] == 2 and status["bad"]["rows"] == 0
+    assert (lab.out / "latest").resolve() == res.path.resolve() and not list(lab.out.glob(".tmp-*"))
