@@ -506,3 +506,40 @@ def test_map_jobs_on_submitit_is_one_array_of_workers_with_the_memory_bound(monk
     cluster = ClusterOptions(cpus_per_task=6, mem_gb=1.0)
     map_jobs(_square, [1], MapOptions(executor="local", mem_gb=2.5, cluster=cluster), folder, progress=False)
     assert "site" not in seen and seen["tasks"][0].cpus == 6 and seen["cluster"].mem_gb == 1.0
+
+
+def test_ctrl_c_on_slurm_scancels_every_job_and_waits_until_squeue_says_they_ended(monkeypatch, tmp_path):
+    w = World(monkeypatch, local=False, plan={"a": {"s": 100.0}, "b": {"s": 100.0}})
+    waits = []
+
+    def interrupted(s):
+        waits.append(s)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(executors, "_wait", interrupted)
+    polls_before = []
+
+    def ends_when_cancelled(ids):  # squeue: a cancelled job has left by the second look
+        polls_before.append(w.clock.t)
+        states = {}
+        for j in w.jobs.values():
+            if j.job_id in ids:
+                gone = j.cancelled and len(polls_before) > 2
+                states[j.job_id] = slurm.JobState(j.job_id, "CANCELLED" if gone else "RUNNING")
+        return states
+
+    with pytest.raises(KeyboardInterrupt):
+        monkeypatch.setattr(FakeWatch, "poll", lambda self, ids: ends_when_cancelled(ids))
+        run_tasks([_t("a"), _t("b")], w.opts(), tmp_path, progress=False)
+    assert w.jobs["a"].cancelled and w.jobs["b"].cancelled
+    assert all((j.paths.folder / executors.CANCEL_FILE).exists() for j in w.jobs.values())
+    assert len(polls_before) == 3  # one poll of the run, then squeue until both had left
+
+
+def _oom(x):
+    raise MemoryError
+
+
+def test_a_pool_worker_over_its_memory_bound_is_a_failed_outcome_naming_the_bound(tmp_path):
+    (o,) = map_jobs(_oom, [1], MapOptions(workers=1, mem_gb=None), tmp_path / "m", progress=False)
+    assert o.state == "failed" and o.error == "MemoryError: over the worker's bound mem_gb=None"

@@ -441,3 +441,55 @@ def test_visible_gpus_is_the_count_torch_sees_and_zero_without_cuda():
     n = parallel.visible_gpus()
     assert type(n) is int and n == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
     assert parallel.prepare().devices == tuple(range(n))  # no --devices: every visible GPU (none here: ())
+
+
+def _node(monkeypatch, tmp_path, *, rank, job_id, executor, agree=True):
+    """One node's task of lab 06 across nodes, with submitit's job environment and the
+    rendezvous faked (no torchrun): what it asks the rendezvous for, and what it returns."""
+    import submitit  # noqa: PLC0415 - heavy; only the in-job function needs it
+
+    from lab_utils.distributed import rendezvous  # noqa: PLC0415 - heavy (torch.distributed)
+    from lab_utils.distributed.spec import DistConfig  # noqa: PLC0415 - heavy (torch)
+
+    env = SimpleNamespace(global_rank=rank, num_tasks=2, hostnames=["gpu-a", "gpu-b"], job_id=job_id)
+    monkeypatch.setattr(submitit, "JobEnvironment", lambda: env)
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", executor)
+    asked = {}
+    monkeypatch.setattr(rendezvous, "node_address", lambda name: f"addr-of-{name}")
+    monkeypatch.setattr(rendezvous, "run_node", lambda spec, out, **kw: asked.update(kw, spec=spec, out=out) or 0)
+    ranks = [SimpleNamespace(rank=i) for i in range(4)]
+    monkeypatch.setattr(
+        rendezvous, "gather", lambda cfg, dirs, out: asked.update(dirs=dirs) or SimpleNamespace(ranks=ranks)
+    )
+    a = SimpleNamespace(ok=agree, loss_rel=1e-7, grad_rel_all=2e-7)
+    monkeypatch.setattr(rendezvous, "check_against_single_process", lambda res, ref: a)
+    spec = DistConfig(strategy="ddp", world_size=4).to_json()
+    rec = tmp_path / "rec"
+    rec.mkdir(exist_ok=True)
+    got = parallel.run_multinode(spec, tmp_path / "out", rec, 2, None, "06_distributed@2nodes")
+    return got, asked, rec
+
+
+@pytest.mark.parametrize("job_id, port", [("12345_0", 32345), ("45000", 25000), ("7", 20007), ("20000", 20000)])
+def test_a_slurm_nodes_rendezvous_port_follows_the_job_id(monkeypatch, tmp_path, job_id, port):
+    got, asked, _ = _node(monkeypatch, tmp_path, rank=1, job_id=job_id, executor="slurm")
+    assert got == {"node": 1, "code": 0} and "dirs" not in asked  # only node 0 gathers
+    assert asked["endpoint"] == f"addr-of-gpu-a:{port}" and asked["rdzv_id"] == f"perflab-{job_id}"
+    assert asked["node"] == 1 and asked["nnodes"] == 2 and asked["nproc_per_node"] == 2
+    assert asked["out"] == tmp_path / "out" / "node1" and asked["spec"] == tmp_path / "out" / "spec.json"
+
+
+def test_node_zero_gathers_checks_and_records(monkeypatch, tmp_path):
+    import pandas as pd  # noqa: PLC0415 - only this test reads the records
+
+    from lab_utils.core.records import load_records  # noqa: PLC0415 - pulls in pandas
+
+    got, asked, rec = _node(monkeypatch, tmp_path, rank=0, job_id="3", executor="local")
+    assert asked["endpoint"] == "127.0.0.1:20003"  # local: the "nodes" are tasks on this machine
+    assert asked["dirs"] == [tmp_path / "out" / "node0", tmp_path / "out" / "node1"]
+    assert got["node"] == 0 and got["agreement"]["ok"]
+    df = load_records(rec / "records.json")
+    assert isinstance(df, pd.DataFrame) and list(df["metric"]) == ["loss_rel_err", "grad_rel_err", "ranks"]
+    assert list(df["value"]) == [1e-7, 2e-7, 4.0] and set(df["shape"]) == {"2x2"} and set(df["variant"]) == {"ddp"}
+    with pytest.raises(RuntimeError, match="the 2-node run does not reproduce the single-process run"):
+        _node(monkeypatch, tmp_path, rank=0, job_id="3", executor="local", agree=False)
