@@ -161,8 +161,13 @@ def test_a_cpu_only_step_is_its_busiest_thread_charged_to_each_ops_own_time(tmp_
     for tid in (11, 12, 13):
         before = len(events)
         own = _nested(rng, tid, 0, int(rng.integers(600, 2900)), 3, events)
-        top = [e for e in events[before:] if not any(
-            o is not e and o["ts"] <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"] for o in events[before:])]
+        top = [
+            e
+            for e in events[before:]
+            if not any(
+                o is not e and o["ts"] <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"] for o in events[before:]
+            )
+        ]
         threads[tid] = (sum(e["dur"] for e in top), own)  # fmt: skip
     busiest = max(threads, key=lambda t: threads[t][0])
     _, cp = path_of(tmp_path, events)
