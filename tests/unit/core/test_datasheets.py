@@ -220,6 +220,8 @@ def test_the_memory_window_is_15_percent_of_the_nominal_size():
     gib = 2**30
     assert identify("NVIDIA A100", {"totalGlobalMem": int(40 * 1.149 * gib)}).peak.memory_gib == 40
     assert identify("NVIDIA A100", {"totalGlobalMem": int(40 * 0.851 * gib)}).peak.memory_gib == 40
+    for edge in (34, 46):  # exactly 15% off 40 GiB: inside the window
+        assert identify("NVIDIA A100", {"totalGlobalMem": edge * gib}).peak.memory_gib == 40
     past = identify("NVIDIA A100", {"totalGlobalMem": int(40 * 1.151 * gib)})
     assert past.peak.name == "A100 SXM4 80GB" and past.assumed and "GB of memory" not in past.how
     eighty = identify("NVIDIA A100", {"totalGlobalMem": int(80 * 0.86 * gib)})
@@ -256,6 +258,8 @@ def test_the_clock_is_kilohertz_and_matches_within_5_percent():
     assert edge.peak.name == "H100 PCIe" and not edge.assumed
     both = identify("NVIDIA H100", {"clockRate": 1770000})  # within 5% of PCIe and NVL, whose peaks differ
     assert both.peak.name == "H100 PCIe" and both.assumed and "from H100 NVL" in both.how
+    edge = identify("NVIDIA H200", {"clockRate": 1881000})  # exactly 5% under 1980 MHz: outside the window
+    assert edge.assumed and "MHz" not in edge.how
     off = identify("NVIDIA H100", {"clockRate": 1500000})  # no part within 5%: ignored
     assert off.assumed and "MHz" not in off.how
 
