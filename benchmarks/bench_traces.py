@@ -16,7 +16,8 @@ Rerun: ``pip install -e .[traces]`` (HTA is the extra ``traces``), then
   synthetic traces (``benchmarks/synth_traces.py``: the event mix of a CUDA training step)
   generated under ``--work`` (never in the repository; reused when already there), one rank of each
   size in MB of JSON and folders of that many ranks of ``--rank-mb`` each.  Each measurement is
-  the whole command a user waits for, in a fresh process, imports included:
+  the whole command a user waits for, in a fresh process, imports included (of compiled modules:
+  the project's bytecode is written first, as an installed perflab has it):
   ``perflab trace PATH`` (``--workers`` = the CPUs), HTA's script above, and this machine's limit
   on the same bytes: ``decompress`` (gzip, one process, the files one after the other) and
   ``parse`` (decompress and ``msgspec.json.decode`` of each whole file into Python objects).
@@ -32,6 +33,7 @@ Timings on a shared machine are noisy: the machine's load is recorded with every
 from __future__ import annotations
 
 import argparse
+import compileall
 import importlib.util
 import json
 import os
@@ -50,6 +52,15 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "bench_traces.json"
 TOOLS = ("perflab", "hta")
+
+
+def compile_project() -> None:
+    """Write the project's bytecode before timing anything: a user's installed perflab imports
+    compiled modules (an editable install writes them on its first run), and with
+    ``PYTHONDONTWRITEBYTECODE`` set no run would, so every timed run would compile lab_utils from
+    source (~0.3 s) while the installed HTA imports its compiled wheel."""
+    for pkg in ("lab_utils", "lab_kernels"):
+        compileall.compile_dir(ROOT / pkg, quiet=1)
 
 
 def _rss_mb() -> float:
@@ -272,6 +283,7 @@ def scale_main(args) -> int:
     if min(args.sizes + args.ranks + [args.rank_mb], default=1) <= 0:
         print("--sizes, --ranks and --rank-mb: numbers > 0", file=sys.stderr)
         return 2
+    compile_project()
     work = Path(args.work)
     inputs = scale_inputs(work, args.sizes, args.ranks, args.rank_mb)
     out = Path(args.out)

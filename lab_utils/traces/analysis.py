@@ -64,7 +64,7 @@ from lab_utils.core.datasheets import DatasheetPeak, Identified, check_part, ide
 from lab_utils.core.records import Recorder
 from lab_utils.traces import breakdown, collectives, counters, cpu, hierarchy, sequences, streams
 from lab_utils.traces.attribute import Attributed, attribute
-from lab_utils.traces.critical_path import CriticalPath, critical_path
+from lab_utils.traces.critical_path import CriticalPath, PathInputs, critical_path, path_inputs
 from lab_utils.traces.launches import launch_stats
 from lab_utils.traces.phases import PhaseTable
 from lab_utils.traces.reader import RankTrace, read_job
@@ -101,6 +101,7 @@ class TraceAnalysis:
         self.phase_table = phases or PhaseTable()
         self._attr: dict[int, Attributed] = dict(attributed or {})  # ranks attributed elsewhere (trace_cli's jobs)
         self._paths: dict[tuple, CriticalPath] = {}
+        self._path_inputs: dict[int, PathInputs] = {}
 
     # -- access ---------------------------------------------------------------------------
     @property
@@ -270,7 +271,10 @@ class TraceAnalysis:
         rank = self._rank(rank)
         key = (rank, step, hta)
         if key not in self._paths:
-            self._paths[key] = critical_path(self.traces[rank], self.attributed(rank), step, hta=hta)
+            trace, att = self.traces[rank], self.attributed(rank)
+            if rank not in self._path_inputs:
+                self._path_inputs[rank] = path_inputs(trace, att)
+            self._paths[key] = critical_path(trace, att, step, hta=hta, inputs=self._path_inputs[rank])
         return self._paths[key]
 
     def critical_paths(self, step: int | None = None, max_ranks: int = PATH_RANKS) -> dict[int, CriticalPath]:

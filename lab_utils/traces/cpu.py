@@ -88,7 +88,7 @@ def activities(trace: RankTrace) -> pd.DataFrame:
     names = host["name"].astype(str)
     ops = host[cat.eq("cpu_op")]
     keep: list[np.ndarray] = []
-    for _, grp in ops.groupby(ops["tid"].astype(str), observed=True):
+    for _, grp in ops.groupby(ops["tid"].astype(str)):
         g = grp.sort_values(["ts", "dur"], ascending=[True, False], kind="stable")
         whole = np.array([is_whole(n) for n in g["name"].astype(str)], dtype=bool)
         keep.append(g.index.to_numpy()[_selected(g["ts"].to_numpy(), g["end"].to_numpy(), whole)])

@@ -128,6 +128,16 @@ class _Graph:
         self.is_start += [True, False]
         return len(self.ts) - 2, len(self.ts) - 1
 
+    def pairs(self, events: np.ndarray, ts: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """:meth:`pair` for many events at once: their (start, end) nodes, one row per event."""
+        n0, m = len(self.ts), len(events)
+        t = np.empty(2 * m)
+        t[0::2], t[1::2] = ts, end
+        self.ts += t.tolist()
+        self.node_event += np.repeat(np.asarray(events, dtype=np.int64), 2).tolist()
+        self.is_start += [True, False] * m
+        return n0 + np.arange(2 * m, dtype=np.int64).reshape(m, 2)
+
     def edge(self, u: int, v: int, kind: str, event: int = -1, zero: bool = False) -> None:
         w = 0.0 if zero or kind in ("dependency", "sync") else self.ts[v] - self.ts[u]
         self.src.append(u)
@@ -136,68 +146,71 @@ class _Graph:
         self.kind.append(KINDS.index(kind))
         self.event.append(event)
 
-    def charged(self, u: int, v: int, parent: int) -> int:
-        """The event an operator edge u -> v is charged to: the start's event, else the end's, else
-        (an end to a start: the time between two children) their parent."""
-        if self.is_start[u]:
-            return self.node_event[u]
-        if not self.is_start[v]:
-            return self.node_event[v]
-        return parent
+    def edges(self, u: np.ndarray, v: np.ndarray, w: np.ndarray, kind: np.ndarray, event: np.ndarray) -> None:
+        """:meth:`edge` for many edges at once, in order; ``w`` already final (>= 0)."""
+        self.src += u.tolist()
+        self.dst += v.tolist()
+        self.w += w.tolist()
+        self.kind += kind.tolist()
+        self.event += event.tolist()
 
 
-def _stack(th: pd.DataFrame) -> tuple[dict[int, int], dict[int, list[int]]]:
-    """One thread's call stack: parent and children of every event, nested by time (starts and ends
-    in time order; at one time ends before starts, longer starts first, shorter ends first; an end
-    closes whatever is open on top)."""
-    idx, ts, end, dur = th.index.to_numpy(), th["ts"].to_numpy(), th["end"].to_numpy(), th["dur"].to_numpy()
-    rec = [(t, 1, -d, i) for t, d, i in zip(ts, dur, idx)] + [(t, 0, d, -i) for t, d, i in zip(end, dur, idx)]
-    rec.sort()
-    parent: dict[int, int] = {}
-    children: dict[int, list[int]] = {-1: []}
+def _tour(ts: np.ndarray, end: np.ndarray, dur: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One thread's call stack, nested by time (starts and ends in time order; at one time ends
+    before starts, longer starts first, shorter ends first; an end closes whatever is open on top,
+    and what is still open at the end closes innermost first): the parent of each event (a position,
+    -1 at the top) and the depth-first walk of the stack, entering position p as p and leaving it
+    as ~p."""
+    n = len(ts)
+    t = np.concatenate([ts, end])
+    typ = np.concatenate([np.ones(n, np.int8), np.zeros(n, np.int8)])
+    third = np.concatenate([-dur, dur])
+    fourth = np.concatenate([idx, -idx])
+    order = np.lexsort((fourth, third, typ, t))
+    is_start = (order < n).tolist()
+    pos = (order % n).tolist() if n else []
+    parent = [-1] * n
+    walk: list[int] = []
     stack: list[int] = []
-    for _, typ, _, i in rec:
-        if typ == 1:
-            p = stack[-1] if stack else -1
-            parent[int(i)] = p
-            children[p].append(int(i))
-            children[int(i)] = []
-            stack.append(int(i))
+    for start, p in zip(is_start, pos):
+        if start:
+            parent[p] = stack[-1] if stack else -1
+            stack.append(p)
+            walk.append(p)
         elif stack:
-            stack.pop()
-    return parent, children
+            walk.append(~stack.pop())
+    walk += [~p for p in reversed(stack)]
+    return np.asarray(parent, dtype=np.int64), np.asarray(walk, dtype=np.int64)
 
 
-def _cpu_edges(g: _Graph, host: pd.DataFrame, nodes: dict[int, tuple[int, int]], blocking: set[int]) -> None:
-    """The CPU edges of every thread (see the module note), walking each call stack depth first."""
-    for _, th in host.groupby(host["tid"].astype(str), observed=True, sort=False):
-        parent, children = _stack(th)
-        last, last_top, depth, last_parent = None, None, 0, -1
-        walk = [(c, False) for c in reversed(children[-1])]
-        while walk:
-            i, leaving = walk.pop()
-            node = nodes.get(i)
-            if not leaving:
-                walk.append((i, True))
-                walk += [(c, False) for c in reversed(children[i])]
-                if node is None:
-                    continue
-                if depth == 0 and last_top is not None:
-                    g.edge(last_top, node[0], "dependency")
-                depth += 1
-                if last is not None:
-                    g.edge(last, node[0], "cpu", g.charged(last, node[0], last_parent))
-                last, last_parent = node[0], parent[i]
-                continue
-            if node is None:
-                continue
-            depth -= 1
-            if last is not None:
-                g.edge(last, node[1], "cpu", g.charged(last, node[1], last_parent), zero=i in blocking)
-            if depth == 0:
-                last, last_top = None, node[1]
-            else:
-                last, last_parent = node[1], parent[i]
+def _cpu_edges(g: _Graph, hc: dict[str, np.ndarray], rows: np.ndarray, nodes: np.ndarray) -> None:
+    """The CPU edges of every thread (see the module note), walking each call stack depth first.
+    ``hc``: the host columns of :class:`PathInputs`; ``rows``: the step's positions in them, in
+    order; ``nodes``: per host row, its (start, end) node, -1 for a row that is no node."""
+    labels, tids, nodes = hc["label"][rows], hc["tid"][rows], nodes[rows]
+    ts, end, dur, blocking = hc["ts"][rows], hc["end"][rows], hc["dur"][rows], hc["blocking"][rows]
+    gts = np.asarray(g.ts)
+    cpu, dep = KINDS.index("cpu"), KINDS.index("dependency")
+    threads, first = np.unique(tids, return_index=True)
+    for t in threads[np.argsort(first)]:  # in the order each thread first appears, as the events lie
+        mine = np.flatnonzero(tids == t)
+        parent, walk = _tour(ts[mine], end[mine], dur[mine], labels[mine])
+        leave = walk < 0
+        pos = np.where(leave, ~walk, walk)
+        keep = nodes[mine[pos], 0] >= 0
+        leave, pos = leave[keep], mine[pos[keep]]
+        if len(pos) < 2:
+            continue
+        point = nodes[pos, np.where(leave, 1, 0)]
+        depth = np.cumsum(np.where(leave, -1, 1))
+        u, v = point[:-1], point[1:]
+        to_top = leave[:-1] & (depth[:-1] == 0)  # a top-level operator ended: a dependency into the next
+        up = parent[np.searchsorted(mine, pos[:-1])]
+        charged = np.where(~leave[:-1], labels[pos[:-1]], np.where(leave[1:], labels[pos[1:]],
+                           np.where(up >= 0, labels[mine[np.maximum(up, 0)]], -1)))  # fmt: skip
+        zero = to_top | (leave[1:] & blocking[pos[1:]])
+        w = np.where(zero, 0.0, np.maximum(gts[v] - gts[u], 0.0))
+        g.edges(u, v, w, np.where(to_top, dep, cpu), np.where(to_top, -1, charged))
 
 
 def _queues(k: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
@@ -248,25 +261,58 @@ def _event_sources(trace: RankTrace, k: pd.DataFrame) -> tuple[dict[int, int], d
     return src, dst
 
 
-def _gpu_edges(g: _Graph, trace: RankTrace, k: pd.DataFrame, sel: np.ndarray, host_nodes: dict, rt_row: dict) -> None:
-    """Per stream, each selected activity's duration and the launch delay or kernel gap before it;
-    the sync edges (see the module note).  ``rt_row``: correlation -> host row of its runtime call."""
+@dataclass
+class PathInputs:
+    """What the critical path of every step of one rank shares, computed once (:func:`path_inputs`):
+    per activity its stream's queues (:func:`_queues`), the event syncs' sources and targets
+    (:func:`_event_sources`), and the columns the graph reads."""
+
+    host: dict[str, np.ndarray]  # label, ts, end, dur, tid (codes), node, blocking, correlation
+    queue_at_launch: np.ndarray | None = None  # the GPU part: None on a trace without GPU activity
+    queue_at_start: np.ndarray | None = None
+    event_source: dict[int, int] | None = None  # sync correlation -> the activity its event recorded
+    event_target: dict[int, int] | None = None  # Stream Wait Event correlation -> the activity that waits
+    kernels: dict[str, np.ndarray] | None = None  # ts, end, stream, launch_ts, correlation; launched
+    sync: dict[str, np.ndarray] | None = None  # correlation, name, stream, end
+
+
+def path_inputs(trace: RankTrace, att: Attributed) -> PathInputs:
+    """The step-independent part of :func:`critical_path` for one rank (see :class:`PathInputs`)."""
+    host = trace.host
+    hc = {"label": host.index.to_numpy(dtype=np.int64), "ts": host["ts"].to_numpy(float),
+          "end": host["end"].to_numpy(float), "dur": host["dur"].to_numpy(float),
+          "tid": pd.factorize(host["tid"].astype(str), sort=False)[0],
+          "node": host["cat"].astype(str).isin(NODE_CATS).to_numpy(),
+          "blocking": host["name"].astype(str).isin(BLOCKING).to_numpy(),
+          "correlation": host["correlation"].to_numpy()}  # fmt: skip
+    k = att.kernels
+    if not len(k) or att.rule != "gpu":
+        return PathInputs(hc)
     qlr, qlk = _queues(k)
     src_of, dst_of = _event_sources(trace, k)
-    ts, end, stream = k["ts"].to_numpy(), k["end"].to_numpy(), k["stream"].to_numpy()
-    launch, corr = k["launch_ts"].to_numpy(), k["correlation"].to_numpy()
-    knodes = {int(i): g.pair(-2 - int(i), float(ts[i]), float(end[i])) for i in np.flatnonzero(sel)}
+    cols = {c: k[c].to_numpy() for c in ("ts", "end", "stream", "launch_ts", "correlation")}
+    cols["launched"] = k["launch_ts"].notna().to_numpy()
+    sync = trace.sync
+    scols = {"correlation": sync["correlation"].to_numpy(), "name": sync["name"].astype(str).to_numpy(),
+             "stream": sync["stream"].to_numpy(), "end": sync["end"].to_numpy()}  # fmt: skip
+    return PathInputs(hc, qlr, qlk, src_of, dst_of, cols, scols)
+
+
+def _gpu_edges(g: _Graph, k: pd.DataFrame, sel: np.ndarray, host_nodes: dict, rt_row: dict, pin: PathInputs) -> None:
+    """Per stream, each selected activity's duration and the launch delay or kernel gap before it;
+    the sync edges (see the module note).  ``rt_row``: correlation -> host row of its runtime call."""
+    qlr, qlk, src_of, dst_of = pin.queue_at_launch, pin.queue_at_start, pin.event_source, pin.event_target
+    kc = pin.kernels
+    ts, end, stream, launch, corr = kc["ts"], kc["end"], kc["stream"], kc["launch_ts"], kc["correlation"]
+    chosen = np.flatnonzero(sel)
+    pairs = g.pairs(-2 - chosen, ts[chosen].astype(float), end[chosen].astype(float))
+    knodes = dict(zip(chosen.tolist(), map(tuple, pairs.tolist())))
     wait_for: dict[int, int] = {dst_of[c]: src_of[c] for c in dst_of if c in src_of}
-    rows = [(float(ts[i]), 1, i) for i in knodes]
-    sync = trace.sync.reset_index(drop=True)
-    s_corr, s_name, s_stream = (
-        sync["correlation"].to_numpy(),
-        sync["name"].astype(str).to_numpy(),
-        sync["stream"].to_numpy(),
-    )
-    for j, e in enumerate(sync["end"].to_numpy()):
-        if int(s_corr[j]) in rt_row and rt_row[int(s_corr[j])] in host_nodes:
-            rows.append((float(e), 0, j))
+    rows = [(float(t), 1, i) for t, i in zip(ts[chosen].tolist(), chosen.tolist())]
+    sc = pin.sync
+    s_corr, s_name, s_stream = sc["correlation"], sc["name"], sc["stream"]
+    mine = np.flatnonzero(np.isin(s_corr, np.fromiter(rt_row, dtype=np.int64, count=len(rt_row))))
+    rows += [(float(e), 0, j) for e, j in zip(sc["end"][mine].tolist(), mine.tolist())]
     rows.sort()
     last: dict[int, int] = {}
     for _, is_kernel, i in rows:
@@ -300,65 +346,73 @@ def _gpu_edges(g: _Graph, trace: RankTrace, k: pd.DataFrame, sel: np.ndarray, ho
 def _longest(g: _Graph) -> tuple[list[int], float]:
     """Edge indices of the longest path by weight (Kahn's order; an edge closing a cycle is dropped)."""
     n = len(g.ts)
-    src, dst = np.asarray(g.src, dtype=np.int64), np.asarray(g.dst, dtype=np.int64)
+    if not n:
+        return [], 0.0
+    src = np.asarray(g.src, dtype=np.int64)
     order = np.argsort(src, kind="stable")  # each node's out-edges, in the order they were added
     starts = np.searchsorted(src[order], np.arange(n + 1)).tolist()
     order = order.tolist()
-    indeg = np.bincount(dst, minlength=n).astype(np.int64)
-    dist = np.zeros(n)
-    via = np.full(n, -1, dtype=np.int64)
-    queue = deque(np.flatnonzero(indeg == 0).tolist())
-    seen = 0
+    indeg = np.bincount(np.asarray(g.dst, dtype=np.int64), minlength=n).tolist()
+    dst, w = g.dst, g.w
+    dist = [0.0] * n
+    via = [-1] * n
+    queue = deque(u for u in range(n) if indeg[u] == 0)
     while queue:
         u = queue.popleft()
-        seen += 1
+        du = dist[u]
         for e in order[starts[u] : starts[u + 1]]:
-            v = g.dst[e]
-            if dist[u] + g.w[e] > dist[v] or via[v] < 0 and dist[u] + g.w[e] >= dist[v]:
-                dist[v], via[v] = dist[u] + g.w[e], e
+            v = dst[e]
+            d = du + w[e]
+            if d > dist[v] or via[v] < 0 and d >= dist[v]:
+                dist[v], via[v] = d, e
             indeg[v] -= 1
             if indeg[v] == 0:
                 queue.append(v)
-    if not n:
-        return [], 0.0
-    end = int(np.argmax(dist))
+    best = max(dist)
+    end = dist.index(best)
     path = []
     while via[end] >= 0:
-        path.append(int(via[end]))
+        path.append(via[end])
         end = g.src[via[end]]
-    return path[::-1], float(dist.max())
+    return path[::-1], float(best)
 
 
-def critical_path(trace: RankTrace, att: Attributed, step: int | None = None, *, hta: bool = False) -> CriticalPath:
+def critical_path(
+    trace: RankTrace, att: Attributed, step: int | None = None, *, hta: bool = False, inputs: PathInputs | None = None
+) -> CriticalPath:
     """The critical path of ``step`` (default: the median-duration step,
     :func:`lab_utils.traces.timeline.representative_step`; a trace without steps: its one window).
 
     ``hta=True`` keeps only one activity per launch call, its last, as HolisticTraceAnalysis 0.5
     does (a ``cudaGraphLaunch`` runs many kernels under one correlation id; HTA links the call to
-    one of them and leaves the others out of the graph): for checking the two against each other."""
+    one of them and leaves the others out of the graph): for checking the two against each other.
+    ``inputs``: :func:`path_inputs` of this rank, when many steps' paths are drawn."""
     step, lo, hi = _window(att, trace, step)
-    host = trace.host
-    h = host[(host["ts"] >= lo) & (host["ts"] <= hi) & (host["dur"] > 0)]
+    pin = inputs if inputs is not None else path_inputs(trace, att)
+    hc = pin.host
+    rows = np.flatnonzero((hc["ts"] >= lo) & (hc["ts"] <= hi) & (hc["dur"] > 0))
     g = _Graph()
-    cats = h["cat"].astype(str)
-    names = h["name"].astype(str)
-    node_rows = h.index[cats.isin(NODE_CATS)]
-    nts, nend = h.loc[node_rows, "ts"].to_numpy(), h.loc[node_rows, "end"].to_numpy()
-    host_nodes = {int(i): g.pair(int(i), float(a), float(b)) for i, a, b in zip(node_rows, nts, nend)}
-    blocking = set(h.index[names.isin(BLOCKING)].tolist())
-    _cpu_edges(g, h, host_nodes, blocking)
-    rt = h.loc[node_rows]
-    rt = rt[rt["correlation"] >= 0]
-    rt_row = dict(zip(rt["correlation"].astype(int), rt.index.astype(int)))
+    is_node = hc["node"][rows]
+    node_rows = rows[is_node]
+    labels = hc["label"][node_rows]
+    pairs = g.pairs(labels, hc["ts"][node_rows], hc["end"][node_rows])
+    host_nodes = dict(zip(labels.tolist(), map(tuple, pairs.tolist())))
+    nodes = np.full((len(hc["ts"]), 2), -1, dtype=np.int64)
+    nodes[node_rows] = pairs
+    _cpu_edges(g, hc, rows, nodes)
+    corr = hc["correlation"][node_rows]
+    has = corr >= 0
+    rt_row = dict(zip(corr[has].astype(int).tolist(), labels[has].tolist()))
     k = att.kernels
-    sel = (k["correlation"].isin(list(rt_row)) & k["launch_ts"].notna()).to_numpy() if len(k) else np.zeros(0, bool)
-    if hta and len(k):
-        last = k.loc[sel].sort_values("ts", kind="stable").drop_duplicates("correlation", keep="last").index
-        sel = k.index.isin(last)
-    if len(k) and att.rule == "gpu":
-        _gpu_edges(g, trace, k, sel, host_nodes, rt_row)
+    if pin.kernels is not None:
+        wanted = np.fromiter(rt_row, dtype=np.int64, count=len(rt_row))
+        sel = np.isin(pin.kernels["correlation"], wanted) & pin.kernels["launched"]
+        if hta:
+            last = k.loc[sel].sort_values("ts", kind="stable").drop_duplicates("correlation", keep="last").index
+            sel = k.index.isin(last)
+        _gpu_edges(g, k, sel, host_nodes, rt_row, pin)
     path, length = _longest(g)
-    return CriticalPath(att.rank, step, hi - lo, length, _edges_table(g, path, h, k), len(g.ts), len(g.src))
+    return CriticalPath(att.rank, step, hi - lo, length, _edges_table(g, path, trace.host, k), len(g.ts), len(g.src))
 
 
 def _edges_table(g: _Graph, path: list[int], host: pd.DataFrame, k: pd.DataFrame) -> pd.DataFrame:
@@ -376,9 +430,9 @@ def _edges_table(g: _Graph, path: list[int], host: pd.DataFrame, k: pd.DataFrame
     category, bound = out["category"].to_numpy(dtype=object), out["bound_by"].to_numpy(dtype=object)
     stream = np.full(len(e), -1, dtype=np.int64)
     if on_host.any():
-        rows = host.loc[ev[on_host]]
-        name[on_host] = rows["name"].astype(str).to_numpy()
-        where[on_host] = ("thread " + rows["tid"].astype(str)).to_numpy()
+        at = host.index.get_indexer(ev[on_host])  # two columns of the path's rows, not every column of all
+        name[on_host] = host["name"].take(at).astype(str).to_numpy()
+        where[on_host] = ["thread " + t for t in host["tid"].take(at).astype(str).tolist()]
         category[on_host], bound[on_host] = "CPU", "cpu_bound"
     if on_gpu.any():
         pos = -2 - ev[on_gpu]

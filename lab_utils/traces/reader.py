@@ -364,7 +364,7 @@ def _whole(text: bytes, cols, decoders: tuple = _FULL) -> tuple[_Head, bool]:
     return head, False
 
 
-def _not_a_trace(path: Path, cols: _Columns, has_events: bool) -> ConfigError:
+def _not_a_trace(path: Path, cols: _Columns | _StepRows, has_events: bool) -> ConfigError:
     """Why a file that parsed as JSON holds no profiler event, as the error to raise."""
     if not has_events:
         try:
@@ -452,9 +452,13 @@ class _StepRows:
     def __init__(self) -> None:
         self.rows: list[tuple[str, bytes, float]] = []
         self.seen = 0
+        self.n = 0  # 1 once a complete profiler event is seen (read_rank's test of a trace), else 0
 
     def add(self, events: list[_Slim]) -> None:
         self.seen += len(events)
+        kinds = _Columns.KINDS
+        if not self.n and any(e.ph == "X" and e.cat in kinds and len(e.ts) for e in events):
+            self.n = 1
         self.rows += [(e.name, bytes(e.ts), e.dur) for e in events if e.ph == "X" and e.cat == "user_annotation"
                       and e.name.startswith("ProfilerStep") and len(e.ts)]  # fmt: skip
 
@@ -465,7 +469,9 @@ def read_steps(path: str | Path) -> pd.DataFrame:
     read.  The same errors as :func:`read_rank`."""
     path = Path(path)
     rows = _StepRows()
-    _read_into(path, rows, _SLIM)
+    _, has_events = _read_into(path, rows, _SLIM)
+    if not rows.n:
+        raise _not_a_trace(path, rows, has_events)
     whole, frac = numbers([r[1] for r in rows.rows])
     t0 = int(whole.min()) if len(whole) else 0
     return pd.DataFrame({"name": pd.array([r[0] for r in rows.rows], dtype=object),

@@ -36,6 +36,19 @@ def _grams(codes: np.ndarray, group: np.ndarray, n: int) -> tuple[np.ndarray, np
     return starts, np.stack([codes[starts + j] for j in range(n)], axis=1)
 
 
+def _runs(*cols: pd.Series) -> np.ndarray:
+    """A group id per row of rows sorted by ``cols``: a new id wherever a column changes (two
+    missing values are equal), so each (stream, step) is one run."""
+    n = len(cols[0])
+    change = np.zeros(n, dtype=bool)
+    change[:1] = True
+    for c in cols:
+        a = pd.to_numeric(c).to_numpy(dtype=float, na_value=np.nan)
+        same = (a[1:] == a[:-1]) | (np.isnan(a[1:]) & np.isnan(a[:-1]))
+        change[1:] |= ~same
+    return np.cumsum(change) - 1
+
+
 def _non_overlapping(pos: np.ndarray, n: int) -> np.ndarray:
     """The occurrences kept left to right without overlap (``pos`` sorted)."""
     if len(pos) < 2 or bool((np.diff(pos) >= n).all()):
@@ -64,7 +77,7 @@ def frequent_sequences(
     s = k.sort_values(["stream", "step", "ts"], kind="stable")
     names = s["name"].astype(str).to_numpy()
     uniq, codes = np.unique(names, return_inverse=True)
-    group = pd.factorize(pd.MultiIndex.from_arrays([s["stream"], s["step"]]))[0]
+    group = _runs(s["stream"], s["step"])
     dur, ts, end = s["dur"].to_numpy(), s["ts"].to_numpy(), s["end"].to_numpy()
     cum = np.concatenate([[0.0], np.cumsum(dur)])
     ops, cats = s["op"].astype(str).to_numpy(), s["category"].astype(str).to_numpy()

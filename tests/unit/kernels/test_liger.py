@@ -177,3 +177,153 @@ def test_the_capability_check_returns_each_reason_it_finds(monkeypatch):
     assert why is not None and "bfloat16" in why and "GPU" in why
     assert liger.liger_why_not("cpu", torch.bfloat16, None, bf16_arith=False) is None
     assert liger.liger_why_not("cpu", torch.float32, (4, 8)) == liger.C.row_width_reason("liger", (4, 8))
+
+
+def test_per_sample_tables_are_doubled_per_sample(gen):
+    """FLUX's per-sample tables (B, L, D/2) become Liger's (B, L, D): each half holds the same angles."""
+    c, s = torch.rand(3, 5, 4, generator=gen), torch.rand(3, 5, 4, generator=gen)
+    cc, ss = liger.half_tables(c, s)
+    assert cc.shape == ss.shape == (3, 5, 8)
+    for t, h in ((c, cc), (s, ss)):
+        assert torch.equal(h[..., :4], t) and torch.equal(h[..., 4:], t)
+    one, _ = liger.half_tables(c[0], s[0])  # shared tables (L, D/2): one batch row
+    assert one.shape == (1, 5, 8) and torch.equal(one[0], cc[0])
+
+
+def test_pairs_to_halves_by_hand():
+    """One head of width 6 holding 0..5: pairs (0,1), (2,3), (4,5) go to halves [0, 2, 4 | 1, 3, 5]."""
+    x = torch.arange(12.0).reshape(1, 2, 1, 6)  # (B, H, L, D), two heads
+    h = liger.pairs_to_halves(x)
+    assert h.tolist() == [[[[0.0, 2.0, 4.0, 1.0, 3.0, 5.0]], [[6.0, 8.0, 10.0, 7.0, 9.0, 11.0]]]]
+    assert liger.halves_to_pairs(h).tolist() == x.tolist() and liger.halves_to_pairs(h).is_contiguous()
+
+
+def _rms(x, w, eps):
+    x64 = x.double()
+    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+def test_rms_norm_default_eps_is_1e_6_where_eps_matters(gen):
+    """Rows whose mean square is 1e-6 (eps's own size): 1e-6 halves it in the root, 1e-5 or 1e-7
+    would move every element by far more than float32's rounding."""
+    seed = _seed(gen)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 32, generator=g)
+    x = x / x.pow(2).mean(-1, keepdim=True).sqrt() * 1e-3  # mean square exactly 1e-6 per row
+    w = torch.rand(32, generator=g) + 0.5
+    y = liger.liger_rms_norm(x, w)
+    assert torch.allclose(y.double(), _rms(x, w, 1e-6), rtol=1e-5, atol=0), f"seed {seed}"
+    assert not torch.allclose(y.double(), _rms(x, w, 1e-5), rtol=1e-2, atol=0)
+    assert torch.allclose(liger.liger_rms_norm(x, w, 1e-5).double(), _rms(x, w, 1e-5), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_layer_norm_modulate_per_sample_against_float64(batch, gen):
+    """(1 + scale_b) * LayerNorm(x_b) + shift_b, each sample its own modulation, shift (B, D) or (B, 1, D)."""
+    seed = _seed(gen)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 7, 48, generator=g) * 3 + 1
+    shift, scale = torch.randn(batch, 1, 48, generator=g), torch.randn(batch, 48, generator=g)
+    y = liger.liger_layer_norm_modulate(x, shift, scale)
+    x64 = x.double()
+    mu, var = x64.mean(-1, keepdim=True), x64.var(-1, unbiased=False, keepdim=True)
+    want = (x64 - mu) / torch.sqrt(var + 1e-6) * (1 + scale.double()[:, None]) + shift.double()
+    assert y.shape == x.shape and torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5), f"seed {seed}"
+
+
+def test_rope_with_per_sample_tables_against_the_pair_rotation(gen):
+    """Liger's RoPE through the adapter, tables (B, L, D/2), against FLUX's pair rotation in float64."""
+    seed = _seed(gen)
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 3, 5, 8, generator=g)
+    ang = torch.rand(2, 5, 4, generator=g, dtype=torch.float64) * 6
+    oq, ok = liger.liger_rope(q, k, torch.cos(ang).float(), torch.sin(ang).float())
+    for x, o in ((q, oq), (k, ok)):
+        for b in range(2):  # the reference takes one sample's tables
+            want = rope.reference_rope_one(x[b : b + 1].double(), torch.cos(ang[b]), torch.sin(ang[b]))
+            assert torch.allclose(o[b : b + 1].double(), want, rtol=1e-5, atol=1e-6), f"seed {seed}"
+    assert oq.shape == q.shape and oq.is_contiguous()
+
+
+@pytest.mark.parametrize("head_dim,odd", [(None, False), (2, False), (16, False), (1, True), (15, True)])
+def test_rope_check_refuses_only_odd_head_dims(head_dim, odd):
+    why = get_variant("rope", "liger").why_not("cpu", torch.float32, head_dim=head_dim)
+    if odd:
+        assert why == f"rope/liger: head_dim={head_dim} is odd; RoPE rotates halves of an even head dim"
+    else:
+        assert why is None
+
+
+def test_an_import_failure_is_the_reason_with_its_first_line(monkeypatch):
+    def broken():
+        raise ImportError("no module named npu\nTraceback ...")
+
+    monkeypatch.setattr(liger, "_liger", broken)
+    monkeypatch.setattr(liger, "LIGER_VERSION", "9.9.9")
+    assert liger.liger_import_why_not() == "liger-kernel 9.9.9 does not import: ImportError: no module named npu"
+    assert liger.liger_why_not("cuda", torch.float32) == liger.liger_import_why_not()
+
+
+def test_on_a_gpu_only_the_row_width_rule_applies(monkeypatch):
+    """The interpreter's probes are for CPU: a GPU device never runs them."""
+    monkeypatch.setattr(liger, "interpreter_why_not", lambda: pytest.fail("probed on a GPU"))
+    monkeypatch.setattr(liger, "interpreter_bf16_why_not", lambda: pytest.fail("probed on a GPU"))
+    assert liger.liger_why_not("cuda", torch.bfloat16, (4, 64), bf16_arith=True) is None
+    wide = liger.C.MAX_ROW + 1
+    assert liger.liger_why_not("cuda", torch.float32, (4, wide)) == (
+        f"liger/triton: rows of {wide} elements exceed the single-pass limit of {liger.C.MAX_ROW}"
+    )
+    assert liger.liger_why_not("cuda", torch.float32, (4, liger.C.MAX_ROW)) is None  # the limit itself fits
+
+
+def test_the_interpreter_verdict_applies_each_shim_only_for_its_failure(monkeypatch):
+    """A float-argument failure gets the fp32-scalar shim, a libdevice one the tl.math shim; the note
+    names each with the failure it fixed; a failure no shim fixes is the verdict, with no note."""
+    probes = iter(["AttributeError: 'float' object has no attribute 'to'", "TypeError: cannot convert None", None])
+    monkeypatch.setattr(liger, "_SHIMS", {})
+    monkeypatch.setattr(liger, "_probe", lambda: next(probes))
+    monkeypatch.setattr(liger, "_wrap_float_args", lambda: True)
+    monkeypatch.setattr(liger, "_libdevice_from_tl_math", lambda: ["rms_norm.rsqrt"])
+    assert liger.interpreter_why_not() is None
+    assert liger.interpreter_note() == (
+        "float arguments passed as fp32 scalars (without: AttributeError: 'float' object has no attribute 'to'); "
+        "libdevice rms_norm.rsqrt taken from tl.math (without: TypeError: cannot convert None)"
+    )
+    monkeypatch.setattr(liger, "_probe", lambda: pytest.fail("probed twice"))
+    assert liger.interpreter_why_not() is None  # cached for the process
+
+    monkeypatch.setattr(liger, "_SHIMS", {})
+    monkeypatch.setattr(liger, "_probe", lambda: "RuntimeError: boom")
+    assert (
+        liger.interpreter_why_not()
+        == "Triton's interpreter cannot run Liger's kernels here (a probe raised RuntimeError: boom)"
+    )
+    assert liger.interpreter_note() == ""
+    monkeypatch.setattr(liger, "_SHIMS", {})  # a shim applied, then another failure: no note, that failure
+    probes = iter(["AttributeError: 'float' object has no attribute 'to'", "RuntimeError: still"])
+    monkeypatch.setattr(liger, "_probe", lambda: next(probes))
+    assert liger.interpreter_why_not().endswith("(a probe raised RuntimeError: still)")
+    assert liger.interpreter_note() == ""
+    monkeypatch.setattr(liger, "_SHIMS", {})
+    monkeypatch.setattr(liger, "_wrap_float_args", lambda: False)  # no hook: the first failure stands
+    monkeypatch.setattr(liger, "_probe", lambda: "AttributeError: 'float' object has no attribute 'to'")
+    assert "'float' object has no attribute" in liger.interpreter_why_not() and liger.interpreter_note() == ""
+
+
+def test_the_bfloat16_probe_reports_what_it_got(monkeypatch):
+    """Its verdict is None when the product is exact, else the values got beside the right ones."""
+    monkeypatch.setattr(liger, "_SHIMS", {})
+    got = liger.interpreter_bf16_why_not()
+    want = [3.0, -1.0, -1.0, 3.0]  # 1.5*2, -2*0.5, 0.25*-4, 3*1: exact in bfloat16
+    assert got is None or (got.startswith("a bfloat16 x bfloat16 probe gave ") and f"for {want}" in got)
+    assert liger.interpreter_bf16_why_not() == got  # cached
+
+
+def test_the_bfloat16_probe_kernel_multiplies_and_masks():
+    """The probe's kernel in float32 (which the interpreter multiplies right): c = a * b on the first
+    n elements, the masked rest never written."""
+    a = torch.tensor([1.5, -2.0, 0.25, 3.0])
+    b = torch.tensor([2.0, 0.5, -4.0, 7.0])
+    c = torch.full_like(a, float("nan"))
+    liger._bf16_mul_kernel[(1,)](a, b, c, 3, BLOCK=4)
+    assert c[:3].tolist() == [3.0, -1.0, -1.0] and torch.isnan(c[3])

@@ -7,13 +7,23 @@ import json
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from lab_utils.core.config import ConfigError
 from lab_utils.traces import PhaseTable, TraceAnalysis, read_job, read_rank
 from lab_utils.traces import reader as reader_mod
 from lab_utils.traces.categories import category, hta_type
-from lab_utils.traces.collectives import parse_name, skew, straggler
+from lab_utils.traces.collectives import (
+    AlphaBeta,
+    CollectiveEvent,
+    aligned,
+    events_of,
+    fit_alpha_beta,
+    parse_name,
+    skew,
+    straggler,
+)
 from lab_utils.traces.phases import LAB_PHASES, block_of
 
 
@@ -432,3 +442,148 @@ def test_a_rank_last_in_exactly_half_of_the_collectives_is_the_straggler(last, n
 
     sk = pd.DataFrame({"skew_us": 50.0, "transfer_us": 100.0, "last_rank": last})
     assert straggler(sk, n_ranks).rank == rank
+
+
+# nccl-tests' doc/PERFORMANCE.md: busBw = algBw x this factor of the rank count n, algBw = S / t
+# (S: the message, the input of an all-reduce, reduce-scatter, all-to-all, broadcast, reduce and
+# send/recv, the output of an all-gather)
+NCCL_TESTS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+                     "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+                     "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0, "send_recv": lambda n: 1.0}  # fmt: skip
+NCCL_KERNEL = {"all_reduce": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "all_gather": "ncclDevKernel_AllGather_RING_LL",
+               "reduce_scatter": "ncclKernel_ReduceScatter_RING_SIMPLE_Sum_float",
+               "all_to_all": "ncclDevKernel_SendRecv", "broadcast": "ncclDevKernel_Broadcast_RING_LL",
+               "reduce": "ncclDevKernel_Reduce_Sum_f32_RING_LL", "send_recv": "ncclDevKernel_SendRecv"}  # fmt: skip
+ARG_NAME = {"all_to_all": "all_to_all", "send_recv": "send"}
+
+
+@pytest.mark.parametrize("kind", sorted(NCCL_TESTS_FACTOR))
+@pytest.mark.parametrize("n", [2, 8])
+def test_bus_bandwidth_of_every_collective_is_nccl_tests(tmp_path, kind, n):
+    """One 100 us call moving 8 MB (2 M floats in, or out for an all-gather; the other side n times
+    larger or smaller): algbw 80 GB/s; busbw that times nccl-tests' factor for n ranks."""
+    big, small = 2_000_000, 2_000_000 // n
+    n_in, n_out = {"all_gather": (small, big), "reduce_scatter": (big, small)}.get(kind, (big, big))
+    args = {"In msg nelems": n_in, "Out msg nelems": n_out, "dtype": "Float", "Group size": n}
+    args["Collective name"] = ARG_NAME.get(kind, kind.replace("_", ""))
+    ev = [step(1, 0, 1000), launch(1, 10), kernel(NCCL_KERNEL[kind], 1, 100, 100.0, **args)]
+    c = TraceAnalysis(write(tmp_path / "t.json", ev), workers=1).collectives().iloc[0]
+    assert c["collective"] == kind and c["bytes"] == 8_000_000 and c["group"] == n
+    assert c["algbw_gbps"] == pytest.approx(80.0)
+    assert c["bus_factor"] == pytest.approx(NCCL_TESTS_FACTOR[kind](n))
+    assert c["busbw_gbps"] == pytest.approx(80.0 * NCCL_TESTS_FACTOR[kind](n))
+    assert c["exposed_us"] == 100 and c["hidden_us"] == 0
+
+
+@pytest.mark.parametrize("group, world, factor", [(None, 8, 2 * 7 / 8), (4, 8, 2 * 3 / 4), (None, None, 1.0)])
+def test_the_group_size_is_the_calls_else_the_jobs(tmp_path, group, world, factor):
+    """An all-reduce of 4 MB (2 M bf16 in 50 us: 80 GB/s) without ``Group size`` counts the job's
+    ranks (``distributedInfo.world_size``); without either it is 1 (no factor)."""
+    args = {"In msg nelems": 2_000_000, "Out msg nelems": 2_000_000, "dtype": "BFloat16"}
+    args |= {"Group size": group} if group else {}
+    ev = [step(1, 0, 1000), launch(1, 10), kernel(NCCL_KERNEL["all_reduce"], 1, 100, 50.0, **args)]
+    meta = {"distributedInfo": {"rank": 0, "world_size": world}} if world else {}
+    c = TraceAnalysis(write(tmp_path / "t.json", ev, **meta), workers=1).collectives().iloc[0]
+    assert c["bytes"] == 4_000_000 and c["algbw_gbps"] == pytest.approx(80.0)
+    assert c["busbw_gbps"] == pytest.approx(80.0 * factor)
+
+
+def test_bus_bandwidth_with_the_wait_and_from_the_transfer_alone():
+    """An 8 MB all-reduce over 4 ranks (factor 1.5) arriving at 0, 100, 100, 100 (rank 0 waits
+    100 us), every rank ending at 200: the transfer is 100 us: 80 GB/s x 1.5 = 120 GB/s; over each
+    rank's whole call 60 GB/s (rank 0: 200 us) and 120 (the others): median 120."""
+    per = {r: pd.DataFrame({"collective": "all_reduce", "pg_name": "0", "ts": [0.0 if r == 0 else 100.0],
+                            "end": [200.0], "bytes": 8e6, "bus_factor": 1.5}) for r in range(4)}  # fmt: skip
+    al = aligned(per, dict.fromkeys(per, 0.0)).set_index("rank")
+    assert al["wait_us"].tolist() == [100, 0, 0, 0] and al["transfer_us"].tolist() == [100] * 4
+    assert al["busbw_gbps"].tolist() == pytest.approx([60, 120, 120, 120])
+    assert al["busbw_transfer_gbps"].tolist() == pytest.approx([120] * 4)
+    sk = skew(per, dict.fromkeys(per, 0.0)).iloc[0]
+    assert (sk["skew_us"], sk["transfer_us"], sk["bytes"]) == (100, 100, 8e6)
+    assert sk["busbw_transfer_gbps"] == pytest.approx(120) and sk["busbw_gbps"] == pytest.approx(120)
+    assert sk["wait_us_rank0"] == 100 and sk["wait_us_rank3"] == 0 and sk["last_rank"] in (1, 2, 3)
+    # shifted by a clock offset of +50 us on rank 0, it arrives 50 us before the others
+    assert skew(per, {0: 50.0, 1: 0.0, 2: 0.0, 3: 0.0}).iloc[0]["skew_us"] == 50
+    # a call on one rank only is no common collective
+    lone = {0: per[0], 1: per[1].assign(collective="all_gather")}
+    assert aligned(lone, {0: 0.0, 1: 0.0}).empty and skew(lone, {0: 0.0, 1: 0.0}).empty
+
+
+@pytest.mark.parametrize("skew_us, rank", [(10.0, 1), (9.99, None)])
+def test_the_straggler_needs_a_skew_of_a_tenth_of_the_transfer(skew_us, rank):
+    sk = pd.DataFrame({"skew_us": skew_us, "transfer_us": 100.0, "last_rank": [1, 1, 1, 1]})
+    s = straggler(sk, 2)
+    assert s.rank == rank and s.last_share == 1.0 and s.median_skew_us == skew_us and s.median_transfer_us == 100
+    assert s.verdict.startswith("rank 1 is the straggler" if rank else "no straggler")
+    assert "of 4 collectives" in s.verdict and s.verdict.endswith("(all 2 ranks)")
+
+
+def test_the_straggler_on_two_ranks_needs_more_than_three_quarters_and_says_what_it_rests_on():
+    """With 2 ranks, more often than 1.5 / 2 = 75 %: last in 3 of 4 is not enough, 4 of 4 is; drawn
+    from 2 of 128 ranks the verdict says so."""
+    three = pd.DataFrame({"skew_us": 50.0, "transfer_us": 100.0, "last_rank": [1, 1, 1, 0]})
+    assert straggler(three, 2).rank is None and straggler(three, 2).last_share == 0.75
+    assert straggler(three, 4).rank == 1  # 75 % > 1.5 / 4
+    four = straggler(three.assign(last_rank=1), 2, world_size=128)
+    assert four.rank == 1 and (four.ranks, four.world_size) == (2, 128)
+    assert "median skew 0.05 ms vs transfer 0.10 ms" in four.verdict
+    assert four.verdict.endswith("(drawn from 2 of the job's 128 ranks: the other 126 are not in the traces, "
+                                 "and any of them may arrive later)")  # fmt: skip
+    none = straggler(three.iloc[:0], 2)
+    assert none.rank is None and none.verdict.startswith("no collective common to all ranks")
+
+
+@pytest.mark.parametrize("group, world, factor", [(None, 4, 2 * 3 / 4), (2, 4, 1.0), (None, None, 1.0)])
+def test_a_cpu_traces_collective_takes_its_size_from_the_record_inside_and_the_jobs_ranks(tmp_path, group, world,
+                                                                                          factor):  # fmt: skip
+    """A gloo all-reduce (the backend's 200 us range on its thread) holding a record of 1 M floats:
+    4 MB, 20 GB/s; the group size is the record's, else the job's ranks (4: x 1.5), else none; the
+    50 us of an operator on the main thread inside it are hidden, the rest exposed."""
+    rec = {"In msg nelems": 1_000_000, "Out msg nelems": 1_000_000, "dtype": "Float"}
+    rec |= {"Group size": group} if group else {}
+    ev = [step(1, 0, 1000), op("c10d::allreduce_", 10, 20, -1), ann("gloo:all_reduce", 15, 200, tid=3),
+          op("record_param_comms", 20, 5, -1, tid=3, **rec), op("aten::mm", 100, 50, -1),
+          op("aten::add", 400, 10, -1)]  # fmt: skip
+    meta = {"distributedInfo": {"rank": 0, "world_size": world}} if world else {}
+    c = TraceAnalysis(write(tmp_path / "g.json", ev, **meta), workers=1).collectives()
+    assert c["name"].tolist() == ["gloo:all_reduce"]
+    row = c.iloc[0]
+    assert (row["collective"], row["bytes"], row["dur"]) == ("all_reduce", 4_000_000, 200)
+    assert row["algbw_gbps"] == pytest.approx(20.0) and row["busbw_gbps"] == pytest.approx(20.0 * factor)
+    assert (row["hidden_us"], row["exposed_us"]) == (50, 150)  # aten::mm (100..150) runs during it
+
+
+def test_fit_inputs_are_each_sized_calls_kind_bytes_start_and_duration():
+    c = pd.DataFrame({"collective": ["all_reduce", "all_gather", "all_reduce"], "bytes": [4096.0, np.nan, 8e6],
+                      "ts": [10.0, 20.0, 30.5], "dur": [7.5, 3.0, 90.0], "transfer_us": [5.0, 1.0, 60.0]})  # fmt: skip
+    assert events_of(c) == [
+        CollectiveEvent("all_reduce", 4096, 10.0, 7.5),
+        CollectiveEvent("all_reduce", 8_000_000, 30.5, 90.0),
+    ]
+    assert [e.dur_us for e in events_of(c, "transfer_us")] == [5.0, 60.0]
+    flat = AlphaBeta("all_reduce", 5.0, 0.0, 3, 1.0, 0.0)  # no per-byte cost: no bandwidth limit
+    assert flat.gbps == float("inf") and flat.predict_us(1e9) == 5.0
+    assert AlphaBeta("all_reduce", 5.0, 1e-3, 3, 1.0, 0.0).gbps == pytest.approx(1.0)  # 1 ns per byte: 1 GB/s
+
+
+def test_one_rank_has_no_common_collective():
+    one = {0: pd.DataFrame({"collective": "all_reduce", "pg_name": "0", "ts": [0.0], "end": [10.0], "bytes": 8.0})}
+    al = aligned(one, {0: 0.0})
+    assert al.empty and {"wait_us", "transfer_us", "busbw_gbps", "busbw_transfer_gbps", "rank"} <= set(al.columns)
+    assert skew(one, {0: 0.0}).empty and straggler(skew(one, {0: 0.0}), 1).rank is None
+
+
+def test_barriers_carry_no_payload_and_do_not_stop_the_fit():
+    """A barrier first, all-gathers at two sizes (too few, and first of the kinds), then all-reduces
+    at three sizes on 2 us + 1 ns/B and send/recv at three sizes on 10 us + 0.5 ns/B (sends and
+    receives one kind): those two fit exactly, no barrier or all-gather kind."""
+    ev = [CollectiveEvent("barrier", 0, 0.0, 50.0), CollectiveEvent("all_gather", 10, 0.0, 3.0)]
+    ev += [CollectiveEvent("all_gather", 20, 0.0, 4.0)]
+    for b in (1_000, 100_000, 10_000_000):
+        ev += [CollectiveEvent("all_reduce", b, 0.0, 2.0 + 1e-3 * b)]
+        ev += [CollectiveEvent("send" if b < 10**6 else "recv", b, 0.0, 10.0 + 5e-4 * b)]
+    fit = fit_alpha_beta(ev)
+    assert sorted(fit) == ["all_reduce", "send_recv"]
+    assert (fit["all_reduce"].alpha_us, fit["all_reduce"].beta_us_per_byte) == pytest.approx((2.0, 1e-3))
+    assert fit["send_recv"].gbps == pytest.approx(2.0) and fit["send_recv"].n_events == 3
+    assert fit_alpha_beta(ev[:7]) == {}  # two sizes of each: not enough

@@ -70,3 +70,22 @@ def test_each_activity_is_launched_by_itself(tmp_path):
     assert (row["launch_ts"], row["launch_dur"], row["launch_tid"], row["op"]) == (5.0, 0.0, "1", "aten::mm")
     assert row["launch_name"] == "aten::mm" and row["op_index"] == 1 and "host_index" not in k
     assert np.issubdtype(k["op_index"].dtype, np.integer)
+
+
+def test_a_trace_without_operators_has_no_activity(tmp_path):
+    """Only a step and a user range, no ``cpu_op`` and no backend range: nothing stands as a kernel
+    (the step itself, the first host row, must not)."""
+    trace = read_rank(write(tmp_path / "e.json", [step(1, 0, 100), ann("## forward ##", 10, 20)]))
+    k = activities(trace)
+    assert len(k) == 0 and list(k.columns) == list(trace.host.columns) + ["host_index"]
+
+
+def test_activities_are_the_host_rows_renumbered_from_zero(tmp_path):
+    """One row per activity, numbered 0..n-1, with the host table's columns and the host row it is:
+    no column of the host's own numbering beside them."""
+    ev = [step(1, 0, 100), op("aten::mm", 5, 20), op("aten::add", 40, 5), ann("gloo:all_reduce", 50, 10, tid=3)]
+    trace = read_rank(write(tmp_path / "c.json", ev))
+    k = activities(trace)
+    assert list(k.columns) == list(trace.host.columns) + ["host_index"]
+    assert k.index.tolist() == [0, 1, 2]
+    assert trace.host.loc[k["host_index"], "name"].astype(str).tolist() == k["name"].astype(str).tolist()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from lab_utils.core.config import ConfigError
@@ -120,3 +121,58 @@ def test_step_choice_no_steps_and_a_bad_step(tmp_path):
     with pytest.raises(ConfigError, match="step"):
         critical_path(ta.traces[0], ta.attributed(0), 9)
     assert critical_path(ta.traces[0], ta.attributed(0), 2).length_us == pytest.approx(10)
+
+
+def _nested(rng, tid, t0, t1, depth, out):
+    """Non-overlapping ops nested inside [t0, t1) on thread ``tid``, integer times; returns the time
+    each op holds for itself (its duration minus its children's), keyed by name."""
+    own = {}
+    t = t0 + int(rng.integers(0, 3))
+    while t < t1 - 2 and len(out) < 400:
+        dur = int(rng.integers(2, max(3, (t1 - t) // 2 + 1)))
+        name = f"op{len(out)}"
+        out.append(op(name, t, dur, 100_000 + len(out), tid=tid))
+        inner = _nested(rng, tid, t, t + dur, depth - 1, out) if depth > 1 and dur > 6 else {}
+        own.update(inner)
+        kids = _children_of(out, name, tid)
+        own[name] = dur - sum(e["dur"] for e in out if e["name"] in kids)
+        t += dur + int(rng.integers(0, 4))
+    return own
+
+
+def _children_of(events, name, tid):
+    """Names of the direct children of op ``name``: the ops inside it on its thread with no op between."""
+    me = next(e for e in events if e["name"] == name)
+    inside = [e for e in events if e["tid"] == tid and e is not me and me["ts"] <= e["ts"]
+              and e["ts"] + e["dur"] <= me["ts"] + me["dur"]]  # fmt: skip
+    return {e["name"] for e in inside
+            if not any(o is not e and o["ts"] <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"]
+                       for o in inside)}  # fmt: skip
+
+
+def test_a_cpu_only_step_is_its_busiest_thread_charged_to_each_ops_own_time(tmp_path):
+    """Random nested ops on three threads, no GPU: every thread's ops chain start to end, a gap
+    between two top-level ops weighs nothing, so the path is the thread whose top-level ops hold
+    the most time, and each op on it is charged its own time (its duration minus its children's)."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
+    events, threads = [step(1, 0, 3000)], {}
+    for tid in (11, 12, 13):
+        before = len(events)
+        own = _nested(rng, tid, 0, int(rng.integers(600, 2900)), 3, events)
+        top = [
+            e
+            for e in events[before:]
+            if not any(
+                o is not e and o["ts"] <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"] for o in events[before:]
+            )
+        ]
+        threads[tid] = (sum(e["dur"] for e in top), own)  # fmt: skip
+    busiest = max(threads, key=lambda t: threads[t][0])
+    _, cp = path_of(tmp_path, events)
+    assert cp.length_us == pytest.approx(threads[busiest][0]), seed
+    charged = cp.by_event(n=10_000).set_index("name")["us"].to_dict()
+    want = {k: v for k, v in threads[busiest][1].items() if v > 0}
+    assert charged == pytest.approx(want), seed
+    assert set(cp.edges.loc[cp.edges["weight"] > 0, "where"]) == {f"thread {busiest}"}, seed

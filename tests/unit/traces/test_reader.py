@@ -1,13 +1,18 @@
 """lab_utils.traces.reader: the tables each event kind goes to, the allocator's totals,
 the rank, device and job a file says it is, and streaming through events larger than the search
-window, on files written here."""
+window, on files written here; each event's arguments on its own row across many blocks (against
+``json.load``), and the step look-ahead: exact to the ns, refusing what the whole read refuses."""
 
 from __future__ import annotations
 
+import gzip
 import json
+import random
+from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from lab_utils.core.config import ConfigError
@@ -174,3 +179,97 @@ def test_the_step_annotations_of_the_real_traces_are_their_step_windows():
         got = step_windows(ahead.assign(end=ahead["ts"] + ahead["dur"], tid=""))
         want = step_windows(R.read_rank(f).host)
         assert got["step"].tolist() == want["step"].tolist() and got["dur"].tolist() == want["dur"].tolist(), f
+
+
+NOT_TRACES = [
+    ('{"model": "flux", "steps": 10}', "no traceEvents array (its keys: model, steps)"),
+    ('{"traceEvents": []}', "its traceEvents array is empty"),
+    ('{"traceEvents": [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "py"}}]}',
+     "none of its 1 events is a complete"),
+    ('{"traceEvents": [{"ph": "X", "cat": "gpu_op", "name": "ProfilerStep#1", "ts": 1, "dur": 2}]}',
+     "none of its 1 events is a complete"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text, why", NOT_TRACES)
+@pytest.mark.parametrize("gz", [False, True])
+def test_the_step_look_ahead_refuses_what_the_whole_read_refuses(tmp_path, text, why, gz):
+    """JSON that is not a profiler trace: one line naming the file, the same from ``read_steps`` as
+    from ``read_rank`` (a look-ahead that answered "no steps" would pass a config file for a trace)."""
+    path = tmp_path / ("config.json.gz" if gz else "config.json")
+    path.write_bytes(gzip.compress(text.encode()) if gz else text.encode())
+    errors = []
+    for read in (R.read_steps, R.read_rank):
+        with pytest.raises(ConfigError) as e:
+            read(path)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and why in errors[0] and str(path) in errors[0] and "\n" not in errors[0]
+    with pytest.raises(ConfigError, match="an existing trace file"):
+        R.read_steps(tmp_path / "missing.json")
+
+
+def test_a_trace_without_steps_looks_ahead_to_no_steps(tmp_path):
+    ahead = R.read_steps(write(tmp_path / "t.json", [op("aten::mm", 0, 5, 1), kernel("gemm", 1, 5, 4)]))
+    assert ahead.empty and list(ahead.columns) == ["name", "ts", "dur", "cat"]
+
+
+def test_the_step_look_ahead_keeps_nanoseconds_after_the_earliest_step(tmp_path):
+    """Epoch timestamps with ns (``1711964650123456.789``), the earliest step not first in the file:
+    each step's ts is its distance from the earliest step's integer microsecond, exact to the ns
+    (Python's decimal); the whole read counts from the trace's first integer microsecond."""
+    texts = {
+        "S3": "1711964650125000.125",
+        "S1": "1711964650123456.789",
+        "S2": "1711964650124000",
+        "K": "1711964650123400.5",
+    }
+    ev = [step(3, "S3", 10), step(1, "S1", 40.5), kernel("k", 1, "K", 3), step(2, "S2", 60)]
+    path = write(tmp_path / "ns.json", ev, literal={k: v for k, v in texts.items()})
+    ahead = R.read_steps(path)
+    base = Decimal(1711964650123456)
+    want = [float(Decimal(texts[k]) - base) for k in ("S3", "S1", "S2")]
+    assert ahead["name"].tolist() == ["ProfilerStep#3", "ProfilerStep#1", "ProfilerStep#2"]
+    assert ahead["ts"].to_numpy() == pytest.approx(want, abs=1e-6) and want[0] == pytest.approx(1544.125)
+    assert ahead["dur"].tolist() == [10, 40.5, 60]
+    host = R.read_rank(path).host  # the whole read: after the kernel's integer microsecond
+    assert host["ts"].to_numpy() == pytest.approx(
+        [float(Decimal(texts[k]) - 1711964650123400) for k in ("S3", "S1", "S2")], abs=1e-6
+    )
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_each_events_arguments_land_on_its_own_row_across_blocks(tmp_path, monkeypatch, gz):
+    """400 activities read in 4 kB blocks (many blocks, so row numbers restart per block), a random
+    few carrying bytes, NCCL's arguments, a recorded bandwidth or shapes: every table row holds
+    exactly its own event's arguments, compared with the file read by ``json.load``."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    ev = []
+    for i in range(400):
+        extra = {}
+        if rng.random() < 0.15:
+            extra["bytes"] = rng.randrange(1, 10**9)
+        if rng.random() < 0.1:
+            extra |= {"Collective name": rng.choice(["allreduce", "allgather"]),
+                      "In msg nelems": rng.randrange(1, 10**6), "Group size": rng.choice([2, 8]),
+                      "Process Group Name": str(rng.randrange(3))}  # fmt: skip
+        if rng.random() < 0.1:
+            extra["memory bandwidth (GB/s)"] = round(rng.uniform(1, 3000), 3)
+        if rng.random() < 0.2:
+            ev.append(op("aten::mm", i, 0.5, 10_000 + i, **{"Input Dims": [[i, 2], [2, rng.randrange(1, 9)]]}))
+        ev.append(kernel(f"k{i % 7}", i, i + 0.25, 0.5, **extra))
+    path = write(tmp_path / "t.json", ev, gz=gz)
+    monkeypatch.setattr(R, "BLOCK_BYTES", 4096)
+    r = R.read_rank(path)
+    with gzip.open(path, "rt") if gz else open(path) as fh:
+        events = json.load(fh)["traceEvents"]
+    gpu = [e for e in events if e["cat"] == "kernel"]
+    host = [e for e in events if e["cat"] == "cpu_op"]
+    assert len(r.gpu) == 400 and r.gpu["correlation"].tolist() == [e["args"]["correlation"] for e in gpu]
+    for col, key in (("nbytes", "bytes"), ("collective", "Collective name"), ("in_nelems", "In msg nelems"),
+                     ("group_size", "Group size"), ("pg_name", "Process Group Name"),
+                     ("memory_gbps", "memory bandwidth (GB/s)")):  # fmt: skip
+        want = [e["args"].get(key) for e in gpu]
+        got = r.gpu[col].tolist() if col in r.gpu else [None] * len(gpu)
+        assert [None if pd.isna(v) else v for v in got] == want, (seed, col)
+    assert [json.loads(d) for d in r.host["input_dims"].astype(str)] == [e["args"]["Input Dims"] for e in host], seed
