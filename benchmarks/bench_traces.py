@@ -21,8 +21,9 @@ Rerun: ``pip install -e .[traces]`` (HTA is the extra ``traces``), then
   ``perflab trace PATH`` (``--workers`` = the CPUs), HTA's script above, and this machine's limit
   on the same bytes: ``decompress`` (gzip, one process, the files one after the other) and
   ``parse`` (decompress and ``msgspec.json.decode`` of each whole file into Python objects).
-  Measured: wall time, the peak of the summed resident memory of the process and its children
-  (sampled every 25 ms) and the load average around it.  Results go to
+  Measured: wall time (with ``--repeats N``, the median of N runs and their range), the peak of
+  the summed resident memory of the process and its children (sampled every 25 ms) and the load
+  average around it.  Results go to
   ``benchmarks/results/bench_traces_scale.json`` after each measurement, so a run can be stopped
   and resumed: a measurement already there is kept (``--force`` redoes it).  A measurement that
   fails (HTA out of memory on 128 ranks, say) is recorded as such and the run goes on.
@@ -266,6 +267,16 @@ def run_measured(cmd: list[str], timeout_s: float) -> dict:
     return out
 
 
+def repeated(runs: list[dict]) -> dict:
+    """Several runs of one measurement as one row: the median time and the range of the times, the
+    largest peak, the load before the first and after the last; a failed run is the row."""
+    if "error" in runs[-1]:
+        return runs[-1]
+    secs = [r["seconds"] for r in runs]
+    out = {"seconds": statistics.median(secs), "samples_s": secs, "peak_mb": max(r["peak_mb"] for r in runs), "rc": 0}
+    return out | {"loadavg_before": runs[0].get("loadavg_before"), "loadavg_after": runs[-1].get("loadavg_after")}
+
+
 def tool_command(tool: str, path: str, out_dir: Path, *, workers: int, mem_gb: float) -> list[str]:
     if tool == "perflab":
         exe = Path(sys.executable).parent / "perflab"
@@ -295,9 +306,14 @@ def scale_main(args) -> int:
             key = (inp["input"], tool)
             if key in have and not args.force and "error" not in have[key]:
                 continue
-            with tempfile.TemporaryDirectory(prefix="perflab-bench-") as tmp:
-                cmd = tool_command(tool, inp["path"], Path(tmp), workers=args.workers, mem_gb=args.mem_gb)
-                row = {**{k: v for k, v in inp.items() if k != "path"}, "tool": tool, **run_measured(cmd, args.timeout)}
+            runs = []
+            for _ in range(args.repeats):
+                with tempfile.TemporaryDirectory(prefix="perflab-bench-") as tmp:
+                    cmd = tool_command(tool, inp["path"], Path(tmp), workers=args.workers, mem_gb=args.mem_gb)
+                    runs.append(run_measured(cmd, args.timeout))
+                if "error" in runs[-1]:
+                    break
+            row = {**{k: v for k, v in inp.items() if k != "path"}, "tool": tool, **repeated(runs)}
             have[key] = row
             done["rows"] = list(have.values())
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -320,7 +336,12 @@ def scale_table(rows: list[dict]) -> str:
     def cell(r, k="seconds"):
         if r is None:
             return "not run"
-        return r.get("error", "failed")[:40] if "error" in r else f"{r[k]:.1f}" if k == "seconds" else f"{r[k]:.0f}"
+        if "error" in r:
+            return r.get("error", "failed")[:40]
+        if k != "seconds":
+            return f"{r[k]:.0f}"
+        spread = r.get("samples_s", [])
+        return f"{r[k]:.1f}" + (f" ({min(spread):.1f}-{max(spread):.1f})" if len(spread) > 1 else "")
 
     def ratio(a, b):
         ok = a and b and "error" not in a and "error" not in b
@@ -342,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # not argparse-required: the measuring subprocesses call this script with --one only
     parser.add_argument("--traces", type=Path, help="a folder of job folders, one profiler trace file per rank in each")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per measurement: their median (and range)")
     parser.add_argument("--one", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--scale", action="store_true", help="synthetic traces of growing size (see the module note)")
     parser.add_argument("--sizes", type=lambda t: _numbers(t), default=list(SIZES), help="MB of JSON per lone rank")
@@ -359,15 +380,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         print(json.dumps(_one(args.one[0], args.one[1:])))
         return 0
+    if args.repeats < 1:
+        print(f"--repeats: {args.repeats} is not allowed: expected an integer >= 1", file=sys.stderr)
+        return 2
     if args.scale:
         return scale_main(args)
     if args.traces is None:
         parser.error("the following arguments are required: --traces (or --scale)")
     if not args.traces.is_dir():
         print(f"--traces: {args.traces} is not a folder of job folders", file=sys.stderr)
-        return 2
-    if args.repeats < 1:
-        print(f"--repeats: {args.repeats} is not allowed: expected an integer >= 1", file=sys.stderr)
         return 2
     jobs = sorted(p for p in args.traces.iterdir() if p.is_dir())
     rows = []

@@ -103,3 +103,15 @@ def test_the_memory_of_a_process_tree_is_summed(bench):
     parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}], check=True)"
     got = bench.run_measured([sys.executable, "-c", parent], 60)
     assert got["rc"] == 0 and got["peak_mb"] > 200, got
+
+
+def test_repeated_runs_are_their_median_with_the_range_and_a_failed_run_is_the_row(bench):
+    runs = [{"seconds": s, "peak_mb": p, "rc": 0, "loadavg_before": [i], "loadavg_after": [i + 0.5]}
+            for i, (s, p) in enumerate([(3.0, 100.0), (1.0, 300.0), (2.0, 200.0)])]  # fmt: skip
+    row = bench.repeated(runs)
+    assert row["seconds"] == 2.0 and row["samples_s"] == [3.0, 1.0, 2.0] and row["peak_mb"] == 300.0
+    assert row["loadavg_before"] == [0] and row["loadavg_after"] == [2.5]
+    table = bench.scale_table([{"input": "x", "json_mb": 1.0, "tool": "perflab", **row}])
+    assert "| 2.0 (1.0-3.0) |" in table
+    failed = {"seconds": 9.0, "peak_mb": 1.0, "rc": 1, "error": "boom"}
+    assert bench.repeated([runs[0], failed]) == failed
