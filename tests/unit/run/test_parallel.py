@@ -3,7 +3,6 @@ environment and lab 06's multinode spec, without running a job."""
 
 import json
 from argparse import Namespace
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,6 +11,7 @@ import pytest
 from lab_utils.core.config import ConfigError
 from lab_utils.run import parallel
 from lab_utils.run.parallel import job_options, multinode_spec, parse_devices, thread_env
+from lab_utils.run.runner import NotebookStatus
 
 NONE = dict(
     executor=None,
@@ -267,18 +267,7 @@ def test_log_tail_leaves_submitits_notes_and_job_folder_lines_to_the_full_log(tm
     assert parallel._log_tail("ab" * 1500, jobs) == ("ab" * 1500)[-2000:] and parallel._log_tail("", jobs) == ""
 
 
-@dataclass
-class _Status:
-    notebook: str
-    path: str
-    status: str = "pending"
-    error: str | None = None
-    seconds: float = 0.0
-    html: str | None = None
-    ipynb: str | None = None
-    params: dict = field(default_factory=dict)
-    ran_on: str = ""
-    log: str | None = None
+_Status = NotebookStatus  # the runner's row, as the runner hands it to parallel's hooks
 
 
 def _report(tmp_path):
