@@ -122,14 +122,8 @@ class _Graph:
         self.kind: list[int] = []
         self.event: list[int] = []  # the event an edge's time is charged to (-1: none)
 
-    def pair(self, event: int, ts: float, end: float) -> tuple[int, int]:
-        self.ts += [ts, end]
-        self.node_event += [event, event]
-        self.is_start += [True, False]
-        return len(self.ts) - 2, len(self.ts) - 1
-
     def pairs(self, events: np.ndarray, ts: np.ndarray, end: np.ndarray) -> np.ndarray:
-        """:meth:`pair` for many events at once: their (start, end) nodes, one row per event."""
+        """A start and an end node for each event: their (start, end) nodes, one row per event."""
         n0, m = len(self.ts), len(events)
         t = np.empty(2 * m)
         t[0::2], t[1::2] = ts, end
