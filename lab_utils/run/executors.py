@@ -428,14 +428,30 @@ def _run(tasks: Sequence[Task], opts: ClusterOptions, folder: Path, how: _How) -
 
 
 # ------------------------------------------------------------------------- map over items
+def _mapped_bytes() -> int:
+    """The address space this process already maps (Linux ``VmSize``; 0 where it cannot be read)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _limit_memory(mem_gb: float | None) -> None:
+    """A worker may map ``mem_gb`` more than it maps when it starts (MemoryError beyond it).  The
+    bound is on growth, not on the total: a pool worker forked from a process that has loaded torch
+    (a notebook's kernel, a test session) starts with gigabytes of address space it never touches,
+    and a bound below that would fail its first allocation."""
     if mem_gb:
-        limit = int(mem_gb * 2**30)
+        limit = _mapped_bytes() + int(mem_gb * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
 def _bounded_call(fn: Callable, item: Any, mem_gb: float | None) -> Any:
-    """``fn(item)`` in a job, its address space limited to ``mem_gb`` (MemoryError beyond it)."""
+    """``fn(item)`` in a job, its address space allowed to grow by ``mem_gb`` (MemoryError beyond it)."""
     _limit_memory(mem_gb)
     return fn(item)
 

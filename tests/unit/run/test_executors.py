@@ -445,11 +445,38 @@ def test_local_executor_parameters(tmp_path):
 
 
 @pytest.mark.parametrize("gb, limit", [(1.5, 1610612736), (4, 4294967296), (None, None), (0, None)])
-def test_a_worker_address_space_is_bounded_by_mem_gb(monkeypatch, gb, limit):
+def test_a_worker_address_space_may_grow_by_mem_gb(monkeypatch, gb, limit):
     calls = []
     monkeypatch.setattr(executors.resource, "setrlimit", lambda what, lim: calls.append((what, lim)))
+    monkeypatch.setattr(executors, "_mapped_bytes", lambda: 3 * 2**30)
     executors._limit_memory(gb)
-    assert calls == ([] if limit is None else [(executors.resource.RLIMIT_AS, (limit, limit))])
+    want = [] if limit is None else [(executors.resource.RLIMIT_AS, (3 * 2**30 + limit,) * 2)]
+    assert calls == want
+
+
+def test_the_mapped_bytes_are_the_kernels_vmsize():
+    kb = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmSize:"))
+    assert abs(executors._mapped_bytes() - kb * 1024) < 64 * 2**20  # the read itself maps a little
+
+
+def _allocate_mb(mb):
+    return len(bytearray(mb * 2**20))
+
+
+def test_a_pool_worker_of_a_process_with_a_large_address_space_still_runs_within_its_bound(tmp_path):
+    """A pool worker forked from a process that maps more than ``mem_gb`` (as one that has loaded
+    torch does) runs a small item, and an item that allocates past the bound fails with the bound
+    named while the batch goes on."""
+    import mmap
+
+    reserved = mmap.mmap(-1, 3 * 2**30)  # 3 GiB of address space, never touched
+    try:
+        opts = MapOptions(workers=1, mem_gb=1.0)
+        outs = map_jobs(_allocate_mb, [16, 2048, 32], opts, tmp_path / "m", progress=False)
+    finally:
+        reserved.close()
+    assert [o.value for o in outs] == [16 * 2**20, None, 32 * 2**20], [o.error for o in outs]
+    assert outs[1].error == "MemoryError: over the worker's bound mem_gb=1.0"
 
 
 def _square(x):
