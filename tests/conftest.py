@@ -7,10 +7,13 @@ command to reproduce it.
 
 import json
 import os
+import pickle
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import filelock
 import pytest
 import torch
 
@@ -117,6 +120,30 @@ def smoke_run(tmp_path_factory) -> SmokeRun:
         made, here = json.loads((p / "context.json").read_text()).get("commit", "unknown"), git_commit()
         clean = made == here and "dirty" not in here and made != "unknown"
         return SmokeRun(p, None if clean else f"$PERFLAB_REPORT was made at {made}, this tree is {here}")
+    return SmokeRun(once_per_run(tmp_path_factory, "smoke-report", _run_smoke), None)
+
+
+def once_per_run(tmp_path_factory, name: str, make):
+    """``make(folder)``'s value, made once per pytest run: under pytest-xdist every worker has its
+    own session, so the first worker to ask makes it in the run's shared temporary folder while the
+    others wait on a lock, then read it back (pickled). A ``make`` that raises leaves nothing
+    behind: the next worker to ask tries again and reports its own error."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    with filelock.FileLock(shared / f"{name}.lock"):
+        done = shared / f"{name}.pickle"
+        if not done.exists():
+            folder = shared / name
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            tmp = done.with_suffix(".partial")
+            tmp.write_bytes(pickle.dumps(make(folder)))
+            tmp.rename(done)
+        return pickle.loads(done.read_bytes())
+
+
+def _run_smoke(root: Path) -> Path:
     from lab_utils.run.runner import run_suite
 
     # two labs at a time (the runner's local jobs, as `perflab run smoke --parallel 2`): serially a
@@ -127,24 +154,12 @@ def smoke_run(tmp_path_factory) -> SmokeRun:
     n = os.environ.get("PERFLAB_SMOKE_PARALLEL", "2")
     assert n.isdigit() and int(n) >= 1, f"$PERFLAB_SMOKE_PARALLEL={n!r}: expected an integer >= 1"
     jobs = {"executor": "local", "parallel": int(n)} if int(n) > 1 else None
-    res = run_suite("smoke", out_dir=tmp_path_factory.mktemp("smoke-report"), progress=False, jobs=jobs)
-    return SmokeRun(res.path, None)
+    return run_suite("smoke", out_dir=root, progress=False, jobs=jobs).path
 
 
 @pytest.fixture(scope="session")
 def smoke_report(smoke_run) -> Path:
     return smoke_run.path
-
-
-SMOKE_GROUP = "smoke-report"
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n N --dist loadgroup``) a session fixture is made once per worker:
-    every test that needs the smoke report goes to one worker, so the suite runs once."""
-    for item in items:
-        if {"smoke_run", "smoke_report"} & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group(SMOKE_GROUP))
 
 
 #: a lab of the tiny report: records under several keys (one repeated, one not finite), a

@@ -263,7 +263,7 @@ def test_two_runs_started_at_once(art_suite):
         )
         for _ in range(2)
     ]
-    results = [p.communicate(timeout=300) for p in procs]
+    results = [p.communicate(timeout=1200) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], results
     reports = sorted(p for p in out.iterdir() if p.is_dir() and not p.is_symlink())
     assert len(reports) == 2 and not list(out.glob(".tmp-*")), reports

@@ -562,7 +562,9 @@ def test_lab06_across_both_nodes_matches_one_process(plain, tmp_path):
 def test_the_documented_srun_line_gives_each_node_its_own_folder(plain, tmp_path):
     """docs/cluster.md's by-hand launch in an sbatch script: each node's torchrun writes into its
     own `node$SLURM_NODEID` (expanded on the node), node 0 hosts the rendezvous, both ranks report."""
-    cfg = DistConfig(strategy="ddp", world_size=2, steps=1, profile=False, backend="gloo", timeout_s=120.0)
+    cfg = DistConfig(
+        strategy="ddp", world_size=2, steps=1, profile=False, backend="gloo", timeout_s=900.0, hang_timeout_s=300.0
+    )
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps([json.loads(cfg.to_json())]))
     port = SC.free_ports(1)[0]

@@ -62,7 +62,6 @@ def _run_at_defaults(lab: Path, out: Path) -> nbformat.NotebookNode:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("smoke-report")  # conftest's SMOKE_GROUP: the worker that holds the smoke run
 @pytest.mark.parametrize("lab", LABS, ids=[p.stem for p in LABS])
 def test_checked_outputs_match_the_committed_lab(lab, request, tmp_path):
     committed = nbcheck.read(lab)  # before anything runs: what this run is held to
@@ -152,23 +151,45 @@ def test_the_smoke_run_stands_in_only_at_the_defaults():
     assert nbcheck.same_as_defaults({"bogus": 1}, defaults, cuda=False) == ["bogus=1 (not a parameter of the lab)"]
 
 
-def test_tests_that_need_the_smoke_report_share_one_xdist_worker():
-    """Under ``-n N --dist loadgroup`` the smoke suite runs once: its users carry one xdist group."""
-    import conftest
+def test_a_session_value_is_made_once_across_xdist_workers(tmp_path, monkeypatch):
+    """Under ``pytest -n N`` every worker has its own session; the smoke run and the step matrix are
+    made by the first worker that asks and read back by the others, and a make that raises leaves
+    nothing a later worker would take for a result."""
+    import threading
 
-    class Item:
-        def __init__(self, *names):
-            self.fixturenames, self.marks = names, []
+    from conftest import once_per_run
 
-        def add_marker(self, m):
-            self.marks.append(m)
+    class Factory:
+        def __init__(self, worker):
+            self.base = tmp_path / f"popen-{worker}"
+            self.base.mkdir(exist_ok=True)
 
-    users, other = Item("smoke_report", "chrome"), Item("tmp_path")
-    conftest.pytest_collection_modifyitems(None, [users, other, Item("smoke_run")])
-    assert [(m.name, m.args) for m in users.marks] == [("xdist_group", (conftest.SMOKE_GROUP,))]
-    assert other.marks == []
-    mark = test_checked_outputs_match_the_committed_lab.pytestmark
-    assert ("xdist_group", (conftest.SMOKE_GROUP,)) in [(m.name, m.args) for m in mark]
+        def getbasetemp(self):
+            return self.base
+
+    made, got = [], {}
+
+    def make(folder):
+        made.append(folder)
+        (folder / "x").write_text("1")
+        return {"folder": folder}
+
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    workers = [threading.Thread(target=lambda w=w: got.setdefault(w, once_per_run(Factory(w), "thing", make)))
+               for w in ("gw0", "gw1", "gw2")]  # fmt: skip
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert made == [tmp_path / "thing"] and {w: v["folder"] for w, v in got.items()} == dict.fromkeys(got, made[0])
+
+    def broken(folder):
+        raise RuntimeError("the suite failed")
+
+    with pytest.raises(RuntimeError, match="the suite failed"):
+        once_per_run(Factory("gw0"), "other", broken)
+    assert not (tmp_path / "other.pickle").exists()
+    assert once_per_run(Factory("gw1"), "other", make) == {"folder": tmp_path / "other"}
 
 
 def test_each_lab_runs_once_per_session():

@@ -25,6 +25,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import yaml
+from conftest import once_per_run
 
 from lab_utils.run.executors import MapOptions, map_jobs
 from lab_utils.run.runner import JOB_HOOKS, ROOT, NotebookStatus, load_suite, plan
@@ -162,7 +163,7 @@ def step_matrix(request, tmp_path_factory) -> dict[str, Run]:
             runs |= _runs_of(smoke.path, [REUSED])
             only.remove(REUSED)
     t0 = time.perf_counter()
-    runs |= run_matrix(only, tmp_path_factory.mktemp("step-matrix"))
+    runs |= once_per_run(tmp_path_factory, "step-matrix", lambda folder: run_matrix(only, folder))
     wall = time.perf_counter() - t0
     print(f"\nstep matrix: {len(only)} runs in {wall:.0f} s wall ({PARALLEL} at a time)")
     for r in runs.values():
@@ -197,7 +198,6 @@ def _text(o) -> str:
 
 
 @pytest.mark.slow  # the matrix: ~6 minutes on 2 cores, paid by the first of these tests
-@pytest.mark.xdist_group("step-matrix")  # under xdist (--dist loadgroup) one worker runs the matrix once
 @pytest.mark.parametrize("stem", RUNS)
 def test_a_lab_runs_end_to_end_with_its_whole_page_on_a_model_perflab_did_not_write(step_matrix, stem):
     lab, short = stem.rsplit("_", 1)

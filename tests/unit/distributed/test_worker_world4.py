@@ -11,7 +11,7 @@ from lab_utils.distributed import DistConfig, launch_cases
 from lab_utils.distributed.verify import ATTENTION_TOL, compare
 from lab_utils.distributed.worker import single_process_run
 
-BASE = dict(world_size=4, steps=2, profile=False, timeout_s=300.0, hang_timeout_s=120.0)
+BASE = dict(world_size=4, steps=2, profile=False, timeout_s=900.0, hang_timeout_s=300.0)
 STRATEGIES = (
     "fsdp+tp",
     "fsdp+tp+sp",
