@@ -35,8 +35,11 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 ## Every test: lint, unit tests, runner, browser tests (skipped without Chromium), nbval over labs/.
+## TEST_WORKERS pytest-xdist workers (0: one process). More workers than cores: the suite is
+## CPU-bound, and on a CI machine shared with other jobs each worker is one more share of the cores.
+TEST_WORKERS ?= 4
 test: lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) $(PYTEST_ARGS)
 
 ## The fast tier: the unit tests of every room (tests/unit/, mirroring lab_utils/ and lab_kernels/),
 ## without the slow ones; no smoke run, no browser, no cluster.
