@@ -389,7 +389,7 @@ THREADS_CUT_NB = (
 
 
 def test_a_labs_page_says_at_the_top_that_its_threads_were_cut(chrome, tmp_path, monkeypatch):
-    """Issue 21 item 2: the thread-cut line the index shows is also above each lab's first cell."""
+    """The thread-cut line the index shows is also above each lab's first cell."""
     import yaml
 
     from lab_utils.run.nbtools import make_notebook

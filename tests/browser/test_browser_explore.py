@@ -136,7 +136,7 @@ FUSED_CELLS = [
 
 
 def _assert_explored_kept(work: Path, op: str):
-    """Issue 21 item 7: the choice made after Run All is in the lab's one records file of the session."""
+    """The choice made after Run All is in the lab's one records file of the session."""
     files = sorted((work / ".perflab" / "records").glob("02_fused_kernels-*.json"))
     assert len(files) == 1, f"Run All's two saves and the exploration piled up files: {[f.name for f in files]}"
     rows = json.loads(files[0].read_text())["rows"]
@@ -225,7 +225,7 @@ PLAN_CELLS = [
 
 
 def test_lab08_plan_explorer_in_jupyterlab(chrome, tmp_path):
-    """Issue 21 item 9: pick a lever -> its predicted plan lands as a row at once; tick 'measure it'
+    """Pick a lever -> its predicted plan lands as a row at once; tick 'measure it'
     -> the plan is measured and its row shows the measured step and the timing's verdict."""
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in PLAN_CELLS])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}

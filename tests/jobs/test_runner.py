@@ -364,7 +364,7 @@ def _headline_records():
 
 
 def test_index_leads_with_each_labs_headline(tmp_path):
-    """Issue 21, item 14: the index of a report built from records carries a headline row per lab
+    """The index of a report built from records carries a headline row per lab
     (step time and MFU, peak memory and what fits, best plan and its predicted / measured gain,
     worst kernel vs ceiling, unstable share), above the context."""
     from lab_utils.core.records import load_records

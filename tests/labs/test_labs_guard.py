@@ -241,7 +241,7 @@ def _prose(markdown: str) -> str:
 
 
 def test_markdown_has_no_literal_newline_escapes(lab):
-    """Issue 21 item 15: lab 06's headings read '## The runs ...\\nLosses over the steps' (a
+    """Lab 06's headings read '## The runs ...\\nLosses over the steps' (a
     newline escape written into the cell as two characters), in the notebook and its report."""
     path, nb = lab
     for i, cell in enumerate(nb.cells):

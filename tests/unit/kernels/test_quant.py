@@ -425,7 +425,7 @@ def test_triton_kernels_compile_for_hopper():
 
 
 def test_importing_torchao_writes_no_enum_deprecation_wall():
-    """Issue 21, item 15: torchao's Enum pytree registrations are not logged into every lab's
+    """torchao's Enum pytree registrations are not logged into every lab's
     stderr (torch >= 2.10 calls them deprecated); the project's import of lab_kernels filters them."""
     import subprocess
     import sys

@@ -98,7 +98,7 @@ def test_tables_plots_words_and_records(res):
 
 
 def test_verify_table_has_no_nan_columns_and_the_prediction_plot_a_legend(res):
-    """Issue 21, item 15: the verification table holds no column of NaN (per-phase rows in
+    """The verification table holds no column of NaN (per-phase rows in
     their own table), and the prediction plot has a legend and phase names as its ticks."""
     vt = study.verify_table(res)
     assert not vt.isna().any().any(), vt
@@ -116,7 +116,7 @@ def test_verify_table_has_no_nan_columns_and_the_prediction_plot_a_legend(res):
 
 
 def test_a_checkpoint_every_n_steps_counts_as_its_cost_over_n_in_both_labs():
-    """Issue 21, item 6: a checkpoint every N=4 steps costing C=40 ms is C/4 per step in lab 08's
+    """A checkpoint every N=4 steps costing C=40 ms is C/4 per step in lab 08's
     plan and table and in lab 01's figure, its full cost shown beside it, the rule stated."""
     from lab_utils.plan.planner import profile_from_report
     from lab_utils.studies import training_step as lab01
@@ -138,7 +138,7 @@ def test_a_checkpoint_every_n_steps_counts_as_its_cost_over_n_in_both_labs():
 
 
 def test_lab08_base_phases_carry_samples_and_the_timing_verdict():
-    """Issue 21, item 5 for lab 08: the measured step's phase rows keep one sample per profiled
+    """Lab 08: the measured step's phase rows keep one sample per profiled
     step (per save for a checkpoint every N steps) and the timing judge's verdict; one outlier
     step makes its phase unstable."""
     from lab_utils.core.timing import judge_samples

@@ -342,7 +342,7 @@ def test_a_checkpoint_every_n_steps_is_amortised():
 
 
 def test_top_ops_table_keeps_full_op_names():
-    """Issue 21, item 15: lab 01's top-operators table shows each name whole (a bokeh table cut
+    """Lab 01's top-operators table shows each name whole (a bokeh table cut
     them at its column width; pandas cuts strings over 50 characters)."""
     from lab_utils.studies import training_step as lab01
 

@@ -1,4 +1,4 @@
-"""Issue 21 item 7: what you explore is kept.
+"""What you explore is kept.
 
 Every explored result reaches the lab's records file as it is measured (the save cell of a
 Run All runs before any exploration); every save of a session rewrites one file per lab

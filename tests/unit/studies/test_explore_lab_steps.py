@@ -1,4 +1,4 @@
-"""Issue 21 item 9 for labs 01, 04 and 06: each explorer starts on the lab's own step (its
+"""Labs 01, 04 and 06: each explorer starts on the lab's own step (its
 parameters), shows a stability verdict on every timing it shows, and offers the lab's GPU
 set's sizes on a GPU (lab 05's and lab 08's explorers: test_explore.py, test_explore_plan.py)."""
 

@@ -600,7 +600,7 @@ def test_errors_of_timing_models_follow_the_timings():
 
 
 def test_ratio_plot_keeps_its_data_area_with_long_labels(tmp_path):
-    """Issue 21, item 15: long row labels widen compare.html's ratio plot instead of squeezing its
+    """Long row labels widen compare.html's ratio plot instead of squeezing its
     data area (it was ~150 px of a fixed 1,100); a tick label is cut, the hover keeps the row."""
     from lab_utils.run.compare.html import LABEL_CHARS, RATIO_FRAME_WIDTH, _ratio_plot
 

@@ -115,7 +115,7 @@ def only(cmp, **kw) -> pd.Series:
     return df.iloc[0]
 
 
-# --------------------------------------------------------------------------- item 1: no pass by omission
+# --------------------------------------------------------------------------- no pass by omission
 def test_a_lab_that_did_not_run_fails_the_gate_unless_narrowed(tmp_path, capsys):
     base = full_run(tmp_path / "base")
     cand = write_run(tmp_path / "cand", lab_rows("00_ceilings", seed=0))  # a run of lab 00 only
@@ -188,7 +188,7 @@ def test_runs_of_other_parameters_or_suites_are_flagged_not_matched(tmp_path):
     assert cmp.exit_code == C.EXIT_INCOMPARABLE and "suite smoke in the base, gpu in the candidate" in cmp.result_line()
 
 
-# --------------------------------------------------------------------------- item 2: what a timing measures
+# --------------------------------------------------------------------------- what a timing measures
 def test_timings_with_other_thread_counts_are_not_comparable(tmp_path):
     """A run on a busy machine timed with 1 thread where the base had 2: 2-3x slower, never 'slower'."""
     base = full_run(tmp_path / "base")
@@ -255,7 +255,7 @@ def test_a_run_whose_threads_were_cut_says_so_at_the_top(tmp_path, monkeypatch):
     assert 'id="threads-cut"' in page and page.index("THREADS CUT") < page.index("<h2>Context</h2>")
 
 
-# --------------------------------------------------------------------------- item 3: exact baselines
+# --------------------------------------------------------------------------- exact baselines
 def test_records_round_trip_exactly_inf_and_nan_too(tmp_path):
     vals = [1 / 3 * 1e-7, 0.1 + 0.2, 123456.78901234567, 5e-324, math.inf, -math.inf, math.nan, 2.0**-40 / 3]
     df = pd.DataFrame(
@@ -295,7 +295,7 @@ def test_direction_less_metrics_allow_float_noise():
         C.Options(neutral_tolerance=-1)
 
 
-# --------------------------------------------------------------------------- item 4: overrides, one-sided rows
+# --------------------------------------------------------------------------- overrides, one-sided rows
 def test_overrides_are_shown_and_one_sided_rows_explained_by_the_parameter(tmp_path):
     base = write_run(tmp_path / "base", lab_rows("02_fused", shape="64x96"), params={"02_fused": {"seq": 96}})
     ctx = {**CPU, "overrides": {"seq": 128}}
@@ -329,7 +329,7 @@ def test_an_interrupted_run_is_read(tmp_path):
     assert narrowed.exit_code == C.EXIT_OK and set(narrowed.rows["verdict"]) == {"same"}
 
 
-# --------------------------------------------------------------------------- item 16: the command line
+# --------------------------------------------------------------------------- the command line
 def test_run_only_accepts_a_notebook_path(monkeypatch, tmp_path, capsys):
     seen = {}
 
