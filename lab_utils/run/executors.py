@@ -468,19 +468,30 @@ class MapOptions:
 
 
 def map_jobs(
-    fn: Callable, items: Sequence, opts: MapOptions, folder: Path, *, progress: bool = True, desc: str = "map"
+    fn: Callable,
+    items: Sequence,
+    opts: MapOptions,
+    folder: Path,
+    *,
+    progress: bool = True,
+    desc: str = "map",
+    meanwhile: Callable[[], object] | None = None,
 ) -> list[Outcome]:
     """``fn(item)`` for every item on ``opts.executor``; outcomes in item order (key = index).
     ``fn`` must be importable (a module-level function); ``folder`` holds the submitit jobs'
     files (on SLURM it must be on a filesystem the nodes share) and is removed at the end.
     SLURM jobs are one array, 1 CPU each unless the cluster options say otherwise.  Ctrl-C
-    cancels everything and re-raises."""
+    cancels everything and re-raises.  ``meanwhile()`` is called here once, while the pool's
+    workers run (they are forked before it: what it imports is not theirs to load); with the
+    submitit executors, before the jobs are submitted."""
     check_choice("executor", opts.executor, MAP_EXECUTORS)
     check_int("workers", opts.workers, min=1)
     if opts.mem_gb is not None and not opts.mem_gb > 0:
         raise ConfigError("mem_gb", opts.mem_gb, "a number of GB > 0, or None for no bound")
     if opts.executor == "pool":
-        return _map_pool(fn, items, opts, progress, desc)
+        return _map_pool(fn, items, opts, progress, desc, meanwhile)
+    if meanwhile is not None:
+        meanwhile()
     cluster = replace(opts.cluster, executor=opts.executor)
     if opts.mem_gb is not None and cluster.mem_gb is None:
         cluster = replace(cluster, mem_gb=float(opts.mem_gb))
@@ -495,11 +506,15 @@ def map_jobs(
     return [done[str(i)] for i in range(len(items))]
 
 
-def _map_pool(fn: Callable, items: Sequence, opts: MapOptions, progress: bool, desc: str) -> list[Outcome]:
+def _map_pool(
+    fn: Callable, items: Sequence, opts: MapOptions, progress: bool, desc: str, meanwhile: Callable | None = None
+) -> list[Outcome]:
     outs: list[Outcome | None] = [None] * len(items)
     with cf.ProcessPoolExecutor(opts.workers, initializer=_limit_memory, initargs=(opts.mem_gb,)) as pool:
         futs = {pool.submit(fn, it): i for i, it in enumerate(items)}
         try:
+            if meanwhile is not None:
+                meanwhile()
             for fut in tqdm(cf.as_completed(futs), total=len(futs), desc=desc, disable=not progress, file=sys.stderr):
                 i = futs[fut]
                 try:

@@ -28,7 +28,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -40,7 +40,6 @@ from lab_utils.core.device import HOST
 from lab_utils.core.records import Recorder, json_value
 from lab_utils.run.cluster import ClusterOptions, cluster_options, resolve_site
 from lab_utils.run.commands import trace as trace_args
-from lab_utils.run.compare import compare
 from lab_utils.run.compare.rules import CompareError
 from lab_utils.run.executors import MapOptions, map_jobs
 from lab_utils.run.trace_analyses import (
@@ -52,7 +51,6 @@ from lab_utils.run.trace_analyses import (
     rank_extras,
     summary_lines,
 )
-from lab_utils.run.trace_html import headline, render_html
 from lab_utils.traces import TraceAnalysis
 from lab_utils.traces.attribute import step_windows
 from lab_utils.traces.perfetto import write_perfetto
@@ -115,13 +113,17 @@ def load_job(
     gpu: str | None = None,
     options: dict | None = None,
     only: list[int] | None = None,
+    meanwhile: Callable[[], object] | None = None,
 ) -> JobSummary:
     """``path`` (file or folder) as one :class:`JobSummary`; a folder's ranks through ``map_jobs``
     (``jobs``: how, default a pool of 2 processes, 4 GB each; ``jobs.cluster``: where SLURM jobs go;
     their files under ``jobs_dir``, on a filesystem the nodes share, removed at the end).
     A rank file that cannot be read raises one ``ConfigError`` naming it (the first, in file order).
     ``options``: what each rank's job adds (:func:`analyse_rank`; ``page`` for the first
-    :data:`~lab_utils.run.trace_analyses.MAX_RANKS` files); ``only``: read these files (by index) alone."""
+    :data:`~lab_utils.run.trace_analyses.MAX_RANKS` files); ``only``: read these files (by index) alone.
+    ``meanwhile()``: work of the caller's done while the ranks are read (``perflab trace`` imports its
+    page's plotting there); with it a lone file of the pool executor is read in a worker process too
+    (unbounded, as in this one), so that the work overlaps."""
     files = trace_files(path)
     opts = options or {}
     first = {"page": opts.get("page", True), "paths": opts.get("paths", True)}  # the first MAX_RANKS files only
@@ -129,13 +131,17 @@ def load_job(
              for i, f in enumerate(files)]  # fmt: skip
     if only is not None:
         files, items = [files[i] for i in only], [items[i] for i in only]
-    if len(items) == 1:
+    how = jobs or MapOptions()
+    if len(items) == 1 and not (meanwhile is not None and how.executor == "pool"):
+        if meanwhile is not None:
+            meanwhile()
         outs: list = [analyse_rank(items[0])]
     else:
-        how = jobs or MapOptions()
-        opts = replace(how, workers=min(how.workers, len(files)))
+        alone = len(items) == 1
+        opts = replace(how, workers=min(how.workers, len(files)), mem_gb=None if alone else how.mem_gb)
         folder = Path(jobs_dir).resolve() / f".jobs-trace-{os.getpid()}"
-        done = map_jobs(analyse_rank, items, opts, folder, progress=progress, desc="ranks")
+        done = map_jobs(analyse_rank, items, opts, folder, progress=progress and not alone, desc="ranks",
+                        meanwhile=meanwhile)  # fmt: skip
         outs = [o.value if o.state == "ok" else RankError(str(f), f"{o.state}: {one_line(o.error)}")
                 for f, o in zip(files, done)]  # fmt: skip
     failed = [o for o in outs if isinstance(o, RankError)]
@@ -186,8 +192,15 @@ def figures(job: JobSummary, top: int = 10, step: int | None = None) -> dict[str
     return out | analysis_figures(job, step)
 
 
+def _page_modules() -> None:
+    """What drawing trace.html needs beyond reading a trace (bokeh: most of the command's import time)."""
+    import lab_utils.run.trace_html  # noqa: F401, PLC0415
+
+
 def summary_text(job: JobSummary, fig: dict) -> str:
     """:meth:`JobSummary.summary` plus the per step breakdown, idle split and collectives."""
+    from lab_utils.run.trace_html import headline  # noqa: PLC0415 - bokeh, loaded only for a page
+
     lines = [job.summary(), "", "in one look:"] + [f"  {s}" for s in headline(fig)]
     lines += ["", "per step (ms): rank step span busy idle compute communication memory"]
     for row in fig["temporal_by_step"]:
@@ -301,20 +314,22 @@ def _cluster(a) -> ClusterOptions | None:
         raise ConfigError("--mem-gb", e.value, e.allowed) if e.param == "mem_gb" else e from None
 
 
-def _job(a, path: str, options: dict | None = None, only: list[int] | None = None) -> JobSummary:
+def _job(a, path: str, options: dict | None = None, only: list[int] | None = None,
+         meanwhile: Callable[[], object] | None = None) -> JobSummary:  # fmt: skip
     jobs = MapOptions(a.executor, workers=a.workers, mem_gb=a.mem_gb)
     cluster = getattr(a, "cluster", None) or _cluster(a)  # the commands resolve it first; a caller may not have
     if cluster is not None:
         jobs.cluster = cluster
     return load_job(path, jobs=jobs, jobs_dir=Path(a.out).parent, progress=not a.json, gpu=a.gpu, options=options,
-                    only=only)  # fmt: skip
+                    only=only, meanwhile=meanwhile)  # fmt: skip
 
 
-def page_job(a) -> tuple[JobSummary, int]:
+def page_job(a, meanwhile: Callable[[], object] | None = None) -> tuple[JobSummary, int]:
     """The job read with its page's extras, every page rank's for one step: ``--step``, else the
     median-duration step of the first file (found by reading only its step annotations, before the
     ranks' jobs start, so every page rank draws that step at once; a rank whose job ended on another
-    step, as when that first file cannot be read here, is read again for it)."""
+    step, as when that first file cannot be read here, is read again for it).  ``meanwhile``: as
+    :func:`load_job`'s, for the first read."""
     step = a.step
     files = trace_files(a.path)
     if step is None and len(files) > 1:
@@ -324,7 +339,7 @@ def page_job(a) -> tuple[JobSummary, int]:
         except ConfigError:  # the rank's own job reports it, naming the file
             step = None
     opts = {"step": step, "max_bars": a.max_bars, "perfetto": a.perfetto}
-    job = _job(a, a.path, opts)
+    job = _job(a, a.path, opts, meanwhile=meanwhile)
     first = job.ranks_[job.ranks[0]].extras
     step = step if step is not None else first["step"]
     check_steps("--step", step, [job.ranks_[r].extras["steps"] for r in job.ranks])
@@ -342,7 +357,9 @@ def cmd_trace(a) -> int:
     if a.max_bars < 2:
         raise ConfigError("--max-bars", a.max_bars, "at least 2 bars")
     a.cluster = _cluster(a)
-    job, step = page_job(a)
+    job, step = page_job(a, meanwhile=_page_modules)  # the page's plotting loads while the ranks are read
+    from lab_utils.run.trace_html import render_html  # noqa: PLC0415 - loaded by _page_modules
+
     fig = figures(job, a.top, step)
     timeline = job_timeline(job, step, a.max_bars)
     text = summary_text(job, fig)
@@ -368,6 +385,8 @@ def cmd_diff(a) -> int:
     their ranks paired, the rows only one side ran filled with zeros, and compared; only the time rows
     gate (``gate="performance"``: shares and idle are reported)."""
     check_part("gpu", a.gpu)
+    from lab_utils.run.compare import compare  # noqa: PLC0415 - the comparison's report loads bokeh
+
     a.cluster = _cluster(a)
     base, cand = (_job(a, p, {"paths": True, "page": False}) for p in (a.base, a.candidate))
     vb, vc, how = pair_ranks(base.ranks, cand.ranks)

@@ -492,6 +492,44 @@ def test_map_jobs_in_a_pool_keeps_item_order_and_failures(tmp_path):
     assert outs[1].state == "failed" and outs[1].error == "ValueError: negative -1"
 
 
+_MEANWHILE = "PERFLAB_TEST_MEANWHILE"
+
+
+def _env_seen(_item):
+    """What a pool worker inherited of the parent's environment when it was forked."""
+    return os.environ.get(_MEANWHILE)
+
+
+def test_meanwhile_runs_once_in_the_parent_after_the_pool_workers_are_forked(tmp_path, monkeypatch):
+    """The caller's work overlaps the workers': they were forked before it (they do not see what
+    it did to the parent), it is done once, and every item still runs."""
+    monkeypatch.delenv(_MEANWHILE, raising=False)
+    calls = []
+
+    def meanwhile():
+        calls.append(os.getpid())
+        os.environ[_MEANWHILE] = "set by meanwhile"
+
+    outs = map_jobs(_env_seen, list(range(4)), MapOptions(workers=2, mem_gb=None), tmp_path / "m", progress=False,
+                    meanwhile=meanwhile)  # fmt: skip
+    assert calls == [os.getpid()] and os.environ[_MEANWHILE] == "set by meanwhile"
+    assert [o.ok for o in outs] == [True] * 4 and [o.value for o in outs] == [None] * 4
+
+
+def test_meanwhile_on_submitit_runs_before_the_jobs_are_submitted(monkeypatch, tmp_path):
+    order = []
+
+    def fake_run_array(tasks, cluster, folder, *, max_running, progress, desc):
+        order.append("submitted")
+        return {t.key: Outcome(t.key, "ok", value=t.fn(*t.args)) for t in tasks}
+
+    monkeypatch.setattr(executors, "run_array", fake_run_array)
+    monkeypatch.setattr(executors.resource, "setrlimit", lambda *a: None)
+    outs = map_jobs(_square, [2, 3], MapOptions(executor="local", mem_gb=1.0), tmp_path / "j", progress=False,
+                    meanwhile=lambda: order.append("meanwhile"))  # fmt: skip
+    assert order == ["meanwhile", "submitted"] and [o.value for o in outs] == [4, 9]
+
+
 @pytest.mark.parametrize(
     "opts, name",
     [

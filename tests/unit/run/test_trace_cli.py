@@ -6,6 +6,9 @@ small traces written here."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -53,6 +56,32 @@ def test_the_first_eight_rank_files_carry_the_page_and_the_rest_do_not(tmp_path)
     assert "bars" not in ninth.extras and "figures" not in ninth.extras and "stream_idle" in ninth.extras
     assert "critical_path" in set(eighth.per_step["metric"]) and "critical_path" not in set(ninth.per_step["metric"])
     assert eighth.extras["step"] == 2 and ninth.extras["steps"] == [1, 2, 3]
+
+
+def _refuse_in(path, *_a, **_k):
+    raise ConfigError("path", str(path), f"a file read in process {os.getpid()}")
+
+
+def test_a_lone_file_is_read_in_a_worker_while_the_callers_work_runs(tmp_path, monkeypatch):
+    """With ``meanwhile``, a lone file of the pool executor is read in a forked worker (so the
+    caller's work, the page's imports, overlaps the reading); without it, here."""
+    d = folder(tmp_path, 1)
+    monkeypatch.setattr(T, "read_rank", _refuse_in)  # the worker is forked from this state
+    calls = []
+    with pytest.raises(ConfigError) as e:
+        T.load_job(d, options=OPTS, meanwhile=lambda: calls.append(os.getpid()))
+    pid = int(str(e.value).split("process ")[1].split()[0].rstrip(")"))
+    assert calls == [os.getpid()] and pid != os.getpid()
+    with pytest.raises(ConfigError) as e:
+        T.load_job(d, options=OPTS)
+    assert f"process {os.getpid()}" in str(e.value)
+
+
+def test_the_trace_command_module_loads_no_plotting_library_until_the_page_is_drawn():
+    """bokeh is most of ``perflab trace``'s import time: it loads while the ranks are read."""
+    code = "import sys, lab_utils.run.trace_cli; print(sorted(m for m in ('bokeh', 'torch') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600)
+    assert out.stdout.strip() == "[]"
 
 
 def job_of(tmp_path, ranks: int, **kw) -> JobSummary:
