@@ -1,6 +1,6 @@
 """perflab's trace analysis against HolisticTraceAnalysis 0.5, and how both grow with trace size.
 
-Rerun: ``pip install -e .[traces]`` (HTA is the extra ``traces``), then
+Rerun: ``pip install -e .[hta]`` (HTA is the extra ``hta``), then
 
 * ``python benchmarks/bench_traces.py --traces DIR [--repeats N]``: the real jobs.  For every job
   folder of ``DIR`` (one file per rank) and for the whole set, each tool reads and summarises the
@@ -80,7 +80,7 @@ def _perflab(folders: list[Path]) -> None:
 
 
 def _hta(folders: list[Path]) -> None:
-    from hta.trace_analysis import TraceAnalysis  # noqa: PLC0415 - optional dependency (extra "traces")
+    from hta.trace_analysis import TraceAnalysis  # noqa: PLC0415 - optional dependency (extra "hta")
 
     for f in folders:
         ta = TraceAnalysis(trace_dir=str(f), include_last_profiler_step=True)
@@ -99,7 +99,7 @@ def _one(tool: str, folders: list[str]) -> dict:
     if tool == "perflab":
         import lab_utils.traces  # noqa: F401, PLC0415 - imports outside the timed region
     else:
-        import hta.trace_analysis  # noqa: F401, PLC0415 - optional dependency (extra "traces")
+        import hta.trace_analysis  # noqa: F401, PLC0415 - optional dependency (extra "hta")
     base = _rss_mb()
     t0 = time.perf_counter()
     (_perflab if tool == "perflab" else _hta)([Path(f) for f in folders])
