@@ -8,8 +8,11 @@ own session so that the whole process group of a rank can be ended.  While they 
 tails their progress files (live progress bar) and ends the run, reporting why, when
 
 * a rank exits with an error: its traceback (``error-rank{r}.txt``) is the report;
-* no rank reports progress for ``hang_timeout_s`` (watchdog: a hung rank stalls every
-  collective, so the whole run stops progressing);
+* a rank has not started (joined the process group: its ``init`` progress event) within
+  ``startup_timeout_s`` of the launch: start-up (Python, torch's import, the rendezvous) is
+  not held to the hang watchdog, since on a loaded node it alone can take tens of seconds;
+* once every rank has started, no rank reports progress for ``hang_timeout_s`` (watchdog: a
+  hung rank stalls every collective, so the whole run stops progressing);
 * the run exceeds ``timeout_s``.
 
 Every rank is then sent SIGTERM, and SIGKILL after a grace period; :func:`launch`
@@ -277,6 +280,7 @@ def launch_cases(
 def _launch_cases(cfgs: list[DistConfig], out: Path, progress: bool, desc: str) -> list[DistResult]:
     cfg = cfgs[0]
     timeout_s, hang_s = sum(c.timeout_s for c in cfgs), max(c.hang_timeout_s for c in cfgs)
+    startup_s = max(c.startup_timeout_s for c in cfgs)
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("*-rank*.*"), *out.glob("case*/*-rank*.*")]:
         old.unlink()
@@ -311,12 +315,15 @@ def _launch_cases(cfgs: list[DistConfig], out: Path, progress: bool, desc: str) 
         tail = _Tail(out, world)
         last_progress = time.monotonic()
         last_step = dict.fromkeys(range(world), (0, 0))  # (case, step)
+        started: set[int] = set()  # ranks that joined the process group
         while True:
             time.sleep(POLL_S)
             now = time.monotonic()
             for ev in tail.read():
                 last_progress = now
-                if ev["event"] == "step":
+                if ev["event"] == "init":
+                    started.add(ev["rank"])
+                elif ev["event"] == "step":
                     last_step[ev["rank"]] = (ev.get("case", 0), ev["step"])
                     if bar is not None:
                         bar.update(1)
@@ -328,7 +335,18 @@ def _launch_cases(cfgs: list[DistConfig], out: Path, progress: bool, desc: str) 
                 raise _failure(out, world, codes)
             if all(c == 0 for c in codes):
                 break
-            if now - last_progress > hang_s:
+            if len(started) < world:
+                if now - t0 > startup_s:
+                    missing = [r for r in range(world) if r not in started]
+                    raise DistRunError(
+                        "hang",
+                        f"watchdog: ranks {missing} did not start (join the process group) within "
+                        f"startup_timeout_s = {startup_s:g} s; the run was ended",
+                        None,
+                        out,
+                        codes,
+                    )
+            elif now - last_progress > hang_s:
                 raise DistRunError(
                     "hang",
                     f"watchdog: no rank reported progress for {hang_s:g} s (last (case, step) per rank: "

@@ -116,7 +116,8 @@ class DistConfig(LabConfig):
     backend: str = "auto"
     seed: int = 0
     timeout_s: float = 120.0  # the whole run
-    hang_timeout_s: float = 30.0  # no rank reports progress for this long = hang
+    hang_timeout_s: float = 30.0  # no rank reports progress for this long = hang (once every rank has started)
+    startup_timeout_s: float = 300.0  # every rank's start (Python, torch's import, the process group) within this
     fault: str = "none"
     fault_rank: int = 1
     fault_step: int = 1
@@ -158,6 +159,7 @@ class DistConfig(LabConfig):
         check_int("seed", self.seed, min=0)
         check_float("timeout_s", self.timeout_s, min=0, min_exclusive=True)
         check_float("hang_timeout_s", self.hang_timeout_s, min=0, min_exclusive=True)
+        check_float("startup_timeout_s", self.startup_timeout_s, min=0, min_exclusive=True)
         check_choice("fault", self.fault, FAULTS)
         if self.fault != "none":
             check_int("fault_rank", self.fault_rank, min=0, max=self.world_size - 1)

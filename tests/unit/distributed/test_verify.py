@@ -10,6 +10,7 @@ any process starts.  The world-2 strategies share one spawn (one process group).
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 
@@ -214,6 +215,39 @@ def test_hanging_rank_is_ended_by_the_watchdog(tmp_path):
     assert _all_gone(ei.value.pids)
 
 
+def _late_python(tmp_path, seconds: float | None):
+    """A Python for the ranks that starts rank 1 ``seconds`` late (as a loaded node may), or never
+    (``None``: it sleeps in the rank's own process, which the launcher ends)."""
+    script = tmp_path / "late-python"
+    late = "exec sleep 3600" if seconds is None else f"sleep {seconds}"
+    script.write_text(f'#!/bin/sh\nif [ "$RANK" = "1" ]; then {late}; fi\nexec {sys.executable} "$@"\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_a_rank_slower_to_start_than_the_hang_watchdog_is_not_a_hang(tmp_path, monkeypatch):
+    """Start-up (Python, torch's import, joining the process group) has its own limit: a rank that
+    takes longer than ``hang_timeout_s`` to start runs to the end."""
+    monkeypatch.setattr(sys, "executable", _late_python(tmp_path, 12))
+    cfg = DistConfig(strategy="ddp", world_size=2, steps=2, profile=False, backend="gloo", hang_timeout_s=10)
+    res = launch(cfg, tmp_path / "run", progress=False)
+    assert len(res.ranks) == 2 and all(len(r["losses"]) == 2 for r in res.ranks)
+
+
+def test_a_rank_that_never_starts_is_ended_at_the_startup_limit_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "executable", _late_python(tmp_path, None))
+    cfg = DistConfig(strategy="ddp", world_size=2, steps=2, profile=False, backend="gloo", hang_timeout_s=1,
+                     startup_timeout_s=6)  # fmt: skip
+    t0 = time.monotonic()
+    with pytest.raises(DistRunError) as ei:
+        launch(cfg, tmp_path / "run", progress=False)
+    msg = str(ei.value)
+    assert ei.value.kind == "hang" and "startup_timeout_s = 6 s" in msg, msg
+    assert "ranks [" in msg and "1]" in msg.split("did not start")[0], msg  # rank 1 is named (rank 0 waits for it)
+    assert 6 <= time.monotonic() - t0 < cfg.timeout_s
+    assert _all_gone(ei.value.pids)
+
+
 @pytest.mark.parametrize(
     ("params", "param"),
     [
@@ -227,6 +261,7 @@ def test_hanging_rank_is_ended_by_the_watchdog(tmp_path):
         (dict(strategy="cp_ulysses", world_size=8), "cp_degree"),  # 4 heads over 8 ranks
         (dict(strategy="ddp", world_size=2, batch_size=3), "batch_size"),
         (dict(strategy="fsdp+sp", world_size=2), "strategy"),  # sequence parallelism needs tp
+        (dict(strategy="ddp", world_size=2, startup_timeout_s=0), "startup_timeout_s"),
     ],
 )
 def test_bad_input_is_refused_before_any_process_starts(params, param):
