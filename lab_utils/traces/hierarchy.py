@@ -91,11 +91,11 @@ def _node_arrays(trace: RankTrace, att: Attributed, k: pd.DataFrame) -> dict[str
     cat = cat[keep]
     parent = _parents(nodes)
     names = _text(nodes["name"])
-    distinct, inv = np.unique(names, return_inverse=True)
+    inv, distinct = pd.factorize(names)  # codes into the distinct names (hashing: no sort of the texts)
     steps = np.array([bool(_STEP.match(n)) for n in distinct], dtype=bool)
-    names[steps[inv.reshape(-1)]] = "ProfilerStep"
-    cats, cat_inv = np.unique(cat, return_inverse=True)
-    kinds = np.array([_KIND[c] for c in cats], dtype=object)[cat_inv.reshape(-1)]
+    names[steps[inv]] = "ProfilerStep"
+    cat_inv, cats = pd.factorize(cat)
+    kinds = np.array([_KIND[c] for c in cats], dtype=object)[cat_inv]
     tids = _text(nodes["tid"])
     if att.main_tid is not None:  # other threads' outermost nodes under the main thread's ranges
         main = (tids == att.main_tid) & (kinds != "op")
@@ -188,11 +188,12 @@ def _dfs_order(g: pd.DataFrame) -> pd.DataFrame:
     for i, p in enumerate(g["parent"]):
         kids.setdefault(p, []).append(i)
     tot = g["gpu_total_us"].to_numpy()
+    paths = g["path"].to_numpy(dtype=object)
     out, todo = [], sorted(kids.get("", []), key=lambda i: tot[i])
     while todo:
         i = todo.pop()
         out.append(i)
-        todo += sorted(kids.get(g["path"].iat[i], []), key=lambda j: tot[j])
+        todo += sorted(kids.get(paths[i], []), key=lambda j: tot[j])
     return g.iloc[out].reset_index(drop=True)
 
 

@@ -118,11 +118,14 @@ def per_step_values(ta, rank: int) -> pd.DataFrame:
     if not len(per):
         return pd.DataFrame(columns=cols)
     steps = per["step"].to_numpy()
-    out: list[pd.DataFrame] = []
+    names: list[str] = []  # one (metric, unit) per row of ``values``: the table is built once, at the end
+    units: list[str] = []
+    values: list[np.ndarray] = []
 
-    def add(metric: str, unit: str, values) -> None:
-        v = np.asarray(values, dtype=np.float64)
-        out.append(pd.DataFrame({"metric": metric, "unit": unit, "step_index": np.arange(len(v)), "value": v}))
+    def add(metric: str, unit: str, v) -> None:
+        names.append(metric)
+        units.append(unit)
+        values.append(np.asarray(v, dtype=np.float64))
 
     add("span", "ms", per["span"] / 1e3)
     add("kernel_time", "ms", per["kernel_time"] / 1e3)
@@ -138,12 +141,16 @@ def per_step_values(ta, rank: int) -> pd.DataFrame:
         launched = k[k["op"].astype(str) != ""]
         groups.append(("op", launched["op"].astype(str)))
     for prefix, key in groups:
-        sel = k.loc[key.index]
+        sel = k if len(key) == len(k) else k.loc[key.index]
         g = sel.groupby([key, sel["step"]], observed=True)["dur"].sum().unstack(fill_value=0.0)
         g = g.reindex(columns=steps, fill_value=0.0)
-        for name, row in g.iterrows():
-            add(metric_name(prefix, str(name)), "ms", row.to_numpy() / 1e3)
-    df = pd.concat(out, ignore_index=True)
+        for name, row in zip(g.index, g.to_numpy() / 1e3):
+            add(metric_name(prefix, str(name)), "ms", row)
+    n = len(steps)
+    df = pd.DataFrame({"metric": np.repeat(np.array(names, dtype=object), n),
+                       "unit": np.repeat(np.array(units, dtype=object), n),
+                       "step_index": np.tile(np.arange(n), len(values)),
+                       "value": np.concatenate(values)})  # fmt: skip
     df["step"] = steps[df["step_index"].to_numpy()]
     return df[df["value"].notna()][cols + ["step"]].reset_index(drop=True)
 
