@@ -12,15 +12,18 @@ Rerun: ``pip install -e .[hta]`` (HTA is the extra ``hta``), then
   over its size after the imports; the median over ``--repeats``.  Writes
   ``benchmarks/results/bench_traces.json``.
 * ``python benchmarks/bench_traces.py --scale [--sizes 50,200,800,2000] [--ranks 8,32,128]
-  [--rank-mb 20] [--work /tmp/perflab-bench-traces] [--tools perflab,hta,decompress,parse]``:
+  [--rank-mb 20] [--work /tmp/perflab-bench-traces] [--tools perflab,hta,decompress,parse,floor]``:
   synthetic traces (``benchmarks/synth_traces.py``: the event mix of a CUDA training step)
   generated under ``--work`` (never in the repository; reused when already there), one rank of each
   size in MB of JSON and folders of that many ranks of ``--rank-mb`` each.  Each measurement is
   the whole command a user waits for, in a fresh process, imports included (of compiled modules:
   the project's bytecode is written first, as an installed perflab has it):
   ``perflab trace PATH`` (``--workers`` = the CPUs), HTA's script above, and this machine's limit
-  on the same bytes: ``decompress`` (gzip, one process, the files one after the other) and
-  ``parse`` (decompress and ``msgspec.json.decode`` of each whole file into Python objects).
+  on the same bytes: ``decompress`` (gzip, one process, the files one after the other),
+  ``parse`` (decompress and ``msgspec.json.decode`` of each whole file into Python objects) and
+  ``floor``, the reader's own floor (one process: decompress, cut and msgspec's typed decoding
+  of the fields perflab reads, ``lab_utils.traces.reader``'s streaming, with no table built and no
+  analysis: what no change to the tables or the analyses can go below without a faster parser).
   Measured: wall time (with ``--repeats N``, the median of N runs and their range), the peak of
   the summed resident memory of the process and its children (sampled every 25 ms) and the load
   average around it.  Results go to
@@ -151,7 +154,7 @@ def _json_mb(folder: Path) -> float:
 
 # ------------------------------------------------------------------------------ --scale
 SCALE_OUT = ROOT / "benchmarks" / "results" / "bench_traces_scale.json"
-SCALE_TOOLS = ("perflab", "hta", "decompress", "parse")
+SCALE_TOOLS = ("perflab", "hta", "decompress", "parse", "floor")
 SIZES = (50, 200, 800, 2000)
 RANKS = (8, 32, 128)
 #: each tool as a whole process on one folder (argv[1]), imports included
@@ -179,6 +182,24 @@ for f in sorted(pathlib.Path(sys.argv[1]).iterdir()):
     with gzip.open(f) as fh:
         doc = msgspec.json.decode(fh.read())
     del doc
+"""
+_FLOOR = """
+import pathlib, sys
+from lab_utils.traces import reader
+
+
+class Discard:  # the reader's sink, keeping nothing
+    seen = n = 0
+
+    def add(self, events):
+        self.seen += len(events)
+
+
+sink = Discard()
+for f in sorted(pathlib.Path(sys.argv[1]).iterdir()):
+    with reader._open_bytes(f) as fh:
+        reader._stream_events(fh, sink)
+print(sink.seen, "events")
 """
 
 
@@ -281,7 +302,7 @@ def tool_command(tool: str, path: str, out_dir: Path, *, workers: int, mem_gb: f
     if tool == "perflab":
         exe = Path(sys.executable).parent / "perflab"
         return [str(exe), "trace", path, "--out", str(out_dir), "--workers", str(workers), "--mem-gb", str(mem_gb)]
-    script = {"hta": _HTA, "decompress": _DECOMPRESS, "parse": _PARSE}[tool]
+    script = {"hta": _HTA, "decompress": _DECOMPRESS, "parse": _PARSE, "floor": _FLOOR}[tool]
     return [sys.executable, "-c", script, path]
 
 
@@ -330,8 +351,8 @@ def scale_table(rows: list[dict]) -> str:
     for r in rows:
         by.setdefault(r["input"], {"meta": r})[r["tool"]] = r
     lines = ["| input | JSON MB | perflab s | HTA s | perflab / HTA speed-up | decompress s | perflab / decompress | "
-             "decompress + parse s | perflab peak MB | HTA peak MB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "decompress + parse s | read floor s | perflab peak MB | HTA peak MB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
 
     def cell(r, k="seconds"):
         if r is None:
@@ -348,10 +369,10 @@ def scale_table(rows: list[dict]) -> str:
         return f"{b['seconds'] / a['seconds']:.1f}x" if ok else ""
 
     for name, t in by.items():
-        p, h, d, q = (t.get(k) for k in ("perflab", "hta", "decompress", "parse"))
+        p, h, d, q, f = (t.get(k) for k in ("perflab", "hta", "decompress", "parse", "floor"))
         vs_dec = f"{p['seconds'] / d['seconds']:.1f}x" if p and d and "error" not in p and "error" not in d else ""
         lines.append(f"| {name} | {t['meta']['json_mb']:.0f} | {cell(p)} | {cell(h)} | {ratio(p, h)} | {cell(d)} | "
-                     f"{vs_dec} | {cell(q)} | {cell(p, 'peak_mb')} | {cell(h, 'peak_mb')} |")  # fmt: skip
+                     f"{vs_dec} | {cell(q)} | {cell(f)} | {cell(p, 'peak_mb')} | {cell(h, 'peak_mb')} |")  # fmt: skip
     return "\n".join(lines)
 
 

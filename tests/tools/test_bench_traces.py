@@ -79,7 +79,7 @@ def test_scale_measures_what_is_missing_and_writes_as_it_goes(bench, tmp_path, m
 
     def fake(cmd, timeout_s):
         calls.append(cmd)
-        failed = "hta" in " ".join(cmd) and len(calls) < 8
+        failed = "hta" in " ".join(cmd) and len(calls) < 2 * len(bench.SCALE_TOOLS)
         return {"seconds": 1.0, "peak_mb": 10.0, "rc": 1 if failed else 0} | ({"error": "x"} if failed else {})
 
     monkeypatch.setattr(bench, "run_measured", fake)
@@ -87,12 +87,24 @@ def test_scale_measures_what_is_missing_and_writes_as_it_goes(bench, tmp_path, m
             "--out", str(tmp_path / "scale.json")]  # fmt: skip
     assert bench.main(args) == 0
     first = json.loads((tmp_path / "scale.json").read_text())["rows"]
-    assert len(calls) == 8 and {r["tool"] for r in first} == set(bench.SCALE_TOOLS)
+    per_run = 2 * len(bench.SCALE_TOOLS)  # two inputs, every tool
+    assert len(calls) == per_run and {r["tool"] for r in first} == set(bench.SCALE_TOOLS)
     assert {r["input"] for r in first} == {"1 rank, 1 MB", "2 ranks x 0.5 MB"}
     assert all(r["json_mb"] > 0 for r in first) and (tmp_path / "w" / "ranks-2x0.5MB" / "data").is_dir()
     assert bench.main(args) == 0
-    assert len(calls) == 8 + 2  # only the two failed HTA measurements again
+    assert len(calls) == per_run + 2  # only the two failed HTA measurements again
     assert "| 1 rank, 1 MB |" in capsys.readouterr().out
+
+
+def test_the_read_floor_decodes_every_event_of_every_rank(bench, tmp_path):
+    """The floor tool is the reader's streaming with nothing kept: it still decodes each event."""
+    import subprocess
+
+    d = tmp_path / "job"
+    written = [bench.synth().write_rank(d / f"rank-{r}.json.gz", 0.3, rank=r, world=2, seed=r) for r in range(2)]
+    cmd = bench.tool_command("floor", str(d), tmp_path, workers=1, mem_gb=1.0)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True, cwd=ROOT)
+    assert out.stdout.split() == [str(sum(w.events for w in written)), "events"], out.stdout
 
 
 def test_the_memory_of_a_process_tree_is_summed(bench):
