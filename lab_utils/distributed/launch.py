@@ -277,6 +277,22 @@ def launch_cases(
         raise
 
 
+def _stalled(world: int, started: set[int], since_launch: float, startup_s: float, since_progress: float,
+             hang_s: float, last_step: dict) -> str | None:  # fmt: skip
+    """Why the watchdog ends the run now, or None: a rank not started within ``startup_s`` of the
+    launch; once all have, no progress for ``hang_s``."""
+    if len(started) < world:
+        if since_launch <= startup_s:
+            return None
+        missing = [r for r in range(world) if r not in started]
+        return (f"watchdog: ranks {missing} did not start (join the process group) within startup_timeout_s = "
+                f"{startup_s:g} s; the run was ended")  # fmt: skip
+    if since_progress > hang_s:
+        return (f"watchdog: no rank reported progress for {hang_s:g} s (last (case, step) per rank: {last_step}); "
+                "the run was ended")  # fmt: skip
+    return None
+
+
 def _launch_cases(cfgs: list[DistConfig], out: Path, progress: bool, desc: str) -> list[DistResult]:
     cfg = cfgs[0]
     timeout_s, hang_s = sum(c.timeout_s for c in cfgs), max(c.hang_timeout_s for c in cfgs)
@@ -335,26 +351,9 @@ def _launch_cases(cfgs: list[DistConfig], out: Path, progress: bool, desc: str) 
                 raise _failure(out, world, codes)
             if all(c == 0 for c in codes):
                 break
-            if len(started) < world:
-                if now - t0 > startup_s:
-                    missing = [r for r in range(world) if r not in started]
-                    raise DistRunError(
-                        "hang",
-                        f"watchdog: ranks {missing} did not start (join the process group) within "
-                        f"startup_timeout_s = {startup_s:g} s; the run was ended",
-                        None,
-                        out,
-                        codes,
-                    )
-            elif now - last_progress > hang_s:
-                raise DistRunError(
-                    "hang",
-                    f"watchdog: no rank reported progress for {hang_s:g} s (last (case, step) per rank: "
-                    f"{last_step}); the run was ended",
-                    None,
-                    out,
-                    codes,
-                )
+            stalled = _stalled(world, started, now - t0, startup_s, now - last_progress, hang_s, last_step)
+            if stalled:
+                raise DistRunError("hang", stalled, None, out, codes)
             if now - t0 > timeout_s:
                 raise DistRunError(
                     "timeout", f"the run exceeded timeout_s = {timeout_s:g} s and was ended", None, out, codes

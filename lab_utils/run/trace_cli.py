@@ -40,7 +40,6 @@ from lab_utils.core.device import HOST
 from lab_utils.core.records import Recorder, json_value
 from lab_utils.run.cluster import ClusterOptions, cluster_options, resolve_site
 from lab_utils.run.commands import trace as trace_args
-from lab_utils.run.compare.rules import CompareError
 from lab_utils.run.executors import MapOptions, map_jobs
 from lab_utils.run.trace_analyses import (
     MAX_RANKS,
@@ -383,10 +382,21 @@ def cmd_trace(a) -> int:
 def cmd_diff(a) -> int:
     """Both sides read first (a bad one is refused before anything is written), then recorded with
     their ranks paired, the rows only one side ran filled with zeros, and compared; only the time rows
-    gate (``gate="performance"``: shares and idle are reported)."""
-    check_part("gpu", a.gpu)
-    from lab_utils.run.compare import compare  # noqa: PLC0415 - the comparison's report loads bokeh
+    gate (``gate="performance"``: shares and idle are reported).  Records a comparison refuses:
+    one line, exit 2."""
+    from lab_utils.run.compare import CompareError  # noqa: PLC0415 - the comparison's report loads bokeh
 
+    try:
+        return _diff(a)
+    except CompareError as e:
+        print(f"perflab trace diff: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _diff(a) -> int:
+    from lab_utils.run.compare import compare  # noqa: PLC0415 - loaded with CompareError (cmd_diff)
+
+    check_part("gpu", a.gpu)
     a.cluster = _cluster(a)
     base, cand = (_job(a, p, {"paths": True, "page": False}) for p in (a.base, a.candidate))
     vb, vc, how = pair_ranks(base.ranks, cand.ranks)
@@ -416,7 +426,7 @@ def run(a: argparse.Namespace) -> int:
     fn, prog = (cmd_diff, "perflab trace diff") if getattr(a, "diff", False) else (cmd_trace, "perflab trace")
     try:
         return fn(a)
-    except (ConfigError, CompareError) as e:
+    except ConfigError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -73,72 +73,43 @@ Baselines live in ``parameterized/baselines/<kind>/`` (``records.parquet``,
 
 from __future__ import annotations
 
-import importlib
-
-#: each public name and the submodule that defines it: imported on first use (PEP 562), so a
-#: command that needs one rule (``CompareError``) does not load the HTML report's bokeh
-_WHERE = {
-    "CONTEXT_DIFFS": "options",
-    "CompareError": "rules",
-    "Comparison": "comparison",
-    "ContextDiff": "coverage",
-    "Direction": "rules",
-    "EXIT_INCOMPARABLE": "rules",
-    "EXIT_OK": "rules",
-    "EXIT_REGRESSION": "rules",
-    "EXIT_USAGE": "rules",
-    "HIGHER_DB": "rules",
-    "HIGHER_PERF": "rules",
-    "KEY": "rules",
-    "LOWER_ERROR": "rules",
-    "LOWER_MEMORY": "rules",
-    "LOWER_TIME": "rules",
-    "METRIC_RULES": "rules",
-    "NEUTRAL": "rules",
-    "NOISY": "rules",
-    "NOT_COMPARABLE": "rules",
-    "OUT_COLUMNS": "comparison",
-    "Options": "options",
-    "PERFORMANCE_KINDS": "baselines",
-    "Side": "sides",
-    "UNIT_RULES": "rules",
-    "WORSE_VERDICTS": "rules",
-    "add_compare_options": "cli",
-    "baseline_kind": "sides",
-    "baseline_main": "baselines",
-    "baselines_root": "sides",
-    "bootstrap_ratio": "stats",
-    "compare": "comparison",
-    "context_flags": "coverage",
-    "direction": "rules",
-    "direction_table": "rules",
-    "identity_keys": "sides",
-    "judge": "stats",
-    "lab_name": "options",
-    "load_side": "sides",
-    "main": "cli",
-    "options_from": "cli",
-    "rank_pvalues": "stats",
-    "render_html": "html",
-    "resolve_source": "sides",
-    "run_for_baseline": "baselines",
-    "store_baseline": "baselines",
-    "summary_text": "text",
-    "timing_free": "baselines",
-}
-
-
-def __getattr__(name: str):
-    if name in _WHERE:
-        value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
-
+from lab_utils.run.compare.baselines import (
+    PERFORMANCE_KINDS,
+    baseline_main,
+    run_for_baseline,
+    store_baseline,
+    timing_free,
+)
+from lab_utils.run.compare.cli import add_compare_options, main, options_from
+from lab_utils.run.compare.comparison import OUT_COLUMNS, Comparison, compare
+from lab_utils.run.compare.coverage import ContextDiff, context_flags
+from lab_utils.run.compare.html import render_html
+from lab_utils.run.compare.options import CONTEXT_DIFFS, Options, lab_name
+from lab_utils.run.compare.rules import (
+    EXIT_INCOMPARABLE,
+    EXIT_OK,
+    EXIT_REGRESSION,
+    EXIT_USAGE,
+    HIGHER_DB,
+    HIGHER_PERF,
+    KEY,
+    LOWER_ERROR,
+    LOWER_MEMORY,
+    LOWER_TIME,
+    METRIC_RULES,
+    NEUTRAL,
+    NOISY,
+    NOT_COMPARABLE,
+    UNIT_RULES,
+    WORSE_VERDICTS,
+    CompareError,
+    Direction,
+    direction,
+    direction_table,
+)
+from lab_utils.run.compare.sides import Side, baseline_kind, baselines_root, identity_keys, load_side, resolve_source
+from lab_utils.run.compare.stats import bootstrap_ratio, judge, rank_pvalues
+from lab_utils.run.compare.text import summary_text
 
 __all__ = [
     "EXIT_INCOMPARABLE",
