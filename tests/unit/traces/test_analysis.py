@@ -1,6 +1,6 @@
 """lab_utils.traces.analysis: what each method of :class:`TraceAnalysis` hands back on a small job whose
 figures are known by construction (two GPU ranks of two steps, a CPU rank, nine ranks for the
-critical paths' limit): scopes, the device and its part, per-rank tables and their columns, the
+critical paths' limit): scopes, the rank read when none is given, the device and its part, per-rank tables and their columns, the
 collectives' fit, the straggler's world, the CPU rule's verdict, and a GPU given for traces naming none."""
 
 from __future__ import annotations
@@ -54,6 +54,14 @@ def test_scopes_steps_and_windows(job):
         job.kernels(5)
     with pytest.raises(ConfigError, match="scope"):
         job.kernels(0, "everything")
+
+
+def test_a_method_given_no_rank_reads_the_lowest(job):
+    """Rank 1's all-reduces start 5 us after rank 0's (410, 510, 610 us): no rank given is rank 0."""
+    nccl = lambda k: k.loc[k["name"] == NCCL, "ts"].tolist()  # noqa: E731
+    assert nccl(job.kernels(1)) == [415.0, 515.0, 615.0]
+    assert nccl(job.kernels()) == [410.0, 510.0, 610.0]
+    assert job.launch_outliers().table.loc[lambda t: t["name"] == NCCL, "delay_us"].tolist() == [6.0, 6.0, 6.0]
 
 
 def test_the_device_its_properties_and_part(job):
