@@ -1,7 +1,8 @@
 """lab_utils.traces.analysis: what each method of :class:`TraceAnalysis` hands back on a small job whose
 figures are known by construction (two GPU ranks of two steps, a CPU rank, nine ranks for the
-critical paths' limit): scopes, the rank read when none is given, the device and its part, per-rank tables and their columns, the
-collectives' fit, the straggler's world, the CPU rule's verdict, and a GPU given for traces naming none."""
+critical paths' limit): scopes, the rank read when none is given, the device and its part, per-rank
+tables and their columns, the collectives' fit, the straggler's world, the CPU rule's verdict, and a
+GPU given for traces naming none."""
 
 from __future__ import annotations
 
