@@ -1,7 +1,8 @@
 """lab_utils.traces.analysis: what each method of :class:`TraceAnalysis` hands back on a small job whose
 figures are known by construction (two GPU ranks of two steps, a CPU rank, nine ranks for the
-critical paths' limit): scopes, the device and its part, per-rank tables and their columns, the
-collectives' fit, the straggler's world, the CPU rule's verdict, and a GPU given for traces naming none."""
+critical paths' limit): scopes, the rank read when none is given, the device and its part, per-rank
+tables and their columns, the collectives' fit, the straggler's world, the CPU rule's verdict, and a
+GPU given for traces naming none."""
 
 from __future__ import annotations
 
@@ -56,6 +57,14 @@ def test_scopes_steps_and_windows(job):
         job.kernels(0, "everything")
 
 
+def test_a_method_given_no_rank_reads_the_lowest(job):
+    """Rank 1's all-reduces start 5 us after rank 0's (410, 510, 610 us): no rank given is rank 0."""
+    nccl = lambda k: k.loc[k["name"] == NCCL, "ts"].tolist()  # noqa: E731
+    assert nccl(job.kernels(1)) == [415.0, 515.0, 615.0]
+    assert nccl(job.kernels()) == [410.0, 510.0, 610.0]
+    assert job.launch_outliers().table.loc[lambda t: t["name"] == NCCL, "delay_us"].tolist() == [6.0, 6.0, 6.0]
+
+
 def test_the_device_its_properties_and_part(job):
     assert job.device(0) == H100["name"] and job.device_properties(0)["numSms"] == 132
     assert job.part(0).peak.name == "H100 SXM5" and job.datasheet(1).hbm_gbs == 3350.0
@@ -67,6 +76,8 @@ def test_per_rank_tables_by_hand(job):
     calls = sum(10 + 4 * n * 1e-3 for n in SIZES)
     assert t.loc[0, "compute"] == 100.0 and t.loc[0, "communication"] == pytest.approx(calls)
     assert t.loc[0, "idle_pct"] == pytest.approx(100 * t.loc[0, "idle"] / t.loc[0, "span"])
+    # the steps' kernels run from 100 to 1150 us; all that is not compute is the all-reduces
+    assert t.loc[0, "span"] == 1050.0 and t.loc[0, "non_compute_pct"] == pytest.approx(100 * calls / 1050)
     assert list(job.temporal().columns[:2]) == ["rank", "rule"]
     by_step = job.temporal(by="step")
     assert by_step[by_step["rank"] == 0]["step"].tolist() == [1, 2]
@@ -84,8 +95,17 @@ def test_per_rank_tables_by_hand(job):
     assert ph.loc[(0, 1, "(none)")] == pytest.approx(calls)
     idle = job.stream_idle()
     assert list(idle.columns[:2]) == ["rank", "stream"] and set(idle["rank"]) == {0, 1}
+    assert idle.index.tolist() == [0, 1, 2, 3]  # two streams on each rank, one row each
     assert job.launch_outliers(0).launches == 5 and len(job.queue_length(0)) == 10
     assert job.memory_bw(0).empty and len(job.sequences(0, min_len=1, max_len=1)) == 2
+
+
+def test_shares_of_a_span_under_a_microsecond(tmp_path):
+    """One step, one 0.5 us kernel: all of the span computes, none of it idles, per rank and per step."""
+    ta = TraceAnalysis(write(tmp_path / "t.json", [step(1, 0, 100), launch(1, 5), kernel("sm90_gemm", 1, 10, 0.5)]))
+    for t in (ta.temporal(), ta.temporal(by="step")):
+        row = t.iloc[0]
+        assert row["span"] == 0.5 and (row["compute_pct"], row["idle_pct"], row["non_compute_pct"]) == (100.0, 0.0, 0.0)
 
 
 def test_top_kernels_default_to_ten(tmp_path):

@@ -1,10 +1,12 @@
 """lab_utils.traces.attribute: every rule of the module note on one hand-built trace whose answers are
 known by construction (launch, op by External id or by enclosure, step windows at their edges,
-ranges of the launch thread and of the main thread, phase and block), and the one window of a
-trace without steps."""
+ranges of the launch thread and of the main thread, phase and block), the category a launching op
+gives a kernel whose name says nothing, and the one window of a trace without steps (an empty one,
+a 100 ms one whose last instant it still holds)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -13,8 +15,9 @@ import pytest
 
 from lab_utils.traces import PhaseTable, read_rank
 from lab_utils.traces.attribute import WINDOWS, attribute, step_windows
+from lab_utils.traces.categories import category
 
-from .kineto import ann, kernel, launch, op, step, write
+from .kineto import ann, kernel, launch, op, runtime, step, write
 
 EVENTS = [
     step(1, 100, 200), step(2, 400, 200),  # a gap 300 .. 400, "after" from 600
@@ -155,3 +158,32 @@ def test_a_cpu_trace_is_attributed_by_the_cpu_rule(tmp_path):
     assert r["phase"].tolist() == ["forward", "forward"] and r["window"].tolist() == ["step", "step"]
     assert r["queue_delay"].tolist() == [0.0, 0.0] and r["category"].tolist() == ["matmul", "elementwise/activation"]
     assert np.array_equal(r["hta_type"].to_numpy(), np.array(["COMPUTATION", "COMPUTATION"], dtype=object))
+
+
+def test_a_trace_with_nothing_in_it_is_one_empty_window_at_zero(tmp_path):
+    """No host event and no GPU activity: the one window starts and ends at 0 and holds nothing."""
+    trace = read_rank(write(tmp_path / "e.json", [op("aten::mm", 5, 3)]))
+    empty = dataclasses.replace(trace, host=trace.host.iloc[:0], gpu=trace.gpu.iloc[:0])
+    a = attribute(empty)
+    (s,) = a.steps.to_dict(orient="records")
+    assert not a.has_steps and a.kernels.empty
+    assert (s["step"], s["ts"], s["dur"]) == (0, 0.0, 0.0) and s["end"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_one_window_holds_the_last_instant_of_a_long_trace(tmp_path):
+    """A 100 ms trace without steps: its window ends past the last end (100 000 us), not on it, so the
+    half-open window [ts, end) still holds that instant; by less than a nanosecond."""
+    ev = [op("aten::mm", 0, 10, 1), launch(1, 1, ext=1), kernel("gemm", 1, 20, 99_980.0)]
+    (s,) = attribute(read_rank(write(tmp_path / "long.json", ev))).steps.to_dict(orient="records")
+    assert s["end"] > 100_000.0 and s["end"] - 100_000.0 < 1e-3 and s["dur"] == 100_000.0
+
+
+def test_a_kernel_whose_name_says_nothing_takes_the_category_of_its_launching_op(tmp_path):
+    """``k_opaque`` names no category ("other" alone); launched by aten::mm it is a matmul, and a
+    copy named as such is a memcpy by its event kind, whatever launched it."""
+    ev = [op("aten::mm", 0, 10, 1), launch(1, 1, ext=1), kernel("k_opaque", 1, 20, 5, ext=1),
+          op("aten::mm", 30, 10, 2), runtime("cudaMemcpyAsync", 2, 31, ext=2),
+          kernel("k_opaque_copy", 2, 50, 5, cat="gpu_memcpy", ext=2)]  # fmt: skip
+    r = rows(attribute(read_rank(write(tmp_path / "o.json", ev))))
+    assert category("k_opaque") == "other" and r.loc["k_opaque", "op"] == "aten::mm"
+    assert r.loc["k_opaque", "category"] == "matmul" and r.loc["k_opaque_copy", "category"] == "memcpy"

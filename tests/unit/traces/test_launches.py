@@ -1,7 +1,7 @@
 """lab_utils.traces.launches: queue length against a count written here, and the host-bound and
 launch-bound verdicts at each of their thresholds, on kernels laid out so that every figure is
 known by construction (n kernels of K us, each launched in an L us call d us before it starts,
-g us after the previous one ended)."""
+g us after the previous one ended); no idle time and an empty selection give shares of 0."""
 
 from __future__ import annotations
 
@@ -155,3 +155,16 @@ def test_no_launch_at_all_gives_no_verdict_figures():
     assert np.isnan(s.launch_us) and np.isnan(s.kernel_median_us) and np.isnan(s.queue_length_median)
     assert s.host_wait_share_of_idle == 0.0 and s.longest_host_wait_us == 0.0
     assert not s.host_bound and "host wait 0% of idle < 50%" in s.reason
+
+
+def test_no_idle_time_is_no_host_wait():
+    """Three kernels back to back (0 .. 30 us): no idle, so none of it is host wait."""
+    s = launch_stats(frame([0.0, 10.0, 20.0], [10.0] * 3, [-5.0, -4.0, -3.0]))
+    assert s.idle_share == 0.0 and s.host_wait_share_of_idle == 0.0 and s.longest_host_wait_us == 0.0
+    assert s.reason == "not launch-bound: idle 0% of the span < 20%; host wait 0% of idle < 50%", s.reason
+
+
+def test_an_empty_selection_gives_zero_shares_and_no_verdict():
+    s = launch_stats(frame([], [], []))
+    assert (s.activities, s.launched, s.idle_share, s.host_wait_share_of_idle) == (0, 0, 0.0, 0.0)
+    assert not s.host_bound and not s.launch_bound and np.isnan(s.queue_length_median)

@@ -1,6 +1,7 @@
 """lab_utils.traces.streams: idle per stream in HolisticTraceAnalysis's three kinds and the launch
 outliers, against a loop over the activities written here (drawn fresh per run) and at the
-thresholds themselves (a gap of exactly 30 us, a 50 us launch call, a 100 us delay)."""
+thresholds themselves (a gap of exactly 30 us, a 50 us launch call, a 100 us delay); the idle table
+has one row per stream in stream order."""
 
 from __future__ import annotations
 
@@ -101,3 +102,12 @@ def test_launch_outliers_at_their_cutoffs():
     assert set(LAUNCH_CALLS) >= {"cudaLaunchKernel", "cudaMemcpyAsync", "hipLaunchKernel"}
     empty = launch_outliers(k.iloc[:0])
     assert empty.launches == 0 and empty.cpu_us == 0.0 and empty.table.empty
+
+
+def test_one_row_per_stream_in_stream_order_whatever_order_the_activities_come_in():
+    """Stream 9's activities come first in the table, stream 2's after: the rows are 2 then 9, each
+    with its own gap (5 us on 2, 12 us on 9)."""
+    k = frame([(9, 0, 10, 0, 4), (9, 22, 10, 0, 4), (2, 3, 10, 0, 4), (2, 18, 10, 0, 4)])
+    got = stream_idle(k)
+    assert got["stream"].tolist() == [2, 9]
+    assert got["kernel_wait"].tolist() == [5.0, 12.0]

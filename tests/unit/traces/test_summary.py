@@ -1,7 +1,8 @@
 """lab_utils.traces.summary: the per-step record values of a two-step, two-rank job whose every figure
 is counted by hand (spans, kernel time, shares of the span in %, per category, phase, kernel and
 operator, in ms), the metric names of long kernels at the 200-character limit, the job's world
-size, its collectives with and without a second rank, and the rows it records."""
+size, its collectives with and without a second rank, the rows it records, and none for a rank
+with nothing launched in a step."""
 
 from __future__ import annotations
 
@@ -124,3 +125,15 @@ def test_the_text_summary_reads_the_figures(job):
     assert "\n  host-bound, not launch-bound: idle 53% of the span" in text
     assert "\n       0.50 ms      2x matmul                 sm90_gemm\n" in text
     assert np.isfinite(JobSummary.of(job).ranks_[0].tables["overlap"]["overlap_pct"].iloc[0])
+
+
+def test_a_rank_with_nothing_launched_in_a_step_records_nothing(tmp_path):
+    """Its one kernel is launched after the last step: no record value, no record row, and the text
+    summary still has its line."""
+    ev = [step(1, 0, 100), op("aten::mm", 200, 10, 1), launch(1, 202, ext=1), kernel("sm90_gemm", 1, 210, 5, ext=1)]
+    ta = TraceAnalysis({0: read_rank(write(tmp_path / "after.json", ev))})
+    df = per_step_values(ta, 0)
+    assert df.empty and {"metric", "unit", "step_index", "value"} <= set(df.columns)
+    job = JobSummary.of(ta)
+    assert job.record(Recorder("trace", device="cpu")).rows == []
+    assert "rank 0 (device not recorded, 1 steps): span 0.0 ms" in job.summary()
