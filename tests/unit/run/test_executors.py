@@ -480,6 +480,13 @@ def test_where_the_mapped_bytes_cannot_be_read_they_are_zero_and_the_bound_is_me
     assert calls == [(executors.resource.RLIMIT_AS, (1610612736, 1610612736))]
 
 
+def test_the_mapped_bytes_read_vmsize_in_kibibytes(monkeypatch):
+    """``VmSize:`` is in kB of 1024 bytes: 3 kB is 3072 bytes, the first VmSize line counts."""
+    status = "Name:\tpython\nVmPeak:\t 9 kB\nVmSize:\t 3 kB\nVmSize:\t 5 kB\n"
+    monkeypatch.setattr(executors, "open", lambda path, *a, **kw: io.StringIO(status), raising=False)
+    assert executors._mapped_bytes() == 3072
+
+
 def _allocate_mb(mb):
     return len(bytearray(mb * 2**20))
 
