@@ -1,7 +1,8 @@
 """lab_utils.run.compare.verdicts on merged rows written here (no report on disk): a value of zero
-on one side (its ratio and gain by hand), a row judged before any measurement (one-sided or failed:
-no samples counted; which side failed), and an error figure below zero (the ratio threshold, not
-its tolerance)."""
+on one side (its ratio and gain by hand; no sample interval for a zero time), the samples each
+side kept as counted, a row judged before any measurement (one-sided: none counted, why it is on
+one side; failed: which side), and error figures judged by the threshold (below zero, not by their
+tolerance; the note names the rule after the threshold's reason)."""
 
 from __future__ import annotations
 
@@ -94,3 +95,60 @@ def test_a_negative_error_figure_keeps_the_ratio_threshold_not_its_tolerance():
     signed, plain = rows
     assert signed["note"].endswith("rule: threshold") and "tolerance" not in signed["note"]
     assert plain["note"].endswith("(rule: tolerance)")  # the same figures at or above zero: its tolerance
+
+
+def test_a_measured_row_counts_the_samples_each_side_kept():
+    s4, s5 = np.full(4, 1.0), np.full(5, 1.0)
+    rows = judged(
+        merged(variant="none"),
+        merged(variant="base only", samples_b=s4),
+        merged(variant="both", samples_b=s4, samples_c=s5),
+    )
+    assert [(r["n_base"], r["n_cand"]) for r in rows] == [(0, 0), (4, 0), (4, 5)]
+    assert [r["verdict"] for r in rows] == ["same"] * 3
+
+
+def test_a_zero_time_gets_no_sample_interval():
+    """A ratio of samples needs both sides above zero: a base of 0 ms (its samples all 0) against
+    1 ms is infinitely worse by its point values, with no interval and no noise test."""
+    zeros, ones = np.zeros(8), np.ones(8)
+    (r,) = judged(merged(value_b=0.0, value_c=1.0, samples_b=zeros, samples_c=ones))
+    assert (r["gain"], r["ratio"], r["verdict"]) == (0.0, math.inf, "slower")
+    assert math.isnan(r["lo"]) and math.isnan(r["hi"]) and math.isnan(r["p_value"]) and r["noise"] == ""
+
+
+def test_a_row_on_one_side_says_why_where_a_reason_is_known():
+    """Only in the base because its lab did not run in the candidate: the note says so; a row new
+    in the candidate with no parameter or run difference to explain it: the bare fact."""
+    o = Options()
+    judge = RowJudge(o, ContextDiff(o), False, ["01_a"])
+    gone, new = judge.rows(
+        pd.DataFrame(
+            [
+                merged(variant="gone", _merge="left_only", value_c=math.nan),
+                merged(lab="02_b", variant="new", _merge="right_only", value_b=math.nan),
+            ]
+        )
+    )
+    assert (gone["verdict"], gone["note"]) == (
+        "only in base",
+        "missing in candidate: the lab did not run in the candidate",
+    )
+    assert (new["verdict"], new["note"]) == ("only in candidate", "new in candidate")
+    assert gone["base"] == 1.0 and math.isnan(gone["candidate"]) and new["candidate"] == 1.0 and math.isnan(new["base"])
+
+
+@pytest.mark.parametrize(
+    "samples, note",
+    [
+        (False, "no samples: threshold only; rule: threshold"),  # the threshold's reason, then the rule
+        (True, "rule: threshold"),  # samples clearly apart: no reason to give, the rule alone
+    ],
+)
+def test_an_error_figure_judged_by_the_threshold_names_the_rule_after_any_reason(samples, note):
+    """An error figure with neither tolerance nor roundoff scale, doubled (100% worse, beyond the
+    10% threshold): its note names the rule, after the threshold's own reason where it has one."""
+    s = np.array([1.0, 1.01, 0.99, 1.0, 1.02, 0.98, 1.0, 1.0])
+    kept = dict(samples_b=s, samples_c=2 * s) if samples else {}
+    (r,) = judged(merged(metric="max_abs_err", unit_b="", unit_c="", value_b=1.0, value_c=2.0, **kept))
+    assert (r["verdict"], r["note"]) == ("less accurate", note)
