@@ -3,6 +3,7 @@ stops the run whatever SIGINT's handler was (a Python one, the default action, o
 outside Python), unless SIGINT is ignored; the handler is restored either way."""
 
 import contextlib
+import io
 import os
 import signal
 from dataclasses import replace
@@ -457,6 +458,33 @@ def test_a_worker_address_space_may_grow_by_mem_gb(monkeypatch, gb, limit):
 def test_the_mapped_bytes_are_the_kernels_vmsize():
     kb = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmSize:"))
     assert abs(executors._mapped_bytes() - kb * 1024) < 64 * 2**20  # the read itself maps a little
+
+
+@pytest.mark.parametrize(
+    "status", [OSError("no /proc"), "Name:\tpython\nVmRSS:\t 1024 kB\n"], ids=["no-proc", "no-vmsize"]
+)
+def test_where_the_mapped_bytes_cannot_be_read_they_are_zero_and_the_bound_is_mem_gb(monkeypatch, status):
+    """No /proc (not Linux), or a status without VmSize: 0 mapped bytes, so a worker's address
+    space is bounded by ``mem_gb`` itself (1.5 GB: 1.5 * 2**30 bytes)."""
+
+    def fake_open(path, *a, **kw):
+        if isinstance(status, OSError):
+            raise status
+        return io.StringIO(status)
+
+    monkeypatch.setattr(executors, "open", fake_open, raising=False)
+    assert executors._mapped_bytes() == 0
+    calls = []
+    monkeypatch.setattr(executors.resource, "setrlimit", lambda what, lim: calls.append((what, lim)))
+    executors._limit_memory(1.5)
+    assert calls == [(executors.resource.RLIMIT_AS, (1610612736, 1610612736))]
+
+
+def test_the_mapped_bytes_read_vmsize_in_kibibytes(monkeypatch):
+    """``VmSize:`` is in kB of 1024 bytes: 3 kB is 3072 bytes, the first VmSize line counts."""
+    status = "Name:\tpython\nVmPeak:\t 9 kB\nVmSize:\t 3 kB\nVmSize:\t 5 kB\n"
+    monkeypatch.setattr(executors, "open", lambda path, *a, **kw: io.StringIO(status), raising=False)
+    assert executors._mapped_bytes() == 3072
 
 
 def _allocate_mb(mb):

@@ -328,6 +328,14 @@ def test_report_folders_are_created_exclusively(tmp_path, monkeypatch):
     assert len(calls) == 5  # a few tries, never a loop for ever
 
 
+def test_a_report_folder_is_made_with_the_folders_above_it(tmp_path):
+    out = tmp_path / "not" / "yet" / "reports"  # none of these exists
+    rid, tmp = runner._make_run_dir(out, "run1", "s")
+    assert rid == "run1" and tmp.is_dir() and tmp.parent == out
+    rid, tmp = runner._make_run_dir(out, "run2", "s")  # and again, now that it exists
+    assert tmp == out / ".tmp-run2" and tmp.is_dir()
+
+
 def test_run_ids_name_the_suite_and_differ():
     a, b = runner.new_run_id("smoke"), runner.new_run_id("smoke")
     assert a != b and re.fullmatch(rf"\d{{8}}-\d{{6}}-smoke-p{os.getpid()}-[0-9a-f]{{6}}", a), a

@@ -104,6 +104,13 @@ def test_overrides_text():
     assert C.overrides_text(side()) == "suite ?, overrides none"
 
 
+def test_overrides_text_of_a_run_without_overrides_says_none():
+    """The runner records a run without ``--param`` as ``overrides: {}``: none, not an empty list."""
+    assert C.overrides_text(side(suite="smoke", overrides={})) == "suite smoke, overrides none"
+    assert C.overrides_text(side(suite="smoke", overrides="n=2")) == "suite smoke, overrides none"  # not a dict
+    assert C.overrides_text(side(overrides={"n": 2})) == "suite ?, overrides n=2"
+
+
 def test_what_keeps_a_row_from_being_compared():
     d = C.ContextDiff(Options(), software=["torch 2.12 -> 2.13"])
     assert d.blockers("01_a", "performance", None, None) == [("software", "software differs: torch 2.12 -> 2.13")]
