@@ -1,7 +1,8 @@
-"""lab_utils.run.trace_cli: which rank files carry the page's extras (the first eight), the figures and
-the text summary of a job with collectives (one rank and two), how two jobs' ranks pair and the rows
-only one side ran are filled with zeros, the records' context, and ``main`` for both commands, on
-small traces written here."""
+"""lab_utils.run.trace_cli: which rank files carry the page's extras (the first eight), how many workers
+a folder's ranks start (one per file at most, never more than asked) and where (the command's resolved
+cluster, else the arguments'), the figures and the text summary of a job with collectives (one rank
+and two), how two jobs' ranks pair and the rows only one side ran are filled with zeros, the records'
+context, and ``main`` for both commands, on small traces written here."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import pytest
 from lab_utils.core.config import ConfigError
 from lab_utils.core.records import Recorder
 from lab_utils.run import trace_cli as T
-from lab_utils.run.executors import MapOptions
+from lab_utils.run.cluster import ClusterOptions
+from lab_utils.run.commands import trace as trace_args
+from lab_utils.run.executors import MapOptions, Outcome
 from lab_utils.traces import TraceAnalysis
 from lab_utils.traces.summary import JobSummary, summarise
 
@@ -143,3 +146,70 @@ def test_a_rank_file_that_cannot_be_read_is_named_and_counted(tmp_path):
         T.load_job(d, jobs=MapOptions(workers=1))
     assert T.one_line("Traceback:\n  File x\nValueError: boom\n\n") == "ValueError: boom"
     assert T.one_line("") == "no error message"
+
+
+@pytest.mark.parametrize("asked, files, used", [(2, 3, 2), (8, 3, 3), (3, 3, 3), (1, 2, 1)])
+def test_a_folder_takes_at_most_one_worker_per_rank_file_and_never_more_than_asked(tmp_path, monkeypatch, asked,
+                                                                                    files, used):  # fmt: skip
+    """min(--workers, files): 8 workers asked for 3 files start 3; 2 asked for 3 files start 2."""
+    seen = []
+
+    def in_process(fn, items, opts, folder, **kw):
+        seen.append(opts.workers)
+        return [Outcome(str(i), "ok", fn(item)) for i, item in enumerate(items)]
+
+    monkeypatch.setattr(T, "map_jobs", in_process)
+    job = T.load_job(folder(tmp_path, files), jobs=MapOptions(workers=asked), jobs_dir=tmp_path)
+    assert seen == [used] and job.ranks == list(range(files))
+
+
+def test_a_callers_resolved_cluster_is_used_as_is_else_the_options_are_resolved(tmp_path, monkeypatch):
+    """``_job`` takes ``a.cluster`` when the command resolved it (the site is not asked twice); a caller
+    that did not gets the options resolved from its arguments (local: --time-limit 7, --mem-gb 3)."""
+    got = []
+    monkeypatch.setattr(T, "load_job", lambda path, *, jobs, **kw: got.append(jobs.cluster))
+    a = trace_args.parser().parse_args(["x.json", "--executor", "local", "--time-limit", "7", "--mem-gb", "3",
+                                        "--out", str(tmp_path / "out")])  # fmt: skip
+    T._job(a, "x.json")
+    assert (got[0].executor, got[0].timeout_min, got[0].mem_gb) == ("local", 7, 3)
+    a.cluster = ClusterOptions("local", partition="mine", timeout_min=11)
+
+    def asked_again(_):
+        raise AssertionError("the cluster was resolved again")
+
+    monkeypatch.setattr(T, "_cluster", asked_again)
+    T._job(a, "x.json")
+    assert got[1] is a.cluster
+
+
+def test_one_trace_file_is_read_once_for_its_page(tmp_path, monkeypatch):
+    """The look-ahead at the first file's steps is for a folder's ranks to agree on one step; a lone
+    file reads none ahead and its own job picks its median step (three steps of 1000 us: step 2)."""
+    ahead = []
+    real = T.read_steps
+    monkeypatch.setattr(T, "read_steps", lambda path: ahead.append(path) or real(path))
+    d = folder(tmp_path, 1)
+    a = trace_args.parser().parse_args([str(d), "--workers", "1", "--out", str(tmp_path / "out")])
+    job, step = T.page_job(a)
+    assert ahead == [] and step == 2 and job.ranks_[0].extras["step"] == 2
+    two = folder(tmp_path / "two", 2)
+    asked = []
+
+    def stop(a, path, options=None, only=None):  # the ranks' jobs are not run: the look-ahead is what is checked
+        asked.append(options["step"])
+        raise LookupError("stopped after the look-ahead")
+
+    monkeypatch.setattr(T, "_job", stop)
+    with pytest.raises(LookupError, match="stopped after the look-ahead"):
+        T.page_job(trace_args.parser().parse_args([str(two), "--workers", "1"]))
+    assert ahead == [two / "r0.json"] and asked == [2]  # a folder: its first file's steps, read ahead
+
+
+def test_the_timeline_takes_two_bars_at_least(tmp_path, capsys):
+    """--max-bars 1 is refused naming the option, nothing written; 2, the least, draws the page."""
+    trace = write(tmp_path / "a.json", rank_events(), deviceProperties=[H100])
+    assert T.main([str(trace), "--out", str(tmp_path / "one"), "--max-bars", "1", "--perfetto", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-bars" in err and "at least 2 bars" in err and not (tmp_path / "one").exists()
+    assert T.main([str(trace), "--out", str(tmp_path / "two"), "--max-bars", "2", "--perfetto", "none"]) == 0
+    assert (tmp_path / "two" / "trace.html").is_file()
