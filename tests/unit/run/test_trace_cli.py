@@ -1,7 +1,7 @@
 """lab_utils.run.trace_cli: which rank files carry the page's extras (the first eight), how many workers
 a folder's ranks start (one per file at most, never more than asked) and where (the command's resolved
 cluster, else the arguments'), the figures and the text summary of a job with collectives (one rank
-and two), how two jobs' ranks pair and the rows only one side ran are filled with zeros, the records'
+and two), how two jobs' ranks pair and the rows only one side ran are filled with zeros and counted, the records'
 context, and ``main`` for both commands, on small traces written here."""
 
 from __future__ import annotations
@@ -213,3 +213,28 @@ def test_the_timeline_takes_two_bars_at_least(tmp_path, capsys):
     assert "--max-bars" in err and "at least 2 bars" in err and not (tmp_path / "one").exists()
     assert T.main([str(trace), "--out", str(tmp_path / "two"), "--max-bars", "2", "--perfetto", "none"]) == 0
     assert (tmp_path / "two" / "trace.html").is_file()
+
+
+DIFF = {"paths": True, "page": False}  # what each side of a diff reads
+
+
+def test_the_diff_counts_the_rows_of_both_sides_and_of_each_alone(tmp_path, capsys):
+    """Rows in both, only in the base, only in the candidate add up to the union of the two sides'
+    (variant, metric) rows, counted here from each side's own records; the sentence says so in %."""
+    extra = [launch(90 + s, 1000.0 * s + 700) for s in range(3)]
+    extra += [kernel("only_in_the_candidate", 90 + s, 1000.0 * s + 710, 5.0) for s in range(3)]
+    base, cand = tmp_path / "a.json", tmp_path / "b.json"
+    write(base, rank_events(), deviceProperties=[H100])
+    write(cand, rank_events() + extra, deviceProperties=[H100])
+    keys = [
+        {(r["variant"], r["metric"]) for r in T.records(T.load_job(p, options=DIFF), {0: "rank"}).rows}
+        for p in (base, cand)
+    ]
+    both, only_b, only_c = len(keys[0] & keys[1]), len(keys[0] - keys[1]), len(keys[1] - keys[0])
+    assert only_c > 0 and only_b == 0
+    assert T.main(["diff", str(base), str(cand), "--out", str(tmp_path / "d"), "--json"]) in (0, 1)
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["rows_in_both"], doc["rows_total"]) == (both, both + only_b + only_c)
+    T.main(["diff", str(cand), str(base), "--out", str(tmp_path / "e")])
+    assert (f"rows recorded in both traces: {both} of {both + only_c} ({100 * both / (both + only_c):.0f}%), "
+            f"{only_c} only in the base, 0 only in the candidate") in capsys.readouterr().out  # fmt: skip
