@@ -1,7 +1,8 @@
 """lab_utils.traces.perfetto: the Chrome trace-event JSON of an attributed job, by hand: processes and
 threads per rank, slices that touch staying on their thread, a thread id 0 kept, threads without a
-number given the next free ones, ids of 0 kept, events that do not nest moved to a thread of their own, flow arrows only from a launch in the trace, their ids unique
-over the ranks, a step's events alone, and the file written plain or gzipped."""
+number given the next free ones, ids of 0 kept, events that do not nest moved to a thread of their
+own, flow arrows only from a launch in the trace, their ids unique over the ranks, a step's events
+alone, and the file written plain or gzipped."""
 
 from __future__ import annotations
 
