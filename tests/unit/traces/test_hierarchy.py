@@ -1,6 +1,6 @@
 """lab_utils.traces.hierarchy: where a kernel hangs when no host event holds its launch, a thread
 without any host node, the tree's sums (a node's total is its children's, the top rows add up to the
-kernel time), and the cut of :func:`top_levels` at its share threshold itself; a kernel under its
+kernel time), and the cut of :func:`top_levels` at its share threshold itself and by default; a kernel under its
 launching operator whatever is nested around its launch, sub-microsecond operators, steps added up,
 nesting at a node's boundaries, another thread's work under the main thread's ranges, an empty
 selection and the depth-first order (checked by a walk written here)."""
@@ -66,6 +66,10 @@ def test_top_levels_keeps_rows_at_the_share_itself():
     assert top_levels(t, depth=3, min_pct=1.0)["path"].tolist() == ["a", "a > b"]
     assert top_levels(t, depth=2, min_pct=0.5)["path"].tolist() == ["a", "a > b", "d"]
     assert top_levels(t, depth=1, min_pct=0.0)["path"].tolist() == ["a", "d"]
+    deep = pd.DataFrame({"path": ["a", "a > b", "a > b > c", "a > b > c > d"], "depth": [0, 1, 2, 3],
+                         "gpu_pct": [100.0, 1.0, 1.0, 50.0]})  # fmt: skip
+    assert top_levels(deep)["path"].tolist() == ["a", "a > b", "a > b > c"]  # by default three levels, 1% each
+    assert top_levels(deep.assign(gpu_pct=0.99))["path"].tolist() == []
 
 
 def hierarchy_of(tmp_path, events, scope="all"):
