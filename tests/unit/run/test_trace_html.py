@@ -1,7 +1,8 @@
 """lab_utils.run.trace_html: what a person reads on ``trace.html``: numbers and units at their
 thresholds (1,000 B is 1 kB, 1,000 µs is 1 ms, a share of 0.25 is 25%), table cells by what their
-column holds, a table's row limit, the headline's sentences on a figures dict written here, and the
-per-step plot's rows in ms."""
+column holds, a table's and the call tree's row limits, the headline's sentences on a figures dict
+written here (a sentence per rank up to ``max_ranks`` ranks), and the per-rank and per-step plots'
+rows in ms."""
 
 from __future__ import annotations
 
@@ -182,3 +183,7 @@ def test_the_call_tree_indents_by_depth():
     html = tree_table(rows)
     assert "<td title='a &gt; b'>" + "&nbsp;" * 8 + "b&lt;x&gt;</td>" in html and html.count("<tr>") == 3
     assert tree_table([]) == "<p class='muted'>none</p>" and tree_table(rows, limit=1).count("<tr>") == 2
+    many = [rows[0] | {"path": f"p{i}", "name": f"n{i}"} for i in range(121)]
+    page = tree_table(many)  # by default the first 120 rows: the head and 120
+    assert page.count("<tr>") == 121 and "title='p119'" in page and "title='p120'" not in page
+    assert tree_table(many[:120]).count("<tr>") == 121
