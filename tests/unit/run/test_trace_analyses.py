@@ -1,14 +1,15 @@
 """lab_utils.run.trace_analyses: the figures ``perflab trace`` adds per rank, on inputs whose answers
 are known by construction: a critical path written edge by edge (its share of the step, its parts),
-a rank off the page keeping its idle per stream and steps, and the text summary's lines of a figures
-dict written here."""
+the path per step of a trace with and without steps, the ten worst launch delays, a rank off the
+page keeping its idle per stream and steps, and the text summary's lines of a figures dict written
+here."""
 
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 
-from lab_utils.run.trace_analyses import path_figures, rank_extras, summary_lines
+from lab_utils.run.trace_analyses import path_figures, path_values, rank_extras, rank_figures, summary_lines
 from lab_utils.traces import TraceAnalysis
 from lab_utils.traces.critical_path import CriticalPath
 
@@ -67,7 +68,7 @@ def test_a_rank_off_the_page_keeps_its_idle_per_stream_and_its_steps(tmp_path):
 
 
 def test_the_summary_lines_of_hand_written_analyses():
-    """The path with its share and parts (most first), its top events, the call tree's depth 1-2 rows
+    """The path with its share and parts (most first), its top three events, the call tree's depth 1-2 rows
     that are not kernels, the sequences, the launches and the idle per stream, in ms."""
     tree = [{"depth": 0, "kind": "range", "path": "ProfilerStep", "gpu_total_us": 4000.0, "gpu_self_us": 0.0},
             {"depth": 1, "kind": "range", "path": "ProfilerStep > ## forward ##", "gpu_total_us": 3000.0,
@@ -80,7 +81,9 @@ def test_the_summary_lines_of_hand_written_analyses():
              "gpu_total_us": 2500.0, "gpu_self_us": 2500.0}]  # fmt: skip
     cp = {"step": 3, "length_us": 1500.0, "share_of_step": 75.0, "by_bound": {"cpu_bound": 40.0,
           "gpu_compute_bound": 60.0}, "events": [{"name": "gemm", "us": 900.0, "pct": 60.0},
-                                                 {"name": "", "us": 3.0, "pct": 0.2}]}  # fmt: skip
+                                                 {"name": "", "us": 3.0, "pct": 0.2},
+                                                 {"name": "add", "us": 2.0, "pct": 0.1},
+                                                 {"name": "fourth", "us": 1.0, "pct": 0.05}]}  # fmt: skip
     lo = {"launches": 12, "runtime_outliers": 1, "delay_outliers": 2}
     fig = {"analyses": {"0": {"critical_path": cp, "hierarchy": tree, "launch_outliers": lo,
                               "sequences": [{"short": "a → b", "count": 4, "total_us": 2500.0}]},
@@ -91,6 +94,7 @@ def test_the_summary_lines_of_hand_written_analyses():
         "rank 0 critical path of step 3: 1.500 ms (75% of the step): gpu_compute_bound 60.0%, cpu_bound 40.0%",
         "        0.900 ms  60.0%  gemm",
         "        0.003 ms   0.2%  (launch delays)",
+        "        0.002 ms   0.1%  add",
         "rank 0 call tree (GPU time, total / self):",
         "        3.000 ms /     0.000 ms  ProfilerStep > ## forward ##",
         "        2.500 ms /     2.500 ms  ProfilerStep > ## forward ## > aten::mm",
@@ -106,3 +110,28 @@ def test_the_summary_lines_of_hand_written_analyses():
         summary_lines(no_share)[0]
         == "rank 0 critical path of step 3: 1.500 ms: gpu_compute_bound 60.0%, cpu_bound 40.0%"
     )
+
+
+def test_a_trace_without_steps_has_no_path_per_step(tmp_path):
+    """No ProfilerStep: an empty table of the record columns; with steps, the path's length per step."""
+    j = Job()
+    j.gpu("gemm", 10.0, 20.0, 40.0)
+    flat = path_values(TraceAnalysis(j.write(tmp_path / "flat.json"), workers=1), 0)
+    assert isinstance(flat, pd.DataFrame) and flat.empty
+    assert list(flat.columns) == ["metric", "unit", "step_index", "value", "step"]
+    per_step = path_values(three_steps(tmp_path), 0)
+    assert sorted(per_step.loc[per_step["metric"] == "critical_path", "step"]) == [1, 2, 3]
+
+
+def test_the_ten_longest_launch_delays_are_the_worst(tmp_path):
+    """12 launches waiting 101..112 us (over the 100 us cut-off) and one waiting 10 us: the worst are
+    the ten longest waits, longest first; all 12 counted."""
+    j = Job().add(step(1, 0.0, 20_000.0))
+    for i in range(12):
+        t = 1000.0 * (i + 1)
+        j.gpu(f"k{i}", t, t + 4.0 + 101.0 + i, 5.0)  # 4 us launch call, then 101 + i us of delay
+    j.gpu("prompt", 15_000.0, 15_014.0, 5.0)
+    lo = rank_figures(TraceAnalysis(j.write(tmp_path / "d.json"), workers=1), 0, None)["launch_outliers"]
+    assert (lo["launches"], lo["delay_outliers"]) == (13, 12)
+    assert [r["name"] for r in lo["worst"]] == [f"k{i}" for i in range(11, 1, -1)]
+    assert [r["delay_us"] for r in lo["worst"]] == pytest.approx([101.0 + i for i in range(11, 1, -1)])
