@@ -1,8 +1,9 @@
 """lab_utils.run.trace_cli: which rank files carry the page's extras (the first eight), how many workers
 a folder's ranks start (one per file at most, never more than asked) and where (the command's resolved
-cluster, else the arguments'), the figures and the text summary of a job with collectives (one rank
-and two), how two jobs' ranks pair and the rows only one side ran are filled with zeros and counted, the records'
-context, and ``main`` for both commands, on small traces written here."""
+cluster, else the arguments'), the page's step (no look-ahead for one file; a rank that chose another
+read again alone), the figures and the text summary of a job with collectives (one rank and two, the
+headline first), how two jobs' ranks pair and the rows only one side ran are filled with zeros and
+counted, the records' context, and ``main`` for both commands, on small traces written here."""
 
 from __future__ import annotations
 
@@ -75,6 +76,10 @@ def test_figures_and_summary_of_one_rank_and_of_two(tmp_path):
     assert "\n  0 all_reduce               3     0.300     10.49 |       nan" in text
     assert "collectives (rank, collective, calls, total ms" in text and "straggler" not in text
     assert "per step (ms): rank step span busy idle compute communication memory\n     0    1    0.650" in text
+    # the headline first: the GPU's span runs from the first GEMM (50 us) to the last all-reduce's end
+    # (2,700 us), 2,650 us holding 3 x 100 us of GEMM and 3 x 100 us of all-reduce alone
+    assert ("\nin one look:\n  Rank 0 (NVIDIA H100 80GB HBM3): over 2.65 ms of steps the GPU computes 11.3%, waits "
+            "on communication not hidden by compute 11.3% and is idle 77.4%") in text  # fmt: skip
     two = job_of(tmp_path / "b", 2, late=0.0)
     fig2 = T.figures(two)
     assert "skew" in fig2 and fig2["straggler"]["ranks"] == 2 and "straggler: no straggler" in T.summary_text(two, fig2)
@@ -144,6 +149,9 @@ def test_a_rank_file_that_cannot_be_read_is_named_and_counted(tmp_path):
     assert isinstance(bad, T.RankError) and "r1.json" in bad.message and "\n" not in bad.message
     with pytest.raises(ConfigError, match=r"r1\.json.*\(1 of 2 rank files failed\)"):
         T.load_job(d, jobs=MapOptions(workers=1))
+    with pytest.raises(ConfigError, match=r"r1\.json") as alone:  # one file: no count of rank files
+        T.load_job(d / "r1.json")
+    assert "rank files failed" not in str(alone.value)
     assert T.one_line("Traceback:\n  File x\nValueError: boom\n\n") == "ValueError: boom"
     assert T.one_line("") == "no error message"
 
@@ -238,3 +246,33 @@ def test_the_diff_counts_the_rows_of_both_sides_and_of_each_alone(tmp_path, caps
     T.main(["diff", str(cand), str(base), "--out", str(tmp_path / "e")])
     assert (f"rows recorded in both traces: {both} of {both + only_c} ({100 * both / (both + only_c):.0f}%), "
             f"{only_c} only in the base, 0 only in the candidate") in capsys.readouterr().out  # fmt: skip
+
+
+def test_a_rank_that_chose_another_step_is_read_again_alone_for_the_first_ranks(tmp_path, monkeypatch):
+    """The look-ahead refused: each rank's job takes its own median step (rank 0's steps of 1000,
+    3000, 2000 us: step 3; rank 1's of 1000, 2000, 3000 us: step 2); rank 1 alone is read again for step 3."""
+    d = tmp_path / "j"
+    d.mkdir()
+    for r, durs in ((0, (1000, 3000, 2000)), (1, (1000, 2000, 3000))):
+        ev, t = [], 0.0
+        for n, dur in enumerate(durs, start=1):
+            ev += [step(n, t, dur), launch(n, t + 10), kernel("k", n, t + 20, 5.0)]
+            t += dur
+        write(d / f"r{r}.json", ev, distributedInfo={"rank": r, "world_size": 2})
+
+    def refuse(path):
+        raise ConfigError("path", str(path), "a readable trace")
+
+    def in_process(fn, items, opts, folder, **kw):
+        return [Outcome(str(i), "ok", fn(item)) for i, item in enumerate(items)]
+
+    asked = []
+    real = T._job
+    monkeypatch.setattr(T, "read_steps", refuse)
+    monkeypatch.setattr(T, "map_jobs", in_process)
+    monkeypatch.setattr(T, "_job", lambda a, path, options=None, only=None: asked.append((options["step"], only))
+                        or real(a, path, options, only))  # fmt: skip
+    job, chosen = T.page_job(trace_args.parser().parse_args([str(d), "--workers", "1"]))
+    assert chosen == 3 and asked == [(None, None), (3, [1])]
+    assert {r: job.ranks_[r].extras["step"] for r in job.ranks} == {0: 3, 1: 3}
+    assert job.ranks_[1].extras["figures"]["critical_path"]["step"] == 3
