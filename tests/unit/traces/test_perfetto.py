@@ -1,8 +1,8 @@
 """lab_utils.traces.perfetto: the Chrome trace-event JSON of an attributed job, by hand: processes and
 threads per rank, slices that touch staying on their thread, a thread id 0 kept, threads without a
 number given the next free ones, ids of 0 kept, events that do not nest moved to a thread of their
-own, flow arrows only from a launch in the trace, their ids unique over the ranks, a step's events
-alone, and the file written plain or gzipped."""
+own, flow arrows only from a launch in the trace, their ids unique over the ranks, times rounded to
+the ns, a step's events alone, and the file written plain or gzipped."""
 
 from __future__ import annotations
 
@@ -131,3 +131,15 @@ def test_an_id_of_zero_is_an_id_and_a_missing_one_is_left_out(tmp_path):
     assert args["aten::mm"] == {"External id": 0}
     assert args["cudaLaunchKernel"] == {"correlation": 0, "External id": 7}
     assert args["aten::add"] == {} and args["ProfilerStep#1"] == {}
+
+
+def test_times_keep_nanoseconds_as_three_decimals(tmp_path):
+    """A launch at 12.0004 us, its kernel at 40.0006 us for 10.0006 us: ts, dur, launch_ts and the
+    flow's ends are rounded to the ns (12.0, 40.001, 10.001)."""
+    ev = [step(1, 0, 100), launch(1, 12.0004, ext=1), kernel("gemm", 1, 40.0006, 10.0006, ext=1)]
+    _, out = events_of(tmp_path, ev)
+    gemm = next(e for e in slices(out, 2) if e["name"] == "gemm")
+    assert (gemm["ts"], gemm["dur"], gemm["args"]["launch_ts"]) == (40.001, 10.001, 12.0)
+    assert [e["ts"] for e in out if e["ph"] in ("s", "f")] == [12.0, 40.001]
+    call = next(e for e in slices(out, 1) if e["name"] == "cudaLaunchKernel")
+    assert call["ts"] == 12.0
