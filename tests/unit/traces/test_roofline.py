@@ -1,7 +1,8 @@
 """lab_utils.traces.roofline: each costed operator's FLOPs and bytes counted by hand from its shapes
 (every element size of the table, broadcasting, ``out=`` tensors, a recorded flag list one short),
 and the per-op table's rates, peaks and bound against a datasheet row made here, at the ridge
-point itself; a trace with no costed launching op has an empty table of every column."""
+point itself; the trace's first host event costed like any other; a trace with no costed launching
+op has an empty table of every column."""
 
 from __future__ import annotations
 
@@ -169,3 +170,13 @@ def test_a_trace_whose_launching_ops_none_is_costed_has_an_empty_table_of_every_
     rf = op_roofline(ta.kernels(0), ta.traces[0].host, ta.device(0), peak=PART)
     assert isinstance(rf, pd.DataFrame) and rf.empty and list(rf.columns) == COLUMNS
     assert ta.roofline(0).empty
+
+
+def test_the_first_host_event_launching_is_costed_like_any_other(tmp_path):
+    """The mm is the trace's first host event (row 0): its kernel's time and its 2 x 4 x 4 x 4 FLOPs count."""
+    ev = [op("aten::mm", 0.0, 10, 1, **{"Input Dims": [[4, 4], [4, 4]], "Input type": ["float"] * 2}),
+          launch(1, 2.0, ext=1), kernel("gemm", 1, 20.0, 2.0, ext=1)]  # fmt: skip
+    ta = TraceAnalysis(write(tmp_path / "first.json", ev, deviceProperties=[H100]), workers=1)
+    assert ta.kernels(0)["op_index"].tolist() == [0]
+    rf = op_roofline(ta.kernels(0), ta.traces[0].host, ta.device(0), peak=PART)
+    assert rf[["op", "calls", "gpu_us", "flops"]].values.tolist() == [["aten::mm", 1, 2.0, 128.0]]
