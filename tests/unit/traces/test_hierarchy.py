@@ -43,6 +43,8 @@ def test_each_kernel_hangs_under_the_innermost_host_node_holding_it(tree):
     assert t.loc[f"{NO_HOST}{SEP}after_the_step", "gpu_total_us"] == 40  # launched outside every node
     assert t.loc[f"{NO_HOST}{SEP}lone_thread", "gpu_total_us"] == 20  # a thread without host events
     assert t.loc[NO_HOST, "gpu_total_us"] == 60 and t.loc[NO_HOST, "kernels"] == 2
+    assert (t.loc[NO_HOST, "kind"], t.loc[NO_HOST, "cpu_us"]) == ("range", 0.0)  # no host event: no host time
+    assert (t.loc[S, "cpu_us"], t.loc[F, "cpu_us"], t.loc[f"{F}{SEP}aten::mm", "cpu_us"]) == (1000, 300, 50)
     assert (t.loc[S, "gpu_total_us"], t.loc[S, "gpu_self_us"], t.loc[S, "kernels"]) == (100, 10, 3)
     assert t.loc[F, "gpu_self_us"] == 30 and t.loc[F, "depth"] == 1 and t.loc[F, "parent"] == S
 
