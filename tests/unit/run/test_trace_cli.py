@@ -1,7 +1,9 @@
-"""lab_utils.run.trace_cli: which rank files carry the page's extras (the first eight), the figures and
-the text summary of a job with collectives (one rank and two), how two jobs' ranks pair and the rows
-only one side ran are filled with zeros, the records' context, and ``main`` for both commands, on
-small traces written here."""
+"""lab_utils.run.trace_cli: which rank files carry the page's extras (the first eight), how many workers
+a folder's ranks start (one per file at most, never more than asked) and where (the command's resolved
+cluster, else the arguments'), the page's step (no look-ahead for one file; a rank that chose another
+read again alone), the figures and the text summary of a job with collectives (one rank and two, the
+headline first), how two jobs' ranks pair and the rows only one side ran are filled with zeros and
+counted, the records' context, and ``main`` for both commands, on small traces written here."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import pytest
 from lab_utils.core.config import ConfigError
 from lab_utils.core.records import Recorder
 from lab_utils.run import trace_cli as T
-from lab_utils.run.executors import MapOptions
+from lab_utils.run.cluster import ClusterOptions
+from lab_utils.run.commands import trace as trace_args
+from lab_utils.run.executors import MapOptions, Outcome
 from lab_utils.traces import TraceAnalysis
 from lab_utils.traces.summary import JobSummary, summarise
 
@@ -101,6 +105,10 @@ def test_figures_and_summary_of_one_rank_and_of_two(tmp_path):
     assert "\n  0 all_reduce               3     0.300     10.49 |       nan" in text
     assert "collectives (rank, collective, calls, total ms" in text and "straggler" not in text
     assert "per step (ms): rank step span busy idle compute communication memory\n     0    1    0.650" in text
+    # the headline first: the GPU's span runs from the first GEMM (50 us) to the last all-reduce's end
+    # (2,700 us), 2,650 us holding 3 x 100 us of GEMM and 3 x 100 us of all-reduce alone
+    assert ("\nin one look:\n  Rank 0 (NVIDIA H100 80GB HBM3): over 2.65 ms of steps the GPU computes 11.3%, waits "
+            "on communication not hidden by compute 11.3% and is idle 77.4%") in text  # fmt: skip
     two = job_of(tmp_path / "b", 2, late=0.0)
     fig2 = T.figures(two)
     assert "skew" in fig2 and fig2["straggler"]["ranks"] == 2 and "straggler: no straggler" in T.summary_text(two, fig2)
@@ -170,5 +178,130 @@ def test_a_rank_file_that_cannot_be_read_is_named_and_counted(tmp_path):
     assert isinstance(bad, T.RankError) and "r1.json" in bad.message and "\n" not in bad.message
     with pytest.raises(ConfigError, match=r"r1\.json.*\(1 of 2 rank files failed\)"):
         T.load_job(d, jobs=MapOptions(workers=1))
+    with pytest.raises(ConfigError, match=r"r1\.json") as alone:  # one file: no count of rank files
+        T.load_job(d / "r1.json")
+    assert "rank files failed" not in str(alone.value)
     assert T.one_line("Traceback:\n  File x\nValueError: boom\n\n") == "ValueError: boom"
     assert T.one_line("") == "no error message"
+
+
+@pytest.mark.parametrize("asked, files, used", [(2, 3, 2), (8, 3, 3), (3, 3, 3), (1, 2, 1)])
+def test_a_folder_takes_at_most_one_worker_per_rank_file_and_never_more_than_asked(tmp_path, monkeypatch, asked,
+                                                                                    files, used):  # fmt: skip
+    """min(--workers, files): 8 workers asked for 3 files start 3; 2 asked for 3 files start 2."""
+    seen = []
+
+    def in_process(fn, items, opts, folder, **kw):
+        seen.append(opts.workers)
+        return [Outcome(str(i), "ok", fn(item)) for i, item in enumerate(items)]
+
+    monkeypatch.setattr(T, "map_jobs", in_process)
+    job = T.load_job(folder(tmp_path, files), jobs=MapOptions(workers=asked), jobs_dir=tmp_path)
+    assert seen == [used] and job.ranks == list(range(files))
+
+
+def test_a_callers_resolved_cluster_is_used_as_is_else_the_options_are_resolved(tmp_path, monkeypatch):
+    """``_job`` takes ``a.cluster`` when the command resolved it (the site is not asked twice); a caller
+    that did not gets the options resolved from its arguments (local: --time-limit 7, --mem-gb 3)."""
+    got = []
+    monkeypatch.setattr(T, "load_job", lambda path, *, jobs, **kw: got.append(jobs.cluster))
+    a = trace_args.parser().parse_args(["x.json", "--executor", "local", "--time-limit", "7", "--mem-gb", "3",
+                                        "--out", str(tmp_path / "out")])  # fmt: skip
+    T._job(a, "x.json")
+    assert (got[0].executor, got[0].timeout_min, got[0].mem_gb) == ("local", 7, 3)
+    a.cluster = ClusterOptions("local", partition="mine", timeout_min=11)
+
+    def asked_again(_):
+        raise AssertionError("the cluster was resolved again")
+
+    monkeypatch.setattr(T, "_cluster", asked_again)
+    T._job(a, "x.json")
+    assert got[1] is a.cluster
+
+
+def test_one_trace_file_is_read_once_for_its_page(tmp_path, monkeypatch):
+    """The look-ahead at the first file's steps is for a folder's ranks to agree on one step; a lone
+    file reads none ahead and its own job picks its median step (three steps of 1000 us: step 2)."""
+    ahead = []
+    real = T.read_steps
+    monkeypatch.setattr(T, "read_steps", lambda path: ahead.append(path) or real(path))
+    d = folder(tmp_path, 1)
+    a = trace_args.parser().parse_args([str(d), "--workers", "1", "--out", str(tmp_path / "out")])
+    job, step = T.page_job(a)
+    assert ahead == [] and step == 2 and job.ranks_[0].extras["step"] == 2
+    two = folder(tmp_path / "two", 2)
+    asked = []
+
+    def stop(a, path, options=None, only=None):  # the ranks' jobs are not run: the look-ahead is what is checked
+        asked.append(options["step"])
+        raise LookupError("stopped after the look-ahead")
+
+    monkeypatch.setattr(T, "_job", stop)
+    with pytest.raises(LookupError, match="stopped after the look-ahead"):
+        T.page_job(trace_args.parser().parse_args([str(two), "--workers", "1"]))
+    assert ahead == [two / "r0.json"] and asked == [2]  # a folder: its first file's steps, read ahead
+
+
+def test_the_timeline_takes_two_bars_at_least(tmp_path, capsys):
+    """--max-bars 1 is refused naming the option, nothing written; 2, the least, draws the page."""
+    trace = write(tmp_path / "a.json", rank_events(), deviceProperties=[H100])
+    assert T.main([str(trace), "--out", str(tmp_path / "one"), "--max-bars", "1", "--perfetto", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-bars" in err and "at least 2 bars" in err and not (tmp_path / "one").exists()
+    assert T.main([str(trace), "--out", str(tmp_path / "two"), "--max-bars", "2", "--perfetto", "none"]) == 0
+    assert (tmp_path / "two" / "trace.html").is_file()
+
+
+DIFF = {"paths": True, "page": False}  # what each side of a diff reads
+
+
+def test_the_diff_counts_the_rows_of_both_sides_and_of_each_alone(tmp_path, capsys):
+    """Rows in both, only in the base, only in the candidate add up to the union of the two sides'
+    (variant, metric) rows, counted here from each side's own records; the sentence says so in %."""
+    extra = [launch(90 + s, 1000.0 * s + 700) for s in range(3)]
+    extra += [kernel("only_in_the_candidate", 90 + s, 1000.0 * s + 710, 5.0) for s in range(3)]
+    base, cand = tmp_path / "a.json", tmp_path / "b.json"
+    write(base, rank_events(), deviceProperties=[H100])
+    write(cand, rank_events() + extra, deviceProperties=[H100])
+    keys = [
+        {(r["variant"], r["metric"]) for r in T.records(T.load_job(p, options=DIFF), {0: "rank"}).rows}
+        for p in (base, cand)
+    ]
+    both, only_b, only_c = len(keys[0] & keys[1]), len(keys[0] - keys[1]), len(keys[1] - keys[0])
+    assert only_c > 0 and only_b == 0
+    assert T.main(["diff", str(base), str(cand), "--out", str(tmp_path / "d"), "--json"]) in (0, 1)
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["rows_in_both"], doc["rows_total"]) == (both, both + only_b + only_c)
+    T.main(["diff", str(cand), str(base), "--out", str(tmp_path / "e")])
+    assert (f"rows recorded in both traces: {both} of {both + only_c} ({100 * both / (both + only_c):.0f}%), "
+            f"{only_c} only in the base, 0 only in the candidate") in capsys.readouterr().out  # fmt: skip
+
+
+def test_a_rank_that_chose_another_step_is_read_again_alone_for_the_first_ranks(tmp_path, monkeypatch):
+    """The look-ahead refused: each rank's job takes its own median step (rank 0's steps of 1000,
+    3000, 2000 us: step 3; rank 1's of 1000, 2000, 3000 us: step 2); rank 1 alone is read again for step 3."""
+    d = tmp_path / "j"
+    d.mkdir()
+    for r, durs in ((0, (1000, 3000, 2000)), (1, (1000, 2000, 3000))):
+        ev, t = [], 0.0
+        for n, dur in enumerate(durs, start=1):
+            ev += [step(n, t, dur), launch(n, t + 10), kernel("k", n, t + 20, 5.0)]
+            t += dur
+        write(d / f"r{r}.json", ev, distributedInfo={"rank": r, "world_size": 2})
+
+    def refuse(path):
+        raise ConfigError("path", str(path), "a readable trace")
+
+    def in_process(fn, items, opts, folder, **kw):
+        return [Outcome(str(i), "ok", fn(item)) for i, item in enumerate(items)]
+
+    asked = []
+    real = T._job
+    monkeypatch.setattr(T, "read_steps", refuse)
+    monkeypatch.setattr(T, "map_jobs", in_process)
+    monkeypatch.setattr(T, "_job", lambda a, path, options=None, only=None: asked.append((options["step"], only))
+                        or real(a, path, options, only))  # fmt: skip
+    job, chosen = T.page_job(trace_args.parser().parse_args([str(d), "--workers", "1"]))
+    assert chosen == 3 and asked == [(None, None), (3, [1])]
+    assert {r: job.ranks_[r].extras["step"] for r in job.ranks} == {0: 3, 1: 3}
+    assert job.ranks_[1].extras["figures"]["critical_path"]["step"] == 3

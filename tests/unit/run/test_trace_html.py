@@ -1,7 +1,8 @@
 """lab_utils.run.trace_html: what a person reads on ``trace.html``: numbers and units at their
 thresholds (1,000 B is 1 kB, 1,000 µs is 1 ms, a share of 0.25 is 25%), table cells by what their
-column holds, a table's row limit, the headline's sentences on a figures dict written here, and the
-per-step plot's rows in ms."""
+column holds, a table's and the call tree's row limits, the headline's sentences on a figures dict
+written here (a sentence per rank up to ``max_ranks`` ranks), and the per-rank and per-step plots'
+rows in ms."""
 
 from __future__ import annotations
 
@@ -129,6 +130,13 @@ def test_the_headline_of_a_small_and_of_a_big_job():
     assert [s for s in big if s.startswith("The top kernel")] == [
         "The top kernel of rank 0 is top0 (matmul): 500 µs over 1,200 calls, 50.0% of its kernel time."
     ]
+    at_limit = headline(figures(4), max_ranks=4)  # exactly max_ranks: still a sentence per rank
+    assert [s.split(" (")[0] for s in at_limit if s.startswith("Rank ") and "(GPU)" in s] == [
+        "Rank 0", "Rank 1", "Rank 2", "Rank 3"
+    ]  # fmt: skip
+    assert not any(s.startswith("Over ") for s in at_limit)
+    assert headline(figures(1), max_ranks=1)[0].startswith("Rank 0 (GPU)")  # one rank, one allowed
+    assert headline(figures(2), max_ranks=1)[0].startswith("Over 2 ranks")  # one over: the summary
     fig = figures(1) | {"straggler": {"verdict": "no straggler: the most frequent last arrival (rank 0)"}}
     assert "No straggler: the most frequent last arrival (rank 0)." in headline(fig)
 
@@ -143,6 +151,19 @@ def test_analysis_sentences_of_the_ranks_shown():
                       "6.00 µs of gaps between them (a fusion candidate).")  # fmt: skip
     assert len(out) == 2 and analysis_sentences(fig, [1]) == []
     assert len(analysis_sentences(fig, [])) == 2  # many ranks: the first analysed one
+
+
+def test_the_per_rank_plot_reads_ms():
+    """A rank's span parts are µs in the figures and ms on the plot; a part the table lacks is 0."""
+    fig = {"temporal": [{"rank": 0, "compute": 2500.0, "communication": 1000.0, "idle": 250.0},
+                        {"rank": 3, "compute": 1.0, "communication": 0.0, "idle": 1e6}],
+           "temporal_by_step": []}  # fmt: skip
+    (plot,) = _time_plots(fig)
+    data = plot.renderers[0].data_source.data
+    assert data["row"] == ["rank 0", "rank 3"]
+    assert data["compute"] == [2.5, 0.001] and data["communication"] == [1.0, 0.0]
+    assert data["idle"] == [0.25, 1000.0] and data["memory"] == [0.0, 0.0] and data["other"] == [0.0, 0.0]
+    assert _time_plots({"temporal": [], "temporal_by_step": []}) == []
 
 
 def test_the_per_step_plot_reads_ms_per_rank_and_step():
@@ -162,3 +183,7 @@ def test_the_call_tree_indents_by_depth():
     html = tree_table(rows)
     assert "<td title='a &gt; b'>" + "&nbsp;" * 8 + "b&lt;x&gt;</td>" in html and html.count("<tr>") == 3
     assert tree_table([]) == "<p class='muted'>none</p>" and tree_table(rows, limit=1).count("<tr>") == 2
+    many = [rows[0] | {"path": f"p{i}", "name": f"n{i}"} for i in range(121)]
+    page = tree_table(many)  # by default the first 120 rows: the head and 120
+    assert page.count("<tr>") == 121 and "title='p119'" in page and "title='p120'" not in page
+    assert tree_table(many[:120]).count("<tr>") == 121

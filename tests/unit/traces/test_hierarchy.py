@@ -1,6 +1,6 @@
 """lab_utils.traces.hierarchy: where a kernel hangs when no host event holds its launch, a thread
 without any host node, the tree's sums (a node's total is its children's, the top rows add up to the
-kernel time), and the cut of :func:`top_levels` at its share threshold itself; a kernel under its
+kernel time), and the cut of :func:`top_levels` at its share threshold itself and by default; a kernel under its
 launching operator whatever is nested around its launch, sub-microsecond operators, steps added up,
 nesting at a node's boundaries, another thread's work under the main thread's ranges, an empty
 selection and the depth-first order (checked by a walk written here)."""
@@ -43,6 +43,8 @@ def test_each_kernel_hangs_under_the_innermost_host_node_holding_it(tree):
     assert t.loc[f"{NO_HOST}{SEP}after_the_step", "gpu_total_us"] == 40  # launched outside every node
     assert t.loc[f"{NO_HOST}{SEP}lone_thread", "gpu_total_us"] == 20  # a thread without host events
     assert t.loc[NO_HOST, "gpu_total_us"] == 60 and t.loc[NO_HOST, "kernels"] == 2
+    assert (t.loc[NO_HOST, "kind"], t.loc[NO_HOST, "cpu_us"]) == ("range", 0.0)  # no host event: no host time
+    assert (t.loc[S, "cpu_us"], t.loc[F, "cpu_us"], t.loc[f"{F}{SEP}aten::mm", "cpu_us"]) == (1000, 300, 50)
     assert (t.loc[S, "gpu_total_us"], t.loc[S, "gpu_self_us"], t.loc[S, "kernels"]) == (100, 10, 3)
     assert t.loc[F, "gpu_self_us"] == 30 and t.loc[F, "depth"] == 1 and t.loc[F, "parent"] == S
 
@@ -66,6 +68,10 @@ def test_top_levels_keeps_rows_at_the_share_itself():
     assert top_levels(t, depth=3, min_pct=1.0)["path"].tolist() == ["a", "a > b"]
     assert top_levels(t, depth=2, min_pct=0.5)["path"].tolist() == ["a", "a > b", "d"]
     assert top_levels(t, depth=1, min_pct=0.0)["path"].tolist() == ["a", "d"]
+    deep = pd.DataFrame({"path": ["a", "a > b", "a > b > c", "a > b > c > d"], "depth": [0, 1, 2, 3],
+                         "gpu_pct": [100.0, 1.0, 1.0, 50.0]})  # fmt: skip
+    assert top_levels(deep)["path"].tolist() == ["a", "a > b", "a > b > c"]  # by default three levels, 1% each
+    assert top_levels(deep.assign(gpu_pct=0.99))["path"].tolist() == []
 
 
 def hierarchy_of(tmp_path, events, scope="all"):

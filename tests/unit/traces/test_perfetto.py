@@ -1,7 +1,8 @@
 """lab_utils.traces.perfetto: the Chrome trace-event JSON of an attributed job, by hand: processes and
-threads per rank, slices that touch staying on their thread, a thread id 0 kept, events that do not
-nest moved to a thread of their own, flow arrows only from a launch in the trace, their ids unique
-over the ranks, a step's events alone, and the file written plain or gzipped."""
+threads per rank, slices that touch staying on their thread, a thread id 0 kept, threads without a
+number given the next free ones, ids of 0 kept, events that do not nest moved to a thread of their
+own, flow arrows only from a launch in the trace, their ids unique over the ranks, times rounded to
+the ns, a step's events alone, and the file written plain or gzipped."""
 
 from __future__ import annotations
 
@@ -108,3 +109,37 @@ def test_written_plain_or_gzipped(tmp_path, name):
     path = write_perfetto(doc, tmp_path / name)
     text = gzip.open(path, "rt").read() if name.endswith(".gz") else path.read_text()
     assert json.loads(text) == doc
+
+
+def test_threads_without_a_number_take_the_next_free_ones_each_its_own(tmp_path):
+    """Thread 5 keeps 5; threads named ``"loader"`` and ``"main"`` (no number) take 6 and 7, in name
+    order, and a range of ``"main"`` that does not nest takes 8: no two threads share a tid."""
+    ev = [step(1, 0, 100, tid=5), ann("load", 10, 20, tid="loader"), ann("outer", 0, 50, tid="main"),
+          ann("late", 40, 20, tid="main")]  # fmt: skip
+    _, out = events_of(tmp_path, ev)
+    host = {e["name"]: e["tid"] for e in slices(out, 1)}
+    assert host == {"ProfilerStep#1": 5, "load": 6, "outer": 7, "late": 8}
+    names = {e["tid"]: e["args"]["name"] for e in out if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {5: "thread 5", 6: "thread loader", 7: "thread main", 8: "thread main (overlap 1)"}
+
+
+def test_an_id_of_zero_is_an_id_and_a_missing_one_is_left_out(tmp_path):
+    """External id 0 and correlation 0 are kept in a host slice's args; an event without them has none."""
+    ev = [step(1, 0, 100), op("aten::mm", 10, 10, 0), launch(0, 12, ext=7), op("aten::add", 30, 5)]
+    _, out = events_of(tmp_path, ev)
+    args = {e["name"]: e["args"] for e in slices(out, 1)}
+    assert args["aten::mm"] == {"External id": 0}
+    assert args["cudaLaunchKernel"] == {"correlation": 0, "External id": 7}
+    assert args["aten::add"] == {} and args["ProfilerStep#1"] == {}
+
+
+def test_times_keep_nanoseconds_as_three_decimals(tmp_path):
+    """A launch at 12.0004 us, its kernel at 40.0006 us for 10.0006 us: ts, dur, launch_ts and the
+    flow's ends are rounded to the ns (12.0, 40.001, 10.001)."""
+    ev = [step(1, 0, 100), launch(1, 12.0004, ext=1), kernel("gemm", 1, 40.0006, 10.0006, ext=1)]
+    _, out = events_of(tmp_path, ev)
+    gemm = next(e for e in slices(out, 2) if e["name"] == "gemm")
+    assert (gemm["ts"], gemm["dur"], gemm["args"]["launch_ts"]) == (40.001, 10.001, 12.0)
+    assert [e["ts"] for e in out if e["ph"] in ("s", "f")] == [12.0, 40.001]
+    call = next(e for e in slices(out, 1) if e["name"] == "cudaLaunchKernel")
+    assert call["ts"] == 12.0

@@ -1,15 +1,17 @@
 """lab_utils.traces.roofline: each costed operator's FLOPs and bytes counted by hand from its shapes
 (every element size of the table, broadcasting, ``out=`` tensors, a recorded flag list one short),
 and the per-op table's rates, peaks and bound against a datasheet row made here, at the ridge
-point itself."""
+point itself; the trace's first host event costed like any other; a trace with no costed launching
+op has an empty table of every column."""
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from lab_utils.core.datasheets import DatasheetPeak
 from lab_utils.traces import TraceAnalysis
-from lab_utils.traces.roofline import ATTENTION_OPS, ITEMSIZE, attention_cost, cost, op_roofline
+from lab_utils.traces.roofline import ATTENTION_OPS, COLUMNS, ITEMSIZE, attention_cost, cost, op_roofline
 
 from .kineto import H100, kernel, launch, op, step, write
 
@@ -159,3 +161,22 @@ def test_no_datasheet_keeps_the_rates_and_says_why(tmp_path):
     assert row["tflops"] == pytest.approx(128 / 1e-6 / 1e12) and row["bound"] == "no datasheet for Some GPU 9000"
     assert row["part"] == "" and row["peak"] == "" and row["device"] == "Some GPU 9000"
     assert op_roofline(ta.kernels(0).iloc[:0], ta.traces[0].host, "x").empty
+
+
+def test_a_trace_whose_launching_ops_none_is_costed_has_an_empty_table_of_every_column(tmp_path):
+    """A scan (no cost rule) and an mm whose shapes do not fit launch kernels: no row, the columns kept."""
+    ta = rows_trace(tmp_path, [("aten::cumsum", [[4, 4], []], ["float", "Scalar"], "scan_kernel", 3.0),
+                               ("aten::mm", [[4, 4], [4]], ["float", "float"], "gemm", 2.0)])  # fmt: skip
+    rf = op_roofline(ta.kernels(0), ta.traces[0].host, ta.device(0), peak=PART)
+    assert isinstance(rf, pd.DataFrame) and rf.empty and list(rf.columns) == COLUMNS
+    assert ta.roofline(0).empty
+
+
+def test_the_first_host_event_launching_is_costed_like_any_other(tmp_path):
+    """The mm is the trace's first host event (row 0): its kernel's time and its 2 x 4 x 4 x 4 FLOPs count."""
+    ev = [op("aten::mm", 0.0, 10, 1, **{"Input Dims": [[4, 4], [4, 4]], "Input type": ["float"] * 2}),
+          launch(1, 2.0, ext=1), kernel("gemm", 1, 20.0, 2.0, ext=1)]  # fmt: skip
+    ta = TraceAnalysis(write(tmp_path / "first.json", ev, deviceProperties=[H100]), workers=1)
+    assert ta.kernels(0)["op_index"].tolist() == [0]
+    rf = op_roofline(ta.kernels(0), ta.traces[0].host, ta.device(0), peak=PART)
+    assert rf[["op", "calls", "gpu_us", "flops"]].values.tolist() == [["aten::mm", 1, 2.0, 128.0]]
