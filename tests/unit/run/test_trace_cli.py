@@ -232,7 +232,8 @@ def test_one_trace_file_is_read_once_for_its_page(tmp_path, monkeypatch):
     two = folder(tmp_path / "two", 2)
     asked = []
 
-    def stop(a, path, options=None, only=None):  # the ranks' jobs are not run: the look-ahead is what is checked
+    # the ranks' jobs are not run: the look-ahead is what is checked
+    def stop(a, path, options=None, only=None, meanwhile=None):
         asked.append(options["step"])
         raise LookupError("stopped after the look-ahead")
 
@@ -299,8 +300,8 @@ def test_a_rank_that_chose_another_step_is_read_again_alone_for_the_first_ranks(
     real = T._job
     monkeypatch.setattr(T, "read_steps", refuse)
     monkeypatch.setattr(T, "map_jobs", in_process)
-    monkeypatch.setattr(T, "_job", lambda a, path, options=None, only=None: asked.append((options["step"], only))
-                        or real(a, path, options, only))  # fmt: skip
+    monkeypatch.setattr(T, "_job", lambda a, path, options=None, only=None, meanwhile=None: asked.append(
+                        (options["step"], only)) or real(a, path, options, only, meanwhile))  # fmt: skip
     job, chosen = T.page_job(trace_args.parser().parse_args([str(d), "--workers", "1"]))
     assert chosen == 3 and asked == [(None, None), (3, [1])]
     assert {r: job.ranks_[r].extras["step"] for r in job.ranks} == {0: 3, 1: 3}
