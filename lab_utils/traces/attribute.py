@@ -116,6 +116,8 @@ def _ops(host: pd.DataFrame, k: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
                 _paint(k["launch_ts"].to_numpy()[sel], grp, grp.index.to_numpy(dtype=np.float64), lab)
                 idx[sel] = lab
     op_index = np.where(np.isnan(idx), -1, idx).astype(np.int64)
+    if not len(host):  # GPU activities only (a profile of ProfilerActivity.CUDA alone): no operator
+        return op_index, np.full(len(op_index), "", dtype=object)
     names = host["name"].astype(str).to_numpy()
     return op_index, np.where(op_index >= 0, names[np.clip(op_index, 0, None)], "").astype(object)
 
@@ -185,9 +187,10 @@ def attribute(trace: RankTrace, phases: PhaseTable | None = None) -> Attributed:
         k = gpu.merge(_launches(host), on="correlation", how="left")
         k["op_index"], k["op"] = _ops(host, k) if len(k) else (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=object))
     launch = k["launch_ts"].to_numpy(dtype=np.float64)
-    if not has_steps:  # one window: every launched activity is in step 0
-        k["step"] = np.where(np.isnan(launch), -1, 0)
-        k["window"] = np.where(np.isnan(launch), "no launch", "step")
+    if not has_steps:  # one window: every launched activity is in step 0; with no host events, every one
+        unplaced = np.isnan(launch) & bool(len(host))
+        k["step"] = np.where(unplaced, -1, 0)
+        k["window"] = np.where(unplaced, "no launch", "step")
     else:
         k["step"], k["window"] = _window(launch, steps)
     launched = k["correlation"][~np.isnan(launch)]

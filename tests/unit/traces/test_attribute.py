@@ -143,6 +143,23 @@ def test_a_trace_without_steps_is_one_window_from_its_first_start_to_its_last_en
     assert c.steps[["ts", "dur"]].values.tolist() == [[0.0, 100.0]]  # the host's last end, not its first
 
 
+def test_a_trace_of_gpu_activities_alone_is_one_window_holding_every_one(tmp_path):
+    """A profile of ``ProfilerActivity.CUDA`` alone has no host event: nothing is launched, no
+    operator launches anything, and every activity lies in the one window (50 .. 300 us: 200 us of
+    GEMM over a 250 us span, so 80% compute and 20% idle)."""
+    from lab_utils.traces import TraceAnalysis  # noqa: PLC0415
+
+    ev = [kernel("sm90_gemm", 10, 50.0, 100.0), kernel("sm90_gemm", 11, 200.0, 100.0)]
+    path = write(tmp_path / "gpu.json", ev)
+    a = attribute(read_rank(path))
+    assert not a.has_steps and a.main_tid is None and len(a.kernels) == 2
+    assert a.kernels["window"].tolist() == ["step", "step"] and a.kernels["step"].tolist() == [0, 0]
+    assert a.kernels["op"].tolist() == ["", ""] and a.kernels["op_index"].tolist() == [-1, -1]
+    t = TraceAnalysis(path).temporal().iloc[0]
+    assert (t["span"], t["compute"], t["idle"]) == (250.0, 200.0, 50.0)
+    assert (t["compute_pct"], t["idle_pct"]) == (80.0, 20.0)
+
+
 def test_the_first_host_event_can_be_the_launching_op(tmp_path):
     ev = [op("aten::mm", 0, 10, 3), launch(1, 2, ext=77), kernel("gemm", 1, 20, 5, ext=77)]
     a = attribute(read_rank(write(tmp_path / "f.json", ev)))
