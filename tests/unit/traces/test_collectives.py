@@ -626,6 +626,21 @@ def test_one_rank_has_no_common_collective():
     assert skew(one, {0: 0.0}).empty and straggler(skew(one, {0: 0.0}), 1).rank is None
 
 
+def test_the_alpha_beta_fit_minimizes_the_relative_error():
+    """Four sizes off a line (the largest 2x slow): the fit minimizes the sum of squared relative
+    errors, sum(((alpha + beta x - y) / y)^2), solved here as the least-squares problem
+    [1/y, x/y] (alpha, beta) = 1; a plain least-squares fit would follow the slow large call
+    (alpha below 0, beta 2e-3 us/B)."""
+    xs, ys = np.array([1e3, 1e4, 1e5, 1e6]), np.array([3.0, 12.0, 110.0, 2000.0])
+    (alpha, beta), *_ = np.linalg.lstsq(np.stack([1 / ys, xs / ys], axis=1), np.ones(4), rcond=None)
+    assert alpha > 0 and beta < 1.5e-3  # the small calls lead, not the slow large one
+    fit = fit_alpha_beta([CollectiveEvent("all_reduce", int(x), 0.0, float(y)) for x, y in zip(xs, ys)])
+    got = fit["all_reduce"]
+    assert (got.alpha_us, got.beta_us_per_byte) == pytest.approx((alpha, beta), rel=1e-9)
+    want_err = float(np.median(np.abs(alpha + beta * xs - ys) / ys)) * 100
+    assert got.median_abs_err_pct == pytest.approx(want_err, rel=1e-9) and got.n_events == 4
+
+
 def test_barriers_carry_no_payload_and_do_not_stop_the_fit():
     """A barrier first, all-gathers at two sizes (too few, and first of the kinds), then all-reduces
     at three sizes on 2 us + 1 ns/B and send/recv at three sizes on 10 us + 0.5 ns/B (sends and
