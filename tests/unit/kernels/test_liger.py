@@ -161,6 +161,43 @@ def test_the_interpreter_probe_refuses_a_kernel_a_little_off(monkeypatch, scale,
     assert liger._probe() == "TypeError: bad arg"
 
 
+class _Const:
+    """A kernel that returns ``value`` everywhere, whatever its input."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def apply(self, x, w, eps, offset, mode, in_place):
+        return torch.full_like(x, self.value)
+
+
+@pytest.mark.parametrize(
+    "value,want", [(2**-0.5, None), (1.0, "wrong result"), (0.5**0.5 * (1 + 1e-4), "wrong result")]
+)
+def test_the_interpreter_probe_holds_the_kernel_to_its_eps(monkeypatch, value, want):
+    """On rows whose mean square equals eps the probe's reference is known by hand: every element
+    a = 1e-3 with eps = 1e-6 gives a / sqrt(a^2 + eps) = 1 / sqrt(2).  A kernel that gives that
+    passes; one that drops eps (1.0) or is off by 1e-4 relative is wrong."""
+    randn = torch.randn
+    monkeypatch.setattr(
+        torch, "randn", lambda *shape, **kw: torch.full(shape, 1e-3) if shape == (4, 8) else randn(*shape, **kw)
+    )
+    monkeypatch.setattr(liger, "_liger", lambda: {"rms_norm": _Const(value)})
+    assert liger._probe() == want
+
+
+@pytest.mark.parametrize("value,want", [(0.0, None), (5e-7, None), (2e-6, "wrong result")])
+def test_the_interpreter_probe_allows_a_millionth_off_where_the_answer_is_zero(monkeypatch, value, want):
+    """All-zero rows normalize to zeros (0 x 1 / sqrt(eps)); there the probe allows 1e-6 absolute
+    (no relative tolerance helps at zero): half of it passes, twice it is wrong."""
+    randn = torch.randn
+    monkeypatch.setattr(
+        torch, "randn", lambda *shape, **kw: torch.zeros(shape) if shape == (4, 8) else randn(*shape, **kw)
+    )
+    monkeypatch.setattr(liger, "_liger", lambda: {"rms_norm": _Const(value)})
+    assert liger._probe() == want
+
+
 def test_the_capability_check_returns_each_reason_it_finds(monkeypatch):
     """Liger missing: that reason first; on the interpreter, its probe's reason; a bfloat16-arithmetic
     kernel in bfloat16 when the interpreter multiplies bfloat16 wrong: that; else the row-width rule."""

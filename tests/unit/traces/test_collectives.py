@@ -475,6 +475,36 @@ def test_bus_bandwidth_of_every_collective_is_nccl_tests(tmp_path, kind, n):
     assert c["exposed_us"] == 100 and c["hidden_us"] == 0
 
 
+# NCCL >= 2.19 kernel names end in the element type's short name (ncclDevKernel_AllReduce_Sum_f32_RING_LL)
+NCCL_DTYPE_BYTES = {"i8": 1, "u8": 1, "i32": 4, "i64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "f8e4m3": 1,
+                    "f8e5m2": 1}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", sorted(NCCL_DTYPE_BYTES))
+def test_a_kernel_names_element_type_sizes_the_call(tmp_path, dtype):
+    """An all-reduce of 1 M elements over 100 us whose size comes from its name's element type alone
+    (no ``dtype`` argument): 1 M x the type's bytes, and algbw 1e6 x bytes / 100 us."""
+    name = f"ncclDevKernel_AllReduce_Sum_{dtype}_RING_LL"
+    args = {"In msg nelems": 1_000_000, "Out msg nelems": 1_000_000, "Group size": 2}
+    ev = [step(1, 0, 1000), launch(1, 10), kernel(name, 1, 100, 100.0, **args)]
+    c = TraceAnalysis(write(tmp_path / "t.json", ev), workers=1).collectives().iloc[0]
+    assert c["dtype"] == dtype and c["bytes"] == 1_000_000 * NCCL_DTYPE_BYTES[dtype]
+    assert c["algbw_gbps"] == pytest.approx(10.0 * NCCL_DTYPE_BYTES[dtype])
+
+
+@pytest.mark.parametrize("kind", sorted(NCCL_TESTS_FACTOR))
+def test_a_group_of_one_rank_has_no_bus_factor(tmp_path, kind):
+    """A call in a group of one rank (``Group size`` 1): busbw is algbw (factor 1), not the 2(n-1)/n or
+    (n-1)/n of a larger group, which would read 0 there.  8 MB in 100 us: 80 GB/s both."""
+    n_in, n_out = 2_000_000, 2_000_000
+    args = {"In msg nelems": n_in, "Out msg nelems": n_out, "dtype": "Float", "Group size": 1}
+    args["Collective name"] = ARG_NAME.get(kind, kind.replace("_", ""))
+    ev = [step(1, 0, 1000), launch(1, 10), kernel(NCCL_KERNEL[kind], 1, 100, 100.0, **args)]
+    c = TraceAnalysis(write(tmp_path / "t.json", ev), workers=1).collectives().iloc[0]
+    assert c["collective"] == kind and c["group"] == 1 and c["bus_factor"] == 1.0
+    assert c["algbw_gbps"] == pytest.approx(80.0) and c["busbw_gbps"] == pytest.approx(80.0)
+
+
 @pytest.mark.parametrize("group, world, factor", [(None, 8, 2 * 7 / 8), (4, 8, 2 * 3 / 4), (None, None, 1.0)])
 def test_the_group_size_is_the_calls_else_the_jobs(tmp_path, group, world, factor):
     """An all-reduce of 4 MB (2 M bf16 in 50 us: 80 GB/s) without ``Group size`` counts the job's
@@ -507,6 +537,17 @@ def test_bus_bandwidth_with_the_wait_and_from_the_transfer_alone():
     # a call on one rank only is no common collective
     lone = {0: per[0], 1: per[1].assign(collective="all_gather")}
     assert aligned(lone, {0: 0.0, 1: 0.0}).empty and skew(lone, {0: 0.0, 1: 0.0}).empty
+
+
+def test_a_collective_whose_ranks_move_different_sizes_is_sized_by_the_largest():
+    """An uneven all-to-all over 2 ranks (factor 1/2): rank 0 moves 4 MB, rank 1 8 MB, both from 0
+    to 100 us.  The collective moves the larger, 8 MB: 8e6 B / 100 us = 80 GB/s x 1/2 = 40 GB/s
+    (sized by the smaller it would read 20)."""
+    per = {r: pd.DataFrame({"collective": "all_to_all", "pg_name": "0", "ts": [0.0], "end": [100.0],
+                            "bytes": [b], "bus_factor": 0.5}) for r, b in enumerate([4e6, 8e6])}  # fmt: skip
+    sk = skew(per, dict.fromkeys(per, 0.0)).iloc[0]
+    assert sk["bytes"] == 8e6 and sk["transfer_us"] == 100
+    assert sk["busbw_transfer_gbps"] == pytest.approx(40.0)
 
 
 @pytest.mark.parametrize("skew_us, rank", [(10.0, 1), (9.99, None)])
@@ -553,6 +594,18 @@ def test_a_cpu_traces_collective_takes_its_size_from_the_record_inside_and_the_j
     assert (row["hidden_us"], row["exposed_us"]) == (50, 150)  # aten::mm (100..150) runs during it
 
 
+@pytest.mark.parametrize("other_type", ["Scalar", "int", ""])
+def test_a_cpu_collectives_size_from_shapes_counts_its_tensors_only(tmp_path, other_type):
+    """A communication operator without a size record, its inputs recorded (``record_shapes``): a
+    1000 x 250 float tensor and two non-tensor arguments (empty shapes): 1000 x 250 x 4 = 1 MB, the
+    non-tensor arguments count nothing (200 us: 5 GB/s)."""
+    shapes = {"Input Dims": [[1000, 250], [], []], "Input type": ["float", other_type, other_type]}
+    ev = [step(1, 0, 1000), op("c10d::allreduce_", 10, 200, -1, **shapes)]
+    c = TraceAnalysis(write(tmp_path / "c.json", ev), workers=1).collectives().iloc[0]
+    assert (c["collective"], c["bytes"], c["dur"]) == ("all_reduce", 1_000_000, 200)
+    assert c["algbw_gbps"] == pytest.approx(5.0)
+
+
 def test_fit_inputs_are_each_sized_calls_kind_bytes_start_and_duration():
     c = pd.DataFrame({"collective": ["all_reduce", "all_gather", "all_reduce"], "bytes": [4096.0, np.nan, 8e6],
                       "ts": [10.0, 20.0, 30.5], "dur": [7.5, 3.0, 90.0], "transfer_us": [5.0, 1.0, 60.0]})  # fmt: skip
@@ -571,6 +624,21 @@ def test_one_rank_has_no_common_collective():
     al = aligned(one, {0: 0.0})
     assert al.empty and {"wait_us", "transfer_us", "busbw_gbps", "busbw_transfer_gbps", "rank"} <= set(al.columns)
     assert skew(one, {0: 0.0}).empty and straggler(skew(one, {0: 0.0}), 1).rank is None
+
+
+def test_the_alpha_beta_fit_minimizes_the_relative_error():
+    """Four sizes off a line (the largest 2x slow): the fit minimizes the sum of squared relative
+    errors, sum(((alpha + beta x - y) / y)^2), solved here as the least-squares problem
+    [1/y, x/y] (alpha, beta) = 1; a plain least-squares fit would follow the slow large call
+    (alpha below 0, beta 2e-3 us/B)."""
+    xs, ys = np.array([1e3, 1e4, 1e5, 1e6]), np.array([3.0, 12.0, 110.0, 2000.0])
+    (alpha, beta), *_ = np.linalg.lstsq(np.stack([1 / ys, xs / ys], axis=1), np.ones(4), rcond=None)
+    assert alpha > 0 and beta < 1.5e-3  # the small calls lead, not the slow large one
+    fit = fit_alpha_beta([CollectiveEvent("all_reduce", int(x), 0.0, float(y)) for x, y in zip(xs, ys)])
+    got = fit["all_reduce"]
+    assert (got.alpha_us, got.beta_us_per_byte) == pytest.approx((alpha, beta), rel=1e-9)
+    want_err = float(np.median(np.abs(alpha + beta * xs - ys) / ys)) * 100
+    assert got.median_abs_err_pct == pytest.approx(want_err, rel=1e-9) and got.n_events == 4
 
 
 def test_barriers_carry_no_payload_and_do_not_stop_the_fit():
