@@ -42,9 +42,11 @@ test: lint
 	$(BIN)/python -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) $(PYTEST_ARGS)
 
 ## The fast tier: the unit tests of every room (tests/unit/, mirroring lab_utils/ and lab_kernels/),
-## without the slow ones; no smoke run, no browser, no cluster.
+## without the slow ones; no smoke run, no browser, no cluster. UNIT_WORKERS xdist workers (0: one
+## process): one per core of a 2-core machine, since nothing here waits on a cluster or a browser.
+UNIT_WORKERS ?= 2
 test-unit: $(STAMP)
-	$(BIN)/python -m pytest tests/unit -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit -m "not slow" $(if $(filter-out 0,$(UNIT_WORKERS)),-n $(UNIT_WORKERS)) $(PYTEST_ARGS)
 
 ## JupyterLab on working copies of labs/ in work/labs/ (git-ignored; made on first use, then kept),
 ## so autosave never touches the committed notebooks. JUPYTER_ARGS go to `jupyter lab`.
