@@ -225,11 +225,25 @@ def _late_python(tmp_path, seconds: float | None):
     return str(script)
 
 
+def test_the_watchdog_waits_for_every_rank_to_start_then_for_progress():
+    """Before every rank has started only the start-up limit counts; after, only the progress limit."""
+    from lab_utils.distributed.launch import _stalled  # noqa: PLC0415
+
+    last = {0: (0, 1), 1: (0, 0)}
+    assert _stalled(2, {0}, 300.0, 300.0, 299.0, 30.0, last) is None  # at the start-up limit itself
+    msg = _stalled(2, {0}, 300.5, 300.0, 0.0, 30.0, last)
+    assert msg.startswith("watchdog: ranks [1] did not start") and "startup_timeout_s = 300 s" in msg
+    assert _stalled(2, set(), 301.0, 300.0, 0.0, 30.0, last).startswith("watchdog: ranks [0, 1] did not start")
+    assert _stalled(2, {0, 1}, 1e6, 300.0, 30.0, 30.0, last) is None  # started late, no stall yet
+    msg = _stalled(2, {0, 1}, 10.0, 300.0, 30.5, 30.0, last)
+    assert msg.startswith("watchdog: no rank reported progress for 30 s") and str(last) in msg
+
+
 def test_a_rank_slower_to_start_than_the_hang_watchdog_is_not_a_hang(tmp_path, monkeypatch):
     """Start-up (Python, torch's import, joining the process group) has its own limit: a rank that
     takes longer than ``hang_timeout_s`` to start runs to the end."""
-    monkeypatch.setattr(sys, "executable", _late_python(tmp_path, 12))
-    cfg = DistConfig(strategy="ddp", world_size=2, steps=2, profile=False, backend="gloo", hang_timeout_s=10)
+    monkeypatch.setattr(sys, "executable", _late_python(tmp_path, 25))
+    cfg = DistConfig(strategy="ddp", world_size=2, steps=2, profile=False, backend="gloo", hang_timeout_s=20)
     res = launch(cfg, tmp_path / "run", progress=False)
     assert len(res.ranks) == 2 and all(len(r["losses"]) == 2 for r in res.ranks)
 

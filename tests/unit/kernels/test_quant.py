@@ -332,7 +332,9 @@ def test_fp4_packing_low_nibble_first():
 def test_hadamard_is_orthonormal_and_helps_outliers(gen):
     H = Q.hadamard_matrix(32, seed=3, dtype=torch.float64)
     assert torch.allclose(H @ H.T, torch.eye(32, dtype=torch.float64), atol=1e-12)
-    x = torch.randn(64, 128, generator=gen)
+    # 512 rows: over 64 the SQNR itself varies so much that 1% of seeds show under 1 dB of gain; over
+    # 512 the gain read 2.0-3.4 dB on 400 seeds
+    x = torch.randn(512, 128, generator=gen)
     x[:, 5] *= 60  # an outlier channel
     back = Q.hadamard_transform(Q.hadamard_transform(x, 32), 32, inverse=True)
     assert torch.allclose(back, x, atol=1e-4)
