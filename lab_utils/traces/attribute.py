@@ -173,7 +173,9 @@ def attribute(trace: RankTrace, phases: PhaseTable | None = None) -> Attributed:
         lo = min(host["ts"].min() if len(host) else np.inf, gpu["ts"].min() if len(gpu) else np.inf)
         hi = max(host["end"].max() if len(host) else -np.inf, gpu["end"].max() if len(gpu) else -np.inf)
         lo, hi = (0.0, 0.0) if not np.isfinite(lo) else (lo, hi)
-        steps = pd.DataFrame({"step": [0], "ts": [lo], "end": [hi + 1e-9], "dur": [hi - lo], "tid": [None]})
+        steps = pd.DataFrame(
+            {"step": [0], "ts": [lo], "end": [np.nextafter(hi, np.inf)], "dur": [hi - lo], "tid": [None]}
+        )
     main_tid = None
     if has_steps:
         main_tid = str(steps["tid"].astype(str).mode().iloc[0])

@@ -99,8 +99,9 @@ class CriticalPath:
 
 
 def _window(att: Attributed, trace: RankTrace, step: int | None) -> tuple[int, float, float]:
-    if not att.has_steps:
-        return 0, float(att.steps["ts"].iloc[0]), float(att.steps["end"].iloc[0])
+    if not att.has_steps:  # the trace's span (its window's end lies one float past it, to be exclusive)
+        lo = float(att.steps["ts"].iloc[0])
+        return 0, lo, lo + float(att.steps["dur"].iloc[0])
     if step is None:
         step = representative_step(att)
     w = att.steps[att.steps["step"] == step]

@@ -149,26 +149,50 @@ def tree(trace: RankTrace, att: Attributed, k: pd.DataFrame) -> pd.DataFrame:
     self_gpu = np.zeros(n)
     is_k = t["kind"] == "kernel"
     np.add.at(self_gpu, parent[is_k & (parent >= 0)], t["gpu_us"][is_k & (parent >= 0)])
-    names = t["name"]
-    paths = np.empty(n, dtype=object)
     held = total > 0  # a node holding GPU time: its ancestors hold it too, so their paths are built
-    for d, lvl in enumerate(levels):
-        lvl = lvl[held[lvl]]
-        paths[lvl] = names[lvl] if d == 0 else paths[parent[lvl]] + SEP + names[lvl]
+    path, paths = _path_ids(t["name"], parent, levels, held)
     h = np.flatnonzero(held)
-    df = pd.DataFrame({"path": paths[h], "name": names[h], "kind": t["kind"][h], "gpu_total_us": total[h],
-                       "gpu_self_us": np.where(is_k, t["gpu_us"], self_gpu)[h], "cpu_us": t["cpu_us"][h],
-                       "kernels": kernels[h]})  # fmt: skip
-    g = df.groupby(["path", "name", "kind"], sort=False).agg(
-        count=("name", "size"), gpu_total_us=("gpu_total_us", "sum"), gpu_self_us=("gpu_self_us", "sum"),
-        cpu_us=("cpu_us", "sum"), kernels=("kernels", "sum"),
-    ).reset_index()  # fmt: skip
-    g["depth"] = g["path"].str.count(SEP)
-    g["parent"] = [p.rsplit(SEP, 1)[0] if d else "" for p, d in zip(g["path"], g["depth"])]
+    kind_code, kinds = pd.factorize(t["kind"][h])
+    # one row per (path, kind), numbered in the order the nodes first appear
+    row, first = pd.factorize(path[h] * max(len(kinds), 1) + kind_code)
+    g = pd.DataFrame({"row": row, "count": np.ones(len(h), dtype=np.int64), "gpu_total_us": total[h],
+                      "gpu_self_us": np.where(is_k, t["gpu_us"], self_gpu)[h], "cpu_us": t["cpu_us"][h],
+                      "kernels": kernels[h]}).groupby("row", sort=True).sum()  # fmt: skip
+    pid = first // max(len(kinds), 1)
+    g.insert(0, "path", paths["path"][pid])
+    g.insert(1, "name", paths["name"][pid])
+    g.insert(2, "kind", np.asarray(kinds, dtype=object)[first % max(len(kinds), 1)])
+    g["depth"] = paths["depth"][pid]
+    g["parent"] = paths["parent"][pid]
+    g = g.reset_index(drop=True)
     all_k = float(k["dur"].sum())
     g["gpu_pct"] = 100.0 * g["gpu_total_us"] / all_k if all_k > 0 else 0.0
     return _dfs_order(g)[["path", "depth", "name", "kind", "parent", "count", "gpu_total_us", "gpu_self_us",
                           "cpu_us", "kernels", "gpu_pct"]]  # fmt: skip
+
+
+def _path_ids(names: np.ndarray, parent: np.ndarray, levels: list[np.ndarray], held: np.ndarray):
+    """Each held node's path as an id (its parent's path and its own name, level by level), and
+    per id its text, name, depth and parent's text."""
+    code, distinct = pd.factorize(names)
+    width = max(len(distinct), 1)
+    path = np.full(len(names), -1, dtype=np.int64)
+    up, own, depth = [], [], []
+    for d, lvl in enumerate(levels):
+        lvl = lvl[held[lvl]]
+        above = path[parent[lvl]] if d else np.full(len(lvl), -1, dtype=np.int64)
+        u, inv = np.unique((above + 1) * width + code[lvl], return_inverse=True)
+        path[lvl] = sum(len(x) for x in up) + inv
+        up.append(u // width - 1)
+        own.append(u % width)
+        depth.append(np.full(len(u), d, dtype=np.int64))
+    up_ = np.concatenate(up) if up else np.zeros(0, dtype=np.int64)
+    name = np.asarray(distinct, dtype=object)[np.concatenate(own)] if own else np.zeros(0, dtype=object)
+    text = np.empty(len(up_), dtype=object)
+    for i in range(len(up_)):  # parents have smaller ids than their children
+        text[i] = name[i] if up_[i] < 0 else text[up_[i]] + SEP + name[i]
+    above = np.where(up_ >= 0, text[np.clip(up_, 0, None)] if len(up_) else text, "")
+    return path, {"path": text, "name": name, "depth": np.concatenate(depth) if depth else up_, "parent": above}
 
 
 def _depths(parent: np.ndarray) -> np.ndarray:

@@ -2,7 +2,7 @@
 known by construction (launch, op by External id or by enclosure, step windows at their edges,
 ranges of the launch thread and of the main thread, phase and block), the category a launching op
 gives a kernel whose name says nothing, and the one window of a trace without steps (an empty one,
-a 100 ms one whose last instant it still holds)."""
+a 100 ms and a 30 s one whose last instant it still holds)."""
 
 from __future__ import annotations
 
@@ -187,12 +187,18 @@ def test_a_trace_with_nothing_in_it_is_one_empty_window_at_zero(tmp_path):
     assert (s["step"], s["ts"], s["dur"]) == (0, 0.0, 0.0) and s["end"] == pytest.approx(0.0, abs=1e-6)
 
 
-def test_the_one_window_holds_the_last_instant_of_a_long_trace(tmp_path):
-    """A 100 ms trace without steps: its window ends past the last end (100 000 us), not on it, so the
-    half-open window [ts, end) still holds that instant; by less than a nanosecond."""
-    ev = [op("aten::mm", 0, 10, 1), launch(1, 1, ext=1), kernel("gemm", 1, 20, 99_980.0)]
-    (s,) = attribute(read_rank(write(tmp_path / "long.json", ev))).steps.to_dict(orient="records")
-    assert s["end"] > 100_000.0 and s["end"] - 100_000.0 < 1e-3 and s["dur"] == 100_000.0
+@pytest.mark.parametrize("span", [100_000.0, 30_000_000.0])
+def test_the_one_window_holds_the_last_instant_of_a_long_trace(tmp_path, span):
+    """A trace of 100 ms or of 30 s without steps: its window ends past the last end, not on it, so the
+    half-open window [ts, end) still holds that instant (at 30 s a float's step is 3.7 ns: adding
+    less than half of it gives the end back); its critical path's window is the span, exactly."""
+    from lab_utils.traces import TraceAnalysis  # noqa: PLC0415
+
+    ev = [op("aten::mm", 0, 10, 1), launch(1, 1, ext=1), kernel("gemm", 1, 20, span - 20.0)]
+    path = write(tmp_path / "long.json", ev)
+    (s,) = attribute(read_rank(path)).steps.to_dict(orient="records")
+    assert s["end"] > span and s["end"] - span < 1e-3 and s["dur"] == span
+    assert TraceAnalysis(path, workers=1).critical_path(0).window_us == span
 
 
 def test_a_kernel_whose_name_says_nothing_takes_the_category_of_its_launching_op(tmp_path):

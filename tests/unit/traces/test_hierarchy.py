@@ -8,6 +8,7 @@ selection and the depth-first order (checked by a walk written here)."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -192,3 +193,45 @@ def test_plain_text_columns_give_the_same_tree(tmp_path):
     got = hierarchy_tree(plain, att, k.astype({"name": object}))
     pd.testing.assert_frame_equal(got, want)
     assert len(got) == 9 and got["gpu_total_us"].iloc[0] == 100
+
+
+TEMPLATED = "void k<at::Functor<float> > >(at::Functor<float> > const&)"  # " > " inside, as C++ names write it
+
+
+def test_a_name_holding_the_separator_keeps_its_row_under_its_parent(tmp_path):
+    """Kernel names of templated C++ (``MulFunctor<float> > const&``) and user ranges may hold the
+    path separator: the row still hangs under its operator, one level down, and the operator's
+    total is its children's."""
+    ev = [step(1, 0, 1000), op("aten::mul", 10, 50, 11), launch(1, 20, ext=11), kernel(TEMPLATED, 1, 100, 25, ext=11),
+          ann(f"outer{SEP}inner", 200, 300), op("aten::add", 210, 20, 12), launch(2, 215, ext=12),
+          kernel("add_k", 2, 400, 5, ext=12)]  # fmt: skip
+    t = hierarchy_of(tmp_path, ev, scope="steps").set_index("path")
+    op_path = f"ProfilerStep{SEP}aten::mul"
+    row = t.loc[f"{op_path}{SEP}{TEMPLATED}"]
+    assert (row["name"], row["kind"], row["depth"], row["parent"], row["gpu_total_us"]) == (
+        TEMPLATED, "kernel", 2, op_path, 25)  # fmt: skip
+    assert t.loc[op_path, "gpu_total_us"] == 25 and t.loc[op_path, "gpu_self_us"] == 25
+    rng = f"ProfilerStep{SEP}outer{SEP}inner"
+    assert (t.loc[rng, "depth"], t.loc[rng, "name"], t.loc[rng, "gpu_total_us"]) == (1, f"outer{SEP}inner", 5)
+    assert t.loc[f"{rng}{SEP}aten::add", "parent"] == rng and t.loc[f"{rng}{SEP}aten::add", "depth"] == 2
+    assert t.loc["ProfilerStep", "gpu_total_us"] == 30
+    assert_depth_first(t.reset_index())
+
+
+@pytest.mark.parametrize("job", ["v100_single_rank", "ddp_a100_nccl"])
+def test_on_real_jobs_every_row_is_its_childrens_sum(job):
+    """On real CUDA jobs (whose elementwise kernels' names hold ``> >``), every row's total is its
+    own kernels' time plus its children's, and the top rows hold all the selection's kernel time."""
+    folder = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "gpu-traces" / job
+    if not folder.is_dir():
+        pytest.skip(f"{folder} is absent (the shared real traces)")
+    ta = TraceAnalysis(folder, workers=1)
+    r = ta.ranks[0]
+    t = ta.hierarchy(r)
+    assert t.loc[t["depth"] == 0, "gpu_total_us"].sum() == pytest.approx(float(ta.kernels(r)["dur"].sum()))
+    kids = t.groupby("parent")["gpu_total_us"].sum()
+    kernel_kids = t[t["kind"] == "kernel"].groupby("parent")["gpu_total_us"].sum()
+    inner = t[t["kind"] != "kernel"].set_index("path")
+    assert inner["gpu_total_us"].to_numpy() == pytest.approx(kids.reindex(inner.index).to_numpy())
+    assert inner["gpu_self_us"].to_numpy() == pytest.approx(kernel_kids.reindex(inner.index).fillna(0.0).to_numpy())
+    assert not t.duplicated(["path", "kind"]).any()
