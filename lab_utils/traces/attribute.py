@@ -38,7 +38,7 @@ import pandas as pd
 from lab_utils.traces import cpu
 from lab_utils.traces.categories import category, hta_type, operator_category, operator_hta_type
 from lab_utils.traces.phases import PhaseTable, block_of
-from lab_utils.traces.reader import RankTrace
+from lab_utils.traces.reader import RankTrace, per_text, texts
 
 WINDOWS = ("step", "before", "after", "gap", "no launch")
 _STEP = re.compile(r"^ProfilerStep\s*#\s*(\d+)$")
@@ -61,12 +61,17 @@ def step_windows(host: pd.DataFrame) -> pd.DataFrame:
     """``ProfilerStep#N`` ranges of the host timeline: step, ts, end, dur (sorted by ts)."""
     if not len(host):
         return pd.DataFrame(columns=["step", "ts", "end", "dur", "tid"])
-    names = host["name"].astype(str)
-    m = names.str.extract(_STEP.pattern, expand=False)
-    rows = host[m.notna() & host["cat"].astype(str).eq("user_annotation")].copy()
-    rows["step"] = m[rows.index].astype(int)
+    number = per_text(host["name"], _step_number, np.int64)
+    keep = (number >= 0) & host["cat"].eq("user_annotation").to_numpy()
+    rows = host[keep].copy()
+    rows["step"] = number[keep]
     rows = rows.sort_values("ts").drop_duplicates("step")
     return rows[["step", "ts", "end", "dur", "tid"]].reset_index(drop=True)
+
+
+def _step_number(name: str) -> int:
+    m = _STEP.match(name)
+    return int(m.group(1)) if m else -1
 
 
 def _paint(times: np.ndarray, ranges: pd.DataFrame, labels: np.ndarray, out: np.ndarray) -> None:
@@ -86,15 +91,15 @@ def _paint(times: np.ndarray, ranges: pd.DataFrame, labels: np.ndarray, out: np.
 
 
 def _launches(host: pd.DataFrame) -> pd.DataFrame:
-    rt = host[host["cat"].astype(str).isin(_LAUNCH_CATS) & (host["correlation"] >= 0)]
+    rt = host[host["cat"].isin(_LAUNCH_CATS) & (host["correlation"] >= 0)]
     rt = rt.drop_duplicates("correlation")
     return pd.DataFrame(
         {
             "correlation": rt["correlation"].to_numpy(),
             "launch_ts": rt["ts"].to_numpy(),
             "launch_dur": rt["dur"].to_numpy(),
-            "launch_tid": rt["tid"].astype(str).to_numpy(),
-            "launch_name": rt["name"].astype(str).to_numpy(),
+            "launch_tid": texts(rt["tid"]),
+            "launch_name": texts(rt["name"]),
         }
     )
 
@@ -102,14 +107,14 @@ def _launches(host: pd.DataFrame) -> pd.DataFrame:
 def _ops(host: pd.DataFrame, k: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     """Launching operator (host row index, name): by External id, else the innermost cpu_op
     enclosing the launch on its thread."""
-    ops = host[host["cat"].astype(str).eq("cpu_op")]
+    ops = host[host["cat"].eq("cpu_op")]
     by_ext = pd.Series(ops.index, index=ops["external_id"].to_numpy())
     by_ext = by_ext[by_ext.index >= 0]
     by_ext = by_ext[~by_ext.index.duplicated()]
     idx = k["external_id"].map(by_ext).to_numpy(dtype=np.float64).copy()
     missing = np.isnan(idx) & k["launch_ts"].notna().to_numpy()
     if missing.any():
-        for tid, grp in ops.groupby(ops["tid"].astype(str), observed=True):
+        for tid, grp in ops.groupby(texts(ops["tid"]), observed=True):
             sel = np.flatnonzero(missing & (k["launch_tid"].to_numpy() == tid))
             if len(sel):
                 lab = np.full(len(sel), np.nan)
@@ -118,8 +123,8 @@ def _ops(host: pd.DataFrame, k: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     op_index = np.where(np.isnan(idx), -1, idx).astype(np.int64)
     if not len(host):  # GPU activities only (a profile of ProfilerActivity.CUDA alone): no operator
         return op_index, np.full(len(op_index), "", dtype=object)
-    names = host["name"].astype(str).to_numpy()
-    return op_index, np.where(op_index >= 0, names[np.clip(op_index, 0, None)], "").astype(object)
+    names = texts(host["name"].take(np.clip(op_index, 0, None)))
+    return op_index, np.where(op_index >= 0, names, "").astype(object)
 
 
 def _window(launch: np.ndarray, steps: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
@@ -137,9 +142,9 @@ def _window(launch: np.ndarray, steps: pd.DataFrame) -> tuple[np.ndarray, np.nda
 
 
 def _ranges(host: pd.DataFrame, k: pd.DataFrame, main_tid: str | None, phases: PhaseTable) -> dict[str, np.ndarray]:
-    ann = host[host["cat"].astype(str).eq("user_annotation")]
-    ann = ann[~ann["name"].astype(str).str.match(_STEP.pattern)]
-    names = ann["name"].astype(str).to_numpy()
+    ann = host[host["cat"].eq("user_annotation")]
+    ann = ann[per_text(ann["name"], _step_number, np.int64) < 0]
+    names = texts(ann["name"])
     ph = np.array([phases.phase(n) for n in names], dtype=object)
     blk = np.array([block_of(n) for n in names], dtype=object)
     n = len(k)
@@ -147,7 +152,7 @@ def _ranges(host: pd.DataFrame, k: pd.DataFrame, main_tid: str | None, phases: P
     launch = k["launch_ts"].to_numpy()
     ltid = k["launch_tid"].to_numpy()
     ok = ~np.isnan(launch)
-    tids = ann["tid"].astype(str).to_numpy()
+    tids = texts(ann["tid"])
     passes = [(main_tid, ok)] if main_tid is not None else []
     passes += [(t, ok & (ltid == t)) for t in pd.unique(tids)]
     for tid, sel_mask in passes:
@@ -161,6 +166,21 @@ def _ranges(host: pd.DataFrame, k: pd.DataFrame, main_tid: str | None, phases: P
             _paint(launch[sel], ann[use], lab[use], cur)
             out[key][sel] = cur
     return out
+
+
+def _categories(k: pd.DataFrame) -> np.ndarray:
+    """Each activity's category (:func:`category` of its name, kind and launching op), worked out
+    once per distinct triple."""
+    if not len(k):
+        return np.zeros(0, dtype=object)
+    parts = [pd.factorize(texts(k[c]))[0].astype(np.int64) for c in ("name", "cat")]
+    parts.append(pd.factorize(k["op"].to_numpy(dtype=object))[0].astype(np.int64))
+    key = (parts[0] * (parts[1].max() + 2) + parts[1] + 1) * (parts[2].max() + 2) + parts[2] + 1
+    first, inv = np.unique(key, return_index=True, return_inverse=True)[1:]
+    names, cats, ops = texts(k["name"]), texts(k["cat"]), k["op"].to_numpy(dtype=object)
+    out = np.empty(len(first), dtype=object)
+    out[:] = [category(names[i], cats[i], ops[i]) for i in first]
+    return out[inv.ravel()]
 
 
 def attribute(trace: RankTrace, phases: PhaseTable | None = None) -> Attributed:
@@ -180,8 +200,8 @@ def attribute(trace: RankTrace, phases: PhaseTable | None = None) -> Attributed:
     if has_steps:
         main_tid = str(steps["tid"].astype(str).mode().iloc[0])
     elif len(host):
-        ops = host[host["cat"].astype(str).eq("cpu_op")]
-        main_tid = str(ops["tid"].astype(str).mode().iloc[0]) if len(ops) else None
+        ops = host[host["cat"].eq("cpu_op")]
+        main_tid = str(pd.Series(texts(ops["tid"])).mode().iloc[0]) if len(ops) else None
     rule = cpu.RULE if cpu.applies(trace) else "gpu"
     if rule == cpu.RULE:
         k = cpu.launch_columns(cpu.activities(trace))
@@ -201,12 +221,11 @@ def attribute(trace: RankTrace, phases: PhaseTable | None = None) -> Attributed:
         k.loc[early, "window"] = "before"
     for key, arr in _ranges(host, k, main_tid, phases).items():
         k[key] = arr
-    names, cats = k["name"].astype(str).to_numpy(), k["cat"].astype(str).to_numpy()
     if rule == cpu.RULE:
-        k["hta_type"] = [operator_hta_type(n) for n in names]
-        k["category"] = [operator_category(n) for n in names]
+        k["hta_type"] = per_text(k["name"], operator_hta_type)
+        k["category"] = per_text(k["name"], operator_category)
     else:
-        k["hta_type"] = [hta_type(n) for n in names]
-        k["category"] = [category(n, c, o) for n, c, o in zip(names, cats, k["op"].to_numpy())]
+        k["hta_type"] = per_text(k["name"], hta_type)
+        k["category"] = _categories(k)
     k["queue_delay"] = k["ts"] - k["launch_ts"]
     return Attributed(trace.rank, k, steps.drop(columns="tid"), has_steps, main_tid, rule)

@@ -41,6 +41,7 @@ import numpy as np
 import pandas as pd
 
 from lab_utils.traces.breakdown import union
+from lab_utils.traces.reader import per_text
 
 ALGORITHMS = ("RING", "TREE", "COLLNET", "COLLNETDIRECT", "COLLNETCHAIN", "NVLS", "NVLSTREE", "PAT")
 PROTOCOLS = ("LL", "LL128", "SIMPLE")
@@ -97,7 +98,7 @@ def _itemsize(dtype) -> float:
 
 def calls(kernels: pd.DataFrame, host: pd.DataFrame | None = None, world_size: int | None = None) -> pd.DataFrame:
     """One row per NCCL/RCCL kernel of an attributed table (see the module note)."""
-    k = kernels[kernels["name"].astype(str).str.match(_NCCL.pattern, case=False)].copy()
+    k = kernels[per_text(kernels["name"], lambda n: _NCCL.match(n) is not None, bool)].copy()
     cols = ["ts", "end", "dur", "stream", "step", "window", "external_id", "name"]
     out = k[cols].reset_index(drop=True)
     parsed = pd.DataFrame(

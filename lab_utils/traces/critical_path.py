@@ -41,7 +41,7 @@ import pandas as pd
 
 from lab_utils.core.config import ConfigError
 from lab_utils.traces.attribute import Attributed
-from lab_utils.traces.reader import RankTrace
+from lab_utils.traces.reader import RankTrace, texts
 from lab_utils.traces.timeline import representative_step
 
 NODE_CATS = ("cpu_op", "cuda_runtime", "cuda_driver")
@@ -276,9 +276,9 @@ def path_inputs(trace: RankTrace, att: Attributed) -> PathInputs:
     host = trace.host
     hc = {"label": host.index.to_numpy(dtype=np.int64), "ts": host["ts"].to_numpy(float),
           "end": host["end"].to_numpy(float), "dur": host["dur"].to_numpy(float),
-          "tid": pd.factorize(host["tid"].astype(str), sort=False)[0],
-          "node": host["cat"].astype(str).isin(NODE_CATS).to_numpy(),
-          "blocking": host["name"].astype(str).isin(BLOCKING).to_numpy(),
+          "tid": pd.factorize(texts(host["tid"]), sort=False)[0],
+          "node": host["cat"].isin(NODE_CATS).to_numpy(),
+          "blocking": host["name"].isin(BLOCKING).to_numpy(),
           "correlation": host["correlation"].to_numpy()}  # fmt: skip
     k = att.kernels
     if not len(k) or att.rule != "gpu":
@@ -288,7 +288,7 @@ def path_inputs(trace: RankTrace, att: Attributed) -> PathInputs:
     cols = {c: k[c].to_numpy() for c in ("ts", "end", "stream", "launch_ts", "correlation")}
     cols["launched"] = k["launch_ts"].notna().to_numpy()
     sync = trace.sync
-    scols = {"correlation": sync["correlation"].to_numpy(), "name": sync["name"].astype(str).to_numpy(),
+    scols = {"correlation": sync["correlation"].to_numpy(), "name": texts(sync["name"]),
              "stream": sync["stream"].to_numpy(), "end": sync["end"].to_numpy()}  # fmt: skip
     return PathInputs(hc, qlr, qlk, src_of, dst_of, cols, scols)
 
@@ -426,18 +426,18 @@ def _edges_table(g: _Graph, path: list[int], host: pd.DataFrame, k: pd.DataFrame
     stream = np.full(len(e), -1, dtype=np.int64)
     if on_host.any():
         at = host.index.get_indexer(ev[on_host])  # two columns of the path's rows, not every column of all
-        name[on_host] = host["name"].take(at).astype(str).to_numpy()
-        where[on_host] = ["thread " + t for t in host["tid"].take(at).astype(str).tolist()]
+        name[on_host] = texts(host["name"].take(at))
+        where[on_host] = ["thread " + t for t in texts(host["tid"].take(at))]
         category[on_host], bound[on_host] = "CPU", "cpu_bound"
     if on_gpu.any():
         pos = -2 - ev[on_gpu]
-        name[on_gpu] = k["name"].iloc[pos].astype(str).to_numpy()
+        name[on_gpu] = texts(k["name"].iloc[pos])
         streams = k["stream"].to_numpy()[pos]
         stream[on_gpu] = streams
         where[on_gpu] = [f"stream {x}" for x in streams]
         gpu = on_gpu & (kind == "gpu")
         gpos = -2 - ev[gpu]
-        category[gpu] = k["category"].iloc[gpos].astype(str).to_numpy()
+        category[gpu] = texts(k["category"].iloc[gpos])
         comm = k["hta_type"].iloc[gpos].to_numpy() == "COMMUNICATION"
         bound[gpu] = np.where(comm, "gpu_communication_bound", "gpu_compute_bound")
     out["name"], out["where"], out["category"], out["bound_by"], out["stream"] = name, where, category, bound, stream

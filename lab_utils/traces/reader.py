@@ -162,6 +162,25 @@ class RankTrace:
         return "cuda"
 
 
+def per_text(col: pd.Series, fn, dtype=object) -> np.ndarray:
+    """``fn`` of each row's text (``str``; a missing value reads ``"nan"``, as ``astype(str)`` has
+    it), called once per distinct value where the column is categorical (the reader's text
+    columns are), so a million rows of a few thousand names cost a few thousand calls."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        values = [fn(str(c)) for c in col.cat.categories] + [fn("nan")]
+        table = np.empty(len(values), dtype=dtype)
+        table[:] = values
+        return table[col.cat.codes.to_numpy()]  # code -1 (missing) takes the last entry
+    out = np.empty(len(col), dtype=dtype)
+    out[:] = [fn(t) for t in col.astype(str).tolist()]
+    return out
+
+
+def texts(col: pd.Series) -> np.ndarray:
+    """A text column as an object array of ``str`` (see :func:`per_text`)."""
+    return per_text(col, str)
+
+
 def _open_bytes(path: Path) -> io.BufferedIOBase:
     fh = open(path, "rb")  # noqa: SIM115 - handed to the caller, closed there
     magic = fh.read(2)

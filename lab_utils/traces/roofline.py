@@ -49,6 +49,7 @@ import pandas as pd
 
 from lab_utils.core.datasheets import DatasheetPeak, identify
 from lab_utils.core.flops import FUSED_FLOPS_PER_ELEMENT, attention_flops, causal_pairs, matmul_flops
+from lab_utils.traces.reader import per_text, texts
 
 ITEMSIZE = {"float": 4, "double": 8, "c10::half": 2, "c10::bfloat16": 2, "half": 2, "bfloat16": 2, "long int": 8}
 ITEMSIZE |= {"int": 4, "bool": 1, "unsigned char": 1, "signed char": 1, "short int": 2, "c10::float8_e4m3fn": 1}
@@ -240,23 +241,28 @@ def op_roofline(
     if "input_dims" not in host or not len(kernels):
         return pd.DataFrame(columns=COLUMNS)
     launched = kernels[kernels["op_index"] >= 0]
-    names = launched["name"].astype(str)
     t = launched.groupby("op_index")["dur"].sum()
-    tf32 = names.str.contains(TF32_KERNEL).groupby(launched["op_index"]).any()
+    tf32_name = per_text(launched["name"], lambda n: TF32_KERNEL.search(n) is not None, bool)
+    tf32 = pd.Series(tf32_name, index=launched.index).groupby(launched["op_index"]).any()
     ops = host.loc[t.index]
     ops = ops[ops["input_dims"].notna()]
-    conc = ops["concrete"].astype(object) if "concrete" in ops else pd.Series("", index=ops.index, dtype=object)
-    key = pd.DataFrame({"op": ops["name"].astype(str), "dims": ops["input_dims"].astype(str),
-                        "types": ops["input_type"].astype(str) if "input_type" in ops else "",
-                        "concrete": conc.where(conc.notna(), "").astype(str),
-                        "tf32": tf32.reindex(ops.index)})  # fmt: skip
+    none = np.full(len(ops), "", dtype=object)
+    text = {"op": texts(ops["name"]), "dims": texts(ops["input_dims"]),
+            "types": texts(ops["input_type"]) if "input_type" in ops else none,
+            "concrete": np.where(ops["concrete"].isna().to_numpy(), "", texts(ops["concrete"]))
+            if "concrete" in ops else none}  # fmt: skip
+    is_tf32 = tf32.reindex(ops.index).to_numpy(dtype=bool)
+    # one row per distinct (op, dims, types, concrete, tf32), grouped by codes, in first-seen order
+    key = pd.DataFrame({c: pd.factorize(v)[0] for c, v in text.items()} | {"tf32": is_tf32}, index=ops.index)
     rows = []
-    for (name, dims, types, concrete, is_tf32), grp in key.groupby(list(key.columns), sort=False, dropna=False):
+    for _, grp in key.groupby(list(key.columns), sort=False):
+        i = ops.index.get_loc(grp.index[0])
+        name, dims, types, concrete = (text[c][i] for c in ("op", "dims", "types", "concrete"))
         c = cost(name, _shapes(dims), _shapes(types), _shapes(concrete))
         if c is None:
             continue
         rows.append({"op": name, "shapes": dims, "types": types, "kind": c.kind, "direction": c.direction,
-                     "mask": c.mask, "tf32": bool(is_tf32), "calls": len(grp),
+                     "mask": c.mask, "tf32": bool(is_tf32[i]), "calls": len(grp),
                      "gpu_us": float(t.reindex(grp.index).sum()), "flops": c.flops * len(grp),
                      "bytes": c.bytes * len(grp)})  # fmt: skip
     df = pd.DataFrame(rows, columns=COLUMNS[:11])

@@ -42,6 +42,7 @@ import pandas as pd
 
 from lab_utils.core.records import Recorder
 from lab_utils.traces import breakdown, collectives, cpu
+from lab_utils.traces.reader import texts
 
 #: the reported shares of the span (see the module note) and the temporal part each one is
 SHARE_OF_SPAN = {"idle_share": "idle", "compute_share": "compute", "exposed_comm_share": "communication",
@@ -135,11 +136,15 @@ def per_step_values(ta, rank: int) -> pd.DataFrame:
     add("comm_overlap", UNIT_OF_COMM, per["overlap_pct"])
     for col in [c for c in per.columns if c.startswith("share_")]:
         add(f"share:{col[len('share_') :].upper()}", UNIT_OF_KERNELS, per[col])
-    groups = [("category", k["category"].astype(str)), ("phase", k["phase"].fillna("(none)").astype(str)),
-              ("kernel", k["name"].astype(str))]  # fmt: skip
+
+    def text(col: pd.Series) -> pd.Series:
+        return pd.Series(texts(col), index=col.index, dtype=object)
+
+    groups = [("category", text(k["category"])), ("phase", text(k["phase"].fillna("(none)"))),
+              ("kernel", text(k["name"]))]  # fmt: skip
     if ta.rule(rank) != cpu.RULE:  # a CPU trace's operators are its kernels: no second row for them
-        launched = k[k["op"].astype(str) != ""]
-        groups.append(("op", launched["op"].astype(str)))
+        launched = k[texts(k["op"]) != ""]
+        groups.append(("op", text(launched["op"])))
     for prefix, key in groups:
         sel = k if len(key) == len(k) else k.loc[key.index]
         g = sel.groupby([key, sel["step"]], observed=True)["dur"].sum().unstack(fill_value=0.0)
