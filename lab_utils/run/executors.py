@@ -14,6 +14,8 @@
 * :func:`map_jobs` maps a function over many items (the per-rank analysis of a job's traces):
   a process pool here, or submitit jobs (on SLURM one array), each worker's address space bounded
   by ``mem_gb``; outcomes come back in item order, failures included, for the caller to reduce.
+* :class:`Forked` runs one function in a child forked from this process beside it (one rank's
+  page analyses beside its summary, when a lone file leaves a core free).
 * What a job runs under (its time limit, cancels, preemption) is :mod:`.guard`.
 """
 
@@ -23,6 +25,8 @@ import concurrent.futures as cf
 import contextlib
 import logging
 import math
+import os
+import pickle
 import resource
 import shutil
 import signal
@@ -454,6 +458,50 @@ def _bounded_call(fn: Callable, item: Any, mem_gb: float | None) -> Any:
     """``fn(item)`` in a job, its address space allowed to grow by ``mem_gb`` (MemoryError beyond it)."""
     _limit_memory(mem_gb)
     return fn(item)
+
+
+class Forked:
+    """``fn()`` in a child forked from this process while this one goes on: the child sees this
+    process's tables as they are (copy-on-write, nothing pickled on the way in) and sends its value
+    back pickled through a pipe.  :meth:`result` waits for it; whatever went wrong in the child (an
+    exception, a value that does not pickle, a child killed) is raised there as ``ChildFailed``
+    with the reason, for the caller to do the work itself.  Fork only from a process without other
+    threads at work (a pool worker, not a notebook kernel or the CLI's parent)."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its value, or why not, then out without any exit handler of the parent's
+            os.close(read)
+            try:
+                try:
+                    data = pickle.dumps((True, fn()), protocol=pickle.HIGHEST_PROTOCOL)
+                except BaseException as e:  # noqa: BLE001 - any failure is reported to the parent
+                    data = pickle.dumps((False, f"{type(e).__name__}: {e}"))
+                with os.fdopen(write, "wb") as fh:
+                    fh.write(data)
+            finally:
+                os._exit(0)
+        os.close(write)
+        self.pid, self._fd = pid, read
+
+    def result(self) -> Any:
+        with os.fdopen(self._fd, "rb") as fh:
+            data = fh.read()
+        _, status = os.waitpid(self.pid, 0)
+        if not data:
+            raise ChildFailed(f"the forked child ended without a result (wait status {status})")
+        try:
+            ok, value = pickle.loads(data)
+        except (pickle.UnpicklingError, EOFError, ValueError) as e:  # the child died while writing
+            raise ChildFailed(f"the forked child's result is cut short ({e})") from None
+        if not ok:
+            raise ChildFailed(value)
+        return value
+
+
+class ChildFailed(RuntimeError):
+    """A :class:`Forked` child's work did not come back (the message says why)."""
 
 
 @dataclass

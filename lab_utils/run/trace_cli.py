@@ -40,7 +40,7 @@ from lab_utils.core.device import HOST
 from lab_utils.core.records import Recorder, json_value
 from lab_utils.run.cluster import ClusterOptions, cluster_options, resolve_site
 from lab_utils.run.commands import trace as trace_args
-from lab_utils.run.executors import MapOptions, map_jobs
+from lab_utils.run.executors import ChildFailed, Forked, MapOptions, map_jobs
 from lab_utils.run.trace_analyses import (
     MAX_RANKS,
     analysis_figures,
@@ -76,25 +76,44 @@ def analyse_rank(item: tuple) -> RankSummary | RankError:
     ``(path, index, alone, gpu[, options])``; only the summary comes back (see
     :mod:`lab_utils.traces.summary`).  ``options`` (``perflab trace``'s): ``step``, ``page`` (this rank
     on the page: its extras, :func:`lab_utils.run.trace_analyses.rank_extras`), ``max_bars``,
-    ``perfetto``, ``paths`` (the critical path per step among the records)."""
+    ``perfetto``, ``paths`` (the critical path per step among the records), ``split`` (the page's
+    analyses in a child forked after the read, :class:`~lab_utils.run.executors.Forked`, beside the
+    summary: :func:`load_job` asks it of the pool's jobs where there are two cores per file)."""
     path, index, alone, gpu = item[:4]
     opts = item[4] if len(item) > 4 else {}
     try:
         trace = read_rank(path, index, alone=alone)
         ta = TraceAnalysis({trace.rank: trace}, gpu=gpu)
+
+        def extras() -> dict:
+            return rank_extras(ta, trace.rank, opts.get("step"), page=bool(opts.get("page")),
+                               max_bars=opts.get("max_bars", 20_000),
+                               perfetto=opts.get("perfetto", "none"))  # fmt: skip
+
+        beside = None
+        if opts.get("split") and opts.get("page"):  # the page's analyses in a child, on the core left free
+            ta.attributed(trace.rank)  # what both need, made once before the fork
+            beside = Forked(extras)
         summary = summarise(ta, trace.rank)
         if opts.get("paths"):
             summary.per_step = pd.concat([summary.per_step, path_values(ta, trace.rank)], ignore_index=True)
         if opts:
-            summary.extras = rank_extras(ta, trace.rank, opts.get("step"), page=bool(opts.get("page")),
-                                         max_bars=opts.get("max_bars", 20_000),
-                                         perfetto=opts.get("perfetto", "none"))  # fmt: skip
+            summary.extras = _result_or_here(beside, extras) if beside is not None else extras()
         return summary
     except ConfigError as e:
         return RankError(path, one_line(str(e)))
     except MemoryError:
         return RankError(path, f"parameter 'path' = {path!r} is not allowed: expected a trace that fits the job's "
                                "memory (--mem-gb)")  # fmt: skip
+
+
+def _result_or_here(beside: Forked, work: Callable[[], dict]) -> dict:
+    """The child's value; where the child failed (killed, out of memory, a value that does not
+    pickle), ``work()`` done here, so its own errors are raised as they would be without the fork."""
+    try:
+        return beside.result()
+    except ChildFailed:
+        return work()
 
 
 def one_line(text: str) -> str:
@@ -137,6 +156,8 @@ def load_job(
         outs: list = [analyse_rank(items[0])]
     else:
         alone = len(items) == 1
+        if how.executor == "pool" and how.workers >= 2 * len(items):  # two cores a file: its page's analyses beside
+            items = [(*it[:4], it[4] | {"split": True}) if len(it) > 4 and it[4] else it for it in items]
         opts = replace(how, workers=min(how.workers, len(files)), mem_gb=None if alone else how.mem_gb)
         folder = Path(jobs_dir).resolve() / f".jobs-trace-{os.getpid()}"
         done = map_jobs(analyse_rank, items, opts, folder, progress=progress and not alone, desc="ranks",

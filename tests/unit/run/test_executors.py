@@ -1,6 +1,7 @@
 """A Ctrl-C that arrives while a job is being submitted is held until the job is registered, then
 stops the run whatever SIGINT's handler was (a Python one, the default action, or one installed
-outside Python), unless SIGINT is ignored; the handler is restored either way."""
+outside Python), unless SIGINT is ignored; the handler is restored either way.  A forked child
+(``Forked``) sees this process as it is and sends its value back, or ``ChildFailed`` says why not."""
 
 import contextlib
 import io
@@ -636,3 +637,36 @@ def _oom(x):
 def test_a_pool_worker_over_its_memory_bound_is_a_failed_outcome_naming_the_bound(tmp_path):
     (o,) = map_jobs(_oom, [1], MapOptions(workers=1, mem_gb=None), tmp_path / "m", progress=False)
     assert o.state == "failed" and o.error == "MemoryError: over the worker's bound mem_gb=None"
+
+
+# ------------------------------------------------------------------------------ Forked
+_SEEN_BY_THE_CHILD = {"rows": None}
+
+
+def test_a_forked_child_sees_this_process_as_it_is_and_sends_its_value_back():
+    """The child reads a table made here after this module was imported (copy-on-write, nothing
+    pickled on the way in), runs in another process, and its changes stay its own."""
+    _SEEN_BY_THE_CHILD["rows"] = list(range(1000))
+
+    def work():
+        rows = _SEEN_BY_THE_CHILD["rows"]
+        _SEEN_BY_THE_CHILD["rows"] = None  # the child's copy only
+        return os.getpid(), sum(rows), {"nested": [1.5, "x"]}
+
+    pid, total, extra = executors.Forked(work).result()
+    assert pid != os.getpid() and total == 999 * 1000 // 2 and extra == {"nested": [1.5, "x"]}
+    assert _SEEN_BY_THE_CHILD["rows"] == list(range(1000))
+
+
+@pytest.mark.parametrize(
+    ("work", "why"),
+    [
+        (lambda: 1 / 0, "ZeroDivisionError: division by zero"),
+        (lambda: lambda: None, "Can't pickle"),  # a value that cannot come back
+        (lambda: os._exit(3), "ended without a result"),  # the child dies before writing
+    ],
+    ids=["raises", "unpicklable", "dies"],
+)
+def test_whatever_goes_wrong_in_the_child_is_child_failed_with_the_reason(work, why):
+    with pytest.raises(executors.ChildFailed, match=why):
+        executors.Forked(work).result()

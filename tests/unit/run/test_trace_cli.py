@@ -3,7 +3,9 @@ a folder's ranks start (one per file at most, never more than asked) and where (
 cluster, else the arguments'), the page's step (no look-ahead for one file; a rank that chose another
 read again alone), the figures and the text summary of a job with collectives (one rank and two, the
 headline first), how two jobs' ranks pair and the rows only one side ran are filled with zeros and
-counted, the records' context, and ``main`` for both commands, on small traces written here."""
+counted, the records' context, ``main`` for both commands, and the page of a file with two cores of
+the pool analysed in a forked child (the same page as in one process; made here if the child fails),
+on small traces written here."""
 
 from __future__ import annotations
 
@@ -306,3 +308,64 @@ def test_a_rank_that_chose_another_step_is_read_again_alone_for_the_first_ranks(
     assert chosen == 3 and asked == [(None, None), (3, [1])]
     assert {r: job.ranks_[r].extras["step"] for r in job.ranks} == {0: 3, 1: 3}
     assert job.ranks_[1].extras["figures"]["critical_path"]["step"] == 3
+
+
+@pytest.mark.parametrize(
+    ("executor", "workers", "files", "split"),
+    [("pool", 2, 1, True), ("pool", 6, 3, True), ("pool", 5, 3, False), ("pool", 1, 1, False), ("local", 4, 2, False)],
+)
+def test_a_file_with_two_cores_of_the_pool_has_its_page_analysed_beside_its_summary(
+    tmp_path, monkeypatch, executor, workers, files, split
+):
+    """Where the pool has two workers per file, each file's job is asked to fork its page's analyses
+    beside its summary; not with fewer, nor on submitit's executors (one CPU a job on SLURM)."""
+    seen = []
+
+    def in_process(fn, items, opts, folder, **kw):
+        seen.extend(it[4].get("split", False) for it in items)
+        return [Outcome(str(i), "ok", fn(item)) for i, item in enumerate(items)]
+
+    monkeypatch.setattr(T, "map_jobs", in_process)
+    jobs = MapOptions(executor=executor, workers=workers)
+    T.load_job(folder(tmp_path, files), jobs=jobs, jobs_dir=tmp_path, options=OPTS, meanwhile=lambda: None)
+    assert seen == [split] * files
+
+
+def _extras_with_pid(monkeypatch):
+    real = T.rank_extras
+
+    def tagged(*a, **k):
+        return real(*a, **k) | {"pid": os.getpid()}
+
+    monkeypatch.setattr(T, "rank_extras", tagged)
+
+
+def test_the_page_forked_beside_the_summary_is_the_page_made_in_one_process(tmp_path, monkeypatch):
+    """The same summary and the same extras, the extras made in another process; where the child
+    fails, they are made here."""
+    import pandas as pd  # noqa: PLC0415
+
+    path = str(write(tmp_path / "r.json", rank_events(late=30.0), deviceProperties=[H100]))
+    _extras_with_pid(monkeypatch)
+    opts = OPTS | {"page": True, "paths": True}
+    one = T.analyse_rank((path, 0, True, None, opts))
+    two = T.analyse_rank((path, 0, True, None, opts | {"split": True}))
+    assert one.extras.pop("pid") == os.getpid() and two.extras.pop("pid") != os.getpid()
+    assert set(one.extras) == set(two.extras) and "figures" in two.extras and "bars" in two.extras
+    for key in one.extras:
+        a, b = one.extras[key], two.extras[key]
+        if isinstance(a, pd.DataFrame):
+            pd.testing.assert_frame_equal(a, b)
+        else:
+            assert json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str), key
+    pd.testing.assert_frame_equal(one.per_step, two.per_step)
+    assert set(one.tables) == set(two.tables)
+    for name, table in one.tables.items():
+        pd.testing.assert_frame_equal(table, two.tables[name])
+
+    def failed(self):
+        raise T.ChildFailed("killed")
+
+    monkeypatch.setattr(T.Forked, "result", failed)
+    here = T.analyse_rank((path, 0, True, None, opts | {"split": True}))
+    assert here.extras.pop("pid") == os.getpid() and set(here.extras) == set(one.extras)
