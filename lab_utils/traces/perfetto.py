@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from lab_utils.traces.attribute import Attributed
-from lab_utils.traces.reader import RankTrace
+from lab_utils.traces.reader import RankTrace, texts
 
 _ARGS = ("step", "window", "phase", "range", "block", "category", "hta_type", "op")
 
@@ -113,7 +113,7 @@ def rank_events(rank: int, trace: RankTrace, att: Attributed, steps=None) -> lis
             inside |= (host["ts"].to_numpy() >= lo) & (host["ts"].to_numpy() < hi)
         host = host[inside]
     threads: dict[int, str] = {}
-    groups = list(host.groupby(host["tid"].astype(str), observed=True, sort=True))
+    groups = list(host.groupby(texts(host["tid"]), sort=True))
     numbers = {tid: _tid_number(tid, -1) for tid, _ in groups}
     spare = max([n for n in numbers.values()] + [0]) + 1  # tids for threads without a number, and overlaps
     for tid, grp in groups:
@@ -124,34 +124,41 @@ def rank_events(rank: int, trace: RankTrace, att: Attributed, steps=None) -> lis
         level_tid = {0: numbers[tid]}
         for lvl in range(1, int(levels.max(initial=0)) + 1):
             level_tid[lvl], spare = spare, spare + 1
-        for row, lvl in zip(g.itertuples(index=False), levels):
-            t = level_tid[int(lvl)]
+        cols = (texts(g["cat"]), texts(g["name"]), g["ts"].tolist(), g["dur"].tolist(), g["correlation"].tolist(),
+                g["external_id"].tolist(), levels.tolist())  # fmt: skip
+        for cat, name, ts, dur, corr, ext, lvl in zip(*cols):
+            t = level_tid[lvl]
             threads.setdefault(t, f"thread {tid}" + (f" (overlap {lvl})" if lvl else ""))
-            args = {"correlation": int(row.correlation)} if row.correlation >= 0 else {}
-            if row.external_id >= 0:
-                args["External id"] = int(row.external_id)
-            out.append({"ph": "X", "cat": str(row.cat), "name": str(row.name), "pid": hp, "tid": t,
-                        "ts": round(t0 + row.ts, 3), "dur": round(max(row.dur, 0.0), 3), "args": args})  # fmt: skip
+            args = {"correlation": int(corr)} if corr >= 0 else {}
+            if ext >= 0:
+                args["External id"] = int(ext)
+            out.append({"ph": "X", "cat": cat, "name": name, "pid": hp, "tid": t,
+                        "ts": round(t0 + ts, 3), "dur": round(max(dur, 0.0), 3), "args": args})  # fmt: skip
     for t, name in sorted(threads.items()):
         out.append(_meta("thread_name", hp, t, name))
     streams: set[int] = set()
     launch_tid = {str(t): numbers.get(str(t), _tid_number(t, 0)) for t in k["launch_tid"].dropna().unique()}
-    for i, row in enumerate(k.itertuples(index=False)):
-        s = int(row.stream)
+    given = {key: [_clean(v) for v in k[key].tolist()] for key in _ARGS}
+    cols = (k["stream"].tolist(), k["correlation"].tolist(), k["device"].tolist(), k["queue_delay"].tolist(),
+            k["launch_ts"].tolist(), k["ts"].tolist(), k["dur"].tolist(), texts(k["cat"]), texts(k["name"]),
+            k["launch_tid"].tolist())  # fmt: skip
+    for i, (s, corr, device, delay, launch_ts, start, dur, cat, name, ltid) in enumerate(zip(*cols)):
+        s = int(s)
         streams.add(s)
-        args = {key: _clean(getattr(row, key)) for key in _ARGS}
-        args |= {"correlation": int(row.correlation), "stream": s, "device": int(row.device),
-                 "queue_delay_us": _clean(round(row.queue_delay, 3))}  # fmt: skip
-        if not pd.isna(row.launch_ts):
-            args["launch_ts"] = round(t0 + row.launch_ts, 3)
-        ts = round(t0 + row.ts, 3)
-        out.append({"ph": "X", "cat": str(row.cat), "name": str(row.name), "pid": gp, "tid": s, "ts": ts,
-                    "dur": round(max(row.dur, 0.0), 3), "args": args})  # fmt: skip
-        if not pd.isna(row.launch_ts) and att.rule == "gpu":
+        args = {key: given[key][i] for key in _ARGS}
+        args |= {"correlation": int(corr), "stream": s, "device": int(device),
+                 "queue_delay_us": _clean(round(delay, 3))}  # fmt: skip
+        launched = not pd.isna(launch_ts)
+        if launched:
+            args["launch_ts"] = round(t0 + launch_ts, 3)
+        ts = round(t0 + start, 3)
+        out.append({"ph": "X", "cat": cat, "name": name, "pid": gp, "tid": s, "ts": ts,
+                    "dur": round(max(dur, 0.0), 3), "args": args})  # fmt: skip
+        if launched and att.rule == "gpu":
             fid = rank * 10_000_000 + i
-            lt = launch_tid.get(row.launch_tid, 0)
+            lt = launch_tid.get(ltid, 0)
             out.append({"ph": "s", "cat": "launch", "name": "launch", "id": fid, "pid": hp, "tid": lt,
-                        "ts": round(t0 + row.launch_ts, 3)})  # fmt: skip
+                        "ts": round(t0 + launch_ts, 3)})  # fmt: skip
             out.append({"ph": "f", "bp": "e", "cat": "launch", "name": "launch", "id": fid, "pid": gp, "tid": s,
                         "ts": ts})  # fmt: skip
     for s in sorted(streams):
