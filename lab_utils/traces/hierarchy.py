@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 from lab_utils.traces.attribute import Attributed
-from lab_utils.traces.reader import RankTrace
+from lab_utils.traces.reader import RankTrace, texts
 
 NODE_CATS = ("user_annotation", "python_function", "cpu_op")
 SEP = " > "
@@ -42,18 +42,33 @@ _KIND = {"user_annotation": "range", "python_function": "module", "cpu_op": "op"
 
 
 def _parents(nodes: pd.DataFrame) -> np.ndarray:
-    """Parent row (or -1) of every node within its thread, nested by (ts, -dur)."""
-    parent = np.full(len(nodes), -1, dtype=np.int64)
-    pos = {ix: i for i, ix in enumerate(nodes.index)}
-    for _, th in nodes.groupby(nodes["tid"].astype(str), observed=True, sort=False):
-        th = th.sort_values(["ts", "dur"], ascending=[True, False], kind="stable")
-        stack: list[tuple[float, int]] = []
-        for ix, a, b in zip(th.index, th["ts"].to_numpy(), th["end"].to_numpy()):
-            while stack and stack[-1][0] <= a:
-                stack.pop()
-            if stack:
-                parent[pos[ix]] = stack[-1][1]
-            stack.append((b, pos[ix]))
+    """Parent row (or -1) of every node within its thread, nested by (ts, -dur): the innermost
+    node still open at its start (a stack per thread, walked once over all threads in order)."""
+    n = len(nodes)
+    parent = np.full(n, -1, dtype=np.int64)
+    if not n:
+        return parent
+    tid = pd.factorize(texts(nodes["tid"]))[0]
+    ts, end = nodes["ts"].to_numpy(dtype=np.float64), nodes["end"].to_numpy(dtype=np.float64)
+    order = np.lexsort((-nodes["dur"].to_numpy(dtype=np.float64), ts, tid))  # by thread, start, longest first
+    out = [-1] * n
+    ends: list[float] = []
+    rows: list[int] = []
+    last = -1
+    for i, (t, a, b, row) in enumerate(zip(tid[order].tolist(), ts[order].tolist(), end[order].tolist(),
+                                           order.tolist())):  # fmt: skip
+        if t != last:
+            ends.clear()
+            rows.clear()
+            last = t
+        while ends and ends[-1] <= a:
+            ends.pop()
+            rows.pop()
+        if rows:
+            out[i] = rows[-1]
+        ends.append(b)
+        rows.append(row)
+    parent[order] = out
     return parent
 
 
@@ -73,30 +88,21 @@ def _innermost(times: np.ndarray, cand: pd.DataFrame, positions: np.ndarray) -> 
     return out
 
 
-def _text(col: pd.Series) -> np.ndarray:
-    """A text column as an object array, decoded once per distinct value where it is categorical."""
-    if isinstance(col.dtype, pd.CategoricalDtype):
-        cats = np.asarray(col.cat.categories.astype(str), dtype=object)
-        codes = col.cat.codes.to_numpy()
-        return np.where(codes >= 0, cats[np.clip(codes, 0, None)], "nan").astype(object)
-    return col.astype(str).to_numpy().astype(object)
-
-
 def _node_arrays(trace: RankTrace, att: Attributed, k: pd.DataFrame) -> dict[str, np.ndarray]:
     """:func:`node_table`'s columns as arrays."""
     host = trace.host
-    cat = _text(host["cat"])
+    cat = texts(host["cat"])
     keep = np.isin(cat, NODE_CATS) & (host["dur"].to_numpy() >= 0)
     nodes = host[keep]
     cat = cat[keep]
     parent = _parents(nodes)
-    names = _text(nodes["name"])
+    names = texts(nodes["name"])
     inv, distinct = pd.factorize(names)  # codes into the distinct names (hashing: no sort of the texts)
     steps = np.array([bool(_STEP.match(n)) for n in distinct], dtype=bool)
     names[steps[inv]] = "ProfilerStep"
     cat_inv, cats = pd.factorize(cat)
     kinds = np.array([_KIND[c] for c in cats], dtype=object)[cat_inv]
-    tids = _text(nodes["tid"])
+    tids = texts(nodes["tid"])
     if att.main_tid is not None:  # other threads' outermost nodes under the main thread's ranges
         main = (tids == att.main_tid) & (kinds != "op")
         graft = np.flatnonzero((parent < 0) & (tids != att.main_tid))
@@ -112,7 +118,7 @@ def _node_arrays(trace: RankTrace, att: Attributed, k: pd.DataFrame) -> dict[str
         mine = tids == str(tid)
         kp[sel] = _innermost(k["launch_ts"].to_numpy()[sel], nodes[mine], np.flatnonzero(mine))
     n = len(nodes)
-    out = {"name": np.concatenate([names, _text(k["name"])]),
+    out = {"name": np.concatenate([names, texts(k["name"])]),
            "kind": np.concatenate([kinds, np.full(len(k), "kernel", dtype=object)]),
            "parent": np.concatenate([parent, kp]),
            "cpu_us": np.concatenate([nodes["dur"].to_numpy(), np.zeros(len(k))]),
