@@ -416,8 +416,8 @@ def _edges_table(g: _Graph, path: list[int], host: pd.DataFrame, k: pd.DataFrame
     kind = np.asarray(KINDS, dtype=object)[np.asarray(g.kind, dtype=np.int64)[e]] if len(e) else np.zeros(0, object)
     ev = np.asarray(g.event, dtype=np.int64)[e] if len(e) else np.zeros(0, np.int64)
     ts = np.asarray(g.ts)
-    out = pd.DataFrame({"kind": kind, "weight": np.asarray(g.w)[e] if len(e) else np.zeros(0), "name": "",
-                        "where": "", "category": kind.copy(), "bound_by": [BOUND.get(x, "") for x in kind],
+    out = pd.DataFrame({"kind": pd.Series(kind, dtype=object), "weight": np.asarray(g.w)[e] if len(e) else np.zeros(0),
+                        "name": "", "where": "", "category": kind.copy(), "bound_by": [BOUND.get(x, "") for x in kind],
                         "stream": -1, "start_us": ts[np.asarray(g.src)[e]] if len(e) else np.zeros(0),
                         "end_us": ts[np.asarray(g.dst)[e]] if len(e) else np.zeros(0)})  # fmt: skip
     on_host, on_gpu = ev >= 0, ev <= -2
@@ -440,5 +440,7 @@ def _edges_table(g: _Graph, path: list[int], host: pd.DataFrame, k: pd.DataFrame
         category[gpu] = texts(k["category"].iloc[gpos])
         comm = k["hta_type"].iloc[gpos].to_numpy() == "COMMUNICATION"
         bound[gpu] = np.where(comm, "gpu_communication_bound", "gpu_compute_bound")
-    out["name"], out["where"], out["category"], out["bound_by"], out["stream"] = name, where, category, bound, stream
+    out["stream"] = stream
+    for key, col in (("name", name), ("where", where), ("category", category), ("bound_by", bound)):
+        out[key] = pd.Series(col, index=out.index, dtype=object)  # kept as Python text: no Arrow copy
     return out

@@ -163,16 +163,21 @@ class RankTrace:
 
 
 def per_text(col: pd.Series, fn, dtype=object) -> np.ndarray:
-    """``fn`` of each row's text (``str``; a missing value reads ``"nan"``, as ``astype(str)`` has
-    it), called once per distinct value where the column is categorical (the reader's text
-    columns are), so a million rows of a few thousand names cost a few thousand calls."""
+    """``fn`` of each row's text (``str``; a missing value, None or NaN, reads ``"nan"``), called once
+    per distinct value where the column is categorical (the reader's text columns are), so a
+    million rows of a few thousand names cost a few thousand calls."""
     if isinstance(col.dtype, pd.CategoricalDtype):
-        values = [fn(str(c)) for c in col.cat.categories] + [fn("nan")]
+        cats, codes = col.cat.categories, col.cat.codes.to_numpy()
+        if len(codes) < len(cats):  # a few rows of many distinct values (a subset): the values used only
+            used, codes = np.unique(codes, return_inverse=True)
+            values = [fn(str(cats[c])) if c >= 0 else fn("nan") for c in used.tolist()]
+        else:
+            values = [fn(str(c)) for c in cats] + [fn("nan")]  # code -1 (missing) takes the last entry
         table = np.empty(len(values), dtype=dtype)
         table[:] = values
-        return table[col.cat.codes.to_numpy()]  # code -1 (missing) takes the last entry
+        return table[codes.ravel()]
     out = np.empty(len(col), dtype=dtype)
-    out[:] = [fn(t) for t in col.astype(str).tolist()]
+    out[:] = [fn("nan" if v is None or v != v else str(v)) for v in col.tolist()]  # v != v: NaN
     return out
 
 

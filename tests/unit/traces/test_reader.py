@@ -273,3 +273,31 @@ def test_each_events_arguments_land_on_its_own_row_across_blocks(tmp_path, monke
         got = r.gpu[col].tolist() if col in r.gpu else [None] * len(gpu)
         assert [None if pd.isna(v) else v for v in got] == want, (seed, col)
     assert [json.loads(d) for d in r.host["input_dims"].astype(str)] == [e["args"]["Input Dims"] for e in host], seed
+
+
+@pytest.mark.parametrize("rows", [[2, 0, -1, 2], [1, 1, 0, -1, 1, 0, 1, 3, 2, 1]], ids=["subset", "all"])
+def test_per_text_reads_each_row_as_astype_str_and_calls_once_per_distinct_value(rows):
+    """A categorical column (the reader's text columns) gives each row ``fn`` of its text, a missing
+    one ``fn("nan")``; ``fn`` runs once per distinct value, whether the
+    rows are fewer than the categories (a subset of a table) or more."""
+    col = pd.Series(
+        pd.Categorical.from_codes(rows, categories=pd.Index(["a", "bb", "ccc", "d", "e", "f"], dtype=object))
+    )
+    calls = []
+
+    def length(text):
+        calls.append(text)
+        return len(text)
+
+    names = ["a", "bb", "ccc", "d", "e", "f"]
+    want = [names[r] if r >= 0 else "nan" for r in rows]
+    assert R.per_text(col, length, np.int64).tolist() == [len(t) for t in want]
+    assert len(calls) == len(set(calls)) and set(calls) >= set(want)
+    assert R.texts(col).tolist() == want and R.texts(col).dtype == object
+    assert R.texts(col.iloc[:0]).tolist() == []
+
+
+def test_texts_of_a_plain_column_are_its_values_as_text_a_missing_one_nan():
+    col = pd.Series(["x", None, 7, "y", float("nan")], dtype=object)
+    assert R.texts(col).tolist() == ["x", "nan", "7", "y", "nan"]
+    assert R.per_text(col, lambda t: t.startswith("x"), bool).tolist() == [True, False, False, False, False]
