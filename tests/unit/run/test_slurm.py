@@ -248,3 +248,20 @@ def test_exit_codes_past_128_are_a_signal_and_below_an_exit_code():
     assert slurm.exit_meaning("128:0") == "exit code 128"  # 128 itself: no signal 0
     assert slurm.exit_meaning("2:0") == "exit code 2"
     assert slurm.exit_meaning("0:2") == "a task was ended by SIGINT"
+
+
+def test_a_squeue_line_short_of_fields_reads_the_missing_ones_as_empty(monkeypatch):
+    """``%i|%T|%r|%N``: a line that stops after the state (a wrapper that trims empty fields) is
+    the job in that state, with no reason and no nodes; an id squeue no longer accepts is no error."""
+    _fake_site(monkeypatch, "7|RUNNING\n", "")
+    js = slurm.Watch(accounting=False).poll(["7"])["7"]
+    assert (js.state, js.reason, js.nodes, js.ran) == ("RUNNING", "", "", True)
+
+    def invalid(cmd, timeout=30.0):
+        raise slurm.SlurmError("squeue (exit 1): slurm_load_jobs error: Invalid job id specified")
+
+    monkeypatch.setattr(slurm, "run", invalid)
+    assert slurm.Watch(accounting=False).poll(["8"])["8"].state == "PENDING"  # just submitted
+    monkeypatch.setattr(slurm, "run", lambda cmd, timeout=30.0: (_ for _ in ()).throw(slurm.SlurmError("down")))
+    with pytest.raises(slurm.SlurmError, match="down"):
+        slurm.Watch(accounting=False).poll(["8"])
