@@ -135,3 +135,62 @@ def test_the_index_lists_the_artifacts_and_the_megabytes_of_the_traces_not_kept(
     assert links.count("<li>") == 1 and 'href="artifacts/a/memory/t.json">a/memory/t.json</a>' in links
     assert "index.html" not in links and footprint.NOT_KEPT not in links
     assert report.drop_traces(tmp_path) == []
+
+
+def test_a_bar_whose_total_is_zero_is_at_zero():
+    models = {
+        "box": {"model_name": "HBoxModel", "state": {"children": ["IPY_MODEL_l", "IPY_MODEL_p", "IPY_MODEL_r"]}},
+        "l": {"model_name": "HTMLModel", "state": {"value": "a"}},
+        "p": {"model_name": "FloatProgressModel", "state": {"min": 0, "max": 0, "value": 0}},
+        "r": {"model_name": "HTMLModel", "state": {"value": "b"}},
+    }
+    assert 'max="0" style="accent-color:#1976d2" data-fraction="0.0000"' in report.progress_html("box", models)
+
+
+def test_an_errors_cause_is_its_first_line_cut_past_the_limit():
+    assert report.one_line_cause("\n  ValueError: bad  \nTraceback...") == "ValueError: bad"
+    assert report.one_line_cause(None) == "" and report.one_line_cause("\n \n") == ""
+    assert report.one_line_cause("x" * 10, limit=10) == "x" * 10  # the limit itself: whole
+    assert report.one_line_cause("x" * 11, limit=10) == "x" * 9 + "\u2026"  # one more: cut to the limit
+
+
+def _status(notebook, status, error=""):
+    return SimpleNamespace(notebook=notebook, status=status, html="", ipynb="", error=error, params={"reps": 1},
+                           seconds=1.0, rows=0)  # fmt: skip
+
+
+def test_the_headlines_row_shows_an_ok_labs_figures_and_a_failed_labs_cause(tmp_path, monkeypatch):
+    from lab_utils.studies import headline  # noqa: PLC0415 - the index's own import
+
+    asked = []
+
+    def fake(df, labs):
+        asked.append((len(df), list(labs)))
+        return {lab: [headline.Figure("speed-up", "2.0x")] for lab in labs}
+
+    monkeypatch.setattr(headline, "headlines", fake)
+    page = report._headline_section(tmp_path, [_status("a", "ok"), _status("b", "failed", "ValueError: no\nmore")])
+    assert asked == [(0, ["a"])]
+    assert '<td>a</td><td class="headline">speed-up: <b>2.0x</b>' in page
+    assert (
+        '<td>b</td><td class="headline"><span class="failed">failed</span> <span class="cause">ValueError: no</span>'
+        in page
+    )
+
+
+def test_the_index_says_how_many_failed_and_which_overrides_it_ran_with(tmp_path, monkeypatch):
+    ctx = dict(device_kind="cpu", device_info=dict(name="cpu0", kind="cpu", units=4, units_name="cores",
+               memory_bytes=8 * 2**30), torch_version="t", triton_version="tr", cuda_version="c",
+               python_version="p", commit="abc", timestamp="now")  # fmt: skip
+    monkeypatch.setattr(report, "run_context", lambda extra: dict(ctx))
+    monkeypatch.setattr(report, "get_ceilings", lambda quick: (_ for _ in ()).throw(RuntimeError("none here")))
+    monkeypatch.setattr(report, "_headline_section", lambda run_dir, statuses: "")
+    suite = SimpleNamespace(name="smoke", description="d")
+    statuses = [_status("a", "ok"), _status("b", "failed")]
+    page = report.write_index(tmp_path, suite, statuses, "r1", {}).read_text(encoding="utf-8")
+    assert '<p class="failed">1 of 2 FAILED</p>' in page
+    assert "<tr><th>overrides</th><td>none</td></tr>" in page
+    assert "cpu0 (cpu, 4 cores, 8 GiB)" in page
+    page = report.write_index(tmp_path, suite, statuses[:1], "r1", {"reps": 2}).read_text(encoding="utf-8")
+    assert '<p class="ok">all notebooks ran</p>' in page and "<tr><th>overrides</th><td>reps=2</td></tr>" in page
+    assert json.loads((tmp_path / "context.json").read_text())["ceilings_error"] == "none here"
