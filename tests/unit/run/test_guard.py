@@ -1,6 +1,7 @@
 """What every job runs under (``guard``): the grace kept from its time limit, its own deadline, cancels,
 the processes it started ended, and its age read from /proc."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -133,3 +134,37 @@ def test_the_process_tree_remembers_and_kills_every_process_under_a_root():
     me = guard.ProcessTree()
     me.add(os.getpid())
     assert os.getpid() in me.seen and os.getpid() in me.alive()
+
+
+def test_a_job_runs_its_body_under_its_own_deadline(monkeypatch):
+    """10 minutes less 60 s of grace less the 5 s its process had already run: 535 s from now."""
+    seen = {}
+
+    @contextlib.contextmanager
+    def record(deadline_s=None, **kw):
+        seen.update(kw, deadline_s=deadline_s)
+        yield
+
+    monkeypatch.setattr(guard, "process_age_s", lambda: 5.0)
+    monkeypatch.setattr(guard, "job_guard", record)
+    assert guard.JobBody(10, "slurm")(lambda a, b: a + b, 2, 3) == 5
+    assert seen == {
+        "deadline_s": 600 - 60 - 5,
+        "scheduler": True,
+        "limit": "its 10-minute time limit less 60 s kept to end it",
+        "age_s": 5.0,
+    }
+    guard.JobBody(0.5, "local")(print)
+    assert seen["deadline_s"] == 30 - 10 - 5 and seen["scheduler"] is False
+
+
+def test_sigusr2_within_45_s_of_the_deadline_is_the_time_limits_warning_and_earlier_a_preemption():
+    """30 s before its deadline (SLURM's warning may come 30 s early): the job goes on; 100 s before
+    it: a preemption notice, and a job with no checkpoint handler ends as preempted."""
+    with guard.job_guard(30.0):
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.5)
+    with pytest.raises(guard.JobEnded, match=r"^cancelled: preempted \(signal SIGUSR2\)"):
+        with guard.job_guard(100.0):
+            os.kill(os.getpid(), signal.SIGUSR2)
+            time.sleep(5)
