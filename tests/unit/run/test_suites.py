@@ -143,10 +143,11 @@ def cfg_modules(tmp_path, monkeypatch):
     write("m3_two", "class A:\n    RENAMED = {'a': 'b'}\n\nclass B:\n    RENAMED: dict = {'c': 'd'}\n")
     write("m3_loop_a", "from m3_loop_b import Cfg\n")
     write("m3_loop_b", "from m3_loop_a import Cfg\n")
+    write("m3_import", "from m3_two import A\nfrom m3_two import B as Renamed\n")
     write("m3_plain", "from lab_utils.core.config import LabConfig\n\nclass P(LabConfig):\n    x: int = 1\n")
     write("m3_odd", "RENAMED = {}\n\nclass Q:\n    RENAMED = dict(a='b')\n\nclass R(A, B):\n    pass\n")
     yield
-    for m in ("m3_chain", "m3_two", "m3_loop_a", "m3_loop_b", "m3_plain", "m3_odd"):
+    for m in ("m3_chain", "m3_two", "m3_import", "m3_loop_a", "m3_loop_b", "m3_plain", "m3_odd"):
         assert m not in sys.modules, f"{m} was imported"
 
 
@@ -165,3 +166,25 @@ def test_renamed_parameters_read_from_the_class_named_and_its_source_only(cfg_mo
     assert suites.static_renamed("m3_odd", "Q") is None  # a computed table
     assert suites.static_renamed("m3_odd", "R") is None  # two bases
     assert suites.static_renamed("m3_two", "Missing") is None
+
+
+def test_a_class_imported_from_another_module_is_read_there(cfg_modules):
+    assert suites.static_renamed("m3_import", "A") == {"a": "b"}
+    assert suites.static_renamed("m3_import", "Renamed") == {"c": "d"}  # imported under another name
+
+
+def test_an_override_a_config_renamed_is_taken_under_its_former_name(pdir, cfg_modules):
+    nb = _nb(pdir / "cfg.ipynb", "reps = 1", config="m3_import:A")
+    assert suites.notebook_config_spec(nb) == "m3_import:A"
+    assert suites.notebook_config_spec(pdir / "lab.ipynb") is None
+    s = suites.load_suite(nb)
+    suites.check_overrides(s, {"reps": 2, "a": 1})  # 'a': the former name of 'b'
+    with pytest.raises(SuiteError, match="--param z: no notebook"):
+        suites.check_overrides(s, {"z": 1})
+
+
+def test_a_notebook_named_relative_to_the_working_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _nb(tmp_path / "here.ipynb")
+    s = suites.load_suite("here.ipynb")
+    assert s.name == "here" and s.entries[0].notebook == tmp_path / "here.ipynb"
