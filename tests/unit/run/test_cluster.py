@@ -90,3 +90,17 @@ def test_the_time_limit_and_gpus_come_from_the_partition_when_not_given(monkeypa
         _resolve(monkeypatch, _part(), gpus_per_node=9)
     local = ClusterOptions()
     assert resolve_site(local) is local
+
+
+def test_the_sites_file_in_the_working_folder_is_read_for_slurm_only(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / cluster.CONFIG_FILE).write_text("partition: gpu\ntimeout_min: 5\n")
+    local = cluster_options("local")
+    assert (local.partition, local.timeout_min) == (None, cluster.DEFAULT_TIMEOUT_MIN)
+    monkeypatch.setattr(cluster.shutil, "which", lambda name: f"/usr/bin/{name}")
+    on_slurm = cluster_options("slurm")
+    assert (on_slurm.partition, on_slurm.timeout_min) == ("gpu", 5)
+    assert cluster_options("slurm", timeout_min=7).timeout_min == 7
+    monkeypatch.setattr(cluster.shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match="'--executor' = 'slurm' .* this machine has no SLURM"):
+        cluster_options("slurm")
