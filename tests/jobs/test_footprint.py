@@ -72,70 +72,12 @@ def test_executed_notebooks_keep_their_text_and_the_pages_their_plots(tiny_repor
     assert "BEGIN bokeh-gl.min.js" not in page and '"output_backend":"webgl"' not in page
 
 
-def test_the_webgl_bundle_goes_only_from_a_page_that_draws_nothing_with_it():
-    gl = "/* BEGIN bokeh-gl.min.js */" + " webgl code" * 100 + " /* END bokeh-gl.min.js */"
-    core = "/* BEGIN bokeh.min.js */ core /* END bokeh.min.js */"
-    canvas = f'<script>{core}{gl}</script><script>docs_json = {{"output_backend":"canvas"}}</script>'
-    dropped = report.drop_unused_webgl(canvas)
-    assert "webgl code" not in dropped and "core" in dropped
-    assert len(canvas) - len(dropped) > 900
-    webgl = canvas.replace('"canvas"', '"webgl"')
-    assert report.drop_unused_webgl(webgl) == webgl  # a plot that draws with WebGL keeps its bundle
-    assert report.drop_unused_webgl(core) == core
-
-
-def test_the_byte_table_counts_every_file_once_by_kind(tmp_path):
-    sizes = {
-        "html/a.html": 10,
-        "notebooks/a.ipynb": 20,
-        "artifacts/a/traces/s.trace.json": 30,
-        "artifacts/a/w/trace-rank1.json": 5,
-        "artifacts/a/memory/timeline.json": 40,
-        "records.json": 50,
-        "records.parquet": 7,
-        "records/a/records.json": 60,
-        "index.html": 70,
-        "logs/a.noise.txt": 3,
-    }
-    for rel, n in sizes.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_bytes(b"x" * n)
-    rows = {k.kind: (k.files, k.bytes) for k in footprint.bytes_by_kind(tmp_path)}
-    assert rows == {
-        "HTML pages (html/)": (1, 10),
-        "executed notebooks (notebooks/)": (1, 20),
-        "profiler traces (artifacts/)": (2, 35),
-        "other artifacts (artifacts/)": (1, 40),
-        "records (records.*, records/)": (3, 117),
-        "index, context, status, logs": (2, 73),
-    }
-    assert sum(b for _, b in rows.values()) == sum(sizes.values())
-    assert "| all | 10 | 0.0 | 100% |" in footprint.table_text(footprint.bytes_by_kind(tmp_path))
-
-
 def test_a_tqdm_bar_shows_its_final_state_in_the_page(tiny_reports):
     page = (tiny_reports["default"] / "html" / "tiny.html").read_text()
     assert page.count('class="perflab-progress"') == 1
     bar = page[page.index('class="perflab-progress"') :][:600]
     assert "tiny\u2007steps:\u2007100%" in bar and "4/4" in bar and 'value="4"' in bar and 'max="4"' in bar
     assert "0%|" not in page  # the frozen text form of the bar when it was first shown
-
-
-def test_progress_html_reads_the_widget_state_and_leaves_other_widgets():
-    def m(name, **state):
-        return {"model_name": name, "state": state}
-
-    models = {
-        "box": m("HBoxModel", children=["IPY_MODEL_l", "IPY_MODEL_p", "IPY_MODEL_r"]),
-        "l": m("HTMLModel", value="sweep: 50%"),
-        "p": m("FloatProgressModel", value=8.0, max=16.0, min=0.0, bar_style=""),
-        "r": m("HTMLModel", value=" 8/16 [00:01&lt;00:01]"),
-        "dd": m("DropdownModel", value="a"),
-        "vbox": m("HBoxModel", children=["IPY_MODEL_dd"]),
-    }
-    html = report.progress_html("box", models)
-    assert 'value="8" max="16"' in html and 'data-fraction="0.5000"' in html and "sweep: 50%" in html
-    assert report.progress_html("vbox", models) is None and report.progress_html("nope", models) is None
 
 
 def test_headless_kernels_say_nothing_about_tcp(tmp_path, capfd):

@@ -1,16 +1,11 @@
 """What perflab reads from a SLURM site and how it words a job's end, on fixed command outputs (no cluster;
-tests/jobs/test_slurm.py runs the same against a real one), and the guard every job runs under."""
-
-import os
-import signal
-import subprocess
-import sys
-import time
+tests/jobs/test_slurm.py runs the same against a real one): durations, GRES, partitions at each limit,
+accounts, the states squeue / scontrol / sacct give, and exit codes in words."""
 
 import pytest
 
 from lab_utils.core.config import ConfigError
-from lab_utils.run import guard, slurm
+from lab_utils.run import slurm
 from lab_utils.run.cluster import ClusterOptions
 
 
@@ -102,42 +97,6 @@ def test_the_default_partition_is_used_when_none_is_named():
         slurm.Site({"a": _part(name="a", default=False)}, False).partition(None)
 
 
-def test_the_grace_kept_from_a_time_limit():
-    """10 % of the limit, at least 10 s, at most 60 s, never more than half of it."""
-    assert [guard.grace_s(m) for m in (0.25, 0.5, 1, 5, 10, 11, 600)] == [7.5, 10, 10, 30, 60, 60, 60]
-
-
-def test_the_guard_outlasts_an_early_time_limit_warning_and_stops_at_its_own_deadline():
-    """SIGUSR2 (SLURM's warning, up to 30 s early) does not end the job, nor kill the processes it
-    started (they inherit it blocked); the job's own deadline ends it as timed out and them too."""
-    with pytest.raises(guard.JobEnded, match="^timed out: the test's 3 s"):
-        with guard.job_guard(3.0, limit="the test's 3 s"):
-            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-            time.sleep(0.5)
-            os.kill(os.getpid(), signal.SIGUSR2)
-            child.send_signal(signal.SIGUSR2)
-            time.sleep(0.5)
-            assert child.poll() is None, "the early warning killed the job's child"
-            time.sleep(30)
-    assert child.wait(timeout=10) == -signal.SIGKILL
-
-
-def test_a_cancel_ends_the_job_for_slurm_to_report_and_a_local_one_reports_it(tmp_path, monkeypatch):
-    with pytest.raises(guard.JobEnded, match="^cancelled: signal SIGTERM"):
-        with guard.job_guard(60.0):
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(5)
-    with pytest.raises(SystemExit):  # no result: SLURM's state (CANCELLED, or pending again) is the outcome
-        with guard.job_guard(60.0, scheduler=True):
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(5)
-    (tmp_path / guard.CANCEL_FILE).touch()  # cancelled before the job reached its guard
-    monkeypatch.setenv("SUBMITIT_FOLDER", str(tmp_path))
-    with pytest.raises(guard.JobEnded, match="^cancelled: the run cancelled it while it was starting"):
-        with guard.job_guard(60.0):
-            pytest.fail("the body ran")
-
-
 def _fake_site(monkeypatch, squeue: str, sacct: str) -> list[list[str]]:
     calls: list[list[str]] = []
 
@@ -206,3 +165,103 @@ def test_a_job_pending_for_a_limit_it_exceeds_is_not_waited_on(monkeypatch):
     for reason in ("Resources", "Priority", "BeginTime", "ReqNodeNotAvail", "JobHeldUser"):
         assert not _js("PENDING", reason=reason).never_starts, reason
     assert not _js("RUNNING", reason="PartitionTimeLimit").never_starts
+
+
+def test_a_partition_whose_nodes_report_no_memory_takes_any_mem_gb():
+    """sinfo shows 0 MB for nodes whose memory SLURM does not track: no limit to check against,
+    while a node that reports memory refuses a single GB more than it has."""
+    assert _check(_part(node_mem_mb=0), mem=10_000) is not None
+    assert _check(_part(node_mem_mb=1024), mem=1) is not None  # 1 GB is 1024 MB: exactly a node's memory
+    with pytest.raises(ConfigError, match="'mem_gb' = 2 .* at most 1 "):
+        _check(_part(node_mem_mb=1024), mem=2)
+
+
+def test_the_partitions_node_limit_is_the_smaller_of_its_nodes_and_its_maxnodes():
+    assert _part(total_nodes=4, max_nodes=None).node_limit == 4
+    assert _part(total_nodes=4, max_nodes=2).node_limit == 2
+    assert _part(total_nodes=4, max_nodes=16).node_limit == 4  # MaxNodes past the nodes it has
+
+
+def test_a_job_just_submitted_that_squeue_does_not_list_yet_is_pending(monkeypatch):
+    """Not in squeue and never seen: submitted a moment ago (squeue lags sbatch), waited on, with or
+    without accounting; sacct not knowing it yet either says the same."""
+    for accounting in (False, True):
+        _fake_site(monkeypatch, "", "")
+        js = slurm.Watch(accounting=accounting).poll(["5"])["5"]
+        assert (js.state, js.reason, js.terminal) == ("PENDING", "submitted", False), accounting
+    assert slurm.Watch(accounting=False).poll([]) == {}
+
+
+def test_sacct_fields_land_in_their_place(monkeypatch):
+    """JobID|State|ExitCode|Reason|NodeList|Elapsed: each field where the row reads it."""
+    _fake_site(monkeypatch, "", "77|OUT_OF_MEMORY|0:9|OutOfMemory|n3|00:01:02\n77.batch|x|y|z|w|v\n")
+    js = slurm.Watch(accounting=True).poll(["77"])["77"]
+    assert (js.state, js.exit_code, js.reason, js.nodes, js.ran) == ("OUT_OF_MEMORY", "0:9", "OutOfMemory", "n3", True)
+    _fake_site(monkeypatch, "", "78|CANCELLED by 0|0:0|None|None assigned|00:00:00\n")
+    js = slurm.Watch(accounting=True).poll(["78"])["78"]
+    assert (js.state, js.nodes, js.ran) == ("CANCELLED", "", False)
+
+
+def test_a_site_is_read_from_scontrol_sinfo_and_sacctmgr(monkeypatch):
+    """Fixed outputs of the four commands: each partition's limits, its nodes' fewest CPUs and least
+    memory, their most GPUs, and the accounts this user has."""
+    outputs = {
+        ("scontrol", "show", "config"): "AccountingStorageType = accounting_storage/slurmdbd\n"
+        "AccountingStorageEnforce = associations,limits\n",
+        ("sinfo",): "gpu*|n1|64|512000|gpu:h100:4(S:0-1)\ngpu*|n2|32|256000.5|gpu:h100:8\ncpu|c1|16|64000|(null)\n",
+        ("scontrol", "show", "partition"): "PartitionName=gpu Default=YES State=UP MaxTime=1-00:00:00 "
+        "DefaultTime=00:30:00 MaxNodes=1 TotalNodes=2 AllowAccounts=a1,a2 DenyAccounts=(null)\n"
+        "PartitionName=cpu State=DOWN MaxTime=UNLIMITED MaxNodes=UNLIMITED TotalNodes=1 DenyAccounts=bad\n"
+        "not a partition line\n",
+        ("sacctmgr",): "a2\n a1 \n\na2\n",
+    }
+
+    def run(cmd, timeout=30.0):
+        for k, out in outputs.items():
+            if tuple(cmd[: len(k)]) == k:
+                return out
+        raise AssertionError(cmd)
+
+    monkeypatch.setattr(slurm, "run", run)
+    monkeypatch.setattr(slurm.getpass, "getuser", lambda: "ana")
+    site = slurm.Site.probe()
+    gpu, cpu = site.partitions["gpu"], site.partitions["cpu"]
+    assert (site.accounting, site.enforce, site.accounts, site.user) == (
+        True, "associations,limits", ("a1", "a2"), "ana"
+    )  # fmt: skip
+    assert (gpu.default, gpu.state, gpu.max_time_min, gpu.default_time_min) == (True, "UP", 1440, 30)
+    assert (gpu.max_nodes, gpu.total_nodes, gpu.allow_accounts, gpu.deny_accounts) == (1, 2, ("a1", "a2"), ())
+    assert (gpu.node_cpus, gpu.node_mem_mb, gpu.node_gpus) == (32, 256000, 8)
+    assert (cpu.default, cpu.state, cpu.max_time_min, cpu.max_nodes, cpu.allow_accounts) == (
+        False, "DOWN", None, None, None
+    )  # fmt: skip
+    assert (cpu.deny_accounts, cpu.node_gpus, cpu.gres) == (("bad",), 0, "(null)")
+    outputs[("scontrol", "show", "config")] = "AccountingStorageType = accounting_storage/none\n"
+    del outputs[("sacctmgr",)]  # a site without accounting is not asked for associations
+    plain = slurm.Site.probe()
+    assert (plain.accounting, plain.accounts) == (False, None)
+
+
+def test_exit_codes_past_128_are_a_signal_and_below_an_exit_code():
+    """srun reports a task killed by signal N as exit code 128 + N."""
+    assert slurm.exit_meaning("143:0") == "a task was ended by SIGTERM"  # 128 + 15
+    assert slurm.exit_meaning("128:0") == "exit code 128"  # 128 itself: no signal 0
+    assert slurm.exit_meaning("2:0") == "exit code 2"
+    assert slurm.exit_meaning("0:2") == "a task was ended by SIGINT"
+
+
+def test_a_squeue_line_short_of_fields_reads_the_missing_ones_as_empty(monkeypatch):
+    """``%i|%T|%r|%N``: a line that stops after the state (a wrapper that trims empty fields) is
+    the job in that state, with no reason and no nodes; an id squeue no longer accepts is no error."""
+    _fake_site(monkeypatch, "7|RUNNING\n", "")
+    js = slurm.Watch(accounting=False).poll(["7"])["7"]
+    assert (js.state, js.reason, js.nodes, js.ran) == ("RUNNING", "", "", True)
+
+    def invalid(cmd, timeout=30.0):
+        raise slurm.SlurmError("squeue (exit 1): slurm_load_jobs error: Invalid job id specified")
+
+    monkeypatch.setattr(slurm, "run", invalid)
+    assert slurm.Watch(accounting=False).poll(["8"])["8"].state == "PENDING"  # just submitted
+    monkeypatch.setattr(slurm, "run", lambda cmd, timeout=30.0: (_ for _ in ()).throw(slurm.SlurmError("down")))
+    with pytest.raises(slurm.SlurmError, match="down"):
+        slurm.Watch(accounting=False).poll(["8"])
