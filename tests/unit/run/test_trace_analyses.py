@@ -13,7 +13,7 @@ from lab_utils.run.trace_analyses import path_figures, path_values, rank_extras,
 from lab_utils.traces import TraceAnalysis
 from lab_utils.traces.critical_path import CriticalPath
 
-from ..traces.kineto import Job, step
+from ..traces.kineto import Job, op, step
 
 
 def path(length_us: float, window_us: float, edges: list[tuple[str, float, str, str, str]], step: int = 2):
@@ -135,3 +135,37 @@ def test_the_ten_longest_launch_delays_are_the_worst(tmp_path):
     assert (lo["launches"], lo["delay_outliers"]) == (13, 12)
     assert [r["name"] for r in lo["worst"]] == [f"k{i}" for i in range(11, 1, -1)]
     assert [r["delay_us"] for r in lo["worst"]] == pytest.approx([101.0 + i for i in range(11, 1, -1)])
+
+
+def test_the_call_tree_keeps_the_parts_holding_half_a_percent_of_the_gpu_time_or_more(tmp_path):
+    """Kernels of 991, 5 and 4 us under aten::mm, aten::add and aten::mul: of the 1000 us, aten::add's 5 us
+    are 0.5% (the floor itself, kept), aten::mul's 4 us 0.4% (under it, left out of the page's tree)."""
+    j = Job().add(step(1, 0.0, 5000.0))
+    for i, (name, dur) in enumerate((("aten::mm", 991.0), ("aten::add", 5.0), ("aten::mul", 4.0))):
+        t = 100.0 + 1000.0 * i
+        j.add(op(name, t, 20.0, ext=i + 1))
+        j.gpu(f"k_{name[6:]}", t + 5, t + 30, dur, ext=i + 1)
+    ta = TraceAnalysis(j.write(tmp_path / "t.json"), workers=1)
+    assert len(ta.hierarchy(0)) == 7  # the step, three operators, three kernels
+    tree = rank_figures(ta, 0, None)["hierarchy"]
+    assert [(r["path"], r["gpu_pct"]) for r in tree] == [
+        ("ProfilerStep", 100.0),
+        ("ProfilerStep > aten::mm", pytest.approx(99.1)),
+        ("ProfilerStep > aten::mm > k_mm", pytest.approx(99.1)),
+        ("ProfilerStep > aten::add", pytest.approx(0.5)),
+        ("ProfilerStep > aten::add > k_add", pytest.approx(0.5)),
+    ]
+
+
+def test_the_summary_names_the_three_first_repeated_sequences_of_a_rank():
+    """Four sequences, listed by total time: the first three are printed, in that order, the fourth is not."""
+    seqs = [{"short": f"s{i}", "count": 10 - i, "total_us": 1000.0 * (4 - i)} for i in range(4)]
+    lo = {"launches": 1, "runtime_outliers": 0, "delay_outliers": 0}
+    fig = {"analyses": {"0": {"critical_path": None, "hierarchy": [], "sequences": seqs, "launch_outliers": lo}}}
+    assert [ln for ln in summary_lines(fig) if " repeated: " in ln] == [
+        "rank 0 repeated: s0 x10 (4.000 ms)",
+        "rank 0 repeated: s1 x9 (3.000 ms)",
+        "rank 0 repeated: s2 x8 (2.000 ms)",
+    ]
+    one = fig | {"analyses": {"0": fig["analyses"]["0"] | {"sequences": seqs[3:]}}}
+    assert [ln for ln in summary_lines(one) if " repeated: " in ln] == ["rank 0 repeated: s3 x7 (1.000 ms)"]

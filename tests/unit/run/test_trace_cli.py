@@ -369,3 +369,19 @@ def test_the_page_forked_beside_the_summary_is_the_page_made_in_one_process(tmp_
     monkeypatch.setattr(T.Forked, "result", failed)
     here = T.analyse_rank((path, 0, True, None, opts | {"split": True}))
     assert here.extras.pop("pid") == os.getpid() and set(here.extras) == set(one.extras)
+
+
+def test_the_text_summary_ends_with_the_page_ranks_analyses(tmp_path):
+    """A job read with its page's extras: the text goes on past the collectives with the analyses of
+    step 2, counted here from the events written: 6 launch calls of 4 us (none over 50 us; the
+    all-reduce's, 100 us before its kernel, is not over 100 us), three 100 us GEMMs under aten::mm
+    (0.300 ms of GPU time, all of it its own), and the idle of both streams last."""
+    job = T.load_job(folder(tmp_path, 1), options=OPTS)
+    text = T.summary_text(job, T.figures(job, step=2))
+    after = text.split("\ncollectives (rank, collective")[1]
+    assert "\nrank 0 critical path of step 2: " in after
+    assert "\nrank 0 call tree (GPU time, total / self):\n" in after
+    assert "        0.300 ms /     0.300 ms  ProfilerStep > ## forward ## > aten::mm\n" in after
+    assert "\nrank 0 launches: 6 calls, 0 over 50 us, 0 with a launch delay over 100 us\n" in after
+    tail = after.split("\nidle per stream (ms): rank stream host_wait kernel_wait other\n")[1].splitlines()
+    assert [ln.split()[:2] for ln in tail] == [["0", "7"], ["0", "9"]]

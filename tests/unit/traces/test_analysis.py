@@ -160,3 +160,19 @@ def test_a_cpu_rank_gets_no_launch_verdict_and_a_gpu_given_names_unnamed_traces(
     with pytest.raises(ConfigError, match="gpu"):
         TraceAnalysis(write(tmp_path / "x.json", [launch(1, 5), kernel("k", 1, 10, 5)]), gpu="A100")
     assert np.isnan(cpu.overlap().iloc[0]["overlap_pct"])
+
+
+def test_the_categories_of_every_rank_are_one_table_numbered_through(job):
+    """Two categories on each of the two ranks (the GEMMs' matmul, the all-reduces' communication):
+    four rows numbered 0-3, so a row is found by its label once, not once per rank."""
+    cats = job.categories()
+    assert cats.index.tolist() == [0, 1, 2, 3] and cats["rank"].tolist() == [0, 0, 1, 1]
+    assert sorted(cats.loc[cats["rank"] == 0, "category"]) == ["communication", "matmul"]
+
+
+def test_the_timeline_shows_the_ranks_asked_for_else_every_rank(job):
+    """Step 1 of rank 1 alone: its bars only; no ranks given: both ranks' bars."""
+    one = job.timeline(step=1, ranks=[1])
+    assert one.ranks == [1] and set(one.bars["rank"]) == {1} and one.step == 1
+    both = job.timeline(step=1)
+    assert both.ranks == [0, 1] and set(both.bars["rank"]) == {0, 1}

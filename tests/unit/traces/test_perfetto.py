@@ -143,3 +143,14 @@ def test_times_keep_nanoseconds_as_three_decimals(tmp_path):
     assert [e["ts"] for e in out if e["ph"] in ("s", "f")] == [12.0, 40.001]
     call = next(e for e in slices(out, 1) if e["name"] == "cudaLaunchKernel")
     assert call["ts"] == 12.0
+
+
+def test_slices_under_a_microsecond_keep_their_length(tmp_path):
+    """A 0.5 us operator, a 0.001 us one and an instant one (0 us) are written as long as they ran; so
+    is a 0.5 us kernel."""
+    ev = [step(1, 0, 100), op("aten::view", 10, 0.5), op("aten::alias", 20, 0.001), op("aten::detach", 30, 0.0),
+          launch(1, 40), kernel("tiny", 1, 50, 0.5)]  # fmt: skip
+    _, out = events_of(tmp_path, ev)
+    durs = {e["name"]: e["dur"] for e in slices(out, 1) if e["name"] != "cudaLaunchKernel"}
+    assert durs == {"ProfilerStep#1": 100.0, "aten::view": 0.5, "aten::alias": 0.001, "aten::detach": 0.0}
+    assert [(e["name"], e["dur"]) for e in slices(out, 2)] == [("tiny", 0.5)]
