@@ -6,6 +6,7 @@ blocks are detected from repeated children; the identity keeps two models apart.
 from __future__ import annotations
 
 import importlib
+import sys
 
 import pytest
 import torch
@@ -212,3 +213,61 @@ def test_the_identity_keeps_two_models_apart_and_two_builds_of_one_together():
     assert ia.key != ic.key and ia.config_hash != ic.config_hash and ia.parameters != ic.parameters
     # hand count of Tiny(8): 4*8+8 + 3*(8*8+8) + 8+1
     assert ia.parameters == 40 + 216 + 9
+
+
+class Dot(nn.Module):
+    """loss = w . a: the gradient is the batch itself, so the clipped step is known by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(2))
+
+    def forward(self, a):
+        return (self.w * a).sum()
+
+
+def clipped(grad_clip: float = 0.0) -> StepFactory:
+    m = Dot()
+    s = StepFactory(
+        m, torch.optim.SGD(m.parameters(), lr=1.0), lambda k: torch.tensor([3.0, 4.0]) * (k + 1), lambda mm, a: mm(a)
+    )
+    s.grad_clip = grad_clip
+    return s
+
+
+@pytest.mark.parametrize(
+    "clip, want",
+    [
+        (0.0, [-3.0, -4.0]),  # no clipping: w1 = -lr * a, a = [3, 4] (norm 5)
+        (0.5, [-0.3, -0.4]),  # clipped to norm 0.5: -a * 0.5 / 5
+        (1.0, [-0.6, -0.8]),
+        (10.0, [-3.0, -4.0]),  # over the norm: left as it is
+    ],
+)
+def test_the_checked_first_step_clips_the_gradient_norm_to_grad_clip(clip, want):
+    s = clipped(clip)
+    step_load.first_step("t:clipped", s)
+    torch.testing.assert_close(s.model.w.detach(), torch.tensor(want))
+
+
+def test_build_step_takes_the_factory_keywords_and_refuses_others():
+    s = step_load.build_step(f"{HERE}:good", batch_size=3, seed=1, device="cpu")
+    assert s.make_batch(0).shape == (3, 4)
+    assert step_load.build_step(f"{HERE}:good").make_batch(0).shape == (2, 4)
+    with pytest.raises(ConfigError, match="colour"):
+        step_load.build_step(f"{HERE}:good", colour="red")
+
+
+def test_a_folder_on_the_step_path_comes_before_everything_on_sys_path(tmp_path, monkeypatch):
+    name = f"shadowed_step_{tmp_path.name}".replace("-", "_")
+    first, mine = tmp_path / "first", tmp_path / "mine"
+    for d, width in ((first, 3), (mine, 5)):
+        d.mkdir()
+        (d / f"{name}.py").write_text(f"def width():\n    return {width}\n")
+    monkeypatch.syspath_prepend(str(first))  # already at sys.path[0], holding a module of the same name
+    monkeypatch.setenv(step_load.STEP_PATH_ENV, str(mine))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    try:
+        assert step_load.resolve_factory(f"{name}:width")() == 5
+    finally:
+        sys.modules.pop(name, None)
