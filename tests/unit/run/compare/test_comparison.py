@@ -750,3 +750,15 @@ def test_outputs_are_written_into_a_folder_made_with_its_parents(tmp_path, runs)
     paths = C.compare(*runs).write(out)
     assert {p.name for p in paths.values()} == {"compare.html", "summary.txt", "compare.json"}
     assert all(p.parent == out and p.stat().st_size > 0 for p in paths.values())
+
+
+def test_a_slower_time_from_zero_with_samples_kept_is_not_gated_and_says_why(tmp_path):
+    """0 ms (eight samples of 0) against 1 ms: slower by its point values, no ratio of samples to
+    measure the noise with, so not gated; the note says the samples were kept."""
+    t = value_row("01", "fwd", "v", "time", 0.0, unit="ms", statistic="median")
+    b = [dict(t, samples=[0.0] * 8, stable=True, stability="ok")]
+    c = [dict(t, value=1.0, samples=[1.0] * 8, stable=True, stability="ok")]
+    cmp = C.compare(write_report(tmp_path / "b", b, CPU), write_report(tmp_path / "c", c, CPU))
+    r = find(cmp, metric="time")
+    assert (r["verdict"], r["regression"]) == ("slower", False)
+    assert r["note"] == "samples kept but not usable for a ratio, so no noise estimate: not gated"
