@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lab_utils.run.compare.sides import Side, as_samples, baseline_kind, load_side, normalise
+from lab_utils.run.compare.sides import Side, as_samples, baseline_kind, load_side, normalise, resolve_source
 
 CONTEXT = {"device": "Test CPU 9000", "device_kind": "cpu", "torch_version": "2.13.0", "commit": "aaaa"}
 
@@ -121,3 +121,18 @@ def test_samples_keep_their_finite_values_or_are_none(x, kept):
         assert a is None
     else:
         np.testing.assert_array_equal(a, kept)
+
+
+def test_a_baseline_reference_resolves_to_its_kinds_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("PERFLAB_BASELINES", str(tmp_path / "baselines"))
+    assert resolve_source("baseline:cuda-nvidia-h200") == tmp_path / "baselines" / "cuda-nvidia-h200"
+    assert resolve_source("baseline:cpu") == tmp_path / "baselines" / "cpu"
+    assert resolve_source(tmp_path / "r1") == tmp_path / "r1"  # a folder as given
+
+
+def test_normalised_rows_have_every_key_column_as_text():
+    """Records without a shape or dtype column, and with a missing variant, match on empty text."""
+    rows = normalise(pd.DataFrame([dict(lab="01_a", experiment="e", variant=None, metric="params", statistic="value",
+                                        value=1.0)]))  # fmt: skip
+    assert rows.loc[0, ["variant", "shape", "dtype", "unit"]].tolist() == ["", "", "", ""]
+    assert rows.loc[0, "lab"] == "01_a" and rows.loc[0, "occurrence"] == 1
