@@ -58,3 +58,12 @@ def test_a_rank_tested_change_within_the_threshold_is_within_noise():
     assert judge(1.01, NAN, NAN, 0.5, 0.02, TIME, o) == ("same", "within noise")
     assert judge(1.01, NAN, NAN, 0.5, 0.009, TIME, o) == ("faster", "")
     assert judge(1.01, NAN, NAN, 0.009, 0.5, TIME, o) == ("slower", "")
+
+
+@pytest.mark.parametrize("worse", [True, False])
+def test_a_rank_test_at_the_significance_level_itself_is_no_verdict(worse):
+    """A p-value must be below 1 - confidence to count: exactly at it, the change is noise."""
+    o = Options(method="rank")
+    alpha = 1 - 0.99
+    pw, pb = (alpha, 0.5) if worse else (0.5, alpha)
+    assert judge(1.01, NAN, NAN, pw, pb, TIME, o) == ("same", "within noise")
