@@ -35,7 +35,7 @@ from lab_utils.run.compare.rules import (
 )
 from lab_utils.run.compare.sides import Side, identity_by_group, load_side, with_identity
 from lab_utils.run.compare.text import summary_text
-from lab_utils.run.compare.verdicts import RowJudge, stable_flag
+from lab_utils.run.compare.verdicts import UNUSABLE_SAMPLES_NOTE, RowJudge, stable_flag
 
 OUT_COLUMNS = [
     "lab",
@@ -351,9 +351,11 @@ def gate(df: pd.DataFrame, o: Options, too_noisy: bool, not_gated: set[str]) -> 
         & (df["noise"] == "")
         & ~df["verdict"].isin(("failed", *MEMBERSHIP_VERDICTS))
     )
-    df.loc[unmeasured_noise & df["verdict"].isin(WORSE_VERDICTS), "note"] = (
-        "no samples, so no noise estimate: not gated"
-    )
+    unmeasured_worse = unmeasured_noise & df["verdict"].isin(WORSE_VERDICTS)
+    # samples kept on both sides that no ratio could use (a value of zero): no noise estimate either
+    kept = (df["n_base"] >= o.min_samples) & (df["n_cand"] >= o.min_samples)
+    df.loc[unmeasured_worse & ~kept, "note"] = "no samples, so no noise estimate: not gated"
+    df.loc[unmeasured_worse & kept, "note"] = f"{UNUSABLE_SAMPLES_NOTE}, so no noise estimate: not gated"
     df["regression"] = df["verdict"].isin(WORSE_VERDICTS) & gated & ~unmeasured_noise
     if too_noisy:  # timings of a run this noisy are no evidence; accuracy figures still gate
         df.loc[df["kind"] == "performance", "regression"] = False

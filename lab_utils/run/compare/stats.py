@@ -14,6 +14,9 @@ import numpy as np
 from lab_utils.run.compare.options import Options
 from lab_utils.run.compare.rules import Direction
 
+#: the note of a verdict made by the threshold alone, without samples to measure the noise
+NO_SAMPLES_NOTE = "no samples: threshold only"
+
 
 def bootstrap_ratio(
     base: np.ndarray, cand: np.ndarray, *, n: int = 2000, confidence: float = 0.95, seed: int = 0
@@ -68,7 +71,7 @@ def judge(
         oriented = delta if d.better == "higher" else -delta
         if abs(oriented) <= o.db_threshold:
             return "same", "within threshold" if oriented else ""
-        return (better_w if oriented > 0 else worse_w), "no samples: threshold only"
+        return (better_w if oriented > 0 else worse_w), NO_SAMPLES_NOTE
     thr = o.accuracy_threshold if d.kind == "accuracy" else o.threshold
     bound = 1 + thr
     point_better, point_worse = gain > bound, gain < 1 / bound
@@ -76,7 +79,7 @@ def judge(
     boot = not (math.isnan(lo) or math.isnan(hi))
     if not (rank or boot):
         if point_better or point_worse:
-            return (better_w if point_better else worse_w), "no samples: threshold only"
+            return (better_w if point_better else worse_w), NO_SAMPLES_NOTE
         return "same", "within threshold" if gain != 1 else ""
     alpha = 1 - o.confidence
     conf_worse = pw < alpha if rank else hi < 1 / bound

@@ -27,7 +27,10 @@ from lab_utils.run.compare.rules import (
     ranked_member,
     skipped_row,
 )
-from lab_utils.run.compare.stats import bootstrap_ratio, judge, rank_pvalues
+from lab_utils.run.compare.stats import NO_SAMPLES_NOTE, bootstrap_ratio, judge, rank_pvalues
+
+#: the note of a row both sides kept samples of that no ratio of samples can use (a value of zero, a dB figure)
+UNUSABLE_SAMPLES_NOTE = "samples kept but not usable for a ratio"
 
 #: the fields that tell one case apart: a time row and its per-time rows share them
 GROUP_COLS = ["lab", "experiment", "variant", "shape", "dtype", "ident", "occurrence"]
@@ -255,7 +258,7 @@ class RowJudge:
             row["noise"] = f"bootstrap {int(o.confidence * 100)}%" + (" + rank test" if o.method == "rank" else "")
             self.time_gain[tuple(r[c] for c in GROUP_COLS) + (r["metric"],)] = (gain, lo, hi, pw, pb)
         elif have:
-            row["note"] = "samples kept but not usable for a ratio"
+            row["note"] = UNUSABLE_SAMPLES_NOTE
         if d.kind == "performance" and not have and r["metric"].endswith(PER_TIME_SUFFIXES):
             self.pending.append((row, d, delta, r))
             return
@@ -266,6 +269,8 @@ class RowJudge:
                 row.update(verdict=verdict, note=note)
                 return
         verdict, note = judge(gain, lo, hi, pw, pb, d, o, delta=delta)
+        if have and note == NO_SAMPLES_NOTE:  # judged by the threshold although samples were kept
+            note = f"{UNUSABLE_SAMPLES_NOTE}: threshold only"
         if d.kind == "accuracy" and d.scale == "ratio":
             note = f"{note}; rule: threshold" if note else "rule: threshold"
         row.update(lo=lo, hi=hi, p_value=min(pw, pb), verdict=verdict, note=note or row["note"])

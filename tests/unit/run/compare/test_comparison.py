@@ -680,3 +680,85 @@ def test_a_row_skipped_on_one_side_only_has_no_value_and_does_not_gate(tmp_path)
     tri = cmp.rows[cmp.rows.variant == "triton"].set_index("ident").verdict.to_dict()
     assert tri == {"tensor=out": "skipped", "tensor=dq": "less accurate"}
     assert cmp.exit_code == C.EXIT_REGRESSION  # the measured row still gates
+
+
+def test_a_run_with_unstable_timings_at_the_limit_still_gates(tmp_path):
+    """One of four timings unstable is 25%, the limit itself (``max_unstable_share``): the run is
+    still comparable and a stable 1.6x slower timing beside it gates; two of four (50%) would not."""
+    rng = np.random.default_rng(13)
+    base, cand = [], []
+    for i in range(4):
+        base += timing_rows("02", "sweep", f"v{i}", 1.0 + i, rng=rng, noise=0.01)
+        cand += timing_rows("02", "sweep", f"v{i}", (1.0 + i) * (1.6 if i == 3 else 1.0), rng=rng, noise=0.01)
+    b = write_report(tmp_path / "b", base, CPU)
+    c = write_report(tmp_path / "c", flag_rows(cand, "v0", "bimodal"), CPU)
+    cmp = C.compare(b, c)
+    assert (cmp.stability["candidate"].unstable, cmp.stability["candidate"].timings) == (1, 4)
+    assert cmp.too_noisy == {} and cmp.incomparable() == []
+    t = find(cmp, variant="v3", metric="time")
+    assert t["verdict"] == "slower" and t["regression"]
+    assert cmp.exit_code == C.EXIT_REGRESSION and set(cmp.regressions["variant"]) == {"v3"}
+
+
+def test_rows_are_listed_worst_verdict_first_then_by_lab(tmp_path):
+    """Labs named in the reverse of their verdicts' order: the listing follows the verdicts (a
+    loss of accuracy, a change, a missing row, no value, the improvements, unchanged last) and
+    breaks a tie (two improvements) by lab."""
+    b = [
+        value_row("a_same", "e", "v", "params", 1.0),
+        value_row("b_more_accurate", "e", "v", "max_abs_err", 2e-3),
+        value_row("c_faster", "e", "v", "time", 2.0, unit="ms"),
+        value_row("d_no_value", "e", "v", "params", 1.0),
+        value_row("e_only_in_base", "e", "v", "params", 1.0),
+        value_row("f_changed", "e", "v", "params", 1.0),
+        value_row("g_less_accurate", "e", "v", "max_abs_err", 1e-3),
+    ]
+    c = [
+        value_row("a_same", "e", "v", "params", 1.0),
+        value_row("b_more_accurate", "e", "v", "max_abs_err", 1e-3),
+        value_row("c_faster", "e", "v", "time", 1.0, unit="ms"),
+        value_row("d_no_value", "e", "v", "params", math.nan),
+        value_row("f_changed", "e", "v", "params", 2.0),
+        value_row("g_less_accurate", "e", "v", "max_abs_err", 2e-3),
+    ]
+    cmp = C.compare(write_report(tmp_path / "b", b, CPU), write_report(tmp_path / "c", c, CPU), labs=())
+    assert list(cmp.rows["lab"]) == [
+        "g_less_accurate",
+        "f_changed",
+        "e_only_in_base",
+        "d_no_value",
+        "b_more_accurate",
+        "c_faster",
+        "a_same",
+    ]
+    assert list(cmp.rows["verdict"]) == [
+        "less accurate", "changed", "only in base", "no value", "more accurate", "faster", "same",
+    ]  # fmt: skip
+
+
+def test_a_flag_for_repeated_keys_names_the_side_and_count_only_when_a_key_repeats(tmp_path, runs):
+    assert not any("repeat a key" in f for f in C.compare(*runs).flags)
+    once = value_row("l", "e", "v", "max_abs_err", 1e-3)
+    rows = [once, value_row("l", "e", "v", "max_abs_err", 5e-3), value_row("l", "e", "w", "max_abs_err", 1e-3)]
+    cmp = C.compare(write_report(tmp_path / "b", rows, CPU), write_report(tmp_path / "c", [once], CPU))
+    repeats = [f for f in cmp.flags if "repeat a key" in f]
+    assert len(repeats) == 1 and repeats[0].startswith("base: 1 row(s) repeat a key")
+
+
+def test_outputs_are_written_into_a_folder_made_with_its_parents(tmp_path, runs):
+    out = tmp_path / "not" / "yet" / "there"
+    paths = C.compare(*runs).write(out)
+    assert {p.name for p in paths.values()} == {"compare.html", "summary.txt", "compare.json"}
+    assert all(p.parent == out and p.stat().st_size > 0 for p in paths.values())
+
+
+def test_a_slower_time_from_zero_with_samples_kept_is_not_gated_and_says_why(tmp_path):
+    """0 ms (eight samples of 0) against 1 ms: slower by its point values, no ratio of samples to
+    measure the noise with, so not gated; the note says the samples were kept."""
+    t = value_row("01", "fwd", "v", "time", 0.0, unit="ms", statistic="median")
+    b = [dict(t, samples=[0.0] * 8, stable=True, stability="ok")]
+    c = [dict(t, value=1.0, samples=[1.0] * 8, stable=True, stability="ok")]
+    cmp = C.compare(write_report(tmp_path / "b", b, CPU), write_report(tmp_path / "c", c, CPU))
+    r = find(cmp, metric="time")
+    assert (r["verdict"], r["regression"]) == ("slower", False)
+    assert r["note"] == "samples kept but not usable for a ratio, so no noise estimate: not gated"

@@ -20,6 +20,7 @@ from scipy.stats import binom
 
 from lab_utils.core.records import CONTEXT_COLUMNS, ROW_COLUMNS
 from lab_utils.run import compare as C
+from lab_utils.run.compare import rules
 from lab_utils.run.compare.options import Options
 from lab_utils.run.compare.rules import Direction
 from lab_utils.run.compare.stats import judge, rank_pvalues
@@ -284,3 +285,80 @@ def test_rank_pvalues_take_two_samples_per_side(gen):
     pw, pb = rank_pvalues(base, cand, 1.05, "higher")  # higher is better: the same change is better
     assert pw == pytest.approx(1.0) and pb == pytest.approx(1 / 6)
     assert all(math.isnan(x) for x in rank_pvalues(base[:1], cand[:1], 1.05, "lower"))
+
+
+# --------------------------------------------------------------------------- rules on their own
+@pytest.mark.parametrize(
+    "dtype, finfo",
+    [
+        ("float64", np.finfo(np.float64)),
+        ("fp32", np.finfo(np.float32)),
+        ("torch.float16", np.finfo(np.float16)),
+        ("bf16", torch.finfo(torch.bfloat16)),
+    ],
+)
+def test_a_dtypes_unit_roundoff_is_half_its_machine_epsilon(dtype, finfo):
+    assert rules.unit_roundoff(dtype) == float(finfo.eps) / 2
+
+
+def test_tf32_rounds_like_float16_and_an_unknown_dtype_has_no_roundoff():
+    """TF32 keeps float16's 10 mantissa bits (with float32's exponent)."""
+    assert rules.unit_roundoff("tf32") == float(np.finfo(np.float16).eps) / 2
+    assert rules.unit_roundoff("int8") is None and rules.unit_roundoff("") is None
+
+
+def roundoff(floor: float) -> rules.ErrorScale:
+    return rules.ErrorScale("roundoff", floor, floor, f"floor {floor:g}")
+
+
+@pytest.mark.parametrize(
+    "vc, verdict, why",
+    [
+        (1.05e-3, "same", "within threshold"),  # 5% worse: inside the 10% threshold
+        (1e-3 / 1.05, "same", "within threshold"),  # 5% better
+        (1e-3 * (1 + A), "same", "within threshold"),  # at the threshold
+        (1.15e-3, "less accurate", "beyond"),
+        (1e-3 / 1.15, "more accurate", "beyond"),
+    ],
+)
+def test_an_error_figure_on_its_roundoff_scale_needs_the_ratio_threshold_too(vc, verdict, why):
+    """Base 1e-3 against a float-noise floor of 1e-9: every move here is far beyond the floor,
+    so the ratio threshold (10%) alone decides."""
+    gain = 1e-3 / vc
+    v, note = rules.judge_error(1e-3, vc, gain, A, roundoff(1e-9))
+    assert v == verdict and why in note and note.endswith("(rule: roundoff)")
+
+
+def test_an_error_figure_moved_by_exactly_its_roundoff_floor_is_float_noise():
+    """float32 over a reduction of 4: 4 x 2^-24 x sqrt(4) = 2^-21.  Doubling an error of 2^-21
+    moves it by 2^-21, the floor itself: float noise; a hair more is a change."""
+    scale = rules.error_scale("", json.dumps({"roundoff_dtype": "float32", "reduction": 4}))
+    assert (scale.rule, scale.base, scale.cand) == ("roundoff", 2.0**-21, 2.0**-21)
+    f = 2.0**-21
+    v, note = rules.judge_error(f, 2 * f, 0.5, A, scale)
+    assert v == "same" and note.startswith("float noise")
+    vc = 2 * f * (1 + 1e-9)
+    assert rules.judge_error(f, vc, f / vc, A, scale)[0] == "less accurate"
+
+
+def test_an_error_figure_past_its_tolerance_within_the_ratio_threshold_is_the_same():
+    """Both sides already past a tolerance of 1: shares 300% -> 329% move by 29% of it (over a
+    quarter) but by 9.7% as a ratio, inside the 10% threshold: no verdict."""
+    scale = rules.ErrorScale("tolerance", 1.0, 1.0, "its check's tolerance 1")
+    v, note = rules.judge_error(3.0, 3.29, 3.0 / 3.29, A, scale)
+    assert (v, note) == ("same", "300.0% -> 329.0% of its check's tolerance 1: within threshold (rule: tolerance)")
+
+
+@pytest.mark.parametrize(
+    "extra, member",
+    [
+        ({"top_n": 1, "share": 0.3}, rules.Ranked(1, 0.3)),  # a list of one item is a list
+        ({"top_n": 15}, rules.Ranked(15, None)),
+        ({"top_n": 0, "share": 0.3}, None),
+        ({"top_n": True}, None),
+        ({"top_n": 2.0}, None),
+        ({"share": 0.3}, None),
+    ],
+)
+def test_a_ranked_lists_member_needs_a_whole_number_of_items_of_at_least_one(extra, member):
+    assert rules.ranked_member(json.dumps(extra)) == member

@@ -152,3 +152,27 @@ def test_an_error_figure_judged_by_the_threshold_names_the_rule_after_any_reason
     kept = dict(samples_b=s, samples_c=2 * s) if samples else {}
     (r,) = judged(merged(metric="max_abs_err", unit_b="", unit_c="", value_b=1.0, value_c=2.0, **kept))
     assert (r["verdict"], r["note"]) == ("less accurate", note)
+
+
+@pytest.mark.parametrize(
+    "vb, vc, verdict",
+    [(0.0, 1.0, "slower"), (1.0, 0.0, "faster")],  # from nothing, to nothing
+)
+def test_a_zero_time_with_samples_kept_says_they_were_kept(vb, vc, verdict):
+    """A value of zero leaves no ratio of samples: the verdict is the threshold's, and the note
+    says the samples were kept but unusable, never that there were none."""
+    s = {0.0: np.zeros(8), 1.0: np.ones(8)}
+    (r,) = judged(merged(value_b=vb, value_c=vc, samples_b=s[vb], samples_c=s[vc]))
+    assert (r["verdict"], r["note"]) == (verdict, "samples kept but not usable for a ratio: threshold only")
+    (bare,) = judged(merged(value_b=vb, value_c=vc))  # no samples at all: the bare fact
+    assert (bare["verdict"], bare["note"]) == (verdict, "no samples: threshold only")
+
+
+def test_an_error_figure_from_zero_with_samples_kept_names_them_and_the_rule():
+    zeros, ones = np.zeros(8), np.full(8, 1e-3)
+    (r,) = judged(merged(metric="max_abs_err", unit_b="", unit_c="", value_b=0.0, value_c=1e-3,
+                         samples_b=zeros, samples_c=ones))  # fmt: skip
+    assert (r["verdict"], r["note"]) == (
+        "less accurate",
+        "samples kept but not usable for a ratio: threshold only; rule: threshold",
+    )
