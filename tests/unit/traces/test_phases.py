@@ -122,3 +122,9 @@ def test_the_block_label_of_a_range_or_module_name():
     assert block_of("single_blocks.0") == "single_blocks.0"
     assert block_of("## single_blocks.37.mlp ##") == "single_blocks.37"
     assert block_of("double_blocks") is None and block_of("blocks.3") is None and block_of("") is None
+
+
+def test_a_tables_repr_shows_its_rules_not_their_compiled_patterns():
+    mine = PhaseTable(rules=(("my_fwd", "forward"),))
+    assert repr(mine) == "PhaseTable(rules=(('my_fwd', 'forward'),), replace=False)"
+    assert mine == PhaseTable(rules=(("my_fwd", "forward"),)) and mine != PhaseTable()
