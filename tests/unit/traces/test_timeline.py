@@ -147,3 +147,32 @@ def test_merge_bins_split_any_window_longer_than_zero_and_a_zero_window_is_one_b
     # a window of no length: every short bar in one bin, no division by zero
     out, merged, _ = _decimate(bars([5.0] * 4, [0.0, 0.0, 0.0, 0.0]), 2, 1000, 5.0, 5.0)
     assert merged == 3 and out.loc[out["kind"] == "merged", "count"].tolist() == [3]
+
+
+def test_a_step_not_in_the_trace_names_up_to_twelve_steps_in_full():
+    from lab_utils.traces.timeline import check_steps
+
+    with pytest.raises(ConfigError) as twelve:
+        check_steps("step", 99, [list(range(1, 7)), list(range(7, 13))])
+    assert str([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]) in str(twelve.value)
+    with pytest.raises(ConfigError) as thirteen:
+        check_steps("step", 99, [list(range(1, 14))])
+    assert str([1, 2, 3, 4, 5, 6, "...", 11, 12, 13]) in str(thirteen.value)
+    check_steps("step", 12, [[], list(range(1, 13))])  # a step one rank has: no error
+
+
+def test_each_phase_and_no_phase_has_its_own_range_colour():
+    from lab_utils.traces.timeline import CATEGORY_COLORS
+
+    names = ["data", "encoders", "forward", "backward", "optimizer", "checkpoint", "communication", "none"]
+    colours = [CATEGORY_COLORS[f"phase: {p}"] for p in names]
+    assert all(c.startswith("#") and len(c) == 7 for c in colours) and len(set(colours)) == len(names)
+
+
+def test_a_rank_with_nothing_in_the_step_keeps_the_steps_window_on_the_shared_clock(tmp_path):
+    from lab_utils.traces.timeline import rank_bars
+
+    trace = read_rank(write(tmp_path / "r0.json", [step(1, 1000, 100), step(2, 1100, 50)]), 0)
+    ta = TraceAnalysis({0: trace})
+    rb = rank_bars(0, ta.traces[0], ta.attributed(0), 2)
+    assert len(rb.bars) == 0 and (rb.lo, rb.hi) == pytest.approx((1100.0, 1150.0))
