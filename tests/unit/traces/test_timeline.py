@@ -176,3 +176,20 @@ def test_a_rank_with_nothing_in_the_step_keeps_the_steps_window_on_the_shared_cl
     ta = TraceAnalysis({0: trace})
     rb = rank_bars(0, ta.traces[0], ta.attributed(0), 2)
     assert len(rb.bars) == 0 and (rb.lo, rb.hi) == pytest.approx((1100.0, 1150.0))
+
+
+def test_the_ms_axis_starts_at_the_step_even_when_its_first_bar_starts_later(tmp_path):
+    ta = TraceAnalysis({0: read_rank(write(tmp_path / "r0.json", lanes_events()), 0)})
+    tl = step_timeline(ta.traces, {0: ta.attributed(0)}, 1)
+    fwd = tl.bars[tl.bars["name"] == "## forward ##"].iloc[0]
+    assert tl.t0_us == 0.0 and fwd["start_ms"] == pytest.approx(0.010)  # the step at 0 us, the range at 10 us
+
+
+def test_kernels_the_gpu_clock_puts_before_the_step_still_start_the_axis(tmp_path):
+    """Two kernels launched in the step whose GPU timestamps fall before it (clock skew): the axis
+    starts at the earlier of them, so no bar has a negative start."""
+    ev = [step(1, 100, 100), launch(1, 150), kernel("k_a", 1, 80, 5), launch(2, 160), kernel("k_b", 2, 90, 5)]
+    ta = TraceAnalysis({0: read_rank(write(tmp_path / "r0.json", ev), 0)})
+    tl = step_timeline(ta.traces, {0: ta.attributed(0)}, 1)
+    assert sorted(tl.bars["name"]) == ["k_a", "k_b"]
+    assert tl.bars["start_ms"].min() == pytest.approx(0.0)
