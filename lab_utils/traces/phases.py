@@ -20,7 +20,7 @@ phase              names (examples from real traces and from the lab's own train
 =================  ===============================================================================
 
 The lab's own range names (``lab_utils.model.train.PHASES``) are listed in :data:`LAB_PHASES`
-(copied, since this layer may not import the model; tests/unit/traces/test_collectives.py checks that the
+(copied, since this layer may not import the model; tests/unit/traces/test_phases.py checks that the
 two stay in step).  MMDiT blocks (``double_blocks.N``, ``single_blocks.N``) are not phases but a
 block label: :func:`block_of`.
 

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from lab_utils.core.config import ConfigError
-from lab_utils.traces import PhaseTable, TraceAnalysis, read_job, read_rank
+from lab_utils.traces import TraceAnalysis, read_job, read_rank
 from lab_utils.traces import reader as reader_mod
 from lab_utils.traces.categories import category, hta_type
 from lab_utils.traces.collectives import (
@@ -24,7 +24,6 @@ from lab_utils.traces.collectives import (
     skew,
     straggler,
 )
-from lab_utils.traces.phases import LAB_PHASES, block_of
 
 
 def step(n, ts, dur, tid=1):
@@ -295,34 +294,6 @@ def test_rocm_trace_stream_0_kernels_are_attributed_by_launch(tmp_path):
     k = ta.kernels(0, "steps")
     assert list(k["step"]) == [1] and list(k["category"]) == ["matmul"]
     assert ta.traces[0].vendor == "rocm"
-
-
-def test_phase_table_reads_real_and_lab_names_and_can_be_overridden():
-    t = PhaseTable()
-    assert t.phase("## forward ##") == "forward" and t.phase("forward") == "forward"
-    assert t.phase("DistributedDataParallel.forward") == "forward"
-    assert t.phase("## backward ##") == "backward" and t.phase("Optimizer.step#SGD.step") == "optimizer"
-    assert t.phase("Optimizer.zero_grad#SGD.zero_grad") == "optimizer" and t.phase("## optimizer ##") == "optimizer"
-    assert t.phase("nccl:all_reduce") == "communication" and t.phase("## data_load ##") == "data"
-    assert t.phase("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__") == "data"
-    assert t.phase("ProfilerStep#3") is None and t.phase("## encoder fp8 None ##") is None
-    for name, phase in LAB_PHASES.items():
-        assert t.phase(name) == phase
-    assert (
-        block_of("model.double_blocks.12.attn") == "double_blocks.12"
-        and block_of("single_blocks.0") == "single_blocks.0"
-    )
-    mine = PhaseTable(rules=(("my_fwd", "forward"),))
-    assert mine.phase("my_fwd_pass") == "forward" and mine.phase("## backward ##") == "backward"
-    assert PhaseTable(rules=(("x", "forward"),), replace=True).phase("## backward ##") is None
-    with pytest.raises(ConfigError, match="rules"):
-        PhaseTable(rules=(("x", "warmup"),))
-
-
-def test_lab_phase_names_stay_in_step_with_the_trainer():
-    from lab_utils.model.train import PHASES
-
-    assert tuple(LAB_PHASES) == tuple(PHASES), "copy lab_utils.model.train.PHASES into traces.phases.LAB_PHASES"
 
 
 def test_alpha_beta_fit_is_the_one_lab_06_uses():
