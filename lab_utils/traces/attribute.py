@@ -173,11 +173,10 @@ def _categories(k: pd.DataFrame) -> np.ndarray:
     once per distinct triple."""
     if not len(k):
         return np.zeros(0, dtype=object)
-    parts = [pd.factorize(texts(k[c]))[0].astype(np.int64) for c in ("name", "cat")]
-    parts.append(pd.factorize(k["op"].to_numpy(dtype=object))[0].astype(np.int64))
+    names, cats, ops = texts(k["name"]), texts(k["cat"]), k["op"].to_numpy(dtype=object)
+    parts = [pd.factorize(v)[0].astype(np.int64) for v in (names, cats, ops)]
     key = (parts[0] * (parts[1].max() + 2) + parts[1] + 1) * (parts[2].max() + 2) + parts[2] + 1
     first, inv = np.unique(key, return_index=True, return_inverse=True)[1:]
-    names, cats, ops = texts(k["name"]), texts(k["cat"]), k["op"].to_numpy(dtype=object)
     out = np.empty(len(first), dtype=object)
     out[:] = [category(names[i], cats[i], ops[i]) for i in first]
     return out[inv.ravel()]
